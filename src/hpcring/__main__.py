@@ -1,0 +1,3 @@
+from hpcring.cli.main import main
+
+main()

@@ -1,0 +1,77 @@
+"""One family of exceptions for the whole library.
+
+The CLI maps them to a message and an exit code; library code never prints or exits. Each error
+says what went wrong, where (file and key, rank and host) and, in ``hint``, what to do about it.
+"""
+from __future__ import annotations
+
+
+class HpcringError(Exception):
+    """Base of every error hpcring raises on purpose."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
+
+
+class UsageError(HpcringError):
+    """A bad flag or argument combination (exit code 2, like any CLI usage error)."""
+
+    exit_code = 2
+
+
+class ConfigError(HpcringError):
+    """A site config is wrong. ``problems`` lists every problem found, one per field."""
+
+    def __init__(self, message: str, problems: list[str] | None = None, *, hint: str | None = None):
+        self.problems = list(problems or [])
+        full = message
+        if self.problems:
+            full += "\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(full, hint=hint)
+
+
+class SiteNotFoundError(ConfigError):
+    """No site config of that name or path."""
+
+
+class TemplateError(HpcringError):
+    """A job-script template failed to render (undefined variable, syntax error)."""
+
+
+class SchedulerError(HpcringError):
+    """The scheduler refused or failed a command (sbatch, sacct, bsub, ...)."""
+
+
+class JobNotFoundError(HpcringError):
+    """No job with that id is known to hpcring."""
+
+
+class JobFailedError(HpcringError):
+    """A job (or one of its ranks) ended with a failure."""
+
+    def __init__(self, message: str, *, exit_code: int = 1, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.exit_code = exit_code if 0 < exit_code < 256 else 1
+
+
+class HostlistError(HpcringError):
+    """A malformed Slurm hostlist expression; the message points at the position."""
+
+
+class BootstrapError(HpcringError):
+    """Ranks could not be derived, an interface could not be verified, or rendezvous failed."""
+
+
+class CollectiveError(HpcringError):
+    """A collective failed or missed its deadline; the message names op, peer rank and host."""
+
+
+class DevClusterError(HpcringError):
+    """The local dev cluster could not be brought up or down."""
