@@ -1,0 +1,467 @@
+"""Network interfaces: list them, pick candidates from a spec, verify them with real connections.
+
+Spec syntax (site config ``interface:``, ``init_bootstrap(interface=...)``, HPCRING_IFNAME), the
+same as NCCL_SOCKET_IFNAME:
+
+* ``ib,eth``      use interfaces whose names start with ``ib`` or ``eth`` (in that order)
+* ``=eth0,ib0``   exact names only
+* ``^docker,lo``  every interface the automatic rules keep, except these prefixes (``^=`` exact)
+* empty / None    automatic: drop loopback, docker*, virbr*, veth*, link-local 169.254/16, down
+                  interfaces and interfaces without IPv4; InfiniBand (ib*) first, then by /sys speed.
+
+Verification (:func:`verify_interfaces`) does not trust names: every rank listens on each of its
+candidates (a short-lived socket that answers an HMAC challenge with the job secret before it
+reads anything), publishes ``(name, address, port)`` in the store, and connects to its ring
+neighbour's (or every rank's) candidates. Rank 0 gathers the results and picks, for each rank,
+its first candidate that every tester reached, so ``ib0`` on one host may pair with ``ibp65s0``
+on another.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Collection, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from hpcring.errors import BootstrapError
+
+log = logging.getLogger("hpcring.bootstrap.netif")
+
+AUTO_EXCLUDED_PREFIXES = ("docker", "virbr", "veth")
+LINK_LOCAL = ipaddress.ip_network("169.254.0.0/16")
+SIOCGIFADDR = 0x8915
+SIOCGIFNETMASK = 0x891B
+IFF_UP = 0x1
+IFF_LOOPBACK = 0x8
+_PROBE_CLIENT = b"hpcring-probe-v1 client"
+_PROBE_SERVER = b"hpcring-probe-v1 server"
+_NONCE = 32
+
+
+@dataclass(frozen=True)
+class Interface:
+    name: str
+    address: str                 # IPv4, dotted quad
+    prefixlen: int = 32
+    up: bool = True
+    speed: int | None = None     # Mb/s from /sys/class/net/<if>/speed; None when unknown
+    mtu: int | None = None
+    loopback: bool = False
+
+
+# --------------------------------------------------------------------------------------- listing
+
+def list_interfaces() -> list[Interface]:
+    """Every IPv4 address of every interface (one entry per address), in kernel order."""
+    try:
+        return _from_ip_json(_run_ip())
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        log.debug("`ip -j addr` unavailable (%s); falling back to ioctl", e)
+        return _from_ioctl()
+
+
+def _run_ip() -> str:
+    out = subprocess.run(["ip", "-j", "-4", "addr", "show"], capture_output=True, text=True,
+                         timeout=5, check=True)
+    return out.stdout
+
+
+def _from_ip_json(text: str) -> list[Interface]:
+    result = []
+    for link in json.loads(text):
+        name = link["ifname"]
+        flags = set(link.get("flags", ()))
+        for addr in link.get("addr_info", ()):
+            if addr.get("family") != "inet":
+                continue
+            result.append(Interface(
+                name=name, address=addr["local"], prefixlen=int(addr.get("prefixlen", 32)),
+                up=("UP" in flags) and _sys_operstate(name) not in ("down", "lowerlayerdown", "notpresent"),
+                speed=_sys_int(name, "speed"), mtu=link.get("mtu") or _sys_int(name, "mtu"),
+                loopback="LOOPBACK" in flags))
+    return result
+
+
+def _from_ioctl() -> list[Interface]:
+    result = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, req)[20:24])
+                mask = socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFNETMASK, req)[20:24])
+            except OSError:
+                continue   # no IPv4 address on this interface
+            flags = _sys_int(name, "flags") or 0
+            result.append(Interface(
+                name=name, address=addr, prefixlen=ipaddress.ip_network(f"0.0.0.0/{mask}").prefixlen,
+                up=bool(flags & IFF_UP) and _sys_operstate(name) not in ("down", "lowerlayerdown"),
+                speed=_sys_int(name, "speed"), mtu=_sys_int(name, "mtu"),
+                loopback=bool(flags & IFF_LOOPBACK) or name == "lo"))
+    return result
+
+
+def _sys_read(name: str, attr: str) -> str | None:
+    try:
+        with open(f"/sys/class/net/{name}/{attr}") as f:
+            return f.read().strip()
+    except OSError:   # virtual links raise EINVAL on speed; missing sysfs in some containers
+        return None
+
+
+def _sys_operstate(name: str) -> str:
+    return _sys_read(name, "operstate") or "unknown"
+
+
+def _sys_int(name: str, attr: str) -> int | None:
+    text = _sys_read(name, attr)
+    try:
+        value = int(text, 0) if text else None
+    except ValueError:
+        return None
+    return value if value is not None and value >= 0 else None
+
+
+# --------------------------------------------------------------------------------------- specs
+
+@dataclass(frozen=True)
+class InterfaceSpec:
+    names: tuple[str, ...]
+    exclude: bool = False
+    exact: bool = False
+
+    def matches(self, name: str) -> bool:
+        return any(self._match_one(p, name) for p in self.names)
+
+    def rank_of(self, name: str) -> int:
+        """Position of the first pattern matching ``name`` (for ordering include lists)."""
+        return next(i for i, p in enumerate(self.names) if self._match_one(p, name))
+
+    def _match_one(self, pattern: str, name: str) -> bool:
+        return name == pattern if self.exact else name.startswith(pattern)
+
+
+def parse_spec(spec: str | InterfaceSpec | None) -> InterfaceSpec | None:
+    """``"^docker,lo"`` / ``"=eth0"`` / ``"ib,eth"`` -> InterfaceSpec; empty or None -> None (auto)."""
+    if spec is None or isinstance(spec, InterfaceSpec):
+        return spec
+    text = spec.strip()
+    if not text:
+        return None
+    exclude = text.startswith("^")
+    text = text[1:] if exclude else text
+    exact = text.startswith("=")
+    text = text[1:] if exact else text
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not names:
+        raise BootstrapError(f"interface spec {spec!r} names no interface",
+                             hint="examples: 'ib0', '=eth0', 'ib,eth', '^docker,lo'")
+    return InterfaceSpec(names, exclude=exclude, exact=exact)
+
+
+def auto_reject_reason(iface: Interface) -> str | None:
+    """Why the automatic rules drop ``iface`` (None = keep it)."""
+    if iface.loopback or iface.name == "lo" or iface.address.startswith("127."):
+        return "loopback"
+    if iface.name.startswith(AUTO_EXCLUDED_PREFIXES):
+        return "container/VM bridge or veth"
+    if ipaddress.ip_address(iface.address) in LINK_LOCAL:
+        return "link-local 169.254/16"
+    if not iface.up:
+        return "down"
+    return None
+
+
+def _preference(iface: Interface, index: int) -> tuple:
+    # InfiniBand (IPoIB) first: it is the fabric on HPC clusters; then the fastest link.
+    return (0 if iface.name.startswith("ib") else 1, -(iface.speed or 0), index)
+
+
+def select_candidates(interfaces: Sequence[Interface], spec: str | InterfaceSpec | None = None) -> list[Interface]:
+    """Candidates in preference order for ``spec`` (see module docstring); never empty.
+
+    An include spec keeps loopback and its own order (so ``=lo`` works on one machine); down
+    interfaces are still dropped. BootstrapError names the interfaces that exist when nothing
+    matches.
+    """
+    parsed = parse_spec(spec)
+    indexed = list(enumerate(interfaces))
+    if parsed is not None and not parsed.exclude:
+        picked = [(i, f) for i, f in indexed if parsed.matches(f.name) and f.up]
+        picked.sort(key=lambda t: (parsed.rank_of(t[1].name), t[0]))
+        if not picked:
+            raise BootstrapError(
+                f"no usable interface matches {spec!r} on {socket.gethostname()}; "
+                f"interfaces here: {_describe(interfaces)}",
+                hint="fix the site config's interface or HPCRING_IFNAME, or leave it empty for automatic choice")
+        return [f for _, f in picked]
+    kept = [(i, f) for i, f in indexed
+            if auto_reject_reason(f) is None and not (parsed and parsed.matches(f.name))]
+    if not kept:
+        loop = [f for f in interfaces if f.up and (f.loopback or f.name == "lo")]
+        if loop:
+            # Only good for ranks on one machine; verification decides whether that is the case.
+            log.warning("no non-loopback interface on %s (%s); trying loopback",
+                        socket.gethostname(), _describe(interfaces))
+            return loop[:1]
+        raise BootstrapError(f"no usable network interface on {socket.gethostname()}: {_describe(interfaces)}",
+                             hint="set the interface explicitly (HPCRING_IFNAME or the site config)")
+    kept.sort(key=lambda t: _preference(t[1], t[0]))
+    return [f for _, f in kept]
+
+
+def _describe(interfaces: Iterable[Interface]) -> str:
+    parts = [f"{f.name} {f.address}/{f.prefixlen}{'' if f.up else ' (down)'}" for f in interfaces]
+    return ", ".join(parts) or "none with IPv4"
+
+
+# --------------------------------------------------------------------------------------- probes
+
+def _probe_macs(secret: bytes, ns: bytes, nc: bytes) -> tuple[bytes, bytes]:
+    client = hmac.new(secret, _PROBE_CLIENT + ns + nc, hashlib.sha256).digest()
+    server = hmac.new(secret, _PROBE_SERVER + ns + nc, hashlib.sha256).digest()
+    return client, server
+
+
+class ProbeListener:
+    """Short-lived authenticated listener on one candidate address.
+
+    Contract: binds ``(address, 0)`` at construction (``port`` 0 and ``error`` set when that
+    fails); each accepted peer gets a nonce and must answer with the HMAC before anything else is
+    read; wrong answers are logged with the peer address and dropped. ``listen=False`` binds but
+    never listens, so connects are refused: a test seam for a firewalled link.
+    """
+
+    def __init__(self, address: str, secret: bytes, *, listen: bool = True, io_timeout: float = 2.0) -> None:
+        self.address, self._secret, self._io_timeout = address, secret, io_timeout
+        self.port, self.error = 0, None
+        self._stop = threading.Event()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._sock.bind((address, 0))
+            self.port = self._sock.getsockname()[1]
+            if listen:
+                self._sock.listen(256)
+        except OSError as e:
+            self.error = f"cannot bind {address}: {e.strerror}"
+            return
+        self._sock.settimeout(0.2)   # lets the accept loop notice close() quickly
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=f"hpcring-probe:{address}")
+        if listen:
+            self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn, peer), daemon=True).start()
+
+    def _answer(self, conn: socket.socket, peer) -> None:
+        with conn:
+            try:
+                conn.settimeout(self._io_timeout)
+                ns = secrets.token_bytes(_NONCE)
+                conn.sendall(ns)
+                answer = _recv_exact(conn, _NONCE + 32)
+                nc = answer[:_NONCE]
+                want, reply = _probe_macs(self._secret, ns, nc)
+                if not hmac.compare_digest(answer[_NONCE:], want):
+                    log.warning("interface probe on %s:%d: dropped unauthenticated peer %s:%d",
+                                self.address, self.port, peer[0], peer[1])
+                    return
+                conn.sendall(reply)
+            except (OSError, EOFError) as e:
+                log.debug("probe from %s failed: %s", peer, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+
+
+def probe(address: str, port: int, secret: bytes, timeout: float = 2.0) -> str | None:
+    """Connect and run the challenge; None on success, else a short reason (never raises)."""
+    if not port:
+        return "peer has no listener on this address"
+    t0 = time.monotonic()
+    try:
+        with socket.create_connection((address, port), timeout=timeout) as s:
+            s.settimeout(max(0.1, timeout - (time.monotonic() - t0)))
+            ns = _recv_exact(s, _NONCE)
+            nc = secrets.token_bytes(_NONCE)
+            want, reply = _probe_macs(secret, ns, nc)
+            s.sendall(nc + want)
+            if not hmac.compare_digest(_recv_exact(s, 32), reply):
+                return "answered with a bad MAC (another job's rank?)"
+            return None
+    except (TimeoutError, socket.timeout):
+        return f"timed out after {timeout:.1f}s"
+    except EOFError:
+        return "peer closed the connection (secret mismatch?)"
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError(f"closed after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+# --------------------------------------------------------------------------------------- verify
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One rank's chosen interface."""
+    rank: int
+    host: str
+    interface: str
+    address: str
+
+
+def verify_interfaces(client, *, rank: int, size: int, host: str, candidates: Sequence[Interface],
+                      secret: bytes, mode: str = "ring", timeout: float = 30.0,
+                      connect_timeout: float = 2.0, prefix: str = "netif",
+                      _dead: Collection[str] = ()) -> list[Endpoint]:
+    """Agree, through the store ``client``, on one verified interface per rank; every rank returns
+    the same table (index = rank).
+
+    ``mode``: ``"ring"`` (each rank probes rank+1), ``"all"`` (every pair) or ``"none"`` (first
+    candidate, no connections). Raises BootstrapError naming the unreachable rank's host, its
+    interfaces and addresses tried, the errors, and the interfaces that did connect; with dead
+    links this returns after about ``connect_timeout`` plus store round trips.
+    ``_dead``: candidate names to bind without listening (tests only).
+    """
+    if mode not in ("ring", "all", "none"):
+        raise BootstrapError(f"interface verification mode must be ring, all or none, not {mode!r}")
+    if not candidates:
+        raise BootstrapError(f"rank {rank} on {host} has no interface candidates")
+    deadline = time.monotonic() + timeout
+    listeners = [ProbeListener(c.address, secret, listen=c.name not in _dead) for c in candidates] \
+        if mode != "none" and size > 1 else []
+    try:
+        mine = {"host": host, "cands": [
+            {"name": c.name, "address": c.address,
+             "port": listeners[i].port if listeners else 0,
+             "error": listeners[i].error if listeners else None}
+            for i, c in enumerate(candidates)]}
+        client.set(f"{prefix}/cand/{rank}", _dumps(mine))
+        results = _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix)
+        client.set(f"{prefix}/res/{rank}", _dumps(results))
+        if rank == 0:
+            client.set(f"{prefix}/choice", _dumps(_decide(client, size, mode, deadline, prefix)))
+        choice = _loads(client.get(f"{prefix}/choice", timeout=_left(deadline)))
+    finally:
+        for lst in listeners:
+            lst.close()
+    if not choice["ok"]:
+        raise BootstrapError(choice["error"], hint=choice["hint"])
+    return [Endpoint(*row) for row in choice["table"]]
+
+
+def _peers(rank: int, size: int, mode: str) -> list[int]:
+    if size == 1 or mode == "none":
+        return []
+    if mode == "ring":
+        return [(rank + 1) % size]
+    return [r for r in range(size) if r != rank]
+
+
+def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix) -> dict[str, list]:
+    """``{peer rank: [error or None per candidate of that peer]}``; all probes run in parallel."""
+    peers = _peers(rank, size, mode)
+    cands = {p: _loads(client.get(f"{prefix}/cand/{p}", timeout=_left(deadline)))["cands"] for p in peers}
+    jobs = [(p, i, c) for p in peers for i, c in enumerate(cands[p])]
+    if not jobs:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
+        errors = list(pool.map(lambda j: probe(j[2]["address"], j[2]["port"], secret, connect_timeout), jobs))
+    out: dict[str, list] = {str(p): [None] * len(cands[p]) for p in peers}
+    for (p, i, _), err in zip(jobs, errors):
+        out[str(p)][i] = err
+    return out
+
+
+def _decide(client, size: int, mode: str, deadline: float, prefix: str) -> dict:
+    """Rank 0: gather every rank's candidates and probe results and choose per rank."""
+    cands = [_loads(client.get(f"{prefix}/cand/{r}", timeout=_left(deadline))) for r in range(size)]
+    tested: dict[int, list[tuple[int, list]]] = {r: [] for r in range(size)}   # target -> [(tester, errors)]
+    for r in range(size):
+        for peer, errs in _loads(client.get(f"{prefix}/res/{r}", timeout=_left(deadline))).items():
+            tested[int(peer)].append((r, errs))
+    table, failures = [], []
+    for r in range(size):
+        ok = [i for i in range(len(cands[r]["cands"])) if all(errs[i] is None for _, errs in tested[r])]
+        if not ok:
+            failures.append(r)
+            continue
+        c = cands[r]["cands"][ok[0]]
+        table.append([r, cands[r]["host"], c["name"], c["address"]])
+    if failures:
+        return {"ok": False, **_failure_report(failures, cands, tested)}
+    log.info("hpcring interfaces: %s", _summarise(table))
+    return {"ok": True, "table": table}
+
+
+def _failure_report(failures: list[int], cands: list[dict], tested: dict) -> dict:
+    lines = []
+    for r in failures[:8]:
+        host = cands[r]["host"]
+        for tester, errs in tested[r]:
+            tried = "; ".join(f"{c['name']} {c['address']}:{c['port']} -> {errs[i]}"
+                              for i, c in enumerate(cands[r]["cands"]) if errs[i])
+            lines.append(f"rank {r} on {host} unreachable from rank {tester} on {cands[tester]['host']}: {tried}")
+    worked = sorted({f"{cands[r]['host']} {c['name']} {c['address']}"
+                     for r in tested for _, errs in tested[r]
+                     for i, c in enumerate(cands[r]["cands"]) if errs[i] is None})
+    more = f" (and {len(failures) - 8} more ranks)" if len(failures) > 8 else ""
+    return {"error": "interface verification failed: " + " | ".join(lines) + more
+                     + f". Interfaces that did connect: {', '.join(worked) or 'none'}",
+            "hint": "choose an interface that links every node (site config interface / HPCRING_IFNAME, "
+                    "e.g. '=ib0' or 'ib,eth'); check that it is up and not firewalled between these hosts"}
+
+
+def _summarise(table: list[list]) -> str:
+    """``0-3->host lo 127.0.0.1, 4->...``: runs of ranks with the same host/interface/address."""
+    parts, start = [], 0
+    for i in range(1, len(table) + 1):
+        if i == len(table) or table[i][1:] != table[start][1:]:
+            span = str(start) if i - 1 == start else f"{start}-{i - 1}"
+            parts.append(f"{span}->{' '.join(map(str, table[start][1:]))}")
+            start = i
+    return ", ".join(parts)
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _loads(data: bytes):
+    return json.loads(data.decode())
+
+
+def interface_to_dict(iface: Interface) -> dict:
+    return asdict(iface)
