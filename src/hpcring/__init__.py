@@ -1,0 +1,4 @@
+"""hpcring: from one GPU to many on Slurm and LSF."""
+__version__ = "0.1.0"
+
+from hpcring.errors import HpcringError  # noqa: E402,F401

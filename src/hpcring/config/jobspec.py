@@ -1,0 +1,185 @@
+"""A job's resolved settings, and where each came from.
+
+Precedence, highest first: CLI flag > environment (HPCRING_*) > site config > built-in default.
+``JobSpec.sources`` records the winner for each field so ``--verbose`` can show it.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from hpcring.config.schema import minutes_to_lsf, minutes_to_slurm, time_to_minutes
+from hpcring.config.site import Site
+from hpcring.errors import UsageError
+
+# field -> environment variable that may set it
+ENV_VARS: dict[str, str] = {
+    "nodes": "HPCRING_NODES",
+    "tasks_per_node": "HPCRING_TASKS_PER_NODE",
+    "gpus_per_node": "HPCRING_GPUS_PER_NODE",
+    "cpus_per_task": "HPCRING_CPUS_PER_TASK",
+    "time": "HPCRING_TIME",
+    "partition": "HPCRING_PARTITION",
+    "account": "HPCRING_ACCOUNT",
+    "qos": "HPCRING_QOS",
+    "constraint": "HPCRING_CONSTRAINT",
+    "name": "HPCRING_JOB_NAME",
+    "job_dir": "HPCRING_JOB_DIR",
+    "timeout": "HPCRING_TIMEOUT",
+}
+_INTS = {"nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task"}
+
+
+@dataclass
+class JobSpec:
+    script: str
+    args: list[str]
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+    time_min: int
+    partition: str | None
+    account: str | None
+    qos: str | None
+    constraint: str | None
+    exclusive: bool
+    name: str
+    job_dir: str
+    timeout: float
+    sched_args: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # per-job additions (e.g. HPCRING_SECRET_FILE)
+
+    @property
+    def ntasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def time_slurm(self) -> str:
+        return minutes_to_slurm(self.time_min)
+
+    @property
+    def time_lsf(self) -> str:
+        return minutes_to_lsf(self.time_min)
+
+
+def _site_value(site: Site, name: str, partition: str | None) -> Any:
+    c = site.config
+    part = c.partitions.get(partition) if partition else None
+    if name == "gpus_per_node":
+        return part.gpus_per_node if part and part.gpus_per_node is not None else c.gpus_per_node
+    if name == "qos":
+        return part.qos if part and part.qos else c.qos
+    if name in ("account", "constraint", "job_dir", "timeout"):
+        return getattr(c, name)
+    if name in ("nodes", "tasks_per_node", "cpus_per_task", "time", "partition", "exclusive"):
+        return getattr(c.defaults, name)
+    return None
+
+
+def _parse(name: str, raw: Any, where: str) -> Any:
+    if raw is None:
+        return None
+    if name in _INTS:
+        try:
+            v = int(raw)
+        except (TypeError, ValueError):
+            raise UsageError(f"{where}: {name.replace('_', '-')} must be a whole number, got {raw!r}") from None
+        if v < (0 if name == "gpus_per_node" else 1):
+            raise UsageError(f"{where}: {name.replace('_', '-')} must be at least "
+                             f"{0 if name == 'gpus_per_node' else 1}, got {v}")
+        return v
+    if name == "time":
+        try:
+            return time_to_minutes(int(raw) if isinstance(raw, str) and raw.isdigit() else raw)
+        except ValueError as exc:
+            raise UsageError(f"{where}: {exc}") from None
+    if name == "timeout":
+        try:
+            v = float(raw)
+        except (TypeError, ValueError):
+            raise UsageError(f"{where}: timeout must be seconds, got {raw!r}") from None
+        if v <= 0:
+            raise UsageError(f"{where}: timeout must be positive, got {v}")
+        return v
+    return raw
+
+
+def resolve_job(site: Site, script: str, args: list[str] | None = None,
+                cli: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None,
+                sched_args: list[str] | None = None,
+                exclusive: bool | None = None) -> JobSpec:
+    """Merge CLI values, HPCRING_* variables, the site config and defaults into a JobSpec.
+
+    ``cli`` maps field names to values, None meaning "not given". Raises UsageError for bad values
+    and for requests the site's partition limits forbid.
+    """
+    cli = dict(cli or {})
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+
+    def pick(name: str, default: Any) -> None:
+        if cli.get(name) is not None:
+            values[name], sources[name] = _parse(name, cli[name], f"--{name.replace('_', '-')}"), "cli"
+        elif ENV_VARS.get(name) and env.get(ENV_VARS[name]) not in (None, ""):
+            var = ENV_VARS[name]
+            values[name], sources[name] = _parse(name, env[var], f"${var}"), f"env {var}"
+        elif _site_value(site, name, values.get("partition")) is not None:
+            values[name] = _parse(name, _site_value(site, name, values.get("partition")), f"site {site.path}")
+            sources[name] = f"site {site.name}"
+        else:
+            values[name], sources[name] = default, "default"
+
+    pick("partition", None)
+    for name, default in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("time", 30),
+                          ("account", None), ("qos", None), ("constraint", None),
+                          ("job_dir", "~/hpcring-jobs"), ("timeout", 300.0)):
+        pick(name, default)
+    pick("tasks_per_node", max(1, values["gpus_per_node"]))
+    if sources["tasks_per_node"] == "default" and values["gpus_per_node"]:
+        sources["tasks_per_node"] = "default (one per GPU)"
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(script).stem) or "job"
+    pick("name", stem)
+    if exclusive is not None:
+        values["exclusive"], sources["exclusive"] = exclusive, "cli"
+    else:
+        values["exclusive"], sources["exclusive"] = site.config.defaults.exclusive, f"site {site.name}"
+
+    spec = JobSpec(script=script, args=list(args or []), nodes=values["nodes"],
+                   tasks_per_node=values["tasks_per_node"], gpus_per_node=values["gpus_per_node"],
+                   cpus_per_task=values["cpus_per_task"], time_min=values["time"],
+                   partition=values["partition"], account=values["account"], qos=values["qos"],
+                   constraint=values["constraint"], exclusive=values["exclusive"], name=values["name"],
+                   job_dir=values["job_dir"], timeout=values["timeout"],
+                   sched_args=list(site.config.sched_args) + list(sched_args or []), sources=sources)
+    check_limits(site, spec)
+    return spec
+
+
+def check_limits(site: Site, spec: JobSpec) -> None:
+    """Refuse, before the scheduler does, what the site config says cannot run."""
+    c = site.config
+    if spec.partition and c.partitions and spec.partition not in c.partitions:
+        raise UsageError(f"partition {spec.partition!r} ({spec.sources['partition']}) is not defined in site "
+                         f"{c.name!r} ({site.path}); partitions there: {', '.join(sorted(c.partitions))}")
+    part = c.partitions.get(spec.partition) if spec.partition else None
+    if part and part.max_nodes and spec.nodes > part.max_nodes:
+        raise UsageError(f"--nodes {spec.nodes} exceeds partition {spec.partition!r} max_nodes {part.max_nodes} "
+                         f"(site {site.path})")
+    if part and part.max_time and spec.time_min > time_to_minutes(part.max_time):
+        raise UsageError(f"--time {spec.time_slurm} exceeds partition {spec.partition!r} max_time "
+                         f"{part.max_time} (site {site.path})")
+    gpus_avail = part.gpus_per_node if part and part.gpus_per_node is not None else c.gpus_per_node
+    if spec.gpus_per_node > gpus_avail:
+        raise UsageError(f"--gpus-per-node {spec.gpus_per_node} but site {c.name!r}"
+                         + (f" partition {spec.partition!r}" if part else "") + f" has {gpus_avail} GPUs per node")
+    cpus = (part.cpus_per_node if part and part.cpus_per_node else None) or c.cpus_per_node
+    if cpus and spec.tasks_per_node * spec.cpus_per_task > cpus:
+        raise UsageError(f"{spec.tasks_per_node} tasks x {spec.cpus_per_task} CPUs per task need "
+                         f"{spec.tasks_per_node * spec.cpus_per_task} CPUs per node; site {c.name!r} has {cpus}")

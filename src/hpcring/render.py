@@ -1,0 +1,68 @@
+"""Job scripts from templates: a pure function of (site, job, command, folder).
+
+Templates render with StrictUndefined, so a typo in a template is an error, not an empty string.
+A site may point at its own template (``template:`` relative to the site file); a user may pass
+``--template``. Templates may include partials from the bundled ``templates/`` folder.
+"""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import jinja2
+
+from hpcring import __version__
+from hpcring.config.fabric import fabric_env
+from hpcring.config.jobspec import JobSpec
+from hpcring.config.site import Site
+from hpcring.errors import TemplateError
+from hpcring.resources import templates_dir
+
+SCHEDULER_TEMPLATES = {"slurm": "slurm.sh.j2", "lsf": "lsf.sh.j2", "local": "local.sh.j2"}
+
+
+def job_env(site: Site, job: JobSpec) -> dict[str, str]:
+    """Every variable the job script exports: fabric-derived, then the site's env (wins), then hpcring's."""
+    env = fabric_env(site.config.fabric)
+    env.update(site.config.env)
+    env["HPCRING_SITE"] = str(site.path)
+    env["HPCRING_TIMEOUT"] = f"{job.timeout:g}"
+    if job.gpus_per_node:
+        env["HPCRING_GPUS_PER_NODE"] = str(job.gpus_per_node)
+    env.update(job.env)
+    return env
+
+
+def template_path(site: Site, override: str | Path | None = None) -> Path:
+    if override:
+        p = Path(override).expanduser()
+    elif site.config.template:
+        p = (site.path.parent / site.config.template).expanduser()
+    else:
+        p = templates_dir() / SCHEDULER_TEMPLATES[site.config.scheduler]
+    if not p.is_file():
+        where = "--template" if override else f"{site.path} key 'template'"
+        raise TemplateError(f"job-script template {p} ({where}) does not exist",
+                            hint="point at an existing .j2 file, or remove the setting to use the bundled one")
+    return p
+
+
+def render_script(site: Site, job: JobSpec, command: str, folder: str,
+                  template: str | Path | None = None, python: str | None = None) -> str:
+    """Render the job script. Pure: reads templates, touches nothing else."""
+    path = template_path(site, template)
+    loader = jinja2.FileSystemLoader([str(path.parent), str(templates_dir())])
+    jenv = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, autoescape=False)
+    jenv.filters["shquote"] = lambda v: shlex.quote(str(v))
+    try:
+        text = jenv.get_template(path.name).render(
+            site=site.config, site_path=site.path.name if site.origin == "bundled" else str(site.path),
+            job=job, command=command, folder=folder, env=job_env(site, job), hpcring_version=__version__,
+            python=python or "python3")
+    except jinja2.TemplateError as exc:
+        line = getattr(exc, "lineno", None)
+        where = f"{path}:{line}" if line else str(path)
+        raise TemplateError(f"template {where}: {exc}",
+                            hint="every variable a template uses must be defined (StrictUndefined)") from None
+    return text

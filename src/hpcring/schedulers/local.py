@@ -1,0 +1,177 @@
+"""The local backend: the same job on this machine, with no scheduler.
+
+Submission renders ``templates/local.sh.j2`` and starts it detached (its own session), so
+``submit`` returns at once as with sbatch; the script runs ``local_run``, the supervisor that
+starts nodes x tasks_per_node ranks with an allocation's per-rank environment and records the
+job's state in ``<folder>/<jobid>_local.json``.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from submitit.core import core
+
+from hpcring.config.jobspec import JobSpec
+from hpcring.config.site import Site
+from hpcring.errors import SchedulerError
+from hpcring.render import render_script
+from hpcring.schedulers.base import JobState, state_dir
+
+COMMAND = "local"
+
+
+def state_file(folder: Path, job_id: str) -> Path:
+    return Path(str(folder).replace("%j", job_id)) / f"{job_id}_local.json"
+
+
+def read_state(folder: Path, job_id: str) -> dict | None:
+    try:
+        return json.loads(state_file(folder, job_id).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class _Watcher(core.InfoWatcher):
+    """submitit's watcher over our state files (no scheduler command to poll)."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_s=1)
+        self.folders: dict[str, Path] = {}
+
+    def _make_command(self):
+        return None
+
+    def get_state(self, job_id: str, mode: str = "standard") -> str:
+        folder = self.folders.get(job_id)
+        return state(job_id, folder).state if folder else "UNKNOWN"
+
+
+class LocalJob(core.Job):
+    watcher = _Watcher()
+
+    def __init__(self, folder, job_id: str, tasks=(0,)) -> None:
+        self.watcher.folders[job_id] = Path(folder)
+        super().__init__(folder, job_id, tasks)
+
+    def cancel(self, check: bool = True) -> None:
+        cancel(self.job_id, self.watcher.folders.get(self.job_id))
+
+
+class Executor(core.PicklingExecutor):
+    job_class = LocalJob
+
+    def __init__(self, folder: Path, site: Site, job: JobSpec, template: str | None, python: str) -> None:
+        super().__init__(folder)
+        self._site, self._job, self._template, self.python = site, job, template, python
+        self.parameters["timeout_min"] = job.time_min
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return f"{self.python} -u -m submitit.core._submit {self.folder}"
+
+    def _num_tasks(self) -> int:
+        return self._job.ntasks
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return render_script(self._site, self._job, command, str(self.folder), self._template, python=self.python)
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        return [sys.executable, "-m", "hpcring.schedulers.local", "spawn", str(submission_file_path),
+                str(self.folder), str(self._job.time_min * 60)]
+
+    @staticmethod
+    def _get_job_id_from_submission_command(string) -> str:
+        text = string.decode() if isinstance(string, bytes) else string
+        for word in text.split():
+            if word.isdigit():
+                return word
+        raise SchedulerError(f"local backend: no job id in {text!r}")
+
+
+def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, python: str) -> Executor:
+    return Executor(folder, site, job, template, python)
+
+
+def _next_job_id() -> str:
+    """Monotonic per-user ids (1, 2, ...), safe against concurrent submissions."""
+    path = state_dir().parent / "local_job_counter"
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        n = int(fh.read().strip() or "0") + 1
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(n))
+    return str(n)
+
+
+def spawn(script: str, folder: str, time_limit_s: str) -> str:
+    """Start the rendered script detached; return the job id (printed like sbatch does)."""
+    job_id = _next_job_id()
+    real = Path(folder.replace("%j", job_id))
+    real.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HPCRING_LOCAL_JOB_ID=job_id, HPCRING_TIME_LIMIT_S=time_limit_s)
+    with open(real / f"{job_id}_supervisor.log", "ab") as log:
+        proc = subprocess.Popen(["bash", script], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                env=env, start_new_session=True, close_fds=True)
+    _write_state(real / f"{job_id}_local.json",
+                 {"state": "PENDING", "pgid": proc.pid, "pid": proc.pid, "submitted": time.time()})
+    return job_id
+
+
+def _write_state(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie is not alive for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def state(job_id: str, folder: Path | None) -> JobState:
+    data = read_state(folder, job_id) if folder else None
+    if data is None:
+        return JobState("UNKNOWN", "no local state file")
+    st = data.get("state", "UNKNOWN")
+    if st in ("PENDING", "RUNNING") and not _alive(int(data.get("pid", 0))):
+        # supervisor gone without writing a final state: killed from outside
+        return JobState("FAILED", "supervisor vanished", data.get("exit_code"))
+    return JobState(st, st, data.get("exit_code"), data.get("nodes", ""))
+
+
+def cancel(job_id: str, folder: Path | None) -> None:
+    data = read_state(folder, job_id) if folder else None
+    if data is None:
+        raise SchedulerError(f"local job {job_id}: no state file under {folder}")
+    if data.get("state") not in ("PENDING", "RUNNING"):
+        return
+    try:
+        os.killpg(int(data["pgid"]), signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":  # submission command: python -m hpcring.schedulers.local spawn SCRIPT FOLDER LIMIT
+    if len(sys.argv) != 5 or sys.argv[1] != "spawn":
+        print("usage: python -m hpcring.schedulers.local spawn SCRIPT FOLDER TIME_LIMIT_S", file=sys.stderr)
+        sys.exit(2)
+    print(f"Submitted local job {spawn(sys.argv[2], sys.argv[3], sys.argv[4])}")

@@ -1,0 +1,101 @@
+"""Slurm: submission through submitit's SlurmExecutor with our rendered template; state from sacct."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import submitit
+
+from hpcring.config.jobspec import JobSpec
+from hpcring.config.site import Site
+from hpcring.errors import SchedulerError
+from hpcring.render import render_script
+from hpcring.schedulers.base import JobState
+
+COMMAND = "sbatch"
+_CMD_TIMEOUT = 30.0
+
+
+class Executor(submitit.SlurmExecutor):
+    """submitit's Slurm executor, but the sbatch file is hpcring's template for the site."""
+
+    def __init__(self, folder: Path, site: Site, job: JobSpec, template: str | None, python: str) -> None:
+        super().__init__(folder=folder, python=python)
+        self._site, self._job, self._template = site, job, template
+        self.parameters["time"] = job.time_min  # submitit's timeout bookkeeping (requeues)
+        self.parameters["nodes"] = job.nodes
+        self.parameters["ntasks_per_node"] = job.tasks_per_node
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return render_script(self._site, self._job, command, str(self.folder), self._template)
+
+
+def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, python: str):
+    if shutil.which("sbatch") is None:
+        raise SchedulerError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH on this machine",
+                             hint="run on the cluster's login node, or use --site local")
+    return Executor(folder, site, job, template, python)
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise SchedulerError(f"`{cmd[0]}` is not on PATH", hint="run on the cluster's login node") from None
+    except subprocess.TimeoutExpired:
+        raise SchedulerError(f"`{' '.join(cmd)}` did not answer within {_CMD_TIMEOUT:.0f} s",
+                             hint="is slurmctld (or slurmdbd) up? try `sinfo`") from None
+
+
+def _normalize(raw: str) -> str:
+    word = raw.split()[0] if raw.split() else "UNKNOWN"
+    return word.rstrip("+")
+
+
+def state(job_id: str) -> JobState:
+    """sacct first (it knows finished jobs); squeue while accounting has not caught up."""
+    r = _run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "JobID,State,ExitCode,NodeList"])
+    if r.returncode == 0:
+        for line in r.stdout.splitlines():
+            parts = line.split("|")
+            if len(parts) >= 4 and parts[0] == str(job_id):
+                code = parts[2].split(":")[0]
+                return JobState(_normalize(parts[1]), parts[1], int(code) if code.isdigit() else None, parts[3])
+    q = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%N"])
+    if q.returncode == 0 and q.stdout.strip():
+        st, _, nodes = q.stdout.strip().splitlines()[0].partition("|")
+        return JobState(_normalize(st), st, None, nodes)
+    if "Invalid job id" in q.stderr or q.returncode == 0:
+        return JobState("UNKNOWN", (r.stderr or q.stderr).strip())
+    raise SchedulerError(f"could not read the state of job {job_id}: {(r.stderr or q.stderr).strip()}")
+
+
+def cancel(job_id: str) -> None:
+    r = _run(["scancel", str(job_id)])
+    if r.returncode != 0:
+        raise SchedulerError(f"scancel {job_id} failed: {r.stderr.strip()}")
+
+
+def explain_refusal(stderr: str) -> str | None:
+    """A hint for sbatch's most common refusals."""
+    s = stderr.lower()
+    if "invalid partition" in s:
+        return "the partition does not exist on this cluster: list them with `sinfo -s` and fix --partition or the site config"
+    if "invalid account" in s:
+        return "check --account (see `sacctmgr show assoc user=$USER`)"
+    if "node count specification invalid" in s or "requested node configuration is not available" in s:
+        return "fewer nodes/CPUs/GPUs exist than requested: see `sinfo -o '%P %D %c %G'`"
+    if "time limit" in s:
+        return "the --time is above the partition's limit"
+    return None
+
+
+def job_id_from_output(text: str) -> str:
+    m = re.search(r"job (\d+)", text)
+    if not m:
+        raise SchedulerError(f"could not find a job id in sbatch's answer: {text!r}")
+    return m.group(1)
+
+

@@ -1,0 +1,233 @@
+"""Submitting, following and inspecting jobs: the library behind `hpcring submit|status|logs|cancel`.
+
+Nothing here prints: callers pass callbacks for state changes and log lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from submitit.core.utils import FailedJobError
+
+from hpcring import schedulers
+from hpcring.config.jobspec import JobSpec
+from hpcring.config.site import Site, load_site
+from hpcring.errors import JobFailedError, SchedulerError, UsageError
+from hpcring.job import RunScript
+from hpcring.render import render_script
+from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
+
+RANK_COMMAND = "{python} -u -m submitit.core._submit {folder}"
+
+
+def job_root(job: JobSpec) -> Path:
+    return Path(os.path.expanduser(job.job_dir)).resolve()
+
+
+def _check_script(job: JobSpec) -> Path:
+    p = Path(job.script)
+    if not p.is_file():
+        raise UsageError(f"script {job.script!r} does not exist (cwd {os.getcwd()})",
+                         hint="pass the path of the Python script each rank runs")
+    return p.resolve()
+
+
+def _python(site: Site) -> str:
+    return site.config.python or sys.executable
+
+
+def preview(site: Site, job: JobSpec, template: str | None = None) -> str:
+    """The exact script `submit` would hand to the scheduler (job id still a placeholder)."""
+    folder = str(job_root(job) / "%j")
+    command = RANK_COMMAND.format(python=_python(site), folder=folder)
+    return render_script(site, job, command, folder, template, python=_python(site))
+
+
+def _new_secret(root: Path) -> Path:
+    """Per-job secret for the rendezvous, readable by the user only; never on a command line."""
+    d = root / ".secrets"
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    path = d / f"{secrets.token_hex(8)}.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32))
+    return path
+
+
+def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
+    """Submit through submitit; returns the record saved for status/logs/cancel."""
+    script = _check_script(job)
+    root = job_root(job)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the job folder {root} ({job.sources.get('job_dir')}): {exc}",
+                         hint="set job_dir in the site config or HPCRING_JOB_DIR to a writable shared path")
+    job.env.setdefault("HPCRING_SECRET_FILE", str(_new_secret(root)))
+    mod = schedulers.get(site.config.scheduler)
+    ex = mod.make_executor(site, job, root / "%j", template, _python(site))
+    fn = RunScript(str(script), job.args, os.getcwd(), job.gpus_per_node)
+    try:
+        sjob = ex.submit(fn)
+    except FailedJobError as exc:
+        text = str(exc).strip()
+        explain = getattr(mod, "explain_refusal", lambda s: None)(text)
+        raise SchedulerError(f"{mod.COMMAND} refused the job: {text}",
+                             hint=explain or "see the scheduler's message above") from None
+    folder = str(root / str(sjob.job_id))
+    return new_record(str(sjob.job_id), site.config.scheduler, str(site.path), folder, job.ntasks,
+                      job.name, str(script))
+
+
+def record(job_id: str) -> JobRecord:
+    return load_record(job_id)
+
+
+def job_state(rec: JobRecord) -> JobState:
+    mod = schedulers.get(rec.scheduler)
+    if rec.scheduler == "local":
+        return mod.state(rec.job_id, Path(rec.folder))
+    return mod.state(rec.job_id)
+
+
+def cancel(rec: JobRecord) -> None:
+    mod = schedulers.get(rec.scheduler)
+    if rec.scheduler == "local":
+        mod.cancel(rec.job_id, Path(rec.folder))
+    else:
+        mod.cancel(rec.job_id)
+
+
+# ---- logs ---------------------------------------------------------------------------------
+
+_NOISE = ("submitit INFO",)
+
+
+def log_files(rec: JobRecord, rank: int | None = None) -> list[tuple[int, str, Path]]:
+    ranks = range(rec.ntasks) if rank is None else [rank]
+    if rank is not None and not 0 <= rank < rec.ntasks:
+        raise UsageError(f"--rank {rank} is out of range: job {rec.job_id} has ranks 0-{rec.ntasks - 1}")
+    folder = Path(rec.folder)
+    return [(r, s, folder / f"{rec.job_id}_{r}_log.{ext}") for r in ranks for s, ext in
+            (("stdout", "out"), ("stderr", "err"))]
+
+
+class LogTail:
+    """Incremental reader of every rank's log files; yields whole lines tagged by rank."""
+
+    def __init__(self, rec: JobRecord, rank: int | None = None, raw: bool = False) -> None:
+        self.files = log_files(rec, rank)
+        self.pos = {p: 0 for _, _, p in self.files}
+        self.partial = {p: b"" for _, _, p in self.files}
+        self.raw = raw
+
+    def poll(self, final: bool = False) -> Iterator[tuple[int, str, str]]:
+        for r, stream, path in self.files:
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.pos[path])
+                    data = fh.read()
+                    self.pos[path] = fh.tell()
+            except FileNotFoundError:
+                continue
+            buf = self.partial[path] + data
+            *lines, rest = buf.split(b"\n")
+            if final and rest:
+                lines, rest = lines + [rest], b""
+            self.partial[path] = rest
+            for line in lines:
+                text = line.decode(errors="replace")
+                if not self.raw and text.startswith(_NOISE):
+                    continue
+                yield r, stream, text
+
+
+def tag(rank: int, stream: str, line: str) -> str:
+    """mpirun --tag-output style: ``[rank]<stdout>:line``."""
+    return f"[{rank}]<{stream}>:{line}"
+
+
+# ---- outcome --------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    state: JobState
+    failed: list[dict]          # status records of failing ranks, first failure first
+    missing: list[int]          # ranks that never reported
+
+    @property
+    def ok(self) -> bool:
+        return self.state.state == "COMPLETED" and not self.failed and not self.missing
+
+
+def rank_statuses(rec: JobRecord) -> dict[int, dict]:
+    out = {}
+    for r in range(rec.ntasks):
+        p = Path(rec.folder) / f"{rec.job_id}_{r}_status.json"
+        try:
+            out[r] = json.loads(p.read_text())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def outcome(rec: JobRecord, st: JobState) -> Outcome:
+    stats = rank_statuses(rec)
+    failed = sorted((s for s in stats.values() if s.get("exit_code")), key=lambda s: s.get("ended", 0))
+    missing = [r for r in range(rec.ntasks) if r not in stats]
+    return Outcome(st, failed, missing)
+
+
+def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
+    parts = []
+    for s in oc.failed:
+        what = s.get("error") or f"exited with code {s.get('exit_code')}"
+        parts.append(f"rank {s['rank']} on {s.get('host', '?')} {what}")
+    if oc.missing and oc.state.state != "COMPLETED":
+        parts.append(f"ranks {_ranges(oc.missing)} did not finish")
+    code = oc.failed[0]["exit_code"] if oc.failed else (oc.state.exit_code or 1)
+    msg = f"job {rec.job_id} ({rec.name}) {oc.state.state}" + (": " + "; ".join(parts) if parts else "")
+    return JobFailedError(msg, exit_code=code,
+                          hint=f"see `hpcring logs {rec.job_id}" + (f" --rank {oc.failed[0]['rank']}`" if oc.failed else "`"))
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
+
+
+def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callable[[int, str, str], None],
+           poll_s: float = 1.0, rank: int | None = None) -> Outcome:
+    """Stream tagged output and state changes until the job ends; return its outcome."""
+    tail = LogTail(rec, rank)
+    last = None
+    while True:
+        st = job_state(rec)
+        if st.state != last:
+            on_state(st)
+            last = st.state
+        for item in tail.poll():
+            on_line(*item)
+        if st.finished:
+            time.sleep(0.3)  # let the last bytes land on shared storage
+            for item in tail.poll(final=True):
+                on_line(*item)
+            return outcome(rec, st)
+        time.sleep(poll_s)
+
+
+def site_of(rec: JobRecord) -> Site:
+    return load_site(rec.site)
