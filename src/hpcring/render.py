@@ -25,7 +25,7 @@ def job_env(site: Site, job: JobSpec) -> dict[str, str]:
     """Every variable the job script exports: fabric-derived, then the site's env (wins), then hpcring's."""
     env = fabric_env(site.config.fabric)
     env.update(site.config.env)
-    env["HPCRING_SITE"] = str(site.path)
+    env["HPCRING_SITE"] = site.name if site.origin == "bundled" else str(site.path)
     env["HPCRING_TIMEOUT"] = f"{job.timeout:g}"
     if job.gpus_per_node:
         env["HPCRING_GPUS_PER_NODE"] = str(job.gpus_per_node)

@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "src") not in sys.path:  # tests also run from a checkout without install
+    sys.path.insert(0, str(ROOT / "src"))
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    """Isolate hpcring's job registry and local job counter per test."""
+    d = tmp_path / "state"
+    monkeypatch.setenv("HPCRING_STATE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def site_file(tmp_path):
+    """Write a site YAML and return its path."""
+    def write(text: str, name: str = "site.yaml") -> Path:
+        p = tmp_path / name
+        p.write_text(text)
+        return p
+    return write
