@@ -525,7 +525,7 @@ class StoreClient:
     """
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: float = 60.0, *,
-                 max_frame: int = DEFAULT_MAX_FRAME) -> None:
+                 max_frame: int = DEFAULT_MAX_FRAME, connect_retry: bool = True) -> None:
         if not secret:
             raise BootstrapError("StoreClient needs a non-empty per-job secret")
         self.host, self.port, self.timeout = host, int(port), float(timeout)
@@ -537,14 +537,14 @@ class StoreClient:
         self._send_seq = 0
         self._recv_seq = 0
         self.server: StoreServer | None = None   # set by init_bootstrap on rank 0 to keep it alive
-        self._connect(time.monotonic() + self.timeout)
+        self._connect(time.monotonic() + self.timeout, retry=connect_retry)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
     # -- connection -------------------------------------------------------------------------
-    def _connect(self, deadline: float) -> None:
+    def _connect(self, deadline: float, retry: bool = True) -> None:
         delay, last_error = 0.02, None
         while True:
             remaining = deadline - time.monotonic()
@@ -562,6 +562,9 @@ class StoreClient:
                 raise
             except (OSError, *_RETRYABLE_CONNECT) as e:
                 last_error = f"{type(e).__name__}: {e}"
+                if not retry:   # the caller runs its own loop over several ports
+                    raise BootstrapError(f"could not connect to the rendezvous store at {self.address}: "
+                                         f"{last_error}") from e
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 1.0)
 

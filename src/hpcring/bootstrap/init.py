@@ -1,0 +1,264 @@
+"""``init_bootstrap()``: from launcher environment to a complete, verified Topology and a store.
+
+How rank 0's address and port are found (the chicken-and-egg of rendezvous):
+
+1. Every rank derives the same store port from the job id: ``lo + sha256(job_id) % (hi - lo + 1)``
+   inside ``port_range`` (HPCRING_STORE_PORT overrides). Rank 0 binds the store on 0.0.0.0 at
+   that port, or the next one up (at most 8 tries) when it is taken.
+2. The other ranks connect to a *bootstrap* address: HPCRING_MASTER_ADDR, MASTER_ADDR, the
+   launcher's master address, or the first node's host name resolved to IPv4. Any address of rank
+   0's node works because the store listens on every interface. A port whose peer fails the
+   handshake (another job's store, another service) is skipped; the authenticated handshake is
+   what proves the right store was found.
+3. All ranks publish their host names (rank 0 gathers them into one key), then verify interfaces
+   (:mod:`hpcring.bootstrap.netif`). Rank 0 then publishes, under ``init/master``, its address on
+   the *chosen* interface (the real MASTER_ADDR, not what its host name resolves to), the store port
+   and a framework port (store port + 1 or higher, checked bindable on rank 0) for
+   ``torch.distributed``'s own store.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+from hpcring.bootstrap import netif
+from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, load_secret
+from hpcring.bootstrap.topology import Topology
+from hpcring.errors import BootstrapError
+
+log = logging.getLogger("hpcring.bootstrap.init")
+
+PORT_TRIES = 8
+STRICT_PORT_ORDER_S = 3.0   # before this, stop a connect round at the first refused port
+last_timings: dict[str, float] = {}   # seconds since init_bootstrap started, for benchmarks
+
+
+def derive_port(job_id: str | None, port_range: tuple[int, int] = (29500, 29999)) -> int:
+    """Store port for ``job_id``: the same on every rank, spread over ``port_range`` (inclusive)."""
+    lo, hi = port_range
+    if not (0 < lo <= hi < 65536):
+        raise BootstrapError(f"bad port range {port_range!r}; expected (low, high) within 1..65535")
+    digest = hashlib.sha256((job_id or "no-job-id").encode()).digest()
+    return lo + int.from_bytes(digest[:8], "big") % (hi - lo + 1)
+
+
+def candidate_ports(base: int, port_range: tuple[int, int], tries: int = PORT_TRIES) -> list[int]:
+    """``base`` and the ports after it, wrapping inside the range."""
+    lo, hi = port_range
+    span = hi - lo + 1
+    return [lo + (base - lo + i) % span for i in range(min(tries, span))]
+
+
+def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
+                   environ: Mapping[str, str] | None = None,
+                   port_range: tuple[int, int] = (29500, 29999), verify: str = "ring",
+                   topology: Topology | None = None) -> tuple[Topology, StoreClient]:
+    """Meet every rank of the job and return ``(completed Topology, connected StoreClient)``.
+
+    Contract: all ranks call this with the same arguments; it returns within ``timeout`` seconds
+    or raises BootstrapError naming the store address, the key waited for and what to check.
+    The returned Topology has ``hosts`` (gathered from every rank), ``interface`` and ``address``
+    (this rank's verified interface), ``master_addr`` (rank 0's address on its verified interface)
+    and ``master_port`` (a port for frameworks, distinct from the store's ``client.port``).
+    On rank 0 the store server lives as ``client.server`` until the process exits.
+    ``topology`` skips launcher detection (tests, custom launchers).
+    """
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    last_timings.clear()
+    env = os.environ if environ is None else environ
+    topo = topology if topology is not None else _detect(env)
+    secret = load_secret(env)
+    spec = _interface_spec(interface, env, topo)
+    candidates = netif.select_candidates(netif.list_interfaces(), spec)
+    ports = _store_ports(topo, env, port_range)
+
+    client = _open_store(topo, env, ports, secret, deadline)
+    client.timeout = max(1.0, deadline - time.monotonic())
+    last_timings["connected"] = time.monotonic() - t0
+
+    hosts = _gather_hosts(client, topo, deadline)
+    last_timings["met"] = time.monotonic() - t0
+
+    table = netif.verify_interfaces(
+        client, rank=topo.rank, size=topo.size, host=hosts[topo.rank], candidates=candidates,
+        secret=secret, mode=verify, timeout=_left(deadline), prefix="init/netif")
+    master = _agree_master(client, topo.rank, table, deadline)
+    last_timings["verified"] = time.monotonic() - t0
+
+    done = topo.with_(hosts=tuple(hosts), interface=table[topo.rank].interface,
+                      address=table[topo.rank].address, master_addr=master["addr"],
+                      master_port=master["framework_port"],
+                      sources={**topo.sources, "hosts": "store:init/hosts",
+                               "master_addr": "store:init/master", "interface": "verified"})
+    return done, client
+
+
+# ----------------------------------------------------------------------------------- steps
+
+def _detect(env: Mapping[str, str]) -> Topology:
+    try:
+        from hpcring.bootstrap.launchers import detect
+    except ImportError as e:   # launchers.py is written separately; say so rather than crash obscurely
+        raise BootstrapError("launcher detection is unavailable (hpcring.bootstrap.launchers)",
+                             hint="pass topology= explicitly") from e
+    return detect(dict(env))
+
+
+def _interface_spec(interface: str | None, env: Mapping[str, str], topo: Topology) -> str | None:
+    """Explicit argument, then HPCRING_IFNAME; the local backend uses loopback (one machine)."""
+    if interface:
+        return interface
+    if env.get("HPCRING_IFNAME"):
+        return env["HPCRING_IFNAME"]
+    return "=lo" if topo.launcher == "local" else None
+
+
+def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, int]) -> list[int]:
+    if env.get("HPCRING_STORE_PORT"):
+        return [int(env["HPCRING_STORE_PORT"])]
+    # Fold the world size in so two steps of one job with different sizes do not share a port.
+    return candidate_ports(derive_port(f"{topo.job_id}/{topo.size}", port_range), port_range)
+
+
+def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: float) -> StoreClient:
+    if topo.rank == 0:
+        server = _start_server(ports, secret)
+        client = StoreClient("127.0.0.1", server.port, secret, timeout=max(1.0, _left(deadline)))
+        client.server = server
+        return client
+    return _connect_any(bootstrap_master_addr(topo, env), ports, secret, deadline)
+
+
+def _start_server(ports: list[int], secret: bytes) -> StoreServer:
+    errors = []
+    for port in ports:
+        try:
+            return StoreServer("0.0.0.0", port, secret=secret)
+        except OSError as e:
+            errors.append(f"{port}: {e.strerror}")
+    raise BootstrapError(f"rank 0 could not bind the rendezvous store on any of ports {ports}: {errors}",
+                         hint="set HPCRING_STORE_PORT to a free port, or pass another port_range")
+
+
+def bootstrap_master_addr(topo: Topology, env: Mapping[str, str]) -> str:
+    """Where non-zero ranks first look for the store (any address of rank 0's node will do)."""
+    for var in ("HPCRING_MASTER_ADDR", "MASTER_ADDR"):
+        if env.get(var):
+            return env[var]
+    if topo.master_addr:
+        return topo.master_addr
+    first = topo.hosts[0] if topo.hosts else None
+    if not first:
+        raise BootstrapError("cannot tell where rank 0 runs: no HPCRING_MASTER_ADDR/MASTER_ADDR and no host list",
+                             hint="export HPCRING_MASTER_ADDR=<rank 0's node> before starting the ranks")
+    try:
+        infos = socket.getaddrinfo(first, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise BootstrapError(f"cannot resolve rank 0's host {first!r} to an IPv4 address: {e}",
+                             hint="export HPCRING_MASTER_ADDR=<an address of rank 0's node>") from e
+    return infos[0][4][0]
+
+
+def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float) -> StoreClient:
+    """First port whose peer authenticates as our store; refused ports are retried with backoff."""
+    start, delay, seen = time.monotonic(), 0.05, {}
+    while True:
+        for port in ports:
+            try:
+                return StoreClient(host, port, secret, timeout=min(2.0, max(0.1, _left(deadline))),
+                                   connect_retry=False)
+            except StoreAuthError as e:
+                seen[port] = f"not our store ({e.message})"   # another job's store: try the next port
+            except BootstrapError as e:
+                seen[port] = e.message
+                if time.monotonic() - start < STRICT_PORT_ORDER_S:
+                    break   # nobody there yet: rank 0 is probably still starting on this port
+        if _left(deadline) <= 0:
+            raise BootstrapError(
+                f"could not reach the rendezvous store of rank 0 at {host} on ports {ports}: "
+                + "; ".join(f"{p}: {m}" for p, m in seen.items()),
+                hint="check that rank 0 started, that HPCRING_MASTER_ADDR/MASTER_ADDR or the first host "
+                     "name resolves to rank 0's node, and that these ports are not firewalled")
+        time.sleep(min(delay, _left(deadline)))
+        delay = min(delay * 2, 0.5)
+
+
+def _gather_hosts(client: StoreClient, topo: Topology, deadline: float) -> list[str]:
+    """Every rank's host name, in rank order; doubles as the 'all ranks met' point."""
+    mine = topo.hosts[topo.rank] if len(topo.hosts) == topo.size and topo.hosts[topo.rank] else socket.gethostname()
+    client.set(f"init/host/{topo.rank}", mine.encode())
+    if topo.rank == 0:
+        # One gatherer keeps this O(size) requests instead of every rank reading every key.
+        hosts = [client.get(f"init/host/{r}", timeout=_left(deadline)).decode() for r in range(topo.size)]
+        client.set("init/hosts", json.dumps(hosts).encode())
+    hosts = json.loads(client.get("init/hosts", timeout=_left(deadline)))
+    if len(hosts) != topo.size:
+        raise BootstrapError(f"rank 0 published {len(hosts)} hosts for world size {topo.size}",
+                             hint="all ranks must agree on the world size (launcher environment)")
+    return hosts
+
+
+def _agree_master(client: StoreClient, rank: int, table, deadline: float) -> dict:
+    if rank == 0:
+        store_port = client.server.port if client.server else client.port
+        record = {"addr": table[0].address, "store_port": store_port,
+                  "framework_port": _free_port_after(store_port)}
+        client.set("init/master", json.dumps(record).encode())
+        client.set("MASTER_ADDR", record["addr"].encode())
+    return json.loads(client.get("init/master", timeout=_left(deadline)))
+
+
+def _free_port_after(port: int, tries: int = 64) -> int:
+    """First port above ``port`` that rank 0 can bind now (torch binds it later: small race, documented)."""
+    for candidate in range(port + 1, min(port + 1 + tries, 65536)):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", candidate))
+                return candidate
+            except OSError:
+                continue
+    raise BootstrapError(f"no free port in {port + 1}..{port + tries} on rank 0 for MASTER_PORT",
+                         hint="pass another port_range to init_bootstrap")
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+# ----------------------------------------------------------------------------------- frameworks
+
+def framework_env(topo: Topology, gpus_per_node: int = 0) -> dict[str, str]:
+    """Environment for torch.distributed (env://), NCCL and Gloo from a completed Topology.
+
+    NCCL_SOCKET_IFNAME uses the exact form ``=<iface>``; GLOO_SOCKET_IFNAME gets the bare name
+    because Gloo compares names literally (it has no ``=`` syntax). CUDA_VISIBLE_DEVICES is set to
+    the local rank (modulo ``gpus_per_node``) only when the job has GPUs and it is not set already.
+    """
+    if topo.master_addr is None or topo.master_port is None:
+        raise BootstrapError(f"rank {topo.rank}: Topology has no master address/port yet",
+                             hint="call init_bootstrap() first and pass the Topology it returns")
+    env = {
+        "MASTER_ADDR": topo.master_addr, "MASTER_PORT": str(topo.master_port),
+        "RANK": str(topo.rank), "WORLD_SIZE": str(topo.size),
+        "LOCAL_RANK": str(topo.local_rank), "LOCAL_WORLD_SIZE": str(topo.local_size),
+        "NODE_RANK": str(topo.node_rank),
+    }
+    if topo.interface:
+        env["NCCL_SOCKET_IFNAME"] = f"={topo.interface}"
+        env["GLOO_SOCKET_IFNAME"] = topo.interface
+    if gpus_per_node > 0 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = str(topo.local_rank % gpus_per_node)
+    return env
+
+
+def apply_framework_env(topo: Topology, gpus_per_node: int = 0) -> dict[str, str]:
+    """Export :func:`framework_env` into ``os.environ``; returns what was set."""
+    env = framework_env(topo, gpus_per_node)
+    os.environ.update(env)
+    return env
