@@ -240,11 +240,14 @@ class ProbeListener:
 
     Contract: binds ``(address, 0)`` at construction (``port`` 0 and ``error`` set when that
     fails); each accepted peer gets a nonce and must answer with the HMAC before anything else is
-    read; wrong answers are logged with the peer address and dropped. ``listen=False`` binds but
-    never listens, so connects are refused: a test seam for a firewalled link.
+    read; wrong answers are logged with the peer address and dropped.
+    Test seams for dead links: ``listen=False`` binds but never listens (connects are refused);
+    ``listen="blackhole"`` listens with a full accept queue that is never drained, so the kernel
+    drops further SYNs and connects time out, like a firewalled or unrouted link.
     """
 
-    def __init__(self, address: str, secret: bytes, *, listen: bool = True, io_timeout: float = 2.0) -> None:
+    def __init__(self, address: str, secret: bytes, *, listen: bool | str = True,
+                 io_timeout: float = 2.0) -> None:
         self.address, self._secret, self._io_timeout = address, secret, io_timeout
         self.port, self.error = 0, None
         self._stop = threading.Event()
@@ -252,6 +255,11 @@ class ProbeListener:
         try:
             self._sock.bind((address, 0))
             self.port = self._sock.getsockname()[1]
+            self._fillers: list[socket.socket] = []
+            if listen == "blackhole":
+                self._sock.listen(0)
+                self._fill_queue()
+                return
             if listen:
                 self._sock.listen(256)
         except OSError as e:
@@ -261,6 +269,16 @@ class ProbeListener:
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"hpcring-probe:{address}")
         if listen:
             self._thread.start()
+
+    def _fill_queue(self) -> None:
+        for _ in range(3):   # backlog 0 holds one connection; the rest sit in SYN retry
+            c = socket.socket()
+            c.setblocking(False)
+            try:
+                c.connect((self.address, self.port))
+            except BlockingIOError:
+                pass
+            self._fillers.append(c)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -291,6 +309,8 @@ class ProbeListener:
 
     def close(self) -> None:
         self._stop.set()
+        for c in getattr(self, "_fillers", ()):
+            c.close()
         self._sock.close()
 
 
@@ -349,14 +369,15 @@ def verify_interfaces(client, *, rank: int, size: int, host: str, candidates: Se
     candidate, no connections). Raises BootstrapError naming the unreachable rank's host, its
     interfaces and addresses tried, the errors, and the interfaces that did connect; with dead
     links this returns after about ``connect_timeout`` plus store round trips.
-    ``_dead``: candidate names to bind without listening (tests only).
+    ``_dead``: candidate names whose listener is a blackhole (connects time out; tests only).
     """
     if mode not in ("ring", "all", "none"):
         raise BootstrapError(f"interface verification mode must be ring, all or none, not {mode!r}")
     if not candidates:
         raise BootstrapError(f"rank {rank} on {host} has no interface candidates")
     deadline = time.monotonic() + timeout
-    listeners = [ProbeListener(c.address, secret, listen=c.name not in _dead) for c in candidates] \
+    listeners = [ProbeListener(c.address, secret, listen="blackhole" if c.name in _dead else True)
+                 for c in candidates] \
         if mode != "none" and size > 1 else []
     try:
         mine = {"host": host, "cands": [
