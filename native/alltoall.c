@@ -1,0 +1,43 @@
+/* alltoall.c -- pairwise-exchange alltoall.
+ *
+ * Each rank's count elements are n blocks of count/n; block j goes to rank j, and the output's
+ * block i is what rank i sent to this rank. Steps: copy the own block, then for k = 1 .. n-1
+ * send block (r+k) mod n to rank r+k while receiving block (r-k) mod n from rank r-k (both
+ * directions at once, non-blocking, so the pairing cannot deadlock). In place (sbuf == rbuf) the
+ * input is first copied to scratch.
+ *
+ * Cost: n-1 steps; each rank sends and receives (n-1)/n * S bytes; time ~ (n-1)(a + S/n b).
+ */
+#include "hr_internal.h"
+
+#include <string.h>
+
+/* Contract: sbuf and rbuf hold count elements, count divisible by size; they may be the same
+ * buffer but must not otherwise overlap. Returns HR_OK, or HR_ERR with c->err set. */
+int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
+                double timeout) {
+    hr_op_t op;
+    int n = c->size, r = c->rank, k;
+    size_t esz = hr_dtype_size(dtype), blk;
+    const unsigned char *src = sbuf;
+    unsigned char *dst = rbuf;
+
+    if (hr_op_begin(&op, c, HR_K_ALLTOALL, dtype, 0, count, -1, timeout) != HR_OK) return HR_ERR;
+    if (count % (size_t)n)
+        return hr_op_fail(&op, "count %zu is not divisible by the world size %d", count, n);
+    blk = count / (size_t)n * esz;
+    if (sbuf == rbuf && n > 1) {
+        if (hr_comm_tmp(&op, count * esz + 1) != HR_OK) return HR_ERR;
+        memcpy(c->tmp, sbuf, count * esz);
+        src = c->tmp;
+    }
+    if (src != dst && blk) memcpy(dst + (size_t)r * blk, src + (size_t)r * blk, blk);
+    op.tx_total = op.rx_total = (size_t)(n - 1) * blk;
+    for (k = 1; k < n; k++) {
+        int to = (r + k) % n, from = (r - k + n) % n;
+        if (hr_sendrecv(&op, to, src + (size_t)to * blk, blk, 1, from, dst + (size_t)from * blk,
+                        blk, 1) != HR_OK)
+            return HR_ERR;
+    }
+    return HR_OK;
+}

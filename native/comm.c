@@ -1,0 +1,258 @@
+/* comm.c -- communicator state, sticky errors, headers and the generic send/receive exchange.
+ *
+ * hr_sendrecv is the building block of the latency-bound algorithms (recursive doubling,
+ * alltoall, barrier): it drives one outgoing and one incoming stream at the same time with
+ * non-blocking sockets, so two ranks that exchange with each other never deadlock on full
+ * socket buffers, and it sleeps only in hr_tcp_wait with the collective's deadline.
+ */
+#define _GNU_SOURCE
+#include "hr_internal.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+double hr_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+size_t hr_dtype_size(int dtype) {
+    static const size_t sz[HR_NDTYPES] = {2, 2, 4, 8, 4, 8, 1};
+    return (dtype >= 0 && dtype < HR_NDTYPES) ? sz[dtype] : 0;
+}
+
+const char *hr_dtype_name(int dtype) {
+    static const char *nm[HR_NDTYPES] = {"float16", "bfloat16", "float32", "float64",
+                                         "int32",   "int64",    "uint8"};
+    return (dtype >= 0 && dtype < HR_NDTYPES) ? nm[dtype] : "?";
+}
+
+static const char *redop_name(int op) {
+    static const char *nm[HR_NOPS] = {"sum", "prod", "min", "max", "avg"};
+    return (op >= 0 && op < HR_NOPS) ? nm[op] : "?";
+}
+
+const char *hr_kind_name(int kind) {
+    switch (kind) {
+    case HR_K_ALLREDUCE: return "allreduce";
+    case HR_K_ALLGATHER: return "allgather";
+    case HR_K_REDUCE_SCATTER: return "reduce_scatter";
+    case HR_K_BROADCAST: return "broadcast";
+    case HR_K_ALLTOALL: return "alltoall";
+    case HR_K_BARRIER: return "barrier";
+    default: return "?";
+    }
+}
+
+int hr_op_begin(hr_op_t *op, hr_comm_t *c, int kind, int dtype, int redop, uint64_t count,
+                int root, double timeout) {
+    memset(op, 0, sizeof(*op));
+    op->c = c;
+    op->name = hr_kind_name(kind);
+    op->timeout = timeout > 0 ? timeout : c->timeout;
+    op->deadline = hr_now() + op->timeout;
+    op->hdr.magic = HR_HDR_MAGIC;
+    op->hdr.kind = (uint8_t)kind;
+    op->hdr.dtype = (uint8_t)dtype;
+    op->hdr.redop = (uint8_t)redop;
+    op->hdr.seq = ++c->seq;
+    op->hdr.count = count;
+    op->hdr.root = root;
+    if (c->failed) return HR_ERR; /* c->err already holds the first failure */
+    if (hr_dtype_size(dtype) == 0) {
+        /* Argument errors are not sticky: nothing was sent. */
+        c->seq--;
+        return HR_ERR;
+    }
+    return HR_OK;
+}
+
+int hr_op_fail(hr_op_t *op, const char *fmt, ...) {
+    hr_comm_t *c = op->c;
+    va_list ap;
+    int n;
+    if (c->failed) return HR_ERR;
+    n = snprintf(c->err, sizeof(c->err), "%s#%u ", op->name, (unsigned)op->hdr.seq);
+    va_start(ap, fmt);
+    vsnprintf(c->err + n, sizeof(c->err) - (size_t)n, fmt, ap);
+    va_end(ap);
+    c->failed = 1;
+    hr_tcp_abort(&c->tcp);
+    return HR_ERR;
+}
+
+int hr_op_fail_peer(hr_op_t *op, int is_recv, int peer, const char *why) {
+    const char *host = (peer >= 0 && op->c->hosts && op->c->hosts[peer]) ? op->c->hosts[peer] : "?";
+    if (is_recv)
+        return hr_op_fail(op, "recv from rank %d (%s) %s, %zu/%zu bytes done", peer, host, why,
+                          op->rx_done, op->rx_total);
+    return hr_op_fail(op, "send to rank %d (%s) %s, %zu/%zu bytes done", peer, host, why,
+                      op->tx_done, op->tx_total);
+}
+
+int hr_op_check_hdr(hr_op_t *op, const hr_hdr_t *g, int peer) {
+    const hr_hdr_t *m = &op->hdr;
+    const char *host = (op->c->hosts && op->c->hosts[peer]) ? op->c->hosts[peer] : "?";
+    if (g->magic != HR_HDR_MAGIC)
+        return hr_op_fail(op, "recv from rank %d (%s): garbage on the connection (bad header "
+                          "magic 0x%02x); the streams are out of step", peer, host, g->magic);
+    if (g->kind != m->kind || g->dtype != m->dtype || g->count != m->count ||
+        g->seq != m->seq || g->root != m->root ||
+        (m->kind != HR_K_ALLGATHER && m->kind != HR_K_BROADCAST && m->kind != HR_K_ALLTOALL &&
+         m->kind != HR_K_BARRIER && g->redop != m->redop)) {
+        return hr_op_fail(op,
+                          "mismatched collective: rank %d (%s) called %s#%u(count=%llu, dtype=%s, "
+                          "op=%s, root=%d) but this rank (%d) called %s#%u(count=%llu, dtype=%s, "
+                          "op=%s, root=%d)",
+                          peer, host, hr_kind_name(g->kind), (unsigned)g->seq,
+                          (unsigned long long)g->count, hr_dtype_name(g->dtype),
+                          redop_name(g->redop), (int)g->root, op->c->rank, op->name,
+                          (unsigned)m->seq, (unsigned long long)m->count, hr_dtype_name(m->dtype),
+                          redop_name(m->redop), (int)m->root);
+    }
+    return HR_OK;
+}
+
+static int grow(hr_op_t *op, unsigned char **p, size_t *cap, size_t bytes) {
+    unsigned char *q;
+    if (*cap >= bytes) return HR_OK;
+    q = realloc(*p, bytes);
+    if (!q) return hr_op_fail(op, "malloc(%zu): out of memory", bytes);
+    *p = q;
+    *cap = bytes;
+    return HR_OK;
+}
+
+int hr_comm_stage(hr_op_t *op, size_t bytes) {
+    return grow(op, &op->c->stage, &op->c->stage_cap, bytes);
+}
+
+int hr_comm_tmp(hr_op_t *op, size_t bytes) {
+    return grow(op, &op->c->tmp, &op->c->tmp_cap, bytes);
+}
+
+void hr_chunks(uint64_t count, int n, size_t *off, size_t *cnt) {
+    size_t base = (size_t)(count / (uint64_t)n), extra = (size_t)(count % (uint64_t)n), o = 0;
+    int i;
+    for (i = 0; i < n; i++) {
+        cnt[i] = base + ((size_t)i < extra ? 1 : 0);
+        off[i] = o;
+        o += cnt[i];
+    }
+}
+
+/* Build an iovec covering bytes [done, total) of header+data. Returns the iovec count. */
+static int window(struct iovec *iov, void *h, size_t hlen, void *d, size_t done, size_t total) {
+    int k = 0;
+    if (done < hlen) {
+        iov[k].iov_base = (char *)h + done;
+        iov[k].iov_len = hlen - done;
+        k++;
+        done = hlen;
+    }
+    if (done < total) {
+        iov[k].iov_base = (char *)d + (done - hlen);
+        iov[k].iov_len = total - done;
+        k++;
+    }
+    return k;
+}
+
+int hr_sendrecv(hr_op_t *op, int speer, const void *sbuf, size_t slen, int send_hdr,
+                int rpeer, void *rbuf, size_t rlen, int recv_hdr) {
+    hr_comm_t *c = op->c;
+    hr_hdr_t rh;
+    size_t shl = send_hdr ? sizeof(hr_hdr_t) : 0, rhl = recv_hdr ? sizeof(hr_hdr_t) : 0;
+    size_t stot = speer >= 0 ? shl + slen : 0, rtot = rpeer >= 0 ? rhl + rlen : 0;
+    size_t sd = 0, rd = 0;
+    int hdr_checked = !recv_hdr;
+    char why[256];
+
+    while (sd < stot || rd < rtot) {
+        int progressed = 0, ready;
+        struct iovec iov[2];
+        ssize_t r;
+        if (sd < stot) {
+            r = hr_tcp_sendv(&c->tcp, speer, iov,
+                             window(iov, &op->hdr, shl, (void *)sbuf, sd, stot), why, sizeof(why));
+            if (r < 0) return hr_op_fail_peer(op, 0, speer, why);
+            if (r > 0) {
+                size_t pay = (sd + (size_t)r > shl ? sd + (size_t)r - shl : 0) -
+                             (sd > shl ? sd - shl : 0);
+                op->tx_done += pay;
+                sd += (size_t)r;
+                progressed = 1;
+            }
+        }
+        if (rd < rtot) {
+            r = hr_tcp_recvv(&c->tcp, rpeer, iov, window(iov, &rh, rhl, rbuf, rd, rtot), why,
+                             sizeof(why));
+            if (r < 0) return hr_op_fail_peer(op, 1, rpeer, why);
+            if (r > 0) {
+                size_t pay = (rd + (size_t)r > rhl ? rd + (size_t)r - rhl : 0) -
+                             (rd > rhl ? rd - rhl : 0);
+                op->rx_done += pay;
+                rd += (size_t)r;
+                progressed = 1;
+                if (!hdr_checked && rd >= rhl) {
+                    if (hr_op_check_hdr(op, &rh, rpeer) != HR_OK) return HR_ERR;
+                    hdr_checked = 1;
+                }
+            }
+        }
+        if (progressed) continue;
+        ready = hr_tcp_wait(&c->tcp, sd < stot ? speer : -1, rd < rtot ? rpeer : -1,
+                            op->deadline, why, sizeof(why));
+        if (ready < 0) return hr_op_fail(op, "%s", why);
+        if (ready == 0) {
+            snprintf(why, sizeof(why), "timed out after %.1f s", op->timeout);
+            return rd < rtot ? hr_op_fail_peer(op, 1, rpeer, why)
+                             : hr_op_fail_peer(op, 0, speer, why);
+        }
+    }
+    return HR_OK;
+}
+
+int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, int sockbuf,
+                 const char *const *hosts, double timeout, char *err, size_t errlen) {
+    int i;
+    memset(c, 0, sizeof(*c));
+    if (size < 1 || rank < 0 || rank >= size || nconn < 1) {
+        snprintf(err, errlen, "bad rank %d / size %d / nconn %d", rank, size, nconn);
+        return HR_ERR;
+    }
+    c->rank = rank;
+    c->size = size;
+    c->timeout = timeout > 0 ? timeout : 300.0;
+    c->rd_threshold = HR_RD_THRESHOLD_DEFAULT;
+    if (!(c->hosts = calloc((size_t)size, sizeof(char *)))) goto oom;
+    for (i = 0; i < size; i++)
+        if (!(c->hosts[i] = strdup(hosts && hosts[i] ? hosts[i] : "?"))) goto oom;
+    if (hr_tcp_init(&c->tcp, rank, size, fds, nconn, sockbuf, err, errlen) != 0) goto fail;
+    return HR_OK;
+oom:
+    snprintf(err, errlen, "malloc(): out of memory");
+fail:
+    if (c->hosts)
+        for (i = 0; i < size; i++) free(c->hosts[i]);
+    free(c->hosts);
+    c->hosts = NULL;
+    return HR_ERR;
+}
+
+void hr_comm_destroy(hr_comm_t *c) {
+    int i;
+    hr_tcp_close(&c->tcp);
+    if (c->hosts)
+        for (i = 0; i < c->size; i++) free(c->hosts[i]);
+    free(c->hosts);
+    c->hosts = NULL;
+    free(c->stage);
+    free(c->tmp);
+    c->stage = c->tmp = NULL;
+    c->stage_cap = c->tmp_cap = 0;
+}

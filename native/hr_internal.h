@@ -1,0 +1,150 @@
+/* hr_internal.h -- shared types of the hpcring native collectives.
+ *
+ * A communicator (hr_comm_t) owns one connected, already-authenticated TCP stream per peer
+ * (connection setup and authentication happen in Python, see collectives/ring.py). Every
+ * collective is called by all ranks in the same order with matching arguments; the byte stream
+ * between two ranks carries no framing except a 24-byte header (hr_hdr_t) at the start of each
+ * collective's first message to a peer, which lets the receiver detect mismatched calls
+ * (different op, dtype, element count, root or sequence number) before it touches any data.
+ *
+ * Errors are return codes (HR_OK / HR_ERR). The first error of a communicator is sticky: it is
+ * formatted into comm->err ("allreduce#17 recv from rank 3 (node2) timed out after 30.0 s,
+ * 1048576/4194304 bytes done"), every socket is shut down so that neighbours fail fast instead of
+ * waiting for their deadline, and every later call returns HR_ERR with the same message.
+ */
+#ifndef HR_INTERNAL_H
+#define HR_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include "transport_tcp.h"
+
+#define HR_OK 0
+#define HR_ERR (-1)
+
+#define HR_ERRLEN 1024
+
+/* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
+#define HR_RD_THRESHOLD_DEFAULT ((size_t)65536)
+
+/* Element types. Numbers are part of the Python binding's ABI (collectives/ring.py). */
+enum hr_dtype {
+    HR_F16 = 0, HR_BF16 = 1, HR_F32 = 2, HR_F64 = 3,
+    HR_I32 = 4, HR_I64 = 5, HR_U8 = 6, HR_NDTYPES = 7
+};
+
+/* Reduction operators. AVG = SUM, then division by the world size (float types only). */
+enum hr_redop { HR_SUM = 0, HR_PROD = 1, HR_MIN = 2, HR_MAX = 3, HR_AVG = 4, HR_NOPS = 5 };
+
+/* Collective kinds, carried in the header. */
+enum hr_kind {
+    HR_K_ALLREDUCE = 1, HR_K_ALLGATHER = 2, HR_K_REDUCE_SCATTER = 3, HR_K_BROADCAST = 4,
+    HR_K_ALLTOALL = 5, HR_K_BARRIER = 6
+};
+
+/* Per-collective header: sent once per (collective, peer, direction) before data. */
+typedef struct hr_hdr {
+    uint8_t magic;      /* 0xA7 */
+    uint8_t kind;       /* enum hr_kind */
+    uint8_t dtype;      /* enum hr_dtype */
+    uint8_t redop;      /* enum hr_redop */
+    uint32_t seq;       /* collective sequence number on this communicator */
+    uint64_t count;     /* element count as the caller passed it */
+    int32_t root;       /* broadcast root, else -1 */
+    uint32_t reserved;
+} hr_hdr_t;
+
+#define HR_HDR_MAGIC 0xA7
+
+typedef struct hr_comm {
+    int rank, size;
+    hr_tcp_t tcp;
+    char **hosts;               /* host name of each rank, for messages */
+    double timeout;             /* default deadline of one collective, seconds */
+    size_t rd_threshold;        /* allreduce: bytes below which recursive doubling is used */
+    uint32_t seq;               /* number of collectives started */
+    int failed;                 /* sticky error flag */
+    char err[HR_ERRLEN];        /* first error */
+    unsigned char *stage;       /* receive staging buffer for reductions */
+    size_t stage_cap;
+    unsigned char *tmp;         /* scratch (recursive doubling, in-place alltoall) */
+    size_t tmp_cap;
+} hr_comm_t;
+
+/* One collective in flight. */
+typedef struct hr_op {
+    hr_comm_t *c;
+    const char *name;           /* "allreduce", ... */
+    hr_hdr_t hdr;               /* what this rank sends */
+    double deadline;            /* absolute, hr_now() clock */
+    double timeout;
+    size_t tx_done, tx_total;   /* payload bytes over the whole collective, for messages */
+    size_t rx_done, rx_total;
+} hr_op_t;
+
+/* ---- comm.c ---- */
+double hr_now(void);
+size_t hr_dtype_size(int dtype);
+const char *hr_dtype_name(int dtype);
+const char *hr_kind_name(int kind);
+
+/* Start a collective: checks the sticky error and argument ranges, fills op. */
+int hr_op_begin(hr_op_t *op, hr_comm_t *c, int kind, int dtype, int redop, uint64_t count,
+                int root, double timeout);
+/* Record the first error of the communicator (printf-style), abort all connections. */
+int hr_op_fail(hr_op_t *op, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Record a transport failure with peer, host and progress in the message. is_recv selects
+ * "recv from" / "send to"; why is e.g. "timed out after 30.0 s" or "failed: recv(): ...". */
+int hr_op_fail_peer(hr_op_t *op, int is_recv, int peer, const char *why);
+/* Validate a received header against op->hdr; on mismatch records the error. */
+int hr_op_check_hdr(hr_op_t *op, const hr_hdr_t *got, int peer);
+/* Grow the staging / scratch buffers. */
+int hr_comm_stage(hr_op_t *op, size_t bytes);
+int hr_comm_tmp(hr_op_t *op, size_t bytes);
+
+/* Exchange: send shdr(optional)+sbuf to speer while receiving rhdr(optional)+rbuf from rpeer,
+ * until both complete or the deadline passes. speer/rpeer may be -1 (no send / no receive).
+ * Header validation is done here when rhdr is given. */
+int hr_sendrecv(hr_op_t *op, int speer, const void *sbuf, size_t slen, int send_hdr,
+                int rpeer, void *rbuf, size_t rlen, int recv_hdr);
+
+/* Chunking: element offsets and counts of n near-equal chunks of count elements
+ * (the first count % n chunks get one element more). */
+void hr_chunks(uint64_t count, int n, size_t *off, size_t *cnt);
+
+/* Pipelined ring pass (ring_pass.c), used by ring allreduce, reduce-scatter and allgather. */
+int hr_ring_pass(hr_op_t *op, unsigned char *base, const size_t *off, const size_t *cnt,
+                 int first, int reduce, int dtype, int redop, int send_hdr);
+
+/* ---- reduce.c ---- */
+/* dst[i] = dst[i] OP src[i] for i < n. AVG reduces like SUM. */
+void hr_reduce(void *dst, const void *src, size_t n, int dtype, int redop);
+/* buf[i] /= divisor (float types). */
+void hr_divide(void *buf, size_t n, int dtype, int divisor);
+
+/* ---- algorithms ---- */
+int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype, int redop,
+                 double timeout);
+int hr_allreduce_ring(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
+int hr_allreduce_rd(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
+int hr_allgather_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
+                      double timeout);
+int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
+                           int redop, double timeout);
+int hr_broadcast_pipeline(hr_comm_t *c, void *buf, size_t count, int dtype, int root,
+                          double timeout);
+int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
+                double timeout);
+int hr_barrier(hr_comm_t *c, double timeout);
+
+/* Create a communicator over already-connected sockets (see transport_tcp.h for fds). hosts is
+ * copied. Returns HR_OK, or HR_ERR with a message in err; on failure the fds are not owned. */
+int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, int sockbuf,
+                 const char *const *hosts, double timeout, char *err, size_t errlen);
+/* Close the sockets and free everything; idempotent. */
+void hr_comm_destroy(hr_comm_t *c);
+
+#endif

@@ -1,0 +1,502 @@
+/* module.c -- CPython binding: hpcring._native.
+ *
+ *   Comm(rank, size, fds, hosts, timeout, sockbuf=0)
+ *     fds: sequence of `size` entries, each None (self), an int fd, or a sequence of int fds
+ *     (several connections per peer; all entries the same length). On success the Comm owns and
+ *     eventually closes the descriptors; if the constructor raises, the caller still owns them.
+ *   Comm.allreduce(sendbuf, recvbuf, dtype, op, timeout=0.0)
+ *   Comm.allgather(sendbuf, recvbuf, dtype, timeout=0.0)
+ *   Comm.reduce_scatter(sendbuf, recvbuf, dtype, op, timeout=0.0)
+ *   Comm.broadcast(buf, dtype, root, timeout=0.0)
+ *   Comm.alltoall(sendbuf, recvbuf, dtype, timeout=0.0)
+ *   Comm.barrier(timeout=0.0)
+ *   Comm.close(); attributes rank, size, seq, failed, error, rd_threshold (settable), timeout
+ *   reduce(dst, src, dtype, op)   local kernel dst = dst OP src (tests, fused host-side use)
+ *
+ * Buffers are any C-contiguous buffer-protocol objects (numpy arrays, memoryviews); lengths are
+ * in bytes and checked against the dtype. dtype / op are the integers of enum hr_dtype /
+ * hr_redop. timeout <= 0 means the communicator's default. Communication runs with the GIL
+ * released; one call at a time per Comm (a second concurrent call raises). Failures raise
+ * hpcring._native.NativeError carrying the communicator's sticky message; argument problems
+ * raise ValueError.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+
+#include "hr_internal.h"
+
+static PyObject *NativeError;
+
+typedef struct {
+    PyObject_HEAD
+    hr_comm_t c;
+    int open;
+    PyThread_type_lock lock;
+} CommObject;
+
+static int check_open(CommObject *self) {
+    if (!self->open) {
+        PyErr_SetString(PyExc_ValueError, "communicator is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_dtype_op(int dtype, int op, int need_op) {
+    if (dtype < 0 || dtype >= HR_NDTYPES) {
+        PyErr_Format(PyExc_ValueError, "unsupported dtype code %d", dtype);
+        return -1;
+    }
+    if (need_op) {
+        if (op < 0 || op >= HR_NOPS) {
+            PyErr_Format(PyExc_ValueError, "unsupported reduction op code %d", op);
+            return -1;
+        }
+        if (op == HR_AVG && dtype != HR_F16 && dtype != HR_BF16 && dtype != HR_F32 &&
+            dtype != HR_F64) {
+            PyErr_Format(PyExc_ValueError, "op avg needs a floating-point dtype, got %s",
+                         hr_dtype_name(dtype));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int check_len(Py_buffer *b, int dtype, const char *what) {
+    if (b->len % (Py_ssize_t)hr_dtype_size(dtype)) {
+        PyErr_Format(PyExc_ValueError, "%s is %zd bytes, not a whole number of %s elements", what,
+                     b->len, hr_dtype_name(dtype));
+        return -1;
+    }
+    return 0;
+}
+
+/* Run fn with the GIL released and the per-communicator lock held. */
+#define RUN_LOCKED(self, rcvar, call)                                                            \
+    do {                                                                                         \
+        if (!PyThread_acquire_lock((self)->lock, NOWAIT_LOCK)) {                                 \
+            PyErr_SetString(PyExc_RuntimeError,                                                  \
+                            "communicator is already running a collective in another thread");  \
+            goto cleanup;                                                                        \
+        }                                                                                        \
+        Py_BEGIN_ALLOW_THREADS rcvar = (call);                                                   \
+        Py_END_ALLOW_THREADS PyThread_release_lock((self)->lock);                                \
+    } while (0)
+
+static PyObject *raise_native(CommObject *self) {
+    PyErr_SetString(NativeError, self->c.err[0] ? self->c.err : "collective failed");
+    return NULL;
+}
+
+static int Comm_init(CommObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"rank", "size", "fds", "hosts", "timeout", "sockbuf", NULL};
+    int rank, size, sockbuf = 0, nconn = 1, i, k, *fds = NULL, rc = -1;
+    double timeout;
+    PyObject *pfds, *phosts, *fseq = NULL, *hseq = NULL;
+    const char **hosts = NULL;
+    char err[512];
+
+    if (self->open) {
+        PyErr_SetString(PyExc_RuntimeError, "Comm already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiOOd|i", kwlist, &rank, &size, &pfds, &phosts,
+                                     &timeout, &sockbuf))
+        return -1;
+    if (size < 1 || rank < 0 || rank >= size) {
+        PyErr_Format(PyExc_ValueError, "rank %d out of range for size %d", rank, size);
+        return -1;
+    }
+    if (!(fseq = PySequence_Fast(pfds, "fds must be a sequence"))) goto cleanup;
+    if (!(hseq = PySequence_Fast(phosts, "hosts must be a sequence"))) goto cleanup;
+    if (PySequence_Fast_GET_SIZE(fseq) != size || PySequence_Fast_GET_SIZE(hseq) != size) {
+        PyErr_Format(PyExc_ValueError, "fds and hosts need %d entries", size);
+        goto cleanup;
+    }
+    for (i = 0; i < size; i++) {
+        PyObject *e = PySequence_Fast_GET_ITEM(fseq, i);
+        if (e != Py_None && !PyLong_Check(e)) {
+            Py_ssize_t l = PySequence_Size(e);
+            if (l < 1) {
+                PyErr_Format(PyExc_ValueError, "fds[%d] must be None, an int or ints", i);
+                goto cleanup;
+            }
+            if (l > nconn) nconn = (int)l;
+        }
+    }
+    if (!(fds = PyMem_Malloc(sizeof(int) * (size_t)size * (size_t)nconn))) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    for (i = 0; i < size; i++) {
+        PyObject *e = PySequence_Fast_GET_ITEM(fseq, i);
+        for (k = 0; k < nconn; k++) fds[i * nconn + k] = -1;
+        if (e == Py_None) continue;
+        if (PyLong_Check(e)) {
+            if (nconn != 1) {
+                PyErr_Format(PyExc_ValueError, "fds[%d]: give every peer %d fds", i, nconn);
+                goto cleanup;
+            }
+            fds[i * nconn] = (int)PyLong_AsLong(e);
+        } else {
+            if (PySequence_Size(e) != nconn) {
+                PyErr_Format(PyExc_ValueError, "fds[%d]: give every peer %d fds", i, nconn);
+                goto cleanup;
+            }
+            for (k = 0; k < nconn; k++) {
+                PyObject *x = PySequence_GetItem(e, k);
+                if (!x) goto cleanup;
+                fds[i * nconn + k] = (int)PyLong_AsLong(x);
+                Py_DECREF(x);
+            }
+        }
+        if (PyErr_Occurred()) goto cleanup;
+        if (i != rank && fds[i * nconn] < 0) {
+            PyErr_Format(PyExc_ValueError, "no connection to rank %d", i);
+            goto cleanup;
+        }
+    }
+    if (!(hosts = PyMem_Malloc(sizeof(char *) * (size_t)size))) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    for (i = 0; i < size; i++) {
+        PyObject *h = PySequence_Fast_GET_ITEM(hseq, i);
+        if (!PyUnicode_Check(h) || !(hosts[i] = PyUnicode_AsUTF8(h))) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "hosts[%d] must be str", i);
+            goto cleanup;
+        }
+    }
+    if (hr_comm_init(&self->c, rank, size, fds, nconn, sockbuf, hosts, timeout, err,
+                     sizeof(err)) != HR_OK) {
+        PyErr_SetString(NativeError, err);
+        goto cleanup;
+    }
+    self->open = 1;
+    rc = 0;
+cleanup:
+    PyMem_Free(fds);
+    PyMem_Free(hosts);
+    Py_XDECREF(fseq);
+    Py_XDECREF(hseq);
+    return rc;
+}
+
+static PyObject *Comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    CommObject *self = (CommObject *)type->tp_alloc(type, 0);
+    (void)args; (void)kw;
+    if (!self) return NULL;
+    self->open = 0;
+    if (!(self->lock = PyThread_allocate_lock())) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static void Comm_dealloc(CommObject *self) {
+    if (self->open) hr_comm_destroy(&self->c);
+    self->open = 0;
+    if (self->lock) PyThread_free_lock(self->lock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Comm_close(CommObject *self, PyObject *unused) {
+    (void)unused;
+    if (self->open) {
+        if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
+            PyErr_SetString(PyExc_RuntimeError, "cannot close: a collective is running");
+            return NULL;
+        }
+        hr_comm_destroy(&self->c);
+        self->open = 0;
+        PyThread_release_lock(self->lock);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Comm_allreduce(CommObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "op", "timeout", NULL};
+    Py_buffer s = {0}, r = {0};
+    int dtype, op, rc = HR_ERR;
+    double timeout = 0.0;
+    PyObject *ret = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*ii|d", kwlist, &s, &r, &dtype, &op, &timeout))
+        return NULL;
+    if (check_open(self) || check_dtype_op(dtype, op, 1) || check_len(&r, dtype, "recvbuf"))
+        goto cleanup;
+    if (s.len != r.len) {
+        PyErr_Format(PyExc_ValueError, "sendbuf is %zd bytes but recvbuf %zd", s.len, r.len);
+        goto cleanup;
+    }
+    RUN_LOCKED(self, rc, hr_allreduce(&self->c, s.buf, r.buf, (size_t)r.len / hr_dtype_size(dtype),
+                                      dtype, op, timeout));
+    if (rc != HR_OK) raise_native(self);
+    else ret = Py_NewRef(Py_None);
+cleanup:
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&r);
+    return ret;
+}
+
+static PyObject *Comm_allgather(CommObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "timeout", NULL};
+    Py_buffer s = {0}, r = {0};
+    int dtype, rc = HR_ERR;
+    double timeout = 0.0;
+    PyObject *ret = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*i|d", kwlist, &s, &r, &dtype, &timeout))
+        return NULL;
+    if (check_open(self) || check_dtype_op(dtype, 0, 0) || check_len(&s, dtype, "sendbuf"))
+        goto cleanup;
+    if (r.len != s.len * self->c.size) {
+        PyErr_Format(PyExc_ValueError, "recvbuf is %zd bytes, need size * %zd = %zd", r.len,
+                     s.len, s.len * self->c.size);
+        goto cleanup;
+    }
+    RUN_LOCKED(self, rc, hr_allgather_ring(&self->c, s.buf, r.buf,
+                                           (size_t)s.len / hr_dtype_size(dtype), dtype, timeout));
+    if (rc != HR_OK) raise_native(self);
+    else ret = Py_NewRef(Py_None);
+cleanup:
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&r);
+    return ret;
+}
+
+static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "op", "timeout", NULL};
+    Py_buffer s = {0}, r = {0};
+    int dtype, op, rc = HR_ERR, n;
+    double timeout = 0.0;
+    size_t count, mine;
+    PyObject *ret = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*ii|d", kwlist, &s, &r, &dtype, &op, &timeout))
+        return NULL;
+    if (check_open(self) || check_dtype_op(dtype, op, 1) || check_len(&s, dtype, "sendbuf"))
+        goto cleanup;
+    n = self->c.size;
+    count = (size_t)s.len / hr_dtype_size(dtype);
+    mine = count / (size_t)n + ((size_t)self->c.rank < count % (size_t)n ? 1 : 0);
+    if ((size_t)r.len != mine * hr_dtype_size(dtype)) {
+        PyErr_Format(PyExc_ValueError, "recvbuf is %zd bytes, rank %d's share of %zu elements is %zu",
+                     r.len, self->c.rank, count, mine);
+        goto cleanup;
+    }
+    RUN_LOCKED(self, rc, hr_reduce_scatter_ring(&self->c, s.buf, r.buf, count, dtype, op, timeout));
+    if (rc != HR_OK) raise_native(self);
+    else ret = Py_NewRef(Py_None);
+cleanup:
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&r);
+    return ret;
+}
+
+static PyObject *Comm_broadcast(CommObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"buf", "dtype", "root", "timeout", NULL};
+    Py_buffer b = {0};
+    int dtype, root, rc = HR_ERR;
+    double timeout = 0.0;
+    PyObject *ret = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "w*ii|d", kwlist, &b, &dtype, &root, &timeout))
+        return NULL;
+    if (check_open(self) || check_dtype_op(dtype, 0, 0) || check_len(&b, dtype, "buf"))
+        goto cleanup;
+    if (root < 0 || root >= self->c.size) {
+        PyErr_Format(PyExc_ValueError, "root %d out of range for size %d", root, self->c.size);
+        goto cleanup;
+    }
+    RUN_LOCKED(self, rc, hr_broadcast_pipeline(&self->c, b.buf, (size_t)b.len / hr_dtype_size(dtype),
+                                               dtype, root, timeout));
+    if (rc != HR_OK) raise_native(self);
+    else ret = Py_NewRef(Py_None);
+cleanup:
+    PyBuffer_Release(&b);
+    return ret;
+}
+
+static PyObject *Comm_alltoall(CommObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "timeout", NULL};
+    Py_buffer s = {0}, r = {0};
+    int dtype, rc = HR_ERR;
+    double timeout = 0.0;
+    size_t count;
+    PyObject *ret = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*i|d", kwlist, &s, &r, &dtype, &timeout))
+        return NULL;
+    if (check_open(self) || check_dtype_op(dtype, 0, 0) || check_len(&s, dtype, "sendbuf"))
+        goto cleanup;
+    count = (size_t)s.len / hr_dtype_size(dtype);
+    if (s.len != r.len || count % (size_t)self->c.size) {
+        PyErr_Format(PyExc_ValueError, "alltoall needs equal send/recv sizes (%zd, %zd bytes) "
+                     "and a count divisible by %d (got %zu)", s.len, r.len, self->c.size, count);
+        goto cleanup;
+    }
+    if (s.buf != r.buf && (char *)s.buf < (char *)r.buf + r.len && (char *)r.buf < (char *)s.buf + s.len) {
+        PyErr_SetString(PyExc_ValueError, "alltoall buffers overlap partially");
+        goto cleanup;
+    }
+    RUN_LOCKED(self, rc, hr_alltoall(&self->c, s.buf, r.buf, count, dtype, timeout));
+    if (rc != HR_OK) raise_native(self);
+    else ret = Py_NewRef(Py_None);
+cleanup:
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&r);
+    return ret;
+}
+
+static PyObject *Comm_barrier(CommObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"timeout", NULL};
+    double timeout = 0.0;
+    int rc = HR_ERR;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|d", kwlist, &timeout)) return NULL;
+    if (check_open(self)) return NULL;
+    RUN_LOCKED(self, rc, hr_barrier(&self->c, timeout));
+    if (rc != HR_OK) return raise_native(self);
+    Py_RETURN_NONE;
+cleanup:
+    return NULL;
+}
+
+static PyObject *Comm_get_error(CommObject *self, void *unused) {
+    (void)unused;
+    if (!self->c.failed) Py_RETURN_NONE;
+    return PyUnicode_FromString(self->c.err);
+}
+static PyObject *Comm_get_failed(CommObject *self, void *unused) {
+    (void)unused;
+    return PyBool_FromLong(self->c.failed);
+}
+static PyObject *Comm_get_rank(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromLong(self->c.rank);
+}
+static PyObject *Comm_get_size(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromLong(self->c.size);
+}
+static PyObject *Comm_get_seq(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromUnsignedLong(self->c.seq);
+}
+static PyObject *Comm_get_timeout(CommObject *self, void *unused) {
+    (void)unused;
+    return PyFloat_FromDouble(self->c.timeout);
+}
+static int Comm_set_timeout(CommObject *self, PyObject *v, void *unused) {
+    double t;
+    (void)unused;
+    if (!v || (t = PyFloat_AsDouble(v)) <= 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "timeout must be > 0");
+        return -1;
+    }
+    self->c.timeout = t;
+    return 0;
+}
+static PyObject *Comm_get_rd(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(self->c.rd_threshold);
+}
+static int Comm_set_rd(CommObject *self, PyObject *v, void *unused) {
+    size_t t;
+    (void)unused;
+    if (!v) return -1;
+    t = PyLong_AsSize_t(v);
+    if (PyErr_Occurred()) return -1;
+    self->c.rd_threshold = t;
+    return 0;
+}
+
+static PyGetSetDef Comm_getset[] = {
+    {"error", (getter)Comm_get_error, NULL, "first (sticky) error message, or None", NULL},
+    {"failed", (getter)Comm_get_failed, NULL, "True once a collective failed", NULL},
+    {"rank", (getter)Comm_get_rank, NULL, NULL, NULL},
+    {"size", (getter)Comm_get_size, NULL, NULL, NULL},
+    {"seq", (getter)Comm_get_seq, NULL, "collectives started so far", NULL},
+    {"timeout", (getter)Comm_get_timeout, (setter)Comm_set_timeout, "default deadline, s", NULL},
+    {"rd_threshold", (getter)Comm_get_rd, (setter)Comm_set_rd,
+     "allreduce bytes below which recursive doubling is used", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyMethodDef Comm_methods[] = {
+    {"allreduce", (PyCFunction)(void (*)(void))Comm_allreduce, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"allgather", (PyCFunction)(void (*)(void))Comm_allgather, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"reduce_scatter", (PyCFunction)(void (*)(void))Comm_reduce_scatter,
+     METH_VARARGS | METH_KEYWORDS, NULL},
+    {"broadcast", (PyCFunction)(void (*)(void))Comm_broadcast, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"alltoall", (PyCFunction)(void (*)(void))Comm_alltoall, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"barrier", (PyCFunction)(void (*)(void))Comm_barrier, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"close", (PyCFunction)Comm_close, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject CommType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hpcring._native.Comm",
+    .tp_basicsize = sizeof(CommObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Ring communicator over connected, authenticated sockets.",
+    .tp_new = Comm_new,
+    .tp_init = (initproc)Comm_init,
+    .tp_dealloc = (destructor)Comm_dealloc,
+    .tp_methods = Comm_methods,
+    .tp_getset = Comm_getset,
+};
+
+static PyObject *mod_reduce(PyObject *m, PyObject *args) {
+    Py_buffer d = {0}, s = {0};
+    int dtype, op;
+    PyObject *ret = NULL;
+    (void)m;
+    if (!PyArg_ParseTuple(args, "w*y*ii", &d, &s, &dtype, &op)) return NULL;
+    if (check_dtype_op(dtype, op, 1) || check_len(&d, dtype, "dst")) goto cleanup;
+    if (d.len != s.len) {
+        PyErr_SetString(PyExc_ValueError, "dst and src differ in size");
+        goto cleanup;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    hr_reduce(d.buf, s.buf, (size_t)d.len / hr_dtype_size(dtype), dtype, op);
+    Py_END_ALLOW_THREADS
+    ret = Py_NewRef(Py_None);
+cleanup:
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    return ret;
+}
+
+static PyObject *mod_divide(PyObject *m, PyObject *args) {
+    Py_buffer d = {0};
+    int dtype, n;
+    (void)m;
+    if (!PyArg_ParseTuple(args, "w*ii", &d, &dtype, &n)) return NULL;
+    if (check_dtype_op(dtype, HR_AVG, 1) || check_len(&d, dtype, "buf") || n < 1) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "divisor must be >= 1");
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    hr_divide(d.buf, (size_t)d.len / hr_dtype_size(dtype), dtype, n);
+    PyBuffer_Release(&d);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef mod_methods[] = {
+    {"reduce", mod_reduce, METH_VARARGS, "reduce(dst, src, dtype, op): dst = dst OP src"},
+    {"divide", mod_divide, METH_VARARGS, "divide(buf, dtype, n): buf /= n (float dtypes)"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "hpcring._native",
+                                    "Compiled ring collectives over TCP.", -1, mod_methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m;
+    if (PyType_Ready(&CommType) < 0) return NULL;
+    if (!(m = PyModule_Create(&moddef))) return NULL;
+    NativeError = PyErr_NewException("hpcring._native.NativeError", PyExc_RuntimeError, NULL);
+    if (!NativeError || PyModule_AddObjectRef(m, "NativeError", NativeError) < 0 ||
+        PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||
+        PyModule_AddIntConstant(m, "RD_THRESHOLD_DEFAULT", (long)HR_RD_THRESHOLD_DEFAULT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

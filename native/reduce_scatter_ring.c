@@ -1,0 +1,42 @@
+/* reduce_scatter_ring.c -- ring reduce-scatter.
+ *
+ * The count input elements are cut into n chunks as in hr_chunks (the first count % n ranks get
+ * one element more); rank r receives the reduction of chunk r over all ranks.
+ * Steps: copy the input into a scratch buffer (the input is never modified), one pipelined
+ * reduce-mode ring pass (ring_pass.c, first = r-1; in step s rank r sends chunk (r-1-s) and
+ * reduces chunk (r-2-s) received from the left), divide for avg, copy chunk r out.
+ *
+ * Cost: n-1 steps; each rank sends and receives (n-1)/n * S bytes and reduces as many;
+ * time ~ (n-1) a + (n-1)/n S (b + g), plus one local copy of S.
+ */
+#include "hr_internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Contract: sbuf holds count elements, rbuf holds chunk rank's element count (hr_chunks) and
+ * may overlap sbuf. Returns HR_OK, or HR_ERR with c->err set. */
+int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
+                           int redop, double timeout) {
+    hr_op_t op;
+    int n = c->size, r = c->rank, rc = HR_ERR;
+    size_t esz = hr_dtype_size(dtype), *off = NULL, *cnt;
+
+    if (hr_op_begin(&op, c, HR_K_REDUCE_SCATTER, dtype, redop, count, -1, timeout) != HR_OK)
+        return HR_ERR;
+    if (!(off = malloc(2 * (size_t)n * sizeof(size_t)))) {
+        hr_op_fail(&op, "malloc(): out of memory");
+        goto cleanup;
+    }
+    cnt = off + n;
+    hr_chunks(count, n, off, cnt);
+    if (hr_comm_tmp(&op, count * esz + 1) != HR_OK) goto cleanup;
+    if (count) memcpy(c->tmp, sbuf, count * esz);
+    if (hr_ring_pass(&op, c->tmp, off, cnt, r - 1, 1, dtype, redop, 1) != HR_OK) goto cleanup;
+    if (redop == HR_AVG) hr_divide(c->tmp + off[r] * esz, cnt[r], dtype, n);
+    if (cnt[r]) memmove(rbuf, c->tmp + off[r] * esz, cnt[r] * esz);
+    rc = HR_OK;
+cleanup:
+    free(off);
+    return rc;
+}

@@ -1,0 +1,59 @@
+/* transport_tcp.h -- the small transport interface the collectives are written against.
+ *
+ * A transport holds, for each peer rank, nconn connected stream sockets (connected and
+ * authenticated by the caller; the transport takes ownership and closes them). Sockets are put
+ * in non-blocking mode with TCP_NODELAY; SO_SNDBUF/SO_RCVBUF are set only when asked (setting them
+ * disables Linux buffer autotuning, which is usually the better choice on loopback and LANs).
+ *
+ * Operations never block: hr_tcp_sendv / hr_tcp_recvv move as many bytes as the kernel takes
+ * right now, and hr_tcp_wait is the only place that sleeps, always with a deadline. Only
+ * connection 0 of each peer is used by the algorithms today; extra connections are accepted,
+ * configured and closed so that striping can be added without changing the binding.
+ */
+#ifndef HR_TRANSPORT_TCP_H
+#define HR_TRANSPORT_TCP_H
+
+#include <stddef.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+typedef struct hr_tcp {
+    int rank, size, nconn;
+    int *fds;                   /* fds[peer * nconn + k]; -1 for self and for absent peers */
+} hr_tcp_t;
+
+#define HR_TCP_READ 1
+#define HR_TCP_WRITE 2
+
+/* Take ownership of fds (size * nconn entries, -1 allowed), make them non-blocking with
+ * TCP_NODELAY, and set SO_SNDBUF/SO_RCVBUF when sockbuf > 0. Returns 0, or -1 with a message
+ * naming the failing system call in err. On failure nothing is owned. */
+int hr_tcp_init(hr_tcp_t *t, int rank, int size, const int *fds, int nconn, int sockbuf,
+                char *err, size_t errlen);
+
+/* Close every socket; t may be partially initialised. Idempotent. */
+void hr_tcp_close(hr_tcp_t *t);
+
+/* shutdown(SHUT_RDWR) every socket so that peers see EOF at once; sockets stay open. */
+void hr_tcp_abort(hr_tcp_t *t);
+
+/* fd of connection 0 to peer, or -1. */
+int hr_tcp_fd(const hr_tcp_t *t, int peer);
+
+/* Send up to the iovec total to peer without blocking. Returns bytes sent (0 when the socket
+ * buffer is full), or -1 with "sendmsg(): <strerror>" in err. */
+ssize_t hr_tcp_sendv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char *err,
+                     size_t errlen);
+
+/* Receive up to the iovec total from peer without blocking. Returns bytes received (0 when
+ * nothing is pending), or -1 with a message in err ("connection closed by peer" on EOF). */
+ssize_t hr_tcp_recvv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char *err,
+                     size_t errlen);
+
+/* Wait until peer spoke is writable (HR_TCP_WRITE) and/or rpeer readable (HR_TCP_READ), or until
+ * the absolute deadline (hr_now() clock). Either peer may be -1. Returns the ready mask (0 on
+ * timeout), or -1 with "poll(): ..." in err. Errors/hangups on a socket count as ready so that
+ * the following send/recv reports them. */
+int hr_tcp_wait(hr_tcp_t *t, int speer, int rpeer, double deadline, char *err, size_t errlen);
+
+#endif
