@@ -1,0 +1,99 @@
+"""Text of the Slurm config files the dev cluster writes (pure functions, no I/O)."""
+from __future__ import annotations
+
+from . import names as n
+
+
+def slurm_conf(nodes: int, controller: str) -> str:
+    node_lines = "\n".join(
+        f"NodeName={n.node_name(i)} NodeAddr={n.node_addr(i)} NodeHostname={n.node_name(i)} "
+        f"CPUs={n.NODE_CPUS} RealMemory={n.NODE_REAL_MEMORY_MB} State=UNKNOWN"
+        for i in range(1, nodes + 1)
+    )
+    nodelist = "node1" if nodes == 1 else f"node[1-{nodes}]"
+    return f"""{n.CONF_MARKER} -- edits are overwritten.
+# A real Slurm cluster on one machine: each slurmd runs in its own network namespace
+# (/run/netns/nodeN) with its own address on the bridge {n.BRIDGE} ({n.BRIDGE_ADDR}/{n.PREFIX_LEN}).
+ClusterName={n.CLUSTER_NAME}
+SlurmctldHost={controller}({n.BRIDGE_ADDR})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+SlurmctldPort={n.SLURMCTLD_PORT}
+SlurmdPort={n.SLURMD_PORT}
+StateSaveLocation={n.CTLD_STATE_DIR}
+SlurmdSpoolDir={n.NODES_DIR}/%n/spool
+SlurmctldPidFile={n.SLURMCTLD_PID_FILE}
+SlurmdPidFile={n.RUN_DIR}/slurmd-%n.pid
+SlurmctldLogFile={n.SLURMCTLD_LOG}
+SlurmdLogFile={n.LOG_DIR}/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# The machine has fewer cores than the nodes declare; no cgroup confinement here.
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=30
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+TmpFS=/tmp
+SlurmctldTimeout=30
+SlurmdTimeout=60
+MessageTimeout=10
+InactiveLimit=0
+KillWait=5
+MinJobAge=300
+# Accounting through slurmdbd (so that sacct works); reachable from every node namespace.
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost={n.BRIDGE_ADDR}
+AccountingStoragePort={n.SLURMDBD_PORT}
+JobCompType=jobcomp/none
+
+{node_lines}
+PartitionName={n.PARTITION} Nodes={nodelist} Default=YES MaxTime={n.PARTITION_MAX_TIME} State=UP
+"""
+
+
+def slurmdbd_conf(controller: str, db_password: str) -> str:
+    return f"""{n.CONF_MARKER} -- edits are overwritten. Mode 0600 (holds a password).
+AuthType=auth/munge
+DbdHost={controller}
+DbdAddr={n.BRIDGE_ADDR}
+DbdPort={n.SLURMDBD_PORT}
+SlurmUser=root
+DebugLevel=info
+LogFile={n.SLURMDBD_LOG}
+PidFile={n.SLURMDBD_PID_FILE}
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={n.MYSQL_PORT}
+StorageUser={n.ACCT_DB_USER}
+StoragePass={db_password}
+StorageLoc={n.ACCT_DB}
+"""
+
+
+def db_setup_sql(db_password: str) -> str:
+    pw = db_password.replace("\\", "\\\\").replace("'", "\\'")
+    return f"""
+CREATE DATABASE IF NOT EXISTS {n.ACCT_DB};
+CREATE USER IF NOT EXISTS '{n.ACCT_DB_USER}'@'127.0.0.1' IDENTIFIED BY '{pw}';
+CREATE USER IF NOT EXISTS '{n.ACCT_DB_USER}'@'localhost' IDENTIFIED BY '{pw}';
+ALTER USER '{n.ACCT_DB_USER}'@'127.0.0.1' IDENTIFIED BY '{pw}';
+ALTER USER '{n.ACCT_DB_USER}'@'localhost' IDENTIFIED BY '{pw}';
+GRANT ALL ON {n.ACCT_DB}.* TO '{n.ACCT_DB_USER}'@'127.0.0.1';
+GRANT ALL ON {n.ACCT_DB}.* TO '{n.ACCT_DB_USER}'@'localhost';
+FLUSH PRIVILEGES;
+"""
+
+
+def hosts_block(nodes: int) -> str:
+    lines = [n.HOSTS_BEGIN]
+    lines += [f"{n.node_addr(i)}\t{n.node_name(i)}" for i in range(1, nodes + 1)]
+    lines.append(n.HOSTS_END)
+    return "\n".join(lines) + "\n"
