@@ -5,6 +5,7 @@ Library errors (HpcringError) become `error: ...` on stderr; nothing else is cau
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import List, Optional
 
@@ -20,6 +21,20 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                   help="From one GPU to many on Slurm and LSF: submit, bootstrap, collectives.")
 sites_app = typer.Typer(no_args_is_help=True, help="Site configs: list, show, validate.")
 app.add_typer(sites_app, name="sites")
+
+def command(target: typer.Typer, *args, **kwargs):
+    """Register a command whose HpcringError becomes `error: ...` and the error's exit code."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            try:
+                return fn(*a, **kw)
+            except HpcringError as exc:
+                output.error(str(exc))
+                raise typer.Exit(exc.exit_code) from None
+        return target.command(*args, **kwargs)(wrapper)
+    return deco
+
 
 SiteOpt = typer.Option(None, "--site", "-s", help="Site name or path to a site YAML (default: $HPCRING_SITE, else local).")
 
@@ -38,7 +53,7 @@ def _resolve(script, args, site, nodes, tasks_per_node, gpus_per_node, cpus_per_
 _JOB_HELP = "Extra arguments after `--` go to the script."
 
 
-@app.command(help="Submit SCRIPT to run on every rank. " + _JOB_HELP)
+@command(app, help="Submit SCRIPT to run on every rank. " + _JOB_HELP)
 def submit(
     script: str = typer.Argument(..., help="Python script each rank runs."),
     args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script (after --)."),
@@ -82,7 +97,7 @@ def _wait(rec) -> None:
     output.info(f"job {rec.job_id} COMPLETED: {rec.ntasks} ranks exited 0")
 
 
-@app.command(help="Print the job script `submit` would use, without submitting. " + _JOB_HELP)
+@command(app, help="Print the job script `submit` would use, without submitting. " + _JOB_HELP)
 def render(
     script: str = typer.Argument(...),
     args: Optional[List[str]] = typer.Argument(None),
@@ -109,14 +124,14 @@ def render(
     sys.stdout.write(lib.preview(s, job, template))
 
 
-@app.command(help="Show a job's state (from sacct, bjobs or the local backend) and its ranks.")
+@command(app, help="Show a job's state (from sacct, bjobs or the local backend) and its ranks.")
 def status(job_id: str = typer.Argument(...)):
     rec = lib.record(job_id)
     st = lib.job_state(rec)
     output.status(rec, st, lib.outcome(rec, st) if st.finished else None)
 
 
-@app.command(help="Print a job's output, tagged by rank.")
+@command(app, help="Print a job's output, tagged by rank.")
 def logs(job_id: str = typer.Argument(...),
          rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Only this rank."),
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
@@ -130,25 +145,25 @@ def logs(job_id: str = typer.Argument(...),
         output.line(lib.tag(r, stream, line), stream)
 
 
-@app.command(help="Cancel a job.")
+@command(app, help="Cancel a job.")
 def cancel(job_id: str = typer.Argument(...)):
     rec = lib.record(job_id)
     lib.cancel(rec)
     output.info(f"cancel requested for job {job_id}")
 
 
-@sites_app.command("list", help="List known site configs (user dirs shadow bundled ones).")
+@command(sites_app, "list", help="List known site configs (user dirs shadow bundled ones).")
 def sites_list():
     from hpcring.config.site import available_sites
     output.sites_table(available_sites())
 
 
-@sites_app.command("show", help="Show a site config and the environment derived from its fabric.")
+@command(sites_app, "show", help="Show a site config and the environment derived from its fabric.")
 def sites_show(site: str = typer.Argument(..., help="Name or path.")):
     output.site_detail(load_site(site))
 
 
-@sites_app.command("validate", help="Validate site configs; lists every problem with file, line and key.")
+@command(sites_app, "validate", help="Validate site configs; lists every problem with file, line and key.")
 def sites_validate(sites: Optional[List[str]] = typer.Argument(None, help="Names or paths (default: all known).")):
     from hpcring.config.site import available_sites
     refs = sites or [str(p) for _, p, _ in available_sites()]
@@ -183,19 +198,4 @@ _add_optional_subapps()
 
 
 def main() -> None:
-    try:
-        app(standalone_mode=False)
-    except HpcringError as exc:
-        output.error(str(exc))
-        sys.exit(exc.exit_code)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        output.error("aborted")
-        sys.exit(130)
-    except Exception as exc:  # click usage errors
-        import click
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+    app()

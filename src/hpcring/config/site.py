@@ -92,12 +92,34 @@ def parse_site_file(path: Path) -> SiteConfig:
         cfg = SiteConfig.model_validate(data)
     except ValidationError as exc:
         problems += [_describe(err, path, lines) for err in exc.errors()]
+        cfg = _validate_pruned(data, exc)  # so cross-field rules still get reported in the same run
     if cfg is not None:
         problems += [f"{_where(path, lines, loc)}: {msg}" for loc, msg in cross_checks(cfg)]
     if problems:
         raise ConfigError(f"site config {path} has {len(problems)} problem(s):", problems,
                           hint="fix each listed key; `hpcring sites validate` re-checks")
     return cfg
+
+
+def _validate_pruned(data: dict, exc: ValidationError) -> SiteConfig | None:
+    """Drop the offending keys (their defaults apply) and validate again; None if still invalid."""
+    import copy
+    pruned = copy.deepcopy(data)
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        parent = pruned
+        for part in loc[:-1]:
+            try:
+                parent = parent[part]
+            except (KeyError, IndexError, TypeError):
+                parent = None
+                break
+        if isinstance(parent, dict) and loc and loc[-1] in parent:
+            del parent[loc[-1]]
+    try:
+        return SiteConfig.model_validate(pruned)
+    except ValidationError:
+        return None
 
 
 def _where(path: Path, lines: dict, loc: tuple) -> str:

@@ -1,0 +1,82 @@
+"""The local backend runs the same job as a cluster would: N nodes x k ranks with allocation env."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HELLO = ROOT / "examples" / "hello.py"
+
+
+def hpcring(*args, env=None, timeout=120):
+    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True,
+                          env=e, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def local_env(tmp_path):
+    return {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_JOB_DIR": str(tmp_path / "jobs")}
+
+
+def hellos(stdout: str) -> list[dict]:
+    return [json.loads(l.split("HELLO ", 1)[1]) for l in stdout.splitlines() if "<stdout>:HELLO " in l]
+
+
+def test_hello_2_nodes_x_2_ranks(local_env):
+    r = hpcring("submit", str(HELLO), "--nodes", "2", "--tasks-per-node", "2", "--wait", env=local_env)
+    assert r.returncode == 0, r.stderr
+    recs = hellos(r.stdout)
+    assert sorted(x["rank"] for x in recs) == [0, 1, 2, 3]
+    assert {(x["rank"], x["local_rank"], x["host"]) for x in recs} == \
+        {(0, 0, "local0"), (1, 1, "local0"), (2, 0, "local1"), (3, 1, "local1")}
+    assert all(x["size"] == 4 for x in recs)
+    for line in r.stdout.splitlines():  # every line tagged like mpirun --tag-output
+        assert line.startswith("[") and "]<std" in line
+    job_id = r.stderr.split("Submitted job ")[1].split()[0]
+    st = hpcring("status", job_id, env=local_env)
+    assert st.returncode == 0 and "COMPLETED" in st.stdout
+    logs = hpcring("logs", job_id, "--rank", "2", env=local_env)
+    assert logs.returncode == 0 and [x["rank"] for x in hellos(logs.stdout)] == [2]
+
+
+def test_failing_rank_named_and_exit_code(local_env):
+    r = hpcring("submit", str(HELLO), "--nodes", "2", "--tasks-per-node", "2", "--wait",
+                env=dict(local_env, HELLO_FAIL_RANK="1"))
+    assert r.returncode == 3, r.stderr
+    assert "rank 1 on local0 exited with code 3" in r.stderr
+
+
+def test_cancel_stops_running_job(local_env, tmp_path):
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(300)\n")
+    r = hpcring("submit", str(sleeper), "--nodes", "1", "--tasks-per-node", "2", env=local_env)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stderr.split("Submitted job ")[1].split()[0]
+    deadline = time.time() + 30
+    while "RUNNING" not in hpcring("status", job_id, env=local_env).stdout:
+        assert time.time() < deadline, "job never started"
+        time.sleep(0.5)
+    assert hpcring("cancel", job_id, env=local_env).returncode == 0
+    deadline = time.time() + 30
+    while True:
+        out = hpcring("status", job_id, env=local_env).stdout
+        if "CANCELLED" in out:
+            break
+        assert time.time() < deadline, out
+        time.sleep(0.5)
+    folder = Path(local_env["HPCRING_JOB_DIR"]) / job_id
+    state = json.loads((folder / f"{job_id}_local.json").read_text())
+    for pid in [state["pid"]]:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:2]
+
+
+def test_time_limit_enforced(local_env, tmp_path):
+    sleeper = tmp_path / "sleep.py"
+    sleeper.write_text("import time\ntime.sleep(300)\n")
+    r = hpcring("submit", str(sleeper), "--time", "1", "--wait", env=dict(local_env), timeout=150)
+    assert r.returncode != 0 and "TIMEOUT" in r.stderr
