@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything, from a fresh Debian 12 machine as root: system packages (Slurm, MariaDB, munge,
+# Open MPI), the venv with test extras, the real dev cluster, then the whole test suite.
+# Usage: bash scripts/test.sh [pytest args...]
+#   HPCRING_KEEP_DEVCLUSTER=0  bring the dev cluster down afterwards (CI does)
+set -euo pipefail
+exec </dev/null
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+
+bash scripts/install-system-deps.sh
+EXTRAS=test,mpi bash scripts/install.sh
+
+t0=$(date +%s)
+.venv/bin/hpcring devcluster up
+echo "test.sh: devcluster up took $(( $(date +%s) - t0 )) s"
+
+rc=0
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests || rc=$?
+
+if [[ "${HPCRING_KEEP_DEVCLUSTER:-1}" == "0" ]]; then
+    .venv/bin/hpcring devcluster down || rc=1
+fi
+echo "test.sh: total $(( $(date +%s) - start )) s, pytest exit $rc"
+exit $rc
