@@ -20,7 +20,7 @@ def _cluster_up() -> bool:
         r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
     except subprocess.TimeoutExpired:
         return False
-    return r.returncode == 0 and "idle" in r.stdout or "mix" in r.stdout or "alloc" in r.stdout
+    return r.returncode == 0 and any(w in r.stdout for w in ("idle", "mix", "alloc"))
 
 
 pytestmark = [pytest.mark.devcluster,

@@ -91,23 +91,29 @@ def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
     master = _agree_master(client, topo.rank, table, deadline)
     last_timings["verified"] = time.monotonic() - t0
 
-    done = topo.with_(hosts=tuple(hosts), interface=table[topo.rank].interface,
-                      address=table[topo.rank].address, master_addr=master["addr"],
-                      master_port=master["framework_port"],
-                      sources={**topo.sources, "hosts": "store:init/hosts",
-                               "master_addr": "store:init/master", "interface": "verified"})
+    done = _complete(topo, hosts).with_(
+        interface=table[topo.rank].interface, address=table[topo.rank].address,
+        master_addr=master["addr"], master_port=master["framework_port"])
+    done = done.with_(sources={**done.sources, "master_addr": "store:init/master (rank 0's verified interface)",
+                               "master_port": "store:init/master (free port above the store's)",
+                               "interface": f"verified ({verify})", "address": "verified"})
     return done, client
 
 
 # ----------------------------------------------------------------------------------- steps
 
 def _detect(env: Mapping[str, str]) -> Topology:
+    from hpcring.bootstrap.launchers import detect
+    return detect(env)
+
+
+def _complete(topo: Topology, hosts: list[str]) -> Topology:
+    """Fill node fields (and unknown local ranks) from the gathered hosts."""
     try:
-        from hpcring.bootstrap.launchers import detect
-    except ImportError as e:   # launchers.py is written separately; say so rather than crash obscurely
-        raise BootstrapError("launcher detection is unavailable (hpcring.bootstrap.launchers)",
-                             hint="pass topology= explicitly") from e
-    return detect(dict(env))
+        from hpcring.bootstrap.launchers import complete
+    except ImportError:   # keep working with hand-built topologies if launchers is unavailable
+        return topo.with_(hosts=tuple(hosts))
+    return complete(topo, hosts, source="store:init/hosts")
 
 
 def _interface_spec(interface: str | None, env: Mapping[str, str], topo: Topology) -> str | None:
@@ -154,7 +160,7 @@ def bootstrap_master_addr(topo: Topology, env: Mapping[str, str]) -> str:
     if topo.master_addr:
         return topo.master_addr
     first = topo.hosts[0] if topo.hosts else None
-    if not first:
+    if not first or first == "?":   # launchers.UNKNOWN_HOST: this launcher does not list other hosts
         raise BootstrapError("cannot tell where rank 0 runs: no HPCRING_MASTER_ADDR/MASTER_ADDR and no host list",
                              hint="export HPCRING_MASTER_ADDR=<rank 0's node> before starting the ranks")
     try:
@@ -191,7 +197,8 @@ def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float) ->
 
 def _gather_hosts(client: StoreClient, topo: Topology, deadline: float) -> list[str]:
     """Every rank's host name, in rank order; doubles as the 'all ranks met' point."""
-    mine = topo.hosts[topo.rank] if len(topo.hosts) == topo.size and topo.hosts[topo.rank] else socket.gethostname()
+    known = len(topo.hosts) == topo.size and topo.hosts[topo.rank] not in ("", "?")
+    mine = topo.hosts[topo.rank] if known else socket.gethostname()
     client.set(f"init/host/{topo.rank}", mine.encode())
     if topo.rank == 0:
         # One gatherer keeps this O(size) requests instead of every rank reading every key.

@@ -18,6 +18,7 @@ values are opaque bytes, counters are ASCII decimals.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import heapq
 import hmac
@@ -214,6 +215,10 @@ class StoreServer:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=f"hpcring-store:{self.port}", daemon=True)
         self._thread.start()
+        # The server is a daemon thread inside rank 0: at interpreter exit it would be frozen
+        # mid-batch (e.g. after answering rank 0 but before the other barrier waiters). Stopping it
+        # from atexit lets the loop finish the batch it is in and flush its replies first.
+        atexit.register(self.close)
 
     # -- public -----------------------------------------------------------------------------
     @property
@@ -226,6 +231,9 @@ class StoreServer:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving and close every connection; waits at most ``timeout`` for the thread."""
+        atexit.unregister(self.close)
+        if self._stopping:
+            return
         self._stopping = True
         try:
             self._wake_w.send(b"x")
@@ -416,8 +424,10 @@ class StoreServer:
 
     def _op_set(self, conn: _Conn, key: str, value: bytes) -> None:
         self._data[key] = value
-        self._reply(conn, ST_OK)
+        # Waiters first: once the setter has its answer it may exit, and on rank 0 that ends the
+        # server thread too; the waiters' replies must already be in their socket buffers by then.
         self._wake_waiters(key)
+        self._reply(conn, ST_OK)
 
     def _op_get(self, conn: _Conn, key: str, args: bytes) -> None:
         (timeout,) = F64.unpack(args)
@@ -441,8 +451,8 @@ class StoreServer:
             self._reply(conn, ST_ERROR, f"key {key!r} does not hold an integer".encode())
             return
         self._data[key] = str(value).encode("ascii")
+        self._wake_waiters(key)   # before replying, as in _op_set
         self._reply(conn, ST_OK, I64.pack(value))
-        self._wake_waiters(key)
 
     def _op_check(self, conn: _Conn, key: str, args: bytes) -> None:
         if key in self._data:
@@ -715,12 +725,17 @@ class StoreClient:
             raise BootstrapError(f"barrier {name!r} at store {self.address} entered {n} times for size {size}",
                                  hint="barrier names are single-use; use a fresh name each time")
         if n == size:
+            # The last one in releases the others and leaves: a get() here could race rank 0
+            # finishing the barrier and exiting (taking the store with it).
             self.set(done_key, b"1")
+            return
         try:
             self.get(done_key, timeout=max(0.0, deadline - time.monotonic()))
         except BootstrapError as e:
             arrived = self.check(count_key) if self._sock is not None else None
             got = arrived.decode() if arrived else "?"
+            if "timed out" not in e.message:   # the store went away: that error says it better
+                raise
             raise BootstrapError(f"barrier {name!r} timed out after {wait:.1f}s at store {self.address}: "
                                  f"{got} of {size} ranks arrived (waiting for key {done_key!r})",
                                  hint="the missing ranks never reached this barrier: check that every "
