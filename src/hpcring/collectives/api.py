@@ -1,0 +1,513 @@
+"""Communicator: the user-facing collectives on numpy arrays, torch tensors and CuPy arrays.
+
+Semantics (all ranks call the same collectives in the same order with matching arguments):
+
+* ``out=None`` returns a new array; ``out=x`` works in place; any other ``out`` must have the
+  right dtype, element count and be C-contiguous and writable. The result has the type of the
+  input (numpy -> numpy, torch -> torch on the input's device, CuPy -> CuPy).
+* dtypes: float16, bfloat16, float32, float64, int32, int64, uint8. bfloat16 is 2-byte storage:
+  a torch.bfloat16 tensor, an ml_dtypes bfloat16 array, or a uint16 array passed with
+  ``dtype="bfloat16"``. ops: sum, prod, min, max, avg (avg only for floating-point dtypes).
+* deadlines: every call has one: ``timeout=`` on the call, else the communicator's default
+  (``Communicator(timeout=)``, else env HPCRING_TIMEOUT, else 300 s). A missed deadline or a dead
+  peer raises :class:`~hpcring.errors.CollectiveError` naming the op, peer rank and host, and the
+  communicator stays failed (every later call raises the first error).
+* async: ``*_async`` returns a :class:`Handle`; ops run in submission order on one worker thread
+  per communicator (synchronous calls queue behind pending async ones).
+
+Host memory goes to the backend without copies (numpy views, DLPack for torch CPU tensors).
+Device memory is staged through host memory for a host backend (ring); a device backend (NCCL)
+receives device buffers directly.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import numpy as np
+
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend, chunk_counts
+from hpcring.errors import CollectiveError, HpcringError, UsageError
+
+_NP_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
+              "int32": np.int32, "int64": np.int64, "uint8": np.uint8}
+
+
+# ---------------------------------------------------------------------------------------------
+# array adaptation
+# ---------------------------------------------------------------------------------------------
+class _Arr:
+    """A C-contiguous host view of a user array plus how to give results back."""
+
+    __slots__ = ("orig", "kind", "host", "tag", "shape", "device_copy")
+
+    def __init__(self, orig, kind, host: np.ndarray, tag: str, shape, device_copy: bool):
+        self.orig, self.kind, self.host, self.tag = orig, kind, host, tag
+        self.shape, self.device_copy = tuple(shape), device_copy
+
+    @property
+    def flat(self) -> np.ndarray:
+        return self.host.reshape(-1)
+
+
+def _kind(x) -> str:
+    mod = type(x).__module__ or ""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if mod.startswith("torch"):
+        return "torch"
+    if mod.startswith("cupy"):
+        return "cupy"
+    if hasattr(x, "__dlpack__"):
+        return "dlpack"
+    return "other"
+
+
+def _tag_numpy(a: np.ndarray, dtype: str | None, what: str) -> tuple[np.ndarray, str]:
+    name = a.dtype.name
+    if name == "bfloat16":                       # ml_dtypes
+        return a.view(np.uint16), "bfloat16"
+    if dtype is not None:
+        if dtype == "bfloat16":
+            if a.dtype.itemsize != 2 or a.dtype.kind not in "ui":
+                raise UsageError(f"{what}: dtype='bfloat16' needs 2-byte integer storage (uint16), got {name}")
+            return a.view(np.uint16), "bfloat16"
+        if dtype != name:
+            raise UsageError(f"{what}: dtype={dtype!r} does not match the array's dtype {name}")
+    if name not in _NP_DTYPES:
+        raise UsageError(f"{what}: unsupported dtype {name}; supported: {', '.join(DTYPES)}",
+                         hint="convert first (x.astype(np.float32)), or pass uint16 storage with dtype='bfloat16'")
+    return a, name
+
+
+def _adapt(x, dtype: str | None, what: str, *, writable: bool) -> _Arr:
+    kind = _kind(x)
+    device_copy = False
+    if kind == "numpy":
+        host = x
+    elif kind == "torch":
+        import torch  # only when a tensor was passed
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+            device_copy = True
+        if writable and not device_copy and not t.is_contiguous():
+            raise UsageError(f"{what}: the tensor must be contiguous to be written in place")
+        t = t.contiguous()
+        if t.dtype == torch.bfloat16:
+            host = np.from_dlpack(t.view(torch.int16)).view(np.uint16)
+            dtype = "bfloat16"
+        else:
+            host = np.from_dlpack(t)
+        arr = _Arr(x, kind, host, "", x.shape, device_copy)
+        arr.host, arr.tag = _tag_numpy(host, dtype, what)
+        return arr
+    elif kind == "cupy":
+        host = x.get()
+        device_copy = True
+    elif kind == "dlpack":
+        try:
+            host = np.from_dlpack(x)
+        except (TypeError, RuntimeError, BufferError) as e:
+            raise UsageError(f"{what}: cannot view {type(x).__name__} through DLPack: {e}") from None
+    else:
+        raise UsageError(f"{what}: expected a numpy array, torch tensor or CuPy array, got {type(x).__name__}")
+    if not host.flags.c_contiguous:
+        if writable and not device_copy:
+            raise UsageError(f"{what}: the array must be C-contiguous to be written in place")
+        host = np.ascontiguousarray(host)
+    if writable and not host.flags.writeable:
+        raise UsageError(f"{what}: the array is read-only")
+    host, tag = _tag_numpy(host, dtype, what)
+    return _Arr(x, kind, host, tag, getattr(x, "shape", host.shape), device_copy)
+
+
+def _new_like(a: _Arr, shape) -> _Arr:
+    """A fresh result array of a's kind, element type and the given shape."""
+    np_dtype = np.uint16 if a.tag == "bfloat16" else _NP_DTYPES[a.tag]
+    host = np.empty(shape, dtype=np_dtype)
+    if a.kind == "torch" and not a.device_copy:
+        import torch
+        t = torch.from_numpy(host.view(np.int16) if a.tag == "bfloat16" else host)
+        if a.tag == "bfloat16":
+            t = t.view(torch.bfloat16)
+        return _Arr(t, "torch", host, a.tag, shape, False)
+    return _Arr(None, a.kind if a.kind in ("torch", "cupy") else "numpy", host, a.tag, shape,
+                a.kind in ("torch", "cupy"))
+
+
+def _finish(res: _Arr, like: _Arr):
+    """Return the result object of the input's type; copy device results back."""
+    if res.orig is not None and not res.device_copy:
+        return res.orig
+    if res.kind == "torch":
+        import torch
+        host = res.host.view(np.int16) if res.tag == "bfloat16" else res.host
+        t = torch.from_numpy(np.ascontiguousarray(host))
+        if res.tag == "bfloat16":
+            t = t.view(torch.bfloat16)
+        t = t.to(like.orig.device)
+        if res.orig is not None:       # out= on a device: write through
+            res.orig.copy_(t)
+            return res.orig
+        return t
+    if res.kind == "cupy":
+        import cupy
+        host = res.host
+        if res.orig is not None:
+            res.orig.set(host.view(res.orig.dtype) if res.tag == "bfloat16" else host)
+            return res.orig
+        return cupy.asarray(host)
+    return res.host if res.orig is None else res.orig
+
+
+def _check_out(out: _Arr, x: _Arr, count: int, op: str) -> None:
+    if out.tag != x.tag:
+        raise UsageError(f"{op}: out has dtype {out.tag} but the input is {x.tag}")
+    if out.flat.size != count:
+        raise UsageError(f"{op}: out has {out.flat.size} elements (shape {out.shape}), need {count}")
+
+
+def _check_op(op: str, tag: str, what: str) -> None:
+    if op not in OPS:
+        raise UsageError(f"{what}: unsupported op {op!r}; supported: {', '.join(OPS)}")
+    if op == "avg" and tag not in FLOAT_DTYPES:
+        raise UsageError(f"{what}: op 'avg' needs a floating-point dtype, got {tag}",
+                         hint="use op='sum' and divide, or convert to float")
+
+
+# ---------------------------------------------------------------------------------------------
+# async machinery
+# ---------------------------------------------------------------------------------------------
+class Handle:
+    """The pending result of an ``*_async`` call."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _set(self, result=None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._event.set()
+
+    def done(self) -> bool:
+        """True once the operation finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the operation finished and return its result (or raise its error).
+        ``timeout`` (seconds) bounds the wait itself: CollectiveError if still running."""
+        if not self._event.wait(timeout):
+            raise CollectiveError(f"{self.name} did not finish within {timeout:.1f} s (still running)",
+                                  hint="the operation keeps its own deadline; wait again or raise it")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        """The error of a finished operation, or None."""
+        return self._error if self._event.is_set() else None
+
+
+class _Worker:
+    """One thread per communicator executing submitted operations in order."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._name = name
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def submit(self, name: str, fn: Callable[[], Any]) -> Handle:
+        h = Handle(name)
+        with self._lock:
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._q.put((h, fn))
+        return h
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            h, fn = item
+            try:
+                h._set(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                h._set(error=e)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def stop(self) -> None:
+        with self._lock:
+            t = self._thread
+            self._thread = None
+        if t is not None:
+            self._q.put(None)
+            t.join(timeout=5.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Communicator
+# ---------------------------------------------------------------------------------------------
+class Communicator:
+    """Collectives over a :class:`~hpcring.collectives.backends.Backend`."""
+
+    def __init__(self, backend: Backend, *, timeout: float | None = None) -> None:
+        from hpcring.collectives.ring import default_timeout
+        self.backend = backend
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        if self.timeout <= 0:
+            raise UsageError(f"timeout must be > 0, got {timeout}")
+        self._worker = _Worker(f"hpcring-comm:{backend.rank}")
+        self._seq = 0
+
+    @classmethod
+    def create(cls, topology, store, secret: bytes | str, *, timeout: float | None = None,
+               **backend_options) -> "Communicator":
+        """Ring communicator for ``topology`` (address exchange through ``store``)."""
+        from hpcring.collectives.ring import RingBackend
+        backend = RingBackend.create(topology, store, secret, timeout, **backend_options)
+        return cls(backend, timeout=timeout)
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def size(self) -> int:
+        return self.backend.size
+
+    @property
+    def error(self) -> str | None:
+        return self.backend.error
+
+    def close(self) -> None:
+        self._worker.stop()
+        self.backend.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- execution ------------------------------------------------------------------------
+    def _deadline(self, timeout: float | None) -> float:
+        t = self.timeout if timeout is None else float(timeout)
+        if t <= 0:
+            raise UsageError(f"timeout must be > 0, got {timeout}")
+        return t
+
+    def _run(self, name: str, fn: Callable[[], Any], is_async: bool):
+        if is_async:
+            return self._worker.submit(name, fn)
+        if self._worker.pending:
+            return self._worker.submit(name, fn).wait()
+        return fn()
+
+    # -- allreduce --------------------------------------------------------------------------
+    def _allreduce(self, x, op, out, timeout, dtype, is_async):
+        a = _adapt(x, dtype, "allreduce input", writable=out is x)
+        _check_op(op, a.tag, "allreduce")
+        t = self._deadline(timeout)
+        if out is x:
+            res = a
+        elif out is None:
+            res = _new_like(a, a.shape)
+        else:
+            res = _adapt(out, dtype if a.tag != "bfloat16" else "bfloat16", "allreduce out", writable=True)
+            _check_out(res, a, a.flat.size, "allreduce")
+
+        def run():
+            self.backend.allreduce(a.flat, res.flat, a.tag, op, t)
+            return _finish(res, a)
+        return self._run("allreduce", run, is_async)
+
+    def allreduce(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
+                  dtype: str | None = None):
+        """Element-wise ``op`` over all ranks' ``x``; returns ``out`` (a new array when None;
+        ``out=x`` for in place). Identical on all ranks."""
+        return self._allreduce(x, op, out, timeout, dtype, False)
+
+    def allreduce_async(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
+                        dtype: str | None = None) -> Handle:
+        """Like :meth:`allreduce`, queued on the communicator's worker; ``x`` and ``out`` must
+        not be touched until the handle is done."""
+        return self._allreduce(x, op, out, timeout, dtype, True)
+
+    def _allreduce_grouped(self, arrays, op, timeout, inplace, is_async):
+        arrs = [_adapt(x, None, f"allreduce_grouped input {i}", writable=inplace) for i, x in enumerate(arrays)]
+        for a in arrs:
+            _check_op(op, a.tag, "allreduce_grouped")
+        t = self._deadline(timeout)
+        groups: dict[str, list[int]] = {}
+        for i, a in enumerate(arrs):
+            groups.setdefault(a.tag, []).append(i)
+
+        def run():
+            results: list[Any] = [None] * len(arrs)
+            for tag in sorted(groups, key=DTYPES.index):      # same order on every rank
+                idx = groups[tag]
+                fused = np.concatenate([arrs[i].flat for i in idx]) if idx else None
+                self.backend.allreduce(fused, fused, tag, op, t)
+                pos = 0
+                for i in idx:
+                    a = arrs[i]
+                    n = a.flat.size
+                    if inplace:
+                        a.flat[...] = fused[pos:pos + n]
+                        results[i] = _finish(a, a)
+                    else:
+                        r = _new_like(a, a.shape)
+                        r.flat[...] = fused[pos:pos + n]
+                        results[i] = _finish(r, a)
+                    pos += n
+            return results
+        return self._run("allreduce_grouped", run, is_async)
+
+    def allreduce_grouped(self, arrays: Sequence, op: str = "sum", *, timeout: float | None = None,
+                          inplace: bool = False) -> list:
+        """Allreduce many arrays as one fused buffer per dtype (one collective per dtype, in a
+        fixed dtype order); returns the results in input order (the inputs themselves when
+        ``inplace``)."""
+        return self._allreduce_grouped(list(arrays), op, timeout, inplace, False)
+
+    def allreduce_grouped_async(self, arrays: Sequence, op: str = "sum", *,
+                                timeout: float | None = None, inplace: bool = False) -> Handle:
+        return self._allreduce_grouped(list(arrays), op, timeout, inplace, True)
+
+    # -- allgather ------------------------------------------------------------------------
+    def _allgather(self, x, out, timeout, dtype, is_async):
+        a = _adapt(x, dtype, "allgather input", writable=False)
+        t = self._deadline(timeout)
+        shape = (self.size, *a.shape)
+        if out is None:
+            res = _new_like(a, shape)
+        else:
+            res = _adapt(out, "bfloat16" if a.tag == "bfloat16" else dtype, "allgather out", writable=True)
+            _check_out(res, a, a.flat.size * self.size, "allgather")
+
+        def run():
+            self.backend.allgather(a.flat, res.flat, a.tag, t)
+            return _finish(res, a)
+        return self._run("allgather", run, is_async)
+
+    def allgather(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
+        """Every rank's ``x`` stacked in rank order: shape ``(size, *x.shape)`` (``out`` may have
+        any shape with that many elements)."""
+        return self._allgather(x, out, timeout, dtype, False)
+
+    def allgather_async(self, x, out=None, *, timeout: float | None = None,
+                        dtype: str | None = None) -> Handle:
+        return self._allgather(x, out, timeout, dtype, True)
+
+    # -- broadcast ------------------------------------------------------------------------
+    def _broadcast(self, x, root, timeout, dtype, is_async):
+        if not (0 <= root < self.size):
+            raise UsageError(f"broadcast: root {root} out of range for {self.size} ranks")
+        a = _adapt(x, dtype, "broadcast buffer", writable=True)
+        t = self._deadline(timeout)
+
+        def run():
+            self.backend.broadcast(a.flat, root, a.tag, t)
+            return _finish(a, a)
+        return self._run("broadcast", run, is_async)
+
+    def broadcast(self, x, root: int = 0, *, timeout: float | None = None, dtype: str | None = None):
+        """In place: ``x`` on every rank becomes root's ``x`` (same shape and dtype everywhere);
+        returns ``x``."""
+        return self._broadcast(x, root, timeout, dtype, False)
+
+    def broadcast_async(self, x, root: int = 0, *, timeout: float | None = None,
+                        dtype: str | None = None) -> Handle:
+        return self._broadcast(x, root, timeout, dtype, True)
+
+    # -- reduce_scatter -------------------------------------------------------------------
+    def _reduce_scatter(self, x, op, out, timeout, dtype, is_async):
+        a = _adapt(x, dtype, "reduce_scatter input", writable=False)
+        _check_op(op, a.tag, "reduce_scatter")
+        t = self._deadline(timeout)
+        n = a.flat.size
+        mine = chunk_counts(n, self.size)[self.rank]
+        if len(a.shape) >= 1 and a.shape[0] % self.size == 0:
+            shape = (a.shape[0] // self.size, *a.shape[1:])
+        else:
+            shape = (mine,)
+        if out is None:
+            res = _new_like(a, shape)
+        else:
+            res = _adapt(out, "bfloat16" if a.tag == "bfloat16" else dtype, "reduce_scatter out", writable=True)
+            _check_out(res, a, mine, "reduce_scatter")
+
+        def run():
+            self.backend.reduce_scatter(a.flat, res.flat, a.tag, op, t)
+            return _finish(res, a)
+        return self._run("reduce_scatter", run, is_async)
+
+    def reduce_scatter(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
+                       dtype: str | None = None):
+        """This rank's share of the element-wise ``op`` over ranks. When ``x.shape[0]`` is
+        divisible by the world size the result has shape ``(x.shape[0] // size, *x.shape[1:])``
+        (rank r gets rows r*k .. r*k+k-1); otherwise ``x`` is flattened and rank r gets
+        ``len // size + (r < len % size)`` consecutive elements."""
+        return self._reduce_scatter(x, op, out, timeout, dtype, False)
+
+    def reduce_scatter_async(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
+                             dtype: str | None = None) -> Handle:
+        return self._reduce_scatter(x, op, out, timeout, dtype, True)
+
+    # -- alltoall -------------------------------------------------------------------------
+    def _alltoall(self, x, out, timeout, dtype, is_async):
+        a = _adapt(x, dtype, "alltoall input", writable=out is x)
+        t = self._deadline(timeout)
+        if a.flat.size % self.size:
+            raise UsageError(f"alltoall: {a.flat.size} elements cannot be split into {self.size} equal blocks")
+        if out is x:
+            res = a
+        elif out is None:
+            res = _new_like(a, a.shape)
+        else:
+            res = _adapt(out, "bfloat16" if a.tag == "bfloat16" else dtype, "alltoall out", writable=True)
+            _check_out(res, a, a.flat.size, "alltoall")
+
+        def run():
+            self.backend.alltoall(a.flat, res.flat, a.tag, t)
+            return _finish(res, a)
+        return self._run("alltoall", run, is_async)
+
+    def alltoall(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
+        """Block j (of ``size`` equal blocks of the flattened ``x``) goes to rank j; block i of
+        the result came from rank i. Result has ``x``'s shape; ``out=x`` works in place."""
+        return self._alltoall(x, out, timeout, dtype, False)
+
+    def alltoall_async(self, x, out=None, *, timeout: float | None = None,
+                       dtype: str | None = None) -> Handle:
+        return self._alltoall(x, out, timeout, dtype, True)
+
+    # -- barrier --------------------------------------------------------------------------
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Return once every rank has entered the barrier."""
+        t = self._deadline(timeout)
+        return self._run("barrier", lambda: self.backend.barrier(t), False)
+
+    def barrier_async(self, *, timeout: float | None = None) -> Handle:
+        t = self._deadline(timeout)
+        return self._run("barrier", lambda: self.backend.barrier(t), True)
+
+
+__all__ = ["Communicator", "Handle", "HpcringError"]

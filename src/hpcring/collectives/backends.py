@@ -1,0 +1,78 @@
+"""The small interface every collective backend implements (ring today; MPI and NCCL later).
+
+A backend moves bytes of contiguous 1-D buffers; all shape handling, dtype mapping, DLPack,
+async execution and error wording live in :mod:`hpcring.collectives.api`. Contract for every
+method:
+
+* buffers are 1-D C-contiguous arrays of the backend's memory kind (``device``: ``"cpu"`` means
+  numpy arrays in host memory; a CUDA backend would take CuPy arrays);
+* ``dtype`` is one of :data:`DTYPES` (bfloat16 buffers are uint16 storage), ``op`` one of
+  :data:`OPS` (``avg`` only for floating-point dtypes);
+* ``timeout`` is the deadline in seconds for this call (> 0);
+* failures raise :class:`hpcring.errors.CollectiveError` whose message names the operation, the
+  peer rank and its host; after a failure the backend is dead (``error`` keeps the first message)
+  and every later call fails the same way.
+"""
+from __future__ import annotations
+
+import abc
+
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+OPS = ("sum", "prod", "min", "max", "avg")
+
+
+class Backend(abc.ABC):
+    """One communicator's transport and algorithms."""
+
+    name: str = "abstract"
+    device: str = "cpu"
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @property
+    def error(self) -> str | None:
+        """The first (sticky) failure, or None while healthy."""
+        return None
+
+    @abc.abstractmethod
+    def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+        """recvbuf = OP over ranks of sendbuf (same length; sendbuf is recvbuf for in place)."""
+
+    @abc.abstractmethod
+    def allgather(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
+        """recvbuf (size * len(sendbuf)) = the ranks' sendbufs in rank order."""
+
+    @abc.abstractmethod
+    def reduce_scatter(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+        """recvbuf = this rank's chunk of OP over ranks of sendbuf; chunk r has
+        len // size + (r < len % size) elements (see :func:`chunk_counts`)."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf, root: int, dtype: str, timeout: float) -> None:
+        """buf on every rank = buf on root."""
+
+    @abc.abstractmethod
+    def alltoall(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
+        """Block j of sendbuf goes to rank j; block i of recvbuf comes from rank i
+        (len divisible by size; sendbuf may be recvbuf)."""
+
+    @abc.abstractmethod
+    def barrier(self, timeout: float) -> None:
+        """Return once every rank has entered."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections; idempotent."""
+
+
+def chunk_counts(count: int, size: int) -> list[int]:
+    """Element counts of the reduce-scatter chunks (the first count % size get one more)."""
+    base, extra = divmod(count, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]

@@ -1,0 +1,158 @@
+"""Helpers for the ring collective tests: in-process meshes (threads over socketpairs) and real
+multi-process runs over loopback TCP with the authenticated rendezvous store."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+import traceback
+
+from hpcring import _native
+from hpcring.bootstrap.topology import Topology
+from hpcring.collectives import Communicator
+from hpcring.collectives.ring import RingBackend
+
+SECRET = b"0123456789abcdef" * 4
+
+
+def hosts_for(n: int) -> tuple[str, ...]:
+    return tuple(f"node{r}" for r in range(n))
+
+
+def topology(rank: int, size: int) -> Topology:
+    return Topology(rank=rank, size=size, local_rank=rank, local_size=size, node_rank=0, num_nodes=1,
+                    hosts=hosts_for(size), launcher="local", address="127.0.0.1")
+
+
+class ThreadGroup:
+    """n communicators in this process over socketpairs; ranks run in threads (the native
+    calls release the GIL)."""
+
+    def __init__(self, n: int, timeout: float = 30.0) -> None:
+        fds = [[None] * n for _ in range(n)]
+        for i in range(n):
+            for j in range(i + 1, n):
+                a, b = socket.socketpair()
+                fds[i][j], fds[j][i] = a.detach(), b.detach()
+        self.n = n
+        self.comms = [Communicator(RingBackend(_native.Comm(r, n, fds[r], list(hosts_for(n)), timeout),
+                                               hosts_for(n)), timeout=timeout) for r in range(n)]
+
+    def run(self, fn, ranks=None):
+        """fn(comm) on every rank (or the given ranks) at once; returns (results, errors)."""
+        ranks = range(self.n) if ranks is None else ranks
+        res: list = [None] * self.n
+        errs: list = [None] * self.n
+
+        def work(r):
+            try:
+                res[r] = fn(self.comms[r])
+            except BaseException as e:  # noqa: BLE001
+                errs[r] = e
+        ts = [threading.Thread(target=work, args=(r,)) for r in ranks]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return res, errs
+
+    def run_ok(self, fn):
+        res, errs = self.run(fn)
+        for e in errs:
+            if e is not None:
+                raise e
+        return res
+
+    def set_rd_threshold(self, value: int) -> None:
+        for c in self.comms:
+            c.backend.rd_threshold = value
+
+    def close(self) -> None:
+        for c in self.comms:
+            c.close()
+
+
+# ---- multi-process runs ------------------------------------------------------------------------
+def _child(rank, size, port, secret, target, args, q, timeout):
+    try:
+        from hpcring.bootstrap.store import StoreClient
+        store = StoreClient("127.0.0.1", port, SECRET, timeout)
+        try:
+            comm = Communicator.create(topology(rank, size), store, secret, timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            q.put((rank, "setup-error", f"{type(e).__name__}: {e}", 0.0))
+            return
+        t0 = time.monotonic()
+        try:
+            out = target(comm, *args)
+            q.put((rank, "ok", out, time.monotonic() - t0))
+        except Exception as e:  # noqa: BLE001
+            q.put((rank, "error", f"{type(e).__name__}: {e}", time.monotonic() - t0))
+    except BaseException:  # noqa: BLE001
+        q.put((rank, "crash", traceback.format_exc(), 0.0))
+
+
+def spawn_ranks(size, target, *args, timeout=30.0, secrets=None, wait=120.0):
+    """Run target(comm, *args) in `size` spawned processes over loopback TCP with a real store.
+    Returns {rank: (status, value, seconds)}; ranks that died without reporting are missing."""
+    from hpcring.bootstrap.store import StoreServer
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
+        procs = [ctx.Process(target=_child, args=(r, size, server.port,
+                                                  (secrets or {}).get(r, SECRET), target, args, q, timeout))
+                 for r in range(size)]
+        for p in procs:
+            p.start()
+        out = {}
+        deadline = time.monotonic() + wait
+        while len(out) < size and time.monotonic() < deadline:
+            try:
+                rank, status, value, secs = q.get(timeout=0.5)
+                out[rank] = (status, value, secs)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                if all(not p.is_alive() for p in procs) and q.empty():
+                    break
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out
+
+
+# ---- process targets (module level so that spawn can import them) ------------------------------
+def target_matrix(comm, seed):
+    """A few collectives of each kind; returns digests for the parent to compare."""
+    import numpy as np
+    rng = np.random.default_rng(seed + comm.rank)
+    out = {}
+    for count in (0, 1, 7, 1000, 1 << 18):
+        x = rng.integers(-100, 100, count).astype(np.int64)
+        out[f"allreduce{count}"] = comm.allreduce(x).tobytes()
+        out[f"allgather{count}"] = comm.allgather(x).tobytes()
+        out[f"reduce_scatter{count}"] = comm.reduce_scatter(x, op="max").tobytes()
+        b = x.copy()
+        comm.broadcast(b, root=comm.size - 1)
+        out[f"broadcast{count}"] = b.tobytes()
+        out[f"input{count}"] = x.tobytes()
+    comm.barrier()
+    return out
+
+
+def target_kill(comm, victim, nbytes, delay):
+    """Every rank joins a big allreduce; the victim exits abruptly while inside it."""
+    import numpy as np
+    x = np.ones(nbytes // 4, np.float32)
+    if comm.rank == victim:
+        threading.Timer(delay, lambda: os._exit(17)).start()
+    comm.allreduce(x, out=x)
+    comm.allreduce(x, out=x)
+    return "finished"
+
+
+def target_allreduce_small(comm):
+    import numpy as np
+    return comm.allreduce(np.arange(10, dtype=np.float32)).tolist()

@@ -1,0 +1,446 @@
+"""Ring collectives (native/ + hpcring.collectives): every op x dtype x size x world size against
+numpy, bit-identical results on all ranks, property tests, deadlines and failure reporting.
+
+Most cases run the ranks as threads over socketpairs (the native calls release the GIL, so this
+exercises the real C code paths at a fraction of the cost of processes); the end-to-end cases
+spawn processes that rendezvous through the authenticated store and connect over TCP.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import helpers_ring as H  # noqa: E402
+
+from hpcring import _native  # noqa: E402
+from hpcring.collectives import Communicator  # noqa: E402
+from hpcring.collectives.ring import RingBackend  # noqa: E402
+from hpcring.errors import BootstrapError, CollectiveError, UsageError  # noqa: E402
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8"]
+OPS = ["sum", "prod", "min", "max", "avg"]
+FLOATS = {"float16", "bfloat16", "float32", "float64"}
+EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
+
+
+# ---- data and references -----------------------------------------------------------------------
+def bf16_encode(f32: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even (as the C kernels)."""
+    u = f32.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_decode(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def make_input(dtype: str, op: str, count: int, rank: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if dtype in FLOATS:
+        vals = rng.uniform(0.5, 1.5, count) if op == "prod" else rng.uniform(-1, 1, count)
+        if dtype == "bfloat16":
+            return bf16_encode(vals.astype(np.float32))
+        return vals.astype(dtype)
+    if op == "prod":
+        return rng.integers(-3, 4, count).astype(dtype) if dtype != "uint8" else rng.integers(0, 4, count).astype(np.uint8)
+    lo, hi = (0, 256) if dtype == "uint8" else (-1000, 1000)
+    return rng.integers(lo, hi, count).astype(dtype)
+
+
+def as_float(dtype: str, a: np.ndarray) -> np.ndarray:
+    if dtype == "bfloat16":
+        return bf16_decode(a).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def reference(dtype: str, op: str, xs: list[np.ndarray]) -> np.ndarray:
+    """Exact (float64 or wrapping integer) reduction over ranks."""
+    if dtype in FLOATS:
+        f = np.stack([as_float(dtype, x) for x in xs])
+        return {"sum": f.sum(0), "avg": f.mean(0), "prod": f.prod(0), "min": f.min(0), "max": f.max(0)}[op]
+    s = np.stack(xs)
+    with np.errstate(over="ignore"):
+        return {"sum": lambda: s.sum(0, dtype=dtype), "prod": lambda: s.prod(0, dtype=dtype),
+                "min": lambda: s.min(0), "max": lambda: s.max(0)}[op]()
+
+
+def check_close(dtype: str, op: str, got: np.ndarray, ref: np.ndarray, xs: list[np.ndarray]) -> None:
+    if dtype not in FLOATS or op in ("min", "max"):
+        if dtype in FLOATS:
+            np.testing.assert_array_equal(as_float(dtype, got), ref)
+        else:
+            np.testing.assert_array_equal(got, ref)
+        return
+    n = len(xs)
+    g = as_float(dtype, got)
+    # Stated tolerance: every pairwise combination rounds once in the element type, so the error
+    # is at most about n roundings of the running magnitude (sum |x|, or the product itself).
+    if op == "prod":
+        scale = np.abs(ref)
+    else:
+        scale = np.sum(np.abs(np.stack([as_float(dtype, x) for x in xs])), 0) / (n if op == "avg" else 1)
+    tol = (n + 1) * EPS[dtype] * scale + 1e-300
+    bad = np.abs(g - ref) > tol
+    assert not bad.any(), f"{dtype} {op}: {bad.sum()} elements off, e.g. got {g[bad][:3]} want {ref[bad][:3]}"
+
+
+def assert_identical(results: list[np.ndarray]) -> None:
+    for r in results[1:]:
+        assert r.tobytes() == results[0].tobytes(), "ranks disagree bitwise"
+
+
+# ---- fixtures ----------------------------------------------------------------------------------
+_groups: dict[int, H.ThreadGroup] = {}
+
+
+@pytest.fixture(scope="module")
+def group():
+    def get(n: int) -> H.ThreadGroup:
+        if n not in _groups:
+            _groups[n] = H.ThreadGroup(n)
+        return _groups[n]
+    yield get
+    for g in _groups.values():
+        g.close()
+    _groups.clear()
+
+
+SIZES = [0, 1, 7, 1000, 4099]
+
+
+# ---- allreduce: op x dtype x size x world size x algorithm --------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("algo", ["ring", "rd"])
+def test_allreduce_matrix(group, n, algo):
+    g = group(n)
+    g.set_rd_threshold(0 if algo == "ring" else 1 << 40)
+    seed = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == "avg" and dtype not in FLOATS:
+                continue
+            for count in SIZES:
+                seed += 1
+                xs = [make_input(dtype, op, count, r, seed) for r in range(n)]
+                inplace = count % 2 == 1
+                if inplace:
+                    bufs = [x.copy() for x in xs]
+                    res = g.run_ok(lambda c: c.allreduce(bufs[c.rank], op, out=bufs[c.rank],
+                                                         dtype="bfloat16" if dtype == "bfloat16" else None))
+                    assert all(r is b for r, b in zip(res, bufs))
+                else:
+                    res = g.run_ok(lambda c: c.allreduce(xs[c.rank], op,
+                                                         dtype="bfloat16" if dtype == "bfloat16" else None))
+                assert_identical(res)
+                check_close(dtype, op, res[0], reference(dtype, op, xs), xs)
+                assert res[0].shape == xs[0].shape
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float16", "avg"), ("bfloat16", "sum"),
+                                      ("int64", "max"), ("float64", "prod"), ("uint8", "sum")])
+def test_allreduce_large(group, n, dtype, op):
+    g = group(n)
+    g.set_rd_threshold(_native.RD_THRESHOLD_DEFAULT)
+    count = (1 << 20) + 3
+    xs = [make_input(dtype, op, count, r, 7) for r in range(n)]
+    res = g.run_ok(lambda c: c.allreduce(xs[c.rank], op, dtype="bfloat16" if dtype == "bfloat16" else None))
+    assert_identical(res)
+    check_close(dtype, op, res[0], reference(dtype, op, xs), xs)
+
+
+# ---- the other collectives ---------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_allgather_broadcast_alltoall(group, n):
+    g = group(n)
+    for dtype in DTYPES:
+        kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+        for count in SIZES + [1 << 17]:
+            xs = [make_input(dtype, "sum", count, r, count) for r in range(n)]
+            res = g.run_ok(lambda c: c.allgather(xs[c.rank], **kw))
+            assert_identical(res)
+            assert res[0].shape == (n, count)
+            np.testing.assert_array_equal(res[0], np.stack(xs))
+            for root in {0, n - 1, n // 2}:
+                bufs = [x.copy() for x in xs]
+                g.run_ok(lambda c: c.broadcast(bufs[c.rank], root=root, **kw))
+                for b in bufs:
+                    np.testing.assert_array_equal(b, xs[root])
+            m = (count // n) * n
+            if m == 0 and count:
+                continue
+            ys = [x[:m] for x in xs]
+            res = g.run_ok(lambda c: c.alltoall(ys[c.rank], **kw))
+            blk = m // n
+            for r in range(n):
+                want = np.concatenate([ys[i][r * blk:(r + 1) * blk] for i in range(n)]) if m else ys[r]
+                np.testing.assert_array_equal(res[r], want)
+            bufs = [y.copy() for y in ys]                      # in place
+            g.run_ok(lambda c: c.alltoall(bufs[c.rank], out=bufs[c.rank], **kw))
+            for r in range(n):
+                np.testing.assert_array_equal(bufs[r], res[r])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_reduce_scatter(group, n):
+    g = group(n)
+    seed = 100
+    for dtype in DTYPES:
+        kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+        for op in OPS:
+            if op == "avg" and dtype not in FLOATS:
+                continue
+            for count in SIZES + [1 << 16]:
+                seed += 1
+                xs = [make_input(dtype, op, count, r, seed) for r in range(n)]
+                res = g.run_ok(lambda c: c.reduce_scatter(xs[c.rank], op, **kw))
+                ref = reference(dtype, op, xs)
+                base, extra = divmod(count, n)
+                off = 0
+                for r in range(n):
+                    k = base + (1 if r < extra else 0)
+                    assert res[r].size == k
+                    check_close(dtype, op, res[r].reshape(-1), ref[off:off + k], [x[off:off + k] for x in xs])
+                    off += k
+
+
+def test_reduce_scatter_shapes(group):
+    g = group(3)
+    xs = [np.full((6, 2), r + 1, np.float32) for r in range(3)]
+    res = g.run_ok(lambda c: c.reduce_scatter(xs[c.rank]))
+    for r in range(3):
+        assert res[r].shape == (2, 2)
+        np.testing.assert_array_equal(res[r], np.full((2, 2), 6, np.float32))
+
+
+def test_barrier_and_async_order(group):
+    g = group(4)
+    g.run_ok(lambda c: c.barrier())
+
+    def work(c):
+        xs = [np.full(1000, c.rank + i, np.float64) for i in range(5)]
+        hs = [c.allreduce_async(x) for x in xs]
+        hs.append(c.allgather_async(np.array([c.rank], np.int32)))
+        sync = c.allreduce(np.ones(3, np.float32))          # queues behind the async ones
+        return [h.wait(30) for h in hs], sync
+    res = g.run_ok(work)
+    for outs, sync in res:
+        for i in range(5):
+            np.testing.assert_array_equal(outs[i], np.full(1000, 6 + 4 * i, np.float64))
+        np.testing.assert_array_equal(outs[5], np.array([[0], [1], [2], [3]], np.int32))
+        np.testing.assert_array_equal(sync, np.full(3, 4, np.float32))
+
+
+def test_allreduce_grouped(group):
+    g = group(3)
+
+    def work(c):
+        arrs = [np.full((2, 3), c.rank, np.float32), np.arange(5, dtype=np.int64) * c.rank,
+                np.ones(4, np.float32), np.zeros(0, np.float64)]
+        out = c.allreduce_grouped(arrs)
+        inp = c.allreduce_grouped(arrs, inplace=True)
+        return out, inp, arrs
+    for out, inp, arrs in g.run_ok(work):
+        np.testing.assert_array_equal(out[0], np.full((2, 3), 3, np.float32))
+        np.testing.assert_array_equal(out[1], np.arange(5) * 3)
+        np.testing.assert_array_equal(out[2], np.full(4, 3, np.float32))
+        assert out[3].shape == (0,)
+        assert inp[0] is arrs[0]
+        np.testing.assert_array_equal(arrs[1], np.arange(5) * 3)
+
+
+def test_dlpack_input(group):
+    """Any object with __dlpack__ (torch CPU tensors take this path) is used without a copy."""
+    g = group(2)
+
+    class Wrapped:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+    bufs = [np.full(10, r + 1.0, np.float32) for r in range(2)]
+    g.run_ok(lambda c: c.broadcast(Wrapped(bufs[c.rank]), root=1))
+    np.testing.assert_array_equal(bufs[0], np.full(10, 2.0, np.float32))
+
+
+# ---- property tests ----------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.sampled_from([2, 3, 5]), count=st.integers(0, 3000), root=st.integers(0, 4),
+       dtype=st.sampled_from(["float32", "int32", "uint8", "float16"]), thr=st.sampled_from([0, 1 << 40]))
+def test_property_lengths_and_roots(group, n, count, root, dtype, thr):
+    g = group(n)
+    g.set_rd_threshold(thr)
+    root %= n
+    xs = [make_input(dtype, "max", count, r, count + root) for r in range(n)]
+    res = g.run_ok(lambda c: c.allreduce(xs[c.rank], "max"))
+    assert_identical(res)
+    check_close(dtype, "max", res[0], reference(dtype, "max", xs), xs)
+    bufs = [x.copy() for x in xs]
+    g.run_ok(lambda c: c.broadcast(bufs[c.rank], root=root))
+    for b in bufs:
+        np.testing.assert_array_equal(b, xs[root])
+    res = g.run_ok(lambda c: c.reduce_scatter(xs[c.rank], "min"))
+    ref = reference(dtype, "min", xs)
+    np.testing.assert_array_equal(np.concatenate([r.reshape(-1) for r in res]), ref)
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+def test_half_kernels_match_numpy_rounding():
+    """float16 reduction = numpy's float32 op rounded to nearest-even float16, incl. specials."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(100000).astype(np.float16)
+    b = (rng.standard_normal(100000) * 1e-3).astype(np.float16)
+    special = np.array([np.inf, -np.inf, 0.0, -0.0, 6e-8, 65504, 1e-5], np.float16)
+    a = np.concatenate([a, special, special[::-1]])
+    b = np.concatenate([b, special[::-1], special])
+    for op, code in (("sum", 0), ("prod", 1), ("min", 2), ("max", 3)):
+        d = a.copy()
+        _native.reduce(d.view(np.uint16), b.view(np.uint16), 0, code)
+        fa, fb = a.astype(np.float32), b.astype(np.float32)
+        with np.errstate(all="ignore"):
+            want = {"sum": fa + fb, "prod": fa * fb, "min": np.minimum(fa, fb), "max": np.maximum(fa, fb)}[op].astype(np.float16)
+        np.testing.assert_array_equal(d.view(np.uint16)[~np.isnan(want)], want.view(np.uint16)[~np.isnan(want)])
+    d = np.array([np.nan, 1.0], np.float16)
+    _native.reduce(d.view(np.uint16), np.array([1.0, np.nan], np.float16).view(np.uint16), 0, 2)
+    assert np.isnan(d).all()
+    f = rng.standard_normal(10000).astype(np.float32)
+    x, y = bf16_encode(f), bf16_encode(f[::-1].copy())
+    _native.reduce(x, y, 1, 0)
+    np.testing.assert_array_equal(x, bf16_encode(bf16_decode(bf16_encode(f)) + bf16_decode(y)))
+
+
+# ---- usage errors ------------------------------------------------------------------------------
+def test_usage_errors(group):
+    c = group(1).comms[0]
+    with pytest.raises(UsageError, match="unsupported dtype complex128"):
+        c.allreduce(np.zeros(3, np.complex128))
+    with pytest.raises(UsageError, match="unsupported op"):
+        c.allreduce(np.zeros(3, np.float32), op="xor")
+    with pytest.raises(UsageError, match="avg.*floating"):
+        c.allreduce(np.zeros(3, np.int32), op="avg")
+    with pytest.raises(UsageError, match="out has 4 elements"):
+        c.allreduce(np.zeros(3, np.float32), out=np.zeros(4, np.float32))
+    with pytest.raises(UsageError, match="out has dtype float64"):
+        c.allreduce(np.zeros(3, np.float32), out=np.zeros(3, np.float64))
+    with pytest.raises(UsageError, match="contiguous"):
+        x = np.zeros(6, np.float32)[::2]
+        c.allreduce(x, out=x)
+    with pytest.raises(UsageError, match="root 3 out of range"):
+        c.broadcast(np.zeros(3), root=3)
+    with pytest.raises(UsageError, match="timeout must be > 0"):
+        c.barrier(timeout=0)
+    with pytest.raises(UsageError, match="expected a numpy array"):
+        c.allreduce([1, 2, 3])
+
+
+def test_mismatched_shapes_are_reported():
+    g = H.ThreadGroup(2, timeout=10)
+    try:
+        _, errs = g.run(lambda c: c.allreduce(np.zeros(10 + c.rank, np.float32)))
+        assert all(isinstance(e, CollectiveError) for e in errs)
+        assert any("mismatched collective" in str(e) and "count=11" in str(e) for e in errs)
+    finally:
+        g.close()
+
+
+# ---- deadlines, sticky errors, dead peers, authentication --------------------------------------
+def test_timeout_names_peer_and_is_sticky():
+    g = H.ThreadGroup(3, timeout=30)
+    try:
+        t0 = time.monotonic()
+        _, errs = g.run(lambda c: c.allreduce(np.ones(1 << 16, np.float32), timeout=1.0), ranks=[0, 1])
+        elapsed = time.monotonic() - t0
+        assert elapsed < 5
+        for r in (0, 1):
+            assert isinstance(errs[r], CollectiveError)
+        msg0 = str(errs[0])
+        assert "allreduce#1" in msg0 and "rank 2 (node2)" in msg0 and "timed out after 1.0 s" in msg0
+        assert "bytes done" in msg0
+        with pytest.raises(CollectiveError) as again:       # sticky
+            g.comms[0].barrier()
+        assert str(again.value).splitlines()[0] == msg0.splitlines()[0]
+        assert g.comms[0].error == msg0.splitlines()[0]
+    finally:
+        g.close()
+
+
+def test_wrong_secret_refused_at_connect():
+    """A rank with a different secret is refused by its peer before anything is parsed; a raw
+    connection sending junk is dropped; the setup fails with messages naming the ranks."""
+    from hpcring.bootstrap.store import StoreClient, StoreServer
+    with StoreServer("127.0.0.1", 0, secret=H.SECRET) as server:
+        results: dict[int, BaseException | object] = {}
+
+        def rank(r, secret):
+            store = StoreClient("127.0.0.1", server.port, H.SECRET, 10)
+            try:
+                results[r] = RingBackend.create(H.topology(r, 2), store, secret, timeout=3.0)
+            except BaseException as e:  # noqa: BLE001
+                results[r] = e
+
+        def rogue():
+            store = StoreClient("127.0.0.1", server.port, H.SECRET, 10)
+            host, _, port = store.get("hpcring/ring/1/addr/0", timeout=5).decode().rpartition(":")
+            with socket.create_connection((host, int(port))) as s:
+                s.recv(36)
+                s.sendall(b"\xff" * 76)
+                try:
+                    results["rogue"] = s.recv(100)   # closed without an answer
+                except ConnectionResetError:
+                    results["rogue"] = b""
+        ts = [threading.Thread(target=rank, args=(0, H.SECRET)), threading.Thread(target=rogue),
+              threading.Thread(target=rank, args=(1, b"not-the-job-secret"))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    assert results["rogue"] == b""
+    assert isinstance(results[1], BootstrapError)
+    assert "rank 0 (node0)" in str(results[1]) and "refused" in str(results[1])
+    assert isinstance(results[0], BootstrapError)
+    assert "no authenticated connection from rank(s) 1 (node1)" in str(results[0])
+
+
+def test_processes_end_to_end():
+    """Spawned ranks rendezvous through the real store and connect over loopback TCP."""
+    for n in (2, 4):
+        out = H.spawn_ranks(n, H.target_matrix, 5)
+        assert sorted(out) == list(range(n)), out
+        for r in range(n):
+            assert out[r][0] == "ok", out[r]
+        for key in out[0][1]:
+            if key.startswith("input"):
+                continue
+            vals = {out[r][1][key] for r in range(n) if not key.startswith("reduce_scatter")}
+            assert len(vals) <= 1, key
+        count = 1 << 18
+        xs = [np.frombuffer(out[r][1][f"input{count}"], np.int64) for r in range(n)]
+        np.testing.assert_array_equal(np.frombuffer(out[0][1][f"allreduce{count}"], np.int64), np.sum(xs, 0))
+        np.testing.assert_array_equal(np.frombuffer(out[1][1][f"broadcast{count}"], np.int64), xs[n - 1])
+        rs = np.concatenate([np.frombuffer(out[r][1][f"reduce_scatter{count}"], np.int64) for r in range(n)])
+        np.testing.assert_array_equal(rs, np.max(xs, 0))
+
+
+def test_killed_peer_fails_others_within_deadline():
+    deadline = 20.0
+    out = H.spawn_ranks(3, H.target_kill, 2, 64 << 20, 0.3, timeout=deadline)
+    assert 2 not in out                       # the victim died without reporting
+    for r in (0, 1):
+        status, msg, secs = out[r]
+        assert status == "error", out[r]
+        assert "CollectiveError" in msg and "allreduce#" in msg
+        assert secs < deadline
+    assert any("rank 2 (node2)" in out[r][1] for r in (0, 1)), out
