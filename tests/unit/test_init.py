@@ -1,0 +1,176 @@
+"""init_bootstrap with the local backend's environment: ranks in processes meet and agree."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from hpcring.bootstrap import init as bi
+from hpcring.bootstrap.store import new_secret_file
+from hpcring.bootstrap.topology import Topology
+from hpcring.errors import BootstrapError
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+RANK_SCRIPT = r"""
+import json, sys
+from hpcring.bootstrap.init import init_bootstrap, framework_env
+from hpcring.errors import BootstrapError
+try:
+    topo, client = init_bootstrap(timeout=float(sys.argv[1]), port_range=(int(sys.argv[2]), int(sys.argv[3])))
+except BootstrapError as e:
+    print(json.dumps({"error": str(e)})); sys.exit(0)
+client.barrier("after-init", topo.size, timeout=20)
+print(json.dumps({"rank": topo.rank, "hosts": topo.hosts, "launcher": topo.launcher,
+                  "interface": topo.interface, "address": topo.address, "master_addr": topo.master_addr,
+                  "master_port": topo.master_port, "node_rank": topo.node_rank, "num_nodes": topo.num_nodes,
+                  "local_rank": topo.local_rank, "store_port": client.port if topo.rank else client.server.port,
+                  "MASTER_ADDR": client.get("MASTER_ADDR").decode(), "env": framework_env(topo, 2)}))
+client.barrier("before-exit", topo.size, timeout=20)   # rank 0 hosts the store: leave together
+"""
+
+
+def local_env(rank, nodes, per_node, job_id, secret_file):
+    return {
+        "HPCRING_LAUNCHER": "local", "HPCRING_JOB_ID": job_id,
+        "HPCRING_RANK": str(rank), "HPCRING_SIZE": str(nodes * per_node),
+        "HPCRING_LOCAL_RANK": str(rank % per_node), "HPCRING_LOCAL_SIZE": str(per_node),
+        "HPCRING_NODE_RANK": str(rank // per_node), "HPCRING_NUM_NODES": str(nodes),
+        "HPCRING_NODELIST": f"local[0-{nodes - 1}]" if nodes > 1 else "local0",
+        "HPCRING_HOSTNAME": f"local{rank // per_node}", "HPCRING_MASTER_ADDR": "127.0.0.1",
+        "HPCRING_SECRET_FILE": str(secret_file),
+    }
+
+
+def run_job(tmp_path, *, nodes=2, per_node=2, ranks=None, timeout=30.0, port_range=(29500, 29999), job_id=None):
+    job_id = job_id or f"t{uuid.uuid4().hex[:8]}"
+    secret = new_secret_file(tmp_path)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HPCRING_", "SLURM_", "OMPI_", "PMI"))}
+    base["PYTHONPATH"] = SRC
+    ranks = range(nodes * per_node) if ranks is None else ranks
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(timeout), *map(str, port_range)],
+                              env={**base, **local_env(r, nodes, per_node, job_id, secret)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in ranks]
+    outs = [p.communicate(timeout=timeout + 30) for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(e[-3000:] for _, e in outs)
+    return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+
+
+def test_four_local_ranks_meet_and_agree(tmp_path):
+    results = run_job(tmp_path)
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    for r in results:
+        assert r["launcher"] == "local"
+        assert r["hosts"] == ["local0", "local0", "local1", "local1"]
+        assert r["interface"] == "lo" and r["address"] == "127.0.0.1"
+        assert r["master_addr"] == "127.0.0.1" == r["MASTER_ADDR"]
+        assert r["master_port"] == results[0]["master_port"]
+        assert r["store_port"] == results[0]["store_port"]
+        assert r["master_port"] != r["store_port"] and r["master_port"] > r["store_port"]
+        assert 29500 <= r["store_port"] <= 29999
+    assert [r["node_rank"] for r in results] == [0, 0, 1, 1]
+    env = results[3]["env"]
+    assert env["RANK"] == "3" and env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == "1"
+    assert env["LOCAL_WORLD_SIZE"] == "2" and env["NCCL_SOCKET_IFNAME"] == "=lo"
+    assert env["MASTER_PORT"] == str(results[0]["master_port"])
+
+
+def test_store_port_collision_moves_to_the_next_port(tmp_path):
+    lo = free_port_block(8)
+    job = f"c{uuid.uuid4().hex[:8]}"
+    taken = bi.derive_port(f"{job}/2", (lo, lo + 7))
+    with socket.socket() as squatter:   # a foreign listener that never speaks our protocol
+        squatter.bind(("0.0.0.0", taken))
+        squatter.listen(16)
+        results = run_job(tmp_path, nodes=1, per_node=2, port_range=(lo, lo + 7), job_id=job, timeout=30)
+    assert "error" not in results[0], results
+    assert results[0]["store_port"] == results[1]["store_port"] == bi.candidate_ports(taken, (lo, lo + 7))[1]
+
+
+def test_missing_rank_times_out_naming_the_key(tmp_path):
+    t0 = time.monotonic()
+    results = run_job(tmp_path, nodes=1, per_node=3, ranks=[0, 1], timeout=3.0)
+    assert time.monotonic() - t0 < 3.0 + 15
+    err = results[0]["error"]
+    assert "init/host/2" in err and "timed out" in err and "127.0.0.1:" in err
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def free_port_block(n):
+    """A run of ``n`` ports that are free right now (best effort)."""
+    for start in range(40000, 60000, 97):
+        socks = []
+        try:
+            for p in range(start, start + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", p))
+            return start
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    pytest.skip("no free port block")
+
+
+def topo(**kw):
+    base = dict(rank=1, size=4, local_rank=1, local_size=2, node_rank=0, num_nodes=2,
+                hosts=("a", "a", "b", "b"), launcher="slurm", job_id="7", master_addr="10.0.0.1",
+                master_port=29601, interface="ib0", address="10.0.0.2")
+    base.update(kw)
+    return Topology(**base)
+
+
+def test_framework_env_contents(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    env = bi.framework_env(topo(), gpus_per_node=4)
+    assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29601", "RANK": "1", "WORLD_SIZE": "4",
+                   "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
+                   "NCCL_SOCKET_IFNAME": "=ib0", "GLOO_SOCKET_IFNAME": "ib0", "CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_framework_env_respects_existing_cuda_devices_and_cpu_jobs(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert "CUDA_VISIBLE_DEVICES" not in bi.framework_env(topo(), gpus_per_node=4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert "CUDA_VISIBLE_DEVICES" not in bi.framework_env(topo(), gpus_per_node=0)
+
+
+def test_framework_env_needs_a_completed_topology():
+    with pytest.raises(BootstrapError, match="init_bootstrap"):
+        bi.framework_env(topo(master_addr=None))
+
+
+def test_apply_framework_env_exports(monkeypatch):
+    for k in ("MASTER_ADDR", "RANK", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(k, raising=False)
+    bi.apply_framework_env(topo(rank=2, local_rank=0))
+    assert os.environ["RANK"] == "2" and os.environ["NCCL_SOCKET_IFNAME"] == "=ib0"
+
+
+def test_derive_port_is_stable_and_in_range():
+    ports = {bi.derive_port(f"job{i}", (29500, 29999)) for i in range(200)}
+    assert all(29500 <= p <= 29999 for p in ports) and len(ports) > 100
+    assert bi.derive_port("42") == bi.derive_port("42")
+    assert bi.candidate_ports(29998, (29500, 29999), 4) == [29998, 29999, 29500, 29501]
+    with pytest.raises(BootstrapError):
+        bi.derive_port("x", (0, 10))
+
+
+def test_bootstrap_master_addr_precedence():
+    t = topo(master_addr=None, hosts=("localhost", "x", "y", "z"))
+    assert bi.bootstrap_master_addr(t, {"HPCRING_MASTER_ADDR": "10.1.1.1", "MASTER_ADDR": "10.2.2.2"}) == "10.1.1.1"
+    assert bi.bootstrap_master_addr(t, {"MASTER_ADDR": "10.2.2.2"}) == "10.2.2.2"
+    assert bi.bootstrap_master_addr(t, {}) == "127.0.0.1"   # first host resolved
+    with pytest.raises(BootstrapError, match="cannot tell where rank 0 runs"):
+        bi.bootstrap_master_addr(topo(master_addr=None, hosts=("?", "a", "b", "c")), {})
