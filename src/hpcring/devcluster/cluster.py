@@ -246,10 +246,10 @@ def _up_locked(nodes: int, dead_interface: bool, actions: list[str]) -> None:
     _ensure_database(password)
     _ensure_slurmdbd(restart=dbd_conf_changed, actions=actions)
     _ensure_cluster_registered(actions)
-    ctld_restarted = _ensure_slurmctld(restart=slurm_conf_changed, actions=actions)
+    _ensure_slurmctld(restart=slurm_conf_changed, actions=actions)
     for i in range(1, nodes + 1):
         _ensure_slurmd(i, restart=slurm_conf_changed or i in renewed, actions=actions)
-    _wait_nodes_idle(nodes, ctld_restarted or bool(actions))
+    _wait_nodes_idle(nodes, actions)
     _wait_accounting_sees_cluster()
 
 
@@ -666,6 +666,10 @@ def _base_state(state: str | None) -> str:
     return (state or "").rstrip("*~#!%$@^-+").lower()
 
 
+def _responding_and_healthy(state: str | None) -> bool:
+    return _base_state(state) in NODE_HEALTHY_STATES and not (state or "").endswith("*")
+
+
 def _sinfo_states() -> dict[str, str]:
     out = output(["sinfo", "-h", "-N", "-o", "%N %T"], timeout=10)
     states: dict[str, str] = {}
@@ -676,26 +680,39 @@ def _sinfo_states() -> dict[str, str]:
     return states
 
 
-def _wait_nodes_idle(nodes: int, may_need_resume: bool) -> None:
+def _wait_nodes_idle(nodes: int, actions: list[str]) -> None:
     names = [n.node_name(i) for i in range(1, nodes + 1)]
     resumed: set[str] = set()
-    deadline = time.monotonic() + IDLE_DEADLINE_S
+    reconfigured = False
+    start = time.monotonic()
+    deadline = start + IDLE_DEADLINE_S
     states: dict[str, str] = {}
     while True:
         states = _sinfo_states()
-        bad = [x for x in names if _base_state(states.get(x)) not in NODE_HEALTHY_STATES]
+        bad = [x for x in names if not _responding_and_healthy(states.get(x))]
         if not bad:
             return
+        not_responding = [x for x in bad if _base_state(states.get(x)) in NODE_HEALTHY_STATES]
+        if not_responding and not reconfigured and (resumed or time.monotonic() - start > 2):
+            # "idle*" (no response yet, e.g. right after a resume) clears at the next ping, up to
+            # SlurmdTimeout/3 later; a reconfigure makes every slurmd answer now.
+            ok(["scontrol", "reconfigure"])
+            reconfigured = True
         for x in bad:
-            # A node left down/drained (e.g. by an earlier fault) while its slurmd is healthy: resume.
-            if _base_state(states.get(x)) in {"down", "drained", "draining", "fail", "failing"} \
-                    and x not in resumed and time.monotonic() > deadline - IDLE_DEADLINE_S + 3:
-                ok(["scontrol", "update", f"NodeName={x}", "State=RESUME"])
+            # Its slurmd is healthy (checked before), so a node an admin or an earlier fault left
+            # drained is resumed at once; a down one only if registering did not bring it back.
+            base = _base_state(states.get(x))
+            if x not in resumed and (
+                base in {"drained", "draining"}
+                or (base in {"down", "fail", "failing"} and time.monotonic() - start > 3)
+            ):
+                if ok(["scontrol", "update", f"NodeName={x}", "State=RESUME"]):
+                    actions.append(f"resumed {x} (was {base})")
                 resumed.add(x)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.3)
-    bad = [x for x in names if _base_state(states.get(x)) not in NODE_HEALTHY_STATES]
+    bad = [x for x in names if not _responding_and_healthy(states.get(x))]
     detail = ", ".join(f"{x}={states.get(x, 'absent')}" for x in bad)
     tails = "".join(log_tail(n.slurmd_log(n.node_index(x)), 10) for x in bad[:2])
     raise DevClusterError(
