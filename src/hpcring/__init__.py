@@ -2,3 +2,4 @@
 __version__ = "0.1.0"
 
 from hpcring.errors import HpcringError  # noqa: E402,F401
+from hpcring.session import Session, init  # noqa: E402,F401

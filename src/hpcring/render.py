@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 
 from hpcring import __version__
-from hpcring.config.fabric import fabric_env
+from hpcring.config.fabric import bootstrap_spec, fabric_env
 from hpcring.config.jobspec import JobSpec
 from hpcring.config.site import Site
 from hpcring.errors import TemplateError
@@ -24,6 +24,9 @@ SCHEDULER_TEMPLATES = {"slurm": "slurm.sh.j2", "lsf": "lsf.sh.j2", "local": "loc
 def job_env(site: Site, job: JobSpec) -> dict[str, str]:
     """Every variable the job script exports: fabric-derived, then the site's env (wins), then hpcring's."""
     env = fabric_env(site.config.fabric)
+    spec = bootstrap_spec(site.config.fabric)
+    if spec:  # which interfaces hpcring's own rendezvous and ring may use (verified at init)
+        env["HPCRING_IFNAME"] = spec
     env.update(site.config.env)
     env["HPCRING_SITE"] = site.name if site.origin == "bundled" else str(site.path)
     env["HPCRING_TIMEOUT"] = f"{job.timeout:g}"

@@ -27,6 +27,7 @@ export NCCL_IB_HCA==mlx5_0:1,mlx5_1:1
 export UCX_NET_DEVICES=mlx5_0:1,mlx5_1:1
 export GLOO_SOCKET_IFNAME=ib0
 export OMPI_MCA_oob_tcp_if_include=ib0
+export HPCRING_IFNAME==ib0
 export NCCL_DEBUG=WARN
 export HPCRING_SITE=slurm-infiniband
 export HPCRING_TIMEOUT=300

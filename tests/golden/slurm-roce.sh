@@ -29,6 +29,7 @@ export NCCL_IB_GID_INDEX=3
 export GLOO_SOCKET_IFNAME=bond0
 export OMPI_MCA_oob_tcp_if_include=bond0
 export OMPI_MCA_btl_tcp_if_include=bond0
+export HPCRING_IFNAME==bond0
 export NCCL_IB_TC=106
 export HPCRING_SITE=slurm-roce
 export HPCRING_TIMEOUT=300

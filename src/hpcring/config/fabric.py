@@ -33,15 +33,22 @@ def nccl_ifname(spec: list[str]) -> str:
     return ",".join(s.lstrip("=") for s in spec)
 
 
+def bootstrap_spec(fab: Fabric) -> str | None:
+    """The interface spec (NCCL syntax) for sockets: bootstrap interfaces, else data interfaces."""
+    spec = (fab.data_interfaces or fab.bootstrap_interfaces) if fab.kind == "tcp" else \
+        (fab.bootstrap_interfaces or fab.data_interfaces)
+    return nccl_ifname(spec) if spec else None
+
+
 def fabric_env(fab: Fabric) -> dict[str, str]:
     """The variables a job needs for this fabric (pure; no site-level ``env`` merged in)."""
     env: dict[str, str] = {}
-    socket_spec = fab.bootstrap_interfaces or fab.data_interfaces
+    socket_spec = (fab.data_interfaces or fab.bootstrap_interfaces) if fab.kind == "tcp" else \
+        (fab.bootstrap_interfaces or fab.data_interfaces)
     if fab.kind == "tcp":
-        socket_spec = fab.data_interfaces or fab.bootstrap_interfaces
         env["NCCL_IB_DISABLE"] = "1"
     if socket_spec:
-        env["NCCL_SOCKET_IFNAME"] = nccl_ifname(socket_spec)
+        env["NCCL_SOCKET_IFNAME"] = bootstrap_spec(fab)
     if fab.hcas:
         env["NCCL_IB_HCA"] = "=" + ",".join(fab.hcas)
         env["UCX_NET_DEVICES"] = ",".join(h if ":" in h else f"{h}:1" for h in fab.hcas)

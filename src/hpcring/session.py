@@ -1,0 +1,82 @@
+"""``hpcring.init()``: one call inside any allocation gives the topology and, on demand, collectives.
+
+The first call bootstraps (launcher env -> verified interface -> authenticated rendezvous); later
+calls in the same process return the same session, so a script run under ``hpcring submit`` (where
+the rank entry already bootstrapped to set MASTER_ADDR & co.) does not meet twice.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from hpcring.bootstrap.topology import Topology
+from hpcring.errors import UsageError
+
+_LOCK = threading.Lock()
+_SESSION: "Session | None" = None
+BACKENDS = ("auto", "ring", "mpi", "nccl")
+
+
+class Session:
+    """The bootstrapped job as this rank sees it: topology fields, the store, and a communicator."""
+
+    def __init__(self, topology: Topology, store, secret: bytes) -> None:
+        self.topology = topology
+        self.store = store
+        self._secret = secret
+        self._comms: dict[str, object] = {}
+
+    def __getattr__(self, name: str):
+        # rank, size, local_rank, hosts, master_addr, interface, ... straight from the topology;
+        # collectives (allreduce, ...) from the default communicator.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        topo = self.__dict__.get("topology")
+        if topo is not None and hasattr(topo, name):
+            return getattr(topo, name)
+        return getattr(self.communicator(), name)
+
+    def communicator(self, backend: str = "auto", *, timeout: float | None = None):
+        """The communicator for ``backend`` (created once, collectively: every rank must ask)."""
+        if backend not in BACKENDS:
+            raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if backend == "auto":
+            backend = os.environ.get("HPCRING_BACKEND", "ring")
+        if backend not in self._comms:
+            from hpcring.collectives.api import Communicator
+            if backend != "ring":
+                raise UsageError(f"the {backend!r} backend is not available in this build", hint="use backend='ring'")
+            self._comms[backend] = Communicator.create(self.topology, self.store, self._secret, timeout=timeout)
+        return self._comms[backend]
+
+    def __repr__(self) -> str:
+        t = self.topology
+        return (f"<hpcring session rank {t.rank}/{t.size} local {t.local_rank}/{t.local_size} on {t.host} "
+                f"via {t.launcher}, iface {t.interface} {t.address}, master {t.master_addr}:{t.master_port}>")
+
+
+def init(backend: str | None = None, *, timeout: float | None = None, interface: str | None = None,
+         verify: str | None = None) -> Session:
+    """Bootstrap this rank (once per process) and return the session.
+
+    ``backend`` ("auto", "ring", "mpi", "nccl") also creates that communicator now; without it the
+    communicator is created on the first collective. ``timeout`` bounds the bootstrap (default
+    HPCRING_INIT_TIMEOUT or 60 s); ``interface`` overrides the site's interface spec (NCCL syntax).
+    """
+    global _SESSION
+    with _LOCK:
+        if _SESSION is None:
+            from hpcring.bootstrap.init import init_bootstrap
+            from hpcring.bootstrap.store import load_secret
+            t = timeout if timeout is not None else float(os.environ.get("HPCRING_INIT_TIMEOUT", "60"))
+            topo, store = init_bootstrap(timeout=t, interface=interface,
+                                         verify=verify or os.environ.get("HPCRING_VERIFY", "ring"))
+            _SESSION = Session(topo, store, load_secret())
+        session = _SESSION
+    if backend is not None:
+        session.communicator(backend, timeout=timeout)
+    return session
+
+
+def current() -> Session | None:
+    return _SESSION
