@@ -1,0 +1,23 @@
+"""`hpcring run [--nodes N --tasks-per-node K] -- CMD...` (see hpcring.launch)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    from hpcring.cli.main import SiteOpt, command
+
+    @command(app, "run", context_settings={"allow_interspersed_args": False},
+             help="Run CMD on every rank: inside salloc/bsub -Is through the site's launcher, else locally. "
+                  "Output is tagged by rank; the exit code is the first failing rank's.")
+    def run(cmd: List[str] = typer.Argument(..., help="Command for every rank (after --)."),
+            nodes: Optional[int] = typer.Option(None, "--nodes", "-N", help="Nodes (default: the allocation's, or 1)."),
+            tasks_per_node: Optional[int] = typer.Option(None, "--tasks-per-node", help="Ranks per node."),
+            site: Optional[str] = SiteOpt):
+        import sys
+
+        from hpcring.config.site import load_site
+        from hpcring.launch import run as launch_run
+        sys.exit(launch_run(cmd, load_site(site), nodes, tasks_per_node))
