@@ -39,6 +39,11 @@ def cluster_status() -> dict:
     return st
 
 
+@pytest.fixture(autouse=True)
+def _require_cluster(cluster_status: dict) -> None:
+    """Every test here needs the cluster; skipped (with the reason above) when it is down."""
+
+
 @pytest.fixture(scope="module")
 def nnodes(cluster_status: dict) -> int:
     return int(cluster_status["nodes_configured"])
