@@ -31,7 +31,7 @@ int hr_allgather_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, 
     }
     cnt = off + n;
     for (i = 0; i < n; i++) { off[i] = (size_t)i * count; cnt[i] = count; }
-    if (hr_ring_pass(&op, rbuf, off, cnt, c->rank, 0, dtype, 0, 1) != HR_OK) goto cleanup;
+    if (hr_ring_pass(&op, rbuf, NULL, off, cnt, c->rank, 0, dtype, 0, 1) != HR_OK) goto cleanup;
     rc = HR_OK;
 cleanup:
     free(off);

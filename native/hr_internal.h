@@ -28,7 +28,7 @@
 #define HR_ERRLEN 1024
 
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
-#define HR_RD_THRESHOLD_DEFAULT ((size_t)65536)
+#define HR_RD_THRESHOLD_DEFAULT ((size_t)262144)
 
 /* Element types. Numbers are part of the Python binding's ABI (collectives/ring.py). */
 enum hr_dtype {
@@ -116,19 +116,23 @@ int hr_sendrecv(hr_op_t *op, int speer, const void *sbuf, size_t slen, int send_
 void hr_chunks(uint64_t count, int n, size_t *off, size_t *cnt);
 
 /* Pipelined ring pass (ring_pass.c), used by ring allreduce, reduce-scatter and allgather. */
-int hr_ring_pass(hr_op_t *op, unsigned char *base, const size_t *off, const size_t *cnt,
-                 int first, int reduce, int dtype, int redop, int send_hdr);
+/* src (reduce mode; NULL = base) holds this rank's input: the step-0 chunk is sent from it and
+ * reductions write base = src OP received, so an out-of-place allreduce needs no copy. */
+int hr_ring_pass(hr_op_t *op, unsigned char *base, const unsigned char *src, const size_t *off,
+                 const size_t *cnt, int first, int reduce, int dtype, int redop, int send_hdr);
 
 /* ---- reduce.c ---- */
 /* dst[i] = dst[i] OP src[i] for i < n. AVG reduces like SUM. */
 void hr_reduce(void *dst, const void *src, size_t n, int dtype, int redop);
+/* dst[i] = a[i] OP b[i]; dst may be a (then it is hr_reduce) but must not otherwise overlap. */
+void hr_reduce3(void *dst, const void *a, const void *b, size_t n, int dtype, int redop);
 /* buf[i] /= divisor (float types). */
 void hr_divide(void *buf, size_t n, int dtype, int divisor);
 
 /* ---- algorithms ---- */
 int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype, int redop,
                  double timeout);
-int hr_allreduce_ring(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
+int hr_allreduce_ring(hr_op_t *op, const void *sbuf, void *buf, size_t count, int dtype, int redop);
 int hr_allreduce_rd(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
 int hr_allgather_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
                       double timeout);

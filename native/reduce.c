@@ -101,15 +101,36 @@ static inline uint16_t f2b(float x) {
         }                                                                                        \
     }
 
+/* Three-operand forms: d[i] = a[i] OP b[i] (d must not alias a or b). */
+#define KERNEL3(NAME, T, OP)                                                                     \
+    HR_CLONES static void NAME(T *restrict d, const T *restrict a, const T *restrict b,          \
+                               size_t n) {                                                       \
+        size_t i;                                                                                \
+        for (i = 0; i < n; i++) d[i] = OP(a[i], b[i]);                                           \
+    }
+
+#define KERNEL3_CVT(NAME, TOF, FROMF, OP)                                                        \
+    HR_CLONES static void NAME(uint16_t *restrict d, const uint16_t *restrict a,                 \
+                               const uint16_t *restrict b, size_t n) {                           \
+        size_t i;                                                                                \
+        for (i = 0; i < n; i++) d[i] = FROMF(OP(TOF(a[i]), TOF(b[i])));                          \
+    }
+
 #define KERNELS_F(SUF, T)                                                                        \
     KERNEL(sum_##SUF, T, OP_SUM) KERNEL(prod_##SUF, T, OP_PROD)                                  \
-    KERNEL(min_##SUF, T, OP_MIN) KERNEL(max_##SUF, T, OP_MAX)
+    KERNEL(min_##SUF, T, OP_MIN) KERNEL(max_##SUF, T, OP_MAX)                                    \
+    KERNEL3(sum3_##SUF, T, OP_SUM) KERNEL3(prod3_##SUF, T, OP_PROD)                              \
+    KERNEL3(min3_##SUF, T, OP_MIN) KERNEL3(max3_##SUF, T, OP_MAX)
 #define KERNELS_I(SUF, T)                                                                        \
     KERNEL(sum_##SUF, T, OP_SUM) KERNEL(prod_##SUF, T, OP_PROD)                                  \
-    KERNEL(min_##SUF, T, IOP_MIN) KERNEL(max_##SUF, T, IOP_MAX)
+    KERNEL(min_##SUF, T, IOP_MIN) KERNEL(max_##SUF, T, IOP_MAX)                                  \
+    KERNEL3(sum3_##SUF, T, OP_SUM) KERNEL3(prod3_##SUF, T, OP_PROD)                              \
+    KERNEL3(min3_##SUF, T, IOP_MIN) KERNEL3(max3_##SUF, T, IOP_MAX)
 #define KERNELS_H(SUF, TOF, FROMF)                                                               \
     KERNEL_CVT(sum_##SUF, TOF, FROMF, OP_SUM) KERNEL_CVT(prod_##SUF, TOF, FROMF, OP_PROD)        \
-    KERNEL_CVT(min_##SUF, TOF, FROMF, OP_MIN) KERNEL_CVT(max_##SUF, TOF, FROMF, OP_MAX)
+    KERNEL_CVT(min_##SUF, TOF, FROMF, OP_MIN) KERNEL_CVT(max_##SUF, TOF, FROMF, OP_MAX)          \
+    KERNEL3_CVT(sum3_##SUF, TOF, FROMF, OP_SUM) KERNEL3_CVT(prod3_##SUF, TOF, FROMF, OP_PROD)    \
+    KERNEL3_CVT(min3_##SUF, TOF, FROMF, OP_MIN) KERNEL3_CVT(max3_##SUF, TOF, FROMF, OP_MAX)
 
 KERNELS_F(f32, float)
 KERNELS_F(f64, double)
@@ -124,6 +145,10 @@ KERNEL(sum_u32w, uint32_t, OP_SUM)
 KERNEL(prod_u32w, uint32_t, OP_PROD)
 KERNEL(sum_u64w, uint64_t, OP_SUM)
 KERNEL(prod_u64w, uint64_t, OP_PROD)
+KERNEL3(sum3_u32w, uint32_t, OP_SUM)
+KERNEL3(prod3_u32w, uint32_t, OP_PROD)
+KERNEL3(sum3_u64w, uint64_t, OP_SUM)
+KERNEL3(prod3_u64w, uint64_t, OP_PROD)
 KERNELS_I(u8, uint8_t)
 
 void hr_reduce(void *dst, const void *src, size_t n, int dtype, int redop) {
@@ -153,6 +178,39 @@ void hr_reduce(void *dst, const void *src, size_t n, int dtype, int redop) {
     default: return;
     }
 #undef DISPATCH
+}
+
+void hr_reduce3(void *dst, const void *a, const void *b, size_t n, int dtype, int redop) {
+    int op = redop == HR_AVG ? HR_SUM : redop;
+#define DISPATCH3(SUF, T)                                                                        \
+    switch (op) {                                                                                \
+    case HR_SUM: sum3_##SUF((T *)dst, (const T *)a, (const T *)b, n); return;                    \
+    case HR_PROD: prod3_##SUF((T *)dst, (const T *)a, (const T *)b, n); return;                  \
+    case HR_MIN: min3_##SUF((T *)dst, (const T *)a, (const T *)b, n); return;                    \
+    case HR_MAX: max3_##SUF((T *)dst, (const T *)a, (const T *)b, n); return;                    \
+    default: return;                                                                             \
+    }
+    if (dst == a) {
+        hr_reduce(dst, b, n, dtype, redop);
+        return;
+    }
+    switch (dtype) {
+    case HR_F32: DISPATCH3(f32, float)
+    case HR_F64: DISPATCH3(f64, double)
+    case HR_F16: DISPATCH3(f16, uint16_t)
+    case HR_BF16: DISPATCH3(bf16, uint16_t)
+    case HR_U8: DISPATCH3(u8, uint8_t)
+    case HR_I32:
+        if (op == HR_SUM) { sum3_u32w(dst, a, b, n); return; }
+        if (op == HR_PROD) { prod3_u32w(dst, a, b, n); return; }
+        DISPATCH3(i32, int32_t)
+    case HR_I64:
+        if (op == HR_SUM) { sum3_u64w(dst, a, b, n); return; }
+        if (op == HR_PROD) { prod3_u64w(dst, a, b, n); return; }
+        DISPATCH3(i64, int64_t)
+    default: return;
+    }
+#undef DISPATCH3
 }
 
 HR_CLONES static void div_f32(float *restrict b, size_t n, float d) {

@@ -2,12 +2,12 @@
  *
  * The count input elements are cut into n chunks as in hr_chunks (the first count % n ranks get
  * one element more); rank r receives the reduction of chunk r over all ranks.
- * Steps: copy the input into a scratch buffer (the input is never modified), one pipelined
- * reduce-mode ring pass (ring_pass.c, first = r-1; in step s rank r sends chunk (r-1-s) and
+ * Steps: one pipelined reduce-mode ring pass reading the input (never modified) and writing
+ * reductions into a scratch buffer (ring_pass.c, first = r-1; in step s rank r sends chunk (r-1-s) and
  * reduces chunk (r-2-s) received from the left), divide for avg, copy chunk r out.
  *
  * Cost: n-1 steps; each rank sends and receives (n-1)/n * S bytes and reduces as many;
- * time ~ (n-1) a + (n-1)/n S (b + g), plus one local copy of S.
+ * time ~ (n-1) a + (n-1)/n S (b + g).
  */
 #include "hr_internal.h"
 
@@ -31,8 +31,9 @@ int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t co
     cnt = off + n;
     hr_chunks(count, n, off, cnt);
     if (hr_comm_tmp(&op, count * esz + 1) != HR_OK) goto cleanup;
-    if (count) memcpy(c->tmp, sbuf, count * esz);
-    if (hr_ring_pass(&op, c->tmp, off, cnt, r - 1, 1, dtype, redop, 1) != HR_OK) goto cleanup;
+    if (n == 1 && count) memcpy(c->tmp, sbuf, count * esz);
+    /* reductions write tmp = input OP received, so the input is neither copied nor modified */
+    if (hr_ring_pass(&op, c->tmp, sbuf, off, cnt, r - 1, 1, dtype, redop, 1) != HR_OK) goto cleanup;
     if (redop == HR_AVG) hr_divide(c->tmp + off[r] * esz, cnt[r], dtype, n);
     if (cnt[r]) memmove(rbuf, c->tmp + off[r] * esz, cnt[r] * esz);
     rc = HR_OK;

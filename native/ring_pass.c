@@ -11,7 +11,8 @@
  * and the send of step s+1 does not wait for step s to finish: it may send every byte of its
  * chunk that has already been received (and, in reduce mode, reduced), in pieces of at least
  * HR_MIN_SEND bytes. Received bytes land in a 256 KiB staging buffer and are reduced right
- * away while the kernel keeps receiving, so sending, receiving and reducing overlap and the
+ * away (base = src OP received, so out of place needs no copy of the input) while the kernel
+ * keeps receiving, so sending, receiving and reducing overlap and the
  * reduction reads cache-hot data. There is no deadlock: every rank's step-0 chunk is available
  * in full, so every stream can always make progress until its peer's buffer fills.
  *
@@ -30,8 +31,8 @@
 
 static inline int mod(int a, int n) { return ((a % n) + n) % n; }
 
-int hr_ring_pass(hr_op_t *op, unsigned char *base, const size_t *off, const size_t *cnt,
-                 int first, int reduce, int dtype, int redop, int send_hdr) {
+int hr_ring_pass(hr_op_t *op, unsigned char *base, const unsigned char *src, const size_t *off,
+                 const size_t *cnt, int first, int reduce, int dtype, int redop, int send_hdr) {
     hr_comm_t *c = op->c;
     int n = c->size, r = c->rank, right = mod(r + 1, n), left = mod(r - 1, n), s;
     size_t esz = hr_dtype_size(dtype), hl = send_hdr ? sizeof(hr_hdr_t) : 0;
@@ -41,6 +42,7 @@ int hr_ring_pass(hr_op_t *op, unsigned char *base, const size_t *off, const size
     hr_hdr_t rh;
     char why[256];
 
+    if (!src) src = base;
     if (n == 1) return HR_OK;
     for (s = 0; s < n - 1; s++) {
         op->tx_total += cnt[mod(first - s, n)] * esz;
@@ -67,7 +69,8 @@ int hr_ring_pass(hr_op_t *op, unsigned char *base, const size_t *off, const size
                 iov[k++].iov_len = hl - shd;
             }
             if (avail > sd && (avail == clen || avail - sd >= HR_MIN_SEND)) {
-                iov[k].iov_base = base + off[ci] * esz + sd;
+                /* step 0 sends the input; later steps forward what was reduced into base */
+                iov[k].iov_base = (ss == 0 ? (unsigned char *)src : base) + off[ci] * esz + sd;
                 iov[k++].iov_len = avail - sd;
             }
             if (k == 0) break; /* waiting for data from the left */
@@ -120,7 +123,8 @@ int hr_ring_pass(hr_op_t *op, unsigned char *base, const size_t *off, const size
                 pend += (size_t)got;
                 whole = pend - pend % esz;
                 if (whole) {
-                    hr_reduce(dst + rd, c->stage, whole / esz, dtype, redop);
+                    hr_reduce3(dst + rd, src + (size_t)(dst - base) + rd, c->stage, whole / esz,
+                               dtype, redop);
                     rd += whole;
                     pend -= whole;
                     if (pend) memmove(c->stage, c->stage + whole, pend);

@@ -49,7 +49,8 @@ class _Arr:
 
     @property
     def flat(self) -> np.ndarray:
-        return self.host.reshape(-1)
+        h = self.host
+        return h if h.ndim == 1 else h.reshape(-1)
 
 
 def _kind(x) -> str:
@@ -65,7 +66,14 @@ def _kind(x) -> str:
     return "other"
 
 
+_DT2TAG = {np.dtype(v): k for k, v in _NP_DTYPES.items()}
+
+
 def _tag_numpy(a: np.ndarray, dtype: str | None, what: str) -> tuple[np.ndarray, str]:
+    if dtype is None:
+        tag = _DT2TAG.get(a.dtype)
+        if tag is not None:                      # fast path: a supported numpy dtype
+            return a, tag
     name = a.dtype.name
     if name == "bfloat16":                       # ml_dtypes
         return a.view(np.uint16), "bfloat16"
@@ -83,6 +91,10 @@ def _tag_numpy(a: np.ndarray, dtype: str | None, what: str) -> tuple[np.ndarray,
 
 
 def _adapt(x, dtype: str | None, what: str, *, writable: bool) -> _Arr:
+    if type(x) is np.ndarray and dtype is None and x.flags.c_contiguous:   # fast path
+        tag = _DT2TAG.get(x.dtype)
+        if tag is not None and (not writable or x.flags.writeable):
+            return _Arr(x, "numpy", x, tag, x.shape, False)
     kind = _kind(x)
     device_copy = False
     if kind == "numpy":
