@@ -28,6 +28,7 @@ def job_env(site: Site, job: JobSpec) -> dict[str, str]:
     if spec:  # which interfaces hpcring's own rendezvous and ring may use (verified at init)
         env["HPCRING_IFNAME"] = spec
     env.update(site.config.env)
+    env["SUBMITIT_EXECUTOR"] = site.config.scheduler  # how submitit's task entry finds its environment
     env["HPCRING_SITE"] = site.name if site.origin == "bundled" else str(site.path)
     env["HPCRING_TIMEOUT"] = f"{job.timeout:g}"
     if job.gpus_per_node:

@@ -6,8 +6,10 @@ the rank entry already bootstrapped to set MASTER_ADDR & co.) does not meet twic
 """
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import time
 
 from hpcring.bootstrap.topology import Topology
 from hpcring.errors import UsageError
@@ -72,10 +74,30 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
             topo, store = init_bootstrap(timeout=t, interface=interface,
                                          verify=verify or os.environ.get("HPCRING_VERIFY", "ring"))
             _SESSION = Session(topo, store, load_secret())
+            atexit.register(_release, _SESSION)
         session = _SESSION
     if backend is not None:
         session.communicator(backend, timeout=timeout)
     return session
+
+
+def _release(session: Session) -> None:
+    """At exit: rank 0 (which serves the store) waits, bounded, until every other rank is done with it.
+
+    Without this a fast rank 0 exits and takes the store with it while slower ranks still wait
+    for their last answer (seen on the dev cluster: 'store closed the connection').
+    """
+    topo, store = session.topology, session.store
+    linger = float(os.environ.get("HPCRING_STORE_LINGER", "30"))
+    try:
+        if topo.rank != 0:
+            store.add("session/left", 1)
+            return
+        deadline = time.monotonic() + linger
+        while store.add("session/left", 0) < topo.size - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # exiting anyway: never turn a clean exit into a traceback
+        pass
 
 
 def current() -> Session | None:

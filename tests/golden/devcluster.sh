@@ -24,6 +24,7 @@ export OMPI_MCA_btl_tcp_if_include=eth0
 export UCX_NET_DEVICES=eth0
 export HPCRING_IFNAME==eth0
 export OMPI_MCA_mpi_yield_when_idle=1
+export SUBMITIT_EXECUTOR=slurm
 export HPCRING_SITE=devcluster
 export HPCRING_TIMEOUT=120
 

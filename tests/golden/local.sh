@@ -12,6 +12,7 @@ export OMPI_MCA_oob_tcp_if_include=lo
 export OMPI_MCA_btl_tcp_if_include=lo
 export UCX_NET_DEVICES=lo
 export HPCRING_IFNAME==lo
+export SUBMITIT_EXECUTOR=local
 export HPCRING_SITE=local
 export HPCRING_TIMEOUT=120
 

@@ -24,6 +24,7 @@ export GLOO_SOCKET_IFNAME=ib0
 export OMPI_MCA_oob_tcp_if_include=ib0
 export OMPI_MCA_btl_tcp_if_include=ib0
 export HPCRING_IFNAME==ib0
+export SUBMITIT_EXECUTOR=lsf
 export HPCRING_SITE=lsf-summit
 export HPCRING_TIMEOUT=300
 export HPCRING_GPUS_PER_NODE=6

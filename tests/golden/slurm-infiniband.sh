@@ -29,6 +29,7 @@ export GLOO_SOCKET_IFNAME=ib0
 export OMPI_MCA_oob_tcp_if_include=ib0
 export HPCRING_IFNAME==ib0
 export NCCL_DEBUG=WARN
+export SUBMITIT_EXECUTOR=slurm
 export HPCRING_SITE=slurm-infiniband
 export HPCRING_TIMEOUT=300
 export HPCRING_GPUS_PER_NODE=4

@@ -31,6 +31,7 @@ export OMPI_MCA_oob_tcp_if_include=bond0
 export OMPI_MCA_btl_tcp_if_include=bond0
 export HPCRING_IFNAME==bond0
 export NCCL_IB_TC=106
+export SUBMITIT_EXECUTOR=slurm
 export HPCRING_SITE=slurm-roce
 export HPCRING_TIMEOUT=300
 export HPCRING_GPUS_PER_NODE=8

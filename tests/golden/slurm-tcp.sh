@@ -19,6 +19,7 @@ set -uo pipefail
 export NCCL_IB_DISABLE=1
 export NCCL_SOCKET_IFNAME='^docker,lo,virbr'
 export HPCRING_IFNAME='^docker,lo,virbr'
+export SUBMITIT_EXECUTOR=slurm
 export HPCRING_SITE=slurm-tcp
 export HPCRING_TIMEOUT=300
 

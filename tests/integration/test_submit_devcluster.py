@@ -105,8 +105,13 @@ def test_cancel_sleeping_job(env, tmp_path):
             break
         assert time.time() < deadline, out
         time.sleep(1)
-    q = subprocess.run(["squeue", "-h", "-j", jid], capture_output=True, text=True, timeout=30)
-    assert q.stdout.strip() == ""
+    deadline = time.time() + 60
+    while True:  # COMPLETING (CG) until slurmd has reaped the steps
+        q = subprocess.run(["squeue", "-h", "-j", jid], capture_output=True, text=True, timeout=30)
+        if q.stdout.strip() == "":
+            break
+        assert time.time() < deadline, q.stdout
+        time.sleep(1)
 
 
 def test_nonexistent_partition_refused_by_scheduler(env, tmp_path):
