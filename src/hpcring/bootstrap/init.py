@@ -26,7 +26,7 @@ import socket
 import time
 from collections.abc import Mapping
 
-from hpcring.bootstrap import netif
+from hpcring.bootstrap import launchers, netif
 from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, load_secret
 from hpcring.bootstrap.topology import Topology
 from hpcring.errors import BootstrapError
@@ -103,17 +103,12 @@ def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
 # ----------------------------------------------------------------------------------- steps
 
 def _detect(env: Mapping[str, str]) -> Topology:
-    from hpcring.bootstrap.launchers import detect
-    return detect(env)
+    return launchers.detect(env)
 
 
 def _complete(topo: Topology, hosts: list[str]) -> Topology:
     """Fill node fields (and unknown local ranks) from the gathered hosts."""
-    try:
-        from hpcring.bootstrap.launchers import complete
-    except ImportError:   # keep working with hand-built topologies if launchers is unavailable
-        return topo.with_(hosts=tuple(hosts))
-    return complete(topo, hosts, source="store:init/hosts")
+    return launchers.complete(topo, hosts, source="store:init/hosts")
 
 
 def _interface_spec(interface: str | None, env: Mapping[str, str], topo: Topology) -> str | None:
@@ -192,7 +187,7 @@ def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float) ->
                 hint="check that rank 0 started, that HPCRING_MASTER_ADDR/MASTER_ADDR or the first host "
                      "name resolves to rank 0's node, and that these ports are not firewalled")
         time.sleep(min(delay, _left(deadline)))
-        delay = min(delay * 2, 0.5)
+        delay = min(delay * 2, 0.2)   # refused connects are cheap; rank 0 may appear any moment
 
 
 def _gather_hosts(client: StoreClient, topo: Topology, deadline: float) -> list[str]:

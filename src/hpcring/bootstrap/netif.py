@@ -32,7 +32,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from hpcring.errors import BootstrapError
@@ -63,13 +62,19 @@ class Interface:
 
 # --------------------------------------------------------------------------------------- listing
 
-def list_interfaces() -> list[Interface]:
-    """Every IPv4 address of every interface (one entry per address), in kernel order."""
-    try:
-        return _from_ip_json(_run_ip())
-    except (OSError, ValueError, subprocess.SubprocessError) as e:
-        log.debug("`ip -j addr` unavailable (%s); falling back to ioctl", e)
-        return _from_ioctl()
+def list_interfaces(*, all_addresses: bool = False) -> list[Interface]:
+    """IPv4 interfaces in kernel order.
+
+    Default: ioctl (SIOCGIFADDR), in-process and cheap, one (primary) address per interface; 256
+    ranks on one machine each forking ``ip`` cost more than the whole rendezvous. With
+    ``all_addresses`` (or if ioctl fails) parse ``ip -j -4 addr``: one entry per address.
+    """
+    if not all_addresses:
+        try:
+            return _from_ioctl()
+        except OSError as e:
+            log.debug("ioctl interface listing failed (%s); trying `ip -j addr`", e)
+    return _from_ip_json(_run_ip())
 
 
 def _run_ip() -> str:
@@ -414,6 +419,7 @@ def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, pr
     jobs = [(p, i, c) for p in peers for i, c in enumerate(cands[p])]
     if not jobs:
         return {}
+    from concurrent.futures import ThreadPoolExecutor   # only ranks that probe pay for the import
     with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
         errors = list(pool.map(lambda j: probe(j[2]["address"], j[2]["port"], secret, connect_timeout), jobs))
     out: dict[str, list] = {str(p): [None] * len(cands[p]) for p in peers}
