@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     topo = session.topology
     apply_framework_env(topo, gpus)
+    from hpcring.session import handoff_env
+    os.environ.update(handoff_env(session))
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
 
     def forward(signum, _frame):

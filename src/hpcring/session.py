@@ -67,6 +67,8 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
     """
     global _SESSION
     with _LOCK:
+        if _SESSION is None and os.environ.get(HANDOFF_VAR):
+            _SESSION = _from_handoff(os.environ[HANDOFF_VAR])
         if _SESSION is None:
             from hpcring.bootstrap.init import init_bootstrap
             from hpcring.bootstrap.store import load_secret
@@ -79,6 +81,31 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
     if backend is not None:
         session.communicator(backend, timeout=timeout)
     return session
+
+
+HANDOFF_VAR = "HPCRING_SESSION"
+
+
+def handoff_env(session: Session) -> dict[str, str]:
+    """Variables that let a child process (``hpcring run``'s CMD) join this session without meeting again."""
+    import dataclasses
+    import json
+    t = session.topology
+    data = {k: v for k, v in dataclasses.asdict(t).items() if k != "sources"}
+    data["store"] = [t.master_addr, session.store.port]
+    return {HANDOFF_VAR: json.dumps(data)}
+
+
+def _from_handoff(text: str) -> Session:
+    import json
+
+    from hpcring.bootstrap.store import StoreClient, load_secret
+    data = json.loads(text)
+    host, port = data.pop("store")
+    data["hosts"] = tuple(data["hosts"])
+    topo = Topology(**data, sources={"*": f"{HANDOFF_VAR} (from the parent hpcring rank process)"})
+    secret = load_secret()
+    return Session(topo, StoreClient(host, port, secret, timeout=30.0), secret)
 
 
 def _release(session: Session) -> None:

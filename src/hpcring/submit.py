@@ -45,7 +45,8 @@ def _python(site: Site) -> str:
 def preview(site: Site, job: JobSpec, template: str | None = None) -> str:
     """The exact script `submit` would hand to the scheduler (job id still a placeholder)."""
     folder = str(job_root(job) / "%j")
-    command = RANK_COMMAND.format(python=_python(site), folder=folder)
+    own = getattr(schedulers.get(site.config.scheduler), "rank_command", None)  # LSF: per-rank log entry
+    command = own(_python(site), folder) if own else RANK_COMMAND.format(python=_python(site), folder=folder)
     return render_script(site, job, command, folder, template, python=_python(site))
 
 
@@ -187,9 +188,13 @@ def outcome(rec: JobRecord, st: JobState) -> Outcome:
 
 def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
     parts = []
-    for s in oc.failed:
-        what = s.get("error") or f"exited with code {s.get('exit_code')}"
-        parts.append(f"rank {s['rank']} on {s.get('host', '?')} {what}")
+    if oc.failed:  # the first failure in full; the others by rank and host (often the same cause)
+        s = oc.failed[0]
+        parts.append(f"rank {s['rank']} on {s.get('host', '?')} "
+                     + (s.get("error") or f"exited with code {s.get('exit_code')}"))
+        others = [f"{o['rank']} ({o.get('host', '?')})" for o in oc.failed[1:]]
+        if others:
+            parts.append(f"also failed: ranks {', '.join(others)}")
     if oc.missing and oc.state.state != "COMPLETED":
         parts.append(f"ranks {_ranges(oc.missing)} did not finish")
     code = oc.failed[0]["exit_code"] if oc.failed else (oc.state.exit_code or 1)

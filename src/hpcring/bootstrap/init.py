@@ -85,9 +85,14 @@ def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
     hosts = _gather_hosts(client, topo, deadline)
     last_timings["met"] = time.monotonic() - t0
 
-    table = netif.verify_interfaces(
-        client, rank=topo.rank, size=topo.size, host=hosts[topo.rank], candidates=candidates,
-        secret=secret, mode=verify, timeout=_left(deadline), prefix="init/netif")
+    try:
+        table = netif.verify_interfaces(
+            client, rank=topo.rank, size=topo.size, host=hosts[topo.rank], candidates=candidates,
+            secret=secret, mode=verify, timeout=_left(deadline), prefix="init/netif")
+    except BootstrapError as exc:
+        if spec is None or "verification failed" not in exc.message:
+            raise
+        raise _with_alternatives(exc, client, topo, hosts, secret, verify, deadline) from None
     master = _agree_master(client, topo.rank, table, deadline)
     last_timings["verified"] = time.monotonic() - t0
 
@@ -155,6 +160,10 @@ def bootstrap_master_addr(topo: Topology, env: Mapping[str, str]) -> str:
     if topo.master_addr:
         return topo.master_addr
     first = topo.hosts[0] if topo.hosts else None
+    if (not first or first == "?") and env.get("SLURM_JOB_NODELIST"):
+        # mpirun/Hydra inside a Slurm allocation: they map rank 0 onto the allocation's first node
+        from hpcring.bootstrap.hostlist import expand
+        first = expand(env["SLURM_JOB_NODELIST"])[0]
     if not first or first == "?":   # launchers.UNKNOWN_HOST: this launcher does not list other hosts
         raise BootstrapError("cannot tell where rank 0 runs: no HPCRING_MASTER_ADDR/MASTER_ADDR and no host list",
                              hint="export HPCRING_MASTER_ADDR=<rank 0's node> before starting the ranks")
@@ -204,6 +213,21 @@ def _gather_hosts(client: StoreClient, topo: Topology, deadline: float) -> list[
         raise BootstrapError(f"rank 0 published {len(hosts)} hosts for world size {topo.size}",
                              hint="all ranks must agree on the world size (launcher environment)")
     return hosts
+
+
+def _with_alternatives(exc: BootstrapError, client, topo: Topology, hosts: list[str], secret: bytes,
+                       verify: str, deadline: float) -> BootstrapError:
+    """The configured interface failed: probe the automatic candidates (all ranks do) and say which work."""
+    try:
+        auto = netif.select_candidates(netif.list_interfaces(), None)
+        table = netif.verify_interfaces(
+            client, rank=topo.rank, size=topo.size, host=hosts[topo.rank], candidates=auto, secret=secret,
+            mode=verify, timeout=min(8.0, _left(deadline)), prefix="init/netif-alt")
+        works = ", ".join(sorted({f"{e.host} {e.interface} {e.address}" for e in table}))
+        alt = f" Interfaces that do connect every rank (automatic choice): {works}."
+    except BootstrapError as alt_exc:
+        alt = f" No automatic choice connects every rank either ({alt_exc.message[:200]})."
+    return BootstrapError(exc.message + alt, hint=exc.hint)
 
 
 def _agree_master(client: StoreClient, rank: int, table, deadline: float) -> dict:

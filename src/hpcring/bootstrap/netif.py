@@ -44,6 +44,9 @@ SIOCGIFADDR = 0x8915
 SIOCGIFNETMASK = 0x891B
 IFF_UP = 0x1
 IFF_LOOPBACK = 0x8
+IFF_RUNNING = 0x40   # lower layer up (carrier)
+SIOCGIFFLAGS = 0x8913
+SIOCGIFMTU = 0x8921
 _PROBE_CLIENT = b"hpcring-probe-v1 client"
 _PROBE_SERVER = b"hpcring-probe-v1 server"
 _NONCE = 32
@@ -102,18 +105,22 @@ def _from_ip_json(text: str) -> list[Interface]:
 def _from_ioctl() -> list[Interface]:
     result = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
+        for index, name in socket.if_nameindex():
             req = struct.pack("256s", name.encode()[:15])
             try:
                 addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, req)[20:24])
                 mask = socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFNETMASK, req)[20:24])
             except OSError:
                 continue   # no IPv4 address on this interface
-            flags = _sys_int(name, "flags") or 0
+            # Flags and MTU from the kernel for THIS network namespace: /sys may belong to another
+            # one (nsenter'd nodes, some containers) and describe a different interface of that name.
+            flags = struct.unpack("H", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req)[16:18])[0]
+            mtu = struct.unpack("i", fcntl.ioctl(s.fileno(), SIOCGIFMTU, req)[16:20])[0]
+            own_sys = _sys_int(name, "ifindex") == index
             result.append(Interface(
                 name=name, address=addr, prefixlen=ipaddress.ip_network(f"0.0.0.0/{mask}").prefixlen,
-                up=bool(flags & IFF_UP) and _sys_operstate(name) not in ("down", "lowerlayerdown"),
-                speed=_sys_int(name, "speed"), mtu=_sys_int(name, "mtu"),
+                up=bool(flags & IFF_UP) and bool(flags & IFF_RUNNING),
+                speed=_sys_int(name, "speed") if own_sys else None, mtu=mtu,
                 loopback=bool(flags & IFF_LOOPBACK) or name == "lo"))
     return result
 

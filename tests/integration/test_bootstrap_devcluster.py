@@ -1,0 +1,106 @@
+"""Bootstrap inside real allocations on the dev cluster: salloc + hpcring run, mpirun, torch gloo, dead interface."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_submit_devcluster import _cluster_up, hellos, job_id_of  # noqa: E402
+
+pytestmark = [pytest.mark.devcluster,
+              pytest.mark.skipif(not _cluster_up(), reason="dev cluster is not up (hpcring devcluster up)")]
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+
+
+def topos(stdout: str) -> list[dict]:
+    return [json.loads(l.split("TOPO ", 1)[1]) for l in stdout.splitlines() if "TOPO " in l]
+
+
+def check_agreement(recs: list[dict], size: int, per_node: int) -> None:
+    assert sorted(r["rank"] for r in recs) == list(range(size))
+    hosts = recs[0]["hosts"]
+    assert len(hosts) == size and sorted(set(hosts)) == [f"node{i}" for i in range(1, size // per_node + 1)]
+    for r in recs:  # everyone agrees on the world
+        assert r["hosts"] == hosts and r["master"] == recs[0]["master"] and r["size"] == size
+        assert r["host"] == hosts[r["rank"]]
+        assert r["interface"] == "eth0" and r["address"] == f"10.99.0.{r['host'][-1]}"
+        assert r["local_size"] == per_node and 0 <= r["local_rank"] < per_node
+    assert recs[0]["master"][0] == "10.99.0.1"   # rank 0's address on the verified interface
+
+
+def test_salloc_hpcring_run(tmp_path):
+    r = subprocess.run(["salloc", "-N", "3", "--ntasks-per-node=2", "--time=5", PY, "-m", "hpcring", "run",
+                        "--site", "devcluster", "--tasks-per-node", "2", "--", PY, str(ROOT / "examples/whoami.py")],
+                       capture_output=True, text=True, timeout=240, env=ENV, cwd="/srv/hpcring", stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = topos(r.stdout)
+    check_agreement(recs, 6, 2)
+    assert all(line.startswith("[") for line in r.stdout.splitlines())   # rank-tagged
+
+
+def test_hpcring_run_names_first_failing_rank():
+    r = subprocess.run(["salloc", "-N", "2", "--time=5", PY, "-m", "hpcring", "run", "--site", "devcluster",
+                        "--", PY, "-c", "import os,sys,time; r=int(os.environ['RANK']); time.sleep(0.5*r); sys.exit(7 if r==1 else 0)"],
+                       capture_output=True, text=True, timeout=240, env=ENV, cwd="/srv/hpcring", stdin=subprocess.DEVNULL)
+    assert r.returncode == 7, r.stderr[-3000:]
+    assert "rank 1 on node2" in r.stderr and "exited with code 7" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_mpirun_inside_allocation():
+    env = dict(ENV, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_btl_tcp_if_include="eth0", OMPI_MCA_oob_tcp_if_include="eth0", HPCRING_IFNAME="=eth0")
+    secret = Path("/srv/hpcring") / f"mpirun-secret-{os.getpid()}"
+    secret.write_text("ab" * 32)
+    os.chmod(secret, 0o600)
+    env["HPCRING_SECRET_FILE"] = str(secret)
+    try:
+        r = subprocess.run(["salloc", "-N", "3", "--ntasks-per-node=2", "--time=5", "mpirun", "--oversubscribe",
+                            "-np", "6", "--map-by", "ppr:2:node", "-x", "PYTHONPATH", "-x", "HPCRING_SECRET_FILE",
+                            "-x", "HPCRING_IFNAME", PY, str(ROOT / "examples/whoami.py")],
+                           capture_output=True, text=True, timeout=240, env=env, cwd="/srv/hpcring",
+                           stdin=subprocess.DEVNULL)
+    finally:
+        secret.unlink()
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = topos(r.stdout)
+    check_agreement(recs, 6, 2)
+    assert {x["launcher"] for x in recs} == {"openmpi"}
+
+
+def test_torch_gloo_env_init_via_submit(tmp_path):
+    pytest.importorskip("torch")
+    env = dict(ENV, HPCRING_STATE_DIR=str(tmp_path / "state"))
+    r = subprocess.run([PY, "-m", "hpcring", "submit", str(ROOT / "examples/torch_allreduce.py"), "--site", "devcluster",
+                        "--nodes", "3", "--tasks-per-node", "1", "--wait"],
+                       capture_output=True, text=True, timeout=400, env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    lines = [l for l in r.stdout.splitlines() if "TORCH " in l]
+    assert len(lines) == 3 and all("ok=True" in l and "iface=eth0" in l and "master=10.99.0.1:" in l for l in lines)
+
+
+def test_dead_interface_fails_fast_naming_it(tmp_path):
+    site = (ROOT / "site_configs" / "devcluster.yaml").read_text().replace('data_interfaces: ["=eth0"]',
+                                                                           'data_interfaces: ["=dead0"]')
+    p = tmp_path / "dead.yaml"
+    p.write_text(site)
+    env = dict(ENV, HPCRING_STATE_DIR=str(tmp_path / "state"))
+    t0 = time.monotonic()
+    r = subprocess.run([PY, "-m", "hpcring", "submit", str(ROOT / "examples/hello.py"), "--site", str(p),
+                        "--nodes", "3", "--tasks-per-node", "1", "--wait"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL)
+    wall = time.monotonic() - t0
+    assert r.returncode != 0
+    assert "dead0" in r.stderr and "10.98.0." in r.stderr, r.stderr[-3000:]
+    assert "eth0" in r.stderr   # the interfaces that did connect are named
+    statuses = [json.loads(p.read_text()) for p in
+                (Path("/srv/hpcring/jobs") / job_id_of(r)).glob("*_status.json")]
+    assert statuses and all(s["ended"] - s["started"] < 15 for s in statuses), statuses
+    print(f"dead-interface time to error: {max(s['ended'] - s['started'] for s in statuses):.1f} s in-job, {wall:.1f} s wall")
