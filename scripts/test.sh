@@ -10,6 +10,8 @@ start=$(date +%s)
 
 bash scripts/install-system-deps.sh
 EXTRAS=test,mpi bash scripts/install.sh
+# CPU torch for the torch.distributed (gloo, env://) tests; this machine kind ships its wheel.
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 
 t0=$(date +%s)
 .venv/bin/hpcring devcluster up
