@@ -6,8 +6,9 @@
 #BSUB -q batch
 #BSUB -W 2:00
 #BSUB -nnodes 2
-#BSUB -o /jobs/%J/%J_0_log.out
-#BSUB -e /jobs/%J/%J_0_log.err
+# The batch script's own output (and LSF's job report); each rank writes %J_<rank>_log.out/.err.
+#BSUB -o /jobs/%J/%J_batch.out
+#BSUB -e /jobs/%J/%J_batch.err
 #BSUB -wa USR2
 #BSUB -wt 5
 #BSUB --comment=golden
@@ -30,6 +31,7 @@ export HPCRING_TIMEOUT=300
 export HPCRING_GPUS_PER_NODE=6
 
 export HPCRING_LOG_PATTERN=/jobs/%j/%j_%t_log
+export SUBMITIT_PREEMPT_SIGNAL=USR2
 # Resource sets: one per rank, each with its CPUs and one GPU.
 jsrun -n 12 -r 6 -a 1 -c 7 -g 1 -b packed:7 \
   /usr/bin/python3 -u -m submitit.core._submit /jobs/%j

@@ -273,3 +273,47 @@ def test_explain_names_sources():
     text = explain(detect(SRUN, hostname="h"))
     assert "rank        = 1  <- SLURM_PROCID" in text
     assert "hosts       = n[1,1-2,2]  <- SLURM_STEP_NODELIST+SLURM_STEP_TASKS_PER_NODE (block distribution)" in text
+
+
+# ------------------------------------------------------------------------------- LSF blaunch
+
+def _blaunch_env(tmp_path: Path, task: str, lines: str = "n1\nn1\nn2\nn2\nn3\nn3\n") -> dict:
+    (tmp_path / "hostfile").write_text(lines)
+    return {"LSB_JOBID": "88", "LSF_PM_TASKID": task, "LSB_DJOB_HOSTFILE": str(tmp_path / "hostfile"),
+            "LSB_DJOB_NUMPROC": str(len(lines.split())), "LSB_MCPU_HOSTS": "n1 2 n2 2 n3 2"}
+
+
+def test_blaunch_task_id_is_one_based(tmp_path):
+    topo = detect(_blaunch_env(tmp_path, "4"), hostname="n2")
+    assert (topo.launcher, topo.rank, topo.size, topo.local_rank, topo.local_size) == ("blaunch", 3, 6, 1, 2)
+    assert (topo.node_rank, topo.num_nodes, topo.job_id) == (1, 3, "88")
+    assert topo.hosts == ("n1", "n1", "n2", "n2", "n3", "n3") and hosts_known(topo)
+    assert topo.sources["rank"] == "LSF_PM_TASKID-1"
+    assert topo.sources["size"].startswith("LSB_DJOB_HOSTFILE (6 slots")
+    assert detect(_blaunch_env(tmp_path, "1"), hostname="n1").rank == 0
+
+
+def test_blaunch_drops_launch_node(tmp_path):
+    env = _blaunch_env(tmp_path, "2", "batch1\nc1\nc1\nc2\nc2\n")
+    topo = detect(env, hostname="c1", lsf_drop_launch_node=True)
+    assert (topo.rank, topo.size, topo.local_rank, topo.hosts) == (1, 4, 1, ("c1", "c1", "c2", "c2"))
+
+
+def test_blaunch_errors(tmp_path):
+    assert "counts from 1" in _err(_blaunch_env(tmp_path, "0"))
+    assert "is not below" in _err(_blaunch_env(tmp_path, "7"))
+    env = {"LSB_JOBID": "88", "LSF_PM_TASKID": "1"}
+    assert "world size is unknown" in _err(env)
+
+
+def test_blaunch_wrong_host_leaves_hosts_to_the_rendezvous(tmp_path):
+    topo = detect(_blaunch_env(tmp_path, "3"), hostname="elsewhere")
+    assert topo.launcher == "blaunch" and topo.rank == 2 and not hosts_known(topo)
+    assert topo.local_rank == UNKNOWN and "this host is elsewhere" in topo.sources["ignored"]
+
+
+def test_mpirun_inside_blaunch_task_is_openmpi(tmp_path):
+    # An orted started by blaunch passes LSF_PM_TASKID on; the Open MPI rank is the truth.
+    env = {**_blaunch_env(tmp_path, "1"), **OMPI}
+    assert detect(env, hostname="n1").launcher in ("openmpi", "lsf")
+    assert detect(env, hostname="n1").rank == 1

@@ -48,7 +48,7 @@ def test_gres_vs_gpus_per_node_and_exclusive():
 def test_lsf_jsrun_resource_sets():
     site, job = _job("lsf-summit")
     text = render_script(site, job, COMMAND, "/jobs/%j")
-    assert "#BSUB -nnodes 2" in text and "#BSUB -o /jobs/%J/%J_0_log.out" in text
+    assert "#BSUB -nnodes 2" in text and "#BSUB -o /jobs/%J/%J_batch.out" in text
     assert "jsrun -n 12 -r 6 -a 1 -c 7 -g 1 -b packed:7" in text
     assert "#BSUB -W 2:00" in text and "#BSUB -P ABC123" in text
 

@@ -25,6 +25,9 @@ script sees SLURM_PROCID=0 of the batch step on every rank it starts on the firs
 5. ``pmi``      PMI_RANK (MPICH/Hydra, Intel MPI, ``srun --mpi=pmi2``)
 6. ``pmix``     PMIX_RANK (size only from an enclosing launcher)
 7. ``jsrun``    JSM_NAMESPACE_RANK
+   ``blaunch``  LSF_PM_TASKID and LSB_JOBID (a task LSF's blaunch started: LSF_PM_TASKID is the
+                1-based task id LSF's RES sets, rank = LSF_PM_TASKID - 1; size, hosts and local
+                ranks come from the LSF slot list, one task per slot as ``blaunch -u hostfile``)
 8. ``slurm``    SLURM_STEP_ID and SLURM_PROCID (a task of an ``srun`` step; the batch step sets
                 SLURM_PROCID but no SLURM_STEP_ID, and a batch script is one process)
 9. ``single``   none of the above: rank 0 of 1 (job id from SLURM_JOB_ID or LSB_JOBID if set)
@@ -95,6 +98,7 @@ class LauncherTable:
     tasks_per_node: tuple[str, ...] = ()  # Slurm's "2(x3),1"
     hostname: tuple[str, ...] = ()        # this rank's node name as the launcher knows it
     step_id: tuple[str, ...] = ()
+    rank_base: int = 0                    # the rank variable counts from this (LSF_PM_TASKID: 1)
 
 
 TABLES: dict[str, LauncherTable] = {
@@ -137,6 +141,9 @@ TABLES: dict[str, LauncherTable] = {
         rank=("JSM_NAMESPACE_RANK",), size=("JSM_NAMESPACE_SIZE",),
         local_rank=("JSM_NAMESPACE_LOCAL_RANK",), local_size=("JSM_NAMESPACE_LOCAL_SIZE",),
         job_id=("LSB_JOBID",)),
+    "blaunch": LauncherTable(
+        "blaunch", marker=("LSF_PM_TASKID", "LSB_JOBID"), required=("rank",),
+        rank=("LSF_PM_TASKID",), rank_base=1, job_id=("LSB_JOBID",)),
     "slurm": LauncherTable(
         "slurm", marker=("SLURM_STEP_ID", "SLURM_PROCID"),
         required=("rank", "size", "local_rank", "node_rank", "nodelist", "tasks_per_node"),
@@ -149,7 +156,7 @@ TABLES: dict[str, LauncherTable] = {
         step_id=("SLURM_STEP_ID",)),
 }
 
-DETECTION_ORDER = ("local", "torchrun", "openmpi", "mvapich", "pmi", "pmix", "jsrun", "slurm")
+DETECTION_ORDER = ("local", "torchrun", "openmpi", "mvapich", "pmi", "pmix", "jsrun", "blaunch", "slurm")
 _OUTER = ("jsrun", "slurm")
 _INNER_MPI = ("openmpi", "mvapich", "pmi", "pmix")
 _LSF_HOST_VARS = ("LSB_DJOB_RANKFILE", "LSB_DJOB_HOSTFILE", "LSB_MCPU_HOSTS", "LSB_HOSTS")
@@ -199,9 +206,13 @@ def detect(environ: Mapping[str, str] | None = None, *, hostname: str | None = N
     if name != "local":
         _check_inner_agree(reading, env)
         _corroborate(reading, env)
+        if reading.launcher == "blaunch":
+            _blaunch_size(reading, env, lsf_drop_launch_node)
         # jsrun places ranks by resource set, not in LSF slot order: never map its ranks to slots.
         if not reading.known("hosts") and reading.launcher != "jsrun" and _env_get(env, "LSB_JOBID"):
             _lsf_hosts(reading, env, hostname, lsf_drop_launch_node)
+    if reading.launcher == "blaunch" and reading.known("hosts"):
+        _local_from_hosts(reading)
     return _build(reading, env, hostname)
 
 
@@ -294,6 +305,11 @@ def _read(table: LauncherTable, env: Mapping[str, str]) -> _Reading:
         found = _first(env, getattr(table, f))
         if found:
             r.set(f, _parse_int(*found, table.name), found[0])
+    if table.rank_base and r.known("rank"):
+        if r.get("rank") < table.rank_base:
+            raise BootstrapError(f"{table.name}: {r.sources['rank']}={r.get('rank')} but it counts from "
+                                 f"{table.rank_base}", hint="the launcher environment is damaged or was set by hand")
+        r.set("rank", r.get("rank") - table.rank_base, f"{r.sources['rank']}-{table.rank_base}")
     for f in ("job_id", "master_addr", "nodelist", "tasks_per_node", "hostname"):
         found = _first(env, getattr(table, f))
         if found:
@@ -532,7 +548,31 @@ def _lsf_hosts(r: _Reading, env: Mapping[str, str], hostname: str | None, drop: 
         return
     r.set("hosts", tuple(slots), f"{var} (one slot per rank)")
     r.sources["launcher"] += f"; hosts from {var}"
-    r.launcher = "lsf"
+    if r.launcher != "blaunch":  # blaunch tasks keep their launcher's name
+        r.launcher = "lsf"
+
+
+def _blaunch_size(r: _Reading, env: Mapping[str, str], drop: bool) -> None:
+    """blaunch starts one task per slot of the host file: the world size is the slot count."""
+    try:
+        got = _lsf_slots(env, drop)
+    except BootstrapError as e:
+        raise BootstrapError(f"blaunch: {e.message}", hint="blaunch tasks need the job's LSF host file") from None
+    if not got or not got[0]:
+        raise BootstrapError(f"blaunch: LSF_PM_TASKID={env.get('LSF_PM_TASKID')} is set but none of "
+                             f"{', '.join(_LSF_HOST_VARS)} lists the job's slots, so the world size is unknown",
+                             hint="start the ranks with `blaunch -u $LSB_DJOB_HOSTFILE ...` inside the job")
+    slots, var = got
+    r.set("size", len(slots), f"{var} ({len(slots)} slots, one blaunch task each)")
+    _check_ranges(r)
+
+
+def _local_from_hosts(r: _Reading) -> None:
+    """Local rank and size from the rank -> host map (blaunch does not export them)."""
+    hosts = r.get("hosts")
+    mine = [q for q, h in enumerate(hosts) if h == hosts[r.get("rank")]]
+    r.set("local_rank", mine.index(r.get("rank")), r.sources["hosts"])
+    r.set("local_size", len(mine), r.sources["hosts"])
 
 
 def _lsf_mismatch(r: _Reading, slots: list[str], hostname: str | None) -> str | None:

@@ -1,0 +1,292 @@
+"""LSF: a submitit executor that submits hpcring's rendered bsub script, states from bjobs.
+
+The hooks of schedulers/base.py (``make_executor``, ``state``, ``cancel``, ``COMMAND``,
+``explain_refusal``) plus a submitit plugin registered through the ``submitit`` entry points
+(``executor`` = :class:`LsfExecutor`, ``job_environment`` = :class:`LsfJobEnvironment`):
+
+* submission: ``bsub < script`` (bsub parses ``#BSUB`` lines from stdin; ``bsub script`` would not
+  unless the site sets LSB_BSUB_PARSE_SCRIPT=Y); the id from ``Job <ID> is submitted to queue <Q>.``
+* every rank runs ``python -m hpcring.schedulers.lsf_task FOLDER``, which writes the rank's
+  ``<jobid>_<rank>_log.out/.err`` and runs submitit's task entry: one result per rank, for any
+  number of tasks;
+* states: ``bjobs -o "jobid stat exit_code exec_host" -noheader``; a suspended job (PSUSP, USUSP,
+  SSUSP) is SUSPENDED, which is not finished (submitit's own watcher would take it for finished);
+* cancel: ``bkill``; requeue on preemption or timeout (the -wa warning signal): ``brequeue``.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import typing as tp
+from pathlib import Path
+
+from submitit.core import core, job_environment, logger
+
+from hpcring.config.jobspec import JobSpec, resolve_job
+from hpcring.config.site import Site, load_site
+from hpcring.errors import SchedulerError
+from hpcring.render import render_script
+from hpcring.schedulers.base import JobState, state_dir
+
+COMMAND = "bsub"
+_CMD_TIMEOUT = 30.0
+BJOBS_FORMAT = "jobid stat exit_code exec_host"
+
+# LSF's job states -> hpcring's normalized ones (base.TERMINAL decides what is finished).
+# A suspended job is alive: never finished. ZOMBI (killed, host unreachable) and UNKWN (host
+# unreachable) are not known to be over, so they stay unfinished too.
+STATES = {
+    "PEND": "PENDING", "WAIT": "PENDING",
+    "RUN": "RUNNING",
+    "PSUSP": "SUSPENDED", "USUSP": "SUSPENDED", "SSUSP": "SUSPENDED",
+    "DONE": "COMPLETED", "EXIT": "FAILED",
+    "ZOMBI": "UNKNOWN", "UNKWN": "UNKNOWN",
+}
+UNFINISHED = {"PENDING", "RUNNING", "SUSPENDED", "UNKNOWN", "REQUEUED"}
+
+_SUBMITTED = re.compile(r"Job <(\d+)> is submitted to (?:default )?queue <([^>]*)>")
+
+
+def job_id_from_output(text: str | bytes) -> str:
+    """``Job <123> is submitted to queue <normal>.`` -> ``123``."""
+    text = text.decode(errors="replace") if isinstance(text, bytes) else text
+    m = _SUBMITTED.search(text)
+    if not m:
+        raise SchedulerError(f"could not find a job id in bsub's answer: {text.strip()!r}",
+                             hint="bsub normally prints 'Job <ID> is submitted to queue <QUEUE>.'")
+    return m.group(1)
+
+
+def parse_bjobs(text: str | bytes) -> dict[str, dict[str, str]]:
+    """Lines of ``bjobs -o "jobid stat exit_code exec_host" -noheader`` -> {jobid: fields}."""
+    text = text.decode(errors="replace") if isinstance(text, bytes) else text
+    out: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 2 or not parts[0].split("[")[0].isdigit():
+            continue  # "Job <1> is not found" and the like go to stderr; skip anything else
+        stat = parts[1]
+        code = parts[2] if len(parts) > 2 else "-"
+        hosts = parts[3] if len(parts) > 3 else "-"
+        out[parts[0]] = {"stat": stat, "State": STATES.get(stat, "UNKNOWN"), "exit_code": code,
+                         "nodes": _exec_hosts(hosts)}
+    return out
+
+
+def _exec_hosts(field: str) -> str:
+    """``2*node1:2*node2`` -> ``node1,node2``."""
+    if field in ("-", ""):
+        return ""
+    return ",".join(dict.fromkeys(h.split("*")[-1] for h in field.split(":") if h))
+
+
+def _cancel_marker(job_id: str) -> Path:
+    return state_dir() / f"{job_id}.lsf-cancelled"
+
+
+# ------------------------------------------------------------------------------ submitit plugin
+
+class LsfInfoWatcher(core.InfoWatcher):
+    """Polls bjobs for all registered jobs at once; a suspended job is not done."""
+
+    def _make_command(self) -> list[str] | None:
+        ids = sorted(self._registered - self._finished)
+        return ["bjobs", "-o", BJOBS_FORMAT, "-noheader", *ids] if ids else None
+
+    def read_info(self, string: tp.Union[bytes, str]) -> dict[str, dict[str, str]]:
+        return parse_bjobs(string)
+
+    def get_state(self, job_id: str, mode: str = "standard") -> str:
+        return self.get_info(job_id, mode=mode).get("State") or "UNKNOWN"
+
+    def is_done(self, job_id: str, mode: str = "standard") -> bool:
+        return self.get_state(job_id, mode=mode).upper() not in UNFINISHED
+
+
+class LsfJob(core.Job):
+    _cancel_command = "bkill"
+    watcher = LsfInfoWatcher(delay_s=30)
+
+
+class LsfJobEnvironment(job_environment.JobEnvironment):
+    """submitit's view of a rank inside an LSF job (jsrun, blaunch or mpirun started it).
+
+    Ranks come from hpcring's launcher tables (JSM_NAMESPACE_*, OMPI_*, blaunch's
+    LSF_PM_TASKID with the LSF slot list), the job id from LSB_JOBID.
+    """
+
+    _env = {"job_id": "LSB_JOBID"}
+
+    def activated(self) -> bool:
+        executor = os.environ.get("SUBMITIT_EXECUTOR", "")
+        return executor == "lsf" or (not executor and "LSB_JOBID" in os.environ)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=1)
+    def _topology():
+        from hpcring.bootstrap.launchers import detect
+        return detect()
+
+    @property
+    def hostnames(self) -> list[str]:
+        hosts = os.environ.get("LSB_MCPU_HOSTS", "").split()[::2]
+        return hosts or [self.hostname]
+
+    @property
+    def num_tasks(self) -> int:
+        return self._topology().size
+
+    @property
+    def num_nodes(self) -> int:
+        n = self._topology().num_nodes
+        return n if n > 0 else len(self.hostnames)
+
+    @property
+    def node(self) -> int:
+        return max(0, self._topology().node_rank)
+
+    @property
+    def global_rank(self) -> int:
+        return self._topology().rank
+
+    @property
+    def local_rank(self) -> int:
+        return max(0, self._topology().local_rank)
+
+    def _requeue(self, countdown: int) -> None:
+        jid = self.job_id
+        subprocess.check_call(["brequeue", jid], timeout=60)
+        logger.get_logger().info(f"Requeued job {jid} ({countdown} remaining timeouts)")
+
+
+class LsfExecutor(core.PicklingExecutor):
+    """submitit executor for LSF. The bsub script is hpcring's template rendered for ``site``.
+
+    Standalone use: ``LsfExecutor(folder, site="lsf-summit")`` then ``update_parameters(nodes=2,
+    tasks_per_node=6, time=60, partition="batch")``, then ``submit(fn)``: ``job.results()`` has
+    one result per rank. hpcring's CLI passes a resolved JobSpec instead.
+    """
+
+    job_class = LsfJob
+
+    def __init__(self, folder: tp.Union[str, Path], site: Site | str | None = None,
+                 job: JobSpec | None = None, template: str | None = None, python: str | None = None,
+                 max_num_timeout: int = 3) -> None:
+        super().__init__(folder, max_num_timeout=max_num_timeout)
+        self._site = site if isinstance(site, Site) else load_site(site or os.environ.get("HPCRING_SITE"))
+        if self._site.config.scheduler != "lsf":
+            raise SchedulerError(f"site {self._site.name!r} ({self._site.path}) is a "
+                                 f"{self._site.config.scheduler} site, not an LSF one",
+                                 hint="pass an LSF site config to LsfExecutor")
+        self._job, self._template = job, template
+        self.python = python or sys.executable
+        self.parameters["timeout_min"] = (job or self._spec()).time_min
+
+    @classmethod
+    def _valid_parameters(cls) -> set[str]:
+        return {"nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "time", "partition",
+                "account", "name", "timeout_min"}
+
+    def _internal_update_parameters(self, **kwargs: tp.Any) -> None:
+        bad = set(kwargs) - self._valid_parameters()
+        if bad:
+            raise ValueError(f"unknown LSF executor parameter(s) {sorted(bad)}; "
+                             f"valid: {sorted(self._valid_parameters())}")
+        if "timeout_min" in kwargs and "time" not in kwargs:
+            kwargs["time"] = kwargs["timeout_min"]
+        self.parameters.update(kwargs)
+        self._job = None
+        self.parameters["timeout_min"] = self._spec().time_min
+
+    def _spec(self) -> JobSpec:
+        if self._job is not None:
+            return self._job
+        cli = {k: v for k, v in self.parameters.items() if k != "timeout_min"}
+        return resolve_job(self._site, cli.pop("name", None) or "submitit", [], cli, environ={})
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return rank_command(self.python, str(self.folder))
+
+    def _num_tasks(self) -> int:
+        return self._spec().ntasks
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return render_script(self._site, self._spec(), command, str(self.folder), self._template,
+                             python=self.python)
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        # bsub reads #BSUB lines only from stdin: `bsub < file`.
+        return ["/bin/sh", "-c", 'exec bsub < "$1"', "bsub", str(submission_file_path)]
+
+    @staticmethod
+    def _get_job_id_from_submission_command(string: tp.Union[bytes, str]) -> str:
+        return job_id_from_output(string)
+
+
+def rank_command(python: str, folder: str) -> str:
+    """What every rank runs: hpcring's LSF task entry (per-rank logs), then submitit's."""
+    return f"{python} -u -m hpcring.schedulers.lsf_task {folder}"
+
+
+# ------------------------------------------------------------------------------ hpcring hooks
+
+def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, python: str) -> LsfExecutor:
+    if shutil.which("bsub") is None:
+        raise SchedulerError(f"site {site.name!r} uses LSF but `bsub` is not on PATH on this machine",
+                             hint="run on the cluster's login node (source LSF's profile.lsf), or use --site local")
+    return LsfExecutor(folder, site=site, job=job, template=template, python=python)
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise SchedulerError(f"`{cmd[0]}` is not on PATH", hint="run on the cluster's login node (source profile.lsf)") from None
+    except subprocess.TimeoutExpired:
+        raise SchedulerError(f"`{' '.join(cmd)}` did not answer within {_CMD_TIMEOUT:.0f} s",
+                             hint="is mbatchd up? try `bjobs` and `bhosts`") from None
+
+
+def state(job_id: str) -> JobState:
+    """The job's state from bjobs (which keeps finished jobs for CLEAN_PERIOD, 1 h by default)."""
+    r = _run(["bjobs", "-o", BJOBS_FORMAT, "-noheader", str(job_id)])
+    info = parse_bjobs(r.stdout).get(str(job_id))
+    if info is None:
+        if "not found" in r.stderr:
+            return JobState("UNKNOWN", r.stderr.strip())
+        raise SchedulerError(f"could not read the state of job {job_id}: {(r.stderr or r.stdout).strip()}")
+    st = info["State"]
+    if st == "FAILED" and _cancel_marker(str(job_id)).exists():
+        st = "CANCELLED"
+    code = info["exit_code"]
+    exit_code = int(code) if code.isdigit() else (0 if info["stat"] == "DONE" else None)
+    return JobState(st, info["stat"], exit_code, info["nodes"])
+
+
+def cancel(job_id: str) -> None:
+    _cancel_marker(str(job_id)).touch()
+    r = _run(["bkill", str(job_id)])
+    if r.returncode != 0 and "already finished" not in r.stderr:
+        _cancel_marker(str(job_id)).unlink(missing_ok=True)
+        raise SchedulerError(f"bkill {job_id} failed: {(r.stderr or r.stdout).strip()}")
+
+
+def explain_refusal(stderr: str) -> str | None:
+    """A hint for bsub's most common refusals."""
+    s = stderr.lower()
+    if "no such queue" in s:
+        return "the queue does not exist on this cluster: list them with `bqueues` and fix --partition or the site config"
+    if "project" in s and ("not" in s or "invalid" in s):
+        return "check --account (the LSF project, -P)"
+    if "runlimit" in s or "run limit" in s or "-w " in s:
+        return "the --time is above the queue's RUNLIMIT: see `bqueues -l QUEUE`"
+    if "illegal option" in s:
+        return "an option in the script or in --sched-arg is not one this bsub knows"
+    if "ptile" in s or "span" in s or "slots" in s:
+        return "fewer hosts/slots exist than requested: see `bhosts`"
+    return None
