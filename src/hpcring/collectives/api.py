@@ -290,11 +290,19 @@ class Communicator:
 
     @classmethod
     def create(cls, topology, store, secret: bytes | str, *, timeout: float | None = None,
-               **backend_options) -> "Communicator":
-        """Ring communicator for ``topology`` (address exchange through ``store``)."""
-        from hpcring.collectives.ring import RingBackend
-        backend = RingBackend.create(topology, store, secret, timeout, **backend_options)
-        return cls(backend, timeout=timeout)
+               backend: str = "ring", **backend_options) -> "Communicator":
+        """Communicator for ``topology`` on ``backend`` ("ring": address exchange through
+        ``store``; "mpi": MPI_COMM_WORLD via mpi4py; "nccl": unique id through ``store``)."""
+        if backend == "ring":
+            from hpcring.collectives.ring import RingBackend as impl
+        elif backend == "mpi":
+            from hpcring.collectives.mpi import MpiBackend as impl
+        elif backend == "nccl":
+            from hpcring.collectives.nccl import NcclBackend as impl
+        else:
+            raise UsageError(f"unknown backend {backend!r}; choose one of ring, mpi, nccl")
+        be = impl.create(topology, store, secret, timeout, **backend_options)
+        return cls(be, timeout=timeout)
 
     @property
     def rank(self) -> int:

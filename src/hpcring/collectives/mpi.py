@@ -1,0 +1,379 @@
+"""MPI backend: the Backend interface on mpi4py's non-blocking collectives.
+
+Every operation is started as a non-blocking MPI collective (``Iallreduce``, ``Iallgather``,
+``Ibcast``, ``Ireduce_scatter``, ``Ialltoall``, ``Ibarrier``) and its request is polled with
+``Test()`` until it completes or the call's deadline passes; between polls the thread sleeps
+(50 us, doubling up to 1 ms) so that ranks oversubscribing a few cores leave them to the peers.
+
+MPI cannot cancel a started collective, so a missed deadline is fatal for the job: the backend
+builds a :class:`~hpcring.errors.CollectiveError` naming the op, its sequence number, element
+count, dtype, bytes and the deadline, **reports it** (logger ``hpcring.collectives.mpi`` and one
+line on stderr, flushed) and then calls ``MPI_Abort`` on ``MPI_COMM_WORLD`` with exit code
+:data:`ABORT_CODE` (124), so ``mpirun``/``srun`` tear the whole job down instead of leaving the
+other ranks hanging. ``abort_on_timeout=False`` (or env ``HPCRING_MPI_ABORT_ON_TIMEOUT=0``)
+raises the CollectiveError instead (for tests and for callers that abort themselves); the
+communicator is then dead (sticky error) and the stuck request is kept alive -- MPI may still
+write into that call's buffers if the missing rank joins later.
+
+dtypes: data movement (allgather, broadcast, alltoall) is done on bytes (``MPI_BYTE``), so every
+dtype moves bit-exactly. Reductions: float32/float64 -> ``MPI_FLOAT``/``MPI_DOUBLE``; int32/int64
+min/max on the signed types and sum/prod on ``MPI_UINT32_T``/``MPI_UINT64_T`` views (two's
+complement wrap-around like numpy, without signed-overflow undefined behaviour); uint8 ->
+``MPI_UINT8_T`` for min/max, and uint8 sum/prod on a uint32 copy (Open MPI 4.1's AVX ``MPI_SUM``
+on 8-bit unsigned integers saturates at 255 instead of wrapping -- seen here on 1000 elements).
+**float16 and bfloat16 are upcast to float32**, reduced by MPI in float32 and
+rounded to nearest-even once at the end (no user-defined MPI op: those run a Python callback per
+chunk and hold the GIL). This costs twice the bytes on the wire for 2-byte types but is at least
+as accurate as the ring backend (one rounding instead of one per combination). ``avg`` is ``SUM``
+followed by a division by the world size (in float32 for the 2-byte types). min/max of NaN follow
+the MPI library (Open MPI's ``MPI_MIN``/``MAX`` do not promise NaN propagation, unlike the ring).
+
+The backend works on a duplicate of ``MPI_COMM_WORLD`` (``Comm.Idup``, polled against the
+creation deadline) whose rank and size must equal the hpcring Topology's.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend, chunk_counts
+from hpcring.errors import CollectiveError, UsageError
+
+log = logging.getLogger("hpcring.collectives.mpi")
+
+ABORT_CODE = 124
+POLL_MIN = 50e-6
+POLL_MAX = 1e-3
+ABORT_ENV = "HPCRING_MPI_ABORT_ON_TIMEOUT"
+
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
+UPCAST_DTYPES = ("float16", "bfloat16")
+
+
+def _widened(dtype: str, view: str) -> bool:
+    """True when the reduction runs on a converted copy (not a view) of the buffer."""
+    return dtype in UPCAST_DTYPES or (dtype == "uint8" and view != "uint8")
+
+
+def _to_wire(buf: np.ndarray, dtype: str, view: str) -> np.ndarray:
+    if dtype in UPCAST_DTYPES:
+        return to_float32(buf, dtype)
+    return buf.astype(view)
+
+
+def _from_wire(wire: np.ndarray, dst: np.ndarray, dtype: str) -> None:
+    if dtype in UPCAST_DTYPES:
+        from_float32(wire, dst, dtype)
+    else:
+        dst[...] = wire.astype(dst.dtype)       # uint32 -> uint8 keeps the value mod 256 (wrap)
+
+
+def _import_mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise CollectiveError(f"the 'mpi' backend needs mpi4py, which does not import here: {e}",
+                              hint="pip install mpi4py (against the cluster's MPI), or use backend='ring'") from None
+    return MPI
+
+
+def abort_default() -> bool:
+    """HPCRING_MPI_ABORT_ON_TIMEOUT (0/false/no/off disable), default on."""
+    text = os.environ.get(ABORT_ENV, "").strip().lower()
+    return text not in ("0", "false", "no", "off")
+
+
+# ---------------------------------------------------------------------------------------------
+# dtype/op mapping (pure; unit-tested without MPI)
+# ---------------------------------------------------------------------------------------------
+def reduce_plan(dtype: str, op: str) -> tuple[str, str, str]:
+    """(numpy view dtype of the wire buffer, MPI datatype name, MPI op name) for a reduction.
+
+    The view dtype is what the (possibly upcast) buffer is reinterpreted as before it is handed
+    to MPI; the 2-byte floats are upcast to float32 and ``avg`` is SUM then a division."""
+    if dtype not in DTYPES:
+        raise UsageError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    if op not in OPS:
+        raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
+    if op == "avg" and dtype not in FLOAT_DTYPES:
+        raise UsageError(f"op 'avg' needs a floating-point dtype, got {dtype}")
+    mop = {"sum": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX", "avg": "SUM"}[op]
+    if dtype in ("float16", "bfloat16", "float32"):
+        return "float32", "FLOAT", mop
+    if dtype == "float64":
+        return "float64", "DOUBLE", mop
+    if dtype == "uint8":
+        if op in ("sum", "prod"):           # widened: Open MPI 4.1's AVX uint8 SUM saturates
+            return "uint32", "UINT32_T", mop
+        return "uint8", "UINT8_T", mop
+    bits = 32 if dtype == "int32" else 64
+    if op in ("sum", "prod"):               # wrap-around, defined on unsigned types
+        return f"uint{bits}", f"UINT{bits}_T", mop
+    return f"int{bits}", f"INT{bits}_T", mop
+
+
+def to_float32(buf: np.ndarray, dtype: str) -> np.ndarray:
+    """A new float32 copy of a float16 array or of bfloat16 (uint16 storage)."""
+    if dtype == "float16":
+        return buf.view(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    raise ValueError(dtype)
+
+
+def from_float32(src: np.ndarray, dst: np.ndarray, dtype: str) -> None:
+    """Round float32 ``src`` to nearest-even into ``dst`` (float16, or bfloat16 as uint16)."""
+    if dtype == "float16":
+        dst.view(np.float16)[...] = src.astype(np.float16)
+        return
+    if dtype != "bfloat16":
+        raise ValueError(dtype)
+    bits = src.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(src)
+    if nan.any():                            # keep NaN a (quiet) NaN: never round into Inf
+        rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    dst.view(np.uint16)[...] = rounded
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return a is b or (a.size > 0 and b.size > 0 and np.shares_memory(a, b))
+
+
+class MpiBackend(Backend):
+    """Collectives over a duplicate of MPI_COMM_WORLD (host memory, numpy buffers)."""
+
+    name = "mpi"
+    device = "cpu"
+
+    def __init__(self, comm, *, hosts=None, abort_on_timeout: bool | None = None,
+                 abort_code: int = ABORT_CODE, mpi=None) -> None:
+        self._MPI = mpi if mpi is not None else _import_mpi()
+        self._comm = comm
+        self._rank = comm.Get_rank()
+        self._size = comm.Get_size()
+        self._hosts = tuple(hosts) if hosts else None
+        self.abort_on_timeout = abort_default() if abort_on_timeout is None else bool(abort_on_timeout)
+        self.abort_code = int(abort_code)
+        self._seq = 0
+        self._error: str | None = None
+        self._stuck: list = []            # requests (and their buffers) of calls that timed out
+        self._closed = False
+
+    # -- creation -------------------------------------------------------------------------
+    @classmethod
+    def create(cls, topology=None, store=None, secret=None, timeout: float | None = None, *,
+               abort_on_timeout: bool | None = None, abort_code: int = ABORT_CODE) -> "MpiBackend":
+        """Duplicate MPI_COMM_WORLD (collective: every rank must call) after checking that MPI's
+        rank and size are the Topology's. ``store``/``secret`` are unused (MPI meets by itself)."""
+        from hpcring.collectives.ring import default_timeout
+        MPI = _import_mpi()
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        world = MPI.COMM_WORLD
+        rank, size = world.Get_rank(), world.Get_size()
+        if topology is not None and (rank != topology.rank or size != topology.size):
+            raise CollectiveError(
+                f"MPI says this process is rank {rank} of {size}, but the hpcring topology says rank "
+                f"{topology.rank} of {topology.size} (launcher {topology.launcher}, host {topology.host})",
+                hint="start every rank with one MPI launcher (mpirun, or srun --mpi=pmix with an MPI built "
+                     "for PMIx); a process started otherwise is an MPI singleton of size 1. Or use backend='ring'")
+        level = MPI.Query_thread()
+        if level < MPI.THREAD_SERIALIZED:
+            log.warning("MPI thread level %s < MPI_THREAD_SERIALIZED: do not use the *_async calls", level)
+        t = default_timeout() if timeout is None else float(timeout)
+        hosts = topology.hosts if topology is not None else None
+        idup = getattr(world, "Idup", None)
+        if idup is None:
+            comm = world.Dup()
+        else:
+            comm, req = world.Idup()
+            probe = cls(world, hosts=hosts, abort_on_timeout=abort_on_timeout, abort_code=abort_code, mpi=MPI)
+            probe._wait(req, "create", 0, "", t, time.monotonic(), keep=())
+        comm.Set_name("hpcring")
+        return cls(comm, hosts=hosts, abort_on_timeout=abort_on_timeout, abort_code=abort_code, mpi=MPI)
+
+    # -- Backend properties ---------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._error is None and self._comm is not self._MPI.COMM_WORLD:
+            try:
+                self._comm.Free()
+            except Exception:  # noqa: BLE001 - finalized already, nothing to release
+                pass
+
+    # -- machinery ------------------------------------------------------------------------
+    def _where(self) -> str:
+        host = self._hosts[self._rank] if self._hosts and self._rank < len(self._hosts) else os.uname().nodename
+        return f"rank {self._rank} ({host})"
+
+    def _begin(self, name: str) -> int:
+        if self._error is not None:
+            raise CollectiveError(self._error, hint="the MPI communicator failed earlier; create a new job")
+        if self._closed:
+            raise CollectiveError(f"{name}: the MPI communicator is closed")
+        self._seq += 1
+        return self._seq
+
+    def _wait(self, req, name: str, seq: int, desc: str, timeout: float, t0: float, keep) -> None:
+        MPI = self._MPI
+        deadline = t0 + timeout
+        delay = POLL_MIN
+        try:
+            while not req.Test():
+                now = time.monotonic()
+                if now >= deadline:
+                    self._timed_out(req, name, seq, desc, timeout, now - t0, keep)
+                time.sleep(min(delay, max(deadline - now, 0.0)))
+                delay = min(delay * 2, POLL_MAX)
+        except MPI.Exception as e:
+            msg = f"{name}#{seq}{desc} failed on {self._where()}: MPI error {e.Get_error_class()}: {e.Get_error_string()}"
+            self._error = msg
+            raise CollectiveError(msg) from None
+
+    def _timed_out(self, req, name, seq, desc, timeout, elapsed, keep) -> None:
+        msg = (f"{name}#{seq}{desc} did not complete within the {timeout:g} s deadline on {self._where()} "
+               f"(waited {elapsed:.2f} s): at least one rank has not entered it or is stuck")
+        self._error = msg
+        self._stuck.append((req, keep))
+        if self.abort_on_timeout:
+            log.error("%s; aborting the MPI job (MPI_Abort, exit code %d)", msg, self.abort_code)
+            try:
+                sys.stderr.write(f"hpcring: CollectiveError: {msg}; aborting the MPI job "
+                                 f"(MPI_Abort code {self.abort_code}; {ABORT_ENV}=0 to raise instead)\n")
+                sys.stderr.flush()
+            finally:
+                self._MPI.COMM_WORLD.Abort(self.abort_code)
+        raise CollectiveError(msg, hint="MPI cannot cancel a started collective: this communicator is dead; "
+                                        "find the missing rank (hpcring stacks) and restart the job")
+
+    def _run(self, name, seq, desc, timeout, start, keep):
+        t0 = time.monotonic()
+        try:
+            req = start()
+        except self._MPI.Exception as e:
+            msg = f"{name}#{seq}{desc} failed to start on {self._where()}: {e.Get_error_string()}"
+            self._error = msg
+            raise CollectiveError(msg) from None
+        self._wait(req, name, seq, desc, timeout, t0, keep)
+
+    @staticmethod
+    def _desc(count: int, dtype: str, op: str | None = None, root: int | None = None) -> str:
+        parts = [f"count={count}", f"dtype={dtype}", f"{count * _ITEMSIZE.get(dtype, 1)} bytes"]
+        if op is not None:
+            parts.append(f"op={op}")
+        if root is not None:
+            parts.append(f"root={root}")
+        return "(" + ", ".join(parts) + ")"
+
+    @staticmethod
+    def _bytes(buf: np.ndarray) -> np.ndarray:
+        return buf.reshape(-1).view(np.uint8)
+
+    def _reduce_args(self, dtype: str, op: str):
+        view, mpi_type, mop = reduce_plan(dtype, op)
+        return view, getattr(self._MPI, mpi_type), getattr(self._MPI, mop)
+
+    # -- collectives ----------------------------------------------------------------------
+    def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+        view, mtype, mop = self._reduce_args(dtype, op)
+        seq = self._begin("allreduce")
+        n = recvbuf.size
+        desc = self._desc(n, dtype, op)
+        MPI = self._MPI
+        if _widened(dtype, view):
+            work = _to_wire(sendbuf, dtype, view)
+            self._run("allreduce", seq, desc, timeout,
+                      lambda: self._comm.Iallreduce(MPI.IN_PLACE, [work, mtype], mop), (work,))
+            if op == "avg":
+                work /= np.float32(self._size)
+            _from_wire(work, recvbuf, dtype)
+            return
+        r = recvbuf.view(view)
+        if _same_memory(sendbuf, recvbuf):
+            start = lambda: self._comm.Iallreduce(MPI.IN_PLACE, [r, mtype], mop)  # noqa: E731
+        else:
+            s = sendbuf.view(view)
+            start = lambda: self._comm.Iallreduce([s, mtype], [r, mtype], mop)  # noqa: E731
+        self._run("allreduce", seq, desc, timeout, start, (sendbuf, recvbuf))
+        if op == "avg":
+            recvbuf /= recvbuf.dtype.type(self._size)
+
+    def allgather(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
+        seq = self._begin("allgather")
+        desc = self._desc(sendbuf.size, dtype)
+        s, r = self._bytes(sendbuf), self._bytes(recvbuf)
+        if _same_memory(sendbuf, recvbuf):
+            s = s.copy()
+        B = self._MPI.BYTE
+        self._run("allgather", seq, desc, timeout, lambda: self._comm.Iallgather([s, B], [r, B]), (s, r))
+
+    def reduce_scatter(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+        view, mtype, mop = self._reduce_args(dtype, op)
+        seq = self._begin("reduce_scatter")
+        n = sendbuf.size
+        counts = chunk_counts(n, self._size)
+        desc = self._desc(n, dtype, op)
+        if recvbuf.size != counts[self._rank]:
+            raise UsageError(f"reduce_scatter: recvbuf has {recvbuf.size} elements, rank {self._rank} "
+                             f"gets {counts[self._rank]} of {n}")
+        widened = _widened(dtype, view)
+        if widened:
+            s = _to_wire(sendbuf, dtype, view)
+            r = np.empty(counts[self._rank], dtype=view)
+        else:
+            s = sendbuf.view(view)
+            if _same_memory(sendbuf, recvbuf):
+                s = s.copy()
+            r = recvbuf.view(view)
+        self._run("reduce_scatter", seq, desc, timeout,
+                  lambda: self._comm.Ireduce_scatter([s, mtype], [r, mtype], counts, mop), (s, r))
+        if op == "avg":
+            r /= r.dtype.type(self._size)
+        if widened:
+            _from_wire(r, recvbuf, dtype)
+
+    def broadcast(self, buf, root: int, dtype: str, timeout: float) -> None:
+        if not (0 <= root < self._size):
+            raise UsageError(f"broadcast: root {root} out of range for {self._size} ranks")
+        seq = self._begin("broadcast")
+        desc = self._desc(buf.size, dtype, root=root)
+        b = self._bytes(buf)
+        B = self._MPI.BYTE
+        self._run("broadcast", seq, desc, timeout, lambda: self._comm.Ibcast([b, B], root), (b,))
+
+    def alltoall(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
+        if sendbuf.size % self._size:
+            raise UsageError(f"alltoall: {sendbuf.size} elements cannot be split into {self._size} equal blocks")
+        seq = self._begin("alltoall")
+        desc = self._desc(sendbuf.size, dtype)
+        s, r = self._bytes(sendbuf), self._bytes(recvbuf)
+        if _same_memory(sendbuf, recvbuf):
+            s = s.copy()                  # MPI_IN_PLACE for Ialltoall is not reliable in every MPI
+        B = self._MPI.BYTE
+        self._run("alltoall", seq, desc, timeout, lambda: self._comm.Ialltoall([s, B], [r, B]), (s, r))
+
+    def barrier(self, timeout: float) -> None:
+        seq = self._begin("barrier")
+        self._run("barrier", seq, "", timeout, lambda: self._comm.Ibarrier(), ())
+
+
+__all__ = ["MpiBackend", "ABORT_CODE", "reduce_plan", "to_float32", "from_float32", "abort_default"]

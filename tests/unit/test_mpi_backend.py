@@ -1,0 +1,116 @@
+"""MPI backend (mpi4py, non-blocking collectives polled against the deadline) under mpirun.
+
+Each test starts ``mpirun -np N --allow-run-as-root --oversubscribe python tests/mpi_worker.py``
+as a subprocess; the pure mapping helpers are tested in-process. Skipped without mpi4py/mpirun.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcring.collectives.backends import DTYPES, OPS
+from hpcring.collectives.mpi import from_float32, reduce_plan, to_float32
+from hpcring.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "mpi_worker.py"
+HAVE_MPI = importlib.util.find_spec("mpi4py") is not None and shutil.which("mpirun") is not None
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="mpi4py or mpirun is not installed")
+
+
+def mpirun(np_: int, *args: str, env_extra: dict | None = None, timeout: float = 90.0):
+    env = dict(os.environ)
+    env.update({"OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_btl_tcp_if_include": "eth0",
+                "OMPI_MCA_oob_tcp_if_include": "eth0", "OMPI_MCA_orte_base_help_aggregate": "0",
+                "PYTHONPATH": str(ROOT / "src")})
+    env.pop("HPCRING_MPI_ABORT_ON_TIMEOUT", None)
+    env.update(env_extra or {})
+    cmd = ["mpirun", "-np", str(np_), "--allow-run-as-root", "--oversubscribe"]
+    for k in (env_extra or {}):
+        cmd += ["-x", k]
+    cmd += [sys.executable, str(WORKER), *args]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return r, time.monotonic() - t0
+
+
+# -- pure parts ---------------------------------------------------------------------------------
+def test_reduce_plan_covers_every_dtype_and_op():
+    for dt in DTYPES:
+        for op in OPS:
+            if op == "avg" and dt not in ("float16", "bfloat16", "float32", "float64"):
+                with pytest.raises(UsageError, match="avg"):
+                    reduce_plan(dt, op)
+                continue
+            view, mtype, mop = reduce_plan(dt, op)
+            assert mop == ("SUM" if op == "avg" else op.upper())
+    assert reduce_plan("float16", "sum") == ("float32", "FLOAT", "SUM")        # upcast
+    assert reduce_plan("bfloat16", "max") == ("float32", "FLOAT", "MAX")
+    assert reduce_plan("int32", "sum") == ("uint32", "UINT32_T", "SUM")       # defined wrap-around
+    assert reduce_plan("int64", "min") == ("int64", "INT64_T", "MIN")
+    assert reduce_plan("uint8", "sum") == ("uint32", "UINT32_T", "SUM")       # Open MPI AVX saturates
+    assert reduce_plan("uint8", "max") == ("uint8", "UINT8_T", "MAX")
+    with pytest.raises(UsageError, match="unsupported op"):
+        reduce_plan("float32", "xor")
+
+
+def test_bfloat16_round_trip_and_rounding():
+    vals = np.array([1.0, -2.5, 3.140625, 65280.0, np.inf, -np.inf, 0.0], np.float32)
+    out = np.empty(vals.size, np.uint16)
+    from_float32(vals, out, "bfloat16")
+    assert np.array_equal(to_float32(out, "bfloat16"), vals)                  # exactly representable
+    # 1 + 2^-8 is halfway between bf16 1.0 and 1+2^-7: ties to even -> 1.0; 1 + 3*2^-8 -> 1 + 2^-6
+    out2 = np.empty(3, np.uint16)
+    from_float32(np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, np.nan], np.float32), out2, "bfloat16")
+    back = to_float32(out2, "bfloat16")
+    assert back[0] == 1.0 and back[1] == 1 + 2 ** -6 and np.isnan(back[2])
+    h = np.array([1.5, -3.0], np.float16)
+    dst = np.empty(2, np.float16)
+    from_float32(to_float32(h, "float16"), dst, "float16")
+    assert np.array_equal(dst, h)
+
+
+# -- under mpirun -------------------------------------------------------------------------------
+@needs_mpi
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_every_op_dtype_size_matches_numpy(nranks):
+    r, _ = mpirun(nranks, "ops")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    results = re.findall(r"RESULT rank=(\d+) ok=(\d+) failed=(\d+)", r.stdout)
+    assert sorted(int(x[0]) for x in results) == list(range(nranks)), out[-4000:]
+    assert all(int(ok) > 450 and failed == "0" for _, ok, failed in results), results
+
+
+@needs_mpi
+@pytest.mark.mpi
+def test_skipped_collective_raises_collective_error_within_deadline():
+    deadline = 1.5
+    r, _ = mpirun(3, "skip", str(deadline), env_extra={"HPCRING_MPI_ABORT_ON_TIMEOUT": "0"})
+    caught = re.findall(r"CAUGHT rank=(\d+) elapsed=([\d.]+) msg=(.*)", r.stdout)
+    assert sorted(int(c[0]) for c in caught) == [0, 1], r.stdout + r.stderr[-3000:]
+    for _, elapsed, msg in caught:
+        assert deadline - 0.01 <= float(elapsed) < deadline + 1.0
+        assert "allreduce#2" in msg and "count=1000" in msg and "1.5 s deadline" in msg
+    sticky = re.findall(r"STICKY rank=\d+ msg=(.*)", r.stdout)
+    assert len(sticky) == 2 and all("allreduce#2" in m for m in sticky)   # the communicator stays failed
+
+
+@needs_mpi
+@pytest.mark.mpi
+def test_skipped_collective_aborts_the_job_by_default():
+    r, elapsed = mpirun(3, "skip", "1.5")
+    assert r.returncode == 124, (r.returncode, r.stdout, r.stderr[-3000:])       # MPI_Abort(124)
+    assert elapsed < 15, elapsed                                                  # promptly, not at the straggler's leisure
+    assert "hpcring: CollectiveError: allreduce#2(count=1000" in r.stderr
+    assert "CAUGHT" not in r.stdout and "SKIPPED" not in r.stdout
