@@ -1,0 +1,46 @@
+"""`hpcring bench`: nccl-tests-style collective benchmark, checked in every run (see hpcring.bench)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    try:
+        from hpcring.cli.main import command
+    except ImportError:  # pragma: no cover - a partial build
+        command = lambda target, *a, **kw: target.command(*a, **kw)  # noqa: E731
+
+    @command(app, "bench",
+             help="Benchmark a collective like nccl-tests (size, count, type, redop, root, time, algbw, busbw, "
+                  "#wrong). Inside a job (hpcring run -- hpcring bench ..., srun, mpirun) every rank runs it and "
+                  "rank 0 prints; standalone it starts --ranks local ranks itself. Exit code 1 if any element "
+                  "was wrong.")
+    def bench(collective: str = typer.Option("allreduce", "--collective", "-c",
+                                             help="allreduce, allgather, broadcast, reduce_scatter or alltoall."),
+              backend: str = typer.Option("auto", "--backend", "-B", help="auto, ring, mpi or nccl."),
+              minbytes: str = typer.Option("8", "--minbytes", "-b", help="Smallest size (bytes; K/M/G suffixes)."),
+              maxbytes: str = typer.Option("64M", "--maxbytes", "-e", help="Largest size (bytes; K/M/G suffixes)."),
+              factor: float = typer.Option(2.0, "--stepfactor", "-f", help="Multiply the size by this each step."),
+              dtype: str = typer.Option("float32", "--dtype", "-d",
+                                        help="float32, float64, float16, bfloat16, int32, int64, uint8."),
+              op: str = typer.Option("sum", "--op", "-o", help="sum, prod, min, max or avg (reducing collectives)."),
+              root: int = typer.Option(0, "--root", "-r", help="Broadcast root."),
+              iters: int = typer.Option(20, "--iters", help="Timed calls per size."),
+              warmup: int = typer.Option(5, "--warmup", "-w", help="Untimed calls per size before timing."),
+              seed: int = typer.Option(0, "--seed", help="Seed of the per-rank data patterns."),
+              timeout: Optional[float] = typer.Option(None, "--timeout", help="Deadline per collective (s)."),
+              json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here (rank 0)."),
+              plot: Optional[str] = typer.Option(None, "--plot", help="Write busbw vs size as PNG (needs matplotlib)."),
+              ranks: Optional[int] = typer.Option(None, "--ranks", "-n",
+                                                  help="Standalone only: local ranks to start (default 2)."),
+              nodes: Optional[int] = typer.Option(None, "--nodes", "-N",
+                                                  help="Standalone only: virtual local nodes (default 1).")):
+        import sys
+
+        from hpcring.bench import BenchOptions, bench_main, parse_size
+        opts = BenchOptions(collective=collective, backend=backend, minbytes=parse_size(minbytes),
+                            maxbytes=parse_size(maxbytes), factor=factor, dtype=dtype, op=op, root=root,
+                            iters=iters, warmup=warmup, seed=seed, timeout=timeout, json=json_path, plot=plot)
+        sys.exit(bench_main(opts, ranks, nodes))
