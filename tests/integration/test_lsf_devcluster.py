@@ -41,6 +41,8 @@ def emu_dir():
     d.mkdir(parents=True, exist_ok=True)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+    for p in SHARED.glob(f"lsf_*_{os.getpid()}.py"):  # the test scripts written below
+        p.unlink()
 
 
 @pytest.fixture

@@ -47,7 +47,9 @@ select/order/rusage strings, -gpu enforcement, CSM/-nnodes/jsrun, bsub -I/-K, bh
 State lives in HPCRING_LSF_EMU_DIR (default /srv/hpcring/.lsf-emulation, shared by all nodes).
 Hosts: HPCRING_LSF_EMU_HOSTS (default: the dev cluster's nodes found in /run/netns), each with
 HPCRING_LSF_EMU_SLOTS slots (default 4, the dev cluster's CPUs). Queues: HPCRING_LSF_EMU_QUEUES
-(default "normal"; the first is the default queue). Every wait has a deadline.
+(default "normal"; the first is the default queue). Job ids come from one counter for the whole
+machine (HPCRING_LSF_EMU_ID_FILE, default /srv/hpcring/.lsf-emulation-last-jobid), so ids never
+repeat across state dirs. Every wait has a deadline.
 """
 from __future__ import annotations
 
@@ -265,10 +267,8 @@ def bsub(argv: list[str]) -> int:
     warn = _minutes(opts["-wt"], "-wt") if "-wt" in opts else None
     if "-wa" in opts and not hasattr(signal, "SIG" + opts["-wa"].upper().removeprefix("SIG")):
         raise LsfError(f"-wa {opts['-wa']}: Bad signal name. Job not submitted.")
+    job_id = _next_job_id()
     with locked():
-        counter = emu_dir() / "next_id"
-        job_id = str(int(counter.read_text().strip() or "0") + 1 if counter.exists() else 1)
-        counter.write_text(job_id)
         d = job_dir(job_id)
         d.mkdir(parents=True, exist_ok=True)
         (d / "script").write_text(text)
@@ -285,6 +285,20 @@ def bsub(argv: list[str]) -> int:
     _spawn_sbatchd(job_id)
     print(f"Job <{job_id}> is submitted to {'default ' if '-q' not in opts else ''}queue <{queue}>.")
     return 0
+
+
+def _next_job_id() -> str:
+    """Job ids are unique on the cluster (as LSF's, below MAX_JOBID): one counter for every
+    emulation state dir, so job folders named by id never collide."""
+    path = Path(os.environ.get("HPCRING_LSF_EMU_ID_FILE", "/srv/hpcring/.lsf-emulation-last-jobid"))
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        job_id = str(int(fh.read().strip() or "0") + 1)
+        fh.seek(0)
+        fh.truncate()
+        fh.write(job_id)
+    return job_id
 
 
 def _spawn_sbatchd(job_id: str) -> None:
