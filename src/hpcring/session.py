@@ -19,6 +19,38 @@ _SESSION: "Session | None" = None
 BACKENDS = ("auto", "ring", "mpi", "nccl")
 
 
+MPI_LAUNCHERS = ("openmpi", "pmi", "pmix", "mvapich")
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def auto_backend(topology: Topology, environ=None) -> str:
+    """What ``backend="auto"`` means (decided the same way on every rank of a job):
+
+    1. ``HPCRING_BACKEND`` if set (ring, mpi or nccl);
+    2. ``nccl`` when cupy imports and sees at least one GPU;
+    3. ``mpi`` when mpi4py is installed and an MPI launcher started the job: ``Topology.launcher``
+       is openmpi, pmi, pmix or mvapich, or a Slurm step started with ``srun --mpi=pmix|pmi2``
+       (launcher ``slurm`` with PMIX_RANK / PMI_RANK / OMPI_COMM_WORLD_RANK in the environment);
+    4. ``ring`` otherwise.
+    """
+    import importlib.util
+    env = os.environ if environ is None else environ
+    chosen = env.get("HPCRING_BACKEND", "").strip()
+    if chosen:
+        if chosen not in BACKENDS or chosen == "auto":
+            raise UsageError(f"HPCRING_BACKEND={chosen!r} is not a backend; choose one of ring, mpi, nccl")
+        return chosen
+    from hpcring.collectives.nccl import gpu_available
+    if gpu_available():
+        return "nccl"
+    if importlib.util.find_spec("mpi4py") is not None:
+        if topology.launcher in MPI_LAUNCHERS:
+            return "mpi"
+        if topology.launcher == "slurm" and any(env.get(v) for v in _MPI_RANK_VARS):
+            return "mpi"
+    return "ring"
+
+
 class Session:
     """The bootstrapped job as this rank sees it: topology fields, the store, and a communicator."""
 
@@ -43,12 +75,11 @@ class Session:
         if backend not in BACKENDS:
             raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if backend == "auto":
-            backend = os.environ.get("HPCRING_BACKEND", "ring")
+            backend = auto_backend(self.topology)
         if backend not in self._comms:
             from hpcring.collectives.api import Communicator
-            if backend != "ring":
-                raise UsageError(f"the {backend!r} backend is not available in this build", hint="use backend='ring'")
-            self._comms[backend] = Communicator.create(self.topology, self.store, self._secret, timeout=timeout)
+            self._comms[backend] = Communicator.create(self.topology, self.store, self._secret,
+                                                       timeout=timeout, backend=backend)
         return self._comms[backend]
 
     def __repr__(self) -> str:

@@ -1,0 +1,433 @@
+"""NCCL backend: CuPy's ``cupy.cuda.nccl.NcclCommunicator`` (NCCL from nvidia-nccl-cu12).
+
+* Creation (collective): rank 0 calls ``nccl.get_unique_id()`` (128 C chars) and publishes it
+  through the rendezvous store as 128 raw bytes under ``nccl/<gen>/uid`` (never pickled); every
+  rank reads it, selects ``cupy.cuda.Device(local_rank % ngpus)`` and calls
+  ``NcclCommunicator(size, uid, rank)``.
+* Buffers: CuPy arrays (or anything with ``__cuda_array_interface__`` / CUDA DLPack, e.g. torch
+  CUDA tensors, converted with ``cupy.from_dlpack`` without a copy). numpy buffers (what the
+  Communicator hands over for host inputs) are staged through device memory.
+* Streams: every op is enqueued on the caller's *current* CuPy stream
+  (``cupy.cuda.get_current_stream()``), so it is ordered after the caller's kernels; an event
+  recorded after the op is then polled (``Event.done``) together with
+  ``NcclCommunicator.check_async_error()`` until the deadline: sleep 50 us doubling to 1 ms.
+* Deadline: NCCL has no timeout. On expiry (or an async error) the communicator is aborted
+  (``abort()``, ncclCommAbort, which also unblocks the kernels of this rank) and a
+  :class:`~hpcring.errors.CollectiveError` names the op, sequence number, count, dtype and the
+  deadline. The backend stays failed (sticky error).
+* dtypes: float16, bfloat16 (NCCL >= 2.10.3: ncclBfloat16; older NCCL: refused with a
+  CollectiveError), float32, float64, int32, int64, uint8. ops: sum, prod, min, max; avg is
+  ncclAvg (NCCL >= 2.10) else sum followed by a division on the device.
+* reduce_scatter with a length not divisible by the size (uneven chunks, as the ring defines
+  them) is done as an allreduce into a scratch buffer plus a copy of this rank's chunk.
+* alltoall: grouped ncclSend/ncclRecv (NCCL >= 2.7).
+
+Without cupy, or without a visible GPU, :meth:`NcclBackend.create` raises a CollectiveError
+saying which is missing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+
+import numpy as np
+
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend, chunk_counts
+from hpcring.errors import CollectiveError, UsageError
+
+log = logging.getLogger("hpcring.collectives.nccl")
+
+POLL_MIN = 50e-6
+POLL_MAX = 1e-3
+UID_BYTES = 128
+
+# ncclDataType_t / ncclRedOp_t values (nccl.h); used when cupy does not export a name
+NCCL_DTYPE = {"uint8": 1, "int32": 2, "int64": 4, "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}
+NCCL_OP = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+_CUPY_DTYPE_NAME = {"uint8": "NCCL_UINT8", "int32": "NCCL_INT32", "int64": "NCCL_INT64",
+                    "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+                    "bfloat16": "NCCL_BFLOAT16"}
+_CUPY_OP_NAME = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX", "min": "NCCL_MIN", "avg": "NCCL_AVG"}
+BF16_MIN_VERSION = 21003     # NCCL 2.10.3
+AVG_MIN_VERSION = 21000      # NCCL 2.10.0
+SENDRECV_MIN_VERSION = 20700
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# pure helpers (tested without a GPU)
+# ---------------------------------------------------------------------------------------------
+def uid_to_bytes(uid) -> bytes:
+    """CuPy's unique id (a tuple of 128 C ``char`` values, signed on x86) -> 128 raw bytes."""
+    if len(uid) != UID_BYTES:
+        raise CollectiveError(f"NCCL unique id has {len(uid)} bytes, expected {UID_BYTES}")
+    return bytes(int(c) & 0xFF for c in uid)
+
+
+def uid_from_bytes(data: bytes) -> tuple:
+    """128 raw bytes -> the tuple of signed chars ``NcclCommunicator`` takes."""
+    if len(data) != UID_BYTES:
+        raise CollectiveError(f"NCCL unique id from the store has {len(data)} bytes, expected {UID_BYTES}",
+                              hint="another job or an older hpcring wrote this key")
+    return tuple(b - 256 if b > 127 else b for b in data)
+
+
+def nccl_dtype(dtype: str, version: int, nccl_mod=None) -> int:
+    """The ncclDataType_t for an hpcring dtype; bfloat16 only with NCCL >= 2.10.3."""
+    if dtype not in DTYPES:
+        raise UsageError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    if dtype == "bfloat16" and version < BF16_MIN_VERSION:
+        raise CollectiveError(f"bfloat16 needs NCCL >= 2.10.3, this is NCCL {format_version(version)}",
+                              hint="upgrade nvidia-nccl-cu12, or convert to float32 first")
+    return int(getattr(nccl_mod, _CUPY_DTYPE_NAME[dtype], NCCL_DTYPE[dtype]))
+
+
+def nccl_op(op: str, dtype: str, version: int, nccl_mod=None) -> tuple[int, bool]:
+    """(ncclRedOp_t, divide_after): avg is ncclAvg when available, else sum + a division."""
+    if op not in OPS:
+        raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
+    if op == "avg":
+        if dtype not in FLOAT_DTYPES:
+            raise UsageError(f"op 'avg' needs a floating-point dtype, got {dtype}")
+        if version >= AVG_MIN_VERSION:
+            return int(getattr(nccl_mod, "NCCL_AVG", NCCL_OP["avg"])), False
+        return int(getattr(nccl_mod, "NCCL_SUM", NCCL_OP["sum"])), True
+    return int(getattr(nccl_mod, _CUPY_OP_NAME[op], NCCL_OP[op])), False
+
+
+def format_version(code: int) -> str:
+    """NCCL version code -> 'major.minor.patch' (>= 2.9: M*10000 + m*100 + p, else M*1000 + m*100 + p)."""
+    if code >= 10000:
+        return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+    return f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
+
+def wait_for(done, check_error, *, timeout: float, t0: float, clock=time.monotonic, sleep=time.sleep):
+    """Poll ``done()`` (and ``check_error()``, which raises on an NCCL async error) until it is
+    true or ``t0 + timeout`` passes. Returns None when done, else the elapsed seconds (expired).
+    Sleeps 50 us doubling to 1 ms between polls."""
+    deadline = t0 + timeout
+    delay = POLL_MIN
+    while True:
+        if done():
+            return None
+        check_error()
+        now = clock()
+        if now >= deadline:
+            return now - t0
+        sleep(min(delay, max(deadline - now, 0.0)))
+        delay = min(delay * 2, POLL_MAX)
+
+
+def _import_cupy():
+    if importlib.util.find_spec("cupy") is None:
+        raise CollectiveError("the 'nccl' backend needs CuPy, which is not installed",
+                              hint="pip install cupy-cuda12x nvidia-nccl-cu12, or use backend='mpi' or 'ring'")
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except Exception as e:  # noqa: BLE001 - ImportError, CUDA library errors
+        raise CollectiveError(f"the 'nccl' backend cannot import cupy.cuda.nccl: {e}",
+                              hint="install nvidia-nccl-cu12 matching cupy-cuda12x, or use backend='mpi' or 'ring'") from None
+    if not getattr(nccl, "available", True):
+        raise CollectiveError("CuPy was built without NCCL support (cupy.cuda.nccl.available is False)",
+                              hint="pip install nvidia-nccl-cu12")
+    return cupy, nccl
+
+
+def gpu_count() -> int:
+    """Visible CUDA devices through CuPy (0 without cupy, a driver or a GPU)."""
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no driver / no device
+        return 0
+
+
+def gpu_available() -> bool:
+    """True when cupy imports and sees at least one GPU (the ``auto`` backend rule)."""
+    return gpu_count() > 0
+
+
+class NcclBackend(Backend):
+    """Collectives on one GPU per rank through an NCCL communicator."""
+
+    name = "nccl"
+    device = "cuda"
+
+    def __init__(self, comm, rank: int, size: int, device_id: int, *, hosts=None, cupy=None,
+                 nccl=None, version: int | None = None) -> None:
+        self._comm = comm
+        self._rank, self._size = rank, size
+        self.device_id = device_id
+        self._hosts = tuple(hosts) if hosts else None
+        self._cp, self._nccl = cupy, nccl
+        self.version = int(version if version is not None else nccl.get_version())
+        self._seq = 0
+        self._error: str | None = None
+        self._closed = False
+
+    # -- creation -------------------------------------------------------------------------
+    @classmethod
+    def create(cls, topology, store, secret=None, timeout: float | None = None) -> "NcclBackend":
+        from hpcring.collectives.ring import default_timeout
+        cupy, nccl = _import_cupy()
+        ngpus = gpu_count()
+        if ngpus == 0:
+            raise CollectiveError(f"the 'nccl' backend needs an NVIDIA GPU; none is visible on "
+                                  f"{topology.host} (cupy.cuda.runtime.getDeviceCount() == 0 or no driver)",
+                                  hint="run on GPU nodes (--gpus-per-node), check CUDA_VISIBLE_DEVICES, or use backend='mpi'/'ring'")
+        t = default_timeout() if timeout is None else float(timeout)
+        device_id = topology.local_rank % ngpus
+        cupy.cuda.Device(device_id).use()
+        gen = store.add(f"nccl/gen/{topology.rank}", 1)
+        key = f"nccl/{gen}/uid"
+        if topology.rank == 0:
+            store.set(key, uid_to_bytes(nccl.get_unique_id()))
+        try:
+            uid = uid_from_bytes(store.get(key, timeout=t))
+        except CollectiveError:
+            raise
+        except Exception as e:  # noqa: BLE001 - store timeout / connection errors
+            raise CollectiveError(f"NCCL communicator {gen}: rank {topology.rank} ({topology.host}) did not get "
+                                  f"the unique id from rank 0 within {t:g} s: {e}") from None
+        try:
+            comm = nccl.NcclCommunicator(topology.size, uid, topology.rank)
+        except Exception as e:  # noqa: BLE001 - NcclError / CUDA errors
+            raise CollectiveError(f"ncclCommInitRank failed on rank {topology.rank} ({topology.host}, GPU "
+                                  f"{device_id}): {e}", hint="NCCL_DEBUG=INFO shows why") from None
+        return cls(comm, topology.rank, topology.size, device_id, hosts=topology.hosts, cupy=cupy, nccl=nccl)
+
+    # -- Backend properties ---------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._comm is not None and self._error is None:
+            try:
+                self._comm.destroy()
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- machinery ------------------------------------------------------------------------
+    def _where(self) -> str:
+        host = self._hosts[self._rank] if self._hosts and self._rank < len(self._hosts) else "?"
+        return f"rank {self._rank} ({host}, GPU {self.device_id})"
+
+    def _begin(self, name: str) -> int:
+        if self._error is not None:
+            raise CollectiveError(self._error, hint="the NCCL communicator was aborted; create a new one")
+        if self._closed:
+            raise CollectiveError(f"{name}: the NCCL communicator is closed")
+        self._seq += 1
+        return self._seq
+
+    @staticmethod
+    def _desc(count: int, dtype: str, op: str | None = None, root: int | None = None) -> str:
+        parts = [f"count={count}", f"dtype={dtype}", f"{count * _ITEMSIZE.get(dtype, 1)} bytes"]
+        if op is not None:
+            parts.append(f"op={op}")
+        if root is not None:
+            parts.append(f"root={root}")
+        return "(" + ", ".join(parts) + ")"
+
+    def _fail(self, msg: str, *, abort: bool) -> CollectiveError:
+        self._error = msg
+        if abort and self._comm is not None:
+            try:
+                self._comm.abort()
+            except Exception as e:  # noqa: BLE001
+                log.warning("ncclCommAbort failed: %s", e)
+        return CollectiveError(msg, hint="NCCL cannot recover a communicator after a timeout: it was aborted; "
+                                         "find the missing rank (hpcring stacks) and restart")
+
+    def _stream(self):
+        return self._cp.cuda.get_current_stream()
+
+    def _complete(self, name, seq, desc, timeout, t0, stream) -> None:
+        event = self._cp.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+
+        def check():
+            try:
+                self._comm.check_async_error()
+            except Exception as e:  # noqa: BLE001 - NcclError
+                raise self._fail(f"{name}#{seq}{desc} failed on {self._where()}: NCCL async error: {e}",
+                                 abort=True) from None
+
+        expired = wait_for(lambda: event.done, check, timeout=timeout, t0=t0)
+        if expired is not None:
+            raise self._fail(f"{name}#{seq}{desc} did not complete within the {timeout:g} s deadline on "
+                             f"{self._where()} (waited {expired:.2f} s): at least one rank has not entered it "
+                             f"or is stuck; the NCCL communicator was aborted", abort=True)
+
+    def _enqueue(self, name, seq, desc, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - NcclError at launch
+            raise self._fail(f"{name}#{seq}{desc} failed to start on {self._where()}: {e}", abort=True) from None
+
+    # -- buffers --------------------------------------------------------------------------
+    def _device(self, buf, dtype: str):
+        """(device array, host array to copy back into or None) for a 1-D buffer."""
+        cp = self._cp
+        if isinstance(buf, np.ndarray):
+            return cp.asarray(buf), buf
+        if isinstance(buf, cp.ndarray):
+            return buf, None
+        if hasattr(buf, "__cuda_array_interface__") or hasattr(buf, "__dlpack__"):
+            return cp.from_dlpack(buf) if hasattr(buf, "__dlpack__") else cp.asarray(buf), None
+        raise UsageError(f"the nccl backend takes CuPy arrays, CUDA DLPack tensors or numpy arrays, "
+                         f"got {type(buf).__name__}")
+
+    @staticmethod
+    def _ptr(arr) -> int:
+        return int(arr.data.ptr)
+
+    def _back(self, dev, host, stream) -> None:
+        if host is not None:
+            stream.synchronize()
+            host[...] = self._cp.asnumpy(dev).reshape(host.shape)
+
+    # -- collectives ----------------------------------------------------------------------
+    def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+        ndt = nccl_dtype(dtype, self.version, self._nccl)
+        nop, divide = nccl_op(op, dtype, self.version, self._nccl)
+        seq = self._begin("allreduce")
+        t0 = time.monotonic()
+        desc = self._desc(recvbuf.size, dtype, op)
+        s, shost = self._device(sendbuf, dtype)
+        r, rhost = (s, shost) if sendbuf is recvbuf else self._device(recvbuf, dtype)
+        stream = self._stream()
+        self._enqueue("allreduce", seq, desc,
+                      lambda: self._comm.allReduce(self._ptr(s), self._ptr(r), r.size, ndt, nop, stream.ptr))
+        if divide:
+            self._divide(r, dtype)
+        self._complete("allreduce", seq, desc, timeout, t0, stream)
+        self._back(r, rhost, stream)
+
+    def _divide(self, arr, dtype: str) -> None:
+        if dtype == "bfloat16":        # uint16 storage: divide in float32, round to nearest even
+            bits = arr.view(self._cp.uint16).astype(self._cp.uint32) << 16
+            f = bits.view(self._cp.float32) / self._size
+            b = f.view(self._cp.uint32)
+            arr.view(self._cp.uint16)[...] = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(self._cp.uint16)
+        else:
+            arr /= self._size
+
+    def allgather(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
+        seq = self._begin("allgather")
+        t0 = time.monotonic()
+        desc = self._desc(sendbuf.size, dtype)
+        s, _ = self._device(sendbuf, dtype)
+        r, rhost = self._device(recvbuf, dtype)
+        n = s.size * _ITEMSIZE[dtype]
+        u8 = NCCL_DTYPE["uint8"]
+        stream = self._stream()
+        self._enqueue("allgather", seq, desc,
+                      lambda: self._comm.allGather(self._ptr(s), self._ptr(r), n, u8, stream.ptr))
+        self._complete("allgather", seq, desc, timeout, t0, stream)
+        self._back(r, rhost, stream)
+
+    def reduce_scatter(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+        ndt = nccl_dtype(dtype, self.version, self._nccl)
+        nop, divide = nccl_op(op, dtype, self.version, self._nccl)
+        seq = self._begin("reduce_scatter")
+        t0 = time.monotonic()
+        n = sendbuf.size
+        counts = chunk_counts(n, self._size)
+        desc = self._desc(n, dtype, op)
+        s, _ = self._device(sendbuf, dtype)
+        r, rhost = self._device(recvbuf, dtype)
+        stream = self._stream()
+        if n % self._size == 0:
+            self._enqueue("reduce_scatter", seq, desc, lambda: self._comm.reduceScatter(
+                self._ptr(s), self._ptr(r), counts[self._rank], ndt, nop, stream.ptr))
+            if divide:
+                self._divide(r, dtype)
+        else:                           # uneven chunks: allreduce + take this rank's chunk
+            with stream:
+                full = self._cp.empty_like(s)
+            self._enqueue("reduce_scatter", seq, desc, lambda: self._comm.allReduce(
+                self._ptr(s), self._ptr(full), n, ndt, nop, stream.ptr))
+            if divide:
+                self._divide(full, dtype)
+            off = sum(counts[:self._rank])
+            with stream:
+                r[...] = full[off:off + counts[self._rank]]
+        self._complete("reduce_scatter", seq, desc, timeout, t0, stream)
+        self._back(r, rhost, stream)
+
+    def broadcast(self, buf, root: int, dtype: str, timeout: float) -> None:
+        if not (0 <= root < self._size):
+            raise UsageError(f"broadcast: root {root} out of range for {self._size} ranks")
+        seq = self._begin("broadcast")
+        t0 = time.monotonic()
+        desc = self._desc(buf.size, dtype, root=root)
+        b, host = self._device(buf, dtype)
+        n = b.size * _ITEMSIZE[dtype]
+        u8 = NCCL_DTYPE["uint8"]
+        stream = self._stream()
+        self._enqueue("broadcast", seq, desc,
+                      lambda: self._comm.broadcast(self._ptr(b), self._ptr(b), n, u8, root, stream.ptr))
+        self._complete("broadcast", seq, desc, timeout, t0, stream)
+        self._back(b, host, stream)
+
+    def alltoall(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
+        if sendbuf.size % self._size:
+            raise UsageError(f"alltoall: {sendbuf.size} elements cannot be split into {self._size} equal blocks")
+        if self.version < SENDRECV_MIN_VERSION:
+            raise CollectiveError(f"alltoall needs NCCL >= 2.7 (send/recv), this is {format_version(self.version)}")
+        seq = self._begin("alltoall")
+        t0 = time.monotonic()
+        desc = self._desc(sendbuf.size, dtype)
+        s, _ = self._device(sendbuf, dtype)
+        r, rhost = self._device(recvbuf, dtype)
+        if sendbuf is recvbuf or (s.data.ptr == r.data.ptr):
+            s = s.copy()
+        block = (s.size // self._size) * _ITEMSIZE[dtype]
+        u8 = NCCL_DTYPE["uint8"]
+        stream = self._stream()
+        sp, rp = self._ptr(s), self._ptr(r)
+
+        def go():
+            self._nccl.groupStart()
+            try:
+                for peer in range(self._size):
+                    self._comm.send(sp + peer * block, block, u8, peer, stream.ptr)
+                    self._comm.recv(rp + peer * block, block, u8, peer, stream.ptr)
+            finally:
+                self._nccl.groupEnd()
+        self._enqueue("alltoall", seq, desc, go)
+        self._complete("alltoall", seq, desc, timeout, t0, stream)
+        self._back(r, rhost, stream)
+
+    def barrier(self, timeout: float) -> None:
+        seq = self._begin("barrier")
+        t0 = time.monotonic()
+        stream = self._stream()
+        with stream:
+            one = self._cp.ones(1, dtype=self._cp.float32)
+        f32 = NCCL_DTYPE["float32"]
+        self._enqueue("barrier", seq, "", lambda: self._comm.allReduce(
+            self._ptr(one), self._ptr(one), 1, f32, NCCL_OP["sum"], stream.ptr))
+        self._complete("barrier", seq, "", timeout, t0, stream)
+
+
+__all__ = ["NcclBackend", "gpu_available", "gpu_count", "uid_to_bytes", "uid_from_bytes", "nccl_dtype",
+           "nccl_op", "wait_for", "format_version"]
