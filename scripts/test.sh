@@ -14,11 +14,12 @@ EXTRAS=test,mpi bash scripts/install.sh
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 
 t0=$(date +%s)
-.venv/bin/hpcring devcluster up
+.venv/bin/hpcring devcluster up --share "$PWD"
 echo "test.sh: devcluster up took $(( $(date +%s) - t0 )) s"
 
 rc=0
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests || rc=$?
+# Test files that ranks read must be visible on every node: /tmp is node-private there.
+.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp=/srv/hpcring/pytest-tmp "$@" tests || rc=$?
 
 if [[ "${HPCRING_KEEP_DEVCLUSTER:-1}" == "0" ]]; then
     .venv/bin/hpcring devcluster down || rc=1

@@ -187,11 +187,11 @@ def _add_optional_subapps() -> None:
         except ImportError:
             continue
         app.add_typer(sub, name=name)
-    try:
-        from hpcring.cli.run_cmd import register
-        register(app)
-    except ImportError:
-        pass
+    for mod in ("hpcring.cli.run_cmd", "hpcring.cli.bench_cmd"):
+        try:
+            __import__(mod, fromlist=["register"]).register(app)
+        except ImportError:
+            pass
 
 
 _add_optional_subapps()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Annotated
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -33,10 +33,15 @@ def up(
         typer.Option("--dead-interface/--no-dead-interface",
                      help="Give each node a 'dead0' interface (10.98.0.i) that is up but routes nowhere."),
     ] = True,
+    share: Annotated[
+        Optional[List[str]],
+        typer.Option("--share", help="A path under /tmp to show at the same path on every node "
+                                     "(a checkout or venv; the rest of the filesystem is shared already)."),
+    ] = None,
 ) -> None:
     """Start the cluster, or repair it (idempotent). Waits until all nodes are idle."""
     try:
-        info = cluster.up(nodes=nodes, dead_interface=dead_interface)
+        info = cluster.up(nodes=nodes, dead_interface=dead_interface, shares=share)
     except HpcringError as e:
         raise _fail(e) from None
     if info.actions:

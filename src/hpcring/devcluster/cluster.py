@@ -104,7 +104,7 @@ def node_exec_argv(node: str) -> list[str]:
     return network.exec_argv(i)
 
 
-def up(nodes: int = 3, dead_interface: bool = True) -> ClusterInfo:
+def up(nodes: int = 3, dead_interface: bool = True, shares: list[str] | None = None) -> ClusterInfo:
     """Bring the dev cluster up (or repair it); returns when all nodes are idle in sinfo."""
     if not 1 <= nodes <= n.MAX_NODES:
         raise DevClusterError(
@@ -114,7 +114,7 @@ def up(nodes: int = 3, dead_interface: bool = True) -> ClusterInfo:
     t0 = time.monotonic()
     actions: list[str] = []
     with _lock():
-        _up_locked(nodes, dead_interface, actions)
+        _up_locked(nodes, dead_interface, actions, list(shares or []))
     info = _info(nodes, dead_interface)
     info.elapsed_s = round(time.monotonic() - t0, 2)
     info.actions = actions
@@ -202,7 +202,7 @@ def status() -> dict:
 # ---------------------------------------------------------------------------- up
 
 
-def _up_locked(nodes: int, dead_interface: bool, actions: list[str]) -> None:
+def _up_locked(nodes: int, dead_interface: bool, actions: list[str], shares: list[str]) -> None:
     _ensure_dirs()
     controller = n.controller_host()
     password = _db_password()
@@ -214,7 +214,8 @@ def _up_locked(nodes: int, dead_interface: bool, actions: list[str]) -> None:
         actions.append(f"wrote {n.SLURM_CONF}")
     if dbd_conf_changed:
         actions.append(f"wrote {n.SLURMDBD_CONF}")
-    _save_state({"nodes": nodes, "dead_interface": dead_interface})
+    shares = sorted(set(shares) | set(_load_state().get("shares", [])))
+    _save_state({"nodes": nodes, "dead_interface": dead_interface, "shares": shares})
     _ensure_hosts_block(nodes, actions)
 
     # Nodes beyond the requested count (from an earlier, bigger cluster) go away.
@@ -241,6 +242,8 @@ def _up_locked(nodes: int, dead_interface: bool, actions: list[str]) -> None:
         if network.ensure_node_ns(i):
             actions.append(f"created mount/UTS namespaces of {n.node_name(i)}")
             renewed.add(i)
+        for path in network.ensure_shares(i, [p for p in shares if os.path.exists(p)]):
+            actions.append(f"shared {path} with {n.node_name(i)}")
 
     _wait_mysqld(started=mysqld_started)
     _ensure_database(password)

@@ -31,6 +31,7 @@ STATE_DIR = Path("/var/lib/hpcring-devcluster")
 LOG_DIR = Path("/var/log/hpcring-devcluster")
 SHARED_DIR = Path("/srv/hpcring")
 RUN_DIR = STATE_DIR / "run"  # pid files
+HOST_TMP_VIEW = STATE_DIR / "hosttmp"  # inside a node only: the machine's own /tmp, for --share
 NS_DIR = STATE_DIR / "ns"  # persistent mount and UTS namespaces, one pair per node (private mount)
 NODES_DIR = STATE_DIR / "nodes"  # per-node /tmp, /dev/shm backing and slurmd spool
 CTLD_STATE_DIR = STATE_DIR / "slurmctld"

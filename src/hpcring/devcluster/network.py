@@ -246,7 +246,8 @@ def node_ns_ok(i: int) -> bool:
     mnt, uts = n.mnt_ns_file(i), n.uts_ns_file(i)
     if not (is_nsfs_mount(mnt) and is_nsfs_mount(uts)):
         return False
-    script = f'test "$(hostname)" = {n.node_name(i)} && mountpoint -q /tmp && mountpoint -q /dev/shm'
+    script = (f'test "$(hostname)" = {n.node_name(i)} && mountpoint -q /tmp && mountpoint -q /dev/shm '
+              f'&& mountpoint -q {n.HOST_TMP_VIEW}')
     return ok(["nsenter", f"--mount={mnt}", f"--uts={uts}", "--", "sh", "-c", script], timeout=10)
 
 
@@ -273,7 +274,11 @@ def ensure_node_ns(i: int) -> bool:
     uts.touch()
     # Inside: the node's own /tmp (bind of a per-node dir), its own /dev/shm (fresh tmpfs), and
     # the node name as hostname. Everything else is the machine's filesystem, shared by all nodes.
+    n.HOST_TMP_VIEW.mkdir(parents=True, exist_ok=True)
+    # The machine's /tmp stays reachable inside the node at HOST_TMP_VIEW (before /tmp is covered),
+    # so --share can expose a checkout under /tmp (CI clones there) at the same path in every node.
     script = (
+        f"mount --bind /tmp {n.HOST_TMP_VIEW} && "
         f"mount --bind {tmp} /tmp && "
         "mount -t tmpfs -o mode=1777,size=2g,nosuid,nodev tmpfs-" + n.node_name(i) + " /dev/shm && "
         f"hostname {n.node_name(i)}"
@@ -294,6 +299,27 @@ def ensure_node_ns(i: int) -> bool:
             hint=f"try by hand: nsenter --mount={mnt} --uts={uts} -- sh -c 'hostname; findmnt /tmp'",
         )
     return True
+
+
+def ensure_shares(i: int, paths: list[str]) -> list[str]:
+    """Make each machine path under /tmp visible at the same path inside node i; returns those added.
+
+    Real clusters share home and project directories between the login node and compute nodes;
+    here everything but /tmp is shared already, so only paths under /tmp need this.
+    """
+    added = []
+    for p in paths:
+        real = os.path.realpath(p)
+        if not real.startswith("/tmp/"):
+            continue
+        rel = real[len("/tmp/"):]
+        script = (f"mkdir -p '{real}' && (mountpoint -q '{real}' || "
+                  f"mount --bind '{n.HOST_TMP_VIEW}/{rel}' '{real}')")
+        run(["nsenter", f"--mount={n.mnt_ns_file(i)}", "--", "sh", "-c", script],
+            what=f"sharing {real} with {n.node_name(i)}",
+            hint="the path must exist on this machine; shares apply to paths under /tmp only")
+        added.append(real)
+    return added
 
 
 def exec_argv(i: int) -> list[str]:
