@@ -146,10 +146,13 @@ def target_kill(comm, victim, nbytes, delay):
     """Every rank joins a big allreduce; the victim exits abruptly while inside it."""
     import numpy as np
     x = np.ones(nbytes // 4, np.float32)
+    y = np.empty_like(x)
     if comm.rank == victim:
         threading.Timer(delay, lambda: os._exit(17)).start()
-    comm.allreduce(x, out=x)
-    comm.allreduce(x, out=x)
+    # Keep collectives going until the victim is gone, so it always dies mid-collective
+    # however fast or loaded the machine is (two fixed calls could finish before the timer).
+    for _ in range(100_000):
+        comm.allreduce(x, out=y)
     return "finished"
 
 

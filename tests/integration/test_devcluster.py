@@ -89,9 +89,14 @@ def test_status_reports_up(cluster_status: dict) -> None:
 
 
 def test_sinfo_shows_all_nodes_idle(nnodes: int) -> None:
-    out = run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %T"]).stdout
-    states = dict(line.split() for line in out.splitlines() if line.strip())
-    assert sorted(states) == sorted(f"node{i}" for i in range(1, nnodes + 1)), out
+    deadline = time.monotonic() + 90   # jobs of earlier tests may still be completing
+    while True:
+        out = run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %T"]).stdout
+        states = dict(line.split() for line in out.splitlines() if line.strip())
+        assert sorted(states) == sorted(f"node{i}" for i in range(1, nnodes + 1)), out
+        if set(states.values()) == {"idle"} or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert set(states.values()) == {"idle"}, out
 
 
