@@ -313,8 +313,11 @@ def ensure_shares(i: int, paths: list[str]) -> list[str]:
         if not real.startswith("/tmp/"):
             continue
         rel = real[len("/tmp/"):]
-        script = (f"mkdir -p '{real}' && (mountpoint -q '{real}' || "
-                  f"mount --bind '{n.HOST_TMP_VIEW}/{rel}' '{real}')")
+        src = f"{n.HOST_TMP_VIEW}/{rel}"
+        # A share whose directory was deleted and re-created (a new clone) is re-bound.
+        script = (f"mkdir -p '{real}' && if mountpoint -q '{real}' && "
+                  f"[ \"$(stat -c %d:%i '{real}')\" != \"$(stat -c %d:%i '{src}')\" ]; then umount -l '{real}'; fi; "
+                  f"mountpoint -q '{real}' || mount --bind '{src}' '{real}'")
         run(["nsenter", f"--mount={n.mnt_ns_file(i)}", "--", "sh", "-c", script],
             what=f"sharing {real} with {n.node_name(i)}",
             hint="the path must exist on this machine; shares apply to paths under /tmp only")
