@@ -20,7 +20,13 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
 
 
 def topos(stdout: str) -> list[dict]:
-    return [json.loads(l.split("TOPO ", 1)[1]) for l in stdout.splitlines() if "TOPO " in l]
+    """Every `TOPO {...}` record, even when a launcher interleaves two ranks' lines (mpirun does)."""
+    dec, out, i = json.JSONDecoder(), [], stdout.find("TOPO ")
+    while i >= 0:
+        obj, end = dec.raw_decode(stdout, i + len("TOPO "))
+        out.append(obj)
+        i = stdout.find("TOPO ", end)
+    return out
 
 
 def check_agreement(recs: list[dict], size: int, per_node: int) -> None:
