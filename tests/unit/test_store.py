@@ -35,11 +35,11 @@ def client(srv, secret=SECRET, timeout=5.0):
 def raw_session(srv, secret=SECRET):
     """Do the handshake by hand; returns (socket, session key) so tests can forge frames."""
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
-    hello = st._recv_exact(s, 4 + 32)
+    hello = st.recv_exact(s, 4 + 32)
     assert hello[:4] == st.MAGIC
     ns, nc = hello[4:], secrets.token_bytes(32)
     s.sendall(nc + st.client_proof(secret, ns, nc))
-    assert st._recv_exact(s, 32) == st.server_proof(secret, ns, nc)
+    assert st.recv_exact(s, 32) == st.server_proof(secret, ns, nc)
     return s, st.session_key(secret, ns, nc)
 
 
@@ -196,14 +196,14 @@ def test_frame_replayed_on_another_connection_is_rejected(server):
     assert "replayed" not in server.keys()
     s1.sendall(frame)
     assert wait_for(lambda: "replayed" in server.keys())
-    st._recv_exact(s1, 36 + 1)   # the OK reply to the genuine frame
+    st.recv_exact(s1, 36 + 1)   # the OK reply to the genuine frame
     s1.sendall(frame)   # same sequence number again on s1: a replay within the connection
     assert is_closed_by_server(s1)
 
 
 def test_bytes_before_handshake_are_not_interpreted(server):
     s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    st._recv_exact(s, 36)
+    st.recv_exact(s, 36)
     body = st.encode_request(st.OP_SET, "nohandshake", b"x")
     frame = st.HEADER.pack(len(body)) + b"\x00" * 32 + body
     s.sendall(frame * 2)   # frames where the 64-byte proof belongs
@@ -247,8 +247,8 @@ def test_truncated_frame_changes_nothing_and_split_frames_reassemble(server):
 def test_malformed_body_with_valid_mac_gets_an_error_reply(server):
     s, key = raw_session(server)
     s.sendall(st.encode_frame(key, b"C", 0, bytes([st.OP_SET]) + st.KEYLEN.pack(500) + b"short"))
-    head = st._recv_exact(s, 36)
-    body = st._recv_exact(s, st.HEADER.unpack_from(head)[0])
+    head = st.recv_exact(s, 36)
+    body = st.recv_exact(s, st.HEADER.unpack_from(head)[0])
     assert body[0] == st.ST_ERROR and b"malformed" in body
 
 

@@ -35,6 +35,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from hpcring.errors import BootstrapError
+from hpcring.netio import recv_exact
 
 log = logging.getLogger("hpcring.bootstrap.netif")
 
@@ -308,7 +309,7 @@ class ProbeListener:
                 conn.settimeout(self._io_timeout)
                 ns = secrets.token_bytes(_NONCE)
                 conn.sendall(ns)
-                answer = _recv_exact(conn, _NONCE + 32)
+                answer = recv_exact(conn, _NONCE + 32)
                 nc = answer[:_NONCE]
                 want, reply = _probe_macs(self._secret, ns, nc)
                 if not hmac.compare_digest(answer[_NONCE:], want):
@@ -334,11 +335,11 @@ def probe(address: str, port: int, secret: bytes, timeout: float = 2.0) -> str |
     try:
         with socket.create_connection((address, port), timeout=timeout) as s:
             s.settimeout(max(0.1, timeout - (time.monotonic() - t0)))
-            ns = _recv_exact(s, _NONCE)
+            ns = recv_exact(s, _NONCE)
             nc = secrets.token_bytes(_NONCE)
             want, reply = _probe_macs(secret, ns, nc)
             s.sendall(nc + want)
-            if not hmac.compare_digest(_recv_exact(s, 32), reply):
+            if not hmac.compare_digest(recv_exact(s, 32), reply):
                 return "answered with a bad MAC (another job's rank?)"
             return None
     except (TimeoutError, socket.timeout):
@@ -349,14 +350,6 @@ def probe(address: str, port: int, secret: bytes, timeout: float = 2.0) -> str |
         return f"{type(e).__name__}: {e.strerror or e}"
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise EOFError(f"closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 # --------------------------------------------------------------------------------------- verify

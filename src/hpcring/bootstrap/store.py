@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from hpcring.errors import BootstrapError
+from hpcring.netio import recv_exact
 
 log = logging.getLogger("hpcring.bootstrap.store")
 
@@ -591,7 +592,7 @@ class StoreClient:
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
-            hello = _recv_exact(sock, len(MAGIC) + NONCE_LEN)
+            hello = recv_exact(sock, len(MAGIC) + NONCE_LEN)
         except (EOFError, OSError) as e:
             raise StoreAuthError(f"peer at {self.address} is not an hpcring store (no hello: {e})",
                                  hint=SECRET_HINT) from e
@@ -602,7 +603,7 @@ class StoreClient:
         nc = secrets.token_bytes(NONCE_LEN)
         sock.sendall(nc + client_proof(self._secret, ns, nc))
         try:
-            proof = _recv_exact(sock, MAC_LEN)
+            proof = recv_exact(sock, MAC_LEN)
         except (EOFError, OSError) as e:
             raise StoreAuthError(f"the store at {self.address} rejected this rank's handshake",
                                  hint=SECRET_HINT) from e
@@ -662,11 +663,11 @@ class StoreClient:
                                      f"key {key!r}: {e}", hint="check rank 0 and the network path") from e
 
     def _read_reply(self, sock: socket.socket, key: str) -> tuple[int, bytes]:
-        head = _recv_exact(sock, HEADER.size + MAC_LEN)
+        head = recv_exact(sock, HEADER.size + MAC_LEN)
         (length,) = HEADER.unpack_from(head, 0)
         if length > self.max_frame or length < 1:
             raise ConnectionAbortedError(f"reply frame length {length} out of range")
-        body = _recv_exact(sock, length)
+        body = recv_exact(sock, length)
         if not hmac.compare_digest(head[HEADER.size:], frame_mac(self._key, _DIR_TO_CLIENT, self._recv_seq, body)):
             raise ConnectionAbortedError("reply frame has a bad MAC")
         self._recv_seq += 1
@@ -748,11 +749,3 @@ class StoreClient:
         return time.monotonic() - t0
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise EOFError(f"connection closed after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)

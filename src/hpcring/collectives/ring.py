@@ -37,6 +37,7 @@ import time
 
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend
 from hpcring.errors import BootstrapError, CollectiveError, UsageError
+from hpcring.netio import recv_exact
 
 log = logging.getLogger("hpcring.collectives.ring")
 
@@ -79,20 +80,12 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"connection closed after {len(buf)}/{n} handshake bytes")
-        buf += chunk
-    return bytes(buf)
 
 
 def _auth_connector(sock: socket.socket, secret: bytes, ctx: bytes, rank: int, conn: int) -> None:
     """Connector side of the handshake; raises ConnectionError when the listener refuses us or
     cannot prove it knows the secret."""
-    hello = _recv_exact(sock, len(_MAGIC) + _NONCE)
+    hello = recv_exact(sock, len(_MAGIC) + _NONCE)
     if hello[:4] != _MAGIC:
         raise ConnectionError("the listener is not an hpcring ring endpoint (bad magic)")
     nl = hello[4:]
@@ -100,7 +93,7 @@ def _auth_connector(sock: socket.socket, secret: bytes, ctx: bytes, rank: int, c
     ids = _U32x2.pack(rank, conn)
     sock.sendall(nc + _mac(secret, _LABEL_CONNECT, ctx, nl, nc, ids) + ids)
     try:
-        proof = _recv_exact(sock, _MAC)
+        proof = recv_exact(sock, _MAC)
     except ConnectionError:
         raise ConnectionError("the listener refused authentication (different job secret?)") from None
     if not hmac.compare_digest(proof, _mac(secret, _LABEL_ACCEPT, ctx, nl, nc, ids)):
@@ -113,7 +106,7 @@ def _auth_listener(sock: socket.socket, secret: bytes, ctx: bytes, size: int, nc
     over the fixed-size frame has been verified."""
     nl = secrets.token_bytes(_NONCE)
     sock.sendall(_MAGIC + nl)
-    frame = _recv_exact(sock, _CONNECT_FRAME)
+    frame = recv_exact(sock, _CONNECT_FRAME)
     nc, mac, ids = frame[:_NONCE], frame[_NONCE:_NONCE + _MAC], frame[_NONCE + _MAC:]
     if not hmac.compare_digest(mac, _mac(secret, _LABEL_CONNECT, ctx, nl, nc, ids)):
         raise ConnectionError("peer failed authentication (wrong job secret)")
