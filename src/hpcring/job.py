@@ -18,6 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
+from hpcring.diagnostics.jobdir import job_id as _job_id
 from hpcring.errors import HpcringError
 
 
@@ -61,6 +62,7 @@ class RunScript:
         status = {"rank": None, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                   "exit_code": None, "error": None}
         folder = _job_folder()
+        os.environ.setdefault("HPCRING_JOB_DIR", str(folder))   # diagnostics land next to the logs
         try:
             session = init()
         except HpcringError as exc:  # bootstrap failed: record it under the launcher's rank
@@ -89,13 +91,6 @@ def _job_folder() -> Path:
         return Path(submitit.JobEnvironment().paths.folder)
     except Exception:  # not under submitit (e.g. `hpcring run`): the current directory
         return Path(os.environ.get("SUBMITIT_FOLDER", ".").replace("%j", os.environ.get("SLURM_JOB_ID", "")))
-
-
-def _job_id() -> str:
-    for var in ("SLURM_JOB_ID", "LSB_JOBID", "SUBMITIT_LOCAL_JOB_ID", "HPCRING_JOB_ID"):
-        if os.environ.get(var):
-            return os.environ[var]
-    return "0"
 
 
 def _write_status(folder: Path, rank: int, status: dict) -> None:

@@ -1,0 +1,40 @@
+"""Where a job's diagnostics go: ``<job folder>/diag/`` (flight records, stacks, hang reports).
+
+The job folder is, in order: ``HPCRING_JOB_DIR``; the submitit folder of a submitted job
+(``SUBMITIT_FOLDER`` with ``%j`` resolved); else ``./hpcring-diag/<job id>`` for ranks started
+by ``hpcring run`` or by hand. Ranks of one job agree on it because they share the environment.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+JOB_ID_VARS = ("SLURM_JOB_ID", "LSB_JOBID", "SUBMITIT_LOCAL_JOB_ID", "HPCRING_JOB_ID")
+
+
+def job_id(environ: Mapping[str, str] | None = None) -> str:
+    """The scheduler's job id (Slurm, LSF, the local backend), else "0"."""
+    env = os.environ if environ is None else environ
+    for var in JOB_ID_VARS:
+        if env.get(var):
+            return env[var]
+    return "0"
+
+
+def job_folder(environ: Mapping[str, str] | None = None) -> Path:
+    """The job's folder (see the module doc); not created here."""
+    env = os.environ if environ is None else environ
+    if env.get("HPCRING_JOB_DIR"):
+        return Path(env["HPCRING_JOB_DIR"])
+    if env.get("SUBMITIT_FOLDER"):
+        return Path(env["SUBMITIT_FOLDER"].replace("%j", job_id(env)))
+    return Path.cwd() / "hpcring-diag" / job_id(env)
+
+
+def diag_dir(environ: Mapping[str, str] | None = None, *, create: bool = True) -> Path:
+    """``<job folder>/diag``, created on demand (parents too)."""
+    path = job_folder(environ) / "diag"
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+    return path
