@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcring.session import init
     gpus = int(os.environ.get("HPCRING_GPUS_PER_NODE", "0") or 0)
     try:
-        session = init()
+        session = init(watchdog=False)   # the child CMD runs the collectives and the watchdog
     except HpcringError as exc:
         from hpcring.bootstrap.launchers import detect
         t = detect()

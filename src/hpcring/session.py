@@ -59,6 +59,16 @@ class Session:
         self.store = store
         self._secret = secret
         self._comms: dict[str, object] = {}
+        self.watchdog = None
+
+    def start_watchdog(self):
+        """Start the hang watchdog (:mod:`hpcring.diagnostics.watchdog`) unless HPCRING_WATCHDOG=0;
+        from the main thread this also makes SIGUSR1 dump flight records and stacks."""
+        if self.watchdog is None and os.environ.get("HPCRING_WATCHDOG", "1").strip().lower() not in ("0", "false", "no", "off"):
+            from hpcring.diagnostics.watchdog import Watchdog, install_dump_signal
+            self.watchdog = Watchdog(self.topology, (self.store.host, self.store.port), self._secret).start()
+            install_dump_signal(self.watchdog)
+        return self.watchdog
 
     def __getattr__(self, name: str):
         # rank, size, local_rank, hosts, master_addr, interface, ... straight from the topology;
@@ -78,8 +88,10 @@ class Session:
             backend = auto_backend(self.topology)
         if backend not in self._comms:
             from hpcring.collectives.api import Communicator
+            options = {"abort_on_timeout": False} if backend == "mpi" and self.watchdog else {}
             self._comms[backend] = Communicator.create(self.topology, self.store, self._secret,
-                                                       timeout=timeout, backend=backend)
+                                                       timeout=timeout, backend=backend,
+                                                       watchdog=self.watchdog, **options)
         return self._comms[backend]
 
     def __repr__(self) -> str:
@@ -89,17 +101,19 @@ class Session:
 
 
 def init(backend: str | None = None, *, timeout: float | None = None, interface: str | None = None,
-         verify: str | None = None) -> Session:
+         verify: str | None = None, watchdog: bool = True) -> Session:
     """Bootstrap this rank (once per process) and return the session.
 
     ``backend`` ("auto", "ring", "mpi", "nccl") also creates that communicator now; without it the
     communicator is created on the first collective. ``timeout`` bounds the bootstrap (default
     HPCRING_INIT_TIMEOUT or 60 s); ``interface`` overrides the site's interface spec (NCCL syntax).
+    ``watchdog=False`` skips the hang watchdog (for a parent that only hands the session on).
     """
     global _SESSION
     with _LOCK:
         if _SESSION is None and os.environ.get(HANDOFF_VAR):
             _SESSION = _from_handoff(os.environ[HANDOFF_VAR])
+            _SESSION.start_watchdog()
         if _SESSION is None:
             from hpcring.bootstrap.init import init_bootstrap
             from hpcring.bootstrap.store import load_secret
@@ -108,6 +122,8 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
                                          verify=verify or os.environ.get("HPCRING_VERIFY", "ring"))
             _SESSION = Session(topo, store, load_secret())
             atexit.register(_release, _SESSION)
+            if watchdog:
+                _SESSION.start_watchdog()
         session = _SESSION
     if backend is not None:
         session.communicator(backend, timeout=timeout)

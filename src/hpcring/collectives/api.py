@@ -21,6 +21,7 @@ receives device buffers directly.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend, chunk_counts
+from hpcring.diagnostics.recorder import FlightRecorder, Record
 from hpcring.errors import CollectiveError, HpcringError, UsageError
 
 _NP_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
@@ -191,6 +193,44 @@ def _check_op(op: str, tag: str, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# pre-collective check (HPCRING_CHECK_COLLECTIVES=1)
+# ---------------------------------------------------------------------------------------------
+_OP_NAMES = ("allreduce", "allreduce_grouped", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier")
+
+
+def precheck_default() -> bool:
+    """HPCRING_CHECK_COLLECTIVES=1 (or true/yes/on) turns the pre-collective check on."""
+    return os.environ.get("HPCRING_CHECK_COLLECTIVES", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def signature_code(rec: Record) -> tuple[int, int, int, int, int]:
+    """(op, dtype, count, root, seq) as integers; -1 for "none"."""
+    dtype = DTYPES.index(rec.dtype) if rec.dtype in DTYPES else (-1 if rec.dtype is None else 100 + len(rec.dtype))
+    return (_OP_NAMES.index(rec.op), dtype, rec.count, -1 if rec.root is None else rec.root, rec.seq)
+
+
+def _describe_code(row: tuple) -> str:
+    op, dtype, count, root, seq = row
+    parts = [f"count={count}"]
+    if 0 <= dtype < len(DTYPES):
+        parts.append(f"dtype={DTYPES[dtype]}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    return f"{_OP_NAMES[op]}#{seq}({', '.join(parts)})"
+
+
+def precheck_message(seq: int, rows: list[tuple]) -> str:
+    """'pre-collective check before collective #5 failed: ranks 0-4 called ...; rank 5 called ...'."""
+    from hpcring.diagnostics.report import rank_ranges
+    groups: dict[tuple, list[int]] = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(row, []).append(r)
+    parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {rank_ranges(rs)} called {_describe_code(row)}"
+             for row, rs in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+    return f"pre-collective check (HPCRING_CHECK_COLLECTIVES) before collective #{seq} failed: " + "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
 # async machinery
 # ---------------------------------------------------------------------------------------------
 class Handle:
@@ -279,20 +319,26 @@ class _Worker:
 class Communicator:
     """Collectives over a :class:`~hpcring.collectives.backends.Backend`."""
 
-    def __init__(self, backend: Backend, *, timeout: float | None = None) -> None:
+    def __init__(self, backend: Backend, *, timeout: float | None = None, watchdog=None) -> None:
         from hpcring.collectives.ring import default_timeout
         self.backend = backend
         self.timeout = default_timeout() if timeout is None else float(timeout)
         if self.timeout <= 0:
             raise UsageError(f"timeout must be > 0, got {timeout}")
         self._worker = _Worker(f"hpcring-comm:{backend.rank}")
-        self._seq = 0
+        self.recorder = FlightRecorder(backend.rank, backend.size, backend.name)
+        self.watchdog = watchdog
+        if watchdog is not None:
+            watchdog.register(self)
+        self.precheck = precheck_default()
 
     @classmethod
     def create(cls, topology, store, secret: bytes | str, *, timeout: float | None = None,
-               backend: str = "ring", **backend_options) -> "Communicator":
+               backend: str = "ring", watchdog=None, **backend_options) -> "Communicator":
         """Communicator for ``topology`` on ``backend`` ("ring": address exchange through
-        ``store``; "mpi": MPI_COMM_WORLD via mpi4py; "nccl": unique id through ``store``)."""
+        ``store``; "mpi": MPI_COMM_WORLD via mpi4py; "nccl": unique id through ``store``).
+        ``watchdog`` (:class:`hpcring.diagnostics.watchdog.Watchdog`) turns failures into a
+        job-wide report."""
         if backend == "ring":
             from hpcring.collectives.ring import RingBackend as impl
         elif backend == "mpi":
@@ -302,7 +348,7 @@ class Communicator:
         else:
             raise UsageError(f"unknown backend {backend!r}; choose one of ring, mpi, nccl")
         be = impl.create(topology, store, secret, timeout, **backend_options)
-        return cls(be, timeout=timeout)
+        return cls(be, timeout=timeout, watchdog=watchdog)
 
     @property
     def rank(self) -> int:
@@ -333,12 +379,44 @@ class Communicator:
             raise UsageError(f"timeout must be > 0, got {timeout}")
         return t
 
-    def _run(self, name: str, fn: Callable[[], Any], is_async: bool):
+    def _record(self, op: str, dtype: str | None, count: int, root: int | None, timeout: float) -> Record:
+        return self.recorder.queue(op, dtype, count, root, timeout)
+
+    def _run(self, rec: Record, fn: Callable[[], Any], is_async: bool):
+        def execute():
+            FlightRecorder.start(rec)
+            try:
+                if self.precheck and self.size > 1:
+                    self._precheck(rec)
+                result = fn()
+            except CollectiveError as e:
+                FlightRecorder.finish(rec, e)
+                if self.watchdog is not None:
+                    raise self.watchdog.on_failure(self, rec, e) from None
+                raise
+            except BaseException as e:
+                FlightRecorder.finish(rec, e)
+                raise
+            FlightRecorder.finish(rec)
+            return result
+        name = f"{rec.op}#{rec.seq}"
         if is_async:
-            return self._worker.submit(name, fn)
+            return self._worker.submit(name, execute)
         if self._worker.pending:
-            return self._worker.submit(name, fn).wait()
-        return fn()
+            return self._worker.submit(name, execute).wait()
+        return execute()
+
+    def _precheck(self, rec: Record) -> None:
+        """HPCRING_CHECK_COLLECTIVES=1: every rank's (op, dtype, count, root) through a 40-byte
+        allgather before the collective itself; a difference fails at once on every rank."""
+        mine = np.array(signature_code(rec), dtype=np.int64)
+        table = np.empty(self.size * mine.size, dtype=np.int64)
+        self.backend.allgather(mine, table, "int64", rec.timeout)
+        rows = [tuple(int(v) for v in row) for row in table.reshape(self.size, mine.size)]
+        if len(set(rows)) > 1:
+            raise CollectiveError(precheck_message(rec.seq, rows),
+                                  hint="every rank must call the same collectives in the same order with "
+                                       "the same sizes, dtypes and roots")
 
     # -- allreduce --------------------------------------------------------------------------
     def _allreduce(self, x, op, out, timeout, dtype, is_async):
@@ -356,7 +434,7 @@ class Communicator:
         def run():
             self.backend.allreduce(a.flat, res.flat, a.tag, op, t)
             return _finish(res, a)
-        return self._run("allreduce", run, is_async)
+        return self._run(self._record("allreduce", a.tag, a.flat.size, None, t), run, is_async)
 
     def allreduce(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
                   dtype: str | None = None):
@@ -398,7 +476,9 @@ class Communicator:
                         results[i] = _finish(r, a)
                     pos += n
             return results
-        return self._run("allreduce_grouped", run, is_async)
+        count = sum(a.flat.size for a in arrs)
+        tags = "+".join(sorted(groups, key=DTYPES.index))
+        return self._run(self._record("allreduce_grouped", tags, count, None, t), run, is_async)
 
     def allreduce_grouped(self, arrays: Sequence, op: str = "sum", *, timeout: float | None = None,
                           inplace: bool = False) -> list:
@@ -425,7 +505,7 @@ class Communicator:
         def run():
             self.backend.allgather(a.flat, res.flat, a.tag, t)
             return _finish(res, a)
-        return self._run("allgather", run, is_async)
+        return self._run(self._record("allgather", a.tag, a.flat.size, None, t), run, is_async)
 
     def allgather(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
         """Every rank's ``x`` stacked in rank order: shape ``(size, *x.shape)`` (``out`` may have
@@ -446,7 +526,7 @@ class Communicator:
         def run():
             self.backend.broadcast(a.flat, root, a.tag, t)
             return _finish(a, a)
-        return self._run("broadcast", run, is_async)
+        return self._run(self._record("broadcast", a.tag, a.flat.size, root, t), run, is_async)
 
     def broadcast(self, x, root: int = 0, *, timeout: float | None = None, dtype: str | None = None):
         """In place: ``x`` on every rank becomes root's ``x`` (same shape and dtype everywhere);
@@ -477,7 +557,7 @@ class Communicator:
         def run():
             self.backend.reduce_scatter(a.flat, res.flat, a.tag, op, t)
             return _finish(res, a)
-        return self._run("reduce_scatter", run, is_async)
+        return self._run(self._record("reduce_scatter", a.tag, n, None, t), run, is_async)
 
     def reduce_scatter(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
                        dtype: str | None = None):
@@ -508,7 +588,7 @@ class Communicator:
         def run():
             self.backend.alltoall(a.flat, res.flat, a.tag, t)
             return _finish(res, a)
-        return self._run("alltoall", run, is_async)
+        return self._run(self._record("alltoall", a.tag, a.flat.size, None, t), run, is_async)
 
     def alltoall(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
         """Block j (of ``size`` equal blocks of the flattened ``x``) goes to rank j; block i of
@@ -523,11 +603,11 @@ class Communicator:
     def barrier(self, *, timeout: float | None = None) -> None:
         """Return once every rank has entered the barrier."""
         t = self._deadline(timeout)
-        return self._run("barrier", lambda: self.backend.barrier(t), False)
+        return self._run(self._record("barrier", None, 0, None, t), lambda: self.backend.barrier(t), False)
 
     def barrier_async(self, *, timeout: float | None = None) -> Handle:
         t = self._deadline(timeout)
-        return self._run("barrier", lambda: self.backend.barrier(t), True)
+        return self._run(self._record("barrier", None, 0, None, t), lambda: self.backend.barrier(t), True)
 
 
 __all__ = ["Communicator", "Handle", "HpcringError"]

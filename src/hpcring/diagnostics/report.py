@@ -1,0 +1,255 @@
+"""The hang report: from every rank's snapshot to one named diagnosis (pure functions).
+
+Input is what the watchdog collected over the side channel (see
+:mod:`hpcring.diagnostics.watchdog`): a *snapshot* per rank that answered (its newest flight
+records, the records in flight, its backend's sticky error, where its main thread is) and an
+*exit record* per rank that had already exited normally. Ranks with neither are dead or cut off.
+
+The stuck collective is the oldest one still in flight (or failed) on any answering rank. Every
+other rank is then put in exactly one category, checked in this order:
+
+=================  ===========================================================================
+dead               no answer, and a peer saw its connection reset/closed (process gone)
+unreachable        no answer, and peers only time out on it (host down or link cut)
+exited             exited normally before joining (its exit record says after which collective)
+mismatch           joined the same op with another count, dtype or root
+different          called another collective at that sequence number
+missing            alive but never reached it (its main thread's location says where it is)
+joined             in the collective, like the majority
+=================  ===========================================================================
+
+Links: a ring/transport error "recv from rank b ... timed out, x/y bytes done" on rank a whose
+peer b also joined means the link b -> a *stalled*. A joined rank that entered the collective
+much later than the first (more than max(1 s, deadline/4)) is a *slow rank*.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+CATEGORIES = ("dead", "unreachable", "exited", "mismatch", "different", "missing", "joined")
+_LINK = re.compile(r"(send to|recv from) rank (\d+) \(([^)]*)\) (.*?), (\d+)/(\d+) bytes done")
+_GONE = ("closed by peer", "reset", "EOF", "Broken pipe", "broken pipe", "connection closed", "Connection refused")
+
+
+def rank_ranges(ranks) -> str:
+    """[0, 1, 2, 4] -> "0-2,4"."""
+    rs = sorted(set(ranks))
+    out, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _who(ranks, hosts) -> str:
+    ranks = sorted(ranks)
+    hs = sorted({hosts[r] for r in ranks if r < len(hosts)})
+    label = "rank" if len(ranks) == 1 else "ranks"
+    return f"{label} {rank_ranges(ranks)} ({', '.join(hs)})"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} B"
+
+
+@dataclass
+class Report:
+    """The diagnosis; ``to_dict`` is the JSON saved as ``diag/hang-report.json``."""
+
+    op: dict | None
+    headline: str
+    categories: dict[str, list[int]]
+    details: dict[int, str]
+    links: list[dict] = field(default_factory=list)
+    slow: list[dict] = field(default_factory=list)
+    where: dict[int, str] = field(default_factory=dict)
+    trigger: dict = field(default_factory=dict)
+    hosts: list[str] = field(default_factory=list)
+    files: str | None = None
+    side_channel: bool = True
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "headline": self.headline,
+                "categories": {k: v for k, v in self.categories.items() if v},
+                "details": {str(k): v for k, v in sorted(self.details.items())}, "links": self.links,
+                "slow": self.slow, "where": {str(k): v for k, v in sorted(self.where.items())},
+                "trigger": self.trigger, "hosts": self.hosts, "files": self.files,
+                "side_channel": self.side_channel}
+
+    def text(self) -> str:
+        """The human report: a headline, then one line per finding, ranks compressed."""
+        lines = [f"hpcring: COLLECTIVE FAILURE: {self.headline}"]
+        if self.op:
+            lines.append(f"  operation : {describe_op(self.op)}")
+        if self.trigger:
+            t = self.trigger
+            lines.append(f"  first seen: rank {t.get('rank')} ({t.get('host', '?')}): {t.get('error', '?')}")
+        for cat in CATEGORIES:
+            ranks = self.categories.get(cat) or []
+            if not ranks or cat == "joined":
+                continue
+            for r in ranks:
+                lines.append(f"  {cat:<10}: {_who([r], self.hosts)}: {self.details.get(r, '')}".rstrip(": "))
+        for link in self.links:
+            lines.append(f"  stalled   : link rank {link['from']} ({link['from_host']}) -> rank {link['to']} "
+                         f"({link['to_host']}){' on ' + link['interface'] if link.get('interface') else ''}: "
+                         f"{_mib(link['bytes_done'])} of {_mib(link['bytes_total'])} moved before the deadline")
+        for s in self.slow:
+            lines.append(f"  slow rank : {_who([s['rank']], self.hosts)} entered {s['late']:.1f} s after the first rank")
+        joined = self.categories.get("joined") or []
+        if joined:
+            lines.append(f"  joined    : {_who(joined, self.hosts)}")
+        groups: dict[str, list[int]] = {}
+        for r, w in self.where.items():
+            groups.setdefault(w, []).append(r)
+        for w, ranks in sorted(groups.items(), key=lambda kv: min(kv[1])):
+            lines.append(f"  where     : {'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}: {w}")
+        if not self.side_channel:
+            lines.append("  note      : the side channel (rank 0's store) was unreachable: this is one rank's view")
+        if self.files:
+            lines.append(f"  files     : {self.files} (hang-report.json, flight-rank*.json, stacks-rank*.txt)")
+        return "\n".join(lines)
+
+
+def describe_op(op: dict) -> str:
+    parts = [f"count={op.get('count')}"]
+    if op.get("dtype"):
+        parts.append(f"dtype={op['dtype']}")
+    if op.get("root") is not None:
+        parts.append(f"root={op['root']}")
+    parts.append(f"backend={op.get('backend')}")
+    parts.append(f"deadline={op.get('timeout', 0):g} s")
+    return f"{op.get('op')}#{op.get('seq')}({', '.join(parts)}) called at {op.get('site', '?')}"
+
+
+def _sig(rec: dict) -> tuple:
+    return (rec.get("op"), rec.get("dtype"), rec.get("count"), rec.get("root"))
+
+
+def _at(snap: dict, seq: int) -> dict | None:
+    for rec in snap.get("records", []):
+        if rec.get("seq") == seq:
+            return rec
+    return None
+
+
+def stuck_seq(snaps: dict[int, dict], trigger: dict) -> int | None:
+    """Sequence number of the oldest collective in flight or failed on any answering rank."""
+    seqs = [rec["seq"] for s in snaps.values() for rec in s.get("records", [])
+            if rec.get("state") in ("queued", "started", "failed")]
+    if seqs:
+        return min(seqs)
+    return (trigger.get("op") or {}).get("seq")
+
+
+def parse_link(error: str | None, rank: int) -> dict | None:
+    """A transport error seen on ``rank`` naming a peer -> {from, to, peer, seen_by, why, bytes_done,
+    bytes_total, timed_out, gone} (``from -> to`` is the direction of the data), else None."""
+    if not error:
+        return None
+    m = _LINK.search(error)
+    if not m:
+        return None
+    direction, peer, _host, why, done, total = m.groups()
+    peer = int(peer)
+    src, dst = (peer, rank) if direction == "recv from" else (rank, peer)
+    return {"from": src, "to": dst, "peer": peer, "seen_by": rank, "why": why, "bytes_done": int(done), "bytes_total": int(total),
+            "timed_out": "timed out" in why, "gone": any(g in why for g in _GONE)}
+
+
+def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[int, dict] | None = None,
+             trigger: dict | None = None, *, interface: str | None = None, side_channel: bool = True) -> Report:
+    """One diagnosis from the ranks' snapshots (see the module doc for the rules)."""
+    exits, trigger = exits or {}, trigger or {}
+    hosts = list(hosts) if len(hosts) == size else [f"rank{r}" for r in range(size)]
+    seq = stuck_seq(snaps, trigger)
+    at = {r: _at(s, seq) for r, s in snaps.items()} if seq is not None else {}
+    present = [rec for rec in at.values() if rec is not None]
+    majority = Counter(_sig(rec) for rec in present).most_common(1)
+    ref_sig = majority[0][0] if majority else None
+    ref = next((rec for rec in present if _sig(rec) == ref_sig), None) or trigger.get("op")
+
+    links = [ln for r, s in snaps.items() if (ln := parse_link(s.get("error"), r))]
+    seen_gone = {ln["peer"] for ln in links if ln["gone"]}
+    cats: dict[str, list[int]] = {c: [] for c in CATEGORIES}
+    details: dict[int, str] = {}
+    for r in range(size):
+        snap = snaps.get(r)
+        if snap is None and not side_channel:
+            continue                     # one rank's own view: say nothing about the others
+        if snap is None:
+            if r in exits:
+                e = exits[r]
+                cats["exited"].append(r)
+                details[r] = (f"exited (pid {e.get('pid', '?')}) after collective #{e.get('last_done', 0)}; "
+                              f"never joined #{seq}")
+            elif r in seen_gone:
+                cats["dead"].append(r)
+                by = sorted({ln["seen_by"] for ln in links if ln["peer"] == r})
+                details[r] = f"no answer; its connection was closed or reset (seen by {_who(by, hosts)})"
+            else:
+                cats["unreachable"].append(r)
+                details[r] = "no answer on the side channel and no reset: host down, process stopped, or link cut"
+            continue
+        rec = at.get(r)
+        if rec is None:
+            cats["missing"].append(r)
+            details[r] = f"never joined: last completed #{snap.get('last_done', 0)}"
+            if snap.get("where"):
+                details[r] += f", now {snap['where']}"
+        elif ref_sig is not None and _sig(rec) != ref_sig:
+            if rec.get("op") != ref_sig[0]:
+                cats["different"].append(r)
+                details[r] = f"called {rec.get('op')}#{seq} at {rec.get('site', '?')} instead of {ref_sig[0]}"
+            else:
+                diffs = [f"{k}={rec.get(k)} (others {v})" for k, v in zip(("dtype", "count", "root"), ref_sig[1:])
+                         if rec.get(k) != v]
+                cats["mismatch"].append(r)
+                details[r] = f"{rec.get('op')}#{seq} with " + ", ".join(diffs) + f" at {rec.get('site', '?')}"
+        else:
+            cats["joined"].append(r)
+
+    stalled = []
+    everyone_joined = len(cats["joined"]) == size    # else stalls are the consequence, not the cause
+    for ln in links:
+        if everyone_joined and ln["timed_out"]:
+            stalled.append({**ln, "from_host": hosts[ln["from"]], "to_host": hosts[ln["to"]], "interface": interface})
+    slow = _slow(snaps, at, cats["joined"], ref)
+    where = {r: s["where"] for r, s in snaps.items() if s.get("where")}
+    headline = _headline(cats, stalled, slow, ref, seq, hosts)
+    if not side_channel:
+        headline = f"{ref.get('op') if ref else 'collective'}#{seq} failed on rank {trigger.get('rank')}: {trigger.get('error')}"
+    op = dict(ref) if ref else None
+    if op is not None:
+        op["seq"] = seq
+    return Report(op, headline, cats, details, stalled, slow, where, trigger, hosts, side_channel=side_channel)
+
+
+def _slow(snaps, at, joined, ref) -> list[dict]:
+    starts = {r: at[r].get("t_started") for r in joined if at.get(r) and at[r].get("t_started")}
+    if len(starts) < 2 or not ref:
+        return []
+    first = min(starts.values())
+    limit = max(1.0, float(ref.get("timeout") or 0) / 4)
+    return [{"rank": r, "late": t - first} for r, t in sorted(starts.items()) if t - first > limit]
+
+
+def _headline(cats, stalled, slow, ref, seq, hosts) -> str:
+    name = f"{ref.get('op')}#{seq}" if ref else f"collective #{seq}"
+    for cat, text in (("dead", "died"), ("unreachable", "unreachable"), ("exited", "exited without joining it"),
+                      ("mismatch", "called it with different arguments"),
+                      ("different", "called a different collective"), ("missing", "never joined")):
+        if cats.get(cat):
+            return f"{name}: {_who(cats[cat], hosts)} {text}"
+    if stalled:
+        ln = stalled[0]
+        return (f"{name}: link rank {ln['from']} ({ln['from_host']}) -> rank {ln['to']} ({ln['to_host']}) "
+                f"stalled")
+    if slow:
+        return f"{name}: {_who([s['rank'] for s in slow], hosts)} joined late (slow rank)"
+    return f"{name}: failed (no rank is missing or mismatched: see the first error)"

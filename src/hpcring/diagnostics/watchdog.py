@@ -1,0 +1,339 @@
+"""Hang watchdog: a failed or overdue collective becomes one report, then every rank exits.
+
+Every backend already enforces the per-collective deadline (the ring in C, MPI and NCCL by
+polling) and raises :class:`~hpcring.errors.CollectiveError` on expiry or on a peer error. What
+the backends cannot do alone is say *why*: the rank that timed out only knows which peer was
+silent. The watchdog adds the job-wide view, over a side channel that does not share the stuck
+data path: the rendezvous store (rank 0's authenticated TCP store, separate connections).
+
+Protocol (keys under ``diag/``):
+
+1. The failing rank (its collective raised) sets ``diag/trigger`` with its error and record.
+2. Every rank has a listener thread blocked on ``diag/trigger`` (its own store connection, so it
+   runs while the main thread is stuck in C, in a collective or in user code). On the trigger
+   it writes its stacks and flight records to ``<job folder>/diag/`` and publishes a snapshot
+   ``diag/snap/<rank>`` (newest records, records in flight, backend error, main thread's place).
+   Ranks that already exited normally left ``diag/exit/<rank>`` at exit.
+3. The first rank to claim ``diag/reporter`` waits up to the grace period
+   (``HPCRING_DIAG_GRACE``, default 5 s) for all snapshots, runs
+   :func:`hpcring.diagnostics.report.diagnose`, prints the report, saves
+   ``diag/hang-report.{json,txt}`` and publishes ``diag/report``.
+4. Every rank prints one line naming the cause and exits with :data:`EXIT_CODE`
+   (``os._exit``: the collective may still own the buffers, and a hung main thread cannot be
+   unwound), so the scheduler ends the job instead of burning the allocation.
+   ``HPCRING_ON_FAILURE=raise`` keeps processes alive and raises the CollectiveError (with the
+   report) in the failing thread instead.
+
+When the store cannot be reached (rank 0 died, or this host is cut off) a rank prints its own
+view (``side_channel: false``) and exits: the report is then partial, never missing.
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+from hpcring.diagnostics import jobdir
+from hpcring.diagnostics.recorder import main_thread_location
+from hpcring.diagnostics.report import Report, diagnose
+from hpcring.errors import CollectiveError, HpcringError
+
+EXIT_CODE = 1
+GRACE_ENV, ON_FAILURE_ENV = "HPCRING_DIAG_GRACE", "HPCRING_ON_FAILURE"
+TRIGGER, REPORT = "diag/trigger", "diag/report"
+LISTEN_SLICE = 30.0          # the listener re-arms its blocking get this often (seconds)
+
+_EXIT_HOOKS: list[Callable[[str], None]] = []
+
+
+def add_exit_hook(fn: Callable[[str], None]) -> None:
+    """Call ``fn(headline)`` just before the watchdog ends this process (e.g. to write the
+    rank's status file); hooks must be quick and must not raise."""
+    _EXIT_HOOKS.append(fn)
+
+
+def grace_default() -> float:
+    try:
+        return max(0.5, float(os.environ.get(GRACE_ENV, "5")))
+    except ValueError:
+        return 5.0
+
+
+def abort_default() -> bool:
+    return os.environ.get(ON_FAILURE_ENV, "abort").strip().lower() != "raise"
+
+
+class Watchdog:
+    """One per process: watches every communicator of the session (see the module doc)."""
+
+    def __init__(self, topology, store_address: tuple[str, int], secret: bytes, *,
+                 grace: float | None = None, abort: bool | None = None) -> None:
+        self.topology = topology
+        self.rank, self.size = topology.rank, topology.size
+        self.host = topology.host
+        self._address, self._secret = store_address, secret
+        self.grace = grace_default() if grace is None else float(grace)
+        self.abort = abort_default() if abort is None else bool(abort)
+        self._comms: list = []
+        self._lock = threading.Lock()
+        self._handled = False
+        self._done = threading.Event()
+        self.report: Report | None = None
+        self._client = None            # short operations (trigger, exit record)
+        self._listener: threading.Thread | None = None
+        self._lost: str | None = None
+        self._closing = False
+
+    # -- wiring ---------------------------------------------------------------------------
+    def register(self, comm) -> None:
+        """Watch ``comm`` (a Communicator: its ``recorder`` and ``backend``)."""
+        self._comms.append(comm)
+
+    def start(self) -> "Watchdog":
+        """Start the listener thread and the exit record; idempotent."""
+        if self._listener is None:
+            self._listener = threading.Thread(target=self._listen, name=f"hpcring-watchdog:{self.rank}",
+                                              daemon=True)
+            self._listener.start()
+            atexit.register(self._on_exit)
+        return self
+
+    def _store(self, timeout: float):
+        from hpcring.bootstrap.store import StoreClient
+        return StoreClient(self._address[0], int(self._address[1]), self._secret, timeout=timeout)
+
+    def _action_client(self):
+        if self._client is None:
+            self._client = self._store(timeout=5.0)
+        return self._client
+
+    # -- state ----------------------------------------------------------------------------
+    def snapshot(self, error: str | None = None) -> dict:
+        """This rank's view: records of every communicator, the first backend error, the main
+        thread's location (safe to call from any thread)."""
+        records, last_done, err = [], 0, error
+        for comm in self._comms:
+            rec = comm.recorder
+            records += [r.to_dict() for r in rec.records(16)]
+            last_done = max(last_done, rec.last_done())
+            err = err or comm.backend.error
+        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
+                "records": records, "last_done": last_done, "error": err,
+                "where": main_thread_location()}
+
+    def dump(self, reason: str) -> str | None:
+        """Flight records and all threads' stacks to ``<job folder>/diag``; returns the folder
+        (None when it cannot be written: diagnostics never fail the job twice)."""
+        try:
+            folder = jobdir.diag_dir()
+            for i, comm in enumerate(self._comms):
+                suffix = "" if i == 0 else f"-comm{i}"
+                comm.recorder.dump(folder / f"flight-rank{self.rank}{suffix}.json", {"reason": reason})
+            with open(folder / f"stacks-rank{self.rank}.txt", "w") as f:
+                f.write(f"# rank {self.rank} ({self.host}) pid {os.getpid()}: {reason}\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+            return str(folder)
+        except OSError as e:
+            print(f"hpcring: rank {self.rank}: could not write diagnostics: {e}", file=sys.stderr)
+            return None
+
+    # -- the failing thread -----------------------------------------------------------------
+    def on_failure(self, comm, rec, error: BaseException) -> BaseException:
+        """Called by the Communicator when a collective raised ``error``: trigger the job-wide
+        diagnosis, wait for the report (bounded), and return the error to raise (with the
+        report) -- or end the process when ``abort`` is on."""
+        trig = {"rank": self.rank, "host": self.host, "error": str(getattr(error, "message", error)),
+                "op": rec.to_dict(), "time": time.time()}
+        try:
+            client = self._action_client()
+            if client.add("diag/ntrigger", 1) == 1:
+                client.set(TRIGGER, json.dumps(trig).encode())
+        except HpcringError as e:
+            self._lost = f"rank 0's store at {self._address[0]}:{self._address[1]}: {e}"
+        if self._lost is not None:
+            self._handle(trig, None)
+        self._done.wait(self.grace + 20.0)
+        if self.abort and self.report is not None:
+            time.sleep(30.0)           # the listener thread is ending the process (os._exit)
+        if self.report is None:
+            return error
+        text = self.report.text()
+        return CollectiveError(f"{getattr(error, 'message', error)}\n{text}", hint=getattr(error, "hint", None))
+
+    # -- every rank -----------------------------------------------------------------------
+    def _listen(self) -> None:
+        try:
+            client = self._store(timeout=LISTEN_SLICE)
+        except HpcringError as e:
+            self._lost = str(e)
+            return
+        while not self._closing:
+            try:
+                value = client.get(TRIGGER, timeout=LISTEN_SLICE)
+            except HpcringError as e:
+                if "timed out" in str(e):
+                    continue
+                if not self._closing:
+                    self._lost = str(e)
+                return
+            try:
+                trig = json.loads(value)
+            except ValueError:
+                trig = {"error": "unreadable trigger"}
+            self._handle(trig, client)
+            return
+
+    def _handle(self, trig: dict, client) -> None:
+        with self._lock:
+            if self._handled:
+                return
+            self._handled = True
+        snap = self.snapshot()
+        folder = self.dump(f"collective failure first seen on rank {trig.get('rank')}: {trig.get('error')}")
+        report = None
+        if client is not None:
+            try:
+                client.set(f"diag/snap/{self.rank}", json.dumps(snap).encode())
+                client.add("diag/nsnap", 1)
+                if client.add("diag/reporter", 1) == 1:
+                    report = self._collect(client, trig, folder)
+                    _publish(report, folder)
+                    client.set(REPORT, json.dumps(report.to_dict()).encode())
+                    print(report.text(), file=sys.stderr, flush=True)
+                else:
+                    report = _from_dict(json.loads(client.get(REPORT, timeout=self.grace + 15.0)))
+                client.add("diag/nack", 1)
+            except HpcringError as e:
+                self._lost = str(e)
+        if report is None:
+            report = diagnose(self.size, list(self.topology.hosts), {self.rank: snap}, trigger=trig,
+                              interface=self.topology.interface, side_channel=False)
+            report.files = folder
+            print(report.text() + f"\n  side channel: {self._lost}", file=sys.stderr, flush=True)
+        self._finish(report, client)
+
+    def _collect(self, client, trig: dict, folder: str | None) -> Report:
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline:
+            if client.add("diag/nsnap", 0) + client.add("diag/nexit", 0) >= self.size:
+                break
+            time.sleep(0.05)
+        snaps, exits = {}, {}
+        for r in range(self.size):
+            if (v := client.check(f"diag/snap/{r}")) is not None:
+                snaps[r] = json.loads(v)
+            elif (v := client.check(f"diag/exit/{r}")) is not None:
+                exits[r] = json.loads(v)
+        report = diagnose(self.size, list(self.topology.hosts), snaps, exits, trig,
+                          interface=self.topology.interface)
+        report.files = folder
+        return report
+
+    def _finish(self, report: Report, client) -> None:
+        self.report = report
+        action = f"exiting with code {EXIT_CODE}" if self.abort else "raising CollectiveError"
+        print(f"hpcring: rank {self.rank} ({self.host}): {report.headline}; {action}", file=sys.stderr, flush=True)
+        for hook in list(_EXIT_HOOKS):
+            try:
+                hook(report.headline)
+            except Exception:  # noqa: BLE001 - a hook must not stop the exit
+                pass
+        self._done.set()
+        if not self.abort:
+            return
+        if self.rank == 0 and client is not None:
+            # Rank 0 serves the store: stay until the others have read the report (bounded).
+            end = time.monotonic() + 5.0
+            try:
+                while client.add("diag/nack", 0) < client.add("diag/nsnap", 0) and time.monotonic() < end:
+                    time.sleep(0.05)
+            except HpcringError:
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_CODE)
+
+    def _on_exit(self) -> None:
+        """Normal interpreter exit: leave an exit record so a later hang names this rank as exited."""
+        self._closing = True
+        if self._handled:
+            return
+        try:
+            client = self._client or self._store(timeout=2.0)
+            rec = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
+                   "last_done": max((c.recorder.last_done() for c in self._comms), default=0)}
+            client.set(f"diag/exit/{self.rank}", json.dumps(rec).encode())
+            client.add("diag/nexit", 1)
+        except Exception:  # noqa: BLE001 - exiting anyway; the store may be gone
+            pass
+
+
+def _publish(report: Report, folder: str | None) -> None:
+    if folder is None:
+        return
+    try:
+        base = os.path.join(folder, "hang-report")
+        with open(base + ".json", "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+        with open(base + ".txt", "w") as f:
+            f.write(report.text() + "\n")
+    except OSError as e:
+        print(f"hpcring: could not save the hang report in {folder}: {e}", file=sys.stderr)
+
+
+def _from_dict(d: dict) -> Report:
+    cats = {k: list(v) for k, v in d.get("categories", {}).items()}
+    return Report(d.get("op"), d.get("headline", "?"), cats, {int(k): v for k, v in d.get("details", {}).items()},
+                  d.get("links", []), d.get("slow", []), {int(k): v for k, v in d.get("where", {}).items()},
+                  d.get("trigger", {}), d.get("hosts", []), d.get("files"), d.get("side_channel", True))
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGUSR1: dump the flight records and keep running
+# ---------------------------------------------------------------------------------------------
+def install_dump_signal(watchdog: Watchdog, signum: int = signal.SIGUSR1) -> bool:
+    """Make ``signum`` dump ``watchdog``'s flight records and stacks and keep running.
+
+    A Python signal handler only runs when the main thread returns to the interpreter -- never
+    while it is stuck in a collective. So the handler is a no-op and the work is done by a
+    thread woken through ``signal.set_wakeup_fd`` (the C-level handler writes the signal number
+    there from whatever thread the kernel picked). Must be called from the main thread; returns
+    False (and installs nothing) elsewhere or when somebody else (asyncio) owns the wakeup fd.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        os.close(r), os.close(w)
+        return False
+    if old != -1:                      # an event loop owns it: give it back
+        signal.set_wakeup_fd(old)
+        os.close(r), os.close(w)
+        return False
+    signal.signal(signum, lambda *_: None)
+
+    def pump() -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            if signum in data:
+                folder = watchdog.dump(f"signal {signal.Signals(signum).name}")
+                print(f"hpcring: rank {watchdog.rank}: flight records and stacks written to {folder}",
+                      file=sys.stderr, flush=True)
+
+    threading.Thread(target=pump, name="hpcring-sigdump", daemon=True).start()
+    return True

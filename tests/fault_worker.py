@@ -1,0 +1,90 @@
+"""A rank program for fault-injection tests: a few good collectives, then one fault.
+
+Usage: fault_worker.py SCENARIO [VICTIM] [--backend ring|mpi] [--count N]
+Scenarios: none, skip (VICTIM skips one allreduce, then sleeps), different (VICTIM calls a
+barrier instead), mismatch (VICTIM uses another count), dtype (VICTIM uses float64), kill (VICTIM
+SIGKILLs itself inside the collective's time window), sleep (VICTIM sleeps in load_batch), exit
+(VICTIM exits normally before the collective), cut (no fault here: the test cuts a link while
+every rank loops over large allreduces).
+Every rank prints `FAULT_WORKER rank=R phase=P t=T` lines (flushed) so tests can time events.
+"""
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+import hpcring
+
+
+def say(rank, phase):
+    print(f"FAULT_WORKER rank={rank} phase={phase} t={time.time():.3f}", flush=True)
+
+
+def load_batch(seconds):
+    time.sleep(seconds)          # a rank stuck in its data loader
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario")
+    p.add_argument("victim", type=int, nargs="?", default=-1)
+    p.add_argument("--backend", default="ring")
+    p.add_argument("--count", type=int, default=1 << 16)
+    p.add_argument("--loops", type=int, default=3)
+    a = p.parse_args()
+    s = hpcring.init()
+    comm = s.communicator(a.backend)
+    rank = comm.rank
+    x = np.ones(a.count, np.float32)
+    for _ in range(a.loops):
+        comm.allreduce(x)
+    say(rank, "warm")
+    me = rank == a.victim
+    sc = a.scenario
+    if sc == "cut":
+        say(rank, "looping")
+        big = np.ones(1 << 22, np.float32)
+        while True:
+            comm.allreduce(big)
+    if me and sc == "skip":
+        say(rank, "fault")
+        load_batch(3600)
+    elif me and sc == "sleep":
+        say(rank, "fault")
+        load_batch(3600)
+    elif me and sc == "exit":
+        say(rank, "fault")
+        return 0
+    elif me and sc == "different":
+        say(rank, "fault")
+        comm.barrier()
+    elif me and sc == "mismatch":
+        say(rank, "fault")
+        comm.allreduce(np.ones(a.count // 2, np.float32))
+    elif me and sc == "dtype":
+        say(rank, "fault")
+        comm.allreduce(np.ones(a.count, np.float64))
+    elif me and sc == "kill":
+        def die():
+            time.sleep(0.3)
+            say(rank, "fault")
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=die, daemon=True).start()
+        comm.allreduce(np.ones(1 << 24, np.float32))
+    else:
+        if sc == "kill":
+            comm.allreduce(np.ones(1 << 24, np.float32))
+        else:
+            comm.allreduce(x)
+    say(rank, "after")
+    comm.barrier()
+    say(rank, "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
