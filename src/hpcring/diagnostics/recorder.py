@@ -60,7 +60,7 @@ def locate(frame) -> str:
     api = None
     f = frame
     while f is not None and not _outside(f.f_code.co_filename):
-        if not f.f_code.co_name.startswith("_"):
+        if f.f_code.co_filename.startswith(_PKG_DIR) and not f.f_code.co_name.startswith("_"):
             api = f.f_code.co_name                    # outermost public hpcring function wins
         f = f.f_back
     while f is not None and not _outside(f.f_code.co_filename):
