@@ -101,6 +101,21 @@ def test_missing_rank_times_out_naming_the_key(tmp_path):
     assert time.monotonic() - t0 < 3.0 + 15
     err = results[0]["error"]
     assert "init/host/2" in err and "timed out" in err and "127.0.0.1:" in err
+    # every rank that came names the one that did not, with its host (rank 0 tells them)
+    for r in results:
+        assert "1 of 3 ranks never reached hpcring.init(): rank 2 on local0" in r["error"], r
+        assert "HPCRING_INIT_TIMEOUT" in r["error"]
+
+
+def test_missing_ranks_named_with_hosts_across_nodes(tmp_path):
+    results = run_job(tmp_path, nodes=3, per_node=2, ranks=[0, 1, 2, 4], timeout=3.0)
+    for r in results:
+        assert "2 of 6 ranks never reached hpcring.init(): rank 3 on local1, rank 5 on local2" in r["error"], r
+
+
+def test_describe_ranks_unknown_hosts_and_limit():
+    assert bi.describe_ranks([1, 2], ("a", "?", "b")) == "rank 1 (host unknown), rank 2 on b"
+    assert bi.describe_ranks(list(range(20)), ("h",) * 20, limit=2) == "rank 0 on h, rank 1 on h and 18 more"
 
 
 # ------------------------------------------------------------------------------------ helpers

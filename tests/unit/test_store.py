@@ -96,6 +96,17 @@ def test_wait_for_several_keys(server):
     assert c.check("k2") == b"2"
 
 
+def test_gather_returns_values_in_order_or_names_every_missing_key(server):
+    c = client(server)
+    for k in ("a", "c"):
+        c.set(k, k.encode())
+    assert c.gather(["c", "a"], timeout=1) == [b"c", b"a"]
+    with pytest.raises(st.StoreTimeoutError) as ei:
+        c.gather(["a", "b", "c", "d"], timeout=0.3)
+    assert ei.value.missing == ["b", "d"] and "'b'" in ei.value.message and "2 of 4 keys" in ei.value.message
+    assert isinstance(ei.value, BootstrapError)
+
+
 def test_add_is_atomic_across_threads(server):
     def work():
         cl = client(server)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 
 from hpcring.bootstrap import launchers, netif
-from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, load_secret
+from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, StoreTimeoutError, load_secret
 from hpcring.bootstrap.topology import Topology
 from hpcring.errors import BootstrapError
 
@@ -35,6 +35,7 @@ log = logging.getLogger("hpcring.bootstrap.init")
 
 PORT_TRIES = 8
 STRICT_PORT_ORDER_S = 3.0   # before this, stop a connect round at the first refused port
+GATHER_MARGIN_S = 2.0       # rank 0 gives up this much before the others, to tell them who is missing
 last_timings: dict[str, float] = {}   # seconds since init_bootstrap started, for benchmarks
 
 
@@ -138,7 +139,8 @@ def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: 
         client = StoreClient("127.0.0.1", server.port, secret, timeout=max(1.0, _left(deadline)))
         client.server = server
         return client
-    return _connect_any(bootstrap_master_addr(topo, env), ports, secret, deadline)
+    return _connect_any(bootstrap_master_addr(topo, env), ports, secret, deadline,
+                        who=describe_ranks([0], topo.hosts))
 
 
 def _start_server(ports: list[int], secret: bytes) -> StoreServer:
@@ -175,8 +177,9 @@ def bootstrap_master_addr(topo: Topology, env: Mapping[str, str]) -> str:
     return infos[0][4][0]
 
 
-def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float) -> StoreClient:
-    """First port whose peer authenticates as our store; refused ports are retried with backoff."""
+def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float, who: str = "rank 0") -> StoreClient:
+    """First port whose peer authenticates as our store; refused ports are retried with backoff.
+    ``who`` names rank 0 (and its host) in the error."""
     start, delay, seen = time.monotonic(), 0.05, {}
     while True:
         for port in ports:
@@ -191,7 +194,7 @@ def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float) ->
                     break   # nobody there yet: rank 0 is probably still starting on this port
         if _left(deadline) <= 0:
             raise BootstrapError(
-                f"could not reach the rendezvous store of rank 0 at {host} on ports {ports}: "
+                f"could not reach the rendezvous store of {who} at {host} on ports {ports}: "
                 + "; ".join(f"{p}: {m}" for p, m in seen.items()),
                 hint="check that rank 0 started, that HPCRING_MASTER_ADDR/MASTER_ADDR or the first host "
                      "name resolves to rank 0's node, and that these ports are not firewalled")
@@ -200,19 +203,69 @@ def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float) ->
 
 
 def _gather_hosts(client: StoreClient, topo: Topology, deadline: float) -> list[str]:
-    """Every rank's host name, in rank order; doubles as the 'all ranks met' point."""
+    """Every rank's host name, in rank order; doubles as the 'all ranks met' point.
+
+    When some ranks never arrive, every rank that did raises the same BootstrapError naming the
+    missing ranks and their hosts (rank 0 publishes it under ``init/hosts`` just before the deadline).
+    """
     known = len(topo.hosts) == topo.size and topo.hosts[topo.rank] not in ("", "?")
     mine = topo.hosts[topo.rank] if known else socket.gethostname()
     client.set(f"init/host/{topo.rank}", mine.encode())
     if topo.rank == 0:
-        # One gatherer keeps this O(size) requests instead of every rank reading every key.
-        hosts = [client.get(f"init/host/{r}", timeout=_left(deadline)).decode() for r in range(topo.size)]
-        client.set("init/hosts", json.dumps(hosts).encode())
-    hosts = json.loads(client.get("init/hosts", timeout=_left(deadline)))
+        _publish_hosts(client, topo, deadline)
+    try:
+        hosts = json.loads(client.get("init/hosts", timeout=_left(deadline)))
+    except StoreTimeoutError as e:   # rank 0 published nothing: it is hung, or started very late
+        try:
+            missing = [r for r in range(topo.size) if client.check(_host_key(r)) is None]
+        except BootstrapError:   # the store went away meanwhile: the timeout says enough
+            raise e from None
+        raise (_missing_ranks_error(topo, missing, e) if missing else e) from None
+    if isinstance(hosts, dict):   # rank 0 gave up waiting; its message names the missing ranks
+        raise BootstrapError(hosts["error"], hint=hosts["hint"])
     if len(hosts) != topo.size:
         raise BootstrapError(f"rank 0 published {len(hosts)} hosts for world size {topo.size}",
                              hint="all ranks must agree on the world size (launcher environment)")
     return hosts
+
+
+def _host_key(rank: int) -> str:
+    return f"init/host/{rank}"
+
+
+def _publish_hosts(client: StoreClient, topo: Topology, deadline: float) -> None:
+    """Rank 0: gather every rank's host into ``init/hosts`` (one gatherer keeps this O(size)
+    requests); when ranks are missing, publish the error there instead and raise it."""
+    # Stop a little before the others' deadline so they read the reason instead of timing out blind.
+    margin = min(GATHER_MARGIN_S, 0.1 * _left(deadline))
+    try:
+        values = client.gather([_host_key(r) for r in range(topo.size)], timeout=max(0.0, _left(deadline) - margin))
+    except StoreTimeoutError as e:
+        missing = sorted(int(k.rsplit("/", 1)[1]) for k in e.missing)
+        err = _missing_ranks_error(topo, missing, e)
+        client.set("init/hosts", json.dumps({"error": err.message, "hint": err.hint}).encode())
+        raise err from None
+    client.set("init/hosts", json.dumps([v.decode() for v in values]).encode())
+
+
+def describe_ranks(ranks: list[int], hosts, limit: int = 16) -> str:
+    """``rank 3 on node2, rank 5 on node3`` (hosts by rank; ``?`` or missing = unknown host)."""
+    def one(r: int) -> str:
+        host = hosts[r] if r < len(hosts) and hosts[r] not in ("", launchers.UNKNOWN_HOST) else None
+        return f"rank {r} on {host}" if host else f"rank {r} (host unknown)"
+    text = ", ".join(one(r) for r in ranks[:limit])
+    return text + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+
+
+def _missing_ranks_error(topo: Topology, missing: list[int], exc: BootstrapError) -> BootstrapError:
+    """The rendezvous error that names the ranks that never reached it, with their hosts when the
+    launcher lists them (Slurm: SLURM_JOB_NODELIST + tasks per node)."""
+    return BootstrapError(
+        f"rendezvous incomplete: {len(missing)} of {topo.size} ranks never reached hpcring.init(): "
+        f"{describe_ranks(missing, topo.hosts)} (job {topo.job_id or '?'}; {exc.message})",
+        hint="those ranks did not start or are stuck before hpcring.init() (imports, module loads, a hung "
+             "shared file system): check the scheduler (e.g. `sacct -j JOB -o JobID,State,NodeList`) and "
+             "their stderr logs; HPCRING_INIT_TIMEOUT sets how long ranks wait")
 
 
 def _with_alternatives(exc: BootstrapError, client, topo: Topology, hosts: list[str], secret: bytes,

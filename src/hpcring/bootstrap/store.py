@@ -68,6 +68,15 @@ class StoreAuthError(BootstrapError):
     """The peer at the store address did not prove knowledge of this job's secret."""
 
 
+class StoreTimeoutError(BootstrapError):
+    """A blocking store call reached its deadline. ``missing``: the keys still absent then (for
+    :meth:`StoreClient.gather`: every missing key, in the order asked; for ``get``: that key)."""
+
+    def __init__(self, message: str, *, hint: str | None = None, missing: Iterable[str] = ()) -> None:
+        super().__init__(message, hint=hint)
+        self.missing = list(missing)
+
+
 def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
@@ -689,12 +698,30 @@ class StoreClient:
         wait = self.timeout if timeout is None else max(0.0, float(timeout))
         status, payload = self._call(OP_GET, key, F64.pack(wait), wait)
         if status == ST_TIMEOUT:
-            raise BootstrapError(
+            raise StoreTimeoutError(
                 f"timed out after {wait:.1f}s waiting for key {key!r} in the rendezvous store at {self.address}",
                 hint="some rank did not reach this point: check that every rank started (scheduler log), "
                      "that all ranks use the same job id and world size, and the logs of the rank "
-                     "that should have published this key")
+                     "that should have published this key", missing=[key])
         return payload
+
+    def gather(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys`` in order, blocking until all exist; one deadline covers them all.
+
+        On timeout raises :class:`StoreTimeoutError` whose ``missing`` lists every key still absent
+        (not only the first), so callers can name all the ranks that did not arrive.
+        """
+        keys = list(keys)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        values: list[bytes] = []
+        for i, key in enumerate(keys):
+            try:
+                values.append(self.get(key, timeout=max(0.0, deadline - time.monotonic())))
+            except StoreTimeoutError as e:
+                missing = [key] + [k for k in keys[i + 1:] if self.check(k) is None]
+                raise StoreTimeoutError(f"{e.message}; {len(missing)} of {len(keys)} keys still missing",
+                                        hint=e.hint, missing=missing) from None
+        return values
 
     def check(self, key: str) -> bytes | None:
         """The value of ``key`` if present, else None (never blocks on the key)."""
