@@ -130,6 +130,32 @@ def test_probe_succeeds_with_right_secret_and_fails_with_wrong_one(caplog):
         lst.close()
 
 
+def test_probe_connect_hands_the_authenticated_socket_to_both_sides():
+    got = []
+
+    def echo_once(conn):
+        got.append(conn.recv(5))
+        conn.sendall(b"back")
+
+    lst = netif.ProbeListener("127.0.0.1", SECRET, on_authenticated=echo_once)
+    try:
+        with netif.probe_connect("127.0.0.1", lst.port, SECRET) as s:
+            s.sendall(b"hello")
+            assert netif.recv_exact(s, 4) == b"back"
+        with pytest.raises(netif.ProbeFailed):
+            netif.probe_connect("127.0.0.1", lst.port, b"other job", timeout=1)
+    finally:
+        lst.close()
+    assert got == [b"hello"]   # the hook never ran for the unauthenticated peer
+
+
+def test_list_links_includes_loopback_with_state_and_mtu():
+    lo = [link for link in netif.list_links() if link.name == "lo"]
+    assert lo and lo[0].state == "up" and lo[0].mtu > 0
+    assert netif.Link("x", up=True, carrier=False, mtu=1500).state == "no-carrier"
+    assert netif.Link("x", up=False, carrier=False, mtu=1500).state == "down"
+
+
 def test_probe_refused_and_blackholed_fail_within_the_connect_timeout():
     refused = netif.ProbeListener("127.0.0.1", SECRET, listen=False)
     hole = netif.ProbeListener("127.0.0.1", SECRET, listen="blackhole")

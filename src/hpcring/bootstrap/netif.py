@@ -126,6 +126,35 @@ def _from_ioctl() -> list[Interface]:
     return result
 
 
+@dataclass(frozen=True)
+class Link:
+    """One interface of this network namespace, whether or not it has an IPv4 address."""
+    name: str
+    up: bool          # administratively up (IFF_UP)
+    carrier: bool     # lower layer up (IFF_RUNNING)
+    mtu: int | None
+
+    @property
+    def state(self) -> str:
+        """``up``, ``no-carrier`` (up but the link below is not) or ``down``."""
+        return "up" if self.up and self.carrier else ("no-carrier" if self.up else "down")
+
+
+def list_links() -> list[Link]:
+    """Every interface in kernel order, flags and MTU from the kernel (not /sys: see _from_ioctl)."""
+    result = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack("H", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req)[16:18])[0]
+                mtu = struct.unpack("i", fcntl.ioctl(s.fileno(), SIOCGIFMTU, req)[16:20])[0]
+            except OSError:   # vanished between the listing and the ioctl
+                continue
+            result.append(Link(name, bool(flags & IFF_UP), bool(flags & IFF_RUNNING), mtu))
+    return result
+
+
 def _sys_read(name: str, attr: str) -> str | None:
     try:
         with open(f"/sys/class/net/{name}/{attr}") as f:
@@ -254,14 +283,18 @@ class ProbeListener:
     Contract: binds ``(address, 0)`` at construction (``port`` 0 and ``error`` set when that
     fails); each accepted peer gets a nonce and must answer with the HMAC before anything else is
     read; wrong answers are logged with the peer address and dropped.
+    ``on_authenticated(conn)``, if given, is called with each peer's socket after a successful
+    challenge (in that peer's thread; the socket is closed when it returns), so other tools can
+    reuse the authentication for a short exchange of their own (``hpcring doctor``'s bandwidth sink).
     Test seams for dead links: ``listen=False`` binds but never listens (connects are refused);
     ``listen="blackhole"`` listens with a full accept queue that is never drained, so the kernel
     drops further SYNs and connects time out, like a firewalled or unrouted link.
     """
 
     def __init__(self, address: str, secret: bytes, *, listen: bool | str = True,
-                 io_timeout: float = 2.0) -> None:
+                 io_timeout: float = 2.0, on_authenticated=None) -> None:
         self.address, self._secret, self._io_timeout = address, secret, io_timeout
+        self._on_authenticated = on_authenticated
         self.port, self.error = 0, None
         self._stop = threading.Event()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -317,6 +350,8 @@ class ProbeListener:
                                 self.address, self.port, peer[0], peer[1])
                     return
                 conn.sendall(reply)
+                if self._on_authenticated is not None:
+                    self._on_authenticated(conn)
             except (OSError, EOFError) as e:
                 log.debug("probe from %s failed: %s", peer, e)
 
@@ -327,27 +362,50 @@ class ProbeListener:
         self._sock.close()
 
 
+class ProbeFailed(Exception):
+    """A probe did not authenticate; ``str()`` is the short reason :func:`probe` returns."""
+
+
+def probe_connect(address: str, port: int, secret: bytes, timeout: float = 2.0) -> socket.socket:
+    """Connect to a :class:`ProbeListener` and run the challenge within ``timeout`` seconds; return
+    the authenticated socket (the caller closes it) or raise ProbeFailed with a short reason."""
+    if not port:
+        raise ProbeFailed("peer has no listener on this address")
+    t0 = time.monotonic()
+    s = None
+    try:
+        s = socket.create_connection((address, port), timeout=timeout)
+        s.settimeout(max(0.1, timeout - (time.monotonic() - t0)))
+        ns = recv_exact(s, _NONCE)
+        nc = secrets.token_bytes(_NONCE)
+        want, reply = _probe_macs(secret, ns, nc)
+        s.sendall(nc + want)
+        if not hmac.compare_digest(recv_exact(s, 32), reply):
+            raise ProbeFailed("answered with a bad MAC (another job's rank?)")
+        return s
+    except (OSError, EOFError, ProbeFailed) as e:
+        if s is not None:
+            s.close()
+        if isinstance(e, ProbeFailed):
+            raise
+        raise ProbeFailed(_probe_reason(e, timeout)) from None
+
+
+def _probe_reason(e: BaseException, timeout: float) -> str:
+    if isinstance(e, (TimeoutError, socket.timeout)):
+        return f"timed out after {timeout:.1f}s"
+    if isinstance(e, EOFError):
+        return "peer closed the connection (secret mismatch?)"
+    return f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
+
+
 def probe(address: str, port: int, secret: bytes, timeout: float = 2.0) -> str | None:
     """Connect and run the challenge; None on success, else a short reason (never raises)."""
-    if not port:
-        return "peer has no listener on this address"
-    t0 = time.monotonic()
     try:
-        with socket.create_connection((address, port), timeout=timeout) as s:
-            s.settimeout(max(0.1, timeout - (time.monotonic() - t0)))
-            ns = recv_exact(s, _NONCE)
-            nc = secrets.token_bytes(_NONCE)
-            want, reply = _probe_macs(secret, ns, nc)
-            s.sendall(nc + want)
-            if not hmac.compare_digest(recv_exact(s, 32), reply):
-                return "answered with a bad MAC (another job's rank?)"
-            return None
-    except (TimeoutError, socket.timeout):
-        return f"timed out after {timeout:.1f}s"
-    except EOFError:
-        return "peer closed the connection (secret mismatch?)"
-    except OSError as e:
-        return f"{type(e).__name__}: {e.strerror or e}"
+        probe_connect(address, port, secret, timeout).close()
+        return None
+    except ProbeFailed as e:
+        return str(e)
 
 
 
