@@ -75,6 +75,9 @@ class RunScript:
         apply_framework_env(topo, self.gpus_per_node)
         status.update(rank=topo.rank, size=topo.size, local_rank=topo.local_rank, host=topo.host,
                       address=topo.address, interface=topo.interface, launcher=topo.launcher)
+        from hpcring.diagnostics.watchdog import add_exit_hook
+        add_exit_hook(lambda headline: _write_status(folder, topo.rank, {**status, "exit_code": 1, "error": headline,
+                                                                         "ended": time.time()}))
         os.chdir(self.cwd)
         code, error = run_as_main(self.script, self.args)
         status.update(exit_code=code, error=error, ended=time.time())

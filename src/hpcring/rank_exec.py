@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         if child.poll() is None:
             child.send_signal(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+    from hpcring.diagnostics.stacks import STACK_SIGNAL
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, STACK_SIGNAL):
         signal.signal(sig, forward)
     pumps = [threading.Thread(target=_pump, args=(child.stdout, sys.stdout.buffer, f"[{topo.rank}]<stdout>:".encode()),
                               daemon=True),

@@ -62,12 +62,14 @@ class Session:
         self.watchdog = None
 
     def start_watchdog(self):
-        """Start the hang watchdog (:mod:`hpcring.diagnostics.watchdog`) unless HPCRING_WATCHDOG=0;
-        from the main thread this also makes SIGUSR1 dump flight records and stacks."""
+        """Start the hang watchdog (:mod:`hpcring.diagnostics.watchdog`) and the signal dumps
+        (SIGUSR1 from the main thread: flight records; SIGRTMIN+6: stacks) unless HPCRING_WATCHDOG=0."""
         if self.watchdog is None and os.environ.get("HPCRING_WATCHDOG", "1").strip().lower() not in ("0", "false", "no", "off"):
+            from hpcring.diagnostics.stacks import install_signal_dump
             from hpcring.diagnostics.watchdog import Watchdog, install_dump_signal
             self.watchdog = Watchdog(self.topology, (self.store.host, self.store.port), self._secret).start()
-            install_dump_signal(self.watchdog)
+            install_dump_signal(self.watchdog)           # SIGUSR1: flight records + stacks, keep running
+            install_signal_dump(None, self.topology.rank)  # SIGRTMIN+6: stacks (hpcring stacks JOB)
         return self.watchdog
 
     def __getattr__(self, name: str):

@@ -1,6 +1,6 @@
-"""Stack capture, the SIGUSR2 hook, parsing, grouping and the node probe (hpcring.diagnostics.stacks*).
+"""Stack capture, the the stack signal hook, parsing, grouping and the node probe (hpcring.diagnostics.stacks*).
 
-The dumps in tests/data/stacks/ are real: faulthandler-rank<r>.txt is what the SIGUSR2 hook of rank
+The dumps in tests/data/stacks/ are real: faulthandler-rank<r>.txt is what the the stack signal hook of rank
 r appended, pyspy-rank<r>.txt is `py-spy dump --full-filenames`, both taken from one local-backend
 job (tests/data/stacks/train_hang.py) where ranks 0-2 waited in an allreduce and rank 3 in load_batch.
 """
@@ -31,7 +31,7 @@ def fixture(name: str) -> str:
 
 @pytest.fixture
 def no_hook():
-    """Leave SIGUSR2 as it was: the hook is process-wide."""
+    """Leave the stack signal as it was: the hook is process-wide."""
     stacks.uninstall_signal_dump()
     stacks._warned = False
     yield
@@ -238,7 +238,7 @@ def test_install_signal_dump_appends_on_sigusr2_and_is_idempotent(tmp_path, no_h
     assert path.read_text().count("# hpcring stack dumps of rank 4") == 1
     assert stacks.installed_signal_dump() == path
     before = path.stat().st_size
-    os.kill(os.getpid(), signal.SIGUSR2)
+    os.kill(os.getpid(), stacks.STACK_SIGNAL)
     _wait_until(lambda: path.stat().st_size > before)
     dump = path.read_text()[before:]
     threads = parse_stacks(dump)
@@ -252,7 +252,7 @@ def test_install_signal_dump_file_path_and_move(tmp_path, no_hook):
     second = install_signal_dump(tmp_path / "b", 0)
     assert second == tmp_path / "b" / "stacks-live-rank0.txt"
     before = first.stat().st_size
-    os.kill(os.getpid(), signal.SIGUSR2)
+    os.kill(os.getpid(), stacks.STACK_SIGNAL)
     _wait_until(lambda: second.stat().st_size > 60)
     assert first.stat().st_size == before                              # the hook moved
 
@@ -269,7 +269,7 @@ def test_install_signal_dump_unwritable_warns_once_and_never_raises(tmp_path, no
         warnings.simplefilter("always")
         assert install_signal_dump(blocker / "diag", 1) is None
         assert install_signal_dump(blocker / "diag", 1) is None
-    assert len(caught) == 1 and "rank 1 gets no stack dump on SIGUSR2" in str(caught[0].message)
+    assert len(caught) == 1 and "rank 1 gets no stack dump on SIGRTMIN+6" in str(caught[0].message)
     assert stacks.installed_signal_dump() is None
 
 
@@ -322,7 +322,7 @@ def test_probe_finds_the_rank_and_dumps_it_through_the_hook(fake_rank):
     job, p = fake_rank(rank=3)
     procs, notes = stacks_probe.find_ranks(job, "slurm", me={"SLURMD_NODENAME": "nodeA"})
     assert list(procs) == [3] and procs[3].pid == p.pid, notes
-    assert stacks_probe.catches(p.pid, signal.SIGUSR2)
+    assert stacks_probe.catches(p.pid, stacks.STACK_SIGNAL)
     text, live = stacks_probe.dump_signal(p.pid, time.monotonic() + 10)
     assert live.endswith("stacks-live-rank3.txt")
     assert locate(main_thread(parse_stacks(text)).frames).startswith("in stuck_in_c at rank.py:")
@@ -355,7 +355,7 @@ def test_probe_never_signals_a_rank_without_the_hook(fake_rank):
     rec = stacks_probe.dump(stacks_probe.read_proc(p.pid), "signal", time.monotonic() + 5, None)
     assert rec["text"] is None and "install_signal_dump was not called" in rec["error"]
     time.sleep(0.2)
-    assert p.poll() is None   # still alive: SIGUSR2 was not sent
+    assert p.poll() is None   # still alive: the stack signal was not sent
 
 
 def test_probe_with_py_spy(fake_rank):

@@ -10,10 +10,10 @@ Contract
     One line saying where a thread is: ``in allreduce at train.py:88 (train_step)`` when the
     innermost user frame is calling an hpcring API, else ``in load_batch at data.py:12``. ``target``
     is a frame, a ``threading.Thread``, a thread id, or None for the main thread. Never raises.
-``install_signal_dump(path_or_dir, rank, *, signum=SIGUSR2) -> Path | None``
+``install_signal_dump(path_or_dir, rank, *, signum=STACK_SIGNAL) -> Path | None``
     ``faulthandler.register(signum, all_threads=True, chain=False)`` appending to
     ``<diag dir>/stacks-live-rank<r>.txt``, so that a rank stuck even in C code dumps its stacks on
-    ``kill -USR2``. Idempotent; on an unwritable folder it warns once and returns None.
+    ``kill -s RTMIN+6``. Idempotent; on an unwritable folder it warns once and returns None.
 ``parse_stacks(text) -> list[ThreadStack]``
     Threads of a faulthandler dump, of :func:`format_all_threads` or of ``py-spy dump``.
 ``group(stacks_by_rank) -> list[Group]`` and ``summarize(groups) -> str``
@@ -24,10 +24,10 @@ User code is every frame outside the hpcring package, the standard library (thre
 importlib, ...), ``<frozen ...>`` modules and site-packages; when a thread has no such frame, the
 innermost frame outside hpcring stands in for it.
 
-Signal choice: SIGUSR2 is also what submitit (rank 0: checkpoint and requeue) and Slurm's
-``--signal=USR2@N`` time-limit warning use. With ``chain=False`` the dump replaces submitit's
-handler in every process that installs it: a time-limit warning then dumps stacks instead of
-ending rank 0 early, and a preempted job is not requeued by submitit.
+Signal choice: a real-time signal, SIGRTMIN+6 (:data:`STACK_SIGNAL`), that nothing else in the
+stack uses. Not SIGUSR2: submitit (rank 0 checkpoints and requeues) and Slurm's
+``--signal=USR2@N`` time-limit warning use it, and a dump hook there would silently disable both.
+Not SIGUSR1: that one dumps the flight records (:mod:`hpcring.diagnostics.watchdog`).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ __all__ = ["Frame", "ThreadStack", "Group", "STACK_SIGNAL", "live_file_name", "f
            "locate", "install_signal_dump", "uninstall_signal_dump", "installed_signal_dump", "parse_stacks",
            "main_thread", "group", "group_line", "summarize", "rank_ranges", "format_thread"]
 
-STACK_SIGNAL = signal.SIGUSR2
+STACK_SIGNAL = signal.SIGRTMIN + 6
 LIVE_FILE_RE = re.compile(r"stacks-live-rank(\d+)\.txt$")
 _MAX_FRAMES = 100   # per thread, as faulthandler
 
@@ -281,6 +281,8 @@ def install_signal_dump(path_or_dir: str | os.PathLike | None, rank: int, *,
 
 
 def _signame(signum: int) -> str:
+    if signal.SIGRTMIN < signum <= signal.SIGRTMAX:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
     try:
         return signal.Signals(signum).name
     except ValueError:

@@ -71,7 +71,7 @@ def collect(job_id: str, *, method: str = "auto", timeout: float = 60.0) -> Stac
     if scheduler == "lsf":
         raise HpcringError(f"job {job_id} is an LSF job; `hpcring stacks` supports Slurm and the local "
                            "backend only",
-                           hint="on a node of the job: `py-spy dump --pid PID`, or `kill -USR2 PID` and read "
+                           hint="on a node of the job: `py-spy dump --pid PID`, or `kill -s RTMIN+6 PID` and read "
                                 f"{rec.folder}/diag/stacks-live-rank<r>.txt")
     if scheduler == "local":
         results, problems = _collect_local(rec, method, timeout)

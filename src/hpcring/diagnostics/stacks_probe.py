@@ -19,7 +19,7 @@ whose command child is taken instead.
 How a stack is taken: ``py-spy dump --full-filenames`` when py-spy is found (PATH, or next to
 this interpreter); else, or when py-spy fails, the rank's own hook
 (:func:`hpcring.diagnostics.stacks.install_signal_dump`): the probe finds the hook's file among
-the process's open files, checks that the process catches SIGUSR2 (never sends a signal that
+the process's open files, checks that the process catches the stack signal (SIGRTMIN+6) (never sends a signal that
 would kill it), sends it, and reads what is appended, with a deadline.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcring.diagnostics.stacks import LIVE_FILE_RE, STACK_SIGNAL
+from hpcring.diagnostics.stacks import LIVE_FILE_RE, STACK_SIGNAL, _signame
 
 MARKER = "@@hpcring-stacks"
 CHUNK = 900
@@ -244,7 +244,7 @@ def catches(pid: int, signum: int) -> bool:
 
 def dump_signal(pid: int, deadline: float, signum: int = STACK_SIGNAL) -> tuple[str, str]:
     """Send ``signum`` to a rank with the hook and return (what it appended, the live file)."""
-    sig = signal.Signals(signum).name
+    sig = _signame(signum)
     hook = hook_file(pid)
     if hook is None:
         raise ProbeError(f"process {pid} has no stack dump hook (no stacks-live-rank*.txt open: "
@@ -302,7 +302,7 @@ def dump(p: Proc, method: str, deadline: float, pyspy: str | None) -> dict:
             except ProbeError as exc:
                 errors.append(str(exc))
     if method in ("auto", "signal") and any("hpcring.rank_exec" in a for a in p.cmdline):
-        errors.append(f"process {p.pid} is an `hpcring run` wrapper, which forwards SIGUSR2 to its command; "
+        errors.append(f"process {p.pid} is an `hpcring run` wrapper, which forwards the stack signal to its command; "
                       "not sending it")
     elif method in ("auto", "signal"):
         try:
