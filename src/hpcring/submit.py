@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import sys
 import time
@@ -186,8 +187,42 @@ def outcome(rec: JobRecord, st: JobState) -> Outcome:
     return Outcome(st, failed, missing)
 
 
+_SRUN_CASUALTY = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Terminated|Segmentation fault|Aborted)")
+
+
+def first_casualty(rec: JobRecord) -> str | None:
+    """The first rank srun reported killed by a signal (its own line in rank 0's stderr log),
+    e.g. "rank 3 (node2) was killed (srun: Killed)"; None when srun reported none."""
+    path = Path(rec.folder) / f"{rec.job_id}_0_log.err"
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    m = _SRUN_CASUALTY.search(text)
+    if not m:
+        return None
+    node, ranks, how = m.groups()
+    return f"rank{'s' if ',' in ranks or '-' in ranks else ''} {ranks} ({node}) {'was' if ranks.isdigit() else 'were'} killed first (srun: {how})"
+
+
+def hang_headline(rec: JobRecord) -> tuple[str, Path] | None:
+    """(headline, report path) of the job's hang report (``<folder>/diag/hang-report.json``)."""
+    for folder in (Path(rec.folder), Path(os.environ.get("HPCRING_JOB_DIR", rec.folder))):
+        path = folder / "diag" / "hang-report.json"
+        try:
+            return json.loads(path.read_text())["headline"], path.with_suffix(".txt")
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
 def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
     parts = []
+    hang = hang_headline(rec)
+    if hang:         # the watchdog's diagnosis says more than "every rank exited with 1"
+        parts.append(f"collective failure: {hang[0]} (report: {hang[1]})")
+    elif (casualty := first_casualty(rec)) is not None:
+        parts.append(casualty)
     if oc.failed:  # the first failure in full; the others by rank and host (often the same cause)
         s = oc.failed[0]
         parts.append(f"rank {s['rank']} on {s.get('host', '?')} "

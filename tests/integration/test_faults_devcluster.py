@@ -94,6 +94,7 @@ def test_1_skipped_collective_names_the_missing_rank():
     rep = res["report"]
     assert rep["categories"]["missing"] == [5], rep
     assert rep["headline"] == "allreduce#4: rank 5 (node3) never joined"
+    assert "collective failure: allreduce#4: rank 5 (node3) never joined" in res["out"]   # submit --wait
     assert "load_batch at fault_worker.py" in rep["details"]["5"]
     assert rep["categories"]["joined"] == [0, 1, 2, 3, 4]
 
@@ -174,9 +175,14 @@ def test_2_mpi_different_collective():
 
 @mpi
 def test_4_mpi_sigkilled_rank_is_dead():
+    # Slurm's PMIx plugin cancels the whole step as soon as one MPI process dies (its error
+    # handler runs in slurmstepd), before any watchdog could: the diagnosis is then srun's own
+    # line, which `hpcring submit --wait` turns into the job's error.
     res = run_fault("kill", 3, "mpi")
     assert res["rc"] != 0 and res["state"] == "FAILED", res["out"][-3000:]
     assert res["ended"] - res["fault"] < DEADLINE + 30
     rep = res["report"]
-    assert rep is not None, res["out"][-3000:]
-    assert 3 in rep["categories"].get("dead", []) + rep["categories"].get("unreachable", []), rep
+    if rep is None:
+        assert "rank 3 (node2) was killed first (srun: Killed)" in res["out"], res["out"][-3000:]
+    else:
+        assert 3 in rep["categories"].get("dead", []) + rep["categories"].get("unreachable", []), rep
