@@ -277,7 +277,40 @@ def install_signal_dump(path_or_dir: str | os.PathLike | None, rank: int, *,
         _hooks[signum] = (path, fh)
         if old is not None:
             old[1].close()
+        if not _cleanup_registered:
+            _register_cleanup()
         return path
+
+
+_cleanup_registered = False
+
+
+def _register_cleanup() -> None:
+    global _cleanup_registered
+    import atexit
+    _cleanup_registered = True
+    atexit.register(_remove_unused_live_files)
+
+
+def _remove_unused_live_files() -> None:
+    """At exit: a live file that got no dump is only its header; remove it, and the diag folder
+    (and ``hpcring-diag/<job>`` above it) when that leaves them empty, so jobs that never hung
+    leave nothing behind."""
+    for path, fh in list(_hooks.values()):
+        try:
+            if fh.tell() > 0 and path.stat().st_size <= fh.tell() and _header_only(path):
+                path.unlink()
+                for d in (path.parent, path.parent.parent, path.parent.parent.parent):
+                    if d.name not in ("diag", "hpcring-diag") and d.parent.name != "hpcring-diag":
+                        break
+                    d.rmdir()            # only if empty: OSError otherwise
+        except OSError:
+            continue
+
+
+def _header_only(path: Path) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read().count("\n") <= 1
 
 
 def _signame(signum: int) -> str:
