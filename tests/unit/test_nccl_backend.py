@@ -2,6 +2,7 @@
 with a fake communicator); the GPU parts only with cupy and an NVIDIA GPU."""
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -86,7 +87,8 @@ def _fake_backend(comm, done=False):
         def done(self):
             return done
     stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
-    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, get_current_stream=lambda: stream),
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, get_current_stream=lambda: stream,
+                                                            Device=lambda i: contextlib.nullcontext()),
                                  ndarray=type(None))
     b = N.NcclBackend(comm, 0, 2, 0, hosts=("gpu1", "gpu2"), cupy=cupy, nccl=types.SimpleNamespace(), version=22000)
     dev = types.SimpleNamespace(size=1000, data=types.SimpleNamespace(ptr=4096))

@@ -16,11 +16,17 @@ Semantics (all ranks call the same collectives in the same order with matching a
   per communicator (synchronous calls queue behind pending async ones).
 
 Host memory goes to the backend without copies (numpy views, DLPack for torch CPU tensors).
-Device memory is staged through host memory for a host backend (ring); a device backend (NCCL)
-receives device buffers directly.
+Device memory is staged through host memory for a host backend (ring, mpi). A device backend
+(``backend.device == "cuda"``, NCCL) receives device memory without copies: CuPy arrays as flat
+views, CUDA torch tensors (and other CUDA DLPack objects) through ``cupy.from_dlpack``; results are
+new CuPy arrays / CUDA tensors on the backend's GPU (or ``out``/``x`` itself). Such a call runs on
+the caller's current stream on that GPU, captured when the call is made (also for ``*_async``):
+torch's current stream when a CUDA torch tensor is involved, else CuPy's; it returns once the
+operation completed on the GPU. numpy inputs on a device backend are staged by the backend.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -40,19 +46,70 @@ _NP_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float6
 # ---------------------------------------------------------------------------------------------
 # array adaptation
 # ---------------------------------------------------------------------------------------------
+_KDL_CUDA, _KDL_CUDA_MANAGED = 2, 13     # DLPack device types a CUDA backend can use in place
+
+
+class _Cuda:
+    """One call's device context for a ``device == "cuda"`` backend: the backend's CuPy module,
+    its GPU (``device_id``) and the stream the call runs on.
+
+    Captured in the calling thread when the call is submitted, because CuPy's current device and
+    stream (and torch's current stream) are per thread and the call may run on the
+    communicator's worker thread (``*_async``, or a synchronous call queued behind them)."""
+
+    __slots__ = ("cp", "device_id", "stream")
+
+    def __init__(self, cp, device_id: int, stream) -> None:
+        self.cp, self.device_id, self.stream = cp, device_id, stream
+
+    @classmethod
+    def capture(cls, cp, device_id: int, *, torch_stream: bool) -> "_Cuda":
+        """The caller's current stream on ``device_id``: torch's (wrapped as a CuPy
+        ExternalStream, so the backend's work is ordered after the kernels that produced the
+        tensors and before later work on that stream) when ``torch_stream``, else CuPy's."""
+        if torch_stream:
+            import torch
+            ptr = torch.cuda.current_stream(device_id).cuda_stream
+            return cls(cp, device_id, cp.cuda.ExternalStream(ptr, device_id))
+        with cp.cuda.Device(device_id):      # CuPy keeps one current stream per device
+            return cls(cp, device_id, cp.cuda.get_current_stream())
+
+    @contextlib.contextmanager
+    def active(self):
+        """Make the GPU and the stream current in this thread: device allocations, DLPack
+        imports and the backend's NCCL calls then happen there. (CuPy requires the stream's
+        device to be current when the stream is entered.)"""
+        with self.cp.cuda.Device(self.device_id), self.stream:
+            yield
+
+
+def _active(dev: _Cuda | None):
+    """``dev.active()``, or nothing for a host backend."""
+    return contextlib.nullcontext() if dev is None else dev.active()
+
+
 class _Arr:
-    """A C-contiguous host view of a user array plus how to give results back."""
+    """A user array as the backend sees it.
 
-    __slots__ = ("orig", "kind", "host", "tag", "shape", "device_copy")
+    * ``flat``: the 1-D C-contiguous buffer handed to the backend: numpy in host memory, or (when
+      ``dev`` is set) a CuPy array on ``dev``'s GPU. It shares memory with ``orig`` unless
+      ``staged``.
+    * ``orig``: what the call returns for this buffer (the user's array for in place / ``out=``, a
+      new array for ``out=None``); None only for a staged result :func:`_finish` creates.
+    * ``kind``: numpy, torch, cupy or dlpack (:func:`_kind`); ``tag``: the hpcring dtype;
+      ``shape``: the user-visible shape.
+    * ``staged``: ``flat`` is a host copy of device memory (host backend), so results must be
+      copied back by :func:`_finish`.
+    """
 
-    def __init__(self, orig, kind, host: np.ndarray, tag: str, shape, device_copy: bool):
-        self.orig, self.kind, self.host, self.tag = orig, kind, host, tag
-        self.shape, self.device_copy = tuple(shape), device_copy
+    __slots__ = ("orig", "kind", "flat", "tag", "shape", "staged", "dev")
 
-    @property
-    def flat(self) -> np.ndarray:
-        h = self.host
-        return h if h.ndim == 1 else h.reshape(-1)
+    def __init__(self, orig, kind: str, buf, tag: str, shape, staged: bool = False,
+                 dev: _Cuda | None = None) -> None:
+        self.orig, self.kind, self.tag = orig, kind, tag
+        # flattened once: in-place calls then hand the backend the same object twice
+        self.flat = buf if buf.ndim == 1 else buf.reshape(-1)
+        self.shape, self.staged, self.dev = tuple(shape), staged, dev
 
 
 def _kind(x) -> str:
@@ -71,7 +128,14 @@ def _kind(x) -> str:
 _DT2TAG = {np.dtype(v): k for k, v in _NP_DTYPES.items()}
 
 
-def _tag_numpy(a: np.ndarray, dtype: str | None, what: str) -> tuple[np.ndarray, str]:
+def _np_dtype(tag: str):
+    """Storage dtype of an hpcring dtype (bfloat16 is uint16 bits)."""
+    return np.uint16 if tag == "bfloat16" else _NP_DTYPES[tag]
+
+
+def _tag_buffer(a, dtype: str | None, what: str):
+    """(a, or a uint16 view for bfloat16; hpcring dtype) for a numpy or CuPy array ``a``
+    (both carry numpy dtypes); ``dtype`` is the caller's explicit ``dtype=``."""
     if dtype is None:
         tag = _DT2TAG.get(a.dtype)
         if tag is not None:                      # fast path: a supported numpy dtype
@@ -92,13 +156,39 @@ def _tag_numpy(a: np.ndarray, dtype: str | None, what: str) -> tuple[np.ndarray,
     return a, name
 
 
-def _adapt(x, dtype: str | None, what: str, *, writable: bool) -> _Arr:
+def _is_cuda(x, kind: str) -> bool:
+    """True when ``x`` lives in CUDA memory (CuPy array, CUDA torch tensor, CUDA DLPack object)."""
+    if kind == "cupy":
+        return True
+    if kind == "torch":
+        return x.device.type == "cuda"
+    if kind == "dlpack" and hasattr(x, "__dlpack_device__"):
+        try:
+            return x.__dlpack_device__()[0] in (_KDL_CUDA, _KDL_CUDA_MANAGED)
+        except Exception:  # noqa: BLE001 - a broken exporter is reported by the host path
+            return False
+    return False
+
+
+def _adapt(x, dtype: str | None, what: str, *, writable: bool, dev: _Cuda | None = None) -> _Arr:
+    """``x`` as a backend buffer (:class:`_Arr`). ``writable``: the backend writes into ``x`` (in
+    place / ``out=``), so no copy may stand in for it. ``dev`` (a cuda backend's context, already
+    active): CUDA arrays are viewed in place on its GPU; without it (host backend) they are
+    copied to host memory. Host arrays are viewed without a copy (copied only when a read-only
+    input is not contiguous) and are staged by the device backend itself."""
     if type(x) is np.ndarray and dtype is None and x.flags.c_contiguous:   # fast path
         tag = _DT2TAG.get(x.dtype)
         if tag is not None and (not writable or x.flags.writeable):
-            return _Arr(x, "numpy", x, tag, x.shape, False)
+            return _Arr(x, "numpy", x, tag, x.shape)
     kind = _kind(x)
-    device_copy = False
+    if dev is not None and _is_cuda(x, kind):
+        return _adapt_device(x, kind, dtype, what, writable, dev)
+    return _adapt_host(x, kind, dtype, what, writable)
+
+
+def _adapt_host(x, kind: str, dtype: str | None, what: str, writable: bool) -> _Arr:
+    """A host view of ``x``; CuPy arrays and CUDA tensors are copied to host (``staged``)."""
+    staged = False
     if kind == "numpy":
         host = x
     elif kind == "torch":
@@ -106,8 +196,8 @@ def _adapt(x, dtype: str | None, what: str, *, writable: bool) -> _Arr:
         t = x.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-            device_copy = True
-        if writable and not device_copy and not t.is_contiguous():
+            staged = True
+        if writable and not staged and not t.is_contiguous():
             raise UsageError(f"{what}: the tensor must be contiguous to be written in place")
         t = t.contiguous()
         if t.dtype == torch.bfloat16:
@@ -115,12 +205,11 @@ def _adapt(x, dtype: str | None, what: str, *, writable: bool) -> _Arr:
             dtype = "bfloat16"
         else:
             host = np.from_dlpack(t)
-        arr = _Arr(x, kind, host, "", x.shape, device_copy)
-        arr.host, arr.tag = _tag_numpy(host, dtype, what)
-        return arr
+        host, tag = _tag_buffer(host, dtype, what)
+        return _Arr(x, kind, host, tag, x.shape, staged)
     elif kind == "cupy":
         host = x.get()
-        device_copy = True
+        staged = True
     elif kind == "dlpack":
         try:
             host = np.from_dlpack(x)
@@ -129,52 +218,113 @@ def _adapt(x, dtype: str | None, what: str, *, writable: bool) -> _Arr:
     else:
         raise UsageError(f"{what}: expected a numpy array, torch tensor or CuPy array, got {type(x).__name__}")
     if not host.flags.c_contiguous:
-        if writable and not device_copy:
+        if writable and not staged:
             raise UsageError(f"{what}: the array must be C-contiguous to be written in place")
         host = np.ascontiguousarray(host)
     if writable and not host.flags.writeable:
         raise UsageError(f"{what}: the array is read-only")
-    host, tag = _tag_numpy(host, dtype, what)
-    return _Arr(x, kind, host, tag, getattr(x, "shape", host.shape), device_copy)
+    host, tag = _tag_buffer(host, dtype, what)
+    return _Arr(x, kind, host, tag, getattr(x, "shape", host.shape), staged)
+
+
+def _adapt_device(x, kind: str, dtype: str | None, what: str, writable: bool, dev: _Cuda) -> _Arr:
+    """A CuPy view of the CUDA array ``x`` on ``dev``'s GPU, sharing its memory: CuPy arrays as
+    they are, torch tensors and other CUDA DLPack objects through ``cupy.from_dlpack``
+    (bfloat16 tensors as their int16 bits: CuPy has no bfloat16). A non-contiguous read-only
+    input is copied on the device; a non-contiguous ``writable`` one is refused."""
+    cp = dev.cp
+    if kind == "torch":
+        import torch
+        t = x.detach()          # DLPack refuses tensors that require grad
+        if not t.is_contiguous():
+            if writable:
+                raise UsageError(f"{what}: the tensor must be contiguous to be written in place")
+            t = t.contiguous()  # on torch's current stream, which this call runs on
+        if t.dtype == torch.bfloat16:
+            t, dtype = t.view(torch.int16), "bfloat16"
+        buf = _from_dlpack(cp, t, what)
+    elif kind == "cupy":
+        buf = x
+    else:
+        buf = _from_dlpack(cp, x, what)
+    if int(buf.device.id) != dev.device_id:
+        raise UsageError(f"{what} is on GPU {int(buf.device.id)} but this communicator uses GPU {dev.device_id}",
+                         hint=f"move it first: tensor.to('cuda:{dev.device_id}'), or cupy.asarray(x) "
+                              f"under cupy.cuda.Device({dev.device_id})")
+    if not buf.flags.c_contiguous:
+        if writable:
+            raise UsageError(f"{what}: the array must be C-contiguous to be written in place")
+        buf = cp.ascontiguousarray(buf)
+    buf, tag = _tag_buffer(buf, dtype, what)
+    return _Arr(x, kind, buf, tag, getattr(x, "shape", buf.shape), dev=dev)
+
+
+def _from_dlpack(cp, x, what: str):
+    """``cupy.from_dlpack(x)`` (zero copy; the exporter orders its stream before CuPy's current
+    one), with export failures as UsageError."""
+    try:
+        return cp.from_dlpack(x)
+    except (TypeError, ValueError, RuntimeError, BufferError, NotImplementedError) as e:
+        raise UsageError(f"{what}: cannot view {type(x).__name__} on the GPU through DLPack: {e}") from None
 
 
 def _new_like(a: _Arr, shape) -> _Arr:
-    """A fresh result array of a's kind, element type and the given shape."""
-    np_dtype = np.uint16 if a.tag == "bfloat16" else _NP_DTYPES[a.tag]
-    host = np.empty(shape, dtype=np_dtype)
-    if a.kind == "torch" and not a.device_copy:
+    """A fresh result for input ``a``: its kind and dtype, the given ``shape``. For a device
+    input, a new CuPy array / CUDA tensor on ``a.dev``'s GPU; for a staged input, a host buffer
+    (:func:`_finish` creates the device result); else a numpy array / CPU tensor."""
+    if a.dev is not None:
+        return _new_device(a, shape)
+    host = np.empty(shape, dtype=_np_dtype(a.tag))
+    if a.kind == "torch" and not a.staged:
         import torch
         t = torch.from_numpy(host.view(np.int16) if a.tag == "bfloat16" else host)
         if a.tag == "bfloat16":
             t = t.view(torch.bfloat16)
-        return _Arr(t, "torch", host, a.tag, shape, False)
-    return _Arr(None, a.kind if a.kind in ("torch", "cupy") else "numpy", host, a.tag, shape,
-                a.kind in ("torch", "cupy"))
+        return _Arr(t, "torch", host, a.tag, shape)
+    if a.kind in ("torch", "cupy"):
+        return _Arr(None, a.kind, host, a.tag, shape, staged=True)
+    return _Arr(host, "numpy", host, a.tag, shape)
+
+
+def _new_device(a: _Arr, shape) -> _Arr:
+    """Device result for :func:`_new_like`: torch inputs get a torch tensor (torch's allocator,
+    torch.bfloat16 for bfloat16), anything else a CuPy array (uint16 for bfloat16); allocated on
+    ``a.dev``'s GPU and stream."""
+    dev = a.dev
+    with dev.active():
+        if a.kind == "torch":
+            import torch
+            t = torch.empty(shape, dtype=getattr(torch, a.tag), device=torch.device("cuda", dev.device_id))
+            return _adapt_device(t, "torch", None, "result", True, dev)
+        arr = dev.cp.empty(shape, dtype=_np_dtype(a.tag))
+        return _Arr(arr, "cupy", arr, a.tag, shape, dev=dev)
 
 
 def _finish(res: _Arr, like: _Arr):
-    """Return the result object of the input's type; copy device results back."""
-    if res.orig is not None and not res.device_copy:
+    """The call's result in the caller's type. Unless ``res`` is staged the backend wrote into
+    ``res.orig``'s memory and that object is returned; a staged (host-backend, device) result is
+    copied back to the device: into ``res.orig`` for in place / ``out=``, else into a new array
+    on the device of the input ``like``."""
+    if not res.staged:
         return res.orig
+    host = res.flat.reshape(res.shape)
+    target = res.orig if res.orig is not None else like.orig     # whose device the result is on
     if res.kind == "torch":
         import torch
-        host = res.host.view(np.int16) if res.tag == "bfloat16" else res.host
-        t = torch.from_numpy(np.ascontiguousarray(host))
+        t = torch.from_numpy(np.ascontiguousarray(host.view(np.int16) if res.tag == "bfloat16" else host))
         if res.tag == "bfloat16":
             t = t.view(torch.bfloat16)
-        t = t.to(like.orig.device)
+        t = t.to(target.device)
         if res.orig is not None:       # out= on a device: write through
             res.orig.copy_(t)
             return res.orig
         return t
-    if res.kind == "cupy":
-        import cupy
-        host = res.host
-        if res.orig is not None:
-            res.orig.set(host.view(res.orig.dtype) if res.tag == "bfloat16" else host)
-            return res.orig
+    import cupy
+    if res.orig is not None:
+        res.orig.set(host.view(res.orig.dtype) if res.tag == "bfloat16" else host)
+        return res.orig
+    with target.device:
         return cupy.asarray(host)
-    return res.host if res.orig is None else res.orig
 
 
 def _check_out(out: _Arr, x: _Arr, count: int, op: str) -> None:
@@ -182,6 +332,24 @@ def _check_out(out: _Arr, x: _Arr, count: int, op: str) -> None:
         raise UsageError(f"{op}: out has dtype {out.tag} but the input is {x.tag}")
     if out.flat.size != count:
         raise UsageError(f"{op}: out has {out.flat.size} elements (shape {out.shape}), need {count}")
+
+
+def _fuse(members: list[_Arr], dev: _Cuda | None):
+    """One contiguous buffer of the members' elements for a grouped allreduce: on the GPU
+    (``cupy.concatenate``, host members uploaded) when any member is a device buffer, else in
+    host memory."""
+    if dev is not None and any(m.dev is not None for m in members):
+        cp = dev.cp
+        return cp.concatenate([m.flat if m.dev is not None else cp.asarray(m.flat) for m in members])
+    return np.concatenate([m.flat for m in members])
+
+
+def _store(dst: _Arr, piece) -> None:
+    """Copy ``piece`` (a slice of the fused buffer) into ``dst.flat`` across memory kinds."""
+    if dst.dev is None and not isinstance(piece, np.ndarray):
+        dst.flat[...] = piece.get()     # device fuse -> host member: blocking copy on this stream
+    else:
+        dst.flat[...] = piece
 
 
 def _check_op(op: str, tag: str, what: str) -> None:
@@ -418,22 +586,39 @@ class Communicator:
                                   hint="every rank must call the same collectives in the same order with "
                                        "the same sizes, dtypes and roots")
 
+    def _cuda(self, *arrays) -> _Cuda | None:
+        """For a ``device == "cuda"`` backend: its GPU and the caller's stream for this call
+        (torch's current stream when any of ``arrays`` is a CUDA torch tensor, else CuPy's);
+        None for a host backend (device arrays are then staged through host memory)."""
+        be = self.backend
+        if getattr(be, "device", "cpu") != "cuda":
+            return None
+        cp = getattr(be, "array_module", None)
+        if cp is None:
+            import cupy as cp
+        torch_stream = any(_kind(x) == "torch" and x.device.type == "cuda" for x in arrays)
+        return _Cuda.capture(cp, int(getattr(be, "device_id", 0)), torch_stream=torch_stream)
+
     # -- allreduce --------------------------------------------------------------------------
     def _allreduce(self, x, op, out, timeout, dtype, is_async):
-        a = _adapt(x, dtype, "allreduce input", writable=out is x)
-        _check_op(op, a.tag, "allreduce")
-        t = self._deadline(timeout)
-        if out is x:
-            res = a
-        elif out is None:
-            res = _new_like(a, a.shape)
-        else:
-            res = _adapt(out, dtype if a.tag != "bfloat16" else "bfloat16", "allreduce out", writable=True)
-            _check_out(res, a, a.flat.size, "allreduce")
+        dev = self._cuda(x, out)
+        with _active(dev):
+            a = _adapt(x, dtype, "allreduce input", writable=out is x, dev=dev)
+            _check_op(op, a.tag, "allreduce")
+            t = self._deadline(timeout)
+            if out is x:
+                res = a
+            elif out is None:
+                res = _new_like(a, a.shape)
+            else:
+                res = _adapt(out, dtype if a.tag != "bfloat16" else "bfloat16", "allreduce out", writable=True,
+                             dev=dev)
+                _check_out(res, a, a.flat.size, "allreduce")
 
         def run():
-            self.backend.allreduce(a.flat, res.flat, a.tag, op, t)
-            return _finish(res, a)
+            with _active(dev):
+                self.backend.allreduce(a.flat, res.flat, a.tag, op, t)
+                return _finish(res, a)
         return self._run(self._record("allreduce", a.tag, a.flat.size, None, t), run, is_async)
 
     def allreduce(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
@@ -449,7 +634,10 @@ class Communicator:
         return self._allreduce(x, op, out, timeout, dtype, True)
 
     def _allreduce_grouped(self, arrays, op, timeout, inplace, is_async):
-        arrs = [_adapt(x, None, f"allreduce_grouped input {i}", writable=inplace) for i, x in enumerate(arrays)]
+        dev = self._cuda(*arrays)
+        with _active(dev):
+            arrs = [_adapt(x, None, f"allreduce_grouped input {i}", writable=inplace, dev=dev)
+                    for i, x in enumerate(arrays)]
         for a in arrs:
             _check_op(op, a.tag, "allreduce_grouped")
         t = self._deadline(timeout)
@@ -459,22 +647,19 @@ class Communicator:
 
         def run():
             results: list[Any] = [None] * len(arrs)
-            for tag in sorted(groups, key=DTYPES.index):      # same order on every rank
-                idx = groups[tag]
-                fused = np.concatenate([arrs[i].flat for i in idx]) if idx else None
-                self.backend.allreduce(fused, fused, tag, op, t)
-                pos = 0
-                for i in idx:
-                    a = arrs[i]
-                    n = a.flat.size
-                    if inplace:
-                        a.flat[...] = fused[pos:pos + n]
-                        results[i] = _finish(a, a)
-                    else:
-                        r = _new_like(a, a.shape)
-                        r.flat[...] = fused[pos:pos + n]
+            with _active(dev):
+                for tag in sorted(groups, key=DTYPES.index):      # same order on every rank
+                    idx = groups[tag]
+                    fused = _fuse([arrs[i] for i in idx], dev)
+                    self.backend.allreduce(fused, fused, tag, op, t)
+                    pos = 0
+                    for i in idx:
+                        a = arrs[i]
+                        n = a.flat.size
+                        r = a if inplace else _new_like(a, a.shape)
+                        _store(r, fused[pos:pos + n])
                         results[i] = _finish(r, a)
-                    pos += n
+                        pos += n
             return results
         count = sum(a.flat.size for a in arrs)
         tags = "+".join(sorted(groups, key=DTYPES.index))
@@ -493,18 +678,22 @@ class Communicator:
 
     # -- allgather ------------------------------------------------------------------------
     def _allgather(self, x, out, timeout, dtype, is_async):
-        a = _adapt(x, dtype, "allgather input", writable=False)
-        t = self._deadline(timeout)
-        shape = (self.size, *a.shape)
-        if out is None:
-            res = _new_like(a, shape)
-        else:
-            res = _adapt(out, "bfloat16" if a.tag == "bfloat16" else dtype, "allgather out", writable=True)
-            _check_out(res, a, a.flat.size * self.size, "allgather")
+        dev = self._cuda(x, out)
+        with _active(dev):
+            a = _adapt(x, dtype, "allgather input", writable=False, dev=dev)
+            t = self._deadline(timeout)
+            shape = (self.size, *a.shape)
+            if out is None:
+                res = _new_like(a, shape)
+            else:
+                res = _adapt(out, "bfloat16" if a.tag == "bfloat16" else dtype, "allgather out", writable=True,
+                             dev=dev)
+                _check_out(res, a, a.flat.size * self.size, "allgather")
 
         def run():
-            self.backend.allgather(a.flat, res.flat, a.tag, t)
-            return _finish(res, a)
+            with _active(dev):
+                self.backend.allgather(a.flat, res.flat, a.tag, t)
+                return _finish(res, a)
         return self._run(self._record("allgather", a.tag, a.flat.size, None, t), run, is_async)
 
     def allgather(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
@@ -520,12 +709,15 @@ class Communicator:
     def _broadcast(self, x, root, timeout, dtype, is_async):
         if not (0 <= root < self.size):
             raise UsageError(f"broadcast: root {root} out of range for {self.size} ranks")
-        a = _adapt(x, dtype, "broadcast buffer", writable=True)
+        dev = self._cuda(x)
+        with _active(dev):
+            a = _adapt(x, dtype, "broadcast buffer", writable=True, dev=dev)
         t = self._deadline(timeout)
 
         def run():
-            self.backend.broadcast(a.flat, root, a.tag, t)
-            return _finish(a, a)
+            with _active(dev):
+                self.backend.broadcast(a.flat, root, a.tag, t)
+                return _finish(a, a)
         return self._run(self._record("broadcast", a.tag, a.flat.size, root, t), run, is_async)
 
     def broadcast(self, x, root: int = 0, *, timeout: float | None = None, dtype: str | None = None):
@@ -539,24 +731,28 @@ class Communicator:
 
     # -- reduce_scatter -------------------------------------------------------------------
     def _reduce_scatter(self, x, op, out, timeout, dtype, is_async):
-        a = _adapt(x, dtype, "reduce_scatter input", writable=False)
-        _check_op(op, a.tag, "reduce_scatter")
-        t = self._deadline(timeout)
-        n = a.flat.size
-        mine = chunk_counts(n, self.size)[self.rank]
-        if len(a.shape) >= 1 and a.shape[0] % self.size == 0:
-            shape = (a.shape[0] // self.size, *a.shape[1:])
-        else:
-            shape = (mine,)
-        if out is None:
-            res = _new_like(a, shape)
-        else:
-            res = _adapt(out, "bfloat16" if a.tag == "bfloat16" else dtype, "reduce_scatter out", writable=True)
-            _check_out(res, a, mine, "reduce_scatter")
+        dev = self._cuda(x, out)
+        with _active(dev):
+            a = _adapt(x, dtype, "reduce_scatter input", writable=False, dev=dev)
+            _check_op(op, a.tag, "reduce_scatter")
+            t = self._deadline(timeout)
+            n = a.flat.size
+            mine = chunk_counts(n, self.size)[self.rank]
+            if len(a.shape) >= 1 and a.shape[0] % self.size == 0:
+                shape = (a.shape[0] // self.size, *a.shape[1:])
+            else:
+                shape = (mine,)
+            if out is None:
+                res = _new_like(a, shape)
+            else:
+                res = _adapt(out, "bfloat16" if a.tag == "bfloat16" else dtype, "reduce_scatter out",
+                             writable=True, dev=dev)
+                _check_out(res, a, mine, "reduce_scatter")
 
         def run():
-            self.backend.reduce_scatter(a.flat, res.flat, a.tag, op, t)
-            return _finish(res, a)
+            with _active(dev):
+                self.backend.reduce_scatter(a.flat, res.flat, a.tag, op, t)
+                return _finish(res, a)
         return self._run(self._record("reduce_scatter", a.tag, n, None, t), run, is_async)
 
     def reduce_scatter(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
@@ -573,21 +769,25 @@ class Communicator:
 
     # -- alltoall -------------------------------------------------------------------------
     def _alltoall(self, x, out, timeout, dtype, is_async):
-        a = _adapt(x, dtype, "alltoall input", writable=out is x)
-        t = self._deadline(timeout)
-        if a.flat.size % self.size:
-            raise UsageError(f"alltoall: {a.flat.size} elements cannot be split into {self.size} equal blocks")
-        if out is x:
-            res = a
-        elif out is None:
-            res = _new_like(a, a.shape)
-        else:
-            res = _adapt(out, "bfloat16" if a.tag == "bfloat16" else dtype, "alltoall out", writable=True)
-            _check_out(res, a, a.flat.size, "alltoall")
+        dev = self._cuda(x, out)
+        with _active(dev):
+            a = _adapt(x, dtype, "alltoall input", writable=out is x, dev=dev)
+            t = self._deadline(timeout)
+            if a.flat.size % self.size:
+                raise UsageError(f"alltoall: {a.flat.size} elements cannot be split into {self.size} equal blocks")
+            if out is x:
+                res = a
+            elif out is None:
+                res = _new_like(a, a.shape)
+            else:
+                res = _adapt(out, "bfloat16" if a.tag == "bfloat16" else dtype, "alltoall out", writable=True,
+                             dev=dev)
+                _check_out(res, a, a.flat.size, "alltoall")
 
         def run():
-            self.backend.alltoall(a.flat, res.flat, a.tag, t)
-            return _finish(res, a)
+            with _active(dev):
+                self.backend.alltoall(a.flat, res.flat, a.tag, t)
+                return _finish(res, a)
         return self._run(self._record("alltoall", a.tag, a.flat.size, None, t), run, is_async)
 
     def alltoall(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):

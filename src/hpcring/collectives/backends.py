@@ -1,11 +1,13 @@
-"""The small interface every collective backend implements (ring today; MPI and NCCL later).
+"""The small interface every collective backend implements (ring, MPI, NCCL).
 
 A backend moves bytes of contiguous 1-D buffers; all shape handling, dtype mapping, DLPack,
 async execution and error wording live in :mod:`hpcring.collectives.api`. Contract for every
 method:
 
 * buffers are 1-D C-contiguous arrays of the backend's memory kind (``device``: ``"cpu"`` means
-  numpy arrays in host memory; a CUDA backend would take CuPy arrays);
+  numpy arrays in host memory; ``"cuda"`` means CuPy arrays on the backend's GPU ``device_id``,
+  with its CuPy module as ``array_module``, and numpy buffers which the backend stages itself);
+  a ``"cuda"`` backend runs each op on the current CuPy stream and returns when it completed;
 * ``dtype`` is one of :data:`DTYPES` (bfloat16 buffers are uint16 storage), ``op`` one of
   :data:`OPS` (``avg`` only for floating-point dtypes);
 * ``timeout`` is the deadline in seconds for this call (> 0);

@@ -4,13 +4,19 @@
   through the rendezvous store as 128 raw bytes under ``nccl/<gen>/uid`` (never pickled); every
   rank reads it, selects ``cupy.cuda.Device(local_rank % ngpus)`` and calls
   ``NcclCommunicator(size, uid, rank)``.
-* Buffers: CuPy arrays (or anything with ``__cuda_array_interface__`` / CUDA DLPack, e.g. torch
-  CUDA tensors, converted with ``cupy.from_dlpack`` without a copy). numpy buffers (what the
+* Buffers: CuPy arrays on this backend's GPU (the Communicator hands CuPy arrays and CUDA torch
+  tensors over as CuPy views, without a copy; anything else with ``__cuda_array_interface__`` /
+  CUDA DLPack is converted with ``cupy.from_dlpack`` without a copy). numpy buffers (what the
   Communicator hands over for host inputs) are staged through device memory.
-* Streams: every op is enqueued on the caller's *current* CuPy stream
-  (``cupy.cuda.get_current_stream()``), so it is ordered after the caller's kernels; an event
+* Device: every op makes ``cupy.cuda.Device(device_id)`` current for its duration (it may run on a
+  thread whose current device is another GPU, e.g. the Communicator's worker), so staging and
+  scratch buffers are allocated on the communicator's GPU.
+* Streams: every op is enqueued on the *current* CuPy stream of that device
+  (``cupy.cuda.get_current_stream()``; the Communicator makes the caller's stream current, torch's
+  for torch tensors), so it is ordered after the caller's kernels; an event
   recorded after the op is then polled (``Event.done``) together with
-  ``NcclCommunicator.check_async_error()`` until the deadline: sleep 50 us doubling to 1 ms.
+  ``NcclCommunicator.check_async_error()`` until the deadline: sleep 50 us doubling to 1 ms. So
+  every op has completed on the GPU when it returns.
 * Deadline: NCCL has no timeout. On expiry (or an async error) the communicator is aborted
   (``abort()``, ncclCommAbort, which also unblocks the kernels of this rank) and a
   :class:`~hpcring.errors.CollectiveError` names the op, sequence number, count, dtype and the
@@ -27,6 +33,7 @@ saying which is missing.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import time
@@ -152,6 +159,16 @@ def gpu_available() -> bool:
     return gpu_count() > 0
 
 
+def _on_own_device(fn):
+    """Run a collective with the backend's GPU current: the calling thread may have another
+    device current, and staging/scratch buffers and the current stream must be this GPU's."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with self._cp.cuda.Device(self.device_id):
+            return fn(self, *args, **kwargs)
+    return wrapper
+
+
 class NcclBackend(Backend):
     """Collectives on one GPU per rank through an NCCL communicator."""
 
@@ -213,6 +230,12 @@ class NcclBackend(Backend):
     @property
     def error(self) -> str | None:
         return self._error
+
+    @property
+    def array_module(self):
+        """The CuPy module this backend's buffers belong to (the Communicator allocates device
+        results and views CUDA tensors with it)."""
+        return self._cp
 
     def close(self) -> None:
         if self._closed:
@@ -305,6 +328,7 @@ class NcclBackend(Backend):
             host[...] = self._cp.asnumpy(dev).reshape(host.shape)
 
     # -- collectives ----------------------------------------------------------------------
+    @_on_own_device
     def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
         ndt = nccl_dtype(dtype, self.version, self._nccl)
         nop, divide = nccl_op(op, dtype, self.version, self._nccl)
@@ -330,6 +354,7 @@ class NcclBackend(Backend):
         else:
             arr /= self._size
 
+    @_on_own_device
     def allgather(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
         seq = self._begin("allgather")
         t0 = time.monotonic()
@@ -344,6 +369,7 @@ class NcclBackend(Backend):
         self._complete("allgather", seq, desc, timeout, t0, stream)
         self._back(r, rhost, stream)
 
+    @_on_own_device
     def reduce_scatter(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
         ndt = nccl_dtype(dtype, self.version, self._nccl)
         nop, divide = nccl_op(op, dtype, self.version, self._nccl)
@@ -373,6 +399,7 @@ class NcclBackend(Backend):
         self._complete("reduce_scatter", seq, desc, timeout, t0, stream)
         self._back(r, rhost, stream)
 
+    @_on_own_device
     def broadcast(self, buf, root: int, dtype: str, timeout: float) -> None:
         if not (0 <= root < self._size):
             raise UsageError(f"broadcast: root {root} out of range for {self._size} ranks")
@@ -388,6 +415,7 @@ class NcclBackend(Backend):
         self._complete("broadcast", seq, desc, timeout, t0, stream)
         self._back(b, host, stream)
 
+    @_on_own_device
     def alltoall(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
         if sendbuf.size % self._size:
             raise UsageError(f"alltoall: {sendbuf.size} elements cannot be split into {self._size} equal blocks")
@@ -417,6 +445,7 @@ class NcclBackend(Backend):
         self._complete("alltoall", seq, desc, timeout, t0, stream)
         self._back(r, rhost, stream)
 
+    @_on_own_device
     def barrier(self, timeout: float) -> None:
         seq = self._begin("barrier")
         t0 = time.monotonic()
