@@ -1,9 +1,8 @@
 """`hpcring stacks JOB` on the real Slurm dev cluster: a 3 nodes x 2 ranks job where ranks 0-4
 wait in one function and rank 5 in another; the grouped summary must say exactly that, through the
-ranks' SIGUSR2 hook (faulthandler) and, when installed, through py-spy."""
+ranks' stack-signal hook (faulthandler, installed by hpcring.init) and, when installed, through py-spy."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -14,25 +13,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cluster_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return False
-    return r.returncode == 0 and any(w in r.stdout for w in ("idle", "mix", "alloc"))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_submit_devcluster import _cluster_up  # noqa: E402
 
 pytestmark = [pytest.mark.devcluster,
               pytest.mark.skipif(not _cluster_up(), reason="dev cluster is not up (hpcring devcluster up)")]
 
-# Until session init installs the hook itself, the script does (the hook line is in docs/diagnostics.md).
+# hpcring.init() installs the stack hook (SIGRTMIN+6) in every rank.
 SCRIPT = """\
 import time
 
 import hpcring
-from hpcring.diagnostics.stacks import install_signal_dump
 
 
 def wait_for_peers():
@@ -44,7 +35,6 @@ def load_batch():
 
 
 session = hpcring.init()
-install_signal_dump(None, session.rank)
 print("READY", session.rank, flush=True)
 if session.rank == 5:
     load_batch()
