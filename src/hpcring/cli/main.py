@@ -187,7 +187,7 @@ def _add_optional_subapps() -> None:
         except ImportError:
             continue
         app.add_typer(sub, name=name)
-    for mod in ("hpcring.cli.run_cmd", "hpcring.cli.bench_cmd", "hpcring.cli.stacks_cmd"):
+    for mod in ("hpcring.cli.run_cmd", "hpcring.cli.bench_cmd", "hpcring.cli.stacks_cmd", "hpcring.cli.doctor_cmd"):
         try:
             __import__(mod, fromlist=["register"]).register(app)
         except ImportError:
