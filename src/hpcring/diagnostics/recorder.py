@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../hpcring
@@ -40,18 +39,29 @@ def _outside(filename: str) -> bool:
     return not filename.startswith(_SKIP)
 
 
-def call_site(depth: int = 2) -> str:
-    """``file:line in function`` of the innermost caller outside the hpcring package (and the
-    threading/runpy machinery); "?" when there is none. ``depth`` frames are skipped first."""
+def _caller(depth: int):
+    """(filename, line, function) of the innermost frame outside hpcring, or None (hot path:
+    no string formatting here, see :func:`call_site`)."""
     try:
         f = sys._getframe(depth)
     except ValueError:
-        return "?"
+        return None
     while f is not None:
-        if _outside(f.f_code.co_filename):
-            return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+        code = f.f_code
+        if not code.co_filename.startswith(_SKIP):
+            return code.co_filename, f.f_lineno, code.co_name
         f = f.f_back
-    return "?"
+    return None
+
+
+def _format_site(where) -> str:
+    return "?" if where is None else f"{os.path.basename(where[0])}:{where[1]} in {where[2]}"
+
+
+def call_site(depth: int = 2) -> str:
+    """``file:line in function`` of the innermost caller outside the hpcring package (and the
+    threading/runpy machinery); "?" when there is none. ``depth`` frames are skipped first."""
+    return _format_site(_caller(depth + 1))
 
 
 def locate(frame) -> str:
@@ -79,23 +89,26 @@ def main_thread_location() -> str:
     return "?" if frame is None else locate(frame)
 
 
-@dataclass
 class Record:
-    """One collective as this rank saw it (JSON-serialisable via :meth:`to_dict`)."""
+    """One collective as this rank saw it (JSON-serialisable via :meth:`to_dict`). A plain
+    slotted class: one is made per collective, so construction must cost well under a microsecond."""
 
-    seq: int
-    op: str
-    dtype: str | None
-    count: int
-    root: int | None
-    backend: str
-    timeout: float
-    site: str
-    state: str = QUEUED
-    t_queued: float = field(default_factory=time.time)
-    t_started: float | None = None
-    t_ended: float | None = None
-    error: str | None = None
+    __slots__ = ("seq", "op", "dtype", "count", "root", "backend", "timeout", "_site", "state", "t_queued",
+                 "t_started", "t_ended", "error")
+    FIELDS = ("seq", "op", "dtype", "count", "root", "backend", "timeout", "site", "state", "t_queued",
+              "t_started", "t_ended", "error")
+
+    def __init__(self, seq: int, op: str, dtype: str | None, count: int, root: int | None, backend: str,
+                 timeout: float, site, state: str = QUEUED) -> None:
+        self.seq, self.op, self.dtype, self.count, self.root = seq, op, dtype, count, root
+        self.backend, self.timeout, self._site, self.state = backend, timeout, site, state
+        self.t_queued = time.time()
+        self.t_started = self.t_ended = self.error = None
+
+    @property
+    def site(self) -> str:
+        """``file:line in function`` of the call (formatted on demand: the hot path keeps a tuple)."""
+        return self._site if isinstance(self._site, str) else _format_site(self._site)
 
     @property
     def signature(self) -> tuple:
@@ -103,7 +116,10 @@ class Record:
         return (self.op, self.dtype, self.count, self.root)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+    def __repr__(self) -> str:
+        return f"Record({self.op}#{self.seq} {self.dtype} count={self.count} {self.state})"
 
 
 class FlightRecorder:
@@ -120,8 +136,8 @@ class FlightRecorder:
         """Record a new collective (state ``queued``) and give it the next sequence number."""
         with self._lock:
             self._seq += 1
-            rec = Record(self._seq, op, dtype, int(count), root, self.backend, float(timeout),
-                         site if site is not None else call_site(3))
+            rec = Record(self._seq, op, dtype, count, root, self.backend, timeout,
+                         site if site is not None else _caller(2))
             self._records.append(rec)
         return rec
 
