@@ -280,7 +280,7 @@ def _with_alternatives(exc: BootstrapError, client, topo: Topology, hosts: list[
         alt = f" Interfaces that do connect every rank (automatic choice): {works}."
     except BootstrapError as alt_exc:
         alt = f" No automatic choice connects every rank either ({alt_exc.message[:200]})."
-    return BootstrapError(exc.message + alt, hint=exc.hint)
+    return BootstrapError(exc.message.rstrip(".") + "." + alt, hint=exc.hint)
 
 
 def _agree_master(client: StoreClient, rank: int, table, deadline: float) -> dict:
