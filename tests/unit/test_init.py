@@ -169,6 +169,9 @@ def test_framework_env_needs_a_completed_topology():
 def test_apply_framework_env_exports(monkeypatch):
     for k in ("MASTER_ADDR", "RANK", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(k, raising=False)
+    # every variable it exports (RANK, LOCAL_RANK, WORLD_SIZE, ...) must vanish after the test:
+    # later tests start fake ranks from this process's environment
+    monkeypatch.setattr(os, "environ", os.environ.copy())
     bi.apply_framework_env(topo(rank=2, local_rank=0))
     assert os.environ["RANK"] == "2" and os.environ["NCCL_SOCKET_IFNAME"] == "=ib0"
 
