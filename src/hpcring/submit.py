@@ -19,6 +19,7 @@ from submitit.core.utils import FailedJobError
 from hpcring import schedulers
 from hpcring.config.jobspec import JobSpec
 from hpcring.config.site import Site, load_site
+from hpcring.diagnostics.report import rank_ranges
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.job import RunScript
 from hpcring.render import render_script
@@ -231,22 +232,11 @@ def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
         if others:
             parts.append(f"also failed: ranks {', '.join(others)}")
     if oc.missing and oc.state.state != "COMPLETED":
-        parts.append(f"ranks {_ranges(oc.missing)} did not finish")
+        parts.append(f"ranks {rank_ranges(oc.missing)} did not finish")
     code = oc.failed[0]["exit_code"] if oc.failed else (oc.state.exit_code or 1)
     msg = f"job {rec.job_id} ({rec.name}) {oc.state.state}" + (": " + "; ".join(parts) if parts else "")
     return JobFailedError(msg, exit_code=code,
                           hint=f"see `hpcring logs {rec.job_id}" + (f" --rank {oc.failed[0]['rank']}`" if oc.failed else "`"))
-
-
-def _ranges(ranks: list[int]) -> str:
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(out)
 
 
 def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callable[[int, str, str], None],

@@ -45,6 +45,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Iterable, Mapping, Sequence, Union
 
+from hpcring.diagnostics.report import rank_ranges
+
 __all__ = ["Frame", "ThreadStack", "Group", "STACK_SIGNAL", "live_file_name", "format_all_threads", "where",
            "locate", "install_signal_dump", "uninstall_signal_dump", "installed_signal_dump", "parse_stacks",
            "main_thread", "group", "group_line", "summarize", "rank_ranges", "format_thread"]
@@ -449,13 +451,6 @@ def group(stacks_by_rank: Mapping[int, StackInput]) -> list[Group]:
         else:
             g.ranks.append(rank)
     return sorted(buckets.values(), key=lambda g: (-len(g.ranks), g.ranks[0]))
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``0-4,6`` for ranks 0,1,2,3,4,6 (sorted, duplicates dropped), via the hostlist compressor."""
-    from hpcring.bootstrap.hostlist import compress
-    text = compress([str(r) for r in sorted(set(int(r) for r in ranks))])
-    return text[1:-1] if text.startswith("[") else text
 
 
 def group_line(g: Group) -> str:
