@@ -24,7 +24,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import secrets
 import socket
 import struct

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import abc
 
+from hpcring.errors import CollectiveError
+
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 OPS = ("sum", "prod", "min", "max", "avg")
@@ -72,6 +74,59 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections; idempotent."""
+
+
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
+
+
+class PolledBackend(Backend):
+    """What the MPI and NCCL backends share: a library communicator driven by polling against the
+    deadline, a per-backend sequence number, and a sticky first error (``_error``)."""
+
+    label = "?"            # "MPI", "NCCL": used in error messages
+
+    def _init_state(self, rank: int, size: int, hosts) -> None:
+        self._rank, self._size = rank, size
+        self._hosts = tuple(hosts) if hosts else None
+        self._seq = 0
+        self._error: str | None = None
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def _host(self, default: str = "?") -> str:
+        return self._hosts[self._rank] if self._hosts and self._rank < len(self._hosts) else default
+
+    def _begin(self, name: str) -> int:
+        """Next sequence number for collective ``name``; raises the sticky error of a failed or
+        closed communicator."""
+        if self._error is not None:
+            raise CollectiveError(self._error, hint=f"the {self.label} communicator failed earlier "
+                                                    "(it cannot be reused); restart the job")
+        if self._closed:
+            raise CollectiveError(f"{name}: the {self.label} communicator is closed")
+        self._seq += 1
+        return self._seq
+
+    @staticmethod
+    def _desc(count: int, dtype: str, op: str | None = None, root: int | None = None) -> str:
+        """``(count=.., dtype=.., N bytes, op=.., root=..)`` for error messages."""
+        parts = [f"count={count}", f"dtype={dtype}", f"{count * ITEMSIZE.get(dtype, 1)} bytes"]
+        if op is not None:
+            parts.append(f"op={op}")
+        if root is not None:
+            parts.append(f"root={root}")
+        return "(" + ", ".join(parts) + ")"
 
 
 def chunk_counts(count: int, size: int) -> list[int]:

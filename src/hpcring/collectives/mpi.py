@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend, chunk_counts
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, PolledBackend, chunk_counts
 from hpcring.errors import CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.mpi")
@@ -50,7 +50,6 @@ POLL_MIN = 50e-6
 POLL_MAX = 1e-3
 ABORT_ENV = "HPCRING_MPI_ABORT_ON_TIMEOUT"
 
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 UPCAST_DTYPES = ("float16", "bfloat16")
 
 
@@ -144,25 +143,21 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.size > 0 and b.size > 0 and np.shares_memory(a, b))
 
 
-class MpiBackend(Backend):
+class MpiBackend(PolledBackend):
     """Collectives over a duplicate of MPI_COMM_WORLD (host memory, numpy buffers)."""
 
     name = "mpi"
+    label = "MPI"
     device = "cpu"
 
     def __init__(self, comm, *, hosts=None, abort_on_timeout: bool | None = None,
                  abort_code: int = ABORT_CODE, mpi=None) -> None:
         self._MPI = mpi if mpi is not None else _import_mpi()
         self._comm = comm
-        self._rank = comm.Get_rank()
-        self._size = comm.Get_size()
-        self._hosts = tuple(hosts) if hosts else None
+        self._init_state(comm.Get_rank(), comm.Get_size(), hosts)
         self.abort_on_timeout = abort_default() if abort_on_timeout is None else bool(abort_on_timeout)
         self.abort_code = int(abort_code)
-        self._seq = 0
-        self._error: str | None = None
         self._stuck: list = []            # requests (and their buffers) of calls that timed out
-        self._closed = False
 
     # -- creation -------------------------------------------------------------------------
     @classmethod
@@ -198,18 +193,6 @@ class MpiBackend(Backend):
         return cls(comm, hosts=hosts, abort_on_timeout=abort_on_timeout, abort_code=abort_code, mpi=MPI)
 
     # -- Backend properties ---------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def error(self) -> str | None:
-        return self._error
-
     def close(self) -> None:
         if self._closed:
             return
@@ -222,16 +205,7 @@ class MpiBackend(Backend):
 
     # -- machinery ------------------------------------------------------------------------
     def _where(self) -> str:
-        host = self._hosts[self._rank] if self._hosts and self._rank < len(self._hosts) else os.uname().nodename
-        return f"rank {self._rank} ({host})"
-
-    def _begin(self, name: str) -> int:
-        if self._error is not None:
-            raise CollectiveError(self._error, hint="the MPI communicator failed earlier; create a new job")
-        if self._closed:
-            raise CollectiveError(f"{name}: the MPI communicator is closed")
-        self._seq += 1
-        return self._seq
+        return f"rank {self._rank} ({self._host(os.uname().nodename)})"
 
     def _wait(self, req, name: str, seq: int, desc: str, timeout: float, t0: float, keep) -> None:
         MPI = self._MPI
@@ -274,15 +248,6 @@ class MpiBackend(Backend):
             self._error = msg
             raise CollectiveError(msg) from None
         self._wait(req, name, seq, desc, timeout, t0, keep)
-
-    @staticmethod
-    def _desc(count: int, dtype: str, op: str | None = None, root: int | None = None) -> str:
-        parts = [f"count={count}", f"dtype={dtype}", f"{count * _ITEMSIZE.get(dtype, 1)} bytes"]
-        if op is not None:
-            parts.append(f"op={op}")
-        if root is not None:
-            parts.append(f"root={root}")
-        return "(" + ", ".join(parts) + ")"
 
     @staticmethod
     def _bytes(buf: np.ndarray) -> np.ndarray:

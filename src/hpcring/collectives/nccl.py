@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend, chunk_counts
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, ITEMSIZE, OPS, PolledBackend, chunk_counts
 from hpcring.errors import CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.nccl")
@@ -59,7 +59,6 @@ _CUPY_OP_NAME = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX", "min
 BF16_MIN_VERSION = 21003     # NCCL 2.10.3
 AVG_MIN_VERSION = 21000      # NCCL 2.10.0
 SENDRECV_MIN_VERSION = 20700
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,23 +168,20 @@ def _on_own_device(fn):
     return wrapper
 
 
-class NcclBackend(Backend):
+class NcclBackend(PolledBackend):
     """Collectives on one GPU per rank through an NCCL communicator."""
 
     name = "nccl"
+    label = "NCCL"
     device = "cuda"
 
     def __init__(self, comm, rank: int, size: int, device_id: int, *, hosts=None, cupy=None,
                  nccl=None, version: int | None = None) -> None:
         self._comm = comm
-        self._rank, self._size = rank, size
+        self._init_state(rank, size, hosts)
         self.device_id = device_id
-        self._hosts = tuple(hosts) if hosts else None
         self._cp, self._nccl = cupy, nccl
         self.version = int(version if version is not None else nccl.get_version())
-        self._seq = 0
-        self._error: str | None = None
-        self._closed = False
 
     # -- creation -------------------------------------------------------------------------
     @classmethod
@@ -220,18 +216,6 @@ class NcclBackend(Backend):
 
     # -- Backend properties ---------------------------------------------------------------
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def error(self) -> str | None:
-        return self._error
-
-    @property
     def array_module(self):
         """The CuPy module this backend's buffers belong to (the Communicator allocates device
         results and views CUDA tensors with it)."""
@@ -249,25 +233,7 @@ class NcclBackend(Backend):
 
     # -- machinery ------------------------------------------------------------------------
     def _where(self) -> str:
-        host = self._hosts[self._rank] if self._hosts and self._rank < len(self._hosts) else "?"
-        return f"rank {self._rank} ({host}, GPU {self.device_id})"
-
-    def _begin(self, name: str) -> int:
-        if self._error is not None:
-            raise CollectiveError(self._error, hint="the NCCL communicator was aborted; create a new one")
-        if self._closed:
-            raise CollectiveError(f"{name}: the NCCL communicator is closed")
-        self._seq += 1
-        return self._seq
-
-    @staticmethod
-    def _desc(count: int, dtype: str, op: str | None = None, root: int | None = None) -> str:
-        parts = [f"count={count}", f"dtype={dtype}", f"{count * _ITEMSIZE.get(dtype, 1)} bytes"]
-        if op is not None:
-            parts.append(f"op={op}")
-        if root is not None:
-            parts.append(f"root={root}")
-        return "(" + ", ".join(parts) + ")"
+        return f"rank {self._rank} ({self._host()}, GPU {self.device_id})"
 
     def _fail(self, msg: str, *, abort: bool) -> CollectiveError:
         self._error = msg
@@ -361,7 +327,7 @@ class NcclBackend(Backend):
         desc = self._desc(sendbuf.size, dtype)
         s, _ = self._device(sendbuf, dtype)
         r, rhost = self._device(recvbuf, dtype)
-        n = s.size * _ITEMSIZE[dtype]
+        n = s.size * ITEMSIZE[dtype]
         u8 = NCCL_DTYPE["uint8"]
         stream = self._stream()
         self._enqueue("allgather", seq, desc,
@@ -407,7 +373,7 @@ class NcclBackend(Backend):
         t0 = time.monotonic()
         desc = self._desc(buf.size, dtype, root=root)
         b, host = self._device(buf, dtype)
-        n = b.size * _ITEMSIZE[dtype]
+        n = b.size * ITEMSIZE[dtype]
         u8 = NCCL_DTYPE["uint8"]
         stream = self._stream()
         self._enqueue("broadcast", seq, desc,
@@ -428,7 +394,7 @@ class NcclBackend(Backend):
         r, rhost = self._device(recvbuf, dtype)
         if sendbuf is recvbuf or (s.data.ptr == r.data.ptr):
             s = s.copy()
-        block = (s.size // self._size) * _ITEMSIZE[dtype]
+        block = (s.size // self._size) * ITEMSIZE[dtype]
         u8 = NCCL_DTYPE["uint8"]
         stream = self._stream()
         sp, rp = self._ptr(s), self._ptr(r)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from types import FrameType
-from typing import IO, Iterable, Mapping, Sequence, Union
+from typing import IO, Mapping, Sequence, Union
 
 from hpcring.diagnostics.report import rank_ranges
 
