@@ -78,8 +78,10 @@ int hr_tcp_fd(const hr_tcp_t *t, int peer) {
     return t->fds[peer * t->nconn];
 }
 
-ssize_t hr_tcp_sendv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char *err,
-                     size_t errlen) {
+/* One non-blocking sendmsg/recvmsg on the peer's connection: bytes moved, 0 when it would
+ * block, -1 with err set (EOF on a receive is an error: a peer never closes mid-collective). */
+static ssize_t tcp_io(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, int is_send, char *err,
+                      size_t errlen) {
     struct msghdr m;
     ssize_t r;
     int fd = hr_tcp_fd(t, peer);
@@ -92,40 +94,27 @@ ssize_t hr_tcp_sendv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char 
     m.msg_iov = iov;
     m.msg_iovlen = iovcnt;
     for (;;) {
-        r = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (r >= 0) return r;
-        if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-        snprintf(err, errlen, "failed: sendmsg(): %s", strerror(errno));
-        return -1;
-    }
-}
-
-ssize_t hr_tcp_recvv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char *err,
-                     size_t errlen) {
-    struct msghdr m;
-    ssize_t r;
-    int fd = hr_tcp_fd(t, peer);
-
-    if (fd < 0) {
-        snprintf(err, errlen, "no connection");
-        return -1;
-    }
-    memset(&m, 0, sizeof(m));
-    m.msg_iov = iov;
-    m.msg_iovlen = iovcnt;
-    for (;;) {
-        r = recvmsg(fd, &m, MSG_DONTWAIT);
-        if (r > 0) return r;
+        r = is_send ? sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT) : recvmsg(fd, &m, MSG_DONTWAIT);
+        if (r > 0 || (r == 0 && is_send)) return r;
         if (r == 0) {
             snprintf(err, errlen, "failed: connection closed by peer (EOF)");
             return -1;
         }
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-        snprintf(err, errlen, "failed: recvmsg(): %s", strerror(errno));
+        snprintf(err, errlen, "failed: %s(): %s", is_send ? "sendmsg" : "recvmsg", strerror(errno));
         return -1;
     }
+}
+
+ssize_t hr_tcp_sendv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char *err,
+                     size_t errlen) {
+    return tcp_io(t, peer, iov, iovcnt, 1, err, errlen);
+}
+
+ssize_t hr_tcp_recvv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char *err,
+                     size_t errlen) {
+    return tcp_io(t, peer, iov, iovcnt, 0, err, errlen);
 }
 
 int hr_tcp_wait(hr_tcp_t *t, int speer, int rpeer, double deadline, char *err, size_t errlen) {
