@@ -7,7 +7,6 @@ Rank 0's rendezvous store stays up while CMD runs (it lives in this process), so
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 from hpcring.errors import HpcringError
+from hpcring.fsutil import write_json
 
 
 def _pump(src, dst, prefix: bytes) -> None:
@@ -51,9 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     apply_framework_env(topo, gpus)
     from hpcring.session import handoff_env
     os.environ.update(handoff_env(session))
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    from hpcring.schedulers.supervisor import start
+    parent = os.getppid()
+    child = start(argv, dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def forward(signum, _frame):
+        if signum == signal.SIGTERM and os.getppid() != parent:
+            _orphaned(child, status_dir)          # `hpcring run` is gone (PR_SET_PDEATHSIG)
         if child.poll() is None:
             child.send_signal(signum)
 
@@ -75,14 +79,23 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _orphaned(child, status_dir: Path | None) -> None:
+    """The supervisor died (even by SIGKILL): end CMD, remove the job's secret and run folder, exit."""
+    from hpcring.fsutil import remove_secret
+    child.kill()
+    remove_secret(os.environ.get("HPCRING_SECRET_FILE"))
+    if status_dir is not None and status_dir.parent.name.startswith("hpcring-run-"):
+        import shutil
+        shutil.rmtree(status_dir.parent, ignore_errors=True)
+    os._exit(128 + signal.SIGTERM)
+
+
 def _status(folder: Path | None, rank: int, data: dict) -> None:
     if folder is None:
         return
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"{rank}.tmp"
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, folder / f"{rank}.json")
+        write_json(folder / f"{rank}.json", data)
     except OSError as exc:
         print(f"hpcring: could not record rank {rank}'s status in {folder}: {exc}", file=sys.stderr)
 

@@ -22,6 +22,7 @@ from hpcring.config.site import Site, load_site
 from hpcring.diagnostics.report import rank_ranges
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.job import RunScript
+from hpcring.outcome import read_statuses, summarize
 from hpcring.render import render_script
 from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
 
@@ -171,21 +172,12 @@ class Outcome:
 
 
 def rank_statuses(rec: JobRecord) -> dict[int, dict]:
-    out = {}
-    for r in range(rec.ntasks):
-        p = Path(rec.folder) / f"{rec.job_id}_{r}_status.json"
-        try:
-            out[r] = json.loads(p.read_text())
-        except (OSError, ValueError):
-            pass
-    return out
+    return read_statuses({r: Path(rec.folder) / f"{rec.job_id}_{r}_status.json" for r in range(rec.ntasks)})
 
 
 def outcome(rec: JobRecord, st: JobState) -> Outcome:
-    stats = rank_statuses(rec)
-    failed = sorted((s for s in stats.values() if s.get("exit_code")), key=lambda s: s.get("ended", 0))
-    missing = [r for r in range(rec.ntasks) if r not in stats]
-    return Outcome(st, failed, missing)
+    oc = summarize(rank_statuses(rec), rec.ntasks)
+    return Outcome(st, oc.failed, oc.missing)
 
 
 _SRUN_CASUALTY = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Terminated|Segmentation fault|Aborted)")
