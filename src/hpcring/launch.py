@@ -24,12 +24,9 @@ from typing import Mapping
 
 from hpcring.config.site import Site
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
-from hpcring.outcome import rank_failure, read_statuses, summarize
+from hpcring.outcome import hang_headline, rank_failure, read_statuses, summarize
 from hpcring.render import job_env
 from hpcring.schedulers import supervisor
-
-GRACE_S = 10.0
-
 
 def where(environ: Mapping[str, str]) -> str:
     if environ.get("SLURM_JOB_ID"):
@@ -102,23 +99,29 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
                 raise SchedulerError(f"`{argv[0]}` is not on PATH inside this {kind} allocation",
                                      hint="load the scheduler's module, or check the site's launcher")
             procs = [supervisor.start(argv, env)]
-        codes = _wait_all(procs)
-        return _verdict(run_dir / "status", nodes * per_node, codes, cmd)
+        from hpcring.diagnostics.jobdir import diag_dir
+        diag = diag_dir({**env, "HPCRING_JOB_ID": _local_job_id()} if kind == "local" else env, create=False)
+        codes = _wait_all(procs, diag)
+        return _verdict(run_dir / "status", nodes * per_node, codes, cmd, diag)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _local_job_id() -> str:
+    return f"run{os.getpid()}"
+
+
 def _start_local(rank_cmd: list[str], env: dict, nodes: int, per_node: int) -> list[subprocess.Popen]:
     from hpcring.schedulers.local_run import rank_env
-    job_id = f"run{os.getpid()}"
+    job_id = _local_job_id()
     # SIGTERM, not SIGKILL, on our death: rank_exec then kills its CMD and removes the secret
     return [supervisor.start(rank_cmd, rank_env(env, job_id, nodes, per_node, n, l), parent_death=signal.SIGTERM)
             for n in range(nodes) for l in range(per_node)]
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
+def _wait_all(procs: list[subprocess.Popen], diag: Path | None = None) -> list[int]:
     """Wait for every process (the shared rank supervisor); Ctrl-C or SIGTERM ends them all."""
-    sup = supervisor.Supervisor(procs, grace_s=GRACE_S * 3, kill_after_s=GRACE_S)
+    sup = supervisor.Supervisor(procs, grace_s=supervisor.GRACE_S, diag=diag)
     old = {s: signal.signal(s, lambda *_: sup.stop("CANCELLED")) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return sup.wait().codes
@@ -127,10 +130,14 @@ def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
             signal.signal(s, h)
 
 
-def _verdict(status_dir: Path, size: int, codes: list[int], cmd: list[str]) -> int:
+def _verdict(status_dir: Path, size: int, codes: list[int], cmd: list[str], diag: Path | None = None) -> int:
     oc = summarize(read_statuses({r: status_dir / f"{r}.json" for r in range(size)}), size)
     if oc.clean and not any(codes):
         return 0
+    hang = hang_headline(diag) if diag is not None else None
+    if hang:         # the watchdog's diagnosis says more than "every rank exited with 1"
+        raise JobFailedError(f"collective failure: {hang[0]} (report: {hang[1]})",
+                             exit_code=oc.failed[0]["exit_code"] if oc.failed else 1)
     if oc.failed:
         s = oc.failed[0]
         raise JobFailedError(rank_failure(s, f"{' '.join(cmd)} exited with code {s['exit_code']}")

@@ -42,3 +42,12 @@ def rank_failure(s: dict, what: str | None = None) -> str:
     """``rank 3 on node2: ValueError: ...`` (or ``... exited with code N``)."""
     text = s.get("error") or what or f"exited with code {s.get('exit_code')}"
     return f"rank {s['rank']} on {s.get('host', '?')}: {text}"
+
+
+def hang_headline(diag: Path) -> tuple[str, Path] | None:
+    """(headline, text report) of the watchdog's report in the job's ``diag`` folder, if any."""
+    path = Path(diag) / "hang-report.json"
+    try:
+        return json.loads(path.read_text())["headline"], path.with_suffix(".txt")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

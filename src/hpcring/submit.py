@@ -22,7 +22,7 @@ from hpcring.config.site import Site, load_site
 from hpcring.diagnostics.report import rank_ranges
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.job import RunScript
-from hpcring.outcome import read_statuses, summarize
+from hpcring.outcome import hang_headline as outcome_hang_headline, read_statuses, summarize
 from hpcring.render import render_script
 from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
 
@@ -200,13 +200,7 @@ def first_casualty(rec: JobRecord) -> str | None:
 
 def hang_headline(rec: JobRecord) -> tuple[str, Path] | None:
     """(headline, report path) of the job's hang report (``<folder>/diag/hang-report.json``)."""
-    for folder in (Path(rec.folder), Path(os.environ.get("HPCRING_JOB_DIR", rec.folder))):
-        path = folder / "diag" / "hang-report.json"
-        try:
-            return json.loads(path.read_text())["headline"], path.with_suffix(".txt")
-        except (OSError, ValueError, KeyError):
-            continue
-    return None
+    return outcome_hang_headline(Path(rec.folder) / "diag")
 
 
 def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:

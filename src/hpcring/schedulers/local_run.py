@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 
 from hpcring.fsutil import remove_secret, write_json
-from hpcring.schedulers.supervisor import Supervisor, start
-
-GRACE_S = float(os.environ.get("HPCRING_LOCAL_GRACE_S", "10"))
+from hpcring.schedulers.supervisor import GRACE_S, Supervisor, start
 
 
 def rank_env(base: dict, job_id: str, nodes: int, per_node: int, node: int, local: int) -> dict:
@@ -62,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(statef, st)
 
     procs: list[subprocess.Popen] = []
-    sup = Supervisor(procs, grace_s=GRACE_S, limit_s=limit)
+    sup = Supervisor(procs, grace_s=GRACE_S, limit_s=limit, diag=folder / "diag")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sup.stop("CANCELLED"))
     try:

@@ -1,7 +1,8 @@
 """The rank supervisor shared by the local backend (local_run) and ``hpcring run`` on this machine.
 
 Like mpirun: the ranks are children of one supervisor; once a rank fails the others get a grace
-period (the watchdog's ranks leave together well within it), then every rank that is left is
+period (HPCRING_LOCAL_GRACE_S, 10 s; 1 s once the watchdog's report is on disk, since its ranks
+leave together right after writing it), then every rank that is left is
 stopped -- SIGCONT (a frozen rank must run to take its signal), SIGTERM, and SIGKILL after
 ``kill_after_s`` (submitit ignores SIGTERM). A stop request (cancel, Ctrl-C) or the time limit
 does the same at once. Every rank gets PR_SET_PDEATHSIG=SIGKILL, so it dies with its supervisor
@@ -15,9 +16,12 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
+GRACE_S = float(os.environ.get("HPCRING_LOCAL_GRACE_S", "10"))
 KILL_AFTER_S = 3.0
+DIAGNOSED_GRACE_S = 1.0
 POLL_S = 0.05
 
 
@@ -70,8 +74,9 @@ class Supervisor:
     """Waits for ranks (see the module doc). ``stop(why)`` is safe from a signal handler."""
 
     def __init__(self, procs: list[subprocess.Popen], *, grace_s: float, limit_s: float | None = None,
-                 kill_after_s: float = KILL_AFTER_S) -> None:
+                 kill_after_s: float = KILL_AFTER_S, diag: Path | None = None) -> None:
         self.procs, self.grace_s, self.limit_s, self.kill_after_s = procs, grace_s, limit_s, kill_after_s
+        self.diag = diag        # the job's diag folder: a hang report there means the failure is diagnosed
         self._why: str | None = None
 
     def stop(self, why: str = "CANCELLED") -> None:
@@ -91,7 +96,7 @@ class Supervisor:
             now = time.monotonic()
             if self._why is None and self.limit_s and now - t0 > self.limit_s:
                 self._why = "TIMEOUT"
-            if term_at is None and (self._why or (fail_at is not None and now - fail_at > self.grace_s)):
+            if term_at is None and (self._why or (fail_at is not None and now - fail_at > self._grace())):
                 killed = [r for r, c in enumerate(codes) if c is None]
                 self._signal_all(signal.SIGCONT)
                 self._signal_all(signal.SIGTERM)
@@ -100,6 +105,13 @@ class Supervisor:
                 self._signal_all(signal.SIGKILL)
             time.sleep(POLL_S)
         return Ended([exit_code(p.returncode) for p in self.procs], first, self._why, killed)
+
+    def _grace(self) -> float:
+        """The watchdog's ranks leave together once the report is written: the ranks still there
+        then are frozen or cut off, and waiting for them longer gains nothing."""
+        if self.diag is not None and (self.diag / "hang-report.json").exists():
+            return min(self.grace_s, DIAGNOSED_GRACE_S)
+        return self.grace_s
 
     def _signal_all(self, sig: int) -> None:
         for p in self.procs:
