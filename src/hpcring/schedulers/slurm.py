@@ -72,6 +72,16 @@ def state(job_id: str) -> JobState:
     raise SchedulerError(f"could not read the state of job {job_id}: {(r.stderr or q.stderr).strip()}")
 
 
+def cluster_name(site: Site) -> str:
+    """Slurm's ClusterName (job ids are per cluster); the site's name when scontrol cannot say."""
+    try:
+        r = _run(["scontrol", "show", "config"])
+    except SchedulerError:
+        return site.name
+    m = re.search(r"^ClusterName\s*=\s*(\S+)", r.stdout, re.M)
+    return m.group(1) if m else site.name
+
+
 def cancel(job_id: str) -> None:
     r = _run(["scancel", str(job_id)])
     if r.returncode != 0:
