@@ -47,6 +47,7 @@ def main():
     p.add_argument("--backend", default="ring")
     p.add_argument("--count", type=int, default=1 << 16)
     p.add_argument("--loops", type=int, default=3)
+    p.add_argument("--tag", default="", help="ignored: lets a harness find this job's processes")
     a = p.parse_args()
     if a.scenario == "never" and launcher_rank() == a.victim:
         say(a.victim, "fault")

@@ -65,6 +65,8 @@ class RunScript:
         from submitit.core.utils import DelayedSubmission
         return DelayedSubmission(RunScript(self.script, self.args, self.cwd, self.gpus_per_node, self.requeues + 1))
 
+    checkpoint = __submitit_checkpoint__   # submitit's signal handler looks for this name first
+
     def __call__(self) -> int:
         from hpcring.bootstrap.init import apply_framework_env
         from hpcring.session import init
