@@ -50,9 +50,7 @@ def preempted(comm=None) -> bool:
     if comm is None:
         return bool(mine)
     import numpy as np
-    flag = np.array([mine], np.float32)
-    comm.allreduce(flag, op="max")
-    return bool(flag[0])
+    return bool(comm.allreduce(np.array([mine], np.float32), op="max")[0])
 
 
 def on_preempt(fn: Callable[[str], None]) -> None:
