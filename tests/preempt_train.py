@@ -1,6 +1,6 @@
 """A training loop that survives preemption: checkpoints every step, stops on the scheduler's warning.
 
-Usage: preempt_train.py OUT_DIR [--steps N] [--sleep S]
+Usage: preempt_train.py OUT_DIR [--steps N] [--sleep S] [--ignore-warning]
 Each step all-reduces a gradient that depends on the step and the rank and folds it into the
 weights; rank 0 saves (step, weights) atomically after every step (an unannounced requeue such as
 `scontrol requeue` resumes from there) and on the warning. The final weights in OUT_DIR/result.json
@@ -29,6 +29,7 @@ def main():
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--ignore-warning", action="store_true", help="never check: run into the time limit")
     a = p.parse_args()
     comm = hpcring.init().communicator()
     rank = comm.rank
@@ -40,7 +41,7 @@ def main():
     print(f"PREEMPT_TRAIN rank={rank} start step={step} requeues={hpcring.requeue_count()}", flush=True)
     hpcring.on_preempt(lambda sig: print(f"PREEMPT_TRAIN rank={rank} warned by {sig}", flush=True))
     while step < a.steps:
-        if hpcring.preempted(comm):
+        if not a.ignore_warning and hpcring.preempted(comm):
             if rank == 0:
                 save(ckpt, step, w)
             print(f"PREEMPT_TRAIN rank={rank} checkpointed step={step}", flush=True)
