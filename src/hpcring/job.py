@@ -20,6 +20,7 @@ from pathlib import Path
 from hpcring.diagnostics.jobdir import job_id as _job_id
 from hpcring.errors import HpcringError, Preempted
 from hpcring.fsutil import remove_secret, write_json
+from hpcring.outcome import bootstrap_failure
 
 READY_WAIT_S = 60.0   # rank 0 waits this long for every rank to stop before it requeues
 
@@ -80,10 +81,8 @@ class RunScript:
         try:
             session = init()
         except HpcringError as exc:  # bootstrap failed: record it under the launcher's rank
-            from hpcring.bootstrap.launchers import detect
-            t = detect()
-            status.update(rank=t.rank, host=t.hosts[t.rank], exit_code=1, error=str(exc), ended=time.time())
-            _write_status(folder, t.rank, status)
+            status.update(bootstrap_failure(exc))
+            _write_status(folder, status["rank"], status)
             raise
         topo = session.topology
         apply_framework_env(topo, self.gpus_per_node)

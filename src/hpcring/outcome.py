@@ -44,6 +44,17 @@ def rank_failure(s: dict, what: str | None = None) -> str:
     return f"rank {s['rank']} on {s.get('host', '?')}: {text}"
 
 
+def bootstrap_failure(exc: BaseException, *, first_line: bool = False) -> dict:
+    """The status record of a rank whose ``hpcring.init()`` failed: the launcher's rank and host
+    (the topology never formed), exit code 1, the error (its first line only when asked)."""
+    import time
+
+    from hpcring.bootstrap.launchers import detect
+    t = detect()
+    error = str(exc).splitlines()[0] if first_line and str(exc) else str(exc)
+    return {"rank": t.rank, "host": t.hosts[t.rank], "exit_code": 1, "error": error, "ended": time.time()}
+
+
 def hang_headline(diag: Path) -> tuple[str, Path] | None:
     """(headline, text report) of the watchdog's report in the job's ``diag`` folder, if any."""
     path = Path(diag) / "hang-report.json"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hpcring.errors import HpcringError
 from hpcring.fsutil import write_json
+from hpcring.outcome import bootstrap_failure
 
 
 def _pump(src, dst, prefix: bytes) -> None:
@@ -41,11 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         session = init(watchdog=False)   # the child CMD runs the collectives and the watchdog
     except HpcringError as exc:
-        from hpcring.bootstrap.launchers import detect
-        t = detect()
-        print(f"[{t.rank}]<stderr>:hpcring: {exc}", file=sys.stderr, flush=True)
-        _status(status_dir, t.rank, {"rank": t.rank, "host": t.hosts[t.rank], "exit_code": 1,
-                                     "error": str(exc).splitlines()[0], "ended": time.time()})
+        st = bootstrap_failure(exc, first_line=True)
+        print(f"[{st['rank']}]<stderr>:hpcring: {exc}", file=sys.stderr, flush=True)
+        _status(status_dir, st["rank"], st)
         return 1
     topo = session.topology
     apply_framework_env(topo, gpus)
