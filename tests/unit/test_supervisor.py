@@ -196,3 +196,17 @@ def test_runscript_checkpoint_is_the_same_script_one_requeue_later():
     d = RunScript("t.py", ["--x"], "/w", 2, requeues=1).__submitit_checkpoint__()
     assert (d.function.script, d.function.args, d.function.requeues) == ("t.py", ["--x"], 2)
     assert RunScript.checkpoint is RunScript.__submitit_checkpoint__   # the name submitit's handler checks
+
+
+def test_bootstrap_failure_is_recorded_under_the_launchers_rank(monkeypatch):
+    from hpcring.outcome import bootstrap_failure
+    for var in [v for v in os.environ if v.startswith(("SLURM_", "OMPI_", "PMIX_", "LSB_", "HPCRING_", "JSM_"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("HPCRING_LAUNCHER", "local")
+    for k, v in {"HPCRING_RANK": "2", "HPCRING_SIZE": "3", "HPCRING_LOCAL_RANK": "0", "HPCRING_LOCAL_SIZE": "1",
+                 "HPCRING_NODE_RANK": "2", "HPCRING_NUM_NODES": "3", "HPCRING_NODELIST": "local[0-2]",
+                 "HPCRING_HOSTNAME": "local2", "HPCRING_JOB_ID": "5"}.items():
+        monkeypatch.setenv(k, v)
+    st = bootstrap_failure(RuntimeError("rendezvous incomplete: rank 1 never came\n  hint: ..."), first_line=True)
+    assert (st["rank"], st["host"], st["exit_code"]) == (2, "local2", 1)
+    assert st["error"] == "rendezvous incomplete: rank 1 never came"
