@@ -12,7 +12,9 @@ ranks is asked to end them all:
 * local backend and ``hpcring run`` on this machine: nothing here -- their supervisor kills the
   ranks' process group once a rank has failed (schedulers/supervisor.py).
 
-The call is bounded and never raises: the report and the stacks are written before it.
+On Slurm the report's headline also goes into the job's Comment (``scontrol show job``,
+``squeue -o %k``) before the step is killed. The calls are bounded and never raise: the report
+and the stacks are written before them.
 """
 from __future__ import annotations
 
@@ -34,13 +36,26 @@ def end_job_argv(environ: Mapping[str, str] | None = None) -> list[str] | None:
     return None
 
 
-def end_job(rank: int, environ: Mapping[str, str] | None = None) -> None:
+def annotate_argv(headline: str, environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """The command that writes the report's headline into the scheduler's record of the job
+    (Slurm: the job's Comment, shown by ``scontrol show job`` and ``squeue -o %k``)."""
+    env = os.environ if environ is None else environ
+    if env.get("SLURM_JOB_ID"):
+        text = " ".join(f"hpcring: {headline}".split())[:250]
+        return ["scontrol", "update", f"JobId={env['SLURM_JOB_ID']}", f"Comment={text}"]
+    return None
+
+
+def end_job(rank: int, headline: str = "", environ: Mapping[str, str] | None = None) -> None:
     argv = end_job_argv(environ)
     if argv is None or os.environ.get("HPCRING_END_JOB", "1") == "0":
         return
     print(f"hpcring: rank {rank}: ending the job: {' '.join(argv)}", file=sys.stderr, flush=True)
-    try:
-        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                       timeout=TIMEOUT_S, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:   # the launcher's own kill still applies
-        print(f"hpcring: rank {rank}: could not run {argv[0]}: {exc}", file=sys.stderr, flush=True)
+    for cmd in (annotate_argv(headline, environ) if headline else None, argv):
+        if cmd is None:
+            continue
+        try:
+            subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           timeout=TIMEOUT_S, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:   # the launcher's own kill still applies
+            print(f"hpcring: rank {rank}: could not run {cmd[0]}: {exc}", file=sys.stderr, flush=True)

@@ -271,7 +271,7 @@ class Watchdog:
         sys.stdout.flush()
         sys.stderr.flush()
         if reporter or client is None or self._lost is not None:
-            teardown.end_job(self.rank)     # frozen ranks included; the report is already on disk
+            teardown.end_job(self.rank, report.headline)   # frozen ranks included; the report is on disk
         os._exit(EXIT_CODE)
 
     def _on_exit(self) -> None:

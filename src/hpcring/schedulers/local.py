@@ -150,7 +150,7 @@ def state(job_id: str, folder: Path | None) -> JobState:
     if st in ("PENDING", "RUNNING") and not _alive(int(data.get("pid", 0))):
         # supervisor gone without writing a final state: killed from outside
         return JobState("FAILED", "supervisor vanished", data.get("exit_code"))
-    return JobState(st, st, data.get("exit_code"), data.get("nodes", ""))
+    return JobState(st, data.get("reason") or st, data.get("exit_code"), data.get("nodes", ""))
 
 
 CANCEL_WAIT_S = 8.0   # the supervisor's own stop (SIGTERM, then SIGKILL after 3 s) fits in this

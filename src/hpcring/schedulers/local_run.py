@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from hpcring.fsutil import remove_secret, write_json
+from hpcring.outcome import hang_headline
 from hpcring.schedulers.supervisor import GRACE_S, Supervisor, start
 
 
@@ -74,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         ended = sup.wait()
     finally:
         remove_secret(os.environ.get("HPCRING_SECRET_FILE"))   # the job has ended: no requeue locally
+    hang = hang_headline(folder / "diag") if ended.state == "FAILED" else None
     st.update(state=ended.state, ended=time.time(), exit_code=ended.exit_code, rank_exit_codes=ended.codes,
-              first_failed_rank=ended.first_failed, stopped_ranks=ended.killed)
+              first_failed_rank=ended.first_failed, stopped_ranks=ended.killed,
+              reason=f"collective failure: {hang[0]}" if hang else None)
     write_json(statef, st)
     return 0 if ended.state == "COMPLETED" else 1
 
