@@ -52,6 +52,7 @@ WORKER = ROOT / "tests" / "fault_worker.py"
 FAULTS = ["stop", "kill", "exit", "different", "mismatch", "cut", "slow", "never"]
 LINK_FAULTS = {"cut", "slow"}
 VICTIM = 1
+SIZE = 3
 VETH = "hpcv-node2"      # node2's link on the dev cluster's bridge (the victim's node)
 SHARED = Path("/srv/hpcring")
 LSF_ENV = {"PATH": f"{ROOT / 'tests' / 'lsf_emulation' / 'bin'}:{os.environ['PATH']}",
@@ -271,27 +272,39 @@ def _rank_logs(folder: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in folder.glob("*/*_log.*"))
 
 
+def names_victim(text: str) -> bool:
+    """"rank 1 (node2)", "ranks 1-2", "rank(s) 1 (local0)": the victim is named (in a group of
+    ranks that is not all of them)."""
+    for m in re.finditer(r"\brank(?:s|\(s\))? ([\d,\-]+)", text):
+        named = set()
+        for part in m.group(1).strip(",-").split(","):
+            lo, _, hi = part.partition("-")
+            if lo.isdigit():
+                named.update(range(int(lo), int(hi if hi.isdigit() else lo) + 1))
+        if VICTIM in named and named != set(range(SIZE)):
+            return True
+    return False
+
+
 def _read_report(res: Result, folder: Path) -> None:
     reports = list(folder.glob("**/diag/hang-report.json"))
-    victim = f"rank {VICTIM} "
     if reports:
         rep = json.loads(reports[0].read_text())
         res.report_at = reports[0].stat().st_mtime
         res.headline = rep.get("headline", "")
-        res.named = victim in res.headline or f"ranks {VICTIM}" in res.headline or \
-            f"rank {VICTIM}" in res.headline or VICTIM in rep.get("categories", {}).get("unreachable", [])
+        res.named = names_victim(res.headline) or VICTIM in rep.get("categories", {}).get("unreachable", [])
         return
     statuses = [json.loads(p.read_text()) for p in folder.glob("*/*_status.json")]
     errors = [s for s in statuses if s.get("error")]
     if errors:                              # no collective ran: the bootstrap error names the rank
         first = min(errors, key=lambda s: s.get("ended", 0))
         res.report_at, res.headline = first.get("ended"), first["error"].splitlines()[0]
-        res.named = any(victim in s["error"] for s in errors)
+        res.named = any(names_victim(s["error"].splitlines()[0]) for s in errors)
         return
     m = re.search(r"(\d+ of \d+ ranks never reached hpcring\.init\(\): rank \d+ [^\n;]*|rank \d+ \(\S+\) were? killed first[^\n]*"
                   r"|mpirun noticed that process rank \d+ [^\n]*)", res.out)
     if m:                                   # mpirun/srun's own word, or the bootstrap error on stderr
-        res.headline, res.named = m.group(1).strip(), victim in m.group(1) + " "
+        res.headline, res.named = m.group(1).strip(), names_victim(m.group(1))
 
 
 def _fmt(x: float | None) -> str:
