@@ -301,7 +301,7 @@ def _read_report(res: Result, folder: Path) -> None:
         res.report_at, res.headline = first.get("ended"), first["error"].splitlines()[0]
         res.named = any(names_victim(s["error"].splitlines()[0]) for s in errors)
         return
-    m = re.search(r"(\d+ of \d+ ranks never reached hpcring\.init\(\): rank \d+ [^\n;]*|rank \d+ \(\S+\) were? killed first[^\n]*"
+    m = re.search(r"(\d+ of \d+ ranks never reached hpcring\.init\(\): rank \d+ [^\n;]*|ranks? [\d,\-]+ \(\S+\) (?:was|were) killed first[^\n]*"
                   r"|mpirun noticed that process rank \d+ [^\n]*)", res.out)
     if m:                                   # mpirun/srun's own word, or the bootstrap error on stderr
         res.headline, res.named = m.group(1).strip(), names_victim(m.group(1))
