@@ -27,6 +27,7 @@ operation completed on the GPU. numpy inputs on a device backend are staged by t
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import threading
@@ -402,17 +403,46 @@ def precheck_message(seq: int, rows: list[tuple]) -> str:
 # async machinery
 # ---------------------------------------------------------------------------------------------
 class Handle:
-    """The pending result of an ``*_async`` call."""
+    """The pending result of an ``*_async`` call.
+
+    ``add_done_callback(fn)`` chains work on completion (``fn(handle)`` runs once, in the thread
+    that completes the operation, or at once when it is already done), so a caller such as the
+    torch ProcessGroup can complete a future without a thread of its own waiting."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[["Handle"], Any]] | None = []
+        self._cb_lock = threading.Lock()
 
     def _set(self, result=None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        self._event.set()
+        with self._cb_lock:
+            callbacks, self._callbacks = self._callbacks, None
+            self._event.set()
+        for fn in callbacks or ():
+            self._call(fn)
+
+    def _call(self, fn) -> None:
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001 - a callback's bug must not kill the worker thread
+            logging.getLogger("hpcring.collectives").exception("done-callback of %s raised", self.name)
+
+    def add_done_callback(self, fn: Callable[["Handle"], Any]) -> None:
+        """Call ``fn(self)`` once the operation finished (successfully or not); at once if it
+        already has. Exceptions raised by ``fn`` are logged, not propagated."""
+        with self._cb_lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def result(self):
+        """The result of a finished operation (raises its error); for a pending one, waits."""
+        return self.wait()
 
     def done(self) -> bool:
         """True once the operation finished (successfully or not)."""
