@@ -21,8 +21,11 @@ Device memory is staged through host memory for a host backend (ring, mpi). A de
 views, CUDA torch tensors (and other CUDA DLPack objects) through ``cupy.from_dlpack``; results are
 new CuPy arrays / CUDA tensors on the backend's GPU (or ``out``/``x`` itself). Such a call runs on
 the caller's current stream on that GPU, captured when the call is made (also for ``*_async``):
-torch's current stream when a CUDA torch tensor is involved, else CuPy's; it returns once the
-operation completed on the GPU. numpy inputs on a device backend are staged by the backend.
+torch's current stream when a CUDA torch tensor is involved, else CuPy's. Such calls are
+stream-ordered: enqueued in the calling thread, they return without waiting for the GPU (results
+are valid in stream order; ``*_async`` handles complete, and done-callbacks run, once the GPU
+finished; :meth:`Communicator.synchronize` waits for all), and a poller thread keeps each one's
+deadline. numpy inputs on a device backend are staged by the backend and waited for.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -65,13 +69,12 @@ class _Cuda:
 
     @classmethod
     def capture(cls, cp, device_id: int, *, torch_stream: bool) -> "_Cuda":
-        """The caller's current stream on ``device_id``: torch's (wrapped as a CuPy
-        ExternalStream, so the backend's work is ordered after the kernels that produced the
-        tensors and before later work on that stream) when ``torch_stream``, else CuPy's."""
+        """The caller's current stream on ``device_id``: torch's (wrapped as a CuPy stream, so
+        the backend's work is ordered after the kernels that produced the tensors and before
+        later work on that stream) when ``torch_stream``, else CuPy's."""
         if torch_stream:
             import torch
-            ptr = torch.cuda.current_stream(device_id).cuda_stream
-            return cls(cp, device_id, cp.cuda.ExternalStream(ptr, device_id))
+            return cls(cp, device_id, _cupy_stream(cp, torch.cuda.current_stream(device_id), device_id))
         with cp.cuda.Device(device_id):      # CuPy keeps one current stream per device
             return cls(cp, device_id, cp.cuda.get_current_stream())
 
@@ -82,6 +85,27 @@ class _Cuda:
         device to be current when the stream is entered.)"""
         with self.cp.cuda.Device(self.device_id), self.stream:
             yield
+
+
+_WRAPPED: dict[tuple[int, int, int], Any] = {}     # (CuPy module, stream ptr, device) -> CuPy stream
+
+
+def _cupy_stream(cp, torch_stream, device_id: int):
+    """A CuPy view of a torch CUDA stream, made once per stream (wrapping costs more than the
+    rest of a small collective). CuPy >= 14: ``Stream.from_external`` (the CUDA stream protocol);
+    older CuPy: ``ExternalStream(ptr, device)``."""
+    key = (id(cp), int(torch_stream.cuda_stream), device_id)
+    s = _WRAPPED.get(key)
+    if s is None:
+        from_external = getattr(cp.cuda.Stream, "from_external", None)
+        if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
+            s = from_external(torch_stream)
+        else:
+            s = cp.cuda.ExternalStream(key[1], device_id)
+        if len(_WRAPPED) > 256:          # streams come and go (torch.cuda.Stream()): stay bounded
+            _WRAPPED.clear()
+        _WRAPPED[key] = s
+    return s
 
 
 def _active(dev: _Cuda | None):
@@ -416,6 +440,7 @@ class Handle:
         self._error: BaseException | None = None
         self._callbacks: list[Callable[["Handle"], Any]] | None = []
         self._cb_lock = threading.Lock()
+        self.cuda_event = None          # device collectives: the CUDA event that marks completion
 
     def _set(self, result=None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
@@ -511,6 +536,102 @@ class _Worker:
             t.join(timeout=5.0)
 
 
+class _Completions:
+    """Device collectives in flight on a stream-ordered backend.
+
+    One thread per communicator polls their completion events (every outstanding one: different
+    streams finish out of order), completes each flight record and handle, and enforces each
+    deadline and NCCL's async error through ``backend.poll`` -- NCCL itself has no timeout. On
+    a failure the communicator is aborted by the backend, the watchdog makes the job-wide report
+    (and normally ends the process), and every outstanding handle gets the error.
+
+    Polls every 0.2 ms growing to 2 ms while work is outstanding (a completion is noticed late
+    by at most that: callers that consume results on the stream never wait for it), and sleeps
+    on a condition when nothing is."""
+
+    POLL_MIN, POLL_MAX = 2e-4, 2e-3
+
+    def __init__(self, comm: "Communicator") -> None:
+        self._comm = comm
+        self._items: list = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def add(self, rec: Record, pending, handle: Handle | None, result) -> None:
+        with self._cv:
+            self._items.append((rec, pending, handle, result))
+            self._idle.clear()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"hpcring-cuda-poll:{self._comm.rank}",
+                                                daemon=True)
+                self._thread.start()
+            if len(self._items) == 1:
+                self._cv.notify()
+
+    def _loop(self) -> None:
+        backend = self._comm.backend
+        delay = self.POLL_MIN
+        while True:
+            with self._cv:
+                while not self._items and not self._stopping:
+                    self._idle.set()
+                    self._cv.wait()
+                if not self._items:
+                    return
+                items = list(self._items)
+            now = time.monotonic()
+            finished = []
+            for item in items:
+                rec, pending, handle, result = item
+                try:
+                    done = backend.poll(pending, now)
+                except BaseException as e:  # noqa: BLE001 - CollectiveError: deadline / async error
+                    self._fail(item, e)
+                    return
+                if done:
+                    FlightRecorder.finish(rec)
+                    if handle is not None:
+                        handle._set(result)
+                    finished.append(item)
+            with self._cv:
+                for item in finished:
+                    self._items.remove(item)
+            delay = self.POLL_MIN if finished else min(delay * 2, self.POLL_MAX)
+            time.sleep(delay)
+
+    def _fail(self, item, e: BaseException) -> None:
+        with self._cv:
+            items, self._items = self._items, []
+        err = self._comm._failed(item[0], e)      # may end the process (watchdog abort mode)
+        for rec, _, handle, _ in items:
+            if rec is not item[0]:
+                FlightRecorder.finish(rec, err)
+            if handle is not None:
+                handle._set(error=err)
+        with self._cv:
+            self._thread = None
+            self._idle.set()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until nothing is outstanding (each item keeps its own deadline; ``timeout``
+        bounds this wait too)."""
+        if not self._idle.wait(timeout):
+            raise CollectiveError(f"device collectives still in flight after {timeout:g} s",
+                                  hint="each keeps its own deadline; wait again or raise it")
+
+    def stop(self) -> None:
+        try:
+            self.drain(max((it[1].deadline for it in list(self._items)), default=0) - time.monotonic() + 1.0)
+        except CollectiveError:
+            pass
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
+
 # ---------------------------------------------------------------------------------------------
 # Communicator
 # ---------------------------------------------------------------------------------------------
@@ -529,6 +650,7 @@ class Communicator:
         if watchdog is not None:
             watchdog.register(self)
         self.precheck = precheck_default()
+        self._ordered = _Completions(self) if getattr(backend, "stream_ordered", False) else None
 
     @classmethod
     def create(cls, topology, store, secret: bytes | str, *, timeout: float | None = None,
@@ -561,6 +683,8 @@ class Communicator:
         return self.backend.error
 
     def close(self) -> None:
+        if self._ordered is not None:
+            self._ordered.stop()
         self._worker.stop()
         self.backend.close()
 
@@ -580,21 +704,18 @@ class Communicator:
     def _record(self, op: str, dtype: str | None, count: int, root: int | None, timeout: float) -> Record:
         return self.recorder.queue(op, dtype, count, root, timeout)
 
-    def _run(self, rec: Record, fn: Callable[[], Any], is_async: bool):
+    def _run(self, rec: Record, fn: Callable[[], Any], is_async: bool, dev: "_Cuda | None" = None):
+        if self._ordered is not None:
+            return self._run_ordered(rec, fn, is_async, dev)
+
         def execute():
             FlightRecorder.start(rec)
             try:
                 if self.precheck and self.size > 1:
                     self._precheck(rec)
                 result = fn()
-            except CollectiveError as e:
-                FlightRecorder.finish(rec, e)
-                if self.watchdog is not None:
-                    raise self.watchdog.on_failure(self, rec, e) from None
-                raise
             except BaseException as e:
-                FlightRecorder.finish(rec, e)
-                raise
+                raise self._failed(rec, e) from None
             FlightRecorder.finish(rec)
             return result
         name = f"{rec.op}#{rec.seq}"
@@ -603,6 +724,56 @@ class Communicator:
         if self._worker.pending:
             return self._worker.submit(name, execute).wait()
         return execute()
+
+    def _failed(self, rec: Record, e: BaseException) -> BaseException:
+        """Record a failed collective; a CollectiveError goes through the watchdog (which may end
+        the process) and comes back with the job-wide report."""
+        FlightRecorder.finish(rec, e)
+        if isinstance(e, CollectiveError) and self.watchdog is not None:
+            return self.watchdog.on_failure(self, rec, e)
+        return e
+
+    def _run_ordered(self, rec: Record, fn, is_async: bool, dev):
+        """A stream-ordered (device) backend: enqueue in the caller's thread -- the order of
+        enqueues is the order of the collectives, the same on every rank -- and return without
+        waiting for the GPU. The completion event is recorded after everything ``fn`` put on the
+        caller's stream (unpacking included); :class:`_Completions` completes record and handle."""
+        FlightRecorder.start(rec)
+        try:
+            if self.precheck and self.size > 1:
+                self._precheck(rec)
+            result = fn()
+        except BaseException as e:
+            err = self._failed(rec, e)
+            if not is_async:
+                raise err from None
+            h = Handle(f"{rec.op}#{rec.seq}")
+            h._set(error=err)
+            return h
+        pending = self.backend.take_pending()
+        h = Handle(f"{rec.op}#{rec.seq}") if is_async else None
+        if pending is None:             # staged or blocking: already complete
+            FlightRecorder.finish(rec)
+            if h is not None:
+                h._set(result)
+            return h if is_async else result
+        if dev is not None:
+            pending.event.record(dev.stream)
+        if h is not None:
+            h.cuda_event = pending.event
+        self._ordered.add(rec, pending, h, result)
+        return h if is_async else result
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until every collective issued so far has completed (device collectives run
+        asynchronously on their streams; host ones are waited for by their handles). Raises the
+        first failure."""
+        if self._ordered is not None:
+            self._ordered.drain(timeout)
+        elif self._worker.pending:
+            self._worker.submit("synchronize", lambda: None).wait(timeout)
+        if self.backend.error is not None:
+            raise CollectiveError(self.backend.error)
 
     def _precheck(self, rec: Record) -> None:
         """HPCRING_CHECK_COLLECTIVES=1: every rank's (op, dtype, count, root) through a 40-byte
@@ -649,7 +820,7 @@ class Communicator:
             with _active(dev):
                 self.backend.allreduce(a.flat, res.flat, a.tag, op, t)
                 return _finish(res, a)
-        return self._run(self._record("allreduce", a.tag, a.flat.size, None, t), run, is_async)
+        return self._run(self._record("allreduce", a.tag, a.flat.size, None, t), run, is_async, dev)
 
     def allreduce(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
                   dtype: str | None = None):
@@ -693,7 +864,7 @@ class Communicator:
             return results
         count = sum(a.flat.size for a in arrs)
         tags = "+".join(sorted(groups, key=DTYPES.index))
-        return self._run(self._record("allreduce_grouped", tags, count, None, t), run, is_async)
+        return self._run(self._record("allreduce_grouped", tags, count, None, t), run, is_async, dev)
 
     def allreduce_grouped(self, arrays: Sequence, op: str = "sum", *, timeout: float | None = None,
                           inplace: bool = False) -> list:
@@ -724,7 +895,7 @@ class Communicator:
             with _active(dev):
                 self.backend.allgather(a.flat, res.flat, a.tag, t)
                 return _finish(res, a)
-        return self._run(self._record("allgather", a.tag, a.flat.size, None, t), run, is_async)
+        return self._run(self._record("allgather", a.tag, a.flat.size, None, t), run, is_async, dev)
 
     def allgather(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
         """Every rank's ``x`` stacked in rank order: shape ``(size, *x.shape)`` (``out`` may have
@@ -748,7 +919,7 @@ class Communicator:
             with _active(dev):
                 self.backend.broadcast(a.flat, root, a.tag, t)
                 return _finish(a, a)
-        return self._run(self._record("broadcast", a.tag, a.flat.size, root, t), run, is_async)
+        return self._run(self._record("broadcast", a.tag, a.flat.size, root, t), run, is_async, dev)
 
     def broadcast(self, x, root: int = 0, *, timeout: float | None = None, dtype: str | None = None):
         """In place: ``x`` on every rank becomes root's ``x`` (same shape and dtype everywhere);
@@ -783,7 +954,7 @@ class Communicator:
             with _active(dev):
                 self.backend.reduce_scatter(a.flat, res.flat, a.tag, op, t)
                 return _finish(res, a)
-        return self._run(self._record("reduce_scatter", a.tag, n, None, t), run, is_async)
+        return self._run(self._record("reduce_scatter", a.tag, n, None, t), run, is_async, dev)
 
     def reduce_scatter(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
                        dtype: str | None = None):
@@ -818,7 +989,7 @@ class Communicator:
             with _active(dev):
                 self.backend.alltoall(a.flat, res.flat, a.tag, t)
                 return _finish(res, a)
-        return self._run(self._record("alltoall", a.tag, a.flat.size, None, t), run, is_async)
+        return self._run(self._record("alltoall", a.tag, a.flat.size, None, t), run, is_async, dev)
 
     def alltoall(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
         """Block j (of ``size`` equal blocks of the flattened ``x``) goes to rank j; block i of
