@@ -333,7 +333,28 @@ def framework_env(topo: Topology, gpus_per_node: int = 0) -> dict[str, str]:
         env["GLOO_SOCKET_IFNAME"] = topo.interface
     if gpus_per_node > 0 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = str(topo.local_rank % gpus_per_node)
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(topo.local_size))
     return env
+
+
+def threads_per_rank(local_size: int, environ=None, affinity: set[int] | None = None,
+                     cpu_count: int | None = None) -> int:
+    """CPU threads one rank should use, so that the ranks of a node do not oversubscribe it:
+    ``SLURM_CPUS_PER_TASK`` when Slurm set it; else the CPUs this process may run on, divided by
+    the ranks of the node when that set is the whole machine (nobody pinned the ranks: they share
+    it), taken whole when a launcher pinned the rank to its own CPUs. At least 1."""
+    env = os.environ if environ is None else environ
+    per_task = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if per_task.isdigit() and int(per_task) > 0:
+        return int(per_task)
+    cpus = affinity if affinity is not None else (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                                                  else set(range(os.cpu_count() or 1)))
+    total = cpu_count if cpu_count is not None else (os.cpu_count() or len(cpus))
+    n = len(cpus)
+    if n >= total:
+        n //= max(1, local_size)
+    return max(1, n)
 
 
 def apply_framework_env(topo: Topology, gpus_per_node: int = 0) -> dict[str, str]:

@@ -9,7 +9,7 @@ long the job runs. The cost is one small object and one frame walk per call (mea
 
 The recorder is what the hang watchdog exchanges between ranks (the last few records and the
 ones in flight) and what is dumped as JSON to ``<job folder>/diag/flight-rank<r>.json`` on a
-failure, on a timeout and on SIGUSR1 (see :mod:`hpcring.diagnostics.watchdog`).
+failure, on a timeout and on SIGRTMIN+7 (see :mod:`hpcring.diagnostics.watchdog`).
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ innermost frame outside hpcring stands in for it.
 Signal choice: a real-time signal, SIGRTMIN+6 (:data:`STACK_SIGNAL`), that nothing else in the
 stack uses. Not SIGUSR2: submitit (rank 0 checkpoints and requeues) and Slurm's
 ``--signal=USR2@N`` time-limit warning use it, and a dump hook there would silently disable both.
-Not SIGUSR1: that one dumps the flight records (:mod:`hpcring.diagnostics.watchdog`).
+Not SIGUSR1: Lightning's SLURM requeue handler. SIGRTMIN+7 dumps the flight records
+(:mod:`hpcring.diagnostics.watchdog`).
 """
 from __future__ import annotations
 
@@ -272,7 +273,7 @@ def install_signal_dump(path_or_dir: str | os.PathLike | None, rank: int, *,
         except (OSError, ValueError, RuntimeError, AttributeError) as exc:
             if not _warned:
                 _warned = True
-                warnings.warn(f"hpcring: rank {rank} gets no stack dump on {_signame(signum)}: cannot use "
+                warnings.warn(f"hpcring: rank {rank} gets no stack dump on {signal_name(signum)}: cannot use "
                               f"{path if path is not None else path_or_dir} ({exc}); set HPCRING_JOB_DIR to a "
                               "writable shared folder to get one", RuntimeWarning, stacklevel=2)
             return None
@@ -315,7 +316,8 @@ def _header_only(path: Path) -> bool:
         return f.read().count("\n") <= 1
 
 
-def _signame(signum: int) -> str:
+def signal_name(signum: int) -> str:
+    """'SIGUSR2', or 'SIGRTMIN+6' for real-time signals (signal.Signals does not name them)."""
     if signal.SIGRTMIN < signum <= signal.SIGRTMAX:
         return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
     try:
@@ -330,7 +332,7 @@ def _open_live_file(path: Path, rank: int, signum: int) -> IO[str]:
     fh = open(path, "a", encoding="utf-8")
     try:
         fh.write(f"# hpcring stack dumps of rank {rank} (pid {os.getpid()}) on "
-                 f"{_signame(signum)}, appended below\n")
+                 f"{signal_name(signum)}, appended below\n")
         fh.flush()
     except BaseException:
         fh.close()
