@@ -22,6 +22,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 RANK_SCRIPT = r"""
 import json, sys
 from hpcring.bootstrap.init import init_bootstrap, framework_env
+from hpcring.errors import BootstrapError
 try:
     topo, client = init_bootstrap(timeout=float(sys.argv[1]), port_range=(int(sys.argv[2]), int(sys.argv[3])))
 except BootstrapError as e:
