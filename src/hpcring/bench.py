@@ -122,6 +122,7 @@ class BenchOptions:
     timeout: float | None = None
     json: str | None = None
     plot: str | None = None
+    memory: str = "auto"       # device | host | auto (device on a GPU backend, as nccl-tests)
 
     def check(self) -> "BenchOptions":
         if self.collective not in COLLECTIVES:
@@ -133,6 +134,8 @@ class BenchOptions:
             raise UsageError(f"op avg needs a floating-point dtype, not {self.dtype}")
         if self.iters < 1 or self.warmup < 0:
             raise UsageError("--iters must be >= 1 and --warmup >= 0")
+        if self.memory not in MEMORIES:
+            raise UsageError(f"unknown --memory {self.memory!r}; choose one of {', '.join(MEMORIES)}")
         size_list(self.minbytes, self.maxbytes, self.factor)
         if self.plot:
             require_matplotlib()
@@ -318,43 +321,70 @@ def _sentinel(shape, dtype: str) -> np.ndarray:
     return np.full(shape, 77, st)
 
 
-def make_case(comm, collective: str, dtype: str, op: str, root: int, total: int, seed: int = 0) -> Case:
-    """Buffers, the timed call and its check for this rank (``total``: elements of the largest buffer)."""
+MEMORIES = ("auto", "device", "host")
+
+
+def device_module(comm, memory: str):
+    """CuPy when the buffers live on the GPU: ``memory`` "device", or "auto" on a GPU backend
+    (nccl-tests times device buffers); None for host (numpy) buffers, which a GPU backend stages."""
+    on_gpu = getattr(comm.backend, "device", "cpu") == "cuda"
+    if memory == "host" or (memory == "auto" and not on_gpu):
+        return None
+    if not on_gpu:
+        raise UsageError(f"--memory device needs a GPU backend (nccl); backend {comm.backend.name} works on host memory")
+    return comm.backend.array_module
+
+
+def memory_label(comm, memory: str) -> str:
+    xp = device_module(comm, memory)
+    if xp is not None:
+        return f"device (CuPy arrays on GPU {getattr(comm.backend, 'device_id', 0)})"
+    if getattr(comm.backend, "device", "cpu") == "cuda":
+        return "host (numpy, staged through the GPU by the backend: not what nccl-tests measures)"
+    return "host (numpy)"
+
+
+def make_case(comm, collective: str, dtype: str, op: str, root: int, total: int, seed: int = 0,
+              xp=None) -> Case:
+    """Buffers, the timed call and its check for this rank (``total``: elements of the largest
+    buffer). ``xp`` (CuPy): the buffers live on the GPU; checks copy them back."""
     n, rank = comm.size, comm.rank
+    put = (lambda a: a) if xp is None else xp.asarray  # noqa: E731
+    get = (lambda a: a) if xp is None else xp.asnumpy  # noqa: E731
     dt = "bfloat16" if dtype == "bfloat16" else None
     pat = [rank_pattern(r, dtype, op, seed) for r in range(n)]
     mine = pat[rank]
     if collective == "allreduce":
-        x, out = tile(mine, 0, total), _sentinel(total, dtype)
+        x, out = put(tile(mine, 0, total)), put(_sentinel(total, dtype))
         want = lambda: tile(reduce_patterns(pat, op, dtype), 0, total)  # noqa: E731
         return Case(lambda: comm.allreduce(x, op=op, out=out, dtype=dt),
-                    lambda: count_wrong(out, want(), dtype, op), [x, out])
+                    lambda: count_wrong(get(out), want(), dtype, op), [x, out])
     if collective == "reduce_scatter":
         per = total // n
-        x, out = tile(mine, 0, total), _sentinel(per, dtype)
+        x, out = put(tile(mine, 0, total)), put(_sentinel(per, dtype))
         want = lambda: tile(reduce_patterns(pat, op, dtype), rank * per, per)  # noqa: E731
         return Case(lambda: comm.reduce_scatter(x, op=op, out=out, dtype=dt),
-                    lambda: count_wrong(out, want(), dtype, op), [x, out])
+                    lambda: count_wrong(get(out), want(), dtype, op), [x, out])
     if collective == "allgather":
         per = total // n
-        x, out = tile(mine, 0, per), _sentinel(n * per, dtype)
-        want = lambda: np.concatenate([tile(p, 0, per) for p in pat]) if per else out[:0]  # noqa: E731
+        x, out = put(tile(mine, 0, per)), put(_sentinel(n * per, dtype))
+        want = lambda: np.concatenate([tile(p, 0, per) for p in pat]) if per else get(out)[:0]  # noqa: E731
         return Case(lambda: comm.allgather(x, out=out, dtype=dt),
-                    lambda: count_wrong(out, want(), dtype), [x, out])
+                    lambda: count_wrong(get(out), want(), dtype), [x, out])
     if collective == "alltoall":
         per = total // n
-        x, out = tile(mine, 0, total), _sentinel(total, dtype)
+        x, out = put(tile(mine, 0, total)), put(_sentinel(total, dtype))
         # rank q's block for this rank is elements [rank*per, (rank+1)*per) of q's input
-        want = lambda: np.concatenate([tile(p, rank * per, per) for p in pat]) if per else out[:0]  # noqa: E731
+        want = lambda: np.concatenate([tile(p, rank * per, per) for p in pat]) if per else get(out)[:0]  # noqa: E731
         return Case(lambda: comm.alltoall(x, out=out, dtype=dt),
-                    lambda: count_wrong(out, want(), dtype), [x, out])
+                    lambda: count_wrong(get(out), want(), dtype), [x, out])
     if collective == "broadcast":
-        buf = tile(mine, 0, total)
+        buf = put(tile(mine, 0, total))
 
         def check() -> int:     # fresh buffers for the checked call: non-roots start from their own data
-            buf[...] = tile(mine, 0, total) if rank == root else _sentinel(total, dtype)
+            buf[...] = put(tile(mine, 0, total) if rank == root else _sentinel(total, dtype))
             comm.broadcast(buf, root=root, dtype=dt)
-            return count_wrong(buf, tile(pat[root], 0, total), dtype)
+            return count_wrong(get(buf), tile(pat[root], 0, total), dtype)
         return Case(lambda: comm.broadcast(buf, root=root, dtype=dt), check, [buf])
     raise UsageError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
 
@@ -370,16 +400,19 @@ def run_bench(comm, opts: BenchOptions, emit: Callable[[str], None] | None = Non
     if opts.collective == "broadcast" and not 0 <= opts.root < n:
         raise UsageError(f"--root {opts.root} out of range for {n} ranks")
     itemsize = np.dtype(DTYPES[opts.dtype][1]).itemsize
+    xp = device_module(comm, opts.memory)
     rows = []
     for nbytes in size_list(opts.minbytes, opts.maxbytes, opts.factor):
         total, count, size = counts_for(opts.collective, nbytes, itemsize, n)
-        case = make_case(comm, opts.collective, opts.dtype, opts.op, opts.root, total, opts.seed)
+        case = make_case(comm, opts.collective, opts.dtype, opts.op, opts.root, total, opts.seed, xp)
         for _ in range(opts.warmup):
             case.run()
+        comm.synchronize()
         comm.barrier()
         t0 = time.perf_counter()
         for _ in range(opts.iters):
             case.run()
+        comm.synchronize()      # device collectives return when enqueued: time until they completed
         seconds = (time.perf_counter() - t0) / opts.iters
         wrong = case.check()
         stats = comm.allreduce(np.array([seconds]), op="max")
@@ -419,10 +452,11 @@ def write_plot(path: str, result: dict) -> None:
     plt.close(fig)
 
 
-def preamble(opts: BenchOptions, backend_name: str, n: int, hosts) -> list[str]:
+def preamble(opts: BenchOptions, backend_name: str, n: int, hosts, memory: str = "host (numpy)") -> list[str]:
     lines = [f"# hpcring bench: {opts.collective}, backend {backend_name}, {n} ranks on {len(set(hosts))} host(s)",
              f"# minBytes {opts.minbytes} maxBytes {opts.maxbytes} step: {opts.factor}(factor) warmup iters: "
              f"{opts.warmup} iters: {opts.iters} dtype: {opts.dtype} validation: 1 (always)",
+             f"# buffers: {memory}",
              "#"]
     lines += [f"#  Rank {r:2d} on {h}" for r, h in enumerate(hosts)]
     return lines + ["#", format_header()]
@@ -472,7 +506,7 @@ def run_as_rank(opts: BenchOptions) -> int:
         else:
             emit = lambda line: print(line, flush=True)  # noqa: E731
         backend_name = resolved_backend(opts.backend, session)
-        for line in preamble(opts, backend_name, n, hosts):
+        for line in preamble(opts, backend_name, n, hosts, memory_label(comm, opts.memory)):
             emit(line)
     else:
         emit = None
@@ -504,7 +538,7 @@ def to_argv(opts: BenchOptions) -> list[str]:
     argv = ["--collective", opts.collective, "--backend", opts.backend, "-b", str(opts.minbytes),
             "-e", str(opts.maxbytes), "-f", repr(opts.factor), "--dtype", opts.dtype, "--op", opts.op,
             "--root", str(opts.root), "--iters", str(opts.iters), "--warmup", str(opts.warmup),
-            "--seed", str(opts.seed)]
+            "--seed", str(opts.seed), "--memory", opts.memory]
     if opts.timeout is not None:
         argv += ["--timeout", str(opts.timeout)]
     if opts.json:

@@ -30,6 +30,10 @@ def register(app: typer.Typer) -> None:
               iters: int = typer.Option(20, "--iters", help="Timed calls per size."),
               warmup: int = typer.Option(5, "--warmup", "-w", help="Untimed calls per size before timing."),
               seed: int = typer.Option(0, "--seed", help="Seed of the per-rank data patterns."),
+              memory: str = typer.Option("auto", "--memory",
+                                         help="device, host or auto: buffers in GPU memory (auto on the nccl "
+                                              "backend, like nccl-tests) or host numpy arrays (staged through "
+                                              "the GPU by nccl; labelled in the table)."),
               timeout: Optional[float] = typer.Option(None, "--timeout", help="Deadline per collective (s)."),
               json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here (rank 0)."),
               plot: Optional[str] = typer.Option(None, "--plot", help="Write busbw vs size as PNG (needs matplotlib)."),
@@ -42,5 +46,6 @@ def register(app: typer.Typer) -> None:
         from hpcring.bench import BenchOptions, bench_main, parse_size
         opts = BenchOptions(collective=collective, backend=backend, minbytes=parse_size(minbytes),
                             maxbytes=parse_size(maxbytes), factor=factor, dtype=dtype, op=op, root=root,
-                            iters=iters, warmup=warmup, seed=seed, timeout=timeout, json=json_path, plot=plot)
+                            iters=iters, warmup=warmup, seed=seed, timeout=timeout, json=json_path, plot=plot,
+                            memory=memory)
         sys.exit(bench_main(opts, ranks, nodes))
