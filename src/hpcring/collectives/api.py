@@ -75,16 +75,50 @@ class _Cuda:
         if torch_stream:
             import torch
             return cls(cp, device_id, _cupy_stream(cp, torch.cuda.current_stream(device_id), device_id))
-        with cp.cuda.Device(device_id):      # CuPy keeps one current stream per device
-            return cls(cp, device_id, cp.cuda.get_current_stream())
+        return cls(cp, device_id, cp.cuda.get_current_stream(device_id))   # one per device and thread
 
-    @contextlib.contextmanager
-    def active(self):
+    def active(self) -> "_Active":
         """Make the GPU and the stream current in this thread: device allocations, DLPack
         imports and the backend's NCCL calls then happen there. (CuPy requires the stream's
-        device to be current when the stream is entered.)"""
-        with self.cp.cuda.Device(self.device_id), self.stream:
-            yield
+        device to be current when the stream is entered.) Re-entrant at no cost."""
+        return _Active(self)
+
+
+_THREAD = threading.local()
+
+
+class _Active:
+    """Context manager of :meth:`_Cuda.active` (a class: a generator-based one costs more than
+    the rest of a small device collective); entering it again inside itself does nothing."""
+
+    __slots__ = ("dev", "outer", "ctx")
+
+    def __init__(self, dev: _Cuda) -> None:
+        self.dev, self.outer, self.ctx = dev, False, None
+
+    def __enter__(self):
+        if getattr(_THREAD, "dev", None) is self.dev:
+            return self
+        self.outer = True
+        dev = self.dev
+        self.ctx = (dev.cp.cuda.Device(dev.device_id), dev.stream)
+        self.ctx[0].__enter__()
+        try:
+            self.ctx[1].__enter__()
+        except BaseException:
+            self.ctx[0].__exit__(None, None, None)
+            raise
+        _THREAD.dev = dev
+        return self
+
+    def __exit__(self, *exc):
+        if self.outer:
+            _THREAD.dev = None
+            try:
+                self.ctx[1].__exit__(*exc)
+            finally:
+                self.ctx[0].__exit__(*exc)
+        return False
 
 
 _WRAPPED: dict[tuple[int, int, int], Any] = {}     # (CuPy module, stream ptr, device) -> CuPy stream
@@ -742,7 +776,8 @@ class Communicator:
         try:
             if self.precheck and self.size > 1:
                 self._precheck(rec)
-            result = fn()
+            with _active(dev):
+                result = fn()
         except BaseException as e:
             err = self._failed(rec, e)
             if not is_async:

@@ -119,6 +119,11 @@ class PolledBackend(Backend):
         return self._seq
 
     @staticmethod
+    def _lazy_desc(count: int, dtype: str, op: str | None = None, root: int | None = None) -> "LazyDesc":
+        """:meth:`_desc`, formatted only when a message uses it (hot paths build one per call)."""
+        return LazyDesc(count, dtype, op, root)
+
+    @staticmethod
     def _desc(count: int, dtype: str, op: str | None = None, root: int | None = None) -> str:
         """``(count=.., dtype=.., N bytes, op=.., root=..)`` for error messages."""
         parts = [f"count={count}", f"dtype={dtype}", f"{count * ITEMSIZE.get(dtype, 1)} bytes"]
@@ -127,6 +132,21 @@ class PolledBackend(Backend):
         if root is not None:
             parts.append(f"root={root}")
         return "(" + ", ".join(parts) + ")"
+
+
+class LazyDesc:
+    """``(count=.., dtype=.., N bytes, op=.., root=..)`` of :meth:`PolledBackend._desc`, as a str
+    when formatted."""
+
+    __slots__ = ("count", "dtype", "op", "root")
+
+    def __init__(self, count, dtype, op=None, root=None) -> None:
+        self.count, self.dtype, self.op, self.root = count, dtype, op, root
+
+    def __str__(self) -> str:
+        return PolledBackend._desc(self.count, self.dtype, self.op, self.root)
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
 
 
 def chunk_counts(count: int, size: int) -> list[int]:

@@ -388,7 +388,7 @@ class NcclBackend(PolledBackend):
         nop, divide = nccl_op(op, dtype, self.version, self._nccl)
         seq = self._begin("allreduce")
         t0 = time.monotonic()
-        desc = self._desc(recvbuf.size, dtype, op)
+        desc = self._lazy_desc(recvbuf.size, dtype, op)
         s, shost = self._device(sendbuf, dtype)
         r, rhost = (s, shost) if sendbuf is recvbuf else self._device(recvbuf, dtype)
         stream = self._stream()
@@ -412,7 +412,7 @@ class NcclBackend(PolledBackend):
     def allgather(self, sendbuf, recvbuf, dtype: str, timeout: float) -> Pending | None:
         seq = self._begin("allgather")
         t0 = time.monotonic()
-        desc = self._desc(sendbuf.size, dtype)
+        desc = self._lazy_desc(sendbuf.size, dtype)
         s, _ = self._device(sendbuf, dtype)
         r, rhost = self._device(recvbuf, dtype)
         n = s.size * ITEMSIZE[dtype]
@@ -429,7 +429,7 @@ class NcclBackend(PolledBackend):
         t0 = time.monotonic()
         n = sendbuf.size
         counts = chunk_counts(n, self._size)
-        desc = self._desc(n, dtype, op)
+        desc = self._lazy_desc(n, dtype, op)
         s, _ = self._device(sendbuf, dtype)
         r, rhost = self._device(recvbuf, dtype)
         stream = self._stream()
@@ -456,7 +456,7 @@ class NcclBackend(PolledBackend):
             raise UsageError(f"broadcast: root {root} out of range for {self._size} ranks")
         seq = self._begin("broadcast")
         t0 = time.monotonic()
-        desc = self._desc(buf.size, dtype, root=root)
+        desc = self._lazy_desc(buf.size, dtype, root=root)
         b, host = self._device(buf, dtype)
         n = b.size * ITEMSIZE[dtype]
         u8 = NCCL_DTYPE["uint8"]
@@ -473,7 +473,7 @@ class NcclBackend(PolledBackend):
             raise CollectiveError(f"alltoall needs NCCL >= 2.7 (send/recv), this is {format_version(self.version)}")
         seq = self._begin("alltoall")
         t0 = time.monotonic()
-        desc = self._desc(sendbuf.size, dtype)
+        desc = self._lazy_desc(sendbuf.size, dtype)
         s, _ = self._device(sendbuf, dtype)
         r, rhost = self._device(recvbuf, dtype)
         stream = self._stream()
