@@ -7,10 +7,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    try:
-        from hpcring.cli.main import command
-    except ImportError:  # pragma: no cover - a partial build
-        command = lambda target, *a, **kw: target.command(*a, **kw)  # noqa: E731
+    from hpcring.cli.common import command
 
     @command(app, "bench",
              help="Benchmark a collective like nccl-tests (size, count, type, redop, root, time, algbw, busbw, "

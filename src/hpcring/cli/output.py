@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from hpcring.config.fabric import fabric_env
 
 
 def info(msg: str) -> None:
@@ -46,6 +45,7 @@ def sites_table(rows) -> None:
 
 
 def site_detail(site) -> None:
+    from hpcring.config.fabric import fabric_env
     c = site.config
     print(f"# {site.path} ({site.origin})")
     print(c.model_dump_json(indent=2, exclude_defaults=False))

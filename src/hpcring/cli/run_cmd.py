@@ -7,7 +7,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    from hpcring.cli.main import SiteOpt, command
+    from hpcring.cli.common import SiteOpt, command
 
     @command(app, "run", context_settings={"allow_interspersed_args": False},
              help="Run CMD on every rank: inside salloc/bsub -Is through the site's launcher, else locally. "
