@@ -18,7 +18,7 @@ from submitit.core.utils import FailedJobError
 
 from hpcring import schedulers
 from hpcring.config.jobspec import JobSpec
-from hpcring.config.site import Site, load_site
+from hpcring.config.site import Site
 from hpcring.diagnostics.report import rank_ranges
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.job import RunScript
@@ -257,7 +257,3 @@ def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callab
                 on_line(*item)
             return outcome(rec, st)
         time.sleep(poll_s)
-
-
-def site_of(rec: JobRecord) -> Site:
-    return load_site(rec.site)

@@ -31,7 +31,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from hpcring.errors import BootstrapError
 from hpcring.netio import recv_exact
@@ -545,7 +545,3 @@ def _dumps(obj) -> bytes:
 
 def _loads(data: bytes):
     return json.loads(data.decode())
-
-
-def interface_to_dict(iface: Interface) -> dict:
-    return asdict(iface)

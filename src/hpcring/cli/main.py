@@ -50,7 +50,7 @@ def submit(req: JobRequest,
 def _wait(rec) -> None:
     from hpcring import submit as lib
     oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"),
-                    on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line), stream))
+                    on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
     if not oc.ok:
         raise lib.describe_failure(rec, oc)
     output.info(f"job {rec.job_id} COMPLETED: {rec.ntasks} ranks exited 0")
@@ -83,10 +83,10 @@ def logs(job_id: str = typer.Argument(...),
     rec = lib.record(job_id)
     if follow:
         lib.follow(rec, on_state=lambda st: None, rank=rank,
-                   on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line), stream))
+                   on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
         return
     for r, stream, line in lib.LogTail(rec, rank, raw=raw).poll(final=True):
-        output.line(lib.tag(r, stream, line), stream)
+        output.line(lib.tag(r, stream, line))
 
 
 @command(app, help="Cancel a job.")

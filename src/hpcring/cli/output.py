@@ -13,7 +13,9 @@ def error(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr, flush=True)
 
 
-def line(text: str, stream: str = "stdout") -> None:
+def line(text: str) -> None:
+    """One rank-tagged output line. Always on stdout, stderr lines included (their tag says
+    `<stderr>`): one stream keeps the ranks' lines in the order they arrived."""
     print(text, file=sys.stdout, flush=True)
 
 

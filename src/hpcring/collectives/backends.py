@@ -79,9 +79,10 @@ class Backend(abc.ABC):
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
 
-class PolledBackend(Backend):
-    """What the MPI and NCCL backends share: a library communicator driven by polling against the
-    deadline, a per-backend sequence number, and a sticky first error (``_error``)."""
+class LibraryBackend(Backend):
+    """What the MPI and NCCL backends share: a library's communicator (mpi4py's, CuPy's NCCL one)
+    under hpcring's deadline, a per-backend sequence number, and a sticky first error
+    (``_error``)."""
 
     label = "?"            # "MPI", "NCCL": used in error messages
 
@@ -135,7 +136,7 @@ class PolledBackend(Backend):
 
 
 class LazyDesc:
-    """``(count=.., dtype=.., N bytes, op=.., root=..)`` of :meth:`PolledBackend._desc`, as a str
+    """``(count=.., dtype=.., N bytes, op=.., root=..)`` of :meth:`LibraryBackend._desc`, as a str
     when formatted."""
 
     __slots__ = ("count", "dtype", "op", "root")
@@ -144,7 +145,7 @@ class LazyDesc:
         self.count, self.dtype, self.op, self.root = count, dtype, op, root
 
     def __str__(self) -> str:
-        return PolledBackend._desc(self.count, self.dtype, self.op, self.root)
+        return LibraryBackend._desc(self.count, self.dtype, self.op, self.root)
 
     __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
 

@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, ITEMSIZE, OPS, PolledBackend, chunk_counts
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, ITEMSIZE, OPS, LibraryBackend, chunk_counts
 from hpcring.errors import CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.nccl")
@@ -225,7 +225,7 @@ class Pending:
         return self.t0 + self.timeout
 
 
-class NcclBackend(PolledBackend):
+class NcclBackend(LibraryBackend):
     """Collectives on one GPU per rank through an NCCL communicator.
 
     Stream-ordered: an op on device buffers is enqueued on the current stream and returns a

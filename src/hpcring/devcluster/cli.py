@@ -26,7 +26,7 @@ def _fail(e: HpcringError) -> typer.Exit:
 
 @app.command()
 def up(
-    nodes: Annotated[int, typer.Option("--nodes", "-n", help="Number of slurmd nodes (node1..nodeN).")] = 3,
+    nodes: Annotated[int, typer.Option("--nodes", "-N", help="Number of slurmd nodes (node1..nodeN).")] = 3,
     dead_interface: Annotated[
         bool,
         typer.Option("--dead-interface/--no-dead-interface",

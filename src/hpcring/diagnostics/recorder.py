@@ -110,11 +110,6 @@ class Record:
         """``file:line in function`` of the call (formatted on demand: the hot path keeps a tuple)."""
         return self._site if isinstance(self._site, str) else _format_site(self._site)
 
-    @property
-    def signature(self) -> tuple:
-        """What must match on every rank for the collective to be the same one."""
-        return (self.op, self.dtype, self.count, self.root)
-
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.FIELDS}
 
