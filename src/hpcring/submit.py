@@ -19,7 +19,7 @@ from submitit.core.utils import FailedJobError
 from hpcring import schedulers
 from hpcring.config.jobspec import JobSpec
 from hpcring.config.site import Site
-from hpcring.diagnostics.report import rank_ranges
+from hpcring.ranks import rank_ranges
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.job import RunScript
 from hpcring.render import render_script

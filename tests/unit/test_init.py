@@ -114,8 +114,9 @@ def test_missing_ranks_named_with_hosts_across_nodes(tmp_path):
 
 
 def test_describe_ranks_unknown_hosts_and_limit():
-    assert bi.describe_ranks([1, 2], ("a", "?", "b")) == "rank 1 (host unknown), rank 2 on b"
-    assert bi.describe_ranks(list(range(20)), ("h",) * 20, limit=2) == "rank 0 on h, rank 1 on h and 18 more"
+    from hpcring.ranks import each_on_host
+    assert each_on_host([1, 2], ("a", "?", "b")) == "rank 1 (host unknown), rank 2 on b"
+    assert each_on_host(list(range(20)), ("h",) * 20, limit=2) == "rank 0 on h, rank 1 on h and 18 more"
 
 
 # ------------------------------------------------------------------------------------ helpers

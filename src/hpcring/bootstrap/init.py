@@ -30,6 +30,7 @@ from hpcring.bootstrap import launchers, netif
 from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, StoreTimeoutError, load_secret
 from hpcring.bootstrap.topology import Topology
 from hpcring.errors import BootstrapError
+from hpcring.ranks import each_on_host
 
 log = logging.getLogger("hpcring.bootstrap.init")
 
@@ -140,7 +141,7 @@ def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: 
         client.server = server
         return client
     return _connect_any(bootstrap_master_addr(topo, env), ports, secret, deadline,
-                        who=describe_ranks([0], topo.hosts))
+                        who=each_on_host([0], topo.hosts))
 
 
 def _start_server(ports: list[int], secret: bytes) -> StoreServer:
@@ -248,21 +249,12 @@ def _publish_hosts(client: StoreClient, topo: Topology, deadline: float) -> None
     client.set("init/hosts", json.dumps([v.decode() for v in values]).encode())
 
 
-def describe_ranks(ranks: list[int], hosts, limit: int = 16) -> str:
-    """``rank 3 on node2, rank 5 on node3`` (hosts by rank; ``?`` or missing = unknown host)."""
-    def one(r: int) -> str:
-        host = hosts[r] if r < len(hosts) and hosts[r] not in ("", launchers.UNKNOWN_HOST) else None
-        return f"rank {r} on {host}" if host else f"rank {r} (host unknown)"
-    text = ", ".join(one(r) for r in ranks[:limit])
-    return text + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
-
-
 def _missing_ranks_error(topo: Topology, missing: list[int], exc: BootstrapError) -> BootstrapError:
     """The rendezvous error that names the ranks that never reached it, with their hosts when the
     launcher lists them (Slurm: SLURM_JOB_NODELIST + tasks per node)."""
     return BootstrapError(
         f"rendezvous incomplete: {len(missing)} of {topo.size} ranks never reached hpcring.init(): "
-        f"{describe_ranks(missing, topo.hosts)} (job {topo.job_id or '?'}; {exc.message})",
+        f"{each_on_host(missing, topo.hosts)} (job {topo.job_id or '?'}; {exc.message})",
         hint="those ranks did not start or are stuck before hpcring.init() (imports, module loads, a hung "
              "shared file system): check the scheduler (e.g. `sacct -j JOB -o JobID,State,NodeList`) and "
              "their stderr logs; HPCRING_INIT_TIMEOUT sets how long ranks wait")

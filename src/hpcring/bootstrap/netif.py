@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from hpcring.errors import BootstrapError
 from hpcring.netio import recv_exact
+from hpcring.ranks import runs
 
 log = logging.getLogger("hpcring.bootstrap.netif")
 
@@ -526,13 +527,8 @@ def _failure_report(failures: list[int], cands: list[dict], tested: dict) -> dic
 
 def _summarise(table: list[list]) -> str:
     """``0-3->host lo 127.0.0.1, 4->...``: runs of ranks with the same host/interface/address."""
-    parts, start = [], 0
-    for i in range(1, len(table) + 1):
-        if i == len(table) or table[i][1:] != table[start][1:]:
-            span = str(start) if i - 1 == start else f"{start}-{i - 1}"
-            parts.append(f"{span}->{' '.join(map(str, table[start][1:]))}")
-            start = i
-    return ", ".join(parts)
+    return ", ".join(f"{a if a == b else f'{a}-{b}'}->{' '.join(map(str, v))}"
+                     for a, b, v in runs([tuple(row[1:]) for row in table]))
 
 
 def _left(deadline: float) -> float:

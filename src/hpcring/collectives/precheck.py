@@ -34,10 +34,10 @@ def _describe_code(row: tuple) -> str:
 
 def precheck_message(seq: int, rows: list[tuple]) -> str:
     """'pre-collective check before collective #5 failed: ranks 0-4 called ...; rank 5 called ...'."""
-    from hpcring.diagnostics.report import rank_ranges
+    from hpcring.ranks import ranks_label
     groups: dict[tuple, list[int]] = {}
     for r, row in enumerate(rows):
         groups.setdefault(row, []).append(r)
-    parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {rank_ranges(rs)} called {_describe_code(row)}"
+    parts = [f"{ranks_label(rs)} called {_describe_code(row)}"
              for row, rs in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
     return f"pre-collective check (HPCRING_CHECK_COLLECTIVES) before collective #{seq} failed: " + "; ".join(parts)

@@ -46,7 +46,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Mapping, Sequence, Union
 
-from hpcring.diagnostics.report import rank_ranges
+from hpcring.ranks import rank_ranges, ranks_label
 
 __all__ = ["Frame", "ThreadStack", "Group", "STACK_SIGNAL", "live_file_name", "format_all_threads", "where",
            "locate", "install_signal_dump", "uninstall_signal_dump", "installed_signal_dump", "parse_stacks",
@@ -457,8 +457,7 @@ def group(stacks_by_rank: Mapping[int, StackInput]) -> list[Group]:
 
 def group_line(g: Group) -> str:
     """``ranks 0-4,6: in allreduce at train.py:88 (train_step)`` for one group."""
-    label = "rank" if len(g.ranks) == 1 else "ranks"
-    return f"{label} {rank_ranges(g.ranks)}: {g.where}"
+    return f"{ranks_label(g.ranks)}: {g.where}"
 
 
 def summarize(groups: Sequence[Group], sep: str = "; ") -> str:

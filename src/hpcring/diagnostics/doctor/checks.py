@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from statistics import median
 
-from hpcring.diagnostics.report import rank_ranges
+from hpcring.ranks import rank_ranges, who
 from hpcring.errors import HpcringError
 from hpcring.diagnostics.doctor.model import (CHOSEN, Check, DEFAULT_BW_SECONDS, ENV_VARS, FAIL, OK,
                                               SLOW_FACTOR, WARN, _ORDER, _distinct)
@@ -122,14 +122,8 @@ def _differs_between_ranks(facts: Sequence[Mapping]) -> list[tuple[str, str]]:
         values = _group({f["rank"]: f.get("env", {}).get(var) for f in facts}, lambda v: v)
         if len(values) > 1:
             out.append((WARN, f"{var} differs between ranks: " + ", ".join(
-                f"{'unset' if v is None else repr(v)} on {describe_ranks_short(rs, hosts)}" for v, rs in values.items())))
+                f"{'unset' if v is None else repr(v)} on {who(rs, hosts, compress=True)}" for v, rs in values.items())))
     return out
-
-
-def describe_ranks_short(ranks: Sequence[int], hosts: Sequence[str]) -> str:
-    """``ranks 0-3 (node[1-2])``."""
-    hs = _distinct(hosts[r] for r in sorted(ranks) if r < len(hosts))
-    return f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)} ({_hosts(hs)})"
 
 
 def _hca_problems(facts: Sequence[Mapping]) -> list[tuple[str, str]]:

@@ -5,7 +5,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-from hpcring.diagnostics.report import rank_ranges
+from hpcring.ranks import ranks_label
 from hpcring.errors import UsageError
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
@@ -96,7 +96,7 @@ class DoctorReport:
         """``hpcring doctor: 6 ranks on 3 hosts: node1 (ranks 0-1), ..., job 42``."""
         hosts = _distinct(self.hosts)
         ranks = {h: [i for i, x in enumerate(self.hosts) if x == h] for h in hosts}
-        layout = ", ".join(f"{h} ({'rank' if len(rs) == 1 else 'ranks'} {rank_ranges(rs)})" for h, rs in ranks.items())
+        layout = ", ".join(f"{h} ({ranks_label(rs)})" for h, rs in ranks.items())
         return (f"hpcring doctor: {_plural(len(self.hosts), 'rank')} on {_plural(len(hosts), 'host')}: {layout}"
                 + (f", job {self.job_id}" if self.job_id else ""))
 

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from hpcring.bootstrap import netif
-from hpcring.bootstrap.init import describe_ranks
 from hpcring.bootstrap.store import StoreTimeoutError, load_secret
 from hpcring.errors import BootstrapError, UsageError
 from hpcring.netio import recv_exact
+from hpcring.ranks import each_on_host
 from hpcring.diagnostics.doctor.model import (BW_ROUNDS, CHOSEN, CHUNK, CONNECT_TIMEOUT, DoctorReport,
                                               GATHER_MARGIN_S, LATENCY_TRIES, Options, _COUNT, _STEP_NAMES)
 from hpcring.diagnostics.doctor.facts import _targets, collect_facts
@@ -214,7 +214,7 @@ class _DoctorRank:
         except StoreTimeoutError as e:
             missing = sorted(int(k.rsplit("/", 1)[1]) for k in e.missing)
             err = BootstrapError(
-                f"hpcring doctor: {describe_ranks(missing, self.topo.hosts)} did not report "
+                f"hpcring doctor: {each_on_host(missing, self.topo.hosts)} did not report "
                 f"{'its' if len(missing) == 1 else 'their'} {_STEP_NAMES[what]} within {self.opts.timeout:g}s "
                 f"({len(missing)} of {self.size} ranks missing)",
                 hint="every rank of the job must run the doctor: check that those ranks run it and are not "
