@@ -36,8 +36,6 @@ import numpy as np
 
 from hpcring.errors import UsageError
 
-COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall")
-REDUCING = ("allreduce", "reduce_scatter")
 OPS = ("sum", "prod", "min", "max", "avg")
 # name -> (nccl-tests type name, numpy storage dtype)
 DTYPES = {"float32": ("float", np.float32), "float64": ("double", np.float64), "float16": ("half", np.float16),
@@ -53,13 +51,14 @@ def busbw_factor(collective: str, n: int) -> float:
     """nccl-tests' bus-bandwidth factor for ``n`` ranks."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    if collective == "allreduce":
-        return 2.0 * (n - 1) / n
-    if collective in ("allgather", "reduce_scatter", "alltoall"):
-        return (n - 1) / n
-    if collective == "broadcast":
-        return 1.0
-    raise UsageError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    return _spec(collective).factor(n)
+
+
+def _spec(collective: str) -> "Collective":
+    try:
+        return TABLE[collective]
+    except KeyError:
+        raise UsageError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}") from None
 
 
 def parse_size(text: str | int) -> int:
@@ -209,7 +208,7 @@ def make_row(collective: str, dtype: str, op: str, root: int, n: int, size: int,
 def counts_for(collective: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int, int]:
     """(total elements of the largest buffer, the printed per-rank count, the printed size in bytes)."""
     total = nbytes // itemsize
-    if collective in ("allgather", "reduce_scatter", "alltoall"):
+    if _spec(collective).shares:
         total -= total % n
         return total, total // n, total * itemsize
     return total, total, total * itemsize
@@ -344,49 +343,101 @@ def memory_label(comm, memory: str) -> str:
     return "host (numpy)"
 
 
+@dataclass
+class _Point:
+    """What every case builder gets: the communicator, the per-rank patterns, the point's size,
+    and how buffers reach the memory under test (``put``) and come back for the check (``get``)."""
+    comm: object
+    pat: list
+    dtype: str
+    op: str
+    root: int
+    total: int
+    put: Callable
+    get: Callable
+
+    @property
+    def dt(self):             # dtype= for the call: only bfloat16 needs saying (uint16 storage)
+        return "bfloat16" if self.dtype == "bfloat16" else None
+
+    @property
+    def mine(self):
+        return self.pat[self.comm.rank]
+
+
+def _allreduce(k: _Point) -> Case:
+    x, out = k.put(tile(k.mine, 0, k.total)), k.put(_sentinel(k.total, k.dtype))
+    want = lambda: tile(reduce_patterns(k.pat, k.op, k.dtype), 0, k.total)  # noqa: E731
+    return Case(lambda: k.comm.allreduce(x, op=k.op, out=out, dtype=k.dt),
+                lambda: count_wrong(k.get(out), want(), k.dtype, k.op), [x, out])
+
+
+def _reduce_scatter(k: _Point) -> Case:
+    per, rank = k.total // k.comm.size, k.comm.rank
+    x, out = k.put(tile(k.mine, 0, k.total)), k.put(_sentinel(per, k.dtype))
+    want = lambda: tile(reduce_patterns(k.pat, k.op, k.dtype), rank * per, per)  # noqa: E731
+    return Case(lambda: k.comm.reduce_scatter(x, op=k.op, out=out, dtype=k.dt),
+                lambda: count_wrong(k.get(out), want(), k.dtype, k.op), [x, out])
+
+
+def _allgather(k: _Point) -> Case:
+    per = k.total // k.comm.size
+    x, out = k.put(tile(k.mine, 0, per)), k.put(_sentinel(k.comm.size * per, k.dtype))
+    want = lambda: np.concatenate([tile(p, 0, per) for p in k.pat]) if per else k.get(out)[:0]  # noqa: E731
+    return Case(lambda: k.comm.allgather(x, out=out, dtype=k.dt),
+                lambda: count_wrong(k.get(out), want(), k.dtype), [x, out])
+
+
+def _alltoall(k: _Point) -> Case:
+    per, rank = k.total // k.comm.size, k.comm.rank
+    x, out = k.put(tile(k.mine, 0, k.total)), k.put(_sentinel(k.total, k.dtype))
+    # rank q's block for this rank is elements [rank*per, (rank+1)*per) of q's input
+    want = lambda: np.concatenate([tile(p, rank * per, per) for p in k.pat]) if per else k.get(out)[:0]  # noqa: E731
+    return Case(lambda: k.comm.alltoall(x, out=out, dtype=k.dt),
+                lambda: count_wrong(k.get(out), want(), k.dtype), [x, out])
+
+
+def _broadcast(k: _Point) -> Case:
+    buf = k.put(tile(k.mine, 0, k.total))
+
+    def check() -> int:     # fresh buffers for the checked call: non-roots start from the sentinel
+        fresh = tile(k.mine, 0, k.total) if k.comm.rank == k.root else _sentinel(k.total, k.dtype)
+        buf[...] = k.put(fresh)
+        k.comm.broadcast(buf, root=k.root, dtype=k.dt)
+        return count_wrong(k.get(buf), tile(k.pat[k.root], 0, k.total), k.dtype)
+    return Case(lambda: k.comm.broadcast(buf, root=k.root, dtype=k.dt), check, [buf])
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as nccl-tests treats it: its bus-bandwidth factor for n ranks, whether it
+    reduces (has a redop), whether the size is split into n shares (count printed per share),
+    and the builder of its buffers, timed call and check."""
+    factor: Callable[[int], float]
+    reducing: bool
+    shares: bool
+    build: Callable[[_Point], Case]
+
+
+TABLE: dict[str, Collective] = {
+    "allreduce": Collective(lambda n: 2.0 * (n - 1) / n, True, False, _allreduce),
+    "allgather": Collective(lambda n: (n - 1) / n, False, True, _allgather),
+    "broadcast": Collective(lambda n: 1.0, False, False, _broadcast),
+    "reduce_scatter": Collective(lambda n: (n - 1) / n, True, True, _reduce_scatter),
+    "alltoall": Collective(lambda n: (n - 1) / n, False, True, _alltoall),
+}
+COLLECTIVES = tuple(TABLE)
+REDUCING = tuple(c for c, spec in TABLE.items() if spec.reducing)
+
+
 def make_case(comm, collective: str, dtype: str, op: str, root: int, total: int, seed: int = 0,
               xp=None) -> Case:
     """Buffers, the timed call and its check for this rank (``total``: elements of the largest
     buffer). ``xp`` (CuPy): the buffers live on the GPU; checks copy them back."""
-    n, rank = comm.size, comm.rank
+    pat = [rank_pattern(r, dtype, op, seed) for r in range(comm.size)]
     put = (lambda a: a) if xp is None else xp.asarray  # noqa: E731
     get = (lambda a: a) if xp is None else xp.asnumpy  # noqa: E731
-    dt = "bfloat16" if dtype == "bfloat16" else None
-    pat = [rank_pattern(r, dtype, op, seed) for r in range(n)]
-    mine = pat[rank]
-    if collective == "allreduce":
-        x, out = put(tile(mine, 0, total)), put(_sentinel(total, dtype))
-        want = lambda: tile(reduce_patterns(pat, op, dtype), 0, total)  # noqa: E731
-        return Case(lambda: comm.allreduce(x, op=op, out=out, dtype=dt),
-                    lambda: count_wrong(get(out), want(), dtype, op), [x, out])
-    if collective == "reduce_scatter":
-        per = total // n
-        x, out = put(tile(mine, 0, total)), put(_sentinel(per, dtype))
-        want = lambda: tile(reduce_patterns(pat, op, dtype), rank * per, per)  # noqa: E731
-        return Case(lambda: comm.reduce_scatter(x, op=op, out=out, dtype=dt),
-                    lambda: count_wrong(get(out), want(), dtype, op), [x, out])
-    if collective == "allgather":
-        per = total // n
-        x, out = put(tile(mine, 0, per)), put(_sentinel(n * per, dtype))
-        want = lambda: np.concatenate([tile(p, 0, per) for p in pat]) if per else get(out)[:0]  # noqa: E731
-        return Case(lambda: comm.allgather(x, out=out, dtype=dt),
-                    lambda: count_wrong(get(out), want(), dtype), [x, out])
-    if collective == "alltoall":
-        per = total // n
-        x, out = put(tile(mine, 0, total)), put(_sentinel(total, dtype))
-        # rank q's block for this rank is elements [rank*per, (rank+1)*per) of q's input
-        want = lambda: np.concatenate([tile(p, rank * per, per) for p in pat]) if per else get(out)[:0]  # noqa: E731
-        return Case(lambda: comm.alltoall(x, out=out, dtype=dt),
-                    lambda: count_wrong(get(out), want(), dtype), [x, out])
-    if collective == "broadcast":
-        buf = put(tile(mine, 0, total))
-
-        def check() -> int:     # fresh buffers for the checked call: non-roots start from their own data
-            buf[...] = put(tile(mine, 0, total) if rank == root else _sentinel(total, dtype))
-            comm.broadcast(buf, root=root, dtype=dt)
-            return count_wrong(get(buf), tile(pat[root], 0, total), dtype)
-        return Case(lambda: comm.broadcast(buf, root=root, dtype=dt), check, [buf])
-    raise UsageError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    return _spec(collective).build(_Point(comm, pat, dtype, op, root, total, put, get))
 
 
 # ---------------------------------------------------------------------------------------------
