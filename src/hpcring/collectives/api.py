@@ -368,7 +368,8 @@ _OP_NAMES = ("allreduce", "allreduce_grouped", "allgather", "broadcast", "reduce
 
 def precheck_default() -> bool:
     """HPCRING_CHECK_COLLECTIVES=1 (or true/yes/on) turns the pre-collective check on."""
-    return os.environ.get("HPCRING_CHECK_COLLECTIVES", "").strip().lower() in ("1", "true", "yes", "on")
+    from hpcring.config.envvars import get
+    return get("HPCRING_CHECK_COLLECTIVES")
 
 
 def signature_code(rec: Record) -> tuple[int, int, int, int, int]:
@@ -488,9 +489,9 @@ class Communicator:
     """Collectives over a :class:`~hpcring.collectives.backends.Backend`."""
 
     def __init__(self, backend: Backend, *, timeout: float | None = None, watchdog=None) -> None:
-        from hpcring.collectives.ring import default_timeout
+        from hpcring.config.envvars import collective_timeout
         self.backend = backend
-        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.timeout = collective_timeout(timeout)
         if self.timeout <= 0:
             raise UsageError(f"timeout must be > 0, got {timeout}")
         self._worker = _Worker(f"hpcring-comm:{backend.rank}")

@@ -36,6 +36,7 @@ import threading
 import time
 
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend
+from hpcring.config import envvars
 from hpcring.errors import BootstrapError, CollectiveError, UsageError
 from hpcring.netio import recv_exact
 
@@ -59,21 +60,9 @@ _LABEL_CONNECT = b"hpcring-ring-v1 connect"
 _LABEL_ACCEPT = b"hpcring-ring-v1 accept"
 HANDSHAKE_TIMEOUT = 10.0
 
-DEFAULT_TIMEOUT = 300.0
-
-
 def default_timeout() -> float:
-    """HPCRING_TIMEOUT (seconds) or 300."""
-    text = os.environ.get("HPCRING_TIMEOUT", "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"HPCRING_TIMEOUT={text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise UsageError(f"HPCRING_TIMEOUT={text!r} must be > 0")
-    return value
+    """HPCRING_TIMEOUT (seconds) or the registry's default (hpcring.config.envvars)."""
+    return envvars.get("HPCRING_TIMEOUT")
 
 
 def _mac(secret: bytes, *parts: bytes) -> bytes:
@@ -174,11 +163,11 @@ class RingBackend(Backend):
             secret = secret.encode()
         if not secret:
             raise BootstrapError("the ring needs the non-empty per-job secret")
-        timeout = default_timeout() if timeout is None else float(timeout)
+        timeout = envvars.collective_timeout(timeout)
         if sockbuf is None:
-            sockbuf = int(os.environ.get("HPCRING_SOCKBUF", "0") or 0)
-        if rd_threshold is None and os.environ.get("HPCRING_RD_THRESHOLD"):
-            rd_threshold = int(os.environ["HPCRING_RD_THRESHOLD"])
+            sockbuf = envvars.get("HPCRING_SOCKBUF")
+        if rd_threshold is None:
+            rd_threshold = envvars.get("HPCRING_RD_THRESHOLD")
         rank, size = topology.rank, topology.size
         hosts = tuple(topology.hosts) if len(topology.hosts) == size else tuple(f"rank{r}" for r in range(size))
         if size == 1:
