@@ -13,6 +13,7 @@ import typer
 
 from hpcring import submit as lib
 from hpcring.cli import output
+from hpcring.config.envvars import MAX_CPUS_PER_TASK, MAX_GPUS_PER_NODE, MAX_NODES, MAX_TASKS_PER_NODE
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import HpcringError
@@ -58,10 +59,10 @@ def submit(
     script: str = typer.Argument(..., help="Python script each rank runs."),
     args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script (after --)."),
     site: Optional[str] = SiteOpt,
-    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", help="Number of nodes."),
-    tasks_per_node: Optional[int] = typer.Option(None, "--tasks-per-node", help="Ranks per node (default: one per GPU, else 1)."),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node."),
-    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", help="CPUs per rank."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES, help="Number of nodes."),
+    tasks_per_node: Optional[int] = typer.Option(None, "--tasks-per-node", min=1, max=MAX_TASKS_PER_NODE, help="Ranks per node (default: one per GPU, else 1)."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=0, max=MAX_GPUS_PER_NODE, help="GPUs per node."),
+    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", min=1, max=MAX_CPUS_PER_TASK, help="CPUs per rank."),
     time: Optional[str] = typer.Option(None, "--time", "-t", help="Time limit: minutes, HH:MM:SS or D-HH:MM:SS."),
     partition: Optional[str] = typer.Option(None, "--partition", "-p", help="Partition (Slurm) or queue (LSF)."),
     account: Optional[str] = typer.Option(None, "--account", "-A", help="Account or project to charge."),
@@ -102,10 +103,10 @@ def render(
     script: str = typer.Argument(...),
     args: Optional[List[str]] = typer.Argument(None),
     site: Optional[str] = SiteOpt,
-    nodes: Optional[int] = typer.Option(None, "--nodes", "-N"),
-    tasks_per_node: Optional[int] = typer.Option(None, "--tasks-per-node"),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node"),
-    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task"),
+    nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES),
+    tasks_per_node: Optional[int] = typer.Option(None, "--tasks-per-node", min=1, max=MAX_TASKS_PER_NODE),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", min=0, max=MAX_GPUS_PER_NODE),
+    cpus_per_task: Optional[int] = typer.Option(None, "--cpus-per-task", min=1, max=MAX_CPUS_PER_TASK),
     time: Optional[str] = typer.Option(None, "--time", "-t"),
     partition: Optional[str] = typer.Option(None, "--partition", "-p"),
     account: Optional[str] = typer.Option(None, "--account", "-A"),

@@ -34,8 +34,8 @@ class Partition(_Strict):
     """A Slurm partition or an LSF queue."""
 
     max_time: str | None = None
-    max_nodes: int | None = Field(default=None, ge=1)
-    gpus_per_node: int | None = Field(default=None, ge=0)
+    max_nodes: int | None = Field(default=None, ge=1, le=envvars.MAX_NODES)
+    gpus_per_node: int | None = Field(default=None, ge=0, le=envvars.MAX_GPUS_PER_NODE)
     cpus_per_node: int | None = Field(default=None, ge=1)
     qos: str | None = None
 
@@ -52,9 +52,9 @@ class Defaults(_Strict):
 
     partition: str | None = None
     time: str = "00:30:00"
-    nodes: int = Field(default=1, ge=1)
-    tasks_per_node: int | None = Field(default=None, ge=1)  # None: one per GPU, else 1
-    cpus_per_task: int = Field(default=1, ge=1)
+    nodes: int = Field(default=1, ge=1, le=envvars.MAX_NODES)
+    tasks_per_node: int | None = Field(default=None, ge=1, le=envvars.MAX_TASKS_PER_NODE)  # None: one per GPU, else 1
+    cpus_per_task: int = Field(default=1, ge=1, le=envvars.MAX_CPUS_PER_TASK)
     exclusive: bool = False
 
     @field_validator("time")
@@ -119,7 +119,7 @@ class SiteConfig(_Strict):
     qos: str | None = None
     constraint: str | None = None
     job_dir: str = "~/hpcring-jobs"   # must be on a filesystem every node sees
-    gpus_per_node: int = Field(default=0, ge=0)
+    gpus_per_node: int = Field(default=0, ge=0, le=envvars.MAX_GPUS_PER_NODE)
     cpus_per_node: int | None = Field(default=None, ge=1)
     partitions: dict[str, Partition] = {}
     defaults: Defaults = Defaults()
