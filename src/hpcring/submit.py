@@ -8,6 +8,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ def preview(site: Site, job: JobSpec, template: str | None = None) -> str:
     """The exact script `submit` would hand to the scheduler (job id still a placeholder)."""
     folder = str(job_root(job) / "%j")
     own = getattr(schedulers.get(site.config.scheduler), "rank_command", None)  # LSF: per-rank log entry
-    command = own(_python(site), folder) if own else RANK_COMMAND.format(python=_python(site), folder=folder)
+    command = own(_python(site), folder) if own else RANK_COMMAND.format(python=_python(site), folder=shlex.quote(folder))
     return render_script(site, job, command, folder, template, python=_python(site))
 
 

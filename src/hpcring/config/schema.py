@@ -134,6 +134,13 @@ class SiteConfig(_Strict):
     lsf: LsfOptions = LsfOptions()
     sched_args: list[str] = []          # extra scheduler flags for every job
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v):
+            raise ValueError(f"site name {v!r} may use letters, digits, '_', '.' and '-' only")
+        return v
+
     @field_validator("env")
     @classmethod
     def _env(cls, v):
