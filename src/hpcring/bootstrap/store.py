@@ -50,6 +50,10 @@ F64 = struct.Struct(">d")
 I64 = struct.Struct(">q")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024   # store values are addresses and small blobs, not tensors
 HANDSHAKE_TIMEOUT = 10.0               # an unauthenticated peer may not hold a slot longer
+FRAME_TIMEOUT = 10.0                   # a started frame must be complete within this (slowloris)
+MAX_GET_TIMEOUT = 7 * 24 * 3600.0      # a blocked GET's deadline: finite, at most a week
+ACCEPT_BACKOFF = (0.05, 1.0)           # pause accepting after EMFILE & co.: first, longest (s)
+FD_RESERVE = 32                        # descriptors left for the rest of rank 0 (logs, ring, ...)
 
 OP_SET, OP_GET, OP_ADD, OP_CHECK, OP_DELETE, OP_PING = 1, 2, 3, 4, 5, 6
 ST_OK, ST_TIMEOUT, ST_ERROR, ST_MISSING = 0, 1, 2, 3
@@ -75,6 +79,39 @@ class StoreTimeoutError(BootstrapError):
     def __init__(self, message: str, *, hint: str | None = None, missing: Iterable[str] = ()) -> None:
         super().__init__(message, hint=hint)
         self.missing = list(missing)
+
+
+class _RateLog:
+    """At most ``burst`` lines per ``period`` seconds; the rest are counted and summarised once.
+
+    A flood of bad peers must not turn into megabytes of job log (seen: 414,548 lines in 10 s).
+    """
+
+    def __init__(self, logger: logging.Logger, burst: int = 20, period: float = 10.0) -> None:
+        self._log, self._burst, self._period = logger, burst, period
+        self._window, self._count, self._suppressed = 0.0, 0, 0
+
+    def __call__(self, level: int, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._window >= self._period:
+            if self._suppressed:
+                self._log.warning("store: %d similar messages suppressed in the last %.0fs",
+                                  self._suppressed, self._period)
+            self._window, self._count, self._suppressed = now, 0, 0
+        if self._count < self._burst or not self._log.isEnabledFor(level) or level < logging.INFO:
+            self._count += level >= logging.INFO
+            self._log.log(level, msg, *args)
+        else:
+            self._suppressed += 1
+
+
+def _fd_limit() -> int:
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return soft if soft != resource.RLIM_INFINITY else 1 << 20
+    except (ImportError, OSError, ValueError):
+        return 1024
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -165,7 +202,7 @@ def new_secret_file(folder: str | os.PathLike) -> Path:
 
 class _Conn:
     __slots__ = ("sock", "peer", "ready", "inbuf", "outbuf", "ns", "key", "recv_seq", "send_seq",
-                 "hello_deadline", "pending", "closed", "want_write")
+                 "hello_deadline", "pending", "closed", "want_write", "frame_deadline")
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
@@ -181,6 +218,7 @@ class _Conn:
         self.pending: tuple[str, float] | None = None   # (key, deadline) of a blocked GET
         self.closed = False
         self.want_write = False
+        self.frame_deadline: float | None = None   # set while a frame is partly received
 
 
 class StoreServer:
@@ -191,14 +229,28 @@ class StoreServer:
     before any of its bytes are interpreted; a bad handshake or a frame with a bad MAC or an
     oversized length closes the connection with a log line naming the peer, before parsing.
     ``stats`` counts what happened (for tests and diagnostics).
+
+    Flood resistance: at most ``max_connections`` open connections (default: what the descriptor
+    limit allows, less a reserve); when full, or when accept() fails with EMFILE/ENFILE/ENOBUFS,
+    the oldest connection still in its handshake is dropped to make room and accepting pauses with
+    exponential back-off (no busy loop). A started frame must be complete within
+    ``frame_timeout`` seconds (slowloris). Numeric request fields are checked (a GET timeout must
+    be finite and >= 0). Log lines about dropped peers are rate-limited.
     """
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0, *, secret: bytes,
-                 max_frame: int = DEFAULT_MAX_FRAME, backlog: int = 1024) -> None:
+                 max_frame: int = DEFAULT_MAX_FRAME, backlog: int = 1024,
+                 max_connections: int | None = None, frame_timeout: float = FRAME_TIMEOUT) -> None:
         if not secret:
             raise BootstrapError("StoreServer needs a non-empty per-job secret")
         self._secret = bytes(secret)
         self.max_frame = max_frame
+        self.max_connections = max(8, max_connections or _fd_limit() - FD_RESERVE)
+        self.frame_timeout = frame_timeout
+        self._conns: dict[_Conn, None] = {}       # open connections, oldest first
+        self._accept_paused_until: float | None = None
+        self._accept_backoff = ACCEPT_BACKOFF[0]
+        self._rlog = _RateLog(log)
         self._lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             # SO_REUSEADDR only skips TIME_WAIT leftovers; Linux still refuses a port someone listens on.
@@ -216,7 +268,8 @@ class StoreServer:
         self._timers: list[tuple[float, int, _Conn]] = []   # (deadline, tie, conn) for hellos and GETs
         self._tie = itertools.count()
         self.stats = {"connections": 0, "authenticated": 0, "rejected_handshake": 0,
-                      "rejected_frame": 0, "frames": 0}
+                      "rejected_frame": 0, "frames": 0, "evicted": 0, "accept_errors": 0,
+                      "slow_frame": 0, "bad_request": 0}
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -263,7 +316,10 @@ class StoreServer:
             while not self._stopping:
                 for sel_key, events in self._sel.select(self._next_timeout()):
                     self._dispatch(sel_key, events)
-                self._expire(time.monotonic())
+                now = time.monotonic()
+                self._expire(now)
+                if self._accept_paused_until is not None and now >= self._accept_paused_until:
+                    self._resume_accept()
         except Exception:   # a bug here would silently hang every rank; make it loud
             log.exception("store server %s crashed", self.address)
         finally:
@@ -285,9 +341,13 @@ class StoreServer:
                 self._on_readable(conn)
 
     def _next_timeout(self) -> float:
-        if not self._timers:
-            return 1.0
-        return max(0.0, min(1.0, self._timers[0][0] - time.monotonic()))
+        now = time.monotonic()
+        t = 1.0
+        if self._timers:
+            t = min(t, self._timers[0][0] - now)
+        if self._accept_paused_until is not None:
+            t = min(t, self._accept_paused_until - now)
+        return max(0.0, t)
 
     def _expire(self, now: float) -> None:
         while self._timers and self._timers[0][0] <= now:
@@ -296,6 +356,10 @@ class StoreServer:
                 continue
             if not conn.ready and conn.hello_deadline == deadline:
                 self._drop(conn, "no handshake within %.0fs" % HANDSHAKE_TIMEOUT, counter="rejected_handshake")
+            elif conn.frame_deadline == deadline:
+                self._drop(conn, f"a frame was not completed within {self.frame_timeout:g}s "
+                                 f"({len(conn.inbuf)} bytes of it received; slow or stalled peer)",
+                           counter="slow_frame")
             elif conn.pending is not None and conn.pending[1] == deadline:
                 key = conn.pending[0]
                 conn.pending = None
@@ -312,32 +376,75 @@ class StoreServer:
             except OSError:
                 pass
         self._sel.close()
+        self._lsock.close()   # unregistered while accepting is paused, so not closed above
         self._wake_w.close()
 
     # -- connections ------------------------------------------------------------------------
     def _accept(self) -> None:
         for _ in range(64):   # drain the backlog in batches so 256 simultaneous connects are quick
+            if len(self._conns) >= self.max_connections and not self._evict_unauthenticated():
+                self._pause_accept("connection limit %d reached" % self.max_connections)
+                return
             try:
                 sock, addr = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                log.warning("store %s: accept failed: %s", self.address, e)
+                # EMFILE & co.: the connection stays in the kernel's backlog and the listener stays
+                # readable, so retrying at once would spin. Free descriptors held by peers still
+                # in their handshake and go on; with none to free, pause with back-off.
+                self.stats["accept_errors"] += 1
+                if self._evict_unauthenticated(count=32):
+                    self._rlog(logging.WARNING, "store %s: accept() failed: %s; dropped peers without "
+                               "a handshake to make room", self.address, e)
+                    continue
+                self._pause_accept(f"accept() failed: {e}")
                 return
+            self._accept_backoff = ACCEPT_BACKOFF[0]
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
             self.stats["connections"] += 1
+            self._conns[conn] = None
             self._sel.register(sock, selectors.EVENT_READ, conn)
             heapq.heappush(self._timers, (conn.hello_deadline, next(self._tie), conn))
             self._send_raw(conn, MAGIC + conn.ns)
+
+    def _pause_accept(self, why: str) -> None:
+        if self._accept_paused_until is not None:
+            return
+        self._rlog(logging.WARNING, "store %s: %s; not accepting for %.2fs (%d connections open)",
+                   self.address, why, self._accept_backoff, len(self._conns))
+        try:
+            self._sel.unregister(self._lsock)
+        except (KeyError, ValueError):
+            pass
+        self._accept_paused_until = time.monotonic() + self._accept_backoff
+        self._accept_backoff = min(self._accept_backoff * 2, ACCEPT_BACKOFF[1])
+
+    def _resume_accept(self) -> None:
+        self._accept_paused_until = None
+        self._sel.register(self._lsock, selectors.EVENT_READ, "accept")
+
+    def _evict_unauthenticated(self, count: int = 1) -> bool:
+        """Drop the ``count`` oldest connections still in their handshake; False if there is none.
+
+        Legitimate ranks finish their handshake within one round trip, so under a flood of idle
+        or garbage connections the oldest unauthenticated one is the attacker's.
+        """
+        victims = [c for c in itertools.islice((c for c in self._conns if not c.ready), count)]
+        for conn in victims:
+            self._drop(conn, "evicted to make room (too many connections without a handshake)",
+                       counter="evicted")
+        return bool(victims)
 
     def _drop(self, conn: _Conn, why: str, *, counter: str | None = None, level=logging.WARNING) -> None:
         if conn.closed:
             return
         if counter:
             self.stats[counter] += 1
-        log.log(level, "store %s: dropped peer %s: %s", self.address, conn.peer, why)
+        self._rlog(level, "store %s: dropped peer %s: %s", self.address, conn.peer, why)
+        self._conns.pop(conn, None)
         conn.closed = True
         if conn.pending is not None:
             self._remove_waiter(conn.pending[0], conn)
@@ -368,9 +475,20 @@ class StoreServer:
         while not conn.closed and conn.pending is None:
             body = self._next_body(conn)
             if body is None:
-                return
+                break
             self.stats["frames"] += 1
             self._handle(conn, body)
+        if conn.closed or not conn.ready:
+            return
+        if len(conn.inbuf) > 2 * (self.max_frame + HEADER.size + MAC_LEN):
+            self._drop(conn, f"{len(conn.inbuf)} bytes queued while a request is pending",
+                       counter="rejected_frame")
+        elif conn.inbuf and conn.pending is None:
+            if conn.frame_deadline is None:   # a frame has started: it gets frame_timeout to finish
+                conn.frame_deadline = time.monotonic() + self.frame_timeout
+                heapq.heappush(self._timers, (conn.frame_deadline, next(self._tie), conn))
+        else:
+            conn.frame_deadline = None
 
     def _handshake(self, conn: _Conn) -> bool:
         need = NONCE_LEN + MAC_LEN
@@ -409,6 +527,7 @@ class StoreServer:
             return None
         del buf[:end]
         conn.recv_seq += 1
+        conn.frame_deadline = None
         return body
 
     # -- requests ---------------------------------------------------------------------------
@@ -425,12 +544,17 @@ class StoreServer:
             return
         handler = self._HANDLERS.get(op)
         if handler is None:
+            self.stats["bad_request"] += 1
             self._reply(conn, ST_ERROR, f"unknown op {op}".encode())
             return
         try:
             handler(self, conn, key, args)
-        except (struct.error, ValueError) as e:
+        except (struct.error, ValueError, OverflowError) as e:
+            self.stats["bad_request"] += 1
             self._reply(conn, ST_ERROR, f"bad arguments for op {op} on key {key!r}: {e}".encode())
+        except Exception as e:   # a bug must cost this peer its connection, not every rank the store
+            log.exception("store %s: op %d from %s failed", self.address, op, conn.peer)
+            self._drop(conn, f"internal error on op {op}: {type(e).__name__}")
 
     def _op_set(self, conn: _Conn, key: str, value: bytes) -> None:
         self._data[key] = value
@@ -441,6 +565,8 @@ class StoreServer:
 
     def _op_get(self, conn: _Conn, key: str, args: bytes) -> None:
         (timeout,) = F64.unpack(args)
+        if not (0.0 <= timeout <= MAX_GET_TIMEOUT):   # also false for NaN
+            raise ValueError(f"GET timeout {timeout!r} must be finite, >= 0 and <= {MAX_GET_TIMEOUT:g}s")
         if key in self._data:
             self._reply(conn, ST_OK, self._data[key])
             return
@@ -460,6 +586,8 @@ class StoreServer:
         except ValueError:
             self._reply(conn, ST_ERROR, f"key {key!r} does not hold an integer".encode())
             return
+        if not -(1 << 63) <= value < (1 << 63):
+            raise ValueError(f"counter {key!r} would overflow 64 bits")
         self._data[key] = str(value).encode("ascii")
         self._wake_waiters(key)   # before replying, as in _op_set
         self._reply(conn, ST_OK, I64.pack(value))
@@ -512,6 +640,9 @@ class StoreServer:
         self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
+        if len(conn.outbuf) > 4 * (self.max_frame + HEADER.size + MAC_LEN):
+            self._drop(conn, f"{len(conn.outbuf)} reply bytes unread (peer does not read)", counter="rejected_frame")
+            return
         try:
             while conn.outbuf:
                 sent = conn.sock.send(conn.outbuf)
@@ -529,6 +660,16 @@ class StoreServer:
 
 
 # --------------------------------------------------------------------------------------- client
+
+def _seconds(what: str, value) -> float:
+    """A wait in seconds from a caller: finite and in [0, MAX_GET_TIMEOUT], else UsageError."""
+    from hpcring.config.envvars import check_number
+    return check_number(what, value, lo=0, hi=MAX_GET_TIMEOUT)
+
+
+class _StoreBusy(ConnectionResetError):
+    """The server closed a new connection before its hello: full, or pausing accepts (retryable)."""
+
 
 _RETRYABLE_CONNECT = (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError,
                       TimeoutError, socket.timeout)
@@ -548,7 +689,8 @@ class StoreClient:
                  max_frame: int = DEFAULT_MAX_FRAME, connect_retry: bool = True) -> None:
         if not secret:
             raise BootstrapError("StoreClient needs a non-empty per-job secret")
-        self.host, self.port, self.timeout = host, int(port), float(timeout)
+        self.host, self.port = host, int(port)
+        self.timeout = _seconds("StoreClient(timeout=)", timeout)
         self.max_frame = max_frame
         self._secret = bytes(secret)
         self._lock = threading.Lock()
@@ -602,7 +744,11 @@ class StoreClient:
     def _handshake(self, sock: socket.socket) -> None:
         try:
             hello = recv_exact(sock, len(MAGIC) + NONCE_LEN)
-        except (EOFError, OSError) as e:
+        except (EOFError, ConnectionResetError, TimeoutError, socket.timeout) as e:
+            # An hpcring store under a flood drops (or is slow to greet) new connections: retry.
+            raise _StoreBusy(f"the store closed the connection before its hello (busy, or not an "
+                             f"hpcring store): {e or type(e).__name__}") from e
+        except OSError as e:
             raise StoreAuthError(f"peer at {self.address} is not an hpcring store (no hello: {e})",
                                  hint=SECRET_HINT) from e
         if hello[:len(MAGIC)] != MAGIC:
@@ -695,7 +841,11 @@ class StoreClient:
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, blocking until it exists; BootstrapError after ``timeout`` seconds."""
-        wait = self.timeout if timeout is None else max(0.0, float(timeout))
+        if timeout is None:
+            wait = self.timeout
+        else:   # a deadline already passed means "do not block" (gather/wait compute what is left)
+            negative = isinstance(timeout, (int, float)) and timeout < 0
+            wait = _seconds(f"store get({key!r}) timeout", 0.0 if negative else timeout)
         status, payload = self._call(OP_GET, key, F64.pack(wait), wait)
         if status == ST_TIMEOUT:
             raise StoreTimeoutError(
@@ -712,7 +862,7 @@ class StoreClient:
         (not only the first), so callers can name all the ranks that did not arrive.
         """
         keys = list(keys)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        deadline = time.monotonic() + (self.timeout if timeout is None else _seconds("store wait timeout", timeout))
         values: list[bytes] = []
         for i, key in enumerate(keys):
             try:
@@ -739,13 +889,13 @@ class StoreClient:
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
         """Block until every key exists; one deadline covers them all."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        deadline = time.monotonic() + (self.timeout if timeout is None else _seconds("store wait timeout", timeout))
         for key in keys:
             self.get(key, timeout=max(0.0, deadline - time.monotonic()))
 
     def barrier(self, name: str, size: int, timeout: float | None = None) -> None:
         """Return once ``size`` participants have entered barrier ``name`` (one use per name)."""
-        wait = self.timeout if timeout is None else timeout
+        wait = self.timeout if timeout is None else _seconds(f"barrier {name!r} timeout", timeout)
         deadline = time.monotonic() + wait
         count_key, done_key = f"__barrier/{name}/count", f"__barrier/{name}/done"
         n = self.add(count_key, 1)
