@@ -54,10 +54,14 @@ class Var:
             return "one of " + ", ".join(self.choices)
         if self.kind in ("int", "float"):
             what = "a whole number" if self.kind == "int" else "a finite number"
-            lo = "" if self.lo is None else (f" > {self.lo:g}" if self.lo_open else f" >= {self.lo:g}")
-            hi = "" if self.hi is None else f" <= {self.hi:g}"
+            lo = "" if self.lo is None else (f" > {_num(self.lo)}" if self.lo_open else f" >= {_num(self.lo)}")
+            hi = "" if self.hi is None else f" <= {_num(self.hi)}"
             return what + (lo + ("," if lo and hi else "") + hi)
         return "text"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def _v(*a, **kw) -> Var:
