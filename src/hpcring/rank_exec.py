@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcring.bootstrap.init import apply_framework_env
     from hpcring.session import init
     try:
+        envvars.check_environ()
         gpus = envvars.get("HPCRING_GPUS_PER_NODE")
         session = init(watchdog=False)   # the child CMD runs the collectives and the watchdog
     except HpcringError as exc:

@@ -13,7 +13,7 @@ import typer
 
 from hpcring import submit as lib
 from hpcring.cli import output
-from hpcring.config.envvars import MAX_CPUS_PER_TASK, MAX_GPUS_PER_NODE, MAX_NODES, MAX_TASKS_PER_NODE
+from hpcring.config.envvars import check_environ, MAX_CPUS_PER_TASK, MAX_GPUS_PER_NODE, MAX_NODES, MAX_TASKS_PER_NODE
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import HpcringError
@@ -29,6 +29,7 @@ def command(target: typer.Typer, *args, **kwargs):
         @functools.wraps(fn)
         def wrapper(*a, **kw):
             try:
+                check_environ()   # a bad HPCRING_* value stops here, before any rank starts
                 return fn(*a, **kw)
             except HpcringError as exc:
                 output.error(str(exc))

@@ -227,6 +227,28 @@ def _check_bounds(var: Var, value: float) -> None:
         raise ValueError("out of range")
 
 
+def check_environ(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every registered variable that is set; one UsageError listing each bad one.
+
+    Entry points (the CLI, each rank's entry) call this first, so a bad value stops the job with
+    one clear message before any rank or user code runs, not as a traceback from deep inside.
+    """
+    env = os.environ if environ is None else environ
+    problems = []
+    for v in VARS:
+        if v.kind in ("str", "path", "time") or not (env.get(v.name) or "").strip():
+            continue
+        try:
+            _parse(v.name, env[v.name])
+        except UsageError as exc:
+            problems.append(exc)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise UsageError("bad environment variables:\n" + "\n".join(f"  - {p.message}" for p in problems),
+                         hint="fix or unset each (see docs/environment.md)")
+
+
 def check_number(what: str, value: Any, *, lo: float | None = None, hi: float | None = None,
                  lo_open: bool = False, integer: bool = False, hint: str | None = None) -> Any:
     """Validate a number from any edge (a flag, an argument, a site key): finite and in bounds.
