@@ -26,7 +26,6 @@ authenticated, the network path is trusted).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 import threading
