@@ -66,6 +66,9 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
     jenv = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, autoescape=False)
     jenv.filters["shquote"] = lambda v: shlex.quote(str(v))
+    # blaunch joins its arguments and runs them through a shell on each host: every word of an
+    # already shell-quoted command needs one more level of quoting (no-op for plain words)
+    jenv.filters["remote_shell"] = lambda cmd: " ".join(shlex.quote(shlex.quote(w)) for w in shlex.split(str(cmd)))
     try:
         text = jenv.get_template(path.name).render(
             site=site.config, site_path=site.path.name if site.origin == "bundled" else str(site.path),

@@ -406,3 +406,18 @@ def test_run_with_bad_timeout_env_subprocess(value):
 def test_flag_error_subprocess():
     p = _hpcring("run", "-N", "-1", "--", "true")
     assert p.returncode == 2 and "Traceback" not in p.stderr and "--nodes" in p.stderr
+
+
+def test_lsf_blaunch_line_survives_the_remote_shell(tmp_path):
+    """blaunch joins its words and runs them through a shell: a job_dir with a space needs (and
+    gets) two levels of quoting on that line, and still arrives as one argument."""
+    import shlex
+    folder = tmp_path / "dir with space"
+    r = cli(["render", HELLO, "--site", "devcluster-lsf", "--name", "my run"], env={"HPCRING_JOB_DIR": str(folder)})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("blaunch "))
+    local_words = shlex.split(" ".join(ln.rstrip("\\") for ln in lines[i:i + 2]))   # the batch shell
+    remote_words = shlex.split(" ".join(local_words[3:]))                          # blaunch's shell
+    assert remote_words[-1] == str(folder / "%j") and remote_words[-2] == "hpcring.schedulers.lsf_task"
+    assert "#BSUB -J 'my run'" in r.output
