@@ -536,7 +536,8 @@ def resolved_backend(backend: str, session) -> str:
         from hpcring.session import auto_backend
         return f"auto={auto_backend(session.topology)}"
     except Exception:
-        return f"auto={os.environ.get('HPCRING_BACKEND', 'ring')}"
+        from hpcring.config.envvars import get
+        return f"auto={get('HPCRING_BACKEND') or 'ring'}"
 
 
 def run_as_rank(opts: BenchOptions) -> int:

@@ -12,6 +12,7 @@ import threading
 import time
 
 from hpcring.bootstrap.topology import Topology
+from hpcring.config import envvars
 from hpcring.errors import UsageError
 
 _LOCK = threading.Lock()
@@ -35,10 +36,8 @@ def auto_backend(topology: Topology, environ=None) -> str:
     """
     import importlib.util
     env = os.environ if environ is None else environ
-    chosen = env.get("HPCRING_BACKEND", "").strip()
+    chosen = envvars.get("HPCRING_BACKEND", env)
     if chosen:
-        if chosen not in BACKENDS or chosen == "auto":
-            raise UsageError(f"HPCRING_BACKEND={chosen!r} is not a backend; choose one of ring, mpi, nccl")
         return chosen
     from hpcring.collectives.nccl import gpu_available
     if gpu_available():
@@ -66,7 +65,7 @@ class Session:
         """Start the hang watchdog (:mod:`hpcring.diagnostics.watchdog`) and the signal dumps
         (SIGRTMIN+7 from the main thread: flight records; SIGRTMIN+6: stacks) unless HPCRING_WATCHDOG=0.
         SIGUSR1 and SIGUSR2 stay free for Lightning's requeue handler and submitit/Slurm."""
-        if self.watchdog is None and os.environ.get("HPCRING_WATCHDOG", "1").strip().lower() not in ("0", "false", "no", "off"):
+        if self.watchdog is None and envvars.get("HPCRING_WATCHDOG"):
             from hpcring.diagnostics.stacks import install_signal_dump
             from hpcring.diagnostics.watchdog import Watchdog, install_dump_signal
             self.watchdog = Watchdog(self.topology, (self.store.host, self.store.port), self._secret).start()
@@ -132,9 +131,11 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
         if _SESSION is None:
             from hpcring.bootstrap.init import init_bootstrap
             from hpcring.bootstrap.store import load_secret
-            t = timeout if timeout is not None else float(os.environ.get("HPCRING_INIT_TIMEOUT", "60"))
+            envvars.check_environ()   # every bad HPCRING_* value at once, before meeting anyone
+            t = envvars.get("HPCRING_INIT_TIMEOUT") if timeout is None else envvars.check_number(
+                "init(timeout=)", timeout, lo=0, lo_open=True, hi=envvars.MAX_TIMEOUT)
             topo, store = init_bootstrap(timeout=t, interface=interface,
-                                         verify=verify or os.environ.get("HPCRING_VERIFY", "ring"))
+                                         verify=verify or envvars.get("HPCRING_VERIFY"))
             _SESSION = Session(topo, store, load_secret())
             atexit.register(_release, _SESSION)
             if watchdog:
@@ -177,8 +178,8 @@ def _release(session: Session) -> None:
     for their last answer (seen on the dev cluster: 'store closed the connection').
     """
     topo, store = session.topology, session.store
-    linger = float(os.environ.get("HPCRING_STORE_LINGER", "30"))
     try:
+        linger = envvars.get("HPCRING_STORE_LINGER")
         if topo.rank != 0:
             store.add("session/left", 1)
             return

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from hpcring.bootstrap import launchers, netif
 from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, StoreTimeoutError, load_secret
 from hpcring.bootstrap.topology import Topology
+from hpcring.config import envvars
 from hpcring.errors import BootstrapError
 from hpcring.ranks import each_on_host
 
@@ -128,8 +129,9 @@ def _interface_spec(interface: str | None, env: Mapping[str, str], topo: Topolog
 
 
 def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, int]) -> list[int]:
-    if env.get("HPCRING_STORE_PORT"):
-        return [int(env["HPCRING_STORE_PORT"])]
+    port = envvars.get("HPCRING_STORE_PORT", env)
+    if port is not None:
+        return [port]
     # Fold the world size in so two steps of one job with different sizes do not share a port.
     return candidate_ports(derive_port(f"{topo.job_id}/{topo.size}", port_range), port_range)
 

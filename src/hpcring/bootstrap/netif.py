@@ -19,12 +19,9 @@ on another.
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import hmac
 import ipaddress
 import json
 import logging
-import secrets
 import socket
 import struct
 import subprocess
@@ -33,8 +30,9 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+from hpcring.bootstrap import auth
 from hpcring.errors import BootstrapError
-from hpcring.netio import recv_exact
+from hpcring.netio import recv_exact  # noqa: F401  (callers of the probes read through it)
 from hpcring.ranks import runs
 
 log = logging.getLogger("hpcring.bootstrap.netif")
@@ -48,9 +46,6 @@ IFF_LOOPBACK = 0x8
 IFF_RUNNING = 0x40   # lower layer up (carrier)
 SIOCGIFFLAGS = 0x8913
 SIOCGIFMTU = 0x8921
-_PROBE_CLIENT = b"hpcring-probe-v1 client"
-_PROBE_SERVER = b"hpcring-probe-v1 server"
-_NONCE = 32
 
 
 @dataclass(frozen=True)
@@ -271,12 +266,6 @@ def _describe(interfaces: Iterable[Interface]) -> str:
 
 # --------------------------------------------------------------------------------------- probes
 
-def _probe_macs(secret: bytes, ns: bytes, nc: bytes) -> tuple[bytes, bytes]:
-    client = hmac.new(secret, _PROBE_CLIENT + ns + nc, hashlib.sha256).digest()
-    server = hmac.new(secret, _PROBE_SERVER + ns + nc, hashlib.sha256).digest()
-    return client, server
-
-
 class ProbeListener:
     """Short-lived authenticated listener on one candidate address.
 
@@ -340,16 +329,13 @@ class ProbeListener:
         with conn:
             try:
                 conn.settimeout(self._io_timeout)
-                ns = secrets.token_bytes(_NONCE)
-                conn.sendall(ns)
-                answer = recv_exact(conn, _NONCE + 32)
-                nc = answer[:_NONCE]
-                want, reply = _probe_macs(self._secret, ns, nc)
-                if not hmac.compare_digest(answer[_NONCE:], want):
+                try:
+                    ns, nc, _ = auth.PROBE.accept(conn, self._secret)
+                except auth.BadProof:
                     log.warning("interface probe on %s:%d: dropped unauthenticated peer %s:%d",
                                 self.address, self.port, peer[0], peer[1])
                     return
-                conn.sendall(reply)
+                conn.sendall(auth.PROBE.server_proof(self._secret, ns, nc))
                 if self._on_authenticated is not None:
                     self._on_authenticated(conn)
             except (OSError, EOFError) as e:
@@ -376,12 +362,10 @@ def probe_connect(address: str, port: int, secret: bytes, timeout: float = 2.0) 
     try:
         s = socket.create_connection((address, port), timeout=timeout)
         s.settimeout(max(0.1, timeout - (time.monotonic() - t0)))
-        ns = recv_exact(s, _NONCE)
-        nc = secrets.token_bytes(_NONCE)
-        want, reply = _probe_macs(secret, ns, nc)
-        s.sendall(nc + want)
-        if not hmac.compare_digest(recv_exact(s, 32), reply):
-            raise ProbeFailed("answered with a bad MAC (another job's rank?)")
+        try:
+            auth.PROBE.prove(s, secret, auth.PROBE.read_hello(s))
+        except auth.BadProof:
+            raise ProbeFailed("answered with a bad MAC (another job's rank?)") from None
         return s
     except (OSError, EOFError, ProbeFailed) as e:
         if s is not None:

@@ -11,6 +11,7 @@ import functools
 import typer
 
 from hpcring.cli import output
+from hpcring.config.envvars import check_environ
 from hpcring.errors import HpcringError
 
 SiteOpt = typer.Option(None, "--site", "-s", help="Site name or path to a site YAML (default: $HPCRING_SITE, else local).")
@@ -28,6 +29,7 @@ def command(target: typer.Typer, *args, **kwargs):
         @functools.wraps(fn)
         def wrapper(*a, **kw):
             try:
+                check_environ()   # a bad HPCRING_* value stops here, before any rank starts
                 return fn(*a, **kw)
             except HpcringError as exc:
                 raise exit_for(exc) from None

@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import typer
 
+from hpcring.config.envvars import MAX_CPUS_PER_TASK, MAX_GPUS_PER_NODE, MAX_NODES, MAX_TASKS_PER_NODE
+
 _KW = inspect.Parameter.KEYWORD_ONLY
 
 
@@ -56,11 +58,13 @@ class JobRequest:
 _OPTIONS = {
     "site": (Optional[str], typer.Option(None, "--site", "-s", help="Site name or path to a site YAML "
                                                                      "(default: $HPCRING_SITE, else local).")),
-    "nodes": (Optional[int], typer.Option(None, "--nodes", "-N", help="Number of nodes.")),
-    "tasks_per_node": (Optional[int], typer.Option(None, "--tasks-per-node",
+    "nodes": (Optional[int], typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES, help="Number of nodes.")),
+    "tasks_per_node": (Optional[int], typer.Option(None, "--tasks-per-node", min=1, max=MAX_TASKS_PER_NODE,
                                                    help="Ranks per node (default: one per GPU, else 1).")),
-    "gpus_per_node": (Optional[int], typer.Option(None, "--gpus-per-node", help="GPUs per node.")),
-    "cpus_per_task": (Optional[int], typer.Option(None, "--cpus-per-task", help="CPUs per rank.")),
+    "gpus_per_node": (Optional[int], typer.Option(None, "--gpus-per-node", min=0, max=MAX_GPUS_PER_NODE,
+                                                  help="GPUs per node.")),
+    "cpus_per_task": (Optional[int], typer.Option(None, "--cpus-per-task", min=1, max=MAX_CPUS_PER_TASK,
+                                                  help="CPUs per rank.")),
     "time": (Optional[str], typer.Option(None, "--time", "-t",
                                          help="Time limit: minutes, HH:MM:SS or D-HH:MM:SS.")),
     "partition": (Optional[str], typer.Option(None, "--partition", "-p", help="Partition (Slurm) or queue (LSF).")),

@@ -73,9 +73,9 @@ class Communicator:
     """Collectives over a :class:`~hpcring.collectives.backends.Backend`."""
 
     def __init__(self, backend: Backend, *, timeout: float | None = None, watchdog=None) -> None:
-        from hpcring.collectives.ring import default_timeout
+        from hpcring.config.envvars import collective_timeout
         self.backend = backend
-        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.timeout = collective_timeout(timeout)
         if self.timeout <= 0:
             raise UsageError(f"timeout must be > 0, got {timeout}")
         self._worker = Worker(f"hpcring-comm:{backend.rank}")

@@ -82,8 +82,8 @@ def _import_mpi():
 
 def abort_default() -> bool:
     """HPCRING_MPI_ABORT_ON_TIMEOUT (0/false/no/off disable), default on."""
-    text = os.environ.get(ABORT_ENV, "").strip().lower()
-    return text not in ("0", "false", "no", "off")
+    from hpcring.config.envvars import get
+    return get(ABORT_ENV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class MpiBackend(LibraryBackend):
                abort_on_timeout: bool | None = None, abort_code: int = ABORT_CODE) -> "MpiBackend":
         """Duplicate MPI_COMM_WORLD (collective: every rank must call) after checking that MPI's
         rank and size are the Topology's. ``store``/``secret`` are unused (MPI meets by itself)."""
-        from hpcring.collectives.ring import default_timeout
+        from hpcring.config.envvars import collective_timeout
         MPI = _import_mpi()
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
@@ -180,7 +180,7 @@ class MpiBackend(LibraryBackend):
         level = MPI.Query_thread()
         if level < MPI.THREAD_SERIALIZED:
             log.warning("MPI thread level %s < MPI_THREAD_SERIALIZED: do not use the *_async calls", level)
-        t = default_timeout() if timeout is None else float(timeout)
+        t = collective_timeout(timeout)
         hosts = topology.hosts if topology is not None else None
         idup = getattr(world, "Idup", None)
         if idup is None:

@@ -257,14 +257,14 @@ class NcclBackend(LibraryBackend):
     # -- creation -------------------------------------------------------------------------
     @classmethod
     def create(cls, topology, store, secret=None, timeout: float | None = None) -> "NcclBackend":
-        from hpcring.collectives.ring import default_timeout
+        from hpcring.config.envvars import collective_timeout
         cupy, nccl = _import_cupy()
         ngpus = gpu_count()
         if ngpus == 0:
             raise CollectiveError(f"the 'nccl' backend needs an NVIDIA GPU; none is visible on "
                                   f"{topology.host} (cupy.cuda.runtime.getDeviceCount() == 0 or no driver)",
                                   hint="run on GPU nodes (--gpus-per-node), check CUDA_VISIBLE_DEVICES, or use backend='mpi'/'ring'")
-        t = default_timeout() if timeout is None else float(timeout)
+        t = collective_timeout(timeout)
         device_id = topology.local_rank % ngpus
         cupy.cuda.Device(device_id).use()
         gen = store.add(f"nccl/gen/{topology.rank}", 1)

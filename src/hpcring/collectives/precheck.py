@@ -3,8 +3,6 @@ allgathers (op, dtype, count, root, seq) as five int64s, and a difference fails 
 once with a table of who called what -- instead of a hang or silently wrong results."""
 from __future__ import annotations
 
-import os
-
 from hpcring.collectives.backends import DTYPES
 from hpcring.diagnostics.recorder import Record
 
@@ -13,7 +11,8 @@ _OP_NAMES = ("allreduce", "allreduce_grouped", "allgather", "broadcast", "reduce
 
 def precheck_default() -> bool:
     """HPCRING_CHECK_COLLECTIVES=1 (or true/yes/on) turns the pre-collective check on."""
-    return os.environ.get("HPCRING_CHECK_COLLECTIVES", "").strip().lower() in ("1", "true", "yes", "on")
+    from hpcring.config.envvars import get
+    return get("HPCRING_CHECK_COLLECTIVES")
 
 
 def signature_code(rec: Record) -> tuple[int, int, int, int, int]:

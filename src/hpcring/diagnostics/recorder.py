@@ -29,10 +29,8 @@ QUEUED, STARTED, DONE, FAILED = "queued", "started", "done", "failed"
 
 
 def default_capacity() -> int:
-    try:
-        return max(16, int(os.environ.get("HPCRING_FLIGHT_RECORDS", "2048")))
-    except ValueError:
-        return 2048
+    from hpcring.config.envvars import get
+    return get("HPCRING_FLIGHT_RECORDS")
 
 
 def _outside(filename: str) -> bool:

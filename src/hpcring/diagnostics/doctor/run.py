@@ -272,8 +272,8 @@ def ensure_secret_when_alone(environ: dict | None = None) -> bool:
     from hpcring.bootstrap.launchers import detect
     if detect(env).launcher != "single":
         return False
-    import secrets
-    env["HPCRING_SECRET"] = secrets.token_hex(32)
+    from hpcring.bootstrap.auth import new_secret
+    env["HPCRING_SECRET"] = new_secret()
     return True
 
 
