@@ -20,15 +20,3 @@ def write_json(path: str | os.PathLike, data, *, indent: int | None = None) -> N
         if tmp.exists():
             tmp.unlink(missing_ok=True)
 
-
-def remove_secret(path: str | os.PathLike | None) -> None:
-    """Delete a job's secret file once the job has ended (the one place that does; never raises).
-
-    Called by whoever sees the job end: the local supervisor, ``hpcring run``, rank 0 of a submitted
-    job that is not being requeued, and ``hpcring status``/``submit --wait`` on a finished job."""
-    if not path:
-        return
-    try:
-        Path(path).unlink(missing_ok=True)
-    except OSError:
-        pass

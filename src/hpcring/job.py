@@ -19,7 +19,8 @@ from pathlib import Path
 
 from hpcring.diagnostics.jobdir import job_id as _job_id
 from hpcring.errors import HpcringError, Preempted
-from hpcring.fsutil import remove_secret, write_json
+from hpcring.bootstrap.auth import delete_secret_file
+from hpcring.fsutil import write_json
 from hpcring.outcome import bootstrap_failure
 
 READY_WAIT_S = 60.0   # rank 0 waits this long for every rank to stop before it requeues
@@ -104,7 +105,7 @@ class RunScript:
         status.update(exit_code=code, error=error, ended=time.time())
         _write_status(folder, topo.rank, status)
         if code == 0 and topo.rank == 0:
-            remove_secret(os.environ.get("HPCRING_SECRET_FILE"))   # COMPLETED: never requeued
+            delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))   # COMPLETED: never requeued
         if code != 0:
             raise RankFailed(f"rank {topo.rank} on {topo.host}: {self.script} {error or f'exited with code {code}'}")
         return 0

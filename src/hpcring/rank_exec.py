@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from hpcring.config import envvars
 from hpcring.errors import HpcringError
 from hpcring.fsutil import write_json
 from hpcring.outcome import bootstrap_failure
@@ -38,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from hpcring.bootstrap.init import apply_framework_env
     from hpcring.session import init
-    gpus = int(os.environ.get("HPCRING_GPUS_PER_NODE", "0") or 0)
     try:
+        envvars.check_environ()
+        gpus = envvars.get("HPCRING_GPUS_PER_NODE")
         session = init(watchdog=False)   # the child CMD runs the collectives and the watchdog
     except HpcringError as exc:
         st = bootstrap_failure(exc, first_line=True)
@@ -52,7 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(handoff_env(session))
     from hpcring.schedulers.supervisor import start
     parent = os.getppid()
-    child = start(argv, dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        child = start(argv, dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as exc:   # no such command, not executable: say so once, like a shell would
+        what = f"cannot run {argv[0]!r} on {topo.host}: {exc.strerror}"
+        print(f"[{topo.rank}]<stderr>:hpcring: {what}\n  hint: check the command after `--` "
+              "(is it on PATH on every node? a typo?)", file=sys.stderr, flush=True)
+        code = 127 if isinstance(exc, FileNotFoundError) else 126
+        _status(status_dir, topo.rank, {"rank": topo.rank, "host": topo.host, "exit_code": code,
+                                        "error": what, "cmd": argv, "ended": time.time()})
+        return code
 
     def forward(signum, _frame):
         if signum == signal.SIGTERM and os.getppid() != parent:
@@ -61,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             child.send_signal(signum)
 
     from hpcring.diagnostics.stacks import STACK_SIGNAL
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, STACK_SIGNAL):
+    from hpcring.diagnostics.watchdog import DUMP_SIGNAL
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, STACK_SIGNAL, DUMP_SIGNAL):
         signal.signal(sig, forward)
     pumps = [threading.Thread(target=_pump, args=(child.stdout, sys.stdout.buffer, f"[{topo.rank}]<stdout>:".encode()),
                               daemon=True),
@@ -80,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _orphaned(child, status_dir: Path | None) -> None:
     """The supervisor died (even by SIGKILL): end CMD, remove the job's secret and run folder, exit."""
-    from hpcring.fsutil import remove_secret
+    from hpcring.bootstrap.auth import delete_secret_file
     child.kill()
-    remove_secret(os.environ.get("HPCRING_SECRET_FILE"))
+    delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))
     if status_dir is not None and status_dir.parent.name.startswith("hpcring-run-"):
         import shutil
         shutil.rmtree(status_dir.parent, ignore_errors=True)

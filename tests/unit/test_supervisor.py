@@ -15,7 +15,8 @@ import pytest
 from hpcring import preempt
 from hpcring.diagnostics import teardown
 from hpcring.errors import JobNotFoundError, UsageError
-from hpcring.fsutil import remove_secret, write_json
+from hpcring.bootstrap.auth import delete_secret_file
+from hpcring.fsutil import write_json
 from hpcring.outcome import hang_headline, rank_failure, read_statuses, summarize
 from hpcring.schedulers import supervisor
 from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
@@ -150,9 +151,9 @@ def test_records_of_different_schedulers_do_not_collide(state_dir):
 def test_secret_removal_is_quiet(tmp_path):
     secret = tmp_path / "x.key"
     secret.write_text("s")
-    remove_secret(secret)
-    remove_secret(secret)
-    remove_secret(None)
+    delete_secret_file(secret)
+    delete_secret_file(secret)
+    delete_secret_file(None)
     assert not secret.exists()
 
 

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from hpcring.fsutil import remove_secret, write_json
+from hpcring.bootstrap.auth import delete_secret_file
+from hpcring.fsutil import write_json
 from hpcring.outcome import hang_headline
 from hpcring.schedulers.supervisor import GRACE_S, Supervisor, start
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                     procs.append(start(["bash", "-c", "exec " + " ".join(cmd)], env, stdout=out, stderr=err))
         ended = sup.wait()
     finally:
-        remove_secret(os.environ.get("HPCRING_SECRET_FILE"))   # the job has ended: no requeue locally
+        delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))   # the job has ended: no requeue locally
     hang = hang_headline(folder / "diag") if ended.state == "FAILED" else None
     st.update(state=ended.state, ended=time.time(), exit_code=ended.exit_code, rank_exit_codes=ended.codes,
               first_failed_rank=ended.first_failed, stopped_ranks=ended.killed,

@@ -102,10 +102,3 @@ def explain_refusal(stderr: str) -> str | None:
     return None
 
 
-def job_id_from_output(text: str) -> str:
-    m = re.search(r"job (\d+)", text)
-    if not m:
-        raise SchedulerError(f"could not find a job id in sbatch's answer: {text!r}")
-    return m.group(1)
-
-
