@@ -118,7 +118,7 @@ def _start_local(rank_cmd: list[str], env: dict, nodes: int, per_node: int) -> l
 
 def _wait_all(procs: list[subprocess.Popen], diag: Path | None = None) -> list[int]:
     """Wait for every process (the shared rank supervisor); Ctrl-C or SIGTERM ends them all."""
-    sup = supervisor.Supervisor(procs, grace_s=supervisor.GRACE_S, diag=diag)
+    sup = supervisor.Supervisor(procs, grace_s=supervisor.grace_s(), diag=diag)
     old = {s: signal.signal(s, lambda *_: sup.stop("CANCELLED")) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return sup.wait().codes

@@ -47,8 +47,14 @@ def annotate_argv(headline: str, environ: Mapping[str, str] | None = None) -> li
 
 
 def end_job(rank: int, headline: str = "", environ: Mapping[str, str] | None = None) -> None:
+    from hpcring.config import envvars
+    from hpcring.errors import UsageError
     argv = end_job_argv(environ)
-    if argv is None or os.environ.get("HPCRING_END_JOB", "1") == "0":
+    try:
+        wanted = envvars.get("HPCRING_END_JOB")
+    except UsageError:             # on the way out: a typo in the variable must not keep the job alive
+        wanted = True
+    if argv is None or not wanted:
         return
     print(f"hpcring: rank {rank}: ending the job: {' '.join(argv)}", file=sys.stderr, flush=True)
     for cmd in (annotate_argv(headline, environ) if headline else None, argv):

@@ -21,7 +21,7 @@ from pathlib import Path
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.fsutil import write_json
 from hpcring.outcome import hang_headline
-from hpcring.schedulers.supervisor import GRACE_S, Supervisor, start
+from hpcring.schedulers.supervisor import Supervisor, grace_s, start
 
 
 def rank_env(base: dict, job_id: str, nodes: int, per_node: int, node: int, local: int) -> dict:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(statef, st)
 
     procs: list[subprocess.Popen] = []
-    sup = Supervisor(procs, grace_s=GRACE_S, limit_s=limit, diag=folder / "diag")
+    sup = Supervisor(procs, grace_s=grace_s(), limit_s=limit, diag=folder / "diag")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sup.stop("CANCELLED"))
     try:

@@ -19,10 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
-GRACE_S = float(os.environ.get("HPCRING_LOCAL_GRACE_S", "10"))
 KILL_AFTER_S = 3.0
 DIAGNOSED_GRACE_S = 1.0
 POLL_S = 0.05
+
+
+def grace_s() -> float:
+    """HPCRING_LOCAL_GRACE_S (parsed by the registry: a bad value is a UsageError naming it)."""
+    from hpcring.config import envvars
+    return envvars.get("HPCRING_LOCAL_GRACE_S")
 
 
 def die_with_parent(sig: int = signal.SIGKILL):
