@@ -84,6 +84,10 @@ class RunScript:
         except HpcringError as exc:  # bootstrap failed: record it under the launcher's rank
             status.update(bootstrap_failure(exc))
             _write_status(folder, status["rank"], status)
+            # A rank that never started (or hangs before init) would hold the job: end it all
+            # (a launcher that waits for every task, as blaunch does, would wait to the time limit).
+            from hpcring.diagnostics import teardown
+            teardown.end_job(status["rank"], status["error"].splitlines()[0])
             raise
         topo = session.topology
         apply_framework_env(topo, self.gpus_per_node)
