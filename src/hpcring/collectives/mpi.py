@@ -143,6 +143,27 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.size > 0 and b.size > 0 and np.shares_memory(a, b))
 
 
+def _all_arrived(store, topology, timeout: float) -> None:
+    """Every rank of ``topology`` reached MPI setup within ``timeout`` s, else CollectiveError
+    naming the ranks (and hosts) that did not."""
+    key = "hpcring/mpi/arrived"
+    store.set(f"{key}/{topology.rank}", b"1")
+    n = store.add(key, 1)
+    deadline = time.monotonic() + timeout
+    while n < topology.size and time.monotonic() < deadline:
+        time.sleep(0.05)
+        n = store.add(key, 0)
+    if n >= topology.size:
+        return
+    from hpcring.ranks import rank_ranges
+    missing = [r for r in range(topology.size) if store.check(f"{key}/{r}") is None]
+    hosts = sorted({topology.hosts[r] for r in missing if r < len(topology.hosts)})
+    raise CollectiveError(f"MPI setup: rank{'s' if len(missing) > 1 else ''} {rank_ranges(missing)} "
+                          f"({', '.join(hosts)}) never reached it within {timeout:g} s (rank {topology.rank} waited)",
+                          hint="those ranks did not start, crashed or hang before their first collective: "
+                               "see their logs (hpcring logs JOB --rank R)")
+
+
 _SKIP_FINALIZE: list = []
 
 
@@ -188,8 +209,12 @@ class MpiBackend(LibraryBackend):
     def create(cls, topology=None, store=None, secret=None, timeout: float | None = None, *,
                abort_on_timeout: bool | None = None, abort_code: int = ABORT_CODE) -> "MpiBackend":
         """Duplicate MPI_COMM_WORLD (collective: every rank must call) after checking that MPI's
-        rank and size are the Topology's. ``store``/``secret`` are unused (MPI meets by itself)."""
+        rank and size are the Topology's. With ``store``, every rank first meets there (bounded by
+        the deadline): MPI_Init under PMIx waits for a missing rank without any deadline, the
+        store names it. ``secret`` is unused (MPI meets by itself)."""
         from hpcring.config.envvars import collective_timeout
+        if store is not None and topology is not None:
+            _all_arrived(store, topology, collective_timeout(timeout))
         MPI = _import_mpi()
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
