@@ -145,16 +145,21 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _all_arrived(store, topology, timeout: float) -> None:
     """Every rank of ``topology`` reached MPI setup within ``timeout`` s, else CollectiveError
-    naming the ranks (and hosts) that did not."""
+    naming the ranks (and hosts) that did not.
+
+    The last rank to arrive sets one key every rank waits on: the store answers all waiters at
+    once, and no rank needs the store afterwards -- rank 0 serves it from a thread, which
+    MPI_Init (holding the GIL until every rank has called it) would starve."""
+    from hpcring.errors import HpcringError
     key = "hpcring/mpi/arrived"
     store.set(f"{key}/{topology.rank}", b"1")
-    n = store.add(key, 1)
-    deadline = time.monotonic() + timeout
-    while n < topology.size and time.monotonic() < deadline:
-        time.sleep(0.05)
-        n = store.add(key, 0)
-    if n >= topology.size:
+    if store.add(key, 1) >= topology.size:
+        store.set(f"{key}/all", b"1")
+    try:
+        store.get(f"{key}/all", timeout=timeout)
         return
+    except HpcringError:
+        pass
     from hpcring.ranks import rank_ranges
     missing = [r for r in range(topology.size) if store.check(f"{key}/{r}") is None]
     hosts = sorted({topology.hosts[r] for r in missing if r < len(topology.hosts)})
