@@ -111,6 +111,10 @@ class RunScript:
         if code == 0 and topo.rank == 0:
             delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))   # COMPLETED: never requeued
         if code != 0:
+            # mpi4py's rule: a failure on one rank ends the job (Slurm's --kill-on-bad-exit does it
+            # for srun; blaunch would wait for peers stuck on this rank, or that never started).
+            from hpcring.diagnostics import teardown
+            teardown.end_job(topo.rank, f"rank {topo.rank} on {topo.host}: {error or f'exited with code {code}'}")
             raise RankFailed(f"rank {topo.rank} on {topo.host}: {self.script} {error or f'exited with code {code}'}")
         return 0
 
