@@ -101,6 +101,7 @@ class RunScript:
         os.chdir(self.cwd)
         try:
             code, error = run_as_main(self.script, self.args)
+            preempt.finished()
         except Preempted as exc:
             status.update(exit_code=0, error=None, preempted=str(exc) or "Preempted", ended=time.time())
             _write_status(folder, topo.rank, status)

@@ -95,6 +95,16 @@ def install(record: Path | None = None) -> int:
     return sig
 
 
+def finished() -> None:
+    """The script is over on this rank: a warning from now on (the job's last seconds) is ignored.
+    Without this, a warning during interpreter shutdown -- which puts the default action back --
+    would kill a rank that has done its work, and the job would end with 128 + the signal."""
+    try:
+        signal.signal(warning_signal(), signal.SIG_IGN)
+    except ValueError:               # not the main thread: nothing was installed from here either
+        pass
+
+
 def requeue_through_submitit() -> None:
     """Rank 0: hand the warning to submitit's handler (checkpoint = RunScript's
     ``__submitit_checkpoint__``, then the scheduler's requeue, then ``sys.exit(-1)``)."""
