@@ -213,3 +213,19 @@ def test_bootstrap_failure_is_recorded_under_the_launchers_rank(monkeypatch):
     st = bootstrap_failure(RuntimeError("rendezvous incomplete: rank 1 never came\n  hint: ..."), first_line=True)
     assert (st["rank"], st["host"], st["exit_code"]) == (2, "local2", 1)
     assert st["error"] == "rendezvous incomplete: rank 1 never came"
+
+
+def test_mpi_setup_names_a_rank_that_never_arrives():
+    from types import SimpleNamespace
+
+    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.collectives.mpi import _all_arrived
+    from hpcring.errors import CollectiveError
+    secret = os.urandom(32)
+    with StoreServer("127.0.0.1", 0, secret=secret) as server:
+        client = StoreClient("127.0.0.1", server.port, secret, timeout=5.0)
+        topo = SimpleNamespace(rank=0, size=3, hosts=("n0", "n1", "n2"))
+        client.set("hpcring/mpi/arrived/2", b"1")        # rank 2 came, rank 1 never does
+        client.add("hpcring/mpi/arrived", 1)
+        with pytest.raises(CollectiveError, match=r"MPI setup: rank 1 \(n1\) never reached it within 0.5 s"):
+            _all_arrived(client, topo, 0.5)

@@ -161,10 +161,16 @@ def _all_arrived(store, topology, timeout: float) -> None:
     except HpcringError:
         pass
     from hpcring.ranks import rank_ranges
-    missing = [r for r in range(topology.size) if store.check(f"{key}/{r}") is None]
-    hosts = sorted({topology.hosts[r] for r in missing if r < len(topology.hosts)})
-    raise CollectiveError(f"MPI setup: rank{'s' if len(missing) > 1 else ''} {rank_ranges(missing)} "
-                          f"({', '.join(hosts)}) never reached it within {timeout:g} s (rank {topology.rank} waited)",
+    try:                 # a timed-out client is closed (its answer may still come): ask on a new one
+        probe = type(store)(store.host, store.port, store._secret, timeout=5.0)
+        missing = [r for r in range(topology.size) if probe.check(f"{key}/{r}") is None]
+        probe.close()
+    except (HpcringError, AttributeError, TypeError):
+        missing = []
+    who = (f"rank{'s' if len(missing) > 1 else ''} {rank_ranges(missing)} "
+           f"({', '.join(sorted({topology.hosts[r] for r in missing if r < len(topology.hosts)}))})"
+           if missing else "some rank")
+    raise CollectiveError(f"MPI setup: {who} never reached it within {timeout:g} s (rank {topology.rank} waited)",
                           hint="those ranks did not start, crashed or hang before their first collective: "
                                "see their logs (hpcring logs JOB --rank R)")
 
@@ -219,7 +225,9 @@ class MpiBackend(LibraryBackend):
         store names it. ``secret`` is unused (MPI meets by itself)."""
         from hpcring.config.envvars import collective_timeout
         if store is not None and topology is not None:
-            _all_arrived(store, topology, collective_timeout(timeout))
+            # ranks start seconds apart on a busy machine: the bootstrap's deadline, not a collective's
+            from hpcring.config import envvars
+            _all_arrived(store, topology, max(collective_timeout(timeout), envvars.get("HPCRING_INIT_TIMEOUT")))
         MPI = _import_mpi()
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
