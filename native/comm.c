@@ -75,14 +75,27 @@ int hr_op_fail(hr_op_t *op, const char *fmt, ...) {
     hr_comm_t *c = op->c;
     va_list ap;
     int n;
-    if (c->failed) return HR_ERR;
+    pthread_mutex_lock(&c->errlock);
+    if (c->failed) {
+        pthread_mutex_unlock(&c->errlock);
+        return HR_ERR;
+    }
     n = snprintf(c->err, sizeof(c->err), "%s#%u ", op->name, (unsigned)op->hdr.seq);
     va_start(ap, fmt);
     vsnprintf(c->err + n, sizeof(c->err) - (size_t)n, fmt, ap);
     va_end(ap);
-    c->failed = 1;
-    hr_tcp_abort(&c->tcp);
+    __atomic_store_n(&c->failed, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&c->errlock);
+    hr_tcp_abort(&c->tcp); /* wakes the other I/O threads and the peers */
     return HR_ERR;
+}
+
+int hr_op_fail_stream(hr_op_t *op, int is_recv, int peer, int stream, int nstreams, size_t done,
+                      size_t total, const char *why) {
+    const char *host = (peer >= 0 && op->c->hosts && op->c->hosts[peer]) ? op->c->hosts[peer] : "?";
+    return hr_op_fail(op, "%s rank %d (%s) on stream %d of %d %s, %zu/%zu bytes done on that stream",
+                      is_recv ? "recv from" : "send to", peer, host, stream, nstreams, why, done,
+                      total);
 }
 
 int hr_op_fail_peer(hr_op_t *op, int is_recv, int peer, const char *why) {
@@ -229,6 +242,10 @@ int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, in
     c->size = size;
     c->timeout = timeout > 0 ? timeout : 300.0;
     c->rd_threshold = HR_RD_THRESHOLD_DEFAULT;
+    c->streams = nconn;
+    c->threads = 1;
+    c->stripe_min = HR_STRIPE_MIN_DEFAULT;
+    pthread_mutex_init(&c->errlock, NULL);
     if (!(c->hosts = calloc((size_t)size, sizeof(char *)))) goto oom;
     for (i = 0; i < size; i++)
         if (!(c->hosts[i] = strdup(hosts && hosts[i] ? hosts[i] : "?"))) goto oom;

@@ -15,6 +15,7 @@
 #ifndef HR_INTERNAL_H
 #define HR_INTERNAL_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -26,6 +27,11 @@
 #define HR_ERR (-1)
 
 #define HR_ERRLEN 1024
+
+/* Striped ring (ring_pass.c): a pass uses one stream per HR_STRIPE_MIN_DEFAULT bytes of a chunk,
+ * up to comm->streams, and min(streams used, comm->threads) threads. */
+#define HR_STRIPE_MIN_DEFAULT ((size_t)1 << 20)
+#define HR_MAX_STREAMS 16
 
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
 #define HR_RD_THRESHOLD_DEFAULT ((size_t)262144)
@@ -66,7 +72,11 @@ typedef struct hr_comm {
     double timeout;             /* default deadline of one collective, seconds */
     size_t rd_threshold;        /* allreduce: bytes below which recursive doubling is used */
     uint32_t seq;               /* number of collectives started */
-    int failed;                 /* sticky error flag */
+    int streams;                /* connections per peer the ring passes stripe over (<= tcp.nconn) */
+    int threads;                /* I/O threads per ring pass (1 = the caller only) */
+    size_t stripe_min;          /* bytes of a chunk per stream before another stream is used */
+    int failed;                 /* sticky error flag (read by all I/O threads, set under errlock) */
+    pthread_mutex_t errlock;    /* the first failing thread wins c->err */
     char err[HR_ERRLEN];        /* first error */
     unsigned char *stage;       /* receive staging buffer for reductions */
     size_t stage_cap;
@@ -99,6 +109,9 @@ int hr_op_fail(hr_op_t *op, const char *fmt, ...) __attribute__((format(printf, 
 /* Record a transport failure with peer, host and progress in the message. is_recv selects
  * "recv from" / "send to"; why is e.g. "timed out after 30.0 s" or "failed: recv(): ...". */
 int hr_op_fail_peer(hr_op_t *op, int is_recv, int peer, const char *why);
+/* Same for one stream of a striped pass: the message names the stream and its bytes done. */
+int hr_op_fail_stream(hr_op_t *op, int is_recv, int peer, int stream, int nstreams, size_t done,
+                      size_t total, const char *why);
 /* Validate a received header against op->hdr; on mismatch records the error. */
 int hr_op_check_hdr(hr_op_t *op, const hr_hdr_t *got, int peer);
 /* Grow the staging / scratch buffers. */

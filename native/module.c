@@ -10,7 +10,8 @@
  *   Comm.broadcast(buf, dtype, root, timeout=0.0)
  *   Comm.alltoall(sendbuf, recvbuf, dtype, timeout=0.0)
  *   Comm.barrier(timeout=0.0)
- *   Comm.close(); attributes rank, size, seq, failed, error, rd_threshold (settable), timeout
+ *   Comm.close(); attributes rank, size, seq, failed, error, timeout; settable rd_threshold,
+ *   streams (<= connections per peer), threads, stripe_min (see ring_pass.c)
  *   reduce(dst, src, dtype, op)   local kernel dst = dst OP src (tests, fused host-side use)
  *
  * Buffers are any C-contiguous buffer-protocol objects (numpy arrays, memoryviews); lengths are
@@ -408,7 +409,62 @@ static int Comm_set_rd(CommObject *self, PyObject *v, void *unused) {
     return 0;
 }
 
+/* streams / threads / stripe_min: every rank must set the same values (they decide how a pass
+ * is cut, see ring_pass.c); the setters only check ranges. */
+static int set_int_range(PyObject *v, long lo, long hi, const char *what, long *out) {
+    long x;
+    if (!v) return -1;
+    x = PyLong_AsLong(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (x < lo || x > hi) {
+        PyErr_Format(PyExc_ValueError, "%s must be in %ld..%ld, got %ld", what, lo, hi, x);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+static PyObject *Comm_get_streams(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromLong(self->c.streams);
+}
+static int Comm_set_streams(CommObject *self, PyObject *v, void *unused) {
+    long x;
+    long hi = self->c.tcp.nconn < HR_MAX_STREAMS ? self->c.tcp.nconn : HR_MAX_STREAMS;
+    (void)unused;
+    if (set_int_range(v, 1, hi, "streams (connections per peer opened)", &x)) return -1;
+    self->c.streams = (int)x;
+    return 0;
+}
+static PyObject *Comm_get_threads(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromLong(self->c.threads);
+}
+static int Comm_set_threads(CommObject *self, PyObject *v, void *unused) {
+    long x;
+    (void)unused;
+    if (set_int_range(v, 1, HR_MAX_STREAMS, "threads", &x)) return -1;
+    self->c.threads = (int)x;
+    return 0;
+}
+static PyObject *Comm_get_stripe_min(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(self->c.stripe_min);
+}
+static int Comm_set_stripe_min(CommObject *self, PyObject *v, void *unused) {
+    long x;
+    (void)unused;
+    if (set_int_range(v, 1, 1L << 40, "stripe_min", &x)) return -1;
+    self->c.stripe_min = (size_t)x;
+    return 0;
+}
+
 static PyGetSetDef Comm_getset[] = {
+    {"streams", (getter)Comm_get_streams, (setter)Comm_set_streams,
+     "connections per peer a ring pass stripes over", NULL},
+    {"threads", (getter)Comm_get_threads, (setter)Comm_set_threads,
+     "I/O threads per ring pass", NULL},
+    {"stripe_min", (getter)Comm_get_stripe_min, (setter)Comm_set_stripe_min,
+     "chunk bytes per stream before another stream is used", NULL},
     {"error", (getter)Comm_get_error, NULL, "first (sticky) error message, or None", NULL},
     {"failed", (getter)Comm_get_failed, NULL, "True once a collective failed", NULL},
     {"rank", (getter)Comm_get_rank, NULL, NULL, NULL},

@@ -30,15 +30,21 @@ class ThreadGroup:
     """n communicators in this process over socketpairs; ranks run in threads (the native
     calls release the GIL)."""
 
-    def __init__(self, n: int, timeout: float = 30.0) -> None:
+    def __init__(self, n: int, timeout: float = 30.0, streams: int = 1, threads: int = 1,
+                 stripe_min: int | None = None) -> None:
         fds = [[None] * n for _ in range(n)]
         for i in range(n):
             for j in range(i + 1, n):
-                a, b = socket.socketpair()
-                fds[i][j], fds[j][i] = a.detach(), b.detach()
+                pairs = [socket.socketpair() for _ in range(streams)]
+                fds[i][j] = [a.detach() for a, _ in pairs]
+                fds[j][i] = [b.detach() for _, b in pairs]
         self.n = n
-        self.comms = [Communicator(RingBackend(_native.Comm(r, n, fds[r], list(hosts_for(n)), timeout),
-                                               hosts_for(n)), timeout=timeout) for r in range(n)]
+        natives = [_native.Comm(r, n, fds[r], list(hosts_for(n)), timeout) for r in range(n)]
+        for c in natives:
+            c.threads = threads
+            if stripe_min is not None:
+                c.stripe_min = stripe_min
+        self.comms = [Communicator(RingBackend(c, hosts_for(n)), timeout=timeout) for c in natives]
 
     def run(self, fn, ranks=None):
         """fn(comm) on every rank (or the given ranks) at once; returns (results, errors)."""

@@ -99,15 +99,18 @@ def assert_identical(results: list[np.ndarray]) -> None:
 
 
 # ---- fixtures ----------------------------------------------------------------------------------
-_groups: dict[int, H.ThreadGroup] = {}
+_groups: dict[tuple[int, str], H.ThreadGroup] = {}
+# "striped": 3 streams per peer, 2 I/O threads, and a stripe every 8 bytes, so that even the small
+# sizes below cut their chunks into uneven (some empty) slices on every stream.
+MODES = {"plain": {}, "striped": {"streams": 3, "threads": 2, "stripe_min": 8}}
 
 
 @pytest.fixture(scope="module")
 def group():
-    def get(n: int) -> H.ThreadGroup:
-        if n not in _groups:
-            _groups[n] = H.ThreadGroup(n)
-        return _groups[n]
+    def get(n: int, mode: str = "plain") -> H.ThreadGroup:
+        if (n, mode) not in _groups:
+            _groups[n, mode] = H.ThreadGroup(n, **MODES[mode])
+        return _groups[n, mode]
     yield get
     for g in _groups.values():
         g.close()
@@ -118,10 +121,10 @@ SIZES = [0, 1, 7, 1000, 4099]
 
 
 # ---- allreduce: op x dtype x size x world size x algorithm --------------------------------------
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
-@pytest.mark.parametrize("algo", ["ring", "rd"])
-def test_allreduce_matrix(group, n, algo):
-    g = group(n)
+@pytest.mark.parametrize("n,algo,mode", [(n, a, "plain") for n in range(1, 7) for a in ("ring", "rd")] +
+                         [(n, "ring", "striped") for n in (2, 3, 5)])
+def test_allreduce_matrix(group, n, algo, mode):
+    g = group(n, mode)
     g.set_rd_threshold(0 if algo == "ring" else 1 << 40)
     seed = 0
     for dtype in DTYPES:
@@ -146,10 +149,11 @@ def test_allreduce_matrix(group, n, algo):
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("mode", ["plain", "striped"])
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float16", "avg"), ("bfloat16", "sum"),
                                       ("int64", "max"), ("float64", "prod"), ("uint8", "sum")])
-def test_allreduce_large(group, n, dtype, op):
-    g = group(n)
+def test_allreduce_large(group, n, mode, dtype, op):
+    g = group(n, mode)
     g.set_rd_threshold(_native.RD_THRESHOLD_DEFAULT)
     count = (1 << 20) + 3
     xs = [make_input(dtype, op, count, r, 7) for r in range(n)]
@@ -159,9 +163,9 @@ def test_allreduce_large(group, n, dtype, op):
 
 
 # ---- the other collectives ---------------------------------------------------------------------
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
-def test_allgather_broadcast_alltoall(group, n):
-    g = group(n)
+@pytest.mark.parametrize("n,mode", [(n, "plain") for n in range(1, 7)] + [(2, "striped"), (4, "striped")])
+def test_allgather_broadcast_alltoall(group, n, mode):
+    g = group(n, mode)
     for dtype in DTYPES:
         kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
         for count in SIZES + [1 << 17]:
@@ -190,9 +194,9 @@ def test_allgather_broadcast_alltoall(group, n):
                 np.testing.assert_array_equal(bufs[r], res[r])
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
-def test_reduce_scatter(group, n):
-    g = group(n)
+@pytest.mark.parametrize("n,mode", [(n, "plain") for n in range(1, 7)] + [(3, "striped"), (5, "striped")])
+def test_reduce_scatter(group, n, mode):
+    g = group(n, mode)
     seed = 100
     for dtype in DTYPES:
         kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
@@ -373,6 +377,22 @@ def test_timeout_names_peer_and_is_sticky():
             g.comms[0].barrier()
         assert str(again.value).splitlines()[0] == msg0.splitlines()[0]
         assert g.comms[0].error == msg0.splitlines()[0]
+    finally:
+        g.close()
+
+
+def test_striped_timeout_names_peer_and_stream():
+    g = H.ThreadGroup(3, timeout=30, streams=3, threads=2, stripe_min=8)
+    try:
+        g.set_rd_threshold(0)
+        t0 = time.monotonic()
+        _, errs = g.run(lambda c: c.allreduce(np.ones(1 << 16, np.float32), timeout=1.0), ranks=[0, 1])
+        assert time.monotonic() - t0 < 5
+        msg0 = str(errs[0])
+        assert isinstance(errs[0], CollectiveError) and isinstance(errs[1], CollectiveError)
+        assert "rank 2 (node2) on stream" in msg0 and "of 3 timed out after 1.0 s" in msg0, msg0
+        assert "bytes done on that stream" in msg0
+        assert g.comms[0].error == msg0.splitlines()[0]      # sticky, one message for all threads
     finally:
         g.close()
 

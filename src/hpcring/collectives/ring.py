@@ -20,6 +20,12 @@ Connection setup (all Python; the C library receives connected, authenticated de
    communicator or rank is worthless for another. A connection that fails authentication is
    closed and logged; the listener keeps waiting for the real peer until the deadline.
 
+Striping: with ``streams`` k > 1 every peer pair gets k such connections (connection index k in
+the handshake) and the native ring passes stripe each chunk over them, driven by ``threads`` I/O
+threads (native/ring_pass.c). Both come from the arguments, else HPCRING_RING_STREAMS /
+HPCRING_RING_THREADS (a site sets them with ``fabric.ring_streams`` / ``fabric.ring_threads``),
+else the measured defaults below; every rank must use the same values.
+
 Payload bytes after the handshake are not MACed (same trust model as Gloo and NCCL: peers are
 authenticated, the network path is trusted).
 """
@@ -60,6 +66,27 @@ _LABEL_ACCEPT = b"hpcring-ring-v1 accept"
 HANDSHAKE_TIMEOUT = 10.0
 
 DEFAULT_TIMEOUT = 300.0
+
+# Measured on the 2-core dev machine (docs/collectives.md "Striping"): extra streams and threads
+# only add switching when every core already runs a rank, so the defaults stay 1/1 there. On a
+# node with spare cores (cores >= 2 x ranks per node) raise both, e.g. HPCRING_RING_STREAMS=4
+# HPCRING_RING_THREADS=2, and re-measure with `hpcring bench`.
+DEFAULT_STREAMS = 1
+DEFAULT_THREADS = 1
+MAX_STREAMS = 16      # HR_MAX_STREAMS in native/hr_internal.h
+
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{name}={text!r} is not an integer") from None
+    if not lo <= value <= hi:
+        raise UsageError(f"{name}={text!r} must be between {lo} and {hi}")
+    return value
 
 
 def default_timeout() -> float:
@@ -157,15 +184,18 @@ class RingBackend(Backend):
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def create(cls, topology, store, secret: bytes | str, timeout: float | None = None, *,
-               prefix: str = "hpcring/ring", conns_per_peer: int = 1, sockbuf: int | None = None,
-               rd_threshold: int | None = None) -> "RingBackend":
+               prefix: str = "hpcring/ring", conns_per_peer: int | None = None,
+               sockbuf: int | None = None, rd_threshold: int | None = None,
+               threads: int | None = None) -> "RingBackend":
         """Exchange addresses through ``store`` and build the authenticated full mesh.
 
         ``timeout`` bounds the whole setup and is the default deadline of every collective
         (None: HPCRING_TIMEOUT or 300 s). ``sockbuf`` sets SO_SNDBUF/SO_RCVBUF (None: env
         HPCRING_SOCKBUF or the kernel's autotuning). ``rd_threshold``: allreduce messages below
         this many bytes use recursive doubling (None: env HPCRING_RD_THRESHOLD or the measured
-        default). Raises BootstrapError when peers cannot be reached or authenticated in time.
+        default). ``conns_per_peer`` (streams) and ``threads`` stripe the ring passes (None: env
+        HPCRING_RING_STREAMS / HPCRING_RING_THREADS or 1). Raises BootstrapError when peers cannot
+        be reached or authenticated in time.
         """
         if _native is None:
             raise BootstrapError(f"hpcring._native is not built: {_IMPORT_ERROR}",
@@ -179,6 +209,12 @@ class RingBackend(Backend):
             sockbuf = int(os.environ.get("HPCRING_SOCKBUF", "0") or 0)
         if rd_threshold is None and os.environ.get("HPCRING_RD_THRESHOLD"):
             rd_threshold = int(os.environ["HPCRING_RD_THRESHOLD"])
+        if conns_per_peer is None:
+            conns_per_peer = _env_int("HPCRING_RING_STREAMS", DEFAULT_STREAMS, 1, MAX_STREAMS)
+        if threads is None:
+            threads = _env_int("HPCRING_RING_THREADS", DEFAULT_THREADS, 1, MAX_STREAMS)
+        if not (1 <= conns_per_peer <= MAX_STREAMS and 1 <= threads <= MAX_STREAMS):
+            raise UsageError(f"ring streams ({conns_per_peer}) and threads ({threads}) must be 1..{MAX_STREAMS}")
         rank, size = topology.rank, topology.size
         hosts = tuple(topology.hosts) if len(topology.hosts) == size else tuple(f"rank{r}" for r in range(size))
         if size == 1:
@@ -241,6 +277,7 @@ class RingBackend(Backend):
             s.detach()
         if rd_threshold is not None:
             comm.rd_threshold = int(rd_threshold)
+        comm.threads = threads
         return cls(comm, hosts)
 
     @staticmethod
