@@ -4,6 +4,7 @@
     python benchmarks/ring_loopback.py -n 2 --op allreduce --algo rd     # force recursive doubling
     python benchmarks/ring_loopback.py -n 2 --mpi                         # + mpi4py Allreduce (mpirun)
     python benchmarks/ring_loopback.py -n 2 --cutover                     # ring vs rd, per size
+    python benchmarks/ring_loopback.py -n 4 --op broadcast --algo tree    # or chain
 
 Ranks are spawned processes that rendezvous through the authenticated store (as in a job).
 Columns follow nccl-tests: time is the slowest rank's mean per iteration; algbw = size / time;
@@ -94,7 +95,9 @@ def child(rank, n, port, args, q):
     for nbytes in sizes(args):
         count = max(nbytes // 4, 0)
         for algo in algos:
-            if algo == "ring":
+            if algo in ("tree", "chain"):      # broadcast: force one algorithm
+                comm.backend._comm.bcast_tree_max = 1 << 62 if algo == "tree" else 0
+            elif algo == "ring":
                 comm.backend.rd_threshold = 0
             elif algo == "rd":
                 comm.backend.rd_threshold = 1 << 62
@@ -201,7 +204,8 @@ def main() -> None:
     ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("256M"))
     ap.add_argument("-f", "--stepfactor", type=int, default=4)
     ap.add_argument("--op", default="allreduce", choices=sorted(FACTORS))
-    ap.add_argument("--algo", default="auto", choices=["auto", "ring", "rd"])
+    ap.add_argument("--algo", default="auto", choices=["auto", "ring", "rd", "tree", "chain"],
+                    help="allreduce: ring/rd; broadcast: tree/chain")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--sockbuf", type=int, default=None)

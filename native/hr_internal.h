@@ -33,6 +33,9 @@
 #define HR_STRIPE_MIN_DEFAULT ((size_t)1 << 20)
 #define HR_MAX_STREAMS 16
 
+/* broadcast: messages below this many bytes use the binomial tree (broadcast.c). */
+#define HR_BCAST_TREE_MAX_DEFAULT ((size_t)262144)
+
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
 #define HR_RD_THRESHOLD_DEFAULT ((size_t)262144)
 
@@ -71,6 +74,7 @@ typedef struct hr_comm {
     char **hosts;               /* host name of each rank, for messages */
     double timeout;             /* default deadline of one collective, seconds */
     size_t rd_threshold;        /* allreduce: bytes below which recursive doubling is used */
+    size_t bcast_tree_max;      /* broadcast: bytes below which the binomial tree is used */
     uint32_t seq;               /* number of collectives started */
     int streams;                /* connections per peer the ring passes stripe over (<= tcp.nconn) */
     int threads;                /* I/O threads per ring pass (1 = the caller only) */
@@ -151,6 +155,8 @@ int hr_allgather_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, 
                       double timeout);
 int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
                            int redop, double timeout);
+int hr_broadcast(hr_comm_t *c, void *buf, size_t count, int dtype, int root, double timeout);
+int hr_broadcast_tree(hr_op_t *op, void *buf, size_t count, int dtype, int root);
 int hr_broadcast_pipeline(hr_comm_t *c, void *buf, size_t count, int dtype, int root,
                           double timeout);
 int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,

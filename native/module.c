@@ -308,7 +308,7 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args, PyObject *kw) 
         PyErr_Format(PyExc_ValueError, "root %d out of range for size %d", root, self->c.size);
         goto cleanup;
     }
-    RUN_LOCKED(self, rc, hr_broadcast_pipeline(&self->c, b.buf, (size_t)b.len / hr_dtype_size(dtype),
+    RUN_LOCKED(self, rc, hr_broadcast(&self->c, b.buf, (size_t)b.len / hr_dtype_size(dtype),
                                                dtype, root, timeout));
     if (rc != HR_OK) raise_native(self);
     else ret = Py_NewRef(Py_None);
@@ -458,7 +458,23 @@ static int Comm_set_stripe_min(CommObject *self, PyObject *v, void *unused) {
     return 0;
 }
 
+static PyObject *Comm_get_btm(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(self->c.bcast_tree_max);
+}
+static int Comm_set_btm(CommObject *self, PyObject *v, void *unused) {
+    size_t t;
+    (void)unused;
+    if (!v) return -1;
+    t = PyLong_AsSize_t(v);
+    if (PyErr_Occurred()) return -1;
+    self->c.bcast_tree_max = t;
+    return 0;
+}
+
 static PyGetSetDef Comm_getset[] = {
+    {"bcast_tree_max", (getter)Comm_get_btm, (setter)Comm_set_btm,
+     "broadcast bytes below which the binomial tree is used", NULL},
     {"streams", (getter)Comm_get_streams, (setter)Comm_set_streams,
      "connections per peer a ring pass stripes over", NULL},
     {"threads", (getter)Comm_get_threads, (setter)Comm_set_threads,
@@ -550,7 +566,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     NativeError = PyErr_NewException("hpcring._native.NativeError", PyExc_RuntimeError, NULL);
     if (!NativeError || PyModule_AddObjectRef(m, "NativeError", NativeError) < 0 ||
         PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||
-        PyModule_AddIntConstant(m, "RD_THRESHOLD_DEFAULT", (long)HR_RD_THRESHOLD_DEFAULT) < 0) {
+        PyModule_AddIntConstant(m, "RD_THRESHOLD_DEFAULT", (long)HR_RD_THRESHOLD_DEFAULT) < 0 ||
+        PyModule_AddIntConstant(m, "BCAST_TREE_MAX_DEFAULT", (long)HR_BCAST_TREE_MAX_DEFAULT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -174,7 +174,9 @@ def test_allgather_broadcast_alltoall(group, n, mode):
             assert_identical(res)
             assert res[0].shape == (n, count)
             np.testing.assert_array_equal(res[0], np.stack(xs))
-            for root in {0, n - 1, n // 2}:
+            for root, tree_max in [(0, 0), (n - 1, 1 << 40), (n // 2, 1 << 40), (n // 2, 0)]:
+                for c in g.comms:                      # chain (0) or binomial tree (1 << 40)
+                    c.backend._comm.bcast_tree_max = tree_max
                 bufs = [x.copy() for x in xs]
                 g.run_ok(lambda c: c.broadcast(bufs[c.rank], root=root, **kw))
                 for b in bufs:

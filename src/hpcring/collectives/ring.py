@@ -278,6 +278,8 @@ class RingBackend(Backend):
         if rd_threshold is not None:
             comm.rd_threshold = int(rd_threshold)
         comm.threads = threads
+        if os.environ.get("HPCRING_BCAST_TREE_MAX"):
+            comm.bcast_tree_max = _env_int("HPCRING_BCAST_TREE_MAX", 0, 0, 1 << 62)
         return cls(comm, hosts)
 
     @staticmethod
