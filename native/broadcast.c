@@ -1,5 +1,5 @@
 /* broadcast.c -- broadcast entry point: binomial tree for small messages, pipelined chain for
- * large ones.
+ * large ones; on one node with a shared-memory segment, broadcast_shm.c.
  *
  * Cut-over: the tree (broadcast_tree.c) costs ceil(log2 n)(a + S b), the chain
  * (broadcast_pipeline.c) about (n-1) a + S b (+ the pipeline fill), so the tree wins for small S
@@ -20,6 +20,11 @@
  * the root's count elements. Returns HR_OK, or HR_ERR with c->err set. */
 int hr_broadcast(hr_comm_t *c, void *buf, size_t count, int dtype, int root, double timeout) {
     hr_op_t op;
+    if (c->shm.base && c->shm.ncol == 1) {
+        if (hr_op_begin(&op, c, HR_K_BROADCAST, dtype, 0, count, root, timeout) != HR_OK)
+            return HR_ERR;
+        return hr_broadcast_shm(&op, buf, count, dtype, root);
+    }
     if (count * hr_dtype_size(dtype) >= c->bcast_tree_max || c->size <= 2)
         return hr_broadcast_pipeline(c, buf, count, dtype, root, timeout);
     if (hr_op_begin(&op, c, HR_K_BROADCAST, dtype, 0, count, root, timeout) != HR_OK)

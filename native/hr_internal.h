@@ -22,6 +22,7 @@
 #include <sys/uio.h>
 
 #include "transport_tcp.h"
+#include "transport_shm.h"
 
 #define HR_OK 0
 #define HR_ERR (-1)
@@ -86,6 +87,7 @@ typedef struct hr_comm {
     size_t stage_cap;
     unsigned char *tmp;         /* scratch (recursive doubling, in-place alltoall) */
     size_t tmp_cap;
+    hr_shm_t shm;               /* ranks of this node, when attached (shm.base != NULL) */
 } hr_comm_t;
 
 /* One collective in flight. */
@@ -97,6 +99,8 @@ typedef struct hr_op {
     double timeout;
     size_t tx_done, tx_total;   /* payload bytes over the whole collective, for messages */
     size_t rx_done, rx_total;
+    unsigned shm_signals;       /* shared-memory phases signalled by this collective */
+    uint32_t shm_start;         /* phase of its first signal */
 } hr_op_t;
 
 /* ---- comm.c ---- */
@@ -138,6 +142,11 @@ void hr_chunks(uint64_t count, int n, size_t *off, size_t *cnt);
 int hr_ring_pass(hr_op_t *op, unsigned char *base, const unsigned char *src, const size_t *off,
                  const size_t *cnt, int first, int reduce, int dtype, int redop, int send_hdr);
 
+/* The same over the sub-ring members[0..nm-1] (global ranks), this rank being members[pos]. */
+int hr_ring_pass_in(hr_op_t *op, const int *members, int nm, int pos, unsigned char *base,
+                    const unsigned char *src, const size_t *off, const size_t *cnt, int first,
+                    int reduce, int dtype, int redop, int send_hdr);
+
 /* ---- reduce.c ---- */
 /* dst[i] = dst[i] OP src[i] for i < n. AVG reduces like SUM. */
 void hr_reduce(void *dst, const void *src, size_t n, int dtype, int redop);
@@ -146,7 +155,28 @@ void hr_reduce3(void *dst, const void *a, const void *b, size_t n, int dtype, in
 /* buf[i] /= divisor (float types). */
 void hr_divide(void *buf, size_t n, int dtype, int divisor);
 
+/* ---- transport_shm.c ---- */
+/* Bump this rank's phase (publishing op->hdr on the collective's first signal) and wake waiters. */
+void hr_shm_signal(hr_op_t *op);
+/* Wait until every local peer reached this rank's phase; deadline, dead and failed peers are
+ * reported (what: the step, for the message). */
+int hr_shm_wait(hr_op_t *op, const char *what);
+/* After the first wait: check the local peers' collective headers against op->hdr. */
+int hr_shm_check_peers(hr_op_t *op);
+/* Attach the comm to an already created/opened segment: lranks[lsize] are the global ranks of
+ * this node (this rank among them), col[ncol] the ranks with the same local index on every node
+ * (ncol = 1: one node; NULL: nodes differ in rank count, no two-level allreduce). */
+int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int *lranks,
+                       int lsize, const int *col, int ncol, char *err, size_t errlen);
+
 /* ---- algorithms ---- */
+/* Shared-memory allreduce on one node, or two-level (intra-node reduce, inter-node ring of the
+ * ranks with the same local index, intra-node copy out) across nodes. Keeps elements [lo, hi)
+ * of the result in rbuf[0 ..] (allreduce: 0, count; reduce-scatter: this rank's chunk). */
+int hr_allreduce_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype,
+                     int redop, size_t lo, size_t hi);
+int hr_allgather_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);
+int hr_broadcast_shm(hr_op_t *op, void *buf, size_t count, int dtype, int root);
 int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype, int redop,
                  double timeout);
 int hr_allreduce_ring(hr_op_t *op, const void *sbuf, void *buf, size_t count, int dtype, int redop);

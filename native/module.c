@@ -12,6 +12,8 @@
  *   Comm.barrier(timeout=0.0)
  *   Comm.close(); attributes rank, size, seq, failed, error, timeout; settable rd_threshold,
  *   streams (<= connections per peer), threads, stripe_min (see ring_pass.c)
+ *   Comm.shm_attach(name, create, local_ranks, column, slot); shm_unlink(name): shared memory
+ *   between the ranks of a node (transport_shm.h; setup and unlinking in collectives/ring.py)
  *   reduce(dst, src, dtype, op)   local kernel dst = dst OP src (tests, fused host-side use)
  *
  * Buffers are any C-contiguous buffer-protocol objects (numpy arrays, memoryviews); lengths are
@@ -26,6 +28,8 @@
 #include <pythread.h>
 
 #include "hr_internal.h"
+
+#include <sys/mman.h>
 
 static PyObject *NativeError;
 
@@ -360,6 +364,70 @@ cleanup:
     return NULL;
 }
 
+/* shm_attach(name, create, local_ranks, column, slot): create (node's first rank) or open the
+ * POSIX shm object, map it and route the node's collectives through it. column: global ranks of
+ * this local index on every node, or None when nodes differ in rank count. Every local rank
+ * must attach before any collective runs; unlinking the name is the caller's job (shm_unlink). */
+static int int_list(PyObject *o, int **out, int *n, const char *what) {
+    PyObject *f = PySequence_Fast(o, what);
+    int i;
+    if (!f) return -1;
+    *n = (int)PySequence_Fast_GET_SIZE(f);
+    if (!(*out = PyMem_Malloc(sizeof(int) * (size_t)(*n + 1)))) {
+        Py_DECREF(f);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (i = 0; i < *n; i++) (*out)[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(f, i));
+    Py_DECREF(f);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *Comm_shm_attach(CommObject *self, PyObject *args) {
+    const char *name;
+    int create, nl = 0, nc = 0, rc;
+    PyObject *pl, *pc;
+    Py_ssize_t slot;
+    int *lr = NULL, *col = NULL;
+    unsigned char *base = NULL;
+    char err[512];
+    PyObject *ret = NULL;
+    if (!PyArg_ParseTuple(args, "spOOn", &name, &create, &pl, &pc, &slot)) return NULL;
+    if (check_open(self)) return NULL;
+    if (self->c.shm.base) {
+        PyErr_SetString(PyExc_ValueError, "shared memory already attached");
+        return NULL;
+    }
+    if (slot < 4096 || slot % 64) {
+        PyErr_Format(PyExc_ValueError, "shm piece size %zd must be >= 4096 and a multiple of 64", slot);
+        return NULL;
+    }
+    if (int_list(pl, &lr, &nl, "local_ranks must be a sequence") ||
+        (pc != Py_None && int_list(pc, &col, &nc, "column must be a sequence")))
+        goto cleanup;
+    if (nl < 2) {
+        PyErr_SetString(PyExc_ValueError, "shared memory needs at least 2 local ranks");
+        goto cleanup;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = hr_shm_map(name, create, hr_shm_bytes(nl, (size_t)slot), &base, err, sizeof(err));
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_SetString(NativeError, err);
+        goto cleanup;
+    }
+    if (hr_comm_shm_attach(&self->c, base, (size_t)slot, lr, nl, col, nc, err, sizeof(err)) != HR_OK) {
+        munmap(base, hr_shm_bytes(nl, (size_t)slot));
+        PyErr_SetString(NativeError, err);
+        goto cleanup;
+    }
+    ret = Py_NewRef(Py_None);
+cleanup:
+    PyMem_Free(lr);
+    PyMem_Free(col);
+    return ret;
+}
+
 static PyObject *Comm_get_error(CommObject *self, void *unused) {
     (void)unused;
     if (!self->c.failed) Py_RETURN_NONE;
@@ -500,6 +568,7 @@ static PyMethodDef Comm_methods[] = {
     {"alltoall", (PyCFunction)(void (*)(void))Comm_alltoall, METH_VARARGS | METH_KEYWORDS, NULL},
     {"barrier", (PyCFunction)(void (*)(void))Comm_barrier, METH_VARARGS | METH_KEYWORDS, NULL},
     {"close", (PyCFunction)Comm_close, METH_NOARGS, NULL},
+    {"shm_attach", (PyCFunction)Comm_shm_attach, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject CommType = {
@@ -550,7 +619,20 @@ static PyObject *mod_divide(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_shm_unlink(PyObject *m, PyObject *args) {
+    const char *name;
+    char err[512];
+    (void)m;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    if (hr_shm_unlink(name, err, sizeof(err)) != 0) {
+        PyErr_SetString(NativeError, err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef mod_methods[] = {
+    {"shm_unlink", mod_shm_unlink, METH_VARARGS, "shm_unlink(name); a missing name is fine"},
     {"reduce", mod_reduce, METH_VARARGS, "reduce(dst, src, dtype, op): dst = dst OP src"},
     {"divide", mod_divide, METH_VARARGS, "divide(buf, dtype, n): buf /= n (float dtypes)"},
     {NULL, NULL, 0, NULL}};

@@ -34,6 +34,9 @@
  * time ~ (n-1)(a + S/n max(b_link, (b_copy [+ g]) / T)) with b_copy the per-core kernel copy cost;
  * pipelining hides most of the step latencies for large S. With fewer cores than T x ranks the
  * threads only add switching (measured in docs/collectives.md).
+ *
+ * hr_ring_pass_in runs the same pass over a sub-ring (members[0..nm-1], this rank at pos): the
+ * inter-node step of the two-level allreduce (allreduce_shm.c).
  */
 #define _GNU_SOURCE
 #include "hr_internal.h"
@@ -239,12 +242,19 @@ static void *thread_main(void *arg) {
 
 int hr_ring_pass(hr_op_t *op, unsigned char *base, const unsigned char *src, const size_t *off,
                  const size_t *cnt, int first, int reduce, int dtype, int redop, int send_hdr) {
+    return hr_ring_pass_in(op, NULL, op->c->size, op->c->rank, base, src, off, cnt, first, reduce,
+                           dtype, redop, send_hdr);
+}
+
+int hr_ring_pass_in(hr_op_t *op, const int *members, int nm, int pos, unsigned char *base,
+                    const unsigned char *src, const size_t *off, const size_t *cnt, int first,
+                    int reduce, int dtype, int redop, int send_hdr) {
     hr_comm_t *c = op->c;
     pass_t p;
     lane_t lanes[HR_MAX_STREAMS];
     pthread_t tid[HR_MAX_STREAMS];
     void *args[HR_MAX_STREAMS][2];
-    int n = c->size, s, i, started = 0, rc = HR_OK;
+    int n = nm, s, i, started = 0, rc = HR_OK;
     size_t biggest = 0;
 
     if (n == 1) return HR_OK;
@@ -259,10 +269,11 @@ int hr_ring_pass(hr_op_t *op, unsigned char *base, const unsigned char *src, con
     p.dtype = dtype;
     p.redop = redop;
     p.n = n;
-    p.right = mod(c->rank + 1, n);
-    p.left = mod(c->rank - 1, n);
+    p.right = members ? members[mod(pos + 1, n)] : mod(pos + 1, n);
+    p.left = members ? members[mod(pos - 1, n)] : mod(pos - 1, n);
     p.esz = hr_dtype_size(dtype);
     p.hl = send_hdr ? sizeof(hr_hdr_t) : 0;
+    (void)c;
     for (i = 0; i < n; i++)
         if (cnt[i] > biggest) biggest = cnt[i];
     p.nlanes = (int)(biggest * p.esz / (c->stripe_min ? c->stripe_min : 1));

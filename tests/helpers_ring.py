@@ -21,9 +21,11 @@ def hosts_for(n: int) -> tuple[str, ...]:
     return tuple(f"node{r}" for r in range(n))
 
 
-def topology(rank: int, size: int) -> Topology:
+def topology(rank: int, size: int, hosts: tuple[str, ...] | None = None) -> Topology:
+    """hosts: the host of each rank (default: all different, so no shared memory); ranks with
+    equal names share a shared-memory segment."""
     return Topology(rank=rank, size=size, local_rank=rank, local_size=size, node_rank=0, num_nodes=1,
-                    hosts=hosts_for(size), launcher="local", address="127.0.0.1")
+                    hosts=hosts or hosts_for(size), launcher="local", address="127.0.0.1")
 
 
 class ThreadGroup:
@@ -81,12 +83,12 @@ class ThreadGroup:
 
 
 # ---- multi-process runs ------------------------------------------------------------------------
-def _child(rank, size, port, secret, target, args, q, timeout):
+def _child(rank, size, port, secret, target, args, q, timeout, hosts=None):
     try:
         from hpcring.bootstrap.store import StoreClient
         store = StoreClient("127.0.0.1", port, SECRET, timeout)
         try:
-            comm = Communicator.create(topology(rank, size), store, secret, timeout=timeout)
+            comm = Communicator.create(topology(rank, size, hosts), store, secret, timeout=timeout)
         except Exception as e:  # noqa: BLE001
             q.put((rank, "setup-error", f"{type(e).__name__}: {e}", 0.0))
             return
@@ -100,7 +102,7 @@ def _child(rank, size, port, secret, target, args, q, timeout):
         q.put((rank, "crash", traceback.format_exc(), 0.0))
 
 
-def spawn_ranks(size, target, *args, timeout=30.0, secrets=None, wait=120.0):
+def spawn_ranks(size, target, *args, timeout=30.0, secrets=None, wait=120.0, hosts=None):
     """Run target(comm, *args) in `size` spawned processes over loopback TCP with a real store.
     Returns {rank: (status, value, seconds)}; ranks that died without reporting are missing."""
     from hpcring.bootstrap.store import StoreServer
@@ -108,7 +110,8 @@ def spawn_ranks(size, target, *args, timeout=30.0, secrets=None, wait=120.0):
     q = ctx.Queue()
     with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
         procs = [ctx.Process(target=_child, args=(r, size, server.port,
-                                                  (secrets or {}).get(r, SECRET), target, args, q, timeout))
+                                                  (secrets or {}).get(r, SECRET), target, args, q, timeout,
+                                                  hosts))
                  for r in range(size)]
         for p in procs:
             p.start()

@@ -26,6 +26,14 @@ threads (native/ring_pass.c). Both come from the arguments, else HPCRING_RING_ST
 HPCRING_RING_THREADS (a site sets them with ``fabric.ring_streams`` / ``fabric.ring_threads``),
 else the measured defaults below; every rank must use the same values.
 
+Shared memory: ranks with the same entry in ``Topology.hosts`` also share a POSIX shared-memory
+segment (native/transport_shm.h) through which their collectives run (all of them on one node;
+the two-level allreduce / reduce-scatter across nodes). The name is derived from the job secret,
+the generation and the host; the node's first rank creates it (O_EXCL, mode 0600), the others map
+it, and every rank unlinks the name as soon as all have mapped it (or on any setup failure), so
+no segment outlives the job whatever kills it. The TCP mesh stays: it is the liveness signal
+(EOF = the peer died) and carries barrier and alltoall.
+
 Payload bytes after the handshake are not MACed (same trust model as Gloo and NCCL: peers are
 authenticated, the network path is trusted).
 """
@@ -42,6 +50,7 @@ import threading
 import time
 
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend
+from hpcring.bootstrap.store import StoreTimeoutError
 from hpcring.errors import BootstrapError, CollectiveError, UsageError
 from hpcring.netio import recv_exact
 
@@ -73,6 +82,10 @@ DEFAULT_TIMEOUT = 300.0
 # HPCRING_RING_THREADS=2, and re-measure with `hpcring bench`.
 DEFAULT_STREAMS = 1
 DEFAULT_THREADS = 1
+# Shared memory between the ranks of one host (HPCRING_RING_SHM=0/1, fabric.ring_shm) and its
+# piece size per rank and buffer (HPCRING_RING_SHM_PIECE, bytes).
+DEFAULT_SHM = True
+DEFAULT_SHM_PIECE = 1 << 20
 MAX_STREAMS = 16      # HR_MAX_STREAMS in native/hr_internal.h
 
 
@@ -186,7 +199,7 @@ class RingBackend(Backend):
     def create(cls, topology, store, secret: bytes | str, timeout: float | None = None, *,
                prefix: str = "hpcring/ring", conns_per_peer: int | None = None,
                sockbuf: int | None = None, rd_threshold: int | None = None,
-               threads: int | None = None) -> "RingBackend":
+               threads: int | None = None, shm: bool | None = None) -> "RingBackend":
         """Exchange addresses through ``store`` and build the authenticated full mesh.
 
         ``timeout`` bounds the whole setup and is the default deadline of every collective
@@ -194,7 +207,8 @@ class RingBackend(Backend):
         HPCRING_SOCKBUF or the kernel's autotuning). ``rd_threshold``: allreduce messages below
         this many bytes use recursive doubling (None: env HPCRING_RD_THRESHOLD or the measured
         default). ``conns_per_peer`` (streams) and ``threads`` stripe the ring passes (None: env
-        HPCRING_RING_STREAMS / HPCRING_RING_THREADS or 1). Raises BootstrapError when peers cannot
+        HPCRING_RING_STREAMS / HPCRING_RING_THREADS or 1). ``shm``: shared memory between the
+        ranks of a host (None: env HPCRING_RING_SHM or on). Raises BootstrapError when peers cannot
         be reached or authenticated in time.
         """
         if _native is None:
@@ -280,7 +294,53 @@ class RingBackend(Backend):
         comm.threads = threads
         if os.environ.get("HPCRING_BCAST_TREE_MAX"):
             comm.bcast_tree_max = _env_int("HPCRING_BCAST_TREE_MAX", 0, 0, 1 << 62)
+        if shm is None:
+            shm = bool(_env_int("HPCRING_RING_SHM", int(DEFAULT_SHM), 0, 1))
+        if shm:
+            try:
+                cls._attach_shm(comm, store, secret, base, rank, hosts, deadline)
+            except BaseException:
+                comm.close()
+                raise
         return cls(comm, hosts)
+
+    @staticmethod
+    def _attach_shm(comm, store, secret: bytes, base: str, rank: int, hosts: tuple[str, ...],
+                    deadline: float) -> None:
+        """Map the host's shared-memory segment (see the module docstring); no-op for a rank
+        alone on its host."""
+        local = [r for r in range(len(hosts)) if hosts[r] == hosts[rank]]
+        if len(local) < 2:
+            return
+        nodes = list(dict.fromkeys(hosts))
+        per_node = {h: [r for r in range(len(hosts)) if hosts[r] == h] for h in nodes}
+        uniform = len({len(v) for v in per_node.values()}) == 1
+        column = [per_node[h][local.index(rank)] for h in nodes] if uniform else None
+        piece = _env_int("HPCRING_RING_SHM_PIECE", DEFAULT_SHM_PIECE, 4096, 1 << 30) // 64 * 64
+        name = "/hpcring-" + _mac(secret, b"hpcring-ring-v1 shm", base.encode(),
+                                  hosts[rank].encode()).hex()[:32]
+        leader = local[0]
+        try:
+            if rank == leader:
+                _native.shm_unlink(name)      # a leftover of this very job's earlier attempt
+                comm.shm_attach(name, True, local, column, piece)
+                store.set(f"{base}/shm/created/{leader}", b"1")
+            else:
+                store.get(f"{base}/shm/created/{leader}", timeout=max(0.1, deadline - time.monotonic()))
+                comm.shm_attach(name, False, local, column, piece)
+            store.set(f"{base}/shm/mapped/{rank}", b"1")
+            store.gather([f"{base}/shm/mapped/{r}" for r in local], timeout=max(0.1, deadline - time.monotonic()))
+        except _native.NativeError as e:
+            raise BootstrapError(f"ring setup: rank {rank} ({hosts[rank]}): shared memory: {e}",
+                                 hint="check /dev/shm (size, permissions), or turn shared memory "
+                                      "off on every rank with HPCRING_RING_SHM=0") from None
+        except StoreTimeoutError as e:
+            raise BootstrapError(f"ring setup: rank {rank} ({hosts[rank]}): the ranks of this host "
+                                 f"did not all map the shared-memory segment in time "
+                                 f"(missing: {', '.join(e.missing or [])})",
+                                 hint="a rank of this host did not start or failed; see its log") from None
+        finally:
+            _native.shm_unlink(name)          # on every path: no name outlives the setup
 
     @staticmethod
     def _connect(host: str, port: int, deadline: float, peer: int, peer_host: str) -> socket.socket:

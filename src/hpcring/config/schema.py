@@ -110,6 +110,7 @@ class Fabric(_Strict):
     # HPCRING_RING_THREADS; None keeps the measured defaults, see collectives/ring.py)
     ring_streams: int | None = Field(default=None, ge=1, le=16)
     ring_threads: int | None = Field(default=None, ge=1, le=16)
+    ring_shm: bool | None = None      # shared memory between a host's ranks (HPCRING_RING_SHM)
 
     @field_validator("hcas")
     @classmethod
