@@ -130,15 +130,15 @@ int hr_shm_wait(hr_op_t *op, const char *what) {
             /* name a dead peer before one that failed because of it */
             for (l2 = 0; l2 < s->lsize; l2++)
                 if (l2 != s->lrank && peer_state(c, l2) == 1)
-                    return hr_op_fail(op, "local rank %d (%s) died during the shared-memory %s "
-                                      "(its connection closed without an error report)",
+                    return hr_op_fail(op, "rank %d (%s) died during the shared-memory %s "
+                                      "(this node; its connection closed without an error report)",
                                       s->lranks[l2], c->hosts[s->lranks[l2]], what);
             switch (peer_state(c, l)) {
             case 2:
-                return hr_op_fail(op, "local rank %d (%s) failed during the shared-memory %s: "
+                return hr_op_fail(op, "rank %d (%s) failed during the shared-memory %s: "
                                   "see its error", s->lranks[l], c->hosts[s->lranks[l]], what);
             case 3:
-                return hr_op_fail(op, "local rank %d (%s) sent TCP data while this rank waits in "
+                return hr_op_fail(op, "rank %d (%s, this node) sent TCP data while this rank waits in "
                                   "shared memory (%s); the ranks are out of step (mismatched "
                                   "collectives)", s->lranks[l], c->hosts[s->lranks[l]], what);
             default:

@@ -12,7 +12,7 @@ import traceback
 from hpcring import _native
 from hpcring.bootstrap.topology import Topology
 from hpcring.collectives import Communicator
-from hpcring.collectives.ring import RingBackend
+from hpcring.collectives.ring import RingBackend, node_layout
 
 SECRET = b"0123456789abcdef" * 4
 
@@ -33,7 +33,10 @@ class ThreadGroup:
     calls release the GIL)."""
 
     def __init__(self, n: int, timeout: float = 30.0, streams: int = 1, threads: int = 1,
-                 stripe_min: int | None = None) -> None:
+                 stripe_min: int | None = None, hosts: tuple[str, ...] | None = None,
+                 shm_piece: int = 4096) -> None:
+        """hosts: ranks with equal names share memory (as RingBackend.create sets it up);
+        shm_piece: tiny by default so that the tests cross many pieces."""
         fds = [[None] * n for _ in range(n)]
         for i in range(n):
             for j in range(i + 1, n):
@@ -41,12 +44,23 @@ class ThreadGroup:
                 fds[i][j] = [a.detach() for a, _ in pairs]
                 fds[j][i] = [b.detach() for _, b in pairs]
         self.n = n
-        natives = [_native.Comm(r, n, fds[r], list(hosts_for(n)), timeout) for r in range(n)]
+        names = tuple(hosts or hosts_for(n))
+        natives = [_native.Comm(r, n, fds[r], list(names), timeout) for r in range(n)]
+        if hosts:
+            for h in dict.fromkeys(names):
+                seg = f"/hpcring-test-{os.getpid()}-{id(self):x}-{h}"
+                try:
+                    for r in range(n):
+                        local, column = node_layout(names, r)
+                        if names[r] == h and len(local) > 1:
+                            natives[r].shm_attach(seg, r == local[0], local, column, shm_piece)
+                finally:
+                    _native.shm_unlink(seg)
         for c in natives:
             c.threads = threads
             if stripe_min is not None:
                 c.stripe_min = stripe_min
-        self.comms = [Communicator(RingBackend(c, hosts_for(n)), timeout=timeout) for c in natives]
+        self.comms = [Communicator(RingBackend(c, names), timeout=timeout) for c in natives]
 
     def run(self, fn, ranks=None):
         """fn(comm) on every rank (or the given ranks) at once; returns (results, errors)."""
@@ -160,6 +174,19 @@ def target_kill(comm, victim, nbytes, delay):
         threading.Timer(delay, lambda: os._exit(17)).start()
     # Keep collectives going until the victim is gone, so it always dies mid-collective
     # however fast or loaded the machine is (two fixed calls could finish before the timer).
+    for _ in range(100_000):
+        comm.allreduce(x, out=y)
+    return "finished"
+
+
+def target_sigkill(comm, victim, nbytes, delay):
+    """Like target_kill, but the victim is SIGKILLed (no exit handlers, no unlinking)."""
+    import signal
+    import numpy as np
+    x = np.ones(nbytes // 4, np.float32)
+    y = np.empty_like(x)
+    if comm.rank == victim:
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     for _ in range(100_000):
         comm.allreduce(x, out=y)
     return "finished"

@@ -7,6 +7,7 @@ spawn processes that rendezvous through the authenticated store and connect over
 """
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -102,14 +103,21 @@ def assert_identical(results: list[np.ndarray]) -> None:
 _groups: dict[tuple[int, str], H.ThreadGroup] = {}
 # "striped": 3 streams per peer, 2 I/O threads, and a stripe every 8 bytes, so that even the small
 # sizes below cut their chunks into uneven (some empty) slices on every stream.
-MODES = {"plain": {}, "striped": {"streams": 3, "threads": 2, "stripe_min": 8}}
+# "shm": one host, all through shared memory (4 KiB pieces); "twolevel": 3 hosts x 2 ranks, shared
+# memory within a host and striped rings across hosts; "mixed": hosts of different rank counts
+# (shared memory only where a host's whole layout allows it).
+MODES = {"plain": {}, "striped": {"streams": 3, "threads": 2, "stripe_min": 8},
+         "shm": {},                                         # hosts: ("h",) * n
+         "twolevel": {"hosts": ("a", "b", "c", "a", "b", "c"), "streams": 2, "threads": 2, "stripe_min": 8},
+         "mixed": {"hosts": ("a", "a", "a", "b", "b")}}
 
 
 @pytest.fixture(scope="module")
 def group():
     def get(n: int, mode: str = "plain") -> H.ThreadGroup:
         if (n, mode) not in _groups:
-            _groups[n, mode] = H.ThreadGroup(n, **MODES[mode])
+            kw = dict(MODES[mode], **({"hosts": ("h",) * n} if mode == "shm" else {}))
+            _groups[n, mode] = H.ThreadGroup(n, **kw)
         return _groups[n, mode]
     yield get
     for g in _groups.values():
@@ -122,7 +130,9 @@ SIZES = [0, 1, 7, 1000, 4099]
 
 # ---- allreduce: op x dtype x size x world size x algorithm --------------------------------------
 @pytest.mark.parametrize("n,algo,mode", [(n, a, "plain") for n in range(1, 7) for a in ("ring", "rd")] +
-                         [(n, "ring", "striped") for n in (2, 3, 5)])
+                         [(n, "ring", "striped") for n in (2, 3, 5)] +
+                         [(4, "ring", "shm"), (3, "ring", "shm"), (6, "ring", "twolevel"), (6, "rd", "twolevel"),
+                          (5, "ring", "mixed")])
 def test_allreduce_matrix(group, n, algo, mode):
     g = group(n, mode)
     g.set_rd_threshold(0 if algo == "ring" else 1 << 40)
@@ -149,7 +159,7 @@ def test_allreduce_matrix(group, n, algo, mode):
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
-@pytest.mark.parametrize("mode", ["plain", "striped"])
+@pytest.mark.parametrize("mode", ["plain", "striped", "shm"])
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float16", "avg"), ("bfloat16", "sum"),
                                       ("int64", "max"), ("float64", "prod"), ("uint8", "sum")])
 def test_allreduce_large(group, n, mode, dtype, op):
@@ -163,7 +173,8 @@ def test_allreduce_large(group, n, mode, dtype, op):
 
 
 # ---- the other collectives ---------------------------------------------------------------------
-@pytest.mark.parametrize("n,mode", [(n, "plain") for n in range(1, 7)] + [(2, "striped"), (4, "striped")])
+@pytest.mark.parametrize("n,mode", [(n, "plain") for n in range(1, 7)] + [(2, "striped"), (4, "striped"), (4, "shm"),
+                                                                    (3, "shm"), (6, "twolevel"), (5, "mixed")])
 def test_allgather_broadcast_alltoall(group, n, mode):
     g = group(n, mode)
     for dtype in DTYPES:
@@ -196,7 +207,8 @@ def test_allgather_broadcast_alltoall(group, n, mode):
                 np.testing.assert_array_equal(bufs[r], res[r])
 
 
-@pytest.mark.parametrize("n,mode", [(n, "plain") for n in range(1, 7)] + [(3, "striped"), (5, "striped")])
+@pytest.mark.parametrize("n,mode", [(n, "plain") for n in range(1, 7)] + [(3, "striped"), (5, "striped"), (4, "shm"),
+                                                                    (3, "shm"), (6, "twolevel")])
 def test_reduce_scatter(group, n, mode):
     g = group(n, mode)
     seed = 100
@@ -466,3 +478,36 @@ def test_killed_peer_fails_others_within_deadline():
         assert "CollectiveError" in msg and "allreduce#" in msg
         assert secs < deadline
     assert any("rank 2 (node2)" in out[r][1] for r in (0, 1)), out
+
+
+# ---- shared memory: deadlines, dead peers, no segment left behind -------------------------------
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("hpcring-")} if os.path.isdir("/dev/shm") else set()
+
+
+def test_shm_timeout_names_peer_and_is_sticky():
+    g = H.ThreadGroup(3, timeout=30, hosts=("h",) * 3)
+    try:
+        t0 = time.monotonic()
+        _, errs = g.run(lambda c: c.allreduce(np.ones(1 << 16, np.float32), timeout=1.0), ranks=[0, 1])
+        assert time.monotonic() - t0 < 5
+        msg0 = str(errs[0])
+        assert isinstance(errs[0], CollectiveError), errs
+        assert "allreduce#1" in msg0 and "rank 2 (h)" in msg0 and "timed out after 1.0 s" in msg0, msg0
+        with pytest.raises(CollectiveError):                 # sticky
+            g.comms[0].barrier()
+    finally:
+        g.close()
+
+
+def test_shm_sigkilled_rank_is_named_and_leaves_no_segment():
+    before = _segments()
+    deadline = 20.0
+    out = H.spawn_ranks(3, H.target_sigkill, 2, 8 << 20, 0.3, timeout=deadline, hosts=("h",) * 3)
+    assert 2 not in out
+    for r in (0, 1):
+        status, msg, secs = out[r]
+        assert status == "error", out[r]
+        assert "allreduce#" in msg and secs < deadline
+    assert any("rank 2 (h) died" in out[r][1] for r in (0, 1)), out
+    assert _segments() <= before                          # nothing new left in /dev/shm

@@ -157,6 +157,18 @@ def _auth_listener(sock: socket.socket, secret: bytes, ctx: bytes, size: int, nc
     return peer, conn
 
 
+def node_layout(hosts, rank: int) -> tuple[list[int], list[int] | None]:
+    """(ranks on this rank's host, ranks with this rank's local index on every host in order of
+    first appearance, or None when hosts differ in rank count: no two-level allreduce then)."""
+    local = [r for r in range(len(hosts)) if hosts[r] == hosts[rank]]
+    per_node: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        per_node.setdefault(h, []).append(r)
+    if len({len(v) for v in per_node.values()}) != 1:
+        return local, None
+    return local, [v[local.index(rank)] for v in per_node.values()]
+
+
 def _advertised_host(topology) -> str:
     if topology.address:
         return topology.address
@@ -309,13 +321,9 @@ class RingBackend(Backend):
                     deadline: float) -> None:
         """Map the host's shared-memory segment (see the module docstring); no-op for a rank
         alone on its host."""
-        local = [r for r in range(len(hosts)) if hosts[r] == hosts[rank]]
+        local, column = node_layout(hosts, rank)
         if len(local) < 2:
             return
-        nodes = list(dict.fromkeys(hosts))
-        per_node = {h: [r for r in range(len(hosts)) if hosts[r] == h] for h in nodes}
-        uniform = len({len(v) for v in per_node.values()}) == 1
-        column = [per_node[h][local.index(rank)] for h in nodes] if uniform else None
         piece = _env_int("HPCRING_RING_SHM_PIECE", DEFAULT_SHM_PIECE, 4096, 1 << 30) // 64 * 64
         name = "/hpcring-" + _mac(secret, b"hpcring-ring-v1 shm", base.encode(),
                                   hosts[rank].encode()).hex()[:32]
