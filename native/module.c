@@ -540,7 +540,15 @@ static int Comm_set_btm(CommObject *self, PyObject *v, void *unused) {
     return 0;
 }
 
+static PyObject *Comm_get_shm(CommObject *self, void *unused) {
+    (void)unused;
+    if (!self->c.shm.base) Py_RETURN_NONE;
+    return Py_BuildValue("(ii)", self->c.shm.lsize, self->c.shm.ncol);
+}
+
 static PyGetSetDef Comm_getset[] = {
+    {"shm", (getter)Comm_get_shm, NULL,
+     "(ranks sharing memory on this host, nodes in the two-level ring or 0), or None", NULL},
     {"bcast_tree_max", (getter)Comm_get_btm, (setter)Comm_set_btm,
      "broadcast bytes below which the binomial tree is used", NULL},
     {"streams", (getter)Comm_get_streams, (setter)Comm_set_streams,

@@ -107,7 +107,7 @@ int hr_shm_wait(hr_op_t *op, const char *what) {
     hr_comm_t *c = op->c;
     hr_shm_t *s = &c->shm;
     uint32_t want = s->phase;
-    int l, spins = 0, l2;
+    int l, spins = 0, l2, st, dead;
 
     for (l = 0; l < s->lsize; l++) {
         hr_shm_cell_t *cl = hr_shm_cell(s, l);
@@ -127,13 +127,21 @@ int hr_shm_wait(hr_op_t *op, const char *what) {
                          op->timeout);
                 return hr_op_fail_peer(op, 1, s->lranks[l], why);
             }
+            /* Look at the peers first, then at the counter again: a peer signals before it sends
+             * TCP data for its next collective (or exits), so data seen with the counter still
+             * short means trouble, while a counter that moved means it is simply ahead. */
+            st = peer_state(c, l);
+            for (l2 = 0, dead = -1; l2 < s->lsize && dead < 0; l2++)
+                if (l2 != s->lrank && peer_state(c, l2) == 1) dead = l2;
+            if ((int32_t)(__atomic_load_n(&cl->phase, __ATOMIC_ACQUIRE) - want) >= 0) break;
             /* name a dead peer before one that failed because of it */
-            for (l2 = 0; l2 < s->lsize; l2++)
-                if (l2 != s->lrank && peer_state(c, l2) == 1)
-                    return hr_op_fail(op, "rank %d (%s) died during the shared-memory %s "
+            if (dead >= 0) {
+                l2 = dead;
+                return hr_op_fail(op, "rank %d (%s) died during the shared-memory %s "
                                       "(this node; its connection closed without an error report)",
-                                      s->lranks[l2], c->hosts[s->lranks[l2]], what);
-            switch (peer_state(c, l)) {
+                                  s->lranks[l2], c->hosts[s->lranks[l2]], what);
+            }
+            switch (st) {
             case 2:
                 return hr_op_fail(op, "rank %d (%s) failed during the shared-memory %s: "
                                   "see its error", s->lranks[l], c->hosts[s->lranks[l]], what);

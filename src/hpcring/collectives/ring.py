@@ -406,6 +406,15 @@ class RingBackend(Backend):
     def error(self) -> str | None:
         return self._comm.error
 
+    def describe(self) -> str:
+        """The transport in use, for benchmark tables."""
+        shm = self._comm.shm
+        where = "tcp only" if shm is None else (
+            f"shared memory ({shm[0]} ranks on this host)" + (
+                "" if shm[1] == 1 else f", two-level allreduce over {shm[1]} hosts" if shm[1] else
+                ", hosts differ in rank count: tcp across hosts"))
+        return f"ring: {where}; {self._comm.streams} stream(s)/peer, {self._comm.threads} I/O thread(s)"
+
     @property
     def rd_threshold(self) -> int:
         return self._comm.rd_threshold
