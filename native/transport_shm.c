@@ -36,8 +36,10 @@ int hr_shm_map(const char *name, int create, size_t bytes, unsigned char **out, 
                  strerror(errno));
         goto cleanup;
     }
-    if (create && ftruncate(fd, (off_t)bytes) < 0) {
-        snprintf(err, errlen, "ftruncate(%s, %zu): %s", name, bytes, strerror(errno));
+    /* posix_fallocate, not ftruncate: a sparse segment larger than a small /dev/shm (64 MiB in
+     * many containers) would kill the ranks with SIGBUS on first touch instead of failing here */
+    if (create && (errno = posix_fallocate(fd, 0, (off_t)bytes)) != 0) {
+        snprintf(err, errlen, "posix_fallocate(%s, %zu bytes): %s", name, bytes, strerror(errno));
         shm_unlink(name);
         goto cleanup;
     }

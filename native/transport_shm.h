@@ -48,7 +48,7 @@ typedef struct hr_shm {
 /* Segment bytes for lsize ranks with buffers of slot bytes. */
 size_t hr_shm_bytes(int lsize, size_t slot);
 
-/* Create (create != 0: O_CREAT|O_EXCL, mode 0600, ftruncate) or open the POSIX shm object
+/* Create (create != 0: O_CREAT|O_EXCL, mode 0600, posix_fallocate) or open the POSIX shm object
  * `name` and map it; the descriptor is closed at once. Returns 0, or -1 with the failing system
  * call in err (nothing mapped). */
 int hr_shm_map(const char *name, int create, size_t bytes, unsigned char **out, char *err,

@@ -511,3 +511,11 @@ def test_shm_sigkilled_rank_is_named_and_leaves_no_segment():
         assert "allreduce#" in msg and secs < deadline
     assert any("rank 2 (h) died" in out[r][1] for r in (0, 1)), out
     assert _segments() <= before                          # nothing new left in /dev/shm
+
+
+@pytest.mark.parametrize("var,value", [("HPCRING_RING_STREAMS", "many"), ("HPCRING_RING_STREAMS", "0"),
+                                       ("HPCRING_RING_THREADS", "17"), ("HPCRING_RING_SHM", "yes")])
+def test_ring_env_is_checked(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UsageError, match=var):
+        RingBackend.create(H.topology(0, 2), None, H.SECRET, 5.0)
