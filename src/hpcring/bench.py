@@ -558,7 +558,11 @@ def run_as_rank(opts: BenchOptions) -> int:
         else:
             emit = lambda line: print(line, flush=True)  # noqa: E731
         backend_name = resolved_backend(opts.backend, session)
-        for line in preamble(opts, backend_name, n, hosts, memory_label(comm, opts.memory)):
+        lines = preamble(opts, backend_name, n, hosts, memory_label(comm, opts.memory))
+        describe = getattr(comm.backend, "describe", None)   # the ring says which transport runs
+        if describe:
+            lines.insert(1, f"# transport: {describe()}")
+        for line in lines:
             emit(line)
     else:
         emit = None

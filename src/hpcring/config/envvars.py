@@ -90,6 +90,16 @@ VARS: tuple[Var, ...] = (
        "autotuning)", 0, 1 << 30),
     _v("HPCRING_RD_THRESHOLD", "int", None, "allreduce messages below this many bytes use recursive "
        "doubling (unset: the measured default)", 0, 1 << 40),
+    _v("HPCRING_RING_STREAMS", "int", 1, "TCP streams per ring peer, each carrying a slice of every "
+       "chunk (site: fabric.ring_streams)", 1, 16),
+    _v("HPCRING_RING_THREADS", "int", 1, "I/O threads per rank driving the ring's streams "
+       "(site: fabric.ring_threads)", 1, 16),
+    _v("HPCRING_RING_SHM", "bool", True, "shared memory between the ranks of one host instead of "
+       "loopback TCP (site: fabric.ring_shm)"),
+    _v("HPCRING_BCAST_TREE_MAX", "int", None, "ring broadcast: binomial tree up to this many bytes, "
+       "pipelined chain above (unset: the measured 256 KiB)", 0, 1 << 62),
+    _v("HPCRING_RING_SHM_PIECE", "int", None, "shared-memory piece per rank and buffer, bytes "
+       "(unset: 1 MiB per local rank, 1-8 MiB)", 4096, 1 << 30),
     _v("HPCRING_CHECK_COLLECTIVES", "bool", False, "check before each collective that every rank "
        "calls the same op, dtype, count and root (costs a small allreduce)"),
     _v("HPCRING_MPI_ABORT_ON_TIMEOUT", "bool", True, "MPI backend: abort the job when a collective "
