@@ -10,8 +10,7 @@ Each gradient bucket is divided by the world size and summed in place by
 future completes from hpcring's worker thread, and the allreduce has hpcring's deadline, flight
 record and hang report.
 """
-from __future__ import annotations
-
+# no `from __future__ import annotations`: DDP compares the hook's annotations with the real types
 import torch
 import torch.distributed as dist
 from torch.futures import Future
@@ -28,7 +27,7 @@ def _communicator(state, device_type: str):
     return comm
 
 
-def allreduce_hook(state, bucket: dist.GradBucket) -> Future:
+def allreduce_hook(state, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """``model.register_comm_hook(state, allreduce_hook)``: average each bucket over the ranks
     with hpcring (``state``: a Communicator, or None for the session's)."""
     buf = bucket.buffer()
