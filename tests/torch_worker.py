@@ -7,7 +7,7 @@ Modes (each prints one 'MODE OK ...' line on success; a failed check raises):
   ddp       DDP on hpcring, DDP on gloo with hpcring's comm hook == DDP on gloo, a few steps
   fsdp      FSDP FULL_SHARD (CPU) on hpcring == on gloo
   bad       bad calls raise clear errors at once, and the group still works afterwards
-  skip R    DDP on hpcring where rank R skips one step (a hang)
+  skip R    DDP on hpcring where rank R gets stuck in load_batch at step 2 (a hang)
   kill R    DDP on hpcring where rank R is SIGKILLed between steps
 The default group is ``cpu:hpcring,cuda:hpcring`` (set TORCH_WORKER_BACKEND to change it); gloo
 runs as a second group over the same ranks.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -185,6 +186,11 @@ class Net(nn.Module):
         return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
 
 
+def load_batch():
+    """A data loader that never returns (the hang)."""
+    time.sleep(3600)
+
+
 def train(wrap, steps=4, skip=None):
     torch.manual_seed(0)
     model = wrap(Net())
@@ -195,7 +201,7 @@ def train(wrap, steps=4, skip=None):
         if skip is not None and step == 2 and RANK == skip[0]:
             if skip[1] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            continue                                      # skips the step's allreduce: the others hang
+            load_batch()                                  # stuck: the others wait in the step's allreduce
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
