@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import hpcring.distributed  # noqa: F401  (registers "hpcring"; hpcring submit does this itself)
 from hpcring.errors import UsageError
+
+PRE_REGISTERED = "hpcring" in dist.Backend.backend_list     # by hpcring submit, before this script ran
+if not PRE_REGISTERED:
+    import hpcring.distributed  # noqa: F401  (registers "hpcring")
 
 dist.init_process_group(os.environ.get("TORCH_WORKER_BACKEND", "cpu:hpcring,cuda:hpcring"))
 RANK, SIZE = dist.get_rank(), dist.get_world_size()
@@ -199,6 +202,7 @@ def train(wrap, steps=4, skip=None):
     for step in range(steps):
         x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
         if skip is not None and step == 2 and RANK == skip[0]:
+            print(f"FAULT {skip[1]} at {time.time():.3f}", flush=True)
             if skip[1] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             load_batch()                                  # stuck: the others wait in the step's allreduce
@@ -222,7 +226,8 @@ def mode_ddp():
     diff = max((a - b).abs().max().item() for a, b in zip(ours, ref))
     diff_hook = max((a - b).abs().max().item() for a, b in zip(hook, ref))
     assert diff < 1e-5 and diff_hook < 1e-5, (diff, diff_hook)
-    print(f"ddp OK on {SIZE} ranks: max |hpcring - gloo| = {diff:.3g}, comm hook {diff_hook:.3g}", flush=True)
+    print(f"ddp OK on {SIZE} ranks: max |hpcring - gloo| = {diff:.3g}, comm hook {diff_hook:.3g}; "
+          f"registered before the script: {PRE_REGISTERED}", flush=True)
 
 
 def mode_fsdp():

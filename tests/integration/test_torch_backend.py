@@ -1,0 +1,102 @@
+"""The ``hpcring`` torch.distributed backend with real torch: `hpcring run` starts local ranks
+(ring over loopback TCP) running tests/torch_worker.py; gloo over the same ranks is the reference."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = str(ROOT / "tests" / "torch_worker.py")
+
+
+def run_job(tmp_path, *args, ranks=2, env=None, timeout=240, script=WORKER):
+    e = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HPCRING_JOB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+         **(env or {})}
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(ranks), "--",
+                        sys.executable, "-W", "ignore", script, *args], env=e, capture_output=True, text=True,
+                       timeout=timeout, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    return p, time.monotonic() - t0
+
+
+def test_ops_dtypes_bad_input_ddp_hook_fsdp_on_2_ranks(tmp_path):
+    p, _ = run_job(tmp_path, "ops,bad,ddp,fsdp")
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    for r in range(2):
+        assert f"[{r}]<stdout>:ops OK 103 checks on 2 ranks" in out
+        assert f"[{r}]<stdout>:bad OK" in out
+        assert re.search(rf"\[{r}\]<stdout>:ddp OK on 2 ranks: .* = 0, comm hook 0; registered before the script: False$", out, re.M), out
+        assert f"[{r}]<stdout>:fsdp OK on 2 ranks" in out
+
+
+def test_ddp_on_3_ranks_matches_gloo(tmp_path):
+    p, _ = run_job(tmp_path, "ddp", ranks=3)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert out.count("ddp OK on 3 ranks") == 3
+
+
+def _since_fault(out: str) -> float:
+    """Seconds from the fault (the worker prints its time) until now, when every rank has exited."""
+    return time.time() - float(re.search(r"FAULT \w+ at (\S+)", out).group(1))
+
+
+def _report(tmp_path) -> dict:
+    return json.loads((tmp_path / "diag" / "hang-report.json").read_text())
+
+
+def test_hang_in_ddp_names_rank_host_and_op(tmp_path):
+    p, _ = run_job(tmp_path, "skip", "1", env={"HPCRING_TIMEOUT": "4", "HPCRING_DIAG_GRACE": "3"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    rep = _report(tmp_path)
+    assert rep["categories"]["missing"] == [1], rep
+    assert re.match(r"(allreduce|broadcast)#\d+: rank 1 \(local0\) never joined", rep["headline"]), rep["headline"]
+    assert "load_batch at torch_worker.py" in rep["details"]["1"]
+    for r in range(2):                                  # every rank says why it exits
+        assert f"hpcring: rank {r} (local0)" in out and "exiting with code 1" in out
+    assert "training finished" not in out
+    assert _since_fault(out) < 4 + 30                    # deadline + 30 s
+
+
+def test_killed_rank_in_ddp_is_named_dead(tmp_path):
+    p, _ = run_job(tmp_path, "kill", "1", env={"HPCRING_TIMEOUT": "4", "HPCRING_DIAG_GRACE": "3"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    rep = _report(tmp_path)
+    assert rep["categories"]["dead"] == [1], rep
+    assert re.match(r"allreduce#\d+: rank 1 \(local0\) died", rep["headline"]), rep["headline"]
+    assert "hpcring: rank 0 (local0)" in out and "died; exiting with code 1" in out
+    assert _since_fault(out) < 4 + 30
+
+
+def test_submit_registers_backend_when_script_imports_torch(tmp_path):
+    """RunScript's hook: a script that never imports hpcring can init_process_group('hpcring')."""
+    code = ("import sys\nfrom hpcring.job import register_torch_backend_on_import\n"
+            "register_torch_backend_on_import()\n"
+            "assert 'hpcring.distributed' not in sys.modules\n"
+            "import torch.distributed as dist\n"
+            "print('registered', 'hpcring' in dist.Backend.backend_list, 'hpcring.distributed' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "registered True True"
+
+
+def test_lightning_ddp_strategy_on_hpcring(tmp_path):
+    pytest.importorskip("lightning")
+    script = ROOT / "tests" / "lightning_worker.py"
+    p, _ = run_job(tmp_path, script=str(script))
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert out.count("lightning OK backend=hpcring") == 2, out[-3000:]
