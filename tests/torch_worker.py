@@ -6,6 +6,7 @@ Modes (each prints one 'MODE OK ...' line on success; a failed check raises):
   ops       every op x several dtypes on hpcring == the same op on gloo (or the exact value)
   ddp       DDP on hpcring, DDP on gloo with hpcring's comm hook == DDP on gloo, a few steps
   fsdp      FSDP FULL_SHARD (CPU) on hpcring == on gloo
+  fsdp2     fully_shard (FSDP2) on hpcring == on gloo
   bad       bad calls raise clear errors at once, and the group still works afterwards
   skip R    DDP on hpcring where rank R gets stuck in load_batch at step 2 (a hang)
   kill R    DDP on hpcring where rank R is SIGKILLed between steps
@@ -245,6 +246,32 @@ def mode_fsdp():
     diff = max((a - b).abs().max().item() for a, b in zip(ours, ref))
     assert diff < 1e-5, diff
     print(f"fsdp OK on {SIZE} ranks: max |hpcring - gloo| = {diff:.3g}", flush=True)
+
+
+def mode_fsdp2():
+    """fully_shard (FSDP2: DTensor parameters, all_gather_into_tensor / reduce_scatter_tensor)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    def run(group):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(RANK)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=g)).pow(2).mean().backward()
+            opt.step()
+        return [p.full_tensor() for p in model.parameters()]
+    ref, ours = run(GLOO), run(HP)
+    diff = max((a - b).abs().max().item() for a, b in zip(ours, ref))
+    assert diff < 1e-5, diff
+    print(f"fsdp2 OK on {SIZE} ranks: max |hpcring - gloo| = {diff:.3g}", flush=True)
 
 
 def _fsdp_full_params(wrap):

@@ -28,8 +28,8 @@ def run_job(tmp_path, *args, ranks=2, env=None, timeout=240, script=WORKER):
     return p, time.monotonic() - t0
 
 
-def test_ops_dtypes_bad_input_ddp_hook_fsdp_on_2_ranks(tmp_path):
-    p, _ = run_job(tmp_path, "ops,bad,ddp,fsdp")
+def test_ops_dtypes_bad_input_ddp_hook_fsdp_fsdp2_on_2_ranks(tmp_path):
+    p, _ = run_job(tmp_path, "ops,bad,ddp,fsdp,fsdp2")
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     for r in range(2):
@@ -37,6 +37,7 @@ def test_ops_dtypes_bad_input_ddp_hook_fsdp_on_2_ranks(tmp_path):
         assert f"[{r}]<stdout>:bad OK" in out
         assert re.search(rf"\[{r}\]<stdout>:ddp OK on 2 ranks: .* = 0, comm hook 0; registered before the script: False$", out, re.M), out
         assert f"[{r}]<stdout>:fsdp OK on 2 ranks" in out
+        assert f"[{r}]<stdout>:fsdp2 OK on 2 ranks" in out
 
 
 def test_ddp_on_3_ranks_matches_gloo(tmp_path):

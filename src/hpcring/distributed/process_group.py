@@ -129,9 +129,19 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         self._session = session
         self._timeout = timeout
         self._comms: dict[str, object] = {}
+        self._name = ""
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
+
+    # torch reads a group's name from its C++ backends, which a Python group has none of; keep
+    # the name torch assigns here (DeviceMesh, FSDP2 and functional collectives look groups up by it).
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
 
     def __repr__(self) -> str:
         return f"<ProcessGroupHpcring rank {self.rank()}/{self.size()} comms {sorted(self._comms)}>"
