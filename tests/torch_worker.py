@@ -30,7 +30,11 @@ PRE_REGISTERED = "hpcring" in dist.Backend.backend_list     # by hpcring submit,
 if not PRE_REGISTERED:
     import hpcring.distributed  # noqa: F401  (registers "hpcring")
 
-dist.init_process_group(os.environ.get("TORCH_WORKER_BACKEND", "cpu:hpcring,cuda:hpcring"))
+if os.environ.get("TORCH_WORKER_INIT") == "hpcring":     # plain mpirun/srun: no torch env:// variables
+    from hpcring.distributed import init_process_group
+    init_process_group(os.environ.get("TORCH_WORKER_BACKEND", "cpu:hpcring,cuda:hpcring"))
+else:
+    dist.init_process_group(os.environ.get("TORCH_WORKER_BACKEND", "cpu:hpcring,cuda:hpcring"))
 RANK, SIZE = dist.get_rank(), dist.get_world_size()
 HP = dist.group.WORLD
 GLOO = dist.new_group(backend="gloo")
@@ -228,6 +232,7 @@ def mode_ddp():
     diff_hook = max((a - b).abs().max().item() for a, b in zip(hook, ref))
     assert diff < 1e-5 and diff_hook < 1e-5, (diff, diff_hook)
     print(f"ddp OK on {SIZE} ranks: max |hpcring - gloo| = {diff:.3g}, comm hook {diff_hook:.3g}; "
+          f"hpcring collectives on {HP._comm_for('cpu').backend.name}; "
           f"registered before the script: {PRE_REGISTERED}", flush=True)
 
 

@@ -2,9 +2,11 @@
 (ring over loopback TCP) running tests/torch_worker.py; gloo over the same ranks is the reference."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -35,7 +37,7 @@ def test_ops_dtypes_bad_input_ddp_hook_fsdp_fsdp2_on_2_ranks(tmp_path):
     for r in range(2):
         assert f"[{r}]<stdout>:ops OK 103 checks on 2 ranks" in out
         assert f"[{r}]<stdout>:bad OK" in out
-        assert re.search(rf"\[{r}\]<stdout>:ddp OK on 2 ranks: .* = 0, comm hook 0; registered before the script: False$", out, re.M), out
+        assert re.search(rf"\[{r}\]<stdout>:ddp OK on 2 ranks: .* = 0, comm hook 0; hpcring collectives on ring; registered before the script: False$", out, re.M), out
         assert f"[{r}]<stdout>:fsdp OK on 2 ranks" in out
         assert f"[{r}]<stdout>:fsdp2 OK on 2 ranks" in out
 
@@ -45,6 +47,25 @@ def test_ddp_on_3_ranks_matches_gloo(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert out.count("ddp OK on 3 ranks") == 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None or shutil.which("mpirun") is None,
+                    reason="mpi4py or mpirun is not installed")
+def test_plain_mpirun_uses_the_mpi_backend_through_the_init_helper(tmp_path):
+    """No hpcring launcher, no torch env:// variables: hpcring.distributed.init_process_group
+    bootstraps, exports them, and the session picks MPI (openmpi launcher + mpi4py)."""
+    extra = {"HPCRING_SECRET": "0123456789abcdef0123456789abcdef", "HPCRING_MASTER_ADDR": "127.0.0.1",
+             "TORCH_WORKER_INIT": "hpcring", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"),
+             "OMPI_MCA_mpi_yield_when_idle": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe"]
+    for k in extra:
+        cmd += ["-x", k]
+    p = subprocess.run([*cmd, sys.executable, "-W", "ignore", WORKER, "ddp"], env={**env, **extra},
+                       capture_output=True, text=True, timeout=240, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert p.stdout.count("ddp OK on 2 ranks: max |hpcring - gloo| = 0, comm hook 0; hpcring collectives on mpi") == 2, \
+        p.stdout[-3000:]
 
 
 def _since_fault(out: str) -> float:

@@ -11,6 +11,8 @@ used to meet: it does not authenticate peers. See docs/torch.md.
 """
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from hpcring.distributed.hooks import allreduce_hook
@@ -44,6 +46,23 @@ def _create(opts, _backend_options=None) -> ProcessGroupHpcring:
     return ProcessGroupHpcring(session, rank, size, timeout=_seconds(opts.timeout))
 
 
+_TORCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+
+
+def init_process_group(backend: str = BACKEND_NAME, **kwargs) -> None:
+    """``dist.init_process_group`` under any launcher, including a plain srun / mpirun that sets
+    none of torch's env:// variables: bootstrap hpcring first (:func:`hpcring.init`), export
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (a free port on rank 0's verified
+    interface) from the session where the launcher did not set them, then call torch."""
+    from hpcring.bootstrap.init import framework_env
+    from hpcring.session import init
+    session = init()
+    for key, value in framework_env(session.topology).items():
+        if key in _TORCH_ENV:
+            os.environ.setdefault(key, value)
+    dist.init_process_group(backend, **kwargs)
+
+
 def register() -> None:
     """Register ``hpcring`` with torch.distributed for CPU and CUDA tensors (idempotent)."""
     if BACKEND_NAME not in dist.Backend.backend_list:
@@ -52,4 +71,4 @@ def register() -> None:
 
 register()
 
-__all__ = ["BACKEND_NAME", "HpcringWork", "ProcessGroupHpcring", "allreduce_hook", "register"]
+__all__ = ["BACKEND_NAME", "HpcringWork", "ProcessGroupHpcring", "allreduce_hook", "init_process_group", "register"]
