@@ -330,7 +330,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
 
     # -- composed ops ---------------------------------------------------------------------
     def barrier(self, opts=None):
-        comm = self._comm_for("cpu")
+        comm = self._session.communicator(timeout=self._timeout)      # the default: no tensors to place
         return _chain([comm.barrier_async(**self._t())], lambda: [])
 
     def reduce(self, tensors, opts=None):
