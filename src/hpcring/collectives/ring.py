@@ -25,19 +25,16 @@ authenticated, the network path is trusted).
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import os
-import secrets
 import socket
 import struct
 import threading
 import time
 
+from hpcring.bootstrap import auth
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend
+from hpcring.config import envvars
 from hpcring.errors import BootstrapError, CollectiveError, UsageError
-from hpcring.netio import recv_exact
 
 log = logging.getLogger("hpcring.collectives.ring")
 
@@ -50,70 +47,46 @@ except ImportError as e:  # pragma: no cover - only without a built extension
 DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}      # must match enum hr_dtype
 OP_CODES = {name: i for i, name in enumerate(OPS)}            # must match enum hr_redop
 
-_MAGIC = b"HRR1"
-_NONCE = 32
-_MAC = 32
-_U32x2 = struct.Struct(">II")
-_CONNECT_FRAME = _NONCE + _MAC + _U32x2.size   # 76
-_LABEL_CONNECT = b"hpcring-ring-v1 connect"
-_LABEL_ACCEPT = b"hpcring-ring-v1 accept"
+_U32x2 = struct.Struct(">II")   # (rank, connection index): the handshake's extra field
 HANDSHAKE_TIMEOUT = 10.0
 
-DEFAULT_TIMEOUT = 300.0
-
-
 def default_timeout() -> float:
-    """HPCRING_TIMEOUT (seconds) or 300."""
-    text = os.environ.get("HPCRING_TIMEOUT", "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"HPCRING_TIMEOUT={text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise UsageError(f"HPCRING_TIMEOUT={text!r} must be > 0")
-    return value
+    """HPCRING_TIMEOUT (seconds) or the registry's default (hpcring.config.envvars)."""
+    return envvars.get("HPCRING_TIMEOUT")
 
 
-def _mac(secret: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
 
 
 def _auth_connector(sock: socket.socket, secret: bytes, ctx: bytes, rank: int, conn: int) -> None:
-    """Connector side of the handshake; raises ConnectionError when the listener refuses us or
-    cannot prove it knows the secret."""
-    hello = recv_exact(sock, len(_MAGIC) + _NONCE)
-    if hello[:4] != _MAGIC:
-        raise ConnectionError("the listener is not an hpcring ring endpoint (bad magic)")
-    nl = hello[4:]
-    nc = secrets.token_bytes(_NONCE)
-    ids = _U32x2.pack(rank, conn)
-    sock.sendall(nc + _mac(secret, _LABEL_CONNECT, ctx, nl, nc, ids) + ids)
+    """Connector side of the handshake (hpcring.bootstrap.auth, bound to the communicator's
+    context, the MAC covering our rank and connection index); raises ConnectionError when the
+    listener refuses us or cannot prove it knows the secret."""
     try:
-        proof = recv_exact(sock, _MAC)
+        nl = auth.RING.read_hello(sock)
+    except auth.NotAPeer:
+        raise ConnectionError("the listener is not an hpcring ring endpoint (bad magic)") from None
+    try:
+        auth.RING.prove(sock, secret, nl, ctx, _U32x2.pack(rank, conn))
+    except auth.BadProof:
+        raise ConnectionError("the listener could not prove it knows the job secret") from None
     except ConnectionError:
         raise ConnectionError("the listener refused authentication (different job secret?)") from None
-    if not hmac.compare_digest(proof, _mac(secret, _LABEL_ACCEPT, ctx, nl, nc, ids)):
-        raise ConnectionError("the listener could not prove it knows the job secret")
 
 
 def _auth_listener(sock: socket.socket, secret: bytes, ctx: bytes, size: int, nconn: int) -> tuple[int, int]:
     """Listener side: returns the authenticated (rank, connection index) of the connector.
     Raises ConnectionError on a bad proof; nothing the peer sent is interpreted before the MAC
     over the fixed-size frame has been verified."""
-    nl = secrets.token_bytes(_NONCE)
-    sock.sendall(_MAGIC + nl)
-    frame = recv_exact(sock, _CONNECT_FRAME)
-    nc, mac, ids = frame[:_NONCE], frame[_NONCE:_NONCE + _MAC], frame[_NONCE + _MAC:]
-    if not hmac.compare_digest(mac, _mac(secret, _LABEL_CONNECT, ctx, nl, nc, ids)):
-        raise ConnectionError("peer failed authentication (wrong job secret)")
+    try:
+        nl, nc, ids = auth.RING.accept(sock, secret, ctx)
+    except auth.BadProof:
+        raise ConnectionError("peer failed authentication (wrong job secret)") from None
     peer, conn = _U32x2.unpack(ids)
     if not (0 <= peer < size and 0 <= conn < nconn):
         raise ConnectionError(f"authenticated peer claims rank {peer} conn {conn}, out of range")
-    sock.sendall(_mac(secret, _LABEL_ACCEPT, ctx, nl, nc, ids))
+    sock.sendall(auth.RING.server_proof(secret, nl, nc, ctx, ids))
     return peer, conn
 
 
@@ -174,11 +147,11 @@ class RingBackend(Backend):
             secret = secret.encode()
         if not secret:
             raise BootstrapError("the ring needs the non-empty per-job secret")
-        timeout = default_timeout() if timeout is None else float(timeout)
+        timeout = envvars.collective_timeout(timeout)
         if sockbuf is None:
-            sockbuf = int(os.environ.get("HPCRING_SOCKBUF", "0") or 0)
-        if rd_threshold is None and os.environ.get("HPCRING_RD_THRESHOLD"):
-            rd_threshold = int(os.environ["HPCRING_RD_THRESHOLD"])
+            sockbuf = envvars.get("HPCRING_SOCKBUF")
+        if rd_threshold is None:
+            rd_threshold = envvars.get("HPCRING_RD_THRESHOLD")
         rank, size = topology.rank, topology.size
         hosts = tuple(topology.hosts) if len(topology.hosts) == size else tuple(f"rank{r}" for r in range(size))
         if size == 1:
