@@ -295,9 +295,10 @@ def _fsdp_full_params(wrap):
 
 
 def expect_usage(fn, *words):
+    """hpcring's UsageError (it crosses torch's C++ layer unchanged) containing ``words``."""
     try:
         fn()
-    except (UsageError, ValueError, RuntimeError) as e:
+    except UsageError as e:
         text = str(e)
         assert all(w in text for w in words), (words, text)
         return
@@ -322,7 +323,7 @@ def mode_bad():
     expect_usage(lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), [1] * (SIZE + 1), group=HP),
                  "split_sizes")
     expect_usage(lambda: dist.all_reduce(torch.ones(4, device="meta"), group=HP), "meta")
-    expect_usage(lambda: dist.all_reduce(torch.ones(4).to_sparse(), group=HP), "")
+    expect_usage(lambda: dist.all_reduce(torch.ones(4).to_sparse(), group=HP), "dense")
     if SIZE > 1:
         peer = (RANK + 1) % SIZE
         expect_usage(lambda: dist.send(torch.ones(2), peer, group=HP), "send is not supported")
