@@ -5,7 +5,7 @@ import hpcring, with one fault for hang-report tests.
 Usage: torch_ddp_worker.py SCENARIO [VICTIM] [--steps N]
 Scenarios: none; sleep (VICTIM sits in load_batch forever at step 3); kill (VICTIM SIGKILLs itself
 at step 3); stop (VICTIM SIGSTOPs itself at step 3).
-Prints `TORCH_WORKER rank=R step=S` lines (flushed).
+Prints `TORCH_WORKER rank=R step=S` lines and `... fault=SCENARIO t=T` (flushed).
 """
 import argparse
 import os
@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def load_batch(step, rank, scenario, victim):
     if step == 3 and rank == victim:
+        print(f"TORCH_WORKER rank={rank} fault={scenario} t={time.time():.3f}", flush=True)
         if scenario == "sleep":
             while True:
                 time.sleep(3600)         # a rank stuck in its data loader

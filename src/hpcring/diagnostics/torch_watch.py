@@ -362,20 +362,32 @@ def main_in_torch() -> bool:
 # ---------------------------------------------------------------------------------------------
 def diagnose_torch(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[int, dict] | None = None,
                    trigger: dict | None = None, **kw) -> Report:
-    """:func:`diagnose`, plus what torch's errors say: a silent rank whose peers saw their
-    connection closed or reset is dead, not unreachable."""
+    """:func:`diagnose`, plus two torch facts: a rank inside the torch call that issues the
+    collective (DDP's backward) without a record of it yet is joining, not missing; and a silent
+    rank whose peers' torch error says a connection was closed or reset is dead, not unreachable."""
     report = diagnose(size, hosts, snaps, exits, trigger, **kw)
+    if not report.side_channel:          # one rank's own view: diagnose's headline stands
+        return report
+    cats = report.categories
+    # DDP issues its bucket allreduces from inside backward: a rank in that torch call with no
+    # record yet is on its way in (seen when a peer's death is reported at once), not missing
+    coming = [r for r in cats.get("missing", []) if str(snaps[r].get("where", "")).startswith("in torch ")]
+    if coming:
+        cats["missing"] = [r for r in cats["missing"] if r not in coming]
+        cats["joined"] = sorted(cats.get("joined", []) + coming)
+        for r in coming:
+            report.details.pop(r, None)
     texts = [(trigger or {}).get("error") or ""] + [s.get("error") or "" for s in snaps.values()]
     gone = next((t for t in texts if _GONE.search(t)), None)
-    cats = report.categories
-    if gone and cats.get("unreachable"):
-        seen = sorted(r for r, s in snaps.items() if s.get("error") and _GONE.search(s["error"]))
-        seen = seen or [(trigger or {}).get("rank")]
-        for r in cats["unreachable"]:
-            report.details[r] = (f"no answer; torch saw a connection closed (by {_who(seen, report.hosts)}: "
-                                 f"{gone[:160]})")
-        cats["dead"] = sorted(cats.get("dead", []) + cats["unreachable"])
-        cats["unreachable"] = []
+    if coming or (gone and cats.get("unreachable")):
+        if gone and cats.get("unreachable"):
+            seen = sorted(r for r, s in snaps.items() if s.get("error") and _GONE.search(s["error"]))
+            seen = seen or [(trigger or {}).get("rank")]
+            for r in cats["unreachable"]:
+                report.details[r] = (f"no answer; torch saw a connection closed (by {_who(seen, report.hosts)}: "
+                                     f"{gone[:160]})")
+            cats["dead"] = sorted(cats.get("dead", []) + cats["unreachable"])
+            cats["unreachable"] = []
         op = report.op or {}
         report.headline = _headline(cats, report.links, report.slow, op or None, op.get("seq"), report.hosts)
     return report
