@@ -5,9 +5,10 @@ this module adds to a rank that calls ``torch.distributed.init_process_group`` i
 job (``hpcring submit``: in the rank process; ``hpcring run``: in CMD's Python, through
 :mod:`hpcring.diagnostics.torch_site`):
 
-1. **The deadline.** Without ``timeout=``, the process group gets hpcring's deadline
+1. **The deadline.** Without ``timeout=``, the process group's collectives get hpcring's deadline
    (``HPCRING_TIMEOUT``, else 300 s) instead of torch's default (30 min for gloo, 10 min for NCCL,
-   ``torch/distributed/constants.py``). NCCL gets deadline + grace + 30 s: torch's NCCL watchdog
+   ``torch/distributed/constants.py``); torch's rendezvous keeps the bootstrap's bound
+   (``HPCRING_INIT_TIMEOUT``, else 60 s, when longer), then ``_set_pg_timeout`` applies the deadline. NCCL gets deadline + grace + 30 s: torch's NCCL watchdog
    kills the process on its timeout, which must come after hpcring's report.
 2. **torch's Flight Recorder** (``torch._C._distributed_c10d._dump_fr_trace``, on by default in
    torch >= 2.8, gloo included) is hpcring's record of the torch collectives, DDP's bucket
@@ -157,10 +158,16 @@ def _patch(dist) -> None:
 
     def init_process_group(*args, **kwargs):
         backend = kwargs.get("backend", args[0] if args else None)
-        if kwargs.get("timeout") is None and (len(args) < 3 or args[2] is None):
-            kwargs["timeout"] = pg_timeout(backend)
+        ours = kwargs.get("timeout") is None and (len(args) < 3 or args[2] is None)
+        if ours:
+            # torch bounds its rendezvous with the same timeout: ranks importing torch at
+            # different speeds need the bootstrap's bound there, the deadline only afterwards
+            deadline = pg_timeout(backend)
+            kwargs["timeout"] = max(deadline, timedelta(seconds=float(os.environ.get("HPCRING_INIT_TIMEOUT") or 60)))
         result = original(*args, **kwargs)
         try:
+            if ours:
+                dist.distributed_c10d._set_pg_timeout(deadline)
             _start(dist)
             _hook_excepthook()
         except Exception as e:  # noqa: BLE001 - diagnostics must never stop training
