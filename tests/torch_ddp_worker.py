@@ -2,7 +2,7 @@
 DDP tutorial: env:// rendezvous from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), that does not
 import hpcring, with one fault for hang-report tests.
 
-Usage: torch_ddp_worker.py SCENARIO [VICTIM] [--steps N]
+Usage: torch_ddp_worker.py SCENARIO [VICTIM] [--steps N] [--pg-timeout SECONDS]
 Scenarios: none; sleep (VICTIM sits in load_batch forever at step 3); kill (VICTIM SIGKILLs itself
 at step 3); stop (VICTIM SIGSTOPs itself at step 3).
 Prints `TORCH_WORKER rank=R step=S` lines and `... fault=SCENARIO t=T` (flushed).
@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,12 @@ def main():
     p.add_argument("scenario")
     p.add_argument("victim", type=int, nargs="?", default=-1)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--pg-timeout", type=float, default=None, help="seconds; default: torch's")
     a = p.parse_args()
-    dist.init_process_group("gloo")
+    if a.pg_timeout:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=a.pg_timeout))
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)))

@@ -67,3 +67,18 @@ def test_ddp_rank_killed_mid_training_is_named_dead(tmp_path):
     for r in (0, 2):
         assert f"hpcring: rank {r} (local0): {rep['headline']}; exiting with code 1" in out
     assert took is not None and took < DEADLINE + 30, (took, out)
+
+
+def test_collective_past_the_deadline_is_reported_when_the_script_set_a_longer_torch_timeout(tmp_path):
+    # torch would wait 120 s: hpcring's monitor sees the unretired all_reduce in torch's Flight
+    # Recorder after the deadline and starts the report; the script's timeout= is kept
+    p, took = run_job(tmp_path, "sleep", "0", "--pg-timeout", "120")
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "Timed out waiting" not in out
+    rep = report(tmp_path)
+    assert rep["categories"]["missing"] == [0], rep
+    assert "still in flight after" in rep["trigger"]["error"] and "(deadline 4 s)" in rep["trigger"]["error"]
+    assert rep["op"]["timeout"] == 120
+    assert f"now in load_batch at {SLEEP_AT}" in rep["details"]["0"]
+    assert took is not None and took < DEADLINE + 30, (took, out)

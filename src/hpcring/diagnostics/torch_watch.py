@@ -46,7 +46,7 @@ from hpcring.diagnostics.report import Report, _headline, _who, diagnose
 
 ENABLE_ENV = "HPCRING_TORCH_WATCH"
 SITE_DIR = str(Path(__file__).with_name("torch_site"))
-FR_SIZE = "256"        # entries; torch's default (2000) makes each poll ~10 ms of held GIL
+FR_SIZE = "256"        # entries; each poll dumps them all with the GIL held (torch's 2000: ~6x longer)
 NCCL_MARGIN = 30.0     # seconds after hpcring's report before torch's NCCL watchdog may abort
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Int": "int32",
            "Long": "int64", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
