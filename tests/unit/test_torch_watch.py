@@ -67,3 +67,23 @@ def test_process_group_timeout_follows_the_deadline(monkeypatch):
     monkeypatch.setenv("HPCRING_DIAG_GRACE", "2")
     assert tw.pg_timeout("gloo") == timedelta(seconds=7)
     assert tw.pg_timeout("nccl") == timedelta(seconds=7 + 2 + tw.NCCL_MARGIN)   # after hpcring's report
+
+
+def test_site_hook_wraps_init_process_group_and_runs_the_sitecustomize_it_shadows(tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+    pytest.importorskip("torch")
+    (tmp_path / "sitecustomize.py").write_text("print('SHADOWED SITECUSTOMIZE RAN')\n")
+    code = ("import torch.distributed as dist\n"
+            "from torch.distributed import init_process_group\n"
+            "print(getattr(dist.init_process_group, '_hpcring', False), getattr(init_process_group, '_hpcring', False))\n")
+    env = {**os.environ, **tw.child_env({"HPCRING_JOB_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}),
+           "HPCRING_SESSION": "{}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["SHADOWED SITECUSTOMIZE RAN", "True True"]
+    env.pop("HPCRING_SESSION")                     # not inside hpcring run: nothing is wrapped
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.splitlines() == ["SHADOWED SITECUSTOMIZE RAN", "False False"]
