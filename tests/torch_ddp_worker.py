@@ -2,7 +2,7 @@
 DDP tutorial: env:// rendezvous from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), that does not
 import hpcring, with one fault for hang-report tests.
 
-Usage: torch_ddp_worker.py SCENARIO [VICTIM] [--steps N] [--pg-timeout SECONDS]
+Usage: torch_ddp_worker.py SCENARIO [VICTIM] [--steps N] [--pg-timeout SECONDS] [--no-backend]
 Scenarios: none; sleep (VICTIM sits in load_batch forever at step 3); kill (VICTIM SIGKILLs itself
 at step 3); stop (VICTIM SIGSTOPs itself at step 3).
 Prints `TORCH_WORKER rank=R step=S` lines and `... fault=SCENARIO t=T` (flushed).
@@ -38,8 +38,11 @@ def main():
     p.add_argument("victim", type=int, nargs="?", default=-1)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--pg-timeout", type=float, default=None, help="seconds; default: torch's")
+    p.add_argument("--no-backend", action="store_true", help="let torch pick the backend (gloo on CPU)")
     a = p.parse_args()
-    if a.pg_timeout:
+    if a.no_backend:
+        dist.init_process_group()
+    elif a.pg_timeout:
         dist.init_process_group("gloo", timeout=timedelta(seconds=a.pg_timeout))
     else:
         dist.init_process_group("gloo")

@@ -69,16 +69,17 @@ def test_ddp_rank_killed_mid_training_is_named_dead(tmp_path):
     assert took is not None and took < DEADLINE + 30, (took, out)
 
 
-def test_collective_past_the_deadline_is_reported_when_the_script_set_a_longer_torch_timeout(tmp_path):
-    # torch would wait 120 s: hpcring's monitor sees the unretired all_reduce in torch's Flight
-    # Recorder after the deadline and starts the report; the script's timeout= is kept
-    p, took = run_job(tmp_path, "sleep", "0", "--pg-timeout", "120")
+def test_the_monitor_reports_a_collective_past_the_deadline_before_torch_times_out(tmp_path):
+    # no backend named: torch may pick NCCL, so its timeout is deadline + grace + 30 s (torch's NCCL
+    # watchdog would abort the process at its timeout); hpcring's monitor sees the all_reduce
+    # unretired in torch's Flight Recorder at the deadline and starts the report first
+    p, took = run_job(tmp_path, "sleep", "0", "--no-backend")
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
     assert "Timed out waiting" not in out
     rep = report(tmp_path)
     assert rep["categories"]["missing"] == [0], rep
     assert "still in flight after" in rep["trigger"]["error"] and "(deadline 4 s)" in rep["trigger"]["error"]
-    assert rep["op"]["timeout"] == 120
+    assert rep["op"]["timeout"] == DEADLINE + GRACE + 30
     assert f"now in load_batch at {SLEEP_AT}" in rep["details"]["0"]
     assert took is not None and took < DEADLINE + 30, (took, out)

@@ -16,7 +16,7 @@ job (``hpcring submit``: in the rank process; ``hpcring run``: in CMD's Python, 
    entries become hpcring flight records (the same dicts), so the hang report's rules
    (:func:`hpcring.diagnostics.report.diagnose`) name the rank that never joined.
 3. **Triggers.** A monitor thread polls the recorder: a collective of the default group still in
-   flight after the deadline triggers hpcring's watchdog (:meth:`Watchdog.trigger`). So does a
+   flight after the deadline (hpcring's, or the script's ``timeout=``) triggers hpcring's watchdog (:meth:`Watchdog.trigger`). So does a
    torch distributed error escaping the script (gloo's timeout RuntimeError, "Connection closed by
    peer", ``DistError``). Every rank then dumps stacks and records, one reporter prints the report,
    every rank exits 1.
@@ -158,7 +158,8 @@ def _patch(dist) -> None:
 
     def init_process_group(*args, **kwargs):
         backend = kwargs.get("backend", args[0] if args else None)
-        ours = kwargs.get("timeout") is None and (len(args) < 3 or args[2] is None)
+        given = kwargs.get("timeout") if kwargs.get("timeout") is not None else (args[2] if len(args) >= 3 else None)
+        ours = given is None
         if ours:
             # torch bounds its rendezvous with the same timeout: ranks importing torch at
             # different speeds need the bootstrap's bound there, the deadline only afterwards
@@ -168,7 +169,8 @@ def _patch(dist) -> None:
         try:
             if ours:
                 dist.distributed_c10d._set_pg_timeout(deadline)
-            _start(dist)
+            # the monitor's deadline: hpcring's, or the one the script chose for its group
+            _start(dist, None if ours else given.total_seconds())
             _hook_excepthook()
         except Exception as e:  # noqa: BLE001 - diagnostics must never stop training
             print(f"hpcring: torch hang watch not started: {e}", file=sys.stderr)
@@ -183,7 +185,7 @@ def _patch(dist) -> None:
         c10d.init_process_group = init_process_group
 
 
-def _start(dist) -> None:
+def _start(dist, deadline: float | None) -> None:
     if _STATE["watch"] is not None:
         return
     import hpcring
@@ -195,7 +197,7 @@ def _start(dist) -> None:
     backend = str(dist.get_backend(pg))
     if "nccl" in backend:
         jobdir.diag_dir()               # NCCL's own dump on timeout goes there (fr_env)
-    watch = TorchWatch(wd, pg.group_name, backend)
+    watch = TorchWatch(wd, pg.group_name, backend, deadline)
     _STATE["watch"] = watch
     wd.register(watch)
     wd.diagnose = diagnose_torch
