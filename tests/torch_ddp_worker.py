@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def load_batch(step, rank, scenario, victim):
     if step == 3 and rank == victim:
-        print(f"TORCH_WORKER rank={rank} fault={scenario} t={time.time():.3f}", flush=True)
+        print(f"TORCH_WORKER rank={rank} fault={scenario} t={time.time():.3f} pid={os.getpid()}", flush=True)
         if scenario == "sleep":
             while True:
                 time.sleep(3600)         # a rank stuck in its data loader

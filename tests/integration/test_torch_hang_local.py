@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -83,3 +84,30 @@ def test_the_monitor_reports_a_collective_past_the_deadline_before_torch_times_o
     assert rep["op"]["timeout"] == DEADLINE + GRACE + 30
     assert f"now in load_batch at {SLEEP_AT}" in rep["details"]["0"]
     assert took is not None and took < DEADLINE + 30, (took, out)
+
+
+def test_ddp_rank_stopped_mid_training_is_named_unreachable(tmp_path):
+    # SIGSTOP: no snapshot and no reset, peers only time out. The stopped process would outlive
+    # the job (ending it is the scheduler's part), so the test kills it once the report is there.
+    env = {**os.environ, "HPCRING_TIMEOUT": str(DEADLINE), "HPCRING_DIAG_GRACE": str(GRACE),
+           "HPCRING_JOB_DIR": str(tmp_path)}
+    log = open(tmp_path / "out.txt", "w+")
+    p = subprocess.Popen([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", "3", "--",
+                          sys.executable, WORKER, "stop", "1"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                         cwd=tmp_path)
+    victim = None
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not (tmp_path / "diag" / "hang-report.json").exists():
+            time.sleep(0.2)
+        m = re.search(r"fault=stop t=[\d.]+ pid=(\d+)", (tmp_path / "out.txt").read_text())
+        victim = int(m.group(1)) if m else None
+        rep = report(tmp_path)
+        assert rep["categories"]["unreachable"] == [1], rep
+        assert "rank 1 (local0) unreachable" in rep["headline"] and "process stopped" in rep["details"]["1"]
+        assert rep["categories"]["joined"] == [0, 2], rep
+    finally:
+        if victim:
+            os.kill(victim, signal.SIGKILL)
+        p.wait(timeout=60)
+    assert p.returncode != 0
