@@ -188,8 +188,16 @@ def _patch(dist) -> None:
 def _start(dist, deadline: float | None) -> None:
     if _STATE["watch"] is not None:
         return
+    import signal
+
     import hpcring
+    # hpcring.init() here is the first one in CMD's process (hpcring run): the framework that
+    # calls init_process_group may already own SIGUSR1 (Lightning's SLURM requeue) -- keep it
+    mine = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGUSR1) if mine else None
     session = hpcring.init()
+    if callable(before) and signal.getsignal(signal.SIGUSR1) is not before:
+        signal.signal(signal.SIGUSR1, before)
     wd = session.watchdog
     if wd is None:                      # HPCRING_WATCHDOG=0
         return
