@@ -337,8 +337,9 @@ class TorchWatch:
                 return
 
     def fire(self, error: str, op: dict | None = None) -> None:
-        if self._fired.is_set():
-            return
+        """Trigger the watchdog and wait for its report (the store keeps the first trigger of the
+        job). Every caller waits: a main thread that returned here while the monitor's report
+        is being made would end the process (uncaught exception) with no report."""
         self._fired.set()
         if op is None:
             entries = self.entries()
