@@ -18,6 +18,7 @@ def test_entry_becomes_a_flight_record():
     assert (rec["seq"], rec["op"], rec["backend"], rec["dtype"], rec["count"], rec["state"], rec["timeout"]) == \
         (9, "all_reduce", "gloo", "float32", 23, "started", 4.0)
     assert tw.to_record(entry(3))["state"] == "done"
+    assert (tw.to_record(entry(3), 2.5)["timeout"], tw.to_record(entry(3), 2.5)["torch_timeout"]) == (2.5, 4.0)
 
 
 def snap(rank, seqs, where, error=None, open_=None):

@@ -249,8 +249,9 @@ def fr_dump() -> dict:
         return {}
 
 
-def to_record(entry: dict) -> dict:
-    """One Flight Recorder entry -> an hpcring flight record dict (Record.to_dict's keys)."""
+def to_record(entry: dict, deadline: float | None = None) -> dict:
+    """One Flight Recorder entry -> an hpcring flight record dict (Record.to_dict's keys, plus
+    ``torch_timeout``); ``timeout`` is ``deadline`` (the monitor's) when given, else torch's."""
     name = str(entry.get("profiling_name") or "?")
     backend, _, op = name.rpartition(":")
     sizes = entry.get("input_sizes") or []
@@ -259,9 +260,9 @@ def to_record(entry: dict) -> dict:
     done = (entry.get("time_discovered_completed_ns") or 0) / 1e9 or None
     return {"seq": entry.get("collective_seq_id"), "op": op, "dtype": _DTYPES.get(dtypes[0], dtypes[0]) if dtypes else None,
             "count": sum(math.prod(s) for s in sizes), "root": None, "backend": backend or "torch",
-            "timeout": (entry.get("timeout_ms") or 0) / 1000, "site": "?",
+            "timeout": deadline or (entry.get("timeout_ms") or 0) / 1000, "site": "?",
             "state": "done" if entry.get("retired") else "started", "t_queued": created, "t_started": created,
-            "t_ended": done, "error": None}
+            "t_ended": done, "error": None, "torch_timeout": (entry.get("timeout_ms") or 0) / 1000}
 
 
 class _Rec(dict):
@@ -289,7 +290,7 @@ class TorchWatch:
                 if (e.get("process_group") or ("",))[0] == self.group and not e.get("is_p2p")]
 
     def records(self, n: int = 16) -> list[_Rec]:
-        recs = [_Rec(to_record(e)) for e in self.entries()[-n:]]
+        recs = [_Rec(to_record(e, self.deadline)) for e in self.entries()[-n:]]
         where = self.where()
         if recs and " torch " in f" {where}":     # the rank waits in (or failed in) a torch call
             open_ = [r for r in recs if r["state"] != "done"] or recs[-1:]
@@ -304,7 +305,7 @@ class TorchWatch:
         raw = fr_dump()
         data = {"rank": self.watchdog.rank, "source": f"torch Flight Recorder ({self.name}, default group)",
                 **(extra or {}), "error": self.error,
-                "records": [to_record(e) for e in self.entries(raw)],
+                "records": [to_record(e, self.deadline) for e in self.entries(raw)],
                 "torch": {k: v for k, v in raw.items() if k != "entries"}}
         with open(path, "w") as f:
             json.dump(data, f, indent=1, default=str)
@@ -331,7 +332,7 @@ class TorchWatch:
             late = [e for e in self.entries() if not e.get("retired")
                     and now - (e.get("time_created_ns") or now * 1e9) / 1e9 > self.deadline]
             if late:
-                rec = to_record(late[0])
+                rec = to_record(late[0], self.deadline)
                 self.fire(f"torch {rec['backend']} {rec['op']}#{rec['seq']} (default group) still in flight "
                           f"after {now - rec['t_queued']:.1f} s (deadline {self.deadline:g} s)", rec)
                 return
@@ -344,7 +345,7 @@ class TorchWatch:
         if op is None:
             entries = self.entries()
             live = [e for e in entries if not e.get("retired")] or entries[-1:]
-            op = to_record(live[0]) if live else None
+            op = to_record(live[0], self.deadline) if live else None
         self.watchdog.trigger(error, op)
 
 
