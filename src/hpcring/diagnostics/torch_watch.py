@@ -164,7 +164,7 @@ def _patch(dist) -> None:
             # torch bounds its rendezvous with the same timeout: ranks importing torch at
             # different speeds need the bootstrap's bound there, the deadline only afterwards
             deadline = pg_timeout(backend)
-            kwargs["timeout"] = max(deadline, timedelta(seconds=float(os.environ.get("HPCRING_INIT_TIMEOUT") or 60)))
+            kwargs["timeout"] = max(deadline, timedelta(seconds=_init_timeout()))
         result = original(*args, **kwargs)
         try:
             if ours:
@@ -183,6 +183,14 @@ def _patch(dist) -> None:
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is not None and c10d.init_process_group is original:
         c10d.init_process_group = init_process_group
+
+
+def _init_timeout() -> float:
+    """HPCRING_INIT_TIMEOUT as hpcring's bootstrap reads it (default 60 s; never raises here)."""
+    try:
+        return max(1.0, float(os.environ.get("HPCRING_INIT_TIMEOUT") or 60))
+    except ValueError:
+        return 60.0
 
 
 def _start(dist, deadline: float | None) -> None:

@@ -11,6 +11,8 @@ try:
     if os.environ.get("HPCRING_SESSION"):
         from hpcring.diagnostics import torch_watch
         torch_watch.install()
+except ImportError:  # CMD's Python is not the one hpcring is installed in: nothing to watch with
+    pass
 except Exception as _e:  # noqa: BLE001 - never stop the user's program
     print(f"hpcring: torch hang watch not installed: {_e}", file=sys.stderr)
 
