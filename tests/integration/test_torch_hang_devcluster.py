@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.devcluster,
 def test_ddp_on_gloo_hang_on_the_cluster_is_reported():
     folder = Path("/srv/hpcring/pytest-torch-hang") / uuid.uuid4().hex[:8]
     folder.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_TIMEOUT="8", HPCRING_DIAG_GRACE="4",
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_TIMEOUT="5", HPCRING_DIAG_GRACE="3",
                HPCRING_JOB_DIR=str(folder), HPCRING_STATE_DIR=str(folder / "state"))
     cmd = [sys.executable, "-m", "hpcring", "submit", str(WORKER), "--site", "devcluster", "--nodes", "3",
            "--tasks-per-node", "1", "--time", "5", "--wait", "--", "sleep", "2"]
