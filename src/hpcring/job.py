@@ -42,6 +42,8 @@ def run_as_main(script: str, args: list[str]) -> tuple[int, str | None]:
         return 1, None
     except BaseException as exc:  # the traceback goes to this rank's stderr log
         traceback.print_exc()
+        from hpcring.diagnostics.torch_watch import on_error
+        on_error(exc)                  # a torch collective failed: the job-wide report first
         return 1, f"{type(exc).__name__}: {exc}"
     finally:
         sys.stdout.flush()
@@ -80,6 +82,8 @@ class RunScript:
         from hpcring.diagnostics.watchdog import add_exit_hook
         add_exit_hook(lambda headline: _write_status(folder, topo.rank, {**status, "exit_code": 1, "error": headline,
                                                                          "ended": time.time()}))
+        from hpcring.diagnostics.torch_watch import install as watch_torch
+        watch_torch()                  # a torch process group in the script gets the hang report too
         os.chdir(self.cwd)
         register_torch_backend_on_import()
         code, error = run_as_main(self.script, self.args)

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_framework_env(topo, gpus)
     from hpcring.session import handoff_env
     os.environ.update(handoff_env(session))
+    from hpcring.diagnostics.torch_watch import child_env
+    os.environ.update(child_env())     # a torch process group in CMD gets hpcring's hang report
     try:
         child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     except OSError as exc:   # no such command, not executable: say so once, like a shell would
