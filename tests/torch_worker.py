@@ -179,7 +179,13 @@ def mode_ops():
     chained = fut.then(lambda f: f.value()[0] * 2).wait()
     same(chained, sum(inputs(torch.float32, rank=r) for r in range(SIZE)) * 2, "future.then")
     dist.barrier(group=HP)
-    checks += 4
+    objs = [None] * SIZE                                     # pickled objects: uint8 + int64 tensors
+    dist.all_gather_object(objs, {"rank": RANK, "name": f"r{RANK}"}, group=HP)
+    assert objs == [{"rank": r, "name": f"r{r}"} for r in range(SIZE)], objs
+    box = [("from", RANK)]
+    dist.broadcast_object_list(box, src=SIZE - 1, group=HP)
+    assert box == [("from", SIZE - 1)], box
+    checks += 6
     print(f"ops OK {checks} checks on {SIZE} ranks", flush=True)
 
 
