@@ -234,9 +234,12 @@ def mode_ddp():
         d.register_comm_hook(None, allreduce_hook)
         return d
     hook = train(hooked)
+    # bucket views as gradients + the unused-parameter map (an extra int allreduce per step)
+    views = train(lambda m: DDP(m, process_group=HP, gradient_as_bucket_view=True, find_unused_parameters=True))
     diff = max((a - b).abs().max().item() for a, b in zip(ours, ref))
     diff_hook = max((a - b).abs().max().item() for a, b in zip(hook, ref))
-    assert diff < 1e-5 and diff_hook < 1e-5, (diff, diff_hook)
+    diff_views = max((a - b).abs().max().item() for a, b in zip(views, ref))
+    assert diff < 1e-5 and diff_hook < 1e-5 and diff_views < 1e-5, (diff, diff_hook, diff_views)
     print(f"ddp OK on {SIZE} ranks: max |hpcring - gloo| = {diff:.3g}, comm hook {diff_hook:.3g}; "
           f"hpcring collectives on {HP._comm_for('cpu').backend.name}; "
           f"registered before the script: {PRE_REGISTERED}", flush=True)
