@@ -42,7 +42,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from hpcring.diagnostics import jobdir
-from hpcring.diagnostics.report import Report, _headline, _who, diagnose
+from hpcring.diagnostics.report import Report, _headline, diagnose
+from hpcring.ranks import who as _who
 
 ENABLE_ENV = "HPCRING_TORCH_WATCH"
 SITE_DIR = str(Path(__file__).with_name("torch_site"))
