@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 
 bash scripts/install-system-deps.sh
-EXTRAS=test,mpi bash scripts/install.sh
+EXTRAS=test,mpi,cuda12 bash scripts/install.sh
 # CPU torch for the torch.distributed (gloo, env://) tests; this machine kind ships its wheel.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 

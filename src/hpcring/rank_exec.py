@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             child.send_signal(signum)
 
     from hpcring.diagnostics.stacks import STACK_SIGNAL
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, STACK_SIGNAL):
+    from hpcring.diagnostics.watchdog import DUMP_SIGNAL
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, STACK_SIGNAL, DUMP_SIGNAL):
         signal.signal(sig, forward)
     pumps = [threading.Thread(target=_pump, args=(child.stdout, sys.stdout.buffer, f"[{topo.rank}]<stdout>:".encode()),
                               daemon=True),

@@ -59,15 +59,17 @@ class Session:
         self._secret = secret
         self._comms: dict[str, object] = {}
         self.watchdog = None
+        self.default_backend: str | None = None   # init(backend=...): what "auto" means here
 
     def start_watchdog(self):
         """Start the hang watchdog (:mod:`hpcring.diagnostics.watchdog`) and the signal dumps
-        (SIGUSR1 from the main thread: flight records; SIGRTMIN+6: stacks) unless HPCRING_WATCHDOG=0."""
+        (SIGRTMIN+7 from the main thread: flight records; SIGRTMIN+6: stacks) unless HPCRING_WATCHDOG=0.
+        SIGUSR1 and SIGUSR2 stay free for Lightning's requeue handler and submitit/Slurm."""
         if self.watchdog is None and envvars.get("HPCRING_WATCHDOG"):
             from hpcring.diagnostics.stacks import install_signal_dump
             from hpcring.diagnostics.watchdog import Watchdog, install_dump_signal
             self.watchdog = Watchdog(self.topology, (self.store.host, self.store.port), self._secret).start()
-            install_dump_signal(self.watchdog)           # SIGUSR1: flight records + stacks, keep running
+            install_dump_signal(self.watchdog)           # SIGRTMIN+7: flight records + stacks, keep running
             install_signal_dump(None, self.topology.rank)  # SIGRTMIN+6: stacks (hpcring stacks JOB)
         return self.watchdog
 
@@ -86,7 +88,7 @@ class Session:
         if backend not in BACKENDS:
             raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if backend == "auto":
-            backend = auto_backend(self.topology)
+            backend = self.default_backend or auto_backend(self.topology)
         if backend not in self._comms:
             from hpcring.collectives.api import Communicator
             options = {"abort_on_timeout": False} if backend == "mpi" and self.watchdog else {}
@@ -94,6 +96,16 @@ class Session:
                                                        timeout=timeout, backend=backend,
                                                        watchdog=self.watchdog, **options)
         return self._comms[backend]
+
+    def use(self, backend: str, *, timeout: float | None = None):
+        """Create ``backend``'s communicator (collectively) and make it the default: what
+        ``"auto"`` and the session's own collectives (``session.allreduce``) mean from now on."""
+        if backend not in BACKENDS:
+            raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        comm = self.communicator(backend, timeout=timeout)
+        if backend != "auto":
+            self.default_backend = backend
+        return comm
 
     def __repr__(self) -> str:
         t = self.topology
@@ -105,8 +117,9 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
          verify: str | None = None, watchdog: bool = True) -> Session:
     """Bootstrap this rank (once per process) and return the session.
 
-    ``backend`` ("auto", "ring", "mpi", "nccl") also creates that communicator now; without it the
-    communicator is created on the first collective. ``timeout`` bounds the bootstrap (default
+    ``backend`` ("auto", "ring", "mpi", "nccl") also creates that communicator now and becomes the
+    session's default (``session.allreduce(...)`` runs on it); without it the communicator is
+    created on the first collective. ``timeout`` bounds the bootstrap (default
     HPCRING_INIT_TIMEOUT or 60 s); ``interface`` overrides the site's interface spec (NCCL syntax).
     ``watchdog=False`` skips the hang watchdog (for a parent that only hands the session on).
     """
@@ -129,7 +142,7 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
                 _SESSION.start_watchdog()
         session = _SESSION
     if backend is not None:
-        session.communicator(backend, timeout=timeout)
+        session.use(backend, timeout=timeout)
     return session
 
 

@@ -19,8 +19,8 @@ from submitit.core.utils import FailedJobError
 from hpcring import schedulers
 from hpcring.bootstrap import auth
 from hpcring.config.jobspec import JobSpec
-from hpcring.config.site import Site, load_site
-from hpcring.diagnostics.report import rank_ranges
+from hpcring.config.site import Site
+from hpcring.ranks import rank_ranges
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.job import RunScript
 from hpcring.render import render_script
@@ -246,7 +246,3 @@ def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callab
                 on_line(*item)
             return outcome(rec, st)
         time.sleep(poll_s)
-
-
-def site_of(rec: JobRecord) -> Site:
-    return load_site(rec.site)

@@ -28,11 +28,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from hpcring.bootstrap import auth
 from hpcring.errors import BootstrapError
 from hpcring.netio import recv_exact  # noqa: F401  (callers of the probes read through it)
+from hpcring.ranks import runs
 
 log = logging.getLogger("hpcring.bootstrap.netif")
 
@@ -510,13 +511,8 @@ def _failure_report(failures: list[int], cands: list[dict], tested: dict) -> dic
 
 def _summarise(table: list[list]) -> str:
     """``0-3->host lo 127.0.0.1, 4->...``: runs of ranks with the same host/interface/address."""
-    parts, start = [], 0
-    for i in range(1, len(table) + 1):
-        if i == len(table) or table[i][1:] != table[start][1:]:
-            span = str(start) if i - 1 == start else f"{start}-{i - 1}"
-            parts.append(f"{span}->{' '.join(map(str, table[start][1:]))}")
-            start = i
-    return ", ".join(parts)
+    return ", ".join(f"{a if a == b else f'{a}-{b}'}->{' '.join(map(str, v))}"
+                     for a, b, v in runs([tuple(row[1:]) for row in table]))
 
 
 def _left(deadline: float) -> float:
@@ -529,7 +525,3 @@ def _dumps(obj) -> bytes:
 
 def _loads(data: bytes):
     return json.loads(data.decode())
-
-
-def interface_to_dict(iface: Interface) -> dict:
-    return asdict(iface)

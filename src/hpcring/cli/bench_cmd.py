@@ -7,10 +7,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    try:
-        from hpcring.cli.main import command
-    except ImportError:  # pragma: no cover - a partial build
-        command = lambda target, *a, **kw: target.command(*a, **kw)  # noqa: E731
+    from hpcring.cli.common import command
     from hpcring.config.envvars import MAX_NODES, MAX_RANKS, MAX_TIMEOUT
 
     @command(app, "bench",
@@ -31,6 +28,10 @@ def register(app: typer.Typer) -> None:
               iters: int = typer.Option(20, "--iters", min=1, max=10**7, help="Timed calls per size."),
               warmup: int = typer.Option(5, "--warmup", "-w", min=0, max=10**7, help="Untimed calls per size before timing."),
               seed: int = typer.Option(0, "--seed", help="Seed of the per-rank data patterns."),
+              memory: str = typer.Option("auto", "--memory",
+                                         help="device, host or auto: buffers in GPU memory (auto on the nccl "
+                                              "backend, like nccl-tests) or host numpy arrays (staged through "
+                                              "the GPU by nccl; labelled in the table)."),
               timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, max=MAX_TIMEOUT, help="Deadline per collective (s)."),
               json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here (rank 0)."),
               plot: Optional[str] = typer.Option(None, "--plot", help="Write busbw vs size as PNG (needs matplotlib)."),
@@ -43,5 +44,6 @@ def register(app: typer.Typer) -> None:
         from hpcring.bench import BenchOptions, bench_main, parse_size
         opts = BenchOptions(collective=collective, backend=backend, minbytes=parse_size(minbytes),
                             maxbytes=parse_size(maxbytes), factor=factor, dtype=dtype, op=op, root=root,
-                            iters=iters, warmup=warmup, seed=seed, timeout=timeout, json=json_path, plot=plot)
+                            iters=iters, warmup=warmup, seed=seed, timeout=timeout, json=json_path, plot=plot,
+                            memory=memory)
         sys.exit(bench_main(opts, ranks, nodes))

@@ -7,7 +7,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    from hpcring.cli.main import SiteOpt, command
+    from hpcring.cli.common import SiteOpt, command
     from hpcring.config.envvars import MAX_NODES, MAX_TASKS_PER_NODE
 
     @command(app, "run", context_settings={"allow_interspersed_args": False},

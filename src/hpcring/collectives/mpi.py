@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, PolledBackend, chunk_counts
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, LibraryBackend, chunk_counts
 from hpcring.errors import CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.mpi")
@@ -143,7 +143,7 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.size > 0 and b.size > 0 and np.shares_memory(a, b))
 
 
-class MpiBackend(PolledBackend):
+class MpiBackend(LibraryBackend):
     """Collectives over a duplicate of MPI_COMM_WORLD (host memory, numpy buffers)."""
 
     name = "mpi"
