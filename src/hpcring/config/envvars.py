@@ -284,12 +284,12 @@ def check_number(what: str, value: Any, *, lo: float | None = None, hi: float | 
     except (TypeError, ValueError, OverflowError) as exc:
         why = str(exc) if isinstance(exc, ValueError) and str(exc) in (
             "not a number", "not a whole number", "not finite", "out of range") else "not a number"
-        raise UsageError(f"{what}={value!r}: {why}; expected {var.allowed()}",
+        raise UsageError(f"{what} must be {var.allowed()}, got {value!r} ({why})",
                          hint=hint or f"pass {what} within those bounds") from None
     return number
 
 
-def collective_timeout(timeout: Any = None, what: str = "Communicator(timeout=)") -> float:
+def collective_timeout(timeout: Any = None, what: str = "Communicator timeout") -> float:
     """A collective deadline: ``timeout`` checked (finite, > 0, at most a week), or HPCRING_TIMEOUT."""
     if timeout is None:
         return get("HPCRING_TIMEOUT")
