@@ -151,12 +151,14 @@ def timeline() -> None:
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1]
     hvd.init()
-    if mode == "train":
-        train(sys.argv[2], int(sys.argv[3]))
-    else:
-        {"optstate": optimizer_state, "collectives": collectives, "mismatch": mismatch, "missing": missing,
-         "timeline": timeline}[mode]()
-    print(f"OK {mode} rank {hvd.rank()}", flush=True)
+    checks = {"optstate": optimizer_state, "collectives": collectives, "mismatch": mismatch, "missing": missing,
+              "timeline": timeline}
+    for mode in sys.argv[1:]:          # several checks per job: ranks import torch once
+        if mode.startswith("train:"):  # train:<compression>:<backward passes>
+            _, comp, passes = mode.split(":")
+            train(comp, int(passes))
+        else:
+            checks[mode]()
+        print(f"OK {mode} rank {hvd.rank()}", flush=True)
     hvd.shutdown()

@@ -74,9 +74,13 @@ def submit(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the job script; submit nothing."),
     wait: bool = typer.Option(False, "--wait", "-w", help="Follow the job: states, rank-tagged output; exit with its exit code."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show where each setting came from."),
+    timeline: bool = typer.Option(False, "--timeline", help="Record an hpcring.torch timeline on every rank "
+                                  "(HPCRING_TIMELINE); merge it with `hpcring timeline JOB`."),
 ):
     s, job = _resolve(script, args, site, nodes, tasks_per_node, gpus_per_node, cpus_per_task, time,
                       partition, account, qos, constraint, name, sched_arg, exclusive)
+    if timeline:
+        job.env["HPCRING_TIMELINE"] = "job"
     if verbose:
         output.sources(s, job)
     if dry_run:
@@ -187,7 +191,8 @@ def _add_optional_subapps() -> None:
         except ImportError:
             continue
         app.add_typer(sub, name=name)
-    for mod in ("hpcring.cli.run_cmd", "hpcring.cli.bench_cmd", "hpcring.cli.stacks_cmd", "hpcring.cli.doctor_cmd"):
+    for mod in ("hpcring.cli.run_cmd", "hpcring.cli.bench_cmd", "hpcring.cli.stacks_cmd", "hpcring.cli.doctor_cmd",
+                "hpcring.cli.timeline_cmd"):
         try:
             __import__(mod, fromlist=["register"]).register(app)
         except ImportError:

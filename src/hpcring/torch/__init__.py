@@ -39,8 +39,11 @@ def init(comm=None, process_sets=None) -> None:
     c = session.communicator()
     timeline = None
     path = os.environ.get("HPCRING_TIMELINE", "").strip()
+    if path == "job":              # hpcring submit --timeline: <job folder>/timeline.json
+        from hpcring.diagnostics.jobdir import job_folder
+        path = str(job_folder() / "timeline.json")
     if path:
-        from hpcring.torch.timeline import Timeline, measure_offset
+        from hpcring.diagnostics.timeline import Timeline, measure_offset
         timeline = Timeline(path, c.rank, c.size, measure_offset(c))
     eng = Engine(c, timeline=timeline)
     if os.environ.get("HPCRING_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on"):

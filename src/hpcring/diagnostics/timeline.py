@@ -116,9 +116,11 @@ def merge(files: list[Path]) -> dict:
         meta.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0,
                      "args": {"name": f"rank {r} ({head.get('host', '?')})"}})
         meta.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
+        lanes: dict[str, int] = {}          # queued phases overlap: one lane per tensor name
         for ev in rows:
             ev["ts"] = ev["ts"] - off
-            ev["pid"], ev["tid"] = r, {"queued": 1}.get(ev.get("cat"), 0)
+            ev["pid"] = r
+            ev["tid"] = lanes.setdefault(ev["name"], len(lanes) + 1) if ev.get("cat") == "queued" else 0
             events.append(ev)
     if events:
         t0 = min(ev["ts"] for ev in events)
