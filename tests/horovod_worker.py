@@ -119,6 +119,26 @@ def collectives() -> None:
     assert 0 <= last < n
 
 
+def syncbn() -> None:
+    """SyncBatchNorm on per-rank shards == BatchNorm on the global batch: outputs, input
+    gradients, summed weight gradients and running statistics."""
+    r, n, per = hvd.rank(), hvd.size(), 3
+    x = torch.randn(per * n, 4, 5, generator=torch.Generator().manual_seed(7)) * 2 + 1
+    w = torch.randn(per * n, 4, 5, generator=torch.Generator().manual_seed(8))
+    ref, sbn = torch.nn.BatchNorm1d(4), hvd.SyncBatchNorm(4)
+    xr = x.clone().requires_grad_()
+    ro = ref(xr)
+    (ro * w).sum().backward()
+    xs = x[r * per:(r + 1) * per].clone().requires_grad_()
+    out = sbn(xs)
+    (out * w[r * per:(r + 1) * per]).sum().backward()
+    assert torch.allclose(out, ro[r * per:(r + 1) * per].detach(), atol=1e-5), "forward"
+    assert torch.allclose(xs.grad, xr.grad[r * per:(r + 1) * per], atol=1e-5), "input gradient"
+    gw = hvd.allreduce(sbn.weight.grad, op=hvd.Sum)
+    assert torch.allclose(gw, ref.weight.grad, atol=1e-4), (gw, ref.weight.grad)
+    assert torch.allclose(sbn.running_var, ref.running_var, atol=1e-4), "running_var"
+
+
 def mismatch() -> None:
     try:
         hvd.allreduce(torch.ones(3), name=f"grad.layer{hvd.rank()}")
@@ -152,7 +172,7 @@ def timeline() -> None:
 
 if __name__ == "__main__":
     hvd.init()
-    checks = {"optstate": optimizer_state, "collectives": collectives, "mismatch": mismatch, "missing": missing,
+    checks = {"syncbn": syncbn, "optstate": optimizer_state, "collectives": collectives, "mismatch": mismatch, "missing": missing,
               "timeline": timeline}
     for mode in sys.argv[1:]:          # several checks per job: ranks import torch once
         if mode.startswith("train:"):  # train:<compression>:<backward passes>

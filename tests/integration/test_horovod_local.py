@@ -33,7 +33,7 @@ def job3(tmp_path_factory):
     """One 3-rank job runs every positive check (ranks import torch once), recording a timeline."""
     tmp = tmp_path_factory.mktemp("hvd3")
     base = tmp / "tl" / "timeline.json"
-    p = run_job(tmp, "train:none:1", "train:fp16:1", "train:none:2", "optstate", "collectives", "timeline",
+    p = run_job(tmp, "train:none:1", "train:fp16:1", "train:none:2", "optstate", "collectives", "syncbn", "timeline",
                 ranks=3, env={"HPCRING_TIMELINE": str(base)})
     return p, base
 
@@ -45,6 +45,10 @@ def test_distributed_optimizer_matches_single_process_global_batch(job3, mode):
 
 def test_broadcast_optimizer_state_restores_adam_and_sgd_momentum(job3):
     ok(job3[0], "optstate", 3)
+
+
+def test_sync_batch_norm_matches_batch_norm_on_the_global_batch(job3):
+    ok(job3[0], "syncbn", 3)
 
 
 def test_collectives_allgather_uneven_alltoall_reducescatter_join(job3):
