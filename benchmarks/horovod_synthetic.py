@@ -84,7 +84,7 @@ def worker(variant: str, batch: int, warmup: int, batches: int, iters: int) -> N
     tuner = eng.autotuner if eng is not None else None
     if tuner is not None:          # a fixed number of tuning steps, the same on every rank
         from hpcring.torch.autotune import CYCLES_MS, THRESHOLDS
-        for _ in range(tuner.warmup + 4 + (len(CYCLES_MS) + len(THRESHOLDS) - 1) * (tuner.steps + 1)):
+        for _ in range(tuner.warmup + 4 + (len(CYCLES_MS) + len(THRESHOLDS) + 1) * (tuner.steps + 1)):
             step()
         if rank == 0 and not tuner.done:
             raise RuntimeError("autotuner did not finish in the planned number of steps")

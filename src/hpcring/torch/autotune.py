@@ -5,9 +5,9 @@ First the cycle time is swept at the default threshold, then the threshold at th
 time; the best measured pair is kept for the rest of the run. Why not Bayesian optimisation
 (Horovod's choice): there are two knobs with a handful of meaningful values each, and step times
 are noisy; a Gaussian process fitted on ~10 noisy samples mostly re-measures the same corners,
-while a sweep costs a fixed, predictable number of steps (here ``(5 + 4) * (steps + 1)`` after
-warm-up) and always measures the default, so the result is never worse than the default *as
-measured*. The two knobs interact weakly (the cycle time decides how many gradients are ready
+while a sweep costs a fixed, predictable number of steps (here ``(5 + 4 + 2) * (steps + 1)``
+after warm-up). A final confirmation measures the sweep's best and the default once more, back to
+back, and keeps the better of the two, so a single noisy sample cannot displace the default. The two knobs interact weakly (the cycle time decides how many gradients are ready
 together, the threshold caps how many are fused), which is what coordinate search assumes.
 
 Only rank 0 measures and decides; the engine sends rank 0's values in every negotiation header
@@ -28,8 +28,9 @@ THRESHOLDS = (DEFAULT_THRESHOLD, 32 << 20, 8 << 20, 2 << 20, 512 << 10)
 
 class Autotuner:
     def __init__(self, engine, log_path: str | None = None, *, warmup: int | None = None,
-                 steps_per_sample: int | None = None) -> None:
+                 steps_per_sample: int | None = None, clock=time.perf_counter) -> None:
         self.engine = engine
+        self._clock = clock
         self.warmup = int(os.environ.get("HPCRING_AUTOTUNE_WARMUP_STEPS", "3")) if warmup is None else warmup
         self.steps = int(os.environ.get("HPCRING_AUTOTUNE_STEPS_PER_SAMPLE", "5")) if steps_per_sample is None \
             else steps_per_sample
@@ -55,7 +56,7 @@ class Autotuner:
         """Called by DistributedOptimizer.step() on every rank; acts on rank 0 only."""
         if self.done or self.engine.rank != 0:
             return
-        now = time.perf_counter()
+        now = self._clock()
         last, self._last = self._last, now
         self._seen += 1
         if last is None or self._seen <= self.warmup:
@@ -74,10 +75,18 @@ class Autotuner:
         if not self._plan and phase == "cycle":
             best_cyc = min(self._results)[2]
             self._plan = [("threshold", t, best_cyc) for t in THRESHOLDS[1:]]
+        if not self._plan and phase == "threshold":
+            # confirm: the sweep's best and the default once more, back to back; keep the better
+            # of these two re-measurements (one noisy sample must not displace the default)
+            _, bthr, bcyc = min(self._results)
+            self._plan = [("confirm", bthr, bcyc), ("confirm", DEFAULT_THRESHOLD, DEFAULT_CYCLE_MS)]
+            self._confirm: list[tuple[float, int, float]] = []
+        if phase == "confirm":
+            self._confirm.append((med, thr, cyc))
         if self._plan:
             self._apply(*self._plan[0][1:])
             return
-        med, thr, cyc = min(self._results)
+        med, thr, cyc = min(self._confirm)
         self.best = (thr, cyc)
         self._apply(thr, cyc)
         self._log("chosen", thr, cyc, med)
