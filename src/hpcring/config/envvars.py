@@ -100,6 +100,21 @@ VARS: tuple[Var, ...] = (
        "pipelined chain above (unset: the measured 256 KiB)", 0, 1 << 62),
     _v("HPCRING_RING_SHM_PIECE", "int", None, "shared-memory piece per rank and buffer, bytes "
        "(unset: 1 MiB per local rank, 1-8 MiB)", 4096, 1 << 30),
+    # -- hpcring.torch (the Horovod API) and torch's own backends --
+    _v("HPCRING_FUSION_THRESHOLD", "int", 128 * 1024 * 1024, "hpcring.torch: Tensor Fusion buffer, bytes "
+       "(0: no fusion; Horovod's default)", 0, 1 << 40),
+    _v("HPCRING_CYCLE_TIME", "float", 1.0, "hpcring.torch: how long a fusion cycle collects ready "
+       "gradients, milliseconds (Horovod's default)", 0, 60_000),
+    _v("HPCRING_TIMELINE", "path", None, "hpcring.torch: write this rank's timeline here "
+       "(`hpcring timeline JOB` merges all ranks)"),
+    _v("HPCRING_AUTOTUNE", "bool", False, "hpcring.torch: tune the fusion threshold and cycle time "
+       "during the first steps"),
+    _v("HPCRING_AUTOTUNE_LOG", "path", None, "hpcring.torch: CSV of every autotuning sample"),
+    _v("HPCRING_AUTOTUNE_WARMUP_STEPS", "int", 3, "hpcring.torch: steps before autotuning measures", 0, 10_000),
+    _v("HPCRING_AUTOTUNE_STEPS_PER_SAMPLE", "int", 5, "hpcring.torch: steps timed per autotuning "
+       "sample", 1, 10_000),
+    _v("HPCRING_TORCH_WATCH", "bool", True, "hang reports for torch's own process groups "
+       "(gloo, NCCL) in hpcring jobs"),
     _v("HPCRING_CHECK_COLLECTIVES", "bool", False, "check before each collective that every rank "
        "calls the same op, dtype, count and root (costs a small allreduce)"),
     _v("HPCRING_MPI_ABORT_ON_TIMEOUT", "bool", True, "MPI backend: abort the job when a collective "

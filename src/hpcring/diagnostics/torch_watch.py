@@ -59,8 +59,8 @@ _STATE: dict = {"watch": None, "installed": False}
 
 
 def enabled(environ=None) -> bool:
-    env = os.environ if environ is None else environ
-    return env.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    from hpcring.config import envvars
+    return envvars.get(ENABLE_ENV, environ)
 
 
 def fr_env(environ=None) -> dict[str, str]:
