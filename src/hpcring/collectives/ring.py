@@ -312,6 +312,10 @@ class RingBackend(Backend):
         if rd_threshold is not None:
             comm.rd_threshold = int(rd_threshold)
         comm.threads = threads
+        if os.environ.get("HPCRING_RING_STRIPE_MIN"):    # bytes of a chunk per stream (tests, tuning)
+            comm.stripe_min = _env_int("HPCRING_RING_STRIPE_MIN", 1 << 20, 1, 1 << 40)
+        if os.environ.get("HPCRING_TWOLEVEL_MIN"):
+            comm.twolevel_min = _env_int("HPCRING_TWOLEVEL_MIN", 0, 0, 1 << 62)
         if os.environ.get("HPCRING_BCAST_TREE_MAX"):
             comm.bcast_tree_max = _env_int("HPCRING_BCAST_TREE_MAX", 0, 0, 1 << 62)
         if shm:
