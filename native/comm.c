@@ -297,6 +297,7 @@ int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int
     s->slot = slot;
     s->len = hr_shm_bytes(lsize, slot);
     s->base = base;
+    s->spin = lsize > sysconf(_SC_NPROCESSORS_ONLN) ? 0 : 200;
     hr_shm_cell(s, s->lrank)->pid = (int32_t)getpid();
     return HR_OK;
 }

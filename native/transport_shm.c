@@ -118,7 +118,7 @@ int hr_shm_wait(hr_op_t *op, const char *what) {
         while ((int32_t)((v = __atomic_load_n(&cl->phase, __ATOMIC_ACQUIRE)) - want) < 0) {
             struct timespec ts = {0, 5000000};
             if (__atomic_load_n(&c->failed, __ATOMIC_ACQUIRE)) return HR_ERR;
-            if (++spins < 200) {
+            if (++spins < s->spin) {
                 sched_yield();
                 continue;
             }
