@@ -24,8 +24,15 @@ def run_job(tmp_path, *worker_args, ranks=4, env=None, timeout=90):
     return p, time.monotonic() - t0
 
 
+def diag(tmp_path) -> Path:
+    """The run's own diag folder: <HPCRING_JOB_DIR>/<job id>/diag (one folder per job)."""
+    found = list(tmp_path.glob("*/diag"))
+    assert len(found) == 1, found
+    return found[0]
+
+
 def report(tmp_path) -> dict:
-    return json.loads((tmp_path / "diag" / "hang-report.json").read_text())
+    return json.loads((diag(tmp_path) / "hang-report.json").read_text())
 
 
 def test_skipped_collective_is_reported_and_every_rank_exits(tmp_path):
@@ -41,8 +48,8 @@ def test_skipped_collective_is_reported_and_every_rank_exits(tmp_path):
         assert f"hpcring: rank {r} (" in out and "exiting with code 1" in out
     assert "after" not in {line.split("phase=")[-1].split()[0] for line in out.splitlines() if "phase=" in line}
     for r in range(4):
-        assert (tmp_path / "diag" / f"stacks-rank{r}.txt").read_text().count("File ") >= 1
-        assert json.loads((tmp_path / "diag" / f"flight-rank{r}.json").read_text())["rank"] == r
+        assert (diag(tmp_path) / f"stacks-rank{r}.txt").read_text().count("File ") >= 1
+        assert json.loads((diag(tmp_path) / f"flight-rank{r}.json").read_text())["rank"] == r
     assert took < 4 + 3 + 30
 
 
@@ -72,11 +79,12 @@ def test_precheck_catches_a_count_mismatch_without_waiting_for_the_deadline(tmp_
     assert took < 60
 
 
-def test_sigusr1_dumps_flight_records_and_keeps_running(tmp_path):
+def test_dump_signal_dumps_flight_records_and_keeps_running_and_sigusr1_stays_free(tmp_path):
     script = tmp_path / "one.py"
     script.write_text(
-        "import time, numpy as np, hpcring\n"
+        "import signal, time, numpy as np, hpcring\n"
         "s = hpcring.init(); c = s.communicator('ring')\n"
+        "assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL   # Lightning installs its requeue here\n"
         "c.allreduce(np.ones(4, np.float32)); c.barrier()\n"
         "print('READY', flush=True)\n"
         "time.sleep(3)\n"
@@ -88,10 +96,10 @@ def test_sigusr1_dumps_flight_records_and_keeps_running(tmp_path):
     p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, cwd=tmp_path)
     assert p.stdout.readline().strip() == "READY"
-    p.send_signal(signal.SIGUSR1)
+    p.send_signal(signal.SIGRTMIN + 7)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert "SURVIVED" in out
-    data = json.loads((tmp_path / "diag" / "flight-rank0.json").read_text())
+    data = json.loads((tmp_path / "0" / "diag" / "flight-rank0.json").read_text())
     assert [r["op"] for r in data["records"]] == ["allreduce", "barrier"]
-    assert data["reason"] == "signal SIGUSR1"
+    assert data["reason"] == "signal SIGRTMIN+7"

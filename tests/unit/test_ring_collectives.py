@@ -258,6 +258,41 @@ def test_barrier_and_async_order(group):
         np.testing.assert_array_equal(sync, np.full(3, 4, np.float32))
 
 
+def test_done_callbacks_run_once_with_the_result(group):
+    g = group(3)
+
+    def work(c):
+        seen, order, done = [], [], threading.Event()
+        h = c.allreduce_async(np.full(64, c.rank + 1.0, np.float32))
+        h.add_done_callback(lambda hh: (seen.append(hh.result()[0]), order.append("first")))
+        h.add_done_callback(lambda hh: (order.append("second"), done.set()))
+        assert done.wait(30)
+        late = []
+        h.add_done_callback(lambda hh: late.append(hh.done()))   # already done: runs at once
+        return seen, order, late
+    for seen, order, late in g.run_ok(work):
+        assert seen == [6.0] and order == ["first", "second"] and late == [True]
+
+
+def test_done_callback_sees_the_error_and_a_raising_callback_is_contained():
+    g = H.ThreadGroup(2, timeout=30)       # its own group: the failure is sticky
+
+    def work(c):
+        if c.rank == 1:
+            return None
+        errs, done = [], threading.Event()
+        h = c.allreduce_async(np.ones(8, np.float32), timeout=0.5)    # rank 1 never joins
+        h.add_done_callback(lambda hh: 1 / 0)
+        h.add_done_callback(lambda hh: (errs.append(hh.exception()), done.set()))
+        assert done.wait(30)
+        return errs
+    try:
+        res, _ = g.run(work)
+    finally:
+        g.close()
+    assert "allreduce" in str(res[0][0]) and "0.5" in str(res[0][0])
+
+
 def test_allreduce_grouped(group):
     g = group(3)
 
@@ -358,7 +393,7 @@ def test_usage_errors(group):
         c.allreduce(x, out=x)
     with pytest.raises(UsageError, match="root 3 out of range"):
         c.broadcast(np.zeros(3), root=3)
-    with pytest.raises(UsageError, match="timeout must be > 0"):
+    with pytest.raises(UsageError, match="timeout must be a finite number > 0"):
         c.barrier(timeout=0)
     with pytest.raises(UsageError, match="expected a numpy array"):
         c.allreduce([1, 2, 3])
@@ -515,7 +550,7 @@ def test_shm_sigkilled_rank_is_named_and_leaves_no_segment():
 
 
 @pytest.mark.parametrize("var,value", [("HPCRING_RING_STREAMS", "many"), ("HPCRING_RING_STREAMS", "0"),
-                                       ("HPCRING_RING_THREADS", "17"), ("HPCRING_RING_SHM", "yes")])
+                                       ("HPCRING_RING_THREADS", "17"), ("HPCRING_RING_SHM", "maybe")])
 def test_ring_env_is_checked(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(UsageError, match=var):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from hpcring.config.fabric import fabric_env
 
 
 def info(msg: str) -> None:
@@ -14,7 +13,9 @@ def error(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr, flush=True)
 
 
-def line(text: str, stream: str = "stdout") -> None:
+def line(text: str) -> None:
+    """One rank-tagged output line. Always on stdout, stderr lines included (their tag says
+    `<stderr>`): one stream keeps the ranks' lines in the order they arrived."""
     print(text, file=sys.stdout, flush=True)
 
 
@@ -26,10 +27,11 @@ def sources(site, job) -> None:
         info(f"  {key:<15} {str(val):<24} <- {job.sources.get(key, '?')}")
 
 
-def status(rec, st, oc) -> None:
+def status(rec, st, oc, requeues: int = 0) -> None:
     print(f"job {rec.job_id}  {st.state}" + (f" ({st.raw})" if st.raw and st.raw != st.state else "")
           + (f"  exit {st.exit_code}" if st.exit_code is not None else ""))
-    print(f"  name {rec.name}  scheduler {rec.scheduler}  ranks {rec.ntasks}  nodes {st.nodes or '-'}")
+    print(f"  record {rec.key}  name {rec.name}  scheduler {rec.scheduler}  ranks {rec.ntasks}  "
+          f"nodes {st.nodes or '-'}  requeued {requeues}")
     print(f"  folder {rec.folder}")
     if oc is not None:
         for s in oc.failed:
@@ -46,6 +48,7 @@ def sites_table(rows) -> None:
 
 
 def site_detail(site) -> None:
+    from hpcring.config.fabric import fabric_env
     c = site.config
     print(f"# {site.path} ({site.origin})")
     print(c.model_dump_json(indent=2, exclude_defaults=False))

@@ -39,20 +39,17 @@ authenticated, the network path is trusted).
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import os
-import secrets
 import socket
 import struct
 import threading
 import time
 
+from hpcring.bootstrap import auth
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend
 from hpcring.bootstrap.store import StoreTimeoutError
+from hpcring.config import envvars
 from hpcring.errors import BootstrapError, CollectiveError, UsageError
-from hpcring.netio import recv_exact
 
 log = logging.getLogger("hpcring.collectives.ring")
 
@@ -65,26 +62,14 @@ except ImportError as e:  # pragma: no cover - only without a built extension
 DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}      # must match enum hr_dtype
 OP_CODES = {name: i for i, name in enumerate(OPS)}            # must match enum hr_redop
 
-_MAGIC = b"HRR1"
-_NONCE = 32
-_MAC = 32
-_U32x2 = struct.Struct(">II")
-_CONNECT_FRAME = _NONCE + _MAC + _U32x2.size   # 76
-_LABEL_CONNECT = b"hpcring-ring-v1 connect"
-_LABEL_ACCEPT = b"hpcring-ring-v1 accept"
+_U32x2 = struct.Struct(">II")   # (rank, connection index): the handshake's extra field
 HANDSHAKE_TIMEOUT = 10.0
 
-DEFAULT_TIMEOUT = 300.0
-
 # Measured on the 2-core dev machine (docs/collectives.md "Striping"): extra streams and threads
-# only add switching when every core already runs a rank, so the defaults stay 1/1 there. On a
-# node with spare cores (cores >= 2 x ranks per node) raise both, e.g. HPCRING_RING_STREAMS=4
-# HPCRING_RING_THREADS=2, and re-measure with `hpcring bench`.
-DEFAULT_STREAMS = 1
-DEFAULT_THREADS = 1
-# Shared memory between the ranks of one host (HPCRING_RING_SHM=0/1, fabric.ring_shm) and its
-# piece size per rank and buffer (HPCRING_RING_SHM_PIECE, bytes).
-DEFAULT_SHM = True
+# only add switching when every core already runs a rank, so the defaults stay 1/1 there
+# (HPCRING_RING_STREAMS / HPCRING_RING_THREADS in the registry). On a node with spare cores
+# (cores >= 2 x ranks per node) raise both, e.g. 4 and 2, and re-measure with `hpcring bench`.
+MAX_STREAMS = 16      # HR_MAX_STREAMS in native/hr_internal.h
 
 
 def default_shm_piece(local_ranks: int) -> int:
@@ -92,74 +77,45 @@ def default_shm_piece(local_ranks: int) -> int:
     2 cores, 64 MiB: 2 ranks 2 MiB 0.76-1.51 vs 1 MiB 0.50-0.54 GB/s; 4 ranks 2-4 MiB 0.30-0.50 vs
     1 MiB 0.22-0.37 GB/s). The segment holds 2 pieces per rank (8 ranks: 128 MiB of /dev/shm)."""
     return min(8, max(1, local_ranks)) << 20
-MAX_STREAMS = 16      # HR_MAX_STREAMS in native/hr_internal.h
-
-
-def _env_int(name: str, default: int, lo: int, hi: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{name}={text!r} is not an integer") from None
-    if not lo <= value <= hi:
-        raise UsageError(f"{name}={text!r} must be between {lo} and {hi}")
-    return value
 
 
 def default_timeout() -> float:
-    """HPCRING_TIMEOUT (seconds) or 300."""
-    text = os.environ.get("HPCRING_TIMEOUT", "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"HPCRING_TIMEOUT={text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise UsageError(f"HPCRING_TIMEOUT={text!r} must be > 0")
-    return value
+    """HPCRING_TIMEOUT (seconds) or the registry's default (hpcring.config.envvars)."""
+    return envvars.get("HPCRING_TIMEOUT")
 
 
-def _mac(secret: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
 
 
 def _auth_connector(sock: socket.socket, secret: bytes, ctx: bytes, rank: int, conn: int) -> None:
-    """Connector side of the handshake; raises ConnectionError when the listener refuses us or
-    cannot prove it knows the secret."""
-    hello = recv_exact(sock, len(_MAGIC) + _NONCE)
-    if hello[:4] != _MAGIC:
-        raise ConnectionError("the listener is not an hpcring ring endpoint (bad magic)")
-    nl = hello[4:]
-    nc = secrets.token_bytes(_NONCE)
-    ids = _U32x2.pack(rank, conn)
-    sock.sendall(nc + _mac(secret, _LABEL_CONNECT, ctx, nl, nc, ids) + ids)
+    """Connector side of the handshake (hpcring.bootstrap.auth, bound to the communicator's
+    context, the MAC covering our rank and connection index); raises ConnectionError when the
+    listener refuses us or cannot prove it knows the secret."""
     try:
-        proof = recv_exact(sock, _MAC)
+        nl = auth.RING.read_hello(sock)
+    except auth.NotAPeer:
+        raise ConnectionError("the listener is not an hpcring ring endpoint (bad magic)") from None
+    try:
+        auth.RING.prove(sock, secret, nl, ctx, _U32x2.pack(rank, conn))
+    except auth.BadProof:
+        raise ConnectionError("the listener could not prove it knows the job secret") from None
     except ConnectionError:
         raise ConnectionError("the listener refused authentication (different job secret?)") from None
-    if not hmac.compare_digest(proof, _mac(secret, _LABEL_ACCEPT, ctx, nl, nc, ids)):
-        raise ConnectionError("the listener could not prove it knows the job secret")
 
 
 def _auth_listener(sock: socket.socket, secret: bytes, ctx: bytes, size: int, nconn: int) -> tuple[int, int]:
     """Listener side: returns the authenticated (rank, connection index) of the connector.
     Raises ConnectionError on a bad proof; nothing the peer sent is interpreted before the MAC
     over the fixed-size frame has been verified."""
-    nl = secrets.token_bytes(_NONCE)
-    sock.sendall(_MAGIC + nl)
-    frame = recv_exact(sock, _CONNECT_FRAME)
-    nc, mac, ids = frame[:_NONCE], frame[_NONCE:_NONCE + _MAC], frame[_NONCE + _MAC:]
-    if not hmac.compare_digest(mac, _mac(secret, _LABEL_CONNECT, ctx, nl, nc, ids)):
-        raise ConnectionError("peer failed authentication (wrong job secret)")
+    try:
+        nl, nc, ids = auth.RING.accept(sock, secret, ctx)
+    except auth.BadProof:
+        raise ConnectionError("peer failed authentication (wrong job secret)") from None
     peer, conn = _U32x2.unpack(ids)
     if not (0 <= peer < size and 0 <= conn < nconn):
         raise ConnectionError(f"authenticated peer claims rank {peer} conn {conn}, out of range")
-    sock.sendall(_mac(secret, _LABEL_ACCEPT, ctx, nl, nc, ids))
+    sock.sendall(auth.RING.server_proof(secret, nl, nc, ctx, ids))
     return peer, conn
 
 
@@ -236,17 +192,17 @@ class RingBackend(Backend):
             secret = secret.encode()
         if not secret:
             raise BootstrapError("the ring needs the non-empty per-job secret")
-        timeout = default_timeout() if timeout is None else float(timeout)
+        timeout = envvars.collective_timeout(timeout)
         if sockbuf is None:
-            sockbuf = int(os.environ.get("HPCRING_SOCKBUF", "0") or 0)
-        if rd_threshold is None and os.environ.get("HPCRING_RD_THRESHOLD"):
-            rd_threshold = int(os.environ["HPCRING_RD_THRESHOLD"])
+            sockbuf = envvars.get("HPCRING_SOCKBUF")
+        if rd_threshold is None:
+            rd_threshold = envvars.get("HPCRING_RD_THRESHOLD")
         if conns_per_peer is None:
-            conns_per_peer = _env_int("HPCRING_RING_STREAMS", DEFAULT_STREAMS, 1, MAX_STREAMS)
+            conns_per_peer = envvars.get("HPCRING_RING_STREAMS")
         if threads is None:
-            threads = _env_int("HPCRING_RING_THREADS", DEFAULT_THREADS, 1, MAX_STREAMS)
+            threads = envvars.get("HPCRING_RING_THREADS")
         if shm is None:
-            shm = bool(_env_int("HPCRING_RING_SHM", int(DEFAULT_SHM), 0, 1))
+            shm = envvars.get("HPCRING_RING_SHM")
         if not (1 <= conns_per_peer <= MAX_STREAMS and 1 <= threads <= MAX_STREAMS):
             raise UsageError(f"ring streams ({conns_per_peer}) and threads ({threads}) must be 1..{MAX_STREAMS}")
         rank, size = topology.rank, topology.size
@@ -312,12 +268,10 @@ class RingBackend(Backend):
         if rd_threshold is not None:
             comm.rd_threshold = int(rd_threshold)
         comm.threads = threads
-        if os.environ.get("HPCRING_RING_STRIPE_MIN"):    # bytes of a chunk per stream (tests, tuning)
-            comm.stripe_min = _env_int("HPCRING_RING_STRIPE_MIN", 1 << 20, 1, 1 << 40)
-        if os.environ.get("HPCRING_TWOLEVEL_MIN"):
-            comm.twolevel_min = _env_int("HPCRING_TWOLEVEL_MIN", 0, 0, 1 << 62)
-        if os.environ.get("HPCRING_BCAST_TREE_MAX"):
-            comm.bcast_tree_max = _env_int("HPCRING_BCAST_TREE_MAX", 0, 0, 1 << 62)
+        for var, attr in (("HPCRING_RING_STRIPE_MIN", "stripe_min"), ("HPCRING_TWOLEVEL_MIN", "twolevel_min"),
+                          ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max")):
+            if envvars.get(var) is not None:           # unset: the measured defaults in native/
+                setattr(comm, attr, envvars.get(var))
         if shm:
             try:
                 cls._attach_shm(comm, store, secret, base, rank, hosts, deadline)
@@ -334,8 +288,8 @@ class RingBackend(Backend):
         local, column = node_layout(hosts, rank)
         if len(local) < 2:
             return
-        piece = _env_int("HPCRING_RING_SHM_PIECE", default_shm_piece(len(local)), 4096, 1 << 30) // 64 * 64
-        name = "/hpcring-" + _mac(secret, b"hpcring-ring-v1 shm", base.encode(),
+        piece = (envvars.get("HPCRING_RING_SHM_PIECE") or default_shm_piece(len(local))) // 64 * 64
+        name = "/hpcring-" + auth.mac(secret, b"hpcring-ring-v1 shm", base.encode(),
                                   hosts[rank].encode()).hex()[:32]
         leader = local[0]
         try:

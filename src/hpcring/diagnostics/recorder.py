@@ -9,17 +9,18 @@ long the job runs. The cost is one small object and one frame walk per call (mea
 
 The recorder is what the hang watchdog exchanges between ranks (the last few records and the
 ones in flight) and what is dumped as JSON to ``<job folder>/diag/flight-rank<r>.json`` on a
-failure, on a timeout and on SIGUSR1 (see :mod:`hpcring.diagnostics.watchdog`).
+failure, on a timeout and on SIGRTMIN+7 (see :mod:`hpcring.diagnostics.watchdog`).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
+
+from hpcring.fsutil import write_json
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../hpcring
 _SKIP = (_PKG_DIR, os.path.dirname(threading.__file__) + os.sep + "threading.py",
@@ -29,10 +30,8 @@ QUEUED, STARTED, DONE, FAILED = "queued", "started", "done", "failed"
 
 
 def default_capacity() -> int:
-    try:
-        return max(16, int(os.environ.get("HPCRING_FLIGHT_RECORDS", "2048")))
-    except ValueError:
-        return 2048
+    from hpcring.config.envvars import get
+    return get("HPCRING_FLIGHT_RECORDS")
 
 
 def _outside(filename: str) -> bool:
@@ -110,11 +109,6 @@ class Record:
         """``file:line in function`` of the call (formatted on demand: the hot path keeps a tuple)."""
         return self._site if isinstance(self._site, str) else _format_site(self._site)
 
-    @property
-    def signature(self) -> tuple:
-        """What must match on every rank for the collective to be the same one."""
-        return (self.op, self.dtype, self.count, self.root)
-
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.FIELDS}
 
@@ -185,7 +179,5 @@ class FlightRecorder:
         data = {"rank": self.rank, "size": self.size, "backend": self.backend, "pid": os.getpid(),
                 "host": os.uname().nodename, "dumped": time.time(), **(extra or {}),
                 "records": [r.to_dict() for r in self.records()]}
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_json(path, data, indent=1)
         return path

@@ -18,9 +18,12 @@ Protocol (keys under ``diag/``):
    (``HPCRING_DIAG_GRACE``, default 5 s) for all snapshots, runs
    :func:`hpcring.diagnostics.report.diagnose`, prints the report, saves
    ``diag/hang-report.{json,txt}`` and publishes ``diag/report``.
-4. Every rank prints one line naming the cause and exits with :data:`EXIT_CODE`
-   (``os._exit``: the collective may still own the buffers, and a hung main thread cannot be
-   unwound), so the scheduler ends the job instead of burning the allocation.
+4. Every rank prints one line naming the cause, writes its status, acknowledges, waits (bounded)
+   for the others' acknowledgements and exits with :data:`EXIT_CODE` (``os._exit``: the
+   collective may still own the buffers, and a hung main thread cannot be unwound). The
+   reporting rank (and a rank cut off from the side channel) then asks the scheduler to end the
+   job (:mod:`hpcring.diagnostics.teardown`), so that frozen ranks die too and the allocation is
+   released; the report and stacks are on disk before that.
    ``HPCRING_ON_FAILURE=raise`` keeps processes alive and raises the CollectiveError (with the
    report) in the failing thread instead.
 
@@ -39,7 +42,7 @@ import threading
 import time
 from typing import Callable
 
-from hpcring.diagnostics import jobdir
+from hpcring.diagnostics import jobdir, teardown
 from hpcring.diagnostics.recorder import main_thread_location
 from hpcring.diagnostics.report import Report, diagnose
 from hpcring.errors import CollectiveError, HpcringError
@@ -89,6 +92,9 @@ class Watchdog:
         self._listener: threading.Thread | None = None
         self._lost: str | None = None
         self._closing = False
+        # snapshots -> Report; torch_watch swaps in a diagnosis that also reads torch's errors
+        self.diagnose: Callable[..., Report] = diagnose
+        self.where: Callable[[], str] = main_thread_location     # the snapshot's "where"
 
     # -- wiring ---------------------------------------------------------------------------
     def register(self, comm) -> None:
@@ -125,7 +131,7 @@ class Watchdog:
             err = err or comm.backend.error
         return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
                 "records": records, "last_done": last_done, "error": err,
-                "where": main_thread_location()}
+                "where": self.where()}
 
     def dump(self, reason: str) -> str | None:
         """Flight records and all threads' stacks to ``<job folder>/diag``; returns the folder
@@ -149,8 +155,19 @@ class Watchdog:
         """Called by the Communicator when a collective raised ``error``: trigger the job-wide
         diagnosis, wait for the report (bounded), and return the error to raise (with the
         report) -- or end the process when ``abort`` is on."""
-        trig = {"rank": self.rank, "host": self.host, "error": str(getattr(error, "message", error)),
-                "op": rec.to_dict(), "time": time.time()}
+        self.trigger(str(getattr(error, "message", error)), rec.to_dict())
+        if self.report is None:
+            return error
+        text = self.report.text()
+        return CollectiveError(f"{getattr(error, 'message', error)}\n{text}", hint=getattr(error, "hint", None))
+
+    def trigger(self, error: str, op: dict | None = None) -> Report | None:
+        """Start the job-wide diagnosis from this rank (any thread): ``error`` is what this rank
+        saw, ``op`` the record of the collective it concerns (a Record's ``to_dict()``, or None).
+        Waits (bounded) for the report; with ``abort`` on the process ends meanwhile. Returns
+        the report, or None when none came. Used by collectives that do not go through a
+        Communicator (torch's own process groups: :mod:`hpcring.diagnostics.torch_watch`)."""
+        trig = {"rank": self.rank, "host": self.host, "error": error, "op": op, "time": time.time()}
         try:
             client = self._action_client()
             if client.add("diag/ntrigger", 1) == 1:
@@ -162,10 +179,7 @@ class Watchdog:
         self._done.wait(self.grace + 20.0)
         if self.abort and self.report is not None:
             time.sleep(30.0)           # the listener thread is ending the process (os._exit)
-        if self.report is None:
-            return error
-        text = self.report.text()
-        return CollectiveError(f"{getattr(error, 'message', error)}\n{text}", hint=getattr(error, "hint", None))
+        return self.report
 
     # -- every rank -----------------------------------------------------------------------
     def _listen(self) -> None:
@@ -203,17 +217,17 @@ class Watchdog:
                 client.set(f"diag/snap/{self.rank}", json.dumps(snap).encode())
                 client.add("diag/nsnap", 1)
                 if client.add("diag/reporter", 1) == 1:
+                    client.set("diag/reporter-rank", str(self.rank).encode())
                     report = self._collect(client, trig, folder)
                     _publish(report, folder)
                     client.set(REPORT, json.dumps(report.to_dict()).encode())
                     print(report.text(), file=sys.stderr, flush=True)
                 else:
                     report = _from_dict(json.loads(client.get(REPORT, timeout=self.grace + 15.0)))
-                client.add("diag/nack", 1)
             except HpcringError as e:
                 self._lost = str(e)
         if report is None:
-            report = diagnose(self.size, list(self.topology.hosts), {self.rank: snap}, trigger=trig,
+            report = self.diagnose(self.size, list(self.topology.hosts), {self.rank: snap}, trigger=trig,
                               interface=self.topology.interface, side_channel=False)
             report.files = folder
             print(report.text() + f"\n  side channel: {self._lost}", file=sys.stderr, flush=True)
@@ -231,7 +245,7 @@ class Watchdog:
                 snaps[r] = json.loads(v)
             elif (v := client.check(f"diag/exit/{r}")) is not None:
                 exits[r] = json.loads(v)
-        report = diagnose(self.size, list(self.topology.hosts), snaps, exits, trig,
+        report = self.diagnose(self.size, list(self.topology.hosts), snaps, exits, trig,
                           interface=self.topology.interface)
         report.files = folder
         return report
@@ -248,16 +262,27 @@ class Watchdog:
         self._done.set()
         if not self.abort:
             return
-        if self.rank == 0 and client is not None:
-            # Rank 0 serves the store: stay until the others have read the report (bounded).
+        reporter = False
+        if client is not None and self._lost is None:
+            # Every rank leaves together, once all that answered have their report and status written:
+            # the first exit ends the job (srun --kill-on-bad-exit, the local supervisor), and rank 0
+            # serves the store the others read from. Bounded: a frozen rank never acknowledges.
             end = time.monotonic() + 5.0
             try:
+                client.add("diag/nack", 1)
+                reporter = client.check("diag/reporter-rank") == str(self.rank).encode()
                 while client.add("diag/nack", 0) < client.add("diag/nsnap", 0) and time.monotonic() < end:
                     time.sleep(0.05)
             except HpcringError:
                 pass
+        else:
+            # No side channel: a rank that still has one may be writing the full report; leaving
+            # now would end the job (and that report) under it.
+            time.sleep(self.grace + 5.0)
         sys.stdout.flush()
         sys.stderr.flush()
+        if reporter or client is None or self._lost is not None:
+            teardown.end_job(self.rank, report.headline)   # frozen ranks included; the report is on disk
         os._exit(EXIT_CODE)
 
     def _on_exit(self) -> None:
@@ -296,10 +321,17 @@ def _from_dict(d: dict) -> Report:
 
 
 # ---------------------------------------------------------------------------------------------
-# SIGUSR1: dump the flight records and keep running
+# DUMP_SIGNAL: dump the flight records and keep running
 # ---------------------------------------------------------------------------------------------
-def install_dump_signal(watchdog: Watchdog, signum: int = signal.SIGUSR1) -> bool:
+# A real-time signal nothing else in the stack uses. Not SIGUSR1: Lightning's SLURM requeue
+# handler lives there and is installed only when no handler exists yet. Not SIGUSR2: submitit
+# and Slurm's --signal=USR2@N time-limit warning. (SIGRTMIN+6 takes stack dumps.)
+DUMP_SIGNAL = signal.SIGRTMIN + 7
+
+
+def install_dump_signal(watchdog: Watchdog, signum: int = DUMP_SIGNAL) -> bool:
     """Make ``signum`` dump ``watchdog``'s flight records and stacks and keep running.
+    Never replaces a handler somebody else installed (returns False then).
 
     A Python signal handler only runs when the main thread returns to the interpreter -- never
     while it is stuck in a collective. So the handler is a no-op and the work is done by a
@@ -307,7 +339,10 @@ def install_dump_signal(watchdog: Watchdog, signum: int = signal.SIGUSR1) -> boo
     there from whatever thread the kernel picked). Must be called from the main thread; returns
     False (and installs nothing) elsewhere or when somebody else (asyncio) owns the wakeup fd.
     """
+    from hpcring.diagnostics.stacks import signal_name
     if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signum) not in (signal.SIG_DFL, None):
         return False
     r, w = os.pipe()
     os.set_blocking(w, False)
@@ -331,7 +366,7 @@ def install_dump_signal(watchdog: Watchdog, signum: int = signal.SIGUSR1) -> boo
             if not data:
                 return
             if signum in data:
-                folder = watchdog.dump(f"signal {signal.Signals(signum).name}")
+                folder = watchdog.dump(f"signal {signal_name(signum)}")
                 print(f"hpcring: rank {watchdog.rank}: flight records and stacks written to {folder}",
                       file=sys.stderr, flush=True)
 

@@ -72,6 +72,16 @@ def state(job_id: str) -> JobState:
     raise SchedulerError(f"could not read the state of job {job_id}: {(r.stderr or q.stderr).strip()}")
 
 
+def cluster_name(site: Site) -> str:
+    """Slurm's ClusterName (job ids are per cluster); the site's name when scontrol cannot say."""
+    try:
+        r = _run(["scontrol", "show", "config"])
+    except SchedulerError:
+        return site.name
+    m = re.search(r"^ClusterName\s*=\s*(\S+)", r.stdout, re.M)
+    return m.group(1) if m else site.name
+
+
 def cancel(job_id: str) -> None:
     r = _run(["scancel", str(job_id)])
     if r.returncode != 0:
@@ -90,12 +100,5 @@ def explain_refusal(stderr: str) -> str | None:
     if "time limit" in s:
         return "the --time is above the partition's limit"
     return None
-
-
-def job_id_from_output(text: str) -> str:
-    m = re.search(r"job (\d+)", text)
-    if not m:
-        raise SchedulerError(f"could not find a job id in sbatch's answer: {text!r}")
-    return m.group(1)
 
 
