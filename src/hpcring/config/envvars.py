@@ -98,6 +98,10 @@ VARS: tuple[Var, ...] = (
        "loopback TCP (site: fabric.ring_shm)"),
     _v("HPCRING_BCAST_TREE_MAX", "int", None, "ring broadcast: binomial tree up to this many bytes, "
        "pipelined chain above (unset: the measured 256 KiB)", 0, 1 << 62),
+    _v("HPCRING_RING_STRIPE_MIN", "int", None, "ring striping: bytes of a chunk per stream before "
+       "another stream is used (unset: 1 MiB)", 1, 1 << 40),
+    _v("HPCRING_TWOLEVEL_MIN", "int", None, "allreduce/reduce-scatter across hosts with shared memory: "
+       "two-level from this many bytes (unset: the measured 8 MiB)", 0, 1 << 62),
     _v("HPCRING_RING_SHM_PIECE", "int", None, "shared-memory piece per rank and buffer, bytes "
        "(unset: 1 MiB per local rank, 1-8 MiB)", 4096, 1 << 30),
     # -- hpcring.torch (the Horovod API) and torch's own backends --
