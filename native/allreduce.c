@@ -1,4 +1,6 @@
-/* allreduce.c -- allreduce entry point: picks recursive doubling or the ring by message size.
+/* allreduce.c -- allreduce entry point: picks recursive doubling or the ring by message size,
+ * or shared memory (allreduce_shm.c) when the node's ranks share a segment: on one node for every
+ * size, across nodes (two-level) from the ring's threshold up.
  *
  * Cut-over (measured, see docs/collectives.md "Measured cut-over"): recursive doubling
  * (allreduce_rd.c) below c->rd_threshold bytes, the pipelined ring (allreduce_ring.c) at and
@@ -35,6 +37,9 @@ int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int d
     if (hr_op_begin(&op, c, HR_K_ALLREDUCE, dtype, redop, count, -1, timeout) != HR_OK)
         return HR_ERR;
     bytes = count * hr_dtype_size(dtype);
+    /* shared memory: always on one node; across nodes (two-level) where the ring would run */
+    if (c->shm.base && (c->shm.ncol == 1 || (c->shm.ncol > 1 && bytes >= c->rd_threshold)))
+        return hr_allreduce_shm(&op, sbuf, rbuf, count, dtype, redop, 0, count);
     if (c->size > 1 && bytes >= c->rd_threshold)
         return hr_allreduce_ring(&op, sbuf, rbuf, count, dtype, redop);
     if (sbuf != rbuf && bytes) memcpy(rbuf, sbuf, bytes);

@@ -45,6 +45,8 @@ def make_cupy(ngpus: int = 2):
     cp.allocations = []          # (device id, stream ptr, shape, dtype) of every new device buffer
     cp.concatenations = []       # number of pieces of every concatenate call
     cp.live = []                 # numpy arrays backing device memory: (array, device id)
+    cp.gpu_busy = False          # while True, no event completes
+    cp.stream_waits = []         # (stream ptr, event) of every Stream.wait_event
     tls = threading.local()
 
     def cur_dev() -> int:
@@ -114,8 +116,17 @@ def make_cupy(ngpus: int = 2):
 
     null = Stream(0, -1)
 
-    class ExternalStream(Stream):
+    class ExternalStream(Stream):      # deprecated in CuPy 14 (Stream.from_external)
         pass
+
+    def from_external(cls, obj):
+        ptr, dev = obj.__cuda_stream__()[1], getattr(obj, "device_index", -1)
+        return cls(ptr, dev)
+    Stream.from_external = classmethod(from_external)
+
+    def wait_event(self, event):
+        cp.stream_waits.append((self.ptr, event))
+    Stream.wait_event = wait_event
 
     def get_current_stream(device_id: int = -1):
         dev = cur_dev() if device_id == -1 else device_id
@@ -123,6 +134,8 @@ def make_cupy(ngpus: int = 2):
         return st[-1] if st else null
 
     class Event:
+        """Done unless ``cp.gpu_busy``: tests hold the "GPU" busy to see work still in flight."""
+
         def __init__(self, block=False, disable_timing=False, interprocess=False):
             self.stream = None
 
@@ -131,7 +144,11 @@ def make_cupy(ngpus: int = 2):
 
         @property
         def done(self):
-            return True
+            return not cp.gpu_busy
+
+        def synchronize(self):
+            if cp.gpu_busy:
+                raise AssertionError("fake GPU held busy: Event.synchronize would block forever")
 
     class ndarray:
         __module__ = "cupy"
@@ -417,9 +434,19 @@ def make_torch(cp):
         return Tensor(np.array(values, dtype=dtype.np), dtype, torch.device("cpu"))
     torch.cpu_tensor = cpu_tensor
 
+    class Stream:
+        """torch.cuda.Stream: ``cuda_stream`` (the pointer), ``device_index`` and, like real torch
+        >= 2.x, the CUDA stream protocol ``__cuda_stream__() -> (version, ptr)``."""
+
+        def __init__(self, ptr: int, idx: int):
+            self.cuda_stream, self.device_index = ptr, idx
+
+        def __cuda_stream__(self):
+            return (0, self.cuda_stream)
+
     def current_stream(device=None):
         idx = device.index if isinstance(device, torch.device) else (0 if device is None else int(device))
-        return types.SimpleNamespace(cuda_stream=torch.current_streams.get(idx, 0), device_index=idx)
+        return Stream(torch.current_streams.get(idx, 0), idx)
     torch.cuda = types.SimpleNamespace(current_stream=current_stream)
     return torch
 
@@ -517,11 +544,15 @@ class FakeNcclComm:
                 _mem(ptr, n)[...] = mine
         self._group = None
 
+    async_error: str | None = None
+    aborted = False
+
     def check_async_error(self):
-        pass
+        if self.async_error:
+            raise RuntimeError(self.async_error)
 
     def abort(self):
-        pass
+        self.aborted = True
 
     def destroy(self):
         pass
@@ -536,4 +567,7 @@ def make_nccl_module(comm_holder: list):
     def group_end():
         for c in comm_holder:
             c._group_end()
-    return types.SimpleNamespace(groupStart=group_start, groupEnd=group_end, get_version=lambda: 22000)
+    def get_unique_id():
+        return bytes(range(128))          # CuPy >= 14 hands out bytes
+    return types.SimpleNamespace(groupStart=group_start, groupEnd=group_end, get_version=lambda: 22000,
+                                 get_unique_id=get_unique_id)

@@ -2,4 +2,14 @@
 __version__ = "0.1.0"
 
 from hpcring.errors import HpcringError  # noqa: E402,F401
-from hpcring.session import Session, init  # noqa: E402,F401
+
+_LAZY = {"Session": "hpcring.session", "init": "hpcring.session"}
+
+
+def __getattr__(name: str):
+    """``hpcring.init`` and ``hpcring.Session`` on first use: the CLI imports the package without
+    paying for the bootstrap layer."""
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hpcring' has no attribute {name!r}")

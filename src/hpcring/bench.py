@@ -36,8 +36,6 @@ import numpy as np
 
 from hpcring.errors import UsageError
 
-COLLECTIVES = ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall")
-REDUCING = ("allreduce", "reduce_scatter")
 OPS = ("sum", "prod", "min", "max", "avg")
 # name -> (nccl-tests type name, numpy storage dtype)
 DTYPES = {"float32": ("float", np.float32), "float64": ("double", np.float64), "float16": ("half", np.float16),
@@ -53,13 +51,14 @@ def busbw_factor(collective: str, n: int) -> float:
     """nccl-tests' bus-bandwidth factor for ``n`` ranks."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    if collective == "allreduce":
-        return 2.0 * (n - 1) / n
-    if collective in ("allgather", "reduce_scatter", "alltoall"):
-        return (n - 1) / n
-    if collective == "broadcast":
-        return 1.0
-    raise UsageError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    return _spec(collective).factor(n)
+
+
+def _spec(collective: str) -> "Collective":
+    try:
+        return TABLE[collective]
+    except KeyError:
+        raise UsageError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}") from None
 
 
 def parse_size(text: str | int) -> int:
@@ -122,6 +121,7 @@ class BenchOptions:
     timeout: float | None = None
     json: str | None = None
     plot: str | None = None
+    memory: str = "auto"       # device | host | auto (device on a GPU backend, as nccl-tests)
 
     def check(self) -> "BenchOptions":
         if self.collective not in COLLECTIVES:
@@ -133,6 +133,8 @@ class BenchOptions:
             raise UsageError(f"op avg needs a floating-point dtype, not {self.dtype}")
         if self.iters < 1 or self.warmup < 0:
             raise UsageError("--iters must be >= 1 and --warmup >= 0")
+        if self.memory not in MEMORIES:
+            raise UsageError(f"unknown --memory {self.memory!r}; choose one of {', '.join(MEMORIES)}")
         size_list(self.minbytes, self.maxbytes, self.factor)
         if self.plot:
             require_matplotlib()
@@ -206,7 +208,7 @@ def make_row(collective: str, dtype: str, op: str, root: int, n: int, size: int,
 def counts_for(collective: str, nbytes: int, itemsize: int, n: int) -> tuple[int, int, int]:
     """(total elements of the largest buffer, the printed per-rank count, the printed size in bytes)."""
     total = nbytes // itemsize
-    if collective in ("allgather", "reduce_scatter", "alltoall"):
+    if _spec(collective).shares:
         total -= total % n
         return total, total // n, total * itemsize
     return total, total, total * itemsize
@@ -318,45 +320,124 @@ def _sentinel(shape, dtype: str) -> np.ndarray:
     return np.full(shape, 77, st)
 
 
-def make_case(comm, collective: str, dtype: str, op: str, root: int, total: int, seed: int = 0) -> Case:
-    """Buffers, the timed call and its check for this rank (``total``: elements of the largest buffer)."""
-    n, rank = comm.size, comm.rank
-    dt = "bfloat16" if dtype == "bfloat16" else None
-    pat = [rank_pattern(r, dtype, op, seed) for r in range(n)]
-    mine = pat[rank]
-    if collective == "allreduce":
-        x, out = tile(mine, 0, total), _sentinel(total, dtype)
-        want = lambda: tile(reduce_patterns(pat, op, dtype), 0, total)  # noqa: E731
-        return Case(lambda: comm.allreduce(x, op=op, out=out, dtype=dt),
-                    lambda: count_wrong(out, want(), dtype, op), [x, out])
-    if collective == "reduce_scatter":
-        per = total // n
-        x, out = tile(mine, 0, total), _sentinel(per, dtype)
-        want = lambda: tile(reduce_patterns(pat, op, dtype), rank * per, per)  # noqa: E731
-        return Case(lambda: comm.reduce_scatter(x, op=op, out=out, dtype=dt),
-                    lambda: count_wrong(out, want(), dtype, op), [x, out])
-    if collective == "allgather":
-        per = total // n
-        x, out = tile(mine, 0, per), _sentinel(n * per, dtype)
-        want = lambda: np.concatenate([tile(p, 0, per) for p in pat]) if per else out[:0]  # noqa: E731
-        return Case(lambda: comm.allgather(x, out=out, dtype=dt),
-                    lambda: count_wrong(out, want(), dtype), [x, out])
-    if collective == "alltoall":
-        per = total // n
-        x, out = tile(mine, 0, total), _sentinel(total, dtype)
-        # rank q's block for this rank is elements [rank*per, (rank+1)*per) of q's input
-        want = lambda: np.concatenate([tile(p, rank * per, per) for p in pat]) if per else out[:0]  # noqa: E731
-        return Case(lambda: comm.alltoall(x, out=out, dtype=dt),
-                    lambda: count_wrong(out, want(), dtype), [x, out])
-    if collective == "broadcast":
-        buf = tile(mine, 0, total)
+MEMORIES = ("auto", "device", "host")
 
-        def check() -> int:     # fresh buffers for the checked call: non-roots start from their own data
-            buf[...] = tile(mine, 0, total) if rank == root else _sentinel(total, dtype)
-            comm.broadcast(buf, root=root, dtype=dt)
-            return count_wrong(buf, tile(pat[root], 0, total), dtype)
-        return Case(lambda: comm.broadcast(buf, root=root, dtype=dt), check, [buf])
-    raise UsageError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+
+def device_module(comm, memory: str):
+    """CuPy when the buffers live on the GPU: ``memory`` "device", or "auto" on a GPU backend
+    (nccl-tests times device buffers); None for host (numpy) buffers, which a GPU backend stages."""
+    on_gpu = getattr(comm.backend, "device", "cpu") == "cuda"
+    if memory == "host" or (memory == "auto" and not on_gpu):
+        return None
+    if not on_gpu:
+        raise UsageError(f"--memory device needs a GPU backend (nccl); backend {comm.backend.name} works on host memory")
+    return comm.backend.array_module
+
+
+def memory_label(comm, memory: str) -> str:
+    xp = device_module(comm, memory)
+    if xp is not None:
+        return f"device (CuPy arrays on GPU {getattr(comm.backend, 'device_id', 0)})"
+    if getattr(comm.backend, "device", "cpu") == "cuda":
+        return "host (numpy, staged through the GPU by the backend: not what nccl-tests measures)"
+    return "host (numpy)"
+
+
+@dataclass
+class _Point:
+    """What every case builder gets: the communicator, the per-rank patterns, the point's size,
+    and how buffers reach the memory under test (``put``) and come back for the check (``get``)."""
+    comm: object
+    pat: list
+    dtype: str
+    op: str
+    root: int
+    total: int
+    put: Callable
+    get: Callable
+
+    @property
+    def dt(self):             # dtype= for the call: only bfloat16 needs saying (uint16 storage)
+        return "bfloat16" if self.dtype == "bfloat16" else None
+
+    @property
+    def mine(self):
+        return self.pat[self.comm.rank]
+
+
+def _allreduce(k: _Point) -> Case:
+    x, out = k.put(tile(k.mine, 0, k.total)), k.put(_sentinel(k.total, k.dtype))
+    want = lambda: tile(reduce_patterns(k.pat, k.op, k.dtype), 0, k.total)  # noqa: E731
+    return Case(lambda: k.comm.allreduce(x, op=k.op, out=out, dtype=k.dt),
+                lambda: count_wrong(k.get(out), want(), k.dtype, k.op), [x, out])
+
+
+def _reduce_scatter(k: _Point) -> Case:
+    per, rank = k.total // k.comm.size, k.comm.rank
+    x, out = k.put(tile(k.mine, 0, k.total)), k.put(_sentinel(per, k.dtype))
+    want = lambda: tile(reduce_patterns(k.pat, k.op, k.dtype), rank * per, per)  # noqa: E731
+    return Case(lambda: k.comm.reduce_scatter(x, op=k.op, out=out, dtype=k.dt),
+                lambda: count_wrong(k.get(out), want(), k.dtype, k.op), [x, out])
+
+
+def _allgather(k: _Point) -> Case:
+    per = k.total // k.comm.size
+    x, out = k.put(tile(k.mine, 0, per)), k.put(_sentinel(k.comm.size * per, k.dtype))
+    want = lambda: np.concatenate([tile(p, 0, per) for p in k.pat]) if per else k.get(out)[:0]  # noqa: E731
+    return Case(lambda: k.comm.allgather(x, out=out, dtype=k.dt),
+                lambda: count_wrong(k.get(out), want(), k.dtype), [x, out])
+
+
+def _alltoall(k: _Point) -> Case:
+    per, rank = k.total // k.comm.size, k.comm.rank
+    x, out = k.put(tile(k.mine, 0, k.total)), k.put(_sentinel(k.total, k.dtype))
+    # rank q's block for this rank is elements [rank*per, (rank+1)*per) of q's input
+    want = lambda: np.concatenate([tile(p, rank * per, per) for p in k.pat]) if per else k.get(out)[:0]  # noqa: E731
+    return Case(lambda: k.comm.alltoall(x, out=out, dtype=k.dt),
+                lambda: count_wrong(k.get(out), want(), k.dtype), [x, out])
+
+
+def _broadcast(k: _Point) -> Case:
+    buf = k.put(tile(k.mine, 0, k.total))
+
+    def check() -> int:     # fresh buffers for the checked call: non-roots start from the sentinel
+        fresh = tile(k.mine, 0, k.total) if k.comm.rank == k.root else _sentinel(k.total, k.dtype)
+        buf[...] = k.put(fresh)
+        k.comm.broadcast(buf, root=k.root, dtype=k.dt)
+        return count_wrong(k.get(buf), tile(k.pat[k.root], 0, k.total), k.dtype)
+    return Case(lambda: k.comm.broadcast(buf, root=k.root, dtype=k.dt), check, [buf])
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as nccl-tests treats it: its bus-bandwidth factor for n ranks, whether it
+    reduces (has a redop), whether the size is split into n shares (count printed per share),
+    and the builder of its buffers, timed call and check."""
+    factor: Callable[[int], float]
+    reducing: bool
+    shares: bool
+    build: Callable[[_Point], Case]
+
+
+TABLE: dict[str, Collective] = {
+    "allreduce": Collective(lambda n: 2.0 * (n - 1) / n, True, False, _allreduce),
+    "allgather": Collective(lambda n: (n - 1) / n, False, True, _allgather),
+    "broadcast": Collective(lambda n: 1.0, False, False, _broadcast),
+    "reduce_scatter": Collective(lambda n: (n - 1) / n, True, True, _reduce_scatter),
+    "alltoall": Collective(lambda n: (n - 1) / n, False, True, _alltoall),
+}
+COLLECTIVES = tuple(TABLE)
+REDUCING = tuple(c for c, spec in TABLE.items() if spec.reducing)
+
+
+def make_case(comm, collective: str, dtype: str, op: str, root: int, total: int, seed: int = 0,
+              xp=None) -> Case:
+    """Buffers, the timed call and its check for this rank (``total``: elements of the largest
+    buffer). ``xp`` (CuPy): the buffers live on the GPU; checks copy them back."""
+    pat = [rank_pattern(r, dtype, op, seed) for r in range(comm.size)]
+    put = (lambda a: a) if xp is None else xp.asarray  # noqa: E731
+    get = (lambda a: a) if xp is None else xp.asnumpy  # noqa: E731
+    return _spec(collective).build(_Point(comm, pat, dtype, op, root, total, put, get))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,16 +451,19 @@ def run_bench(comm, opts: BenchOptions, emit: Callable[[str], None] | None = Non
     if opts.collective == "broadcast" and not 0 <= opts.root < n:
         raise UsageError(f"--root {opts.root} out of range for {n} ranks")
     itemsize = np.dtype(DTYPES[opts.dtype][1]).itemsize
+    xp = device_module(comm, opts.memory)
     rows = []
     for nbytes in size_list(opts.minbytes, opts.maxbytes, opts.factor):
         total, count, size = counts_for(opts.collective, nbytes, itemsize, n)
-        case = make_case(comm, opts.collective, opts.dtype, opts.op, opts.root, total, opts.seed)
+        case = make_case(comm, opts.collective, opts.dtype, opts.op, opts.root, total, opts.seed, xp)
         for _ in range(opts.warmup):
             case.run()
+        comm.synchronize()
         comm.barrier()
         t0 = time.perf_counter()
         for _ in range(opts.iters):
             case.run()
+        comm.synchronize()      # device collectives return when enqueued: time until they completed
         seconds = (time.perf_counter() - t0) / opts.iters
         wrong = case.check()
         stats = comm.allreduce(np.array([seconds]), op="max")
@@ -419,10 +503,11 @@ def write_plot(path: str, result: dict) -> None:
     plt.close(fig)
 
 
-def preamble(opts: BenchOptions, backend_name: str, n: int, hosts) -> list[str]:
+def preamble(opts: BenchOptions, backend_name: str, n: int, hosts, memory: str = "host (numpy)") -> list[str]:
     lines = [f"# hpcring bench: {opts.collective}, backend {backend_name}, {n} ranks on {len(set(hosts))} host(s)",
              f"# minBytes {opts.minbytes} maxBytes {opts.maxbytes} step: {opts.factor}(factor) warmup iters: "
              f"{opts.warmup} iters: {opts.iters} dtype: {opts.dtype} validation: 1 (always)",
+             f"# buffers: {memory}",
              "#"]
     lines += [f"#  Rank {r:2d} on {h}" for r, h in enumerate(hosts)]
     return lines + ["#", format_header()]
@@ -451,7 +536,8 @@ def resolved_backend(backend: str, session) -> str:
         from hpcring.session import auto_backend
         return f"auto={auto_backend(session.topology)}"
     except Exception:
-        return f"auto={os.environ.get('HPCRING_BACKEND', 'ring')}"
+        from hpcring.config.envvars import get
+        return f"auto={get('HPCRING_BACKEND') or 'ring'}"
 
 
 def run_as_rank(opts: BenchOptions) -> int:
@@ -472,7 +558,11 @@ def run_as_rank(opts: BenchOptions) -> int:
         else:
             emit = lambda line: print(line, flush=True)  # noqa: E731
         backend_name = resolved_backend(opts.backend, session)
-        for line in preamble(opts, backend_name, n, hosts):
+        lines = preamble(opts, backend_name, n, hosts, memory_label(comm, opts.memory))
+        describe = getattr(comm.backend, "describe", None)   # the ring says which transport runs
+        if describe:
+            lines.insert(1, f"# transport: {describe()}")
+        for line in lines:
             emit(line)
     else:
         emit = None
@@ -504,7 +594,7 @@ def to_argv(opts: BenchOptions) -> list[str]:
     argv = ["--collective", opts.collective, "--backend", opts.backend, "-b", str(opts.minbytes),
             "-e", str(opts.maxbytes), "-f", repr(opts.factor), "--dtype", opts.dtype, "--op", opts.op,
             "--root", str(opts.root), "--iters", str(opts.iters), "--warmup", str(opts.warmup),
-            "--seed", str(opts.seed)]
+            "--seed", str(opts.seed), "--memory", opts.memory]
     if opts.timeout is not None:
         argv += ["--timeout", str(opts.timeout)]
     if opts.json:

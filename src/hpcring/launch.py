@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
+from hpcring.bootstrap import auth
 from hpcring.config.site import Site
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.render import job_env
@@ -82,10 +83,7 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     run_dir = base / f"hpcring-run-{os.getpid()}-{secrets.token_hex(3)}"
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
-    secret = run_dir / "secret.key"
-    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32))
+    secret = auth.write_secret_file(run_dir / "secret.key", exclusive=True)
     env = dict(env_in)
     from hpcring.config.jobspec import resolve_job
     env.update({k: v for k, v in job_env(site, resolve_job(site, "run", [], {}, environ={})).items()

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from hpcring.config import envvars
 from hpcring.errors import HpcringError
 
 
@@ -37,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from hpcring.bootstrap.init import apply_framework_env
     from hpcring.session import init
-    gpus = int(os.environ.get("HPCRING_GPUS_PER_NODE", "0") or 0)
     try:
+        envvars.check_environ()
+        gpus = envvars.get("HPCRING_GPUS_PER_NODE")
         session = init(watchdog=False)   # the child CMD runs the collectives and the watchdog
     except HpcringError as exc:
         from hpcring.bootstrap.launchers import detect
@@ -53,14 +55,24 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(handoff_env(session))
     from hpcring.diagnostics.torch_watch import child_env
     os.environ.update(child_env())     # a torch process group in CMD gets hpcring's hang report
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    except OSError as exc:   # no such command, not executable: say so once, like a shell would
+        what = f"cannot run {argv[0]!r} on {topo.host}: {exc.strerror}"
+        print(f"[{topo.rank}]<stderr>:hpcring: {what}\n  hint: check the command after `--` "
+              "(is it on PATH on every node? a typo?)", file=sys.stderr, flush=True)
+        code = 127 if isinstance(exc, FileNotFoundError) else 126
+        _status(status_dir, topo.rank, {"rank": topo.rank, "host": topo.host, "exit_code": code,
+                                        "error": what, "cmd": argv, "ended": time.time()})
+        return code
 
     def forward(signum, _frame):
         if child.poll() is None:
             child.send_signal(signum)
 
     from hpcring.diagnostics.stacks import STACK_SIGNAL
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, STACK_SIGNAL):
+    from hpcring.diagnostics.watchdog import DUMP_SIGNAL
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, STACK_SIGNAL, DUMP_SIGNAL):
         signal.signal(sig, forward)
     pumps = [threading.Thread(target=_pump, args=(child.stdout, sys.stdout.buffer, f"[{topo.rank}]<stdout>:".encode()),
                               daemon=True),

@@ -13,7 +13,7 @@ import jinja2
 
 from hpcring import __version__
 from hpcring.config.fabric import bootstrap_spec, fabric_env
-from hpcring.config.jobspec import JobSpec
+from hpcring.config.jobspec import JobSpec, check_text
 from hpcring.config.site import Site
 from hpcring.errors import TemplateError
 from hpcring.resources import templates_dir
@@ -53,12 +53,22 @@ def template_path(site: Site, override: str | Path | None = None) -> Path:
 
 def render_script(site: Site, job: JobSpec, command: str, folder: str,
                   template: str | Path | None = None, python: str | None = None) -> str:
-    """Render the job script. Pure: reads templates, touches nothing else."""
+    """Render the job script. Pure: reads templates, touches nothing else.
+
+    Values reach the script shell-quoted (``shquote``); a line break would still end a comment or
+    an ``#SBATCH`` line, so every text value is checked for control characters first.
+    """
+    for what, value in (("script path", job.script), ("job folder", folder), ("site path", str(site.path)),
+                        ("python", python or "python3"), ("command", command)):
+        check_text(what, value, "job script")
     path = template_path(site, template)
     loader = jinja2.FileSystemLoader([str(path.parent), str(templates_dir())])
     jenv = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, autoescape=False)
     jenv.filters["shquote"] = lambda v: shlex.quote(str(v))
+    # blaunch joins its arguments and runs them through a shell on each host: every word of an
+    # already shell-quoted command needs one more level of quoting (no-op for plain words)
+    jenv.filters["remote_shell"] = lambda cmd: " ".join(shlex.quote(shlex.quote(w)) for w in shlex.split(str(cmd)))
     try:
         text = jenv.get_template(path.name).render(
             site=site.config, site_path=site.path.name if site.origin == "bundled" else str(site.path),

@@ -12,6 +12,7 @@ import threading
 import time
 
 from hpcring.bootstrap.topology import Topology
+from hpcring.config import envvars
 from hpcring.errors import UsageError
 
 _LOCK = threading.Lock()
@@ -35,10 +36,8 @@ def auto_backend(topology: Topology, environ=None) -> str:
     """
     import importlib.util
     env = os.environ if environ is None else environ
-    chosen = env.get("HPCRING_BACKEND", "").strip()
+    chosen = envvars.get("HPCRING_BACKEND", env)
     if chosen:
-        if chosen not in BACKENDS or chosen == "auto":
-            raise UsageError(f"HPCRING_BACKEND={chosen!r} is not a backend; choose one of ring, mpi, nccl")
         return chosen
     from hpcring.collectives.nccl import gpu_available
     if gpu_available():
@@ -60,15 +59,17 @@ class Session:
         self._secret = secret
         self._comms: dict[str, object] = {}
         self.watchdog = None
+        self.default_backend: str | None = None   # init(backend=...): what "auto" means here
 
     def start_watchdog(self):
         """Start the hang watchdog (:mod:`hpcring.diagnostics.watchdog`) and the signal dumps
-        (SIGUSR1 from the main thread: flight records; SIGRTMIN+6: stacks) unless HPCRING_WATCHDOG=0."""
-        if self.watchdog is None and os.environ.get("HPCRING_WATCHDOG", "1").strip().lower() not in ("0", "false", "no", "off"):
+        (SIGRTMIN+7 from the main thread: flight records; SIGRTMIN+6: stacks) unless HPCRING_WATCHDOG=0.
+        SIGUSR1 and SIGUSR2 stay free for Lightning's requeue handler and submitit/Slurm."""
+        if self.watchdog is None and envvars.get("HPCRING_WATCHDOG"):
             from hpcring.diagnostics.stacks import install_signal_dump
             from hpcring.diagnostics.watchdog import Watchdog, install_dump_signal
             self.watchdog = Watchdog(self.topology, (self.store.host, self.store.port), self._secret).start()
-            install_dump_signal(self.watchdog)           # SIGUSR1: flight records + stacks, keep running
+            install_dump_signal(self.watchdog)           # SIGRTMIN+7: flight records + stacks, keep running
             install_signal_dump(None, self.topology.rank)  # SIGRTMIN+6: stacks (hpcring stacks JOB)
         return self.watchdog
 
@@ -87,7 +88,7 @@ class Session:
         if backend not in BACKENDS:
             raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if backend == "auto":
-            backend = auto_backend(self.topology)
+            backend = self.default_backend or auto_backend(self.topology)
         if backend not in self._comms:
             from hpcring.collectives.api import Communicator
             options = {"abort_on_timeout": False} if backend == "mpi" and self.watchdog else {}
@@ -95,6 +96,16 @@ class Session:
                                                        timeout=timeout, backend=backend,
                                                        watchdog=self.watchdog, **options)
         return self._comms[backend]
+
+    def use(self, backend: str, *, timeout: float | None = None):
+        """Create ``backend``'s communicator (collectively) and make it the default: what
+        ``"auto"`` and the session's own collectives (``session.allreduce``) mean from now on."""
+        if backend not in BACKENDS:
+            raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        comm = self.communicator(backend, timeout=timeout)
+        if backend != "auto":
+            self.default_backend = backend
+        return comm
 
     def __repr__(self) -> str:
         t = self.topology
@@ -106,8 +117,9 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
          verify: str | None = None, watchdog: bool = True) -> Session:
     """Bootstrap this rank (once per process) and return the session.
 
-    ``backend`` ("auto", "ring", "mpi", "nccl") also creates that communicator now; without it the
-    communicator is created on the first collective. ``timeout`` bounds the bootstrap (default
+    ``backend`` ("auto", "ring", "mpi", "nccl") also creates that communicator now and becomes the
+    session's default (``session.allreduce(...)`` runs on it); without it the communicator is
+    created on the first collective. ``timeout`` bounds the bootstrap (default
     HPCRING_INIT_TIMEOUT or 60 s); ``interface`` overrides the site's interface spec (NCCL syntax).
     ``watchdog=False`` skips the hang watchdog (for a parent that only hands the session on).
     """
@@ -119,16 +131,18 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
         if _SESSION is None:
             from hpcring.bootstrap.init import init_bootstrap
             from hpcring.bootstrap.store import load_secret
-            t = timeout if timeout is not None else float(os.environ.get("HPCRING_INIT_TIMEOUT", "60"))
+            envvars.check_environ()   # every bad HPCRING_* value at once, before meeting anyone
+            t = envvars.get("HPCRING_INIT_TIMEOUT") if timeout is None else envvars.check_number(
+                "init(timeout=)", timeout, lo=0, lo_open=True, hi=envvars.MAX_TIMEOUT)
             topo, store = init_bootstrap(timeout=t, interface=interface,
-                                         verify=verify or os.environ.get("HPCRING_VERIFY", "ring"))
+                                         verify=verify or envvars.get("HPCRING_VERIFY"))
             _SESSION = Session(topo, store, load_secret())
             atexit.register(_release, _SESSION)
             if watchdog:
                 _SESSION.start_watchdog()
         session = _SESSION
     if backend is not None:
-        session.communicator(backend, timeout=timeout)
+        session.use(backend, timeout=timeout)
     return session
 
 
@@ -164,8 +178,8 @@ def _release(session: Session) -> None:
     for their last answer (seen on the dev cluster: 'store closed the connection').
     """
     topo, store = session.topology, session.store
-    linger = float(os.environ.get("HPCRING_STORE_LINGER", "30"))
     try:
+        linger = envvars.get("HPCRING_STORE_LINGER")
         if topo.rank != 0:
             store.add("session/left", 1)
             return

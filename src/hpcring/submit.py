@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -17,9 +17,10 @@ from typing import Callable, Iterator
 from submitit.core.utils import FailedJobError
 
 from hpcring import schedulers
+from hpcring.bootstrap import auth
 from hpcring.config.jobspec import JobSpec
-from hpcring.config.site import Site, load_site
-from hpcring.diagnostics.report import rank_ranges
+from hpcring.config.site import Site
+from hpcring.ranks import rank_ranges
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.job import RunScript
 from hpcring.render import render_script
@@ -48,20 +49,8 @@ def preview(site: Site, job: JobSpec, template: str | None = None) -> str:
     """The exact script `submit` would hand to the scheduler (job id still a placeholder)."""
     folder = str(job_root(job) / "%j")
     own = getattr(schedulers.get(site.config.scheduler), "rank_command", None)  # LSF: per-rank log entry
-    command = own(_python(site), folder) if own else RANK_COMMAND.format(python=_python(site), folder=folder)
+    command = own(_python(site), folder) if own else RANK_COMMAND.format(python=_python(site), folder=shlex.quote(folder))
     return render_script(site, job, command, folder, template, python=_python(site))
-
-
-def _new_secret(root: Path) -> Path:
-    """Per-job secret for the rendezvous, readable by the user only; never on a command line."""
-    d = root / ".secrets"
-    d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o700)
-    path = d / f"{secrets.token_hex(8)}.key"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32))
-    return path
 
 
 def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
@@ -73,7 +62,7 @@ def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
     except OSError as exc:
         raise UsageError(f"cannot create the job folder {root} ({job.sources.get('job_dir')}): {exc}",
                          hint="set job_dir in the site config or HPCRING_JOB_DIR to a writable shared path")
-    job.env.setdefault("HPCRING_SECRET_FILE", str(_new_secret(root)))
+    job.env.setdefault("HPCRING_SECRET_FILE", str(auth.new_job_secret(root)))
     mod = schedulers.get(site.config.scheduler)
     ex = mod.make_executor(site, job, root / "%j", template, _python(site))
     fn = RunScript(str(script), job.args, os.getcwd(), job.gpus_per_node)
@@ -257,7 +246,3 @@ def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callab
                 on_line(*item)
             return outcome(rec, st)
         time.sleep(poll_s)
-
-
-def site_of(rec: JobRecord) -> Site:
-    return load_site(rec.site)

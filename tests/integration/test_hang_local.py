@@ -72,11 +72,12 @@ def test_precheck_catches_a_count_mismatch_without_waiting_for_the_deadline(tmp_
     assert took < 60
 
 
-def test_sigusr1_dumps_flight_records_and_keeps_running(tmp_path):
+def test_dump_signal_dumps_flight_records_and_keeps_running_and_sigusr1_stays_free(tmp_path):
     script = tmp_path / "one.py"
     script.write_text(
-        "import time, numpy as np, hpcring\n"
+        "import signal, time, numpy as np, hpcring\n"
         "s = hpcring.init(); c = s.communicator('ring')\n"
+        "assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL   # Lightning installs its requeue here\n"
         "c.allreduce(np.ones(4, np.float32)); c.barrier()\n"
         "print('READY', flush=True)\n"
         "time.sleep(3)\n"
@@ -88,10 +89,10 @@ def test_sigusr1_dumps_flight_records_and_keeps_running(tmp_path):
     p = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, cwd=tmp_path)
     assert p.stdout.readline().strip() == "READY"
-    p.send_signal(signal.SIGUSR1)
+    p.send_signal(signal.SIGRTMIN + 7)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert "SURVIVED" in out
     data = json.loads((tmp_path / "diag" / "flight-rank0.json").read_text())
     assert [r["op"] for r in data["records"]] == ["allreduce", "barrier"]
-    assert data["reason"] == "signal SIGUSR1"
+    assert data["reason"] == "signal SIGRTMIN+7"

@@ -121,7 +121,21 @@ MALFORMED = [
     "n[]", "n[a-b]", "n[3-1]", "n[1-2-3]", "n[1,,2]", "n[1,]", "n[,1]", "n[-1]", "n[1x2]",
     "n[1-2]]", "n[[1]]", "n[0-65536]", "a[0-65536]b[1]", "n[1 ,2]", "[]", "a,n[x],b",
     "a[1-2]b[x]c[1-2]", "a[3-1]b[1-2]c[1-2]", "n[1-2] m[5-4]",
+    # issue 12: more malformed shapes
+    "n[-]", "n[1--2]", "n[1-2,]", "n[,]", "n[1-2][3]]", "n[0x1-3]", "n[1-65537]", "n[01-0a]",
 ]
+
+# An unclosed '[': scontrol 22.05 does not reject these but prints mangled names (``n[1-2`` gives
+# ``n]``); we refuse them (documented in the hostlist module as "deliberately stricter").
+UNCLOSED = ["n[1-2", "n[1-2]x[", "n[1-2],m[3", "[1-2", "n[1-2]-[", "n[1-2] ["]
+
+
+@pytest.mark.parametrize("expr", UNCLOSED)
+def test_unclosed_bracket_slurm_mangles_is_refused(scontrol_env, expr):
+    theirs = scontrol_hosts(expr, scontrol_env)
+    assert theirs is not None and theirs != [], f"scontrol now rejects {expr!r}: move it to MALFORMED"
+    with pytest.raises(HostlistError, match="never closed"):
+        expand(expr)
 
 
 @pytest.mark.parametrize("expr", MALFORMED)

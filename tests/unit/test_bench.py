@@ -5,6 +5,7 @@ directly with numpy from all ranks' real inputs), so the expected-value side of 
 checked against an independent implementation, and deliberate corruption must be counted exactly.
 """
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -159,8 +160,13 @@ class World:
 class ThreadComm:
     """An independent reference implementation of the collectives (numpy on all ranks' inputs)."""
 
+    backend = types.SimpleNamespace(name="reference", device="cpu")
+
     def __init__(self, world, rank, corrupt=0):
         self.world, self.rank, self.size, self.corrupt = world, rank, world.n, corrupt
+
+    def synchronize(self):
+        pass
 
     def _all(self, x):
         w = self.world
@@ -339,3 +345,38 @@ def test_cli_parses_into_options(monkeypatch):
 def test_in_rank_detection():
     assert B.in_rank({"HPCRING_SESSION": "{}"})
     assert not B.in_rank({"PATH": "/usr/bin"})
+
+
+def test_gpu_backend_times_device_buffers_by_default_and_labels_host_staging(monkeypatch):
+    """nccl-tests times device memory: on a cuda backend the buffers are CuPy arrays (here the fake
+    CuPy/NCCL of helpers_fake_cuda, one rank), every row is checked, and host buffers only on request."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import helpers_fake_cuda as F
+
+    from hpcring.collectives import nccl as N
+    from hpcring.collectives.api import Communicator
+    cp = F.make_cupy(ngpus=1)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    nc = F.FakeNcclComm(cp, 1, 0, 0)
+    comm = Communicator(N.NcclBackend(nc, 0, 1, 0, hosts=("gpu0",), cupy=cp, nccl=F.make_nccl_module([nc]),
+                                      version=22000), timeout=5.0)
+    for coll in ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall"):
+        opts = B.BenchOptions(collective=coll, minbytes=64, maxbytes=4096, factor=8, iters=2, warmup=1)
+        rows = B.run_bench(comm, opts)
+        assert [r.wrong for r in rows] == [0, 0, 0], coll
+        case = B.make_case(comm, coll, "float32", "sum", 0, 1024, xp=B.device_module(comm, "auto"))
+        cp.host_copies_allowed = False          # the timed call moves no byte through the host
+        case.run()
+        comm.synchronize()
+        cp.host_copies_allowed = True
+        assert case.check() == 0
+    assert B.memory_label(comm, "auto").startswith("device (CuPy arrays on GPU 0)")
+    assert "staged through the GPU" in B.memory_label(comm, "host")
+    assert B.device_module(comm, "host") is None
+    with pytest.raises(UsageError, match="--memory device needs a GPU backend"):
+        B.device_module(ThreadComm(World(1), 0), "device")
+    with pytest.raises(UsageError, match="--memory"):
+        B.BenchOptions(memory="pinned").check()
+    comm.close()

@@ -75,3 +75,43 @@ def test_dry_run_prints_script_submits_nothing(tmp_path, state_dir):
     r = run("submit", str(script), "--site", "local", "--nodes", "2", "--dry-run")
     assert r.exit_code == 0 and "hpcring.schedulers.local_run --nodes 2" in r.stdout
     assert not (state_dir / "jobs").exists() or not list((state_dir / "jobs").iterdir())
+
+
+def test_help_and_hostlist_import_no_heavy_library():
+    """`hpcring --help` must be instant: neither submitit, pydantic nor numpy is imported. (Running
+    any command, typer 0.29 itself imports pydantic -- a bare two-command typer app too -- so for
+    `hostlist` only submitit, numpy and the bootstrap layer are checked.)"""
+    import subprocess
+    import sys
+    code = ("import sys; from typer.testing import CliRunner; from hpcring.cli.main import app; "
+            "r = CliRunner().invoke(app, ['--help']); assert r.exit_code == 0, r.output; "
+            "print(sorted(m for m in ('submitit', 'pydantic', 'numpy', 'hpcring.session') if m in sys.modules)); "
+            "r = CliRunner().invoke(app, ['hostlist', 'expand', 'n[1-2]']); assert r.output.split() == ['n1', 'n2']; "
+            "print(sorted(m for m in ('submitit', 'numpy', 'hpcring.session') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "[]"]
+
+
+def test_submit_and_render_share_every_job_option():
+    from hpcring.cli.jobopts import JobRequest
+    helps = {cmd: CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200"}).output for cmd in ("submit", "render")}
+    for flag in ("--site", "--nodes", "--tasks-per-node", "--gpus-per-node", "--cpus-per-task", "--time",
+                 "--partition", "--account", "--qos", "--constraint", "--exclusive", "--name", "--sched-arg",
+                 "--template", "--verbose"):
+        assert flag in helps["submit"] and flag in helps["render"], flag
+    assert "--dry-run" in helps["submit"] and "--dry-run" not in helps["render"]
+    # the request: CLI values only, None when not given; repeated flags and script args as lists
+    from hpcring.cli import main
+    seen = {}
+    orig = JobRequest.resolve
+    try:
+        JobRequest.resolve = lambda self: (_ for _ in ()).throw(SystemExit(seen.setdefault("req", self) and 0))
+        CliRunner().invoke(app, ["render", "t.py", "-N", "3", "--sched-arg", "--x=1", "--sched-arg", "--y",
+                                 "-J", "my run", "--", "--lr", "0.1"])
+    finally:
+        JobRequest.resolve = orig
+    req = seen["req"]
+    assert (req.script, req.args, req.nodes, req.sched_arg, req.name, req.partition) == \
+        ("t.py", ["--lr", "0.1"], 3, ["--x=1", "--y"], "my run", None)
+    assert main.render.__name__ == "render"

@@ -214,7 +214,7 @@ def test_generic_cuda_dlpack_object_is_viewed_in_place(fake):
 # ---------------------------------------------------------------------------------------------
 # streams, worker thread, devices
 # ---------------------------------------------------------------------------------------------
-def test_caller_stream_and_device_are_used_even_on_the_worker_thread(fake):
+def test_caller_stream_and_device_are_used_and_async_calls_enqueue_in_the_caller(fake):
     cp = fake.cp
     comm, nc = nccl_comm(fake)
     x = cp.device_array(np.ones(8, np.float32), device=GPU)
@@ -223,13 +223,16 @@ def test_caller_stream_and_device_are_used_even_on_the_worker_thread(fake):
         comm.allreduce(x)
         h1 = comm.allreduce_async(x)
         h2 = comm.allgather_async(x)
-        comm.broadcast(x)                   # synchronous, but queued behind the async calls
+        comm.broadcast(x)
     assert cp.current_device() == 0 and cp.cuda.get_current_stream(GPU).ptr == 0
     h1.wait(5)
     h2.wait(5)
+    assert [c["op"] for c in nc.calls] == ["allReduce", "allReduce", "allGather", "broadcast"]
     assert [c["stream"] for c in nc.calls] == [0x5000] * 4
     assert [c["device"] for c in nc.calls] == [GPU] * 4
-    assert nc.calls[1]["thread"] != threading.get_ident()
+    # stream-ordered: enqueued by the calling thread, so the NCCL order is the program order on
+    # every rank (a worker thread could reorder against later synchronous calls)
+    assert {c["thread"] for c in nc.calls} == {threading.get_ident()}
     assert all(stream == 0x5000 and dev == GPU for dev, stream, *_ in cp.allocations)
 
     comm.allreduce(x)                       # outside any stream context: CuPy's null stream
@@ -243,9 +246,96 @@ def test_torch_stream_is_captured_at_submission(fake):
     x = torch.cuda_tensor(np.ones(4, np.float32), torch.float32, GPU)
     torch.current_streams[GPU] = 0x7100
     h = comm.allreduce_async(x)
-    h.wait(5)
     torch.current_streams[GPU] = 0x7200     # the caller moved on; the call kept its stream
-    assert nc.calls[-1]["stream"] == 0x7100 and nc.calls[-1]["thread"] != threading.get_ident()
+    h.wait(5)
+    assert nc.calls[-1]["stream"] == 0x7100
+    comm.allreduce(x)
+    assert nc.calls[-1]["stream"] == 0x7200
+    comm.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# stream order: return before the GPU finished; completion, deadline and errors from the poller
+# ---------------------------------------------------------------------------------------------
+def test_device_collectives_return_before_the_gpu_finished(fake):
+    cp = fake.cp
+    comm, nc = nccl_comm(fake, size=2)
+    x = cp.device_array(np.ones(1024, np.float32), device=GPU)
+    cp.gpu_busy = True                       # the GPU has not run anything yet
+    y = comm.allreduce(x)                    # the synchronous call returns at once ...
+    h = comm.allreduce_async(x, out=x)
+    seen = []
+    h.add_done_callback(lambda hh: seen.append(hh.exception()))
+    assert y is not None and not h.done() and h.cuda_event is not None
+    assert [r.state for r in comm.recorder.records()] == ["started", "started"]   # ... in flight
+    with pytest.raises(Exception, match="still in flight"):
+        comm.synchronize(0.05)
+    cp.gpu_busy = False
+    h.wait(5)
+    comm.synchronize(5)
+    assert seen == [None] and [r.state for r in comm.recorder.records()] == ["done", "done"]
+    np.testing.assert_array_equal(y.get(), np.full(1024, 2, np.float32))
+    comm.close()
+
+
+def test_barrier_on_a_device_backend_blocks_the_host(fake):
+    cp = fake.cp
+    comm, nc = nccl_comm(fake, size=2)
+    comm.barrier()
+    assert nc.calls[-1]["op"] == "allReduce" and comm.recorder.records()[-1].state == "done"
+    cp.gpu_busy = True
+    with pytest.raises(Exception, match=r"barrier#2 did not complete within the 0.2 s deadline"):
+        comm.barrier(timeout=0.2)
+    assert nc.aborted
+    comm.close()
+
+
+class _Watchdog:
+    """Stands in for hpcring.diagnostics.watchdog.Watchdog (register / on_failure)."""
+
+    def __init__(self):
+        self.failures = []
+
+    def register(self, comm):
+        pass
+
+    def on_failure(self, comm, rec, error):
+        self.failures.append((rec.op, rec.seq, str(error)))
+        return type(error)(f"{error} [job-wide report]")
+
+
+def test_a_device_deadline_aborts_reaches_the_watchdog_and_fails_every_handle(fake):
+    cp = fake.cp
+    nc = F.FakeNcclComm(cp, 2, 0, GPU)
+    be = N.NcclBackend(nc, 0, 2, GPU, hosts=("gpu0", "gpu1"), cupy=cp, nccl=F.make_nccl_module([nc]),
+                       version=22000)
+    wd = _Watchdog()
+    comm = Communicator(be, timeout=0.3, watchdog=wd)
+    x = cp.device_array(np.ones(16, np.float32), device=GPU)
+    cp.gpu_busy = True                       # rank 1 never joins: the kernel never finishes
+    h1 = comm.allreduce_async(x)
+    comm.allreduce(x)                        # returns: it is only enqueued
+    with pytest.raises(Exception, match=r"(?s)allreduce#1.*0.3 s deadline.*\[job-wide report\]"):
+        h1.wait(10)
+    assert nc.aborted and wd.failures[0][:2] == ("allreduce", 1)
+    assert [r.state for r in comm.recorder.records()] == ["failed", "failed"]
+    with pytest.raises(Exception, match="allreduce#1"):          # sticky
+        comm.allreduce(x)
+    cp.gpu_busy = False
+    comm.close()
+
+
+def test_an_nccl_async_error_fails_the_outstanding_collective(fake):
+    cp = fake.cp
+    comm, nc = nccl_comm(fake, size=2)
+    x = cp.device_array(np.ones(16, np.float32), device=GPU)
+    cp.gpu_busy = True
+    h = comm.allgather_async(x)
+    nc.async_error = "NCCL_ERROR_REMOTE_ERROR: peer gpu3 closed the connection"
+    with pytest.raises(Exception, match="allgather#1.*NCCL async error: NCCL_ERROR_REMOTE_ERROR"):
+        h.wait(10)
+    assert nc.aborted
+    cp.gpu_busy = False
     comm.close()
 
 
@@ -594,3 +684,51 @@ def test_gpu_wrong_device_or_layout_is_refused(gpu_comm):
         with pytest.raises(UsageError, match="on GPU 1 but this communicator uses GPU 0"):
             comm.allreduce(other)
     assert comm.error is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the fakes against the real libraries (installed without a GPU in CI)
+# ---------------------------------------------------------------------------------------------
+def _real_cupy():
+    try:
+        import cupy
+        from cupy.cuda import nccl
+        nccl.get_version()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"real CuPy with NCCL not importable: {e}")
+    return cupy, nccl
+
+
+def _cython_params(method) -> list[str]:
+    """Parameter names from a Cython method's embedded signature ('name(self, intptr_t a, ...)')."""
+    import re
+    first = (method.__doc__ or "").strip().splitlines()[0]
+    inside = re.search(r"\((.*)\)", first).group(1)
+    return [p.split("=")[0].split()[-1] for p in inside.split(",") if p.strip() and p.strip() != "self"]
+
+
+def test_fake_nccl_communicator_mirrors_the_real_signatures():
+    import inspect
+    _, nccl = _real_cupy()
+    for name in ("allReduce", "reduceScatter", "allGather", "broadcast", "send", "recv"):
+        real = _cython_params(getattr(nccl.NcclCommunicator, name))
+        fake = [p for p in inspect.signature(getattr(F.FakeNcclComm, name)).parameters if p != "self"]
+        assert len(fake) == len(real), (name, fake, real)
+    for name in ("check_async_error", "abort", "destroy"):
+        assert hasattr(nccl.NcclCommunicator, name)
+    assert type(F.make_nccl_module([]).get_unique_id()) is type(nccl.get_unique_id())
+    for name in ("groupStart", "groupEnd", "get_version"):
+        assert callable(getattr(nccl, name))
+
+
+def test_fake_cupy_streams_and_events_mirror_the_real_api():
+    cupy, _ = _real_cupy()
+    fake = F.make_cupy(1)
+    for attr in ("record", "done", "synchronize"):
+        assert hasattr(cupy.cuda.Event, attr) and hasattr(fake.cuda.Event, attr)
+    for attr in ("from_external", "wait_event", "synchronize"):
+        assert hasattr(cupy.cuda.Stream, attr) and hasattr(fake.cuda.Stream, attr), attr
+    assert isinstance(cupy.cuda.Stream.null.ptr, int) and isinstance(fake.cuda.get_current_stream().ptr, int)
+    import torch
+    assert hasattr(torch.cuda.Stream, "__cuda_stream__") and hasattr(F.make_torch(fake).cuda.current_stream(),
+                                                                      "__cuda_stream__")

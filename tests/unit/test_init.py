@@ -15,7 +15,7 @@ import pytest
 from hpcring.bootstrap import init as bi
 from hpcring.bootstrap.store import new_secret_file
 from hpcring.bootstrap.topology import Topology
-from hpcring.errors import BootstrapError
+from hpcring.errors import BootstrapError, UsageError
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -114,8 +114,9 @@ def test_missing_ranks_named_with_hosts_across_nodes(tmp_path):
 
 
 def test_describe_ranks_unknown_hosts_and_limit():
-    assert bi.describe_ranks([1, 2], ("a", "?", "b")) == "rank 1 (host unknown), rank 2 on b"
-    assert bi.describe_ranks(list(range(20)), ("h",) * 20, limit=2) == "rank 0 on h, rank 1 on h and 18 more"
+    from hpcring.ranks import each_on_host
+    assert each_on_host([1, 2], ("a", "?", "b")) == "rank 1 (host unknown), rank 2 on b"
+    assert each_on_host(list(range(20)), ("h",) * 20, limit=2) == "rank 0 on h, rank 1 on h and 18 more"
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -148,6 +149,7 @@ def topo(**kw):
 
 def test_framework_env_contents(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")          # the user's choice stands
     env = bi.framework_env(topo(), gpus_per_node=4)
     assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29601", "RANK": "1", "WORLD_SIZE": "4",
                    "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
@@ -159,6 +161,18 @@ def test_framework_env_respects_existing_cuda_devices_and_cpu_jobs(monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in bi.framework_env(topo(), gpus_per_node=4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert "CUDA_VISIBLE_DEVICES" not in bi.framework_env(topo(), gpus_per_node=0)
+
+
+def test_omp_threads_follow_the_cpus_a_rank_has(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    assert bi.framework_env(topo(), 0)["OMP_NUM_THREADS"] == str(bi.threads_per_rank(2))
+    machine = set(range(16))
+    assert bi.threads_per_rank(4, {}, machine, 16) == 4          # 4 unpinned ranks share 16 CPUs
+    assert bi.threads_per_rank(4, {}, {2, 3, 4}, 16) == 3         # pinned by the launcher: all of its own
+    assert bi.threads_per_rank(8, {}, set(range(2)), 2) == 1      # never 0
+    assert bi.threads_per_rank(4, {"SLURM_CPUS_PER_TASK": "6"}, machine, 16) == 6
+    assert bi.threads_per_rank(4, {"SLURM_CPUS_PER_TASK": "junk"}, machine, 16) == 4
 
 
 def test_framework_env_needs_a_completed_topology():
@@ -192,3 +206,27 @@ def test_bootstrap_master_addr_precedence():
     assert bi.bootstrap_master_addr(t, {}) == "127.0.0.1"   # first host resolved
     with pytest.raises(BootstrapError, match="cannot tell where rank 0 runs"):
         bi.bootstrap_master_addr(topo(master_addr=None, hosts=("?", "a", "b", "c")), {})
+
+
+def test_backend_given_to_init_becomes_the_sessions_default(monkeypatch):
+    import hpcring.session as hs
+    from hpcring.collectives import api
+    made = []
+
+    class Comm:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def allreduce(self, x):
+            return (self.backend, x)
+    monkeypatch.setattr(api.Communicator, "create", classmethod(
+        lambda cls, topo, store, secret, *, timeout=None, backend="ring", watchdog=None, **kw:
+        made.append(backend) or Comm(backend)))
+    monkeypatch.setattr(hs, "auto_backend", lambda topo, environ=None: "nccl")   # as on a GPU node
+    s = hs.Session(topo(), store=None, secret=b"x" * 32)
+    s.use("ring")
+    assert s.allreduce(1) == ("ring", 1) and s.communicator().backend == "ring" and made == ["ring"]
+    with pytest.raises(UsageError, match="unknown backend 'gloo'"):
+        s.use("gloo")
+    fresh = hs.Session(topo(), store=None, secret=b"x" * 32)
+    assert fresh.allreduce(2) == ("nccl", 2)                                     # no default: auto

@@ -12,14 +12,94 @@ from hpcring.collectives.backends import DTYPES, OPS
 from hpcring.errors import CollectiveError, UsageError
 
 
-def test_unique_id_round_trips_as_raw_bytes():
-    uid = tuple((i * 37) % 256 - 128 for i in range(128))
-    data = N.uid_to_bytes(uid)
+def test_unique_id_round_trips_as_raw_bytes_for_old_and_new_cupy():
+    old = tuple((i * 37) % 256 - 128 for i in range(128))        # CuPy <= 13: signed chars
+    data = N.uid_to_bytes(old)
     assert isinstance(data, bytes) and len(data) == 128
-    assert N.uid_from_bytes(data) == uid
+    assert N.uid_from_bytes(data) == old
+    assert N.uid_from_bytes(data, as_bytes=True) == data           # CuPy >= 14: bytes
+    assert N.uid_to_bytes(data) == data
     assert all(-128 <= c <= 127 for c in N.uid_from_bytes(bytes(range(128))))
     with pytest.raises(CollectiveError, match="expected 128"):
         N.uid_from_bytes(b"\x00" * 10)
+    assert N.uid_takes_bytes(types.SimpleNamespace(__version__="14.2.0"))
+    assert not N.uid_takes_bytes(types.SimpleNamespace(__version__="13.6.0"))
+
+
+def _real_nccl():
+    """The installed CuPy's NCCL module (CI installs cupy-cuda12x and nvidia-nccl-cu12: both import
+    and hand out unique ids without a GPU)."""
+    try:
+        import cupy
+        from cupy.cuda import nccl
+        nccl.get_version()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"CuPy with NCCL is not importable here: {e}")
+    return cupy, nccl
+
+
+def test_real_cupy_unique_id_reaches_ncclcomminitrank_in_the_type_it_takes():
+    """The glue against the real library: the id from get_unique_id goes through the store's bytes
+    and comes back in the type this CuPy's NcclCommunicator accepts. Without a GPU the call then
+    fails inside CUDA/NCCL -- never with the argument TypeError that broke every GPU run."""
+    cupy, nccl = _real_nccl()
+    raw = N.uid_to_bytes(nccl.get_unique_id())
+    assert len(raw) == 128
+    uid = N.uid_from_bytes(raw, as_bytes=N.uid_takes_bytes(cupy))
+    try:
+        comm = nccl.NcclCommunicator(1, uid, 0)
+    except TypeError as e:
+        pytest.fail(f"NcclCommunicator refused the unique id's type: {e}")
+    except Exception as e:  # noqa: BLE001 - NcclError / CUDA error without a GPU
+        assert "commId" not in str(e)
+    else:                                # a GPU is visible: a real one-rank communicator
+        comm.destroy()
+    topo = types.SimpleNamespace(rank=0, size=1, host="here")
+    if N.gpu_count() == 0:               # the whole creation path: an NcclError, named
+        with pytest.raises(CollectiveError, match=r"ncclCommInitRank failed on rank 0 \(here, GPU 0\)"):
+            N._init_rank(nccl, topo, raw, N.uid_takes_bytes(cupy), 0)
+    # the other form is what the other CuPy generation takes: this one refuses it by type
+    with pytest.raises(TypeError, match="commId"):
+        nccl.NcclCommunicator(1, N.uid_from_bytes(raw, as_bytes=not N.uid_takes_bytes(cupy)), 0)
+
+
+def test_init_rank_retries_with_the_other_id_type_when_cupy_refuses_it():
+    calls = []
+
+    class Comm:
+        def __init__(self, n, uid, rank):
+            calls.append(type(uid).__name__)
+            if not isinstance(uid, bytes):
+                raise TypeError("Argument 'commId' has incorrect type (expected bytes, got tuple)")
+    nccl = types.SimpleNamespace(NcclCommunicator=Comm)
+    topo = types.SimpleNamespace(rank=1, size=2, host="gpu7")
+    assert isinstance(N._init_rank(nccl, topo, bytes(128), False, 0), Comm)
+    assert calls == ["tuple", "bytes"]
+
+
+def test_two_ranks_on_one_gpu_are_refused_naming_them():
+    N.check_gpu_sharing(0, {0: "0000:1b:00.0", 1: "0000:1c:00.0"}, "gpu1")       # distinct: fine
+    with pytest.raises(CollectiveError) as ei:
+        N.check_gpu_sharing(3, {2: "0000:1b:00.0", 3: "0000:1b:00.0", 4: "0000:1c:00.0"}, "gpu1")
+    msg = f"{ei.value} {ei.value.hint}"
+    assert "ranks 2, 3 on gpu1 would share one GPU (PCI 0000:1b:00.0)" in msg
+    assert "--gpus-per-node" in msg and "CUDA_VISIBLE_DEVICES" in msg
+
+
+def test_gpu_sharing_check_reads_only_the_ranks_of_this_host():
+    from hpcring.bootstrap.store import StoreClient, StoreServer
+    secret = b"k" * 32
+    hosts = ("a", "a", "b")
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
+        deviceGetPCIBusId=lambda d: f"0000:0{d}:00.0")))
+    with StoreServer("127.0.0.1", 0, secret=secret) as srv:
+        store = StoreClient("127.0.0.1", srv.port, secret)
+        store.set("nccl/1/gpu/1", b"0000:00:00.0")      # rank 1 on host a: GPU 0, like rank 0
+        topo = types.SimpleNamespace(rank=0, size=3, host="a", hosts=hosts)
+        with pytest.raises(CollectiveError, match="ranks 0, 1 on a would share"):
+            N._check_one_gpu_per_rank(topo, store, 1, cupy, 0, 5.0)
+        topo2 = types.SimpleNamespace(rank=2, size=3, host="b", hosts=hosts)
+        N._check_one_gpu_per_rank(topo2, store, 1, cupy, 0, 5.0)   # alone on b: rank 0/1 never read
 
 
 def test_dtype_and_op_mapping():
@@ -76,16 +156,20 @@ def _buf():
 
 
 def _fake_backend(comm, done=False):
+    """The real NcclBackend over a fake communicator; ``gpu.done`` says whether the GPU has
+    finished the enqueued work (every event's ``done``)."""
+    gpu = types.SimpleNamespace(done=done, events=0)
+
     class Event:
         def __init__(self, **kw):
-            pass
+            gpu.events += 1
 
-        def record(self, stream):
+        def record(self, stream=None):
             pass
 
         @property
         def done(self):
-            return done
+            return gpu.done
     stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, get_current_stream=lambda: stream,
                                                             Device=lambda i: contextlib.nullcontext()),
@@ -93,35 +177,44 @@ def _fake_backend(comm, done=False):
     b = N.NcclBackend(comm, 0, 2, 0, hosts=("gpu1", "gpu2"), cupy=cupy, nccl=types.SimpleNamespace(), version=22000)
     dev = types.SimpleNamespace(size=1000, data=types.SimpleNamespace(ptr=4096))
     b._device = lambda buf, dtype: (dev, None)
+    b.gpu = gpu
     return b
+
+
+def test_device_op_returns_before_the_gpu_finished_and_polls_to_completion():
+    comm = _FakeComm()
+    b = _fake_backend(comm)
+    p = b.allreduce(_buf(), _buf(), "bfloat16", "sum", 30.0)      # enqueued, GPU still busy
+    assert isinstance(p, N.Pending) and b.take_pending() is p and b.take_pending() is None
+    assert comm.calls[0][1][2:5] == (1000, 9, 0) and not comm.aborted
+    assert b.poll(p) is False
+    b.gpu.done = True
+    assert b.poll(p) is True and b.error is None
 
 
 def test_deadline_aborts_the_communicator_and_names_the_op():
     comm = _FakeComm()
     b = _fake_backend(comm)
+    p = b.allreduce(_buf(), _buf(), "float32", "sum", 0.05)
     with pytest.raises(CollectiveError) as ei:
-        b.allreduce(_buf(), _buf(), "float32", "sum", 0.05)
+        b.wait(p)
     msg = str(ei.value)
     assert "allreduce#1(count=1000, dtype=float32, 4000 bytes, op=sum)" in msg
     assert "0.05 s deadline" in msg and "rank 0 (gpu1, GPU 0)" in msg and "aborted" in msg
     assert comm.aborted and comm.calls and b.error
     with pytest.raises(CollectiveError, match="allreduce#1"):     # sticky
         b.barrier(1.0)
+    with pytest.raises(CollectiveError, match="allreduce#1"):
+        b.poll(p)
 
 
 def test_async_error_aborts_at_once():
     comm = _FakeComm(async_error="NCCL_ERROR_SYSTEM_ERROR: remote peer closed")
     b = _fake_backend(comm)
+    p = b.allreduce(_buf(), _buf(), "float32", "max", 30.0)
     with pytest.raises(CollectiveError, match="allreduce#1.*NCCL async error: NCCL_ERROR_SYSTEM_ERROR"):
-        b.allreduce(_buf(), _buf(), "float32", "max", 30.0)
+        b.poll(p)
     assert comm.aborted
-
-
-def test_completed_op_returns():
-    comm = _FakeComm()
-    b = _fake_backend(comm, done=True)
-    b.allreduce(_buf(), _buf(), "bfloat16", "sum", 1.0)
-    assert comm.calls[0][1][2:5] == (1000, 9, 0) and not comm.aborted and b.error is None
 
 
 def test_create_without_cupy_or_gpu_says_why():

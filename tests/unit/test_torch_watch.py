@@ -88,3 +88,9 @@ def test_site_hook_wraps_init_process_group_and_runs_the_sitecustomize_it_shadow
     env.pop("HPCRING_SESSION")                     # not inside hpcring run: nothing is wrapped
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.splitlines() == ["SHADOWED SITECUSTOMIZE RAN", "False False"]
+
+
+def test_hpcring_backend_is_left_alone():
+    assert tw._only_hpcring("hpcring") and tw._only_hpcring("cpu:hpcring,cuda:hpcring")
+    assert not tw._only_hpcring("cpu:gloo,cuda:hpcring") and not tw._only_hpcring(None)
+    assert not tw._only_hpcring("gloo")

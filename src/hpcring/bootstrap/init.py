@@ -29,7 +29,9 @@ from collections.abc import Mapping
 from hpcring.bootstrap import launchers, netif
 from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, StoreTimeoutError, load_secret
 from hpcring.bootstrap.topology import Topology
+from hpcring.config import envvars
 from hpcring.errors import BootstrapError
+from hpcring.ranks import each_on_host
 
 log = logging.getLogger("hpcring.bootstrap.init")
 
@@ -127,8 +129,9 @@ def _interface_spec(interface: str | None, env: Mapping[str, str], topo: Topolog
 
 
 def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, int]) -> list[int]:
-    if env.get("HPCRING_STORE_PORT"):
-        return [int(env["HPCRING_STORE_PORT"])]
+    port = envvars.get("HPCRING_STORE_PORT", env)
+    if port is not None:
+        return [port]
     # Fold the world size in so two steps of one job with different sizes do not share a port.
     return candidate_ports(derive_port(f"{topo.job_id}/{topo.size}", port_range), port_range)
 
@@ -140,7 +143,7 @@ def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: 
         client.server = server
         return client
     return _connect_any(bootstrap_master_addr(topo, env), ports, secret, deadline,
-                        who=describe_ranks([0], topo.hosts))
+                        who=each_on_host([0], topo.hosts))
 
 
 def _start_server(ports: list[int], secret: bytes) -> StoreServer:
@@ -248,21 +251,12 @@ def _publish_hosts(client: StoreClient, topo: Topology, deadline: float) -> None
     client.set("init/hosts", json.dumps([v.decode() for v in values]).encode())
 
 
-def describe_ranks(ranks: list[int], hosts, limit: int = 16) -> str:
-    """``rank 3 on node2, rank 5 on node3`` (hosts by rank; ``?`` or missing = unknown host)."""
-    def one(r: int) -> str:
-        host = hosts[r] if r < len(hosts) and hosts[r] not in ("", launchers.UNKNOWN_HOST) else None
-        return f"rank {r} on {host}" if host else f"rank {r} (host unknown)"
-    text = ", ".join(one(r) for r in ranks[:limit])
-    return text + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
-
-
 def _missing_ranks_error(topo: Topology, missing: list[int], exc: BootstrapError) -> BootstrapError:
     """The rendezvous error that names the ranks that never reached it, with their hosts when the
     launcher lists them (Slurm: SLURM_JOB_NODELIST + tasks per node)."""
     return BootstrapError(
         f"rendezvous incomplete: {len(missing)} of {topo.size} ranks never reached hpcring.init(): "
-        f"{describe_ranks(missing, topo.hosts)} (job {topo.job_id or '?'}; {exc.message})",
+        f"{each_on_host(missing, topo.hosts)} (job {topo.job_id or '?'}; {exc.message})",
         hint="those ranks did not start or are stuck before hpcring.init() (imports, module loads, a hung "
              "shared file system): check the scheduler (e.g. `sacct -j JOB -o JobID,State,NodeList`) and "
              "their stderr logs; HPCRING_INIT_TIMEOUT sets how long ranks wait")
@@ -333,7 +327,28 @@ def framework_env(topo: Topology, gpus_per_node: int = 0) -> dict[str, str]:
         env["GLOO_SOCKET_IFNAME"] = topo.interface
     if gpus_per_node > 0 and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = str(topo.local_rank % gpus_per_node)
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(topo.local_size))
     return env
+
+
+def threads_per_rank(local_size: int, environ=None, affinity: set[int] | None = None,
+                     cpu_count: int | None = None) -> int:
+    """CPU threads one rank should use, so that the ranks of a node do not oversubscribe it:
+    ``SLURM_CPUS_PER_TASK`` when Slurm set it; else the CPUs this process may run on, divided by
+    the ranks of the node when that set is the whole machine (nobody pinned the ranks: they share
+    it), taken whole when a launcher pinned the rank to its own CPUs. At least 1."""
+    env = os.environ if environ is None else environ
+    per_task = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if per_task.isdigit() and int(per_task) > 0:
+        return int(per_task)
+    cpus = affinity if affinity is not None else (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                                                  else set(range(os.cpu_count() or 1)))
+    total = cpu_count if cpu_count is not None else (os.cpu_count() or len(cpus))
+    n = len(cpus)
+    if n >= total:
+        n //= max(1, local_size)
+    return max(1, n)
 
 
 def apply_framework_env(topo: Topology, gpus_per_node: int = 0) -> dict[str, str]:

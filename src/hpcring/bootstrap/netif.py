@@ -19,22 +19,21 @@ on another.
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import hmac
 import ipaddress
 import json
 import logging
-import secrets
 import socket
 import struct
 import subprocess
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from hpcring.bootstrap import auth
 from hpcring.errors import BootstrapError
-from hpcring.netio import recv_exact
+from hpcring.netio import recv_exact  # noqa: F401  (callers of the probes read through it)
+from hpcring.ranks import runs
 
 log = logging.getLogger("hpcring.bootstrap.netif")
 
@@ -47,9 +46,6 @@ IFF_LOOPBACK = 0x8
 IFF_RUNNING = 0x40   # lower layer up (carrier)
 SIOCGIFFLAGS = 0x8913
 SIOCGIFMTU = 0x8921
-_PROBE_CLIENT = b"hpcring-probe-v1 client"
-_PROBE_SERVER = b"hpcring-probe-v1 server"
-_NONCE = 32
 
 
 @dataclass(frozen=True)
@@ -270,12 +266,6 @@ def _describe(interfaces: Iterable[Interface]) -> str:
 
 # --------------------------------------------------------------------------------------- probes
 
-def _probe_macs(secret: bytes, ns: bytes, nc: bytes) -> tuple[bytes, bytes]:
-    client = hmac.new(secret, _PROBE_CLIENT + ns + nc, hashlib.sha256).digest()
-    server = hmac.new(secret, _PROBE_SERVER + ns + nc, hashlib.sha256).digest()
-    return client, server
-
-
 class ProbeListener:
     """Short-lived authenticated listener on one candidate address.
 
@@ -339,16 +329,13 @@ class ProbeListener:
         with conn:
             try:
                 conn.settimeout(self._io_timeout)
-                ns = secrets.token_bytes(_NONCE)
-                conn.sendall(ns)
-                answer = recv_exact(conn, _NONCE + 32)
-                nc = answer[:_NONCE]
-                want, reply = _probe_macs(self._secret, ns, nc)
-                if not hmac.compare_digest(answer[_NONCE:], want):
+                try:
+                    ns, nc, _ = auth.PROBE.accept(conn, self._secret)
+                except auth.BadProof:
                     log.warning("interface probe on %s:%d: dropped unauthenticated peer %s:%d",
                                 self.address, self.port, peer[0], peer[1])
                     return
-                conn.sendall(reply)
+                conn.sendall(auth.PROBE.server_proof(self._secret, ns, nc))
                 if self._on_authenticated is not None:
                     self._on_authenticated(conn)
             except (OSError, EOFError) as e:
@@ -375,12 +362,10 @@ def probe_connect(address: str, port: int, secret: bytes, timeout: float = 2.0) 
     try:
         s = socket.create_connection((address, port), timeout=timeout)
         s.settimeout(max(0.1, timeout - (time.monotonic() - t0)))
-        ns = recv_exact(s, _NONCE)
-        nc = secrets.token_bytes(_NONCE)
-        want, reply = _probe_macs(secret, ns, nc)
-        s.sendall(nc + want)
-        if not hmac.compare_digest(recv_exact(s, 32), reply):
-            raise ProbeFailed("answered with a bad MAC (another job's rank?)")
+        try:
+            auth.PROBE.prove(s, secret, auth.PROBE.read_hello(s))
+        except auth.BadProof:
+            raise ProbeFailed("answered with a bad MAC (another job's rank?)") from None
         return s
     except (OSError, EOFError, ProbeFailed) as e:
         if s is not None:
@@ -526,13 +511,8 @@ def _failure_report(failures: list[int], cands: list[dict], tested: dict) -> dic
 
 def _summarise(table: list[list]) -> str:
     """``0-3->host lo 127.0.0.1, 4->...``: runs of ranks with the same host/interface/address."""
-    parts, start = [], 0
-    for i in range(1, len(table) + 1):
-        if i == len(table) or table[i][1:] != table[start][1:]:
-            span = str(start) if i - 1 == start else f"{start}-{i - 1}"
-            parts.append(f"{span}->{' '.join(map(str, table[start][1:]))}")
-            start = i
-    return ", ".join(parts)
+    return ", ".join(f"{a if a == b else f'{a}-{b}'}->{' '.join(map(str, v))}"
+                     for a, b, v in runs([tuple(row[1:]) for row in table]))
 
 
 def _left(deadline: float) -> float:
@@ -545,7 +525,3 @@ def _dumps(obj) -> bytes:
 
 def _loads(data: bytes):
     return json.loads(data.decode())
-
-
-def interface_to_dict(iface: Interface) -> dict:
-    return asdict(iface)

@@ -7,10 +7,8 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    try:
-        from hpcring.cli.main import command
-    except ImportError:  # pragma: no cover - a partial build
-        command = lambda target, *a, **kw: target.command(*a, **kw)  # noqa: E731
+    from hpcring.cli.common import command
+    from hpcring.config.envvars import MAX_NODES, MAX_RANKS, MAX_TIMEOUT
 
     @command(app, "bench",
              help="Benchmark a collective like nccl-tests (size, count, type, redop, root, time, algbw, busbw, "
@@ -26,21 +24,26 @@ def register(app: typer.Typer) -> None:
               dtype: str = typer.Option("float32", "--dtype", "-d",
                                         help="float32, float64, float16, bfloat16, int32, int64, uint8."),
               op: str = typer.Option("sum", "--op", "-o", help="sum, prod, min, max or avg (reducing collectives)."),
-              root: int = typer.Option(0, "--root", "-r", help="Broadcast root."),
-              iters: int = typer.Option(20, "--iters", help="Timed calls per size."),
-              warmup: int = typer.Option(5, "--warmup", "-w", help="Untimed calls per size before timing."),
+              root: int = typer.Option(0, "--root", "-r", min=0, max=MAX_RANKS, help="Broadcast root."),
+              iters: int = typer.Option(20, "--iters", min=1, max=10**7, help="Timed calls per size."),
+              warmup: int = typer.Option(5, "--warmup", "-w", min=0, max=10**7, help="Untimed calls per size before timing."),
               seed: int = typer.Option(0, "--seed", help="Seed of the per-rank data patterns."),
-              timeout: Optional[float] = typer.Option(None, "--timeout", help="Deadline per collective (s)."),
+              memory: str = typer.Option("auto", "--memory",
+                                         help="device, host or auto: buffers in GPU memory (auto on the nccl "
+                                              "backend, like nccl-tests) or host numpy arrays (staged through "
+                                              "the GPU by nccl; labelled in the table)."),
+              timeout: Optional[float] = typer.Option(None, "--timeout", min=0.001, max=MAX_TIMEOUT, help="Deadline per collective (s)."),
               json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here (rank 0)."),
               plot: Optional[str] = typer.Option(None, "--plot", help="Write busbw vs size as PNG (needs matplotlib)."),
-              ranks: Optional[int] = typer.Option(None, "--ranks", "-n",
+              ranks: Optional[int] = typer.Option(None, "--ranks", "-n", min=1, max=MAX_RANKS,
                                                   help="Standalone only: local ranks to start (default 2)."),
-              nodes: Optional[int] = typer.Option(None, "--nodes", "-N",
+              nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES,
                                                   help="Standalone only: virtual local nodes (default 1).")):
         import sys
 
         from hpcring.bench import BenchOptions, bench_main, parse_size
         opts = BenchOptions(collective=collective, backend=backend, minbytes=parse_size(minbytes),
                             maxbytes=parse_size(maxbytes), factor=factor, dtype=dtype, op=op, root=root,
-                            iters=iters, warmup=warmup, seed=seed, timeout=timeout, json=json_path, plot=plot)
+                            iters=iters, warmup=warmup, seed=seed, timeout=timeout, json=json_path, plot=plot,
+                            memory=memory)
         sys.exit(bench_main(opts, ranks, nodes))

@@ -8,7 +8,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    from hpcring.cli.main import command
+    from hpcring.cli.common import command
 
     @command(app, "doctor",
              help="Check the job's network on every rank: configured interfaces exist and are up on every node, "

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from hpcring.config.fabric import fabric_env
 
 
 def info(msg: str) -> None:
@@ -14,7 +13,9 @@ def error(msg: str) -> None:
     print(f"error: {msg}", file=sys.stderr, flush=True)
 
 
-def line(text: str, stream: str = "stdout") -> None:
+def line(text: str) -> None:
+    """One rank-tagged output line. Always on stdout, stderr lines included (their tag says
+    `<stderr>`): one stream keeps the ranks' lines in the order they arrived."""
     print(text, file=sys.stdout, flush=True)
 
 
@@ -46,6 +47,7 @@ def sites_table(rows) -> None:
 
 
 def site_detail(site) -> None:
+    from hpcring.config.fabric import fabric_env
     c = site.config
     print(f"# {site.path} ({site.origin})")
     print(c.model_dump_json(indent=2, exclude_defaults=False))

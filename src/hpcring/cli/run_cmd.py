@@ -7,14 +7,15 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    from hpcring.cli.main import SiteOpt, command
+    from hpcring.cli.common import SiteOpt, command
+    from hpcring.config.envvars import MAX_NODES, MAX_TASKS_PER_NODE
 
     @command(app, "run", context_settings={"allow_interspersed_args": False},
              help="Run CMD on every rank: inside salloc/bsub -Is through the site's launcher, else locally. "
                   "Output is tagged by rank; the exit code is the first failing rank's.")
     def run(cmd: List[str] = typer.Argument(..., help="Command for every rank (after --)."),
-            nodes: Optional[int] = typer.Option(None, "--nodes", "-N", help="Nodes (default: the allocation's, or 1)."),
-            tasks_per_node: Optional[int] = typer.Option(None, "--tasks-per-node", help="Ranks per node."),
+            nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES, help="Nodes (default: the allocation's, or 1)."),
+            tasks_per_node: Optional[int] = typer.Option(None, "--tasks-per-node", min=1, max=MAX_TASKS_PER_NODE, help="Ranks per node."),
             site: Optional[str] = SiteOpt):
         import sys
 

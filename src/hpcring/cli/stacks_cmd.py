@@ -14,10 +14,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    try:
-        from hpcring.cli.main import command
-    except ImportError:  # pragma: no cover - a partial build
-        command = lambda target, *a, **kw: target.command(*a, **kw)  # noqa: E731
+    from hpcring.cli.common import command
 
     @command(app, "stacks",
              help="Show the Python stack of every rank of a running (possibly hung) job, grouped: ranks with "

@@ -79,9 +79,10 @@ class Backend(abc.ABC):
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
 
-class PolledBackend(Backend):
-    """What the MPI and NCCL backends share: a library communicator driven by polling against the
-    deadline, a per-backend sequence number, and a sticky first error (``_error``)."""
+class LibraryBackend(Backend):
+    """What the MPI and NCCL backends share: a library's communicator (mpi4py's, CuPy's NCCL one)
+    under hpcring's deadline, a per-backend sequence number, and a sticky first error
+    (``_error``)."""
 
     label = "?"            # "MPI", "NCCL": used in error messages
 
@@ -119,6 +120,11 @@ class PolledBackend(Backend):
         return self._seq
 
     @staticmethod
+    def _lazy_desc(count: int, dtype: str, op: str | None = None, root: int | None = None) -> "LazyDesc":
+        """:meth:`_desc`, formatted only when a message uses it (hot paths build one per call)."""
+        return LazyDesc(count, dtype, op, root)
+
+    @staticmethod
     def _desc(count: int, dtype: str, op: str | None = None, root: int | None = None) -> str:
         """``(count=.., dtype=.., N bytes, op=.., root=..)`` for error messages."""
         parts = [f"count={count}", f"dtype={dtype}", f"{count * ITEMSIZE.get(dtype, 1)} bytes"]
@@ -127,6 +133,21 @@ class PolledBackend(Backend):
         if root is not None:
             parts.append(f"root={root}")
         return "(" + ", ".join(parts) + ")"
+
+
+class LazyDesc:
+    """``(count=.., dtype=.., N bytes, op=.., root=..)`` of :meth:`LibraryBackend._desc`, as a str
+    when formatted."""
+
+    __slots__ = ("count", "dtype", "op", "root")
+
+    def __init__(self, count, dtype, op=None, root=None) -> None:
+        self.count, self.dtype, self.op, self.root = count, dtype, op, root
+
+    def __str__(self) -> str:
+        return LibraryBackend._desc(self.count, self.dtype, self.op, self.root)
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
 
 
 def chunk_counts(count: int, size: int) -> list[int]:

@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, PolledBackend, chunk_counts
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, LibraryBackend, chunk_counts
 from hpcring.errors import CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.mpi")
@@ -82,8 +82,8 @@ def _import_mpi():
 
 def abort_default() -> bool:
     """HPCRING_MPI_ABORT_ON_TIMEOUT (0/false/no/off disable), default on."""
-    text = os.environ.get(ABORT_ENV, "").strip().lower()
-    return text not in ("0", "false", "no", "off")
+    from hpcring.config.envvars import get
+    return get(ABORT_ENV)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.size > 0 and b.size > 0 and np.shares_memory(a, b))
 
 
-class MpiBackend(PolledBackend):
+class MpiBackend(LibraryBackend):
     """Collectives over a duplicate of MPI_COMM_WORLD (host memory, numpy buffers)."""
 
     name = "mpi"
@@ -165,7 +165,7 @@ class MpiBackend(PolledBackend):
                abort_on_timeout: bool | None = None, abort_code: int = ABORT_CODE) -> "MpiBackend":
         """Duplicate MPI_COMM_WORLD (collective: every rank must call) after checking that MPI's
         rank and size are the Topology's. ``store``/``secret`` are unused (MPI meets by itself)."""
-        from hpcring.collectives.ring import default_timeout
+        from hpcring.config.envvars import collective_timeout
         MPI = _import_mpi()
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
@@ -180,7 +180,7 @@ class MpiBackend(PolledBackend):
         level = MPI.Query_thread()
         if level < MPI.THREAD_SERIALIZED:
             log.warning("MPI thread level %s < MPI_THREAD_SERIALIZED: do not use the *_async calls", level)
-        t = default_timeout() if timeout is None else float(timeout)
+        t = collective_timeout(timeout)
         hosts = topology.hosts if topology is not None else None
         idup = getattr(world, "Idup", None)
         if idup is None:

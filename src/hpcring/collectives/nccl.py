@@ -13,10 +13,16 @@
   scratch buffers are allocated on the communicator's GPU.
 * Streams: every op is enqueued on the *current* CuPy stream of that device
   (``cupy.cuda.get_current_stream()``; the Communicator makes the caller's stream current, torch's
-  for torch tensors), so it is ordered after the caller's kernels; an event
-  recorded after the op is then polled (``Event.done``) together with
-  ``NcclCommunicator.check_async_error()`` until the deadline: sleep 50 us doubling to 1 ms. So
-  every op has completed on the GPU when it returns.
+  for torch tensors), so it is ordered after the caller's kernels, and returns a :class:`Pending`
+  (the CUDA event recorded after it) without waiting for the GPU: results are valid in stream
+  order, as with torch's NCCL process group. :meth:`NcclBackend.poll` checks the event,
+  ``NcclCommunicator.check_async_error()`` and the deadline; the Communicator's poller thread
+  calls it for every op in flight. Ops on host (numpy) buffers stage through the device and wait
+  (they must hand back host memory), and so does ``barrier``.
+* Unique id: CuPy >= 14 hands it out and takes it as ``bytes``, CuPy <= 13 as a tuple of 128
+  signed chars; both travel through the store as 128 raw bytes (:func:`uid_from_bytes`).
+* One GPU per rank: before ``ncclCommInitRank`` every rank compares its GPU's PCI bus id with
+  the other ranks of its host and refuses a shared GPU, naming the ranks.
 * Deadline: NCCL has no timeout. On expiry (or an async error) the communicator is aborted
   (``abort()``, ncclCommAbort, which also unblocks the kernels of this rank) and a
   :class:`~hpcring.errors.CollectiveError` names the op, sequence number, count, dtype and the
@@ -36,11 +42,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 import time
 
 import numpy as np
 
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, ITEMSIZE, OPS, PolledBackend, chunk_counts
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, ITEMSIZE, OPS, LibraryBackend, chunk_counts
 from hpcring.errors import CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.nccl")
@@ -65,18 +72,48 @@ SENDRECV_MIN_VERSION = 20700
 # pure helpers (tested without a GPU)
 # ---------------------------------------------------------------------------------------------
 def uid_to_bytes(uid) -> bytes:
-    """CuPy's unique id (a tuple of 128 C ``char`` values, signed on x86) -> 128 raw bytes."""
+    """CuPy's unique id -> 128 raw bytes. CuPy >= 14 already hands out ``bytes``; CuPy <= 13 a
+    tuple of 128 C ``char`` values (signed on x86)."""
     if len(uid) != UID_BYTES:
         raise CollectiveError(f"NCCL unique id has {len(uid)} bytes, expected {UID_BYTES}")
+    if isinstance(uid, (bytes, bytearray)):
+        return bytes(uid)
     return bytes(int(c) & 0xFF for c in uid)
 
 
-def uid_from_bytes(data: bytes) -> tuple:
-    """128 raw bytes -> the tuple of signed chars ``NcclCommunicator`` takes."""
+def uid_from_bytes(data: bytes, *, as_bytes: bool = False):
+    """128 raw bytes -> what ``NcclCommunicator(ndev, commId, rank)`` takes: ``bytes`` for CuPy
+    >= 14 (``as_bytes``), else the tuple of signed chars of CuPy <= 13."""
     if len(data) != UID_BYTES:
         raise CollectiveError(f"NCCL unique id from the store has {len(data)} bytes, expected {UID_BYTES}",
                               hint="another job or an older hpcring wrote this key")
+    if as_bytes:
+        return bytes(data)
     return tuple(b - 256 if b > 127 else b for b in data)
+
+
+def uid_takes_bytes(cupy) -> bool:
+    """True when this CuPy's ``NcclCommunicator`` takes the unique id as ``bytes`` (CuPy >= 14)."""
+    try:
+        return int(str(cupy.__version__).split(".")[0]) >= 14
+    except (AttributeError, ValueError):
+        return True
+
+
+def check_gpu_sharing(mine: int, entries: dict[int, str], host: str) -> None:
+    """Refuse two ranks of one host on one physical GPU before NCCL is called (NCCL would fail
+    with "Duplicate GPU detected" or hang). ``entries``: rank -> PCI bus id of its GPU, for the
+    ranks on ``host`` (this rank ``mine`` included)."""
+    by_gpu: dict[str, list[int]] = {}
+    for r, bus in sorted(entries.items()):
+        by_gpu.setdefault(bus, []).append(r)
+    clash = by_gpu.get(entries[mine], [])
+    if len(clash) > 1:
+        ranks = ", ".join(str(r) for r in clash)
+        raise CollectiveError(
+            f"ranks {ranks} on {host} would share one GPU (PCI {entries[mine]}): NCCL needs one GPU per rank",
+            hint="request as many GPUs as tasks per node (--gpus-per-node N --tasks-per-node N), or give each "
+                 "local rank its own CUDA_VISIBLE_DEVICES; hpcring pins GPU = local rank when the job has GPUs")
 
 
 def nccl_dtype(dtype: str, version: int, nccl_mod=None) -> int:
@@ -142,9 +179,15 @@ def _import_cupy():
     return cupy, nccl
 
 
+def _driver_present() -> bool:
+    """An NVIDIA kernel driver is loaded (checked before importing CuPy, which costs ~0.3 s per
+    rank on machines that have none)."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidiactl")
+
+
 def gpu_count() -> int:
     """Visible CUDA devices through CuPy (0 without cupy, a driver or a GPU)."""
-    if importlib.util.find_spec("cupy") is None:
+    if not _driver_present() or importlib.util.find_spec("cupy") is None:
         return 0
     try:
         import cupy
@@ -168,12 +211,33 @@ def _on_own_device(fn):
     return wrapper
 
 
-class NcclBackend(PolledBackend):
-    """Collectives on one GPU per rank through an NCCL communicator."""
+class Pending:
+    """A device collective enqueued on a stream and not yet known to be complete: the CUDA event
+    recorded after it, what it was (for messages) and its deadline."""
+
+    __slots__ = ("event", "name", "seq", "desc", "t0", "timeout")
+
+    def __init__(self, event, name: str, seq: int, desc: str, t0: float, timeout: float) -> None:
+        self.event, self.name, self.seq, self.desc, self.t0, self.timeout = event, name, seq, desc, t0, timeout
+
+    @property
+    def deadline(self) -> float:
+        return self.t0 + self.timeout
+
+
+class NcclBackend(LibraryBackend):
+    """Collectives on one GPU per rank through an NCCL communicator.
+
+    Stream-ordered: an op on device buffers is enqueued on the current stream and returns a
+    :class:`Pending` (its completion event) without waiting for the GPU; :meth:`poll` tells
+    whether it completed, checks NCCL's async error and enforces the deadline (aborting the
+    communicator on expiry). Ops that stage host (numpy) buffers, and ``barrier``, wait for
+    completion themselves (under the same deadline) and return None."""
 
     name = "nccl"
     label = "NCCL"
     device = "cuda"
+    stream_ordered = True
 
     def __init__(self, comm, rank: int, size: int, device_id: int, *, hosts=None, cupy=None,
                  nccl=None, version: int | None = None) -> None:
@@ -182,36 +246,38 @@ class NcclBackend(PolledBackend):
         self.device_id = device_id
         self._cp, self._nccl = cupy, nccl
         self.version = int(version if version is not None else nccl.get_version())
+        self._pending: Pending | None = None
+
+    def take_pending(self) -> Pending | None:
+        """The newest op left in flight since the last call (the Communicator tracks it);
+        None when every op since then completed before returning (staged, barrier)."""
+        p, self._pending = self._pending, None
+        return p
 
     # -- creation -------------------------------------------------------------------------
     @classmethod
     def create(cls, topology, store, secret=None, timeout: float | None = None) -> "NcclBackend":
-        from hpcring.collectives.ring import default_timeout
+        from hpcring.config.envvars import collective_timeout
         cupy, nccl = _import_cupy()
         ngpus = gpu_count()
         if ngpus == 0:
             raise CollectiveError(f"the 'nccl' backend needs an NVIDIA GPU; none is visible on "
                                   f"{topology.host} (cupy.cuda.runtime.getDeviceCount() == 0 or no driver)",
                                   hint="run on GPU nodes (--gpus-per-node), check CUDA_VISIBLE_DEVICES, or use backend='mpi'/'ring'")
-        t = default_timeout() if timeout is None else float(timeout)
+        t = collective_timeout(timeout)
         device_id = topology.local_rank % ngpus
         cupy.cuda.Device(device_id).use()
         gen = store.add(f"nccl/gen/{topology.rank}", 1)
+        _check_one_gpu_per_rank(topology, store, gen, cupy, device_id, t)
         key = f"nccl/{gen}/uid"
         if topology.rank == 0:
             store.set(key, uid_to_bytes(nccl.get_unique_id()))
         try:
-            uid = uid_from_bytes(store.get(key, timeout=t))
-        except CollectiveError:
-            raise
+            raw = store.get(key, timeout=t)
         except Exception as e:  # noqa: BLE001 - store timeout / connection errors
             raise CollectiveError(f"NCCL communicator {gen}: rank {topology.rank} ({topology.host}) did not get "
                                   f"the unique id from rank 0 within {t:g} s: {e}") from None
-        try:
-            comm = nccl.NcclCommunicator(topology.size, uid, topology.rank)
-        except Exception as e:  # noqa: BLE001 - NcclError / CUDA errors
-            raise CollectiveError(f"ncclCommInitRank failed on rank {topology.rank} ({topology.host}, GPU "
-                                  f"{device_id}): {e}", hint="NCCL_DEBUG=INFO shows why") from None
+        comm = _init_rank(nccl, topology, raw, uid_takes_bytes(cupy), device_id)
         return cls(comm, topology.rank, topology.size, device_id, hosts=topology.hosts, cupy=cupy, nccl=nccl)
 
     # -- Backend properties ---------------------------------------------------------------
@@ -236,40 +302,67 @@ class NcclBackend(PolledBackend):
         return f"rank {self._rank} ({self._host()}, GPU {self.device_id})"
 
     def _fail(self, msg: str, *, abort: bool) -> CollectiveError:
-        self._error = msg
-        if abort and self._comm is not None:
-            try:
-                self._comm.abort()
-            except Exception as e:  # noqa: BLE001
-                log.warning("ncclCommAbort failed: %s", e)
+        if self._error is None:
+            self._error = msg
+            if abort and self._comm is not None:
+                try:
+                    self._comm.abort()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("ncclCommAbort failed: %s", e)
         return CollectiveError(msg, hint="NCCL cannot recover a communicator after a timeout: it was aborted; "
                                          "find the missing rank (hpcring stacks) and restart")
 
     def _stream(self):
         return self._cp.cuda.get_current_stream()
 
-    def _complete(self, name, seq, desc, timeout, t0, stream) -> None:
-        event = self._cp.cuda.Event(block=False, disable_timing=True)
-        event.record(stream)
+    def _check_async(self, p: Pending) -> None:
+        try:
+            self._comm.check_async_error()
+        except Exception as e:  # noqa: BLE001 - NcclError
+            raise self._fail(f"{p.name}#{p.seq}{p.desc} failed on {self._where()}: NCCL async error: {e}",
+                             abort=True) from None
 
-        def check():
-            try:
-                self._comm.check_async_error()
-            except Exception as e:  # noqa: BLE001 - NcclError
-                raise self._fail(f"{name}#{seq}{desc} failed on {self._where()}: NCCL async error: {e}",
-                                 abort=True) from None
+    def _expired(self, p: Pending, waited: float) -> CollectiveError:
+        return self._fail(f"{p.name}#{p.seq}{p.desc} did not complete within the {p.timeout:g} s deadline on "
+                          f"{self._where()} (waited {waited:.2f} s): at least one rank has not entered it "
+                          f"or is stuck; the NCCL communicator was aborted", abort=True)
 
-        expired = wait_for(lambda: event.done, check, timeout=timeout, t0=t0)
+    def poll(self, p: Pending, now: float | None = None) -> bool:
+        """True once ``p`` completed on the GPU. Raises CollectiveError (the communicator is then
+        aborted, the error sticky) on an NCCL async error or when ``p``'s deadline has passed."""
+        if self._error is not None:
+            raise CollectiveError(self._error)
+        if p.event.done:
+            return True
+        self._check_async(p)
+        now = time.monotonic() if now is None else now
+        if now >= p.deadline:
+            raise self._expired(p, now - p.t0)
+        return False
+
+    def wait(self, p: Pending) -> None:
+        """Block (polling, 50 us doubling to 1 ms) until ``p`` completed or failed."""
+        expired = wait_for(lambda: p.event.done, lambda: self._check_async(p), timeout=p.timeout, t0=p.t0)
         if expired is not None:
-            raise self._fail(f"{name}#{seq}{desc} did not complete within the {timeout:g} s deadline on "
-                             f"{self._where()} (waited {expired:.2f} s): at least one rank has not entered it "
-                             f"or is stuck; the NCCL communicator was aborted", abort=True)
+            raise self._expired(p, expired)
 
-    def _enqueue(self, name, seq, desc, fn) -> None:
+    def _launch(self, name, seq, desc, timeout, t0, stream, fn, host=None) -> Pending | None:
+        """Enqueue ``fn`` (the NCCL call) on ``stream`` and record its completion event. With
+        ``host`` (a (device, numpy) pair of a staged result) wait and copy back: None."""
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - NcclError at launch
             raise self._fail(f"{name}#{seq}{desc} failed to start on {self._where()}: {e}", abort=True) from None
+        event = self._cp.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        p = Pending(event, name, seq, desc, t0, timeout)
+        if host is None or host[1] is None:
+            self._pending = p
+            return p
+        self.wait(p)
+        dev, out = host
+        out[...] = self._cp.asnumpy(dev).reshape(out.shape)
+        return None
 
     # -- buffers --------------------------------------------------------------------------
     def _device(self, buf, dtype: str):
@@ -288,28 +381,23 @@ class NcclBackend(PolledBackend):
     def _ptr(arr) -> int:
         return int(arr.data.ptr)
 
-    def _back(self, dev, host, stream) -> None:
-        if host is not None:
-            stream.synchronize()
-            host[...] = self._cp.asnumpy(dev).reshape(host.shape)
-
     # -- collectives ----------------------------------------------------------------------
     @_on_own_device
-    def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+    def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> Pending | None:
         ndt = nccl_dtype(dtype, self.version, self._nccl)
         nop, divide = nccl_op(op, dtype, self.version, self._nccl)
         seq = self._begin("allreduce")
         t0 = time.monotonic()
-        desc = self._desc(recvbuf.size, dtype, op)
+        desc = self._lazy_desc(recvbuf.size, dtype, op)
         s, shost = self._device(sendbuf, dtype)
         r, rhost = (s, shost) if sendbuf is recvbuf else self._device(recvbuf, dtype)
         stream = self._stream()
-        self._enqueue("allreduce", seq, desc,
-                      lambda: self._comm.allReduce(self._ptr(s), self._ptr(r), r.size, ndt, nop, stream.ptr))
-        if divide:
-            self._divide(r, dtype)
-        self._complete("allreduce", seq, desc, timeout, t0, stream)
-        self._back(r, rhost, stream)
+
+        def go():
+            self._comm.allReduce(self._ptr(s), self._ptr(r), r.size, ndt, nop, stream.ptr)
+            if divide:
+                self._divide(r, dtype)
+        return self._launch("allreduce", seq, desc, timeout, t0, stream, go, (r, rhost))
 
     def _divide(self, arr, dtype: str) -> None:
         if dtype == "bfloat16":        # uint16 storage: divide in float32, round to nearest even
@@ -321,82 +409,79 @@ class NcclBackend(PolledBackend):
             arr /= self._size
 
     @_on_own_device
-    def allgather(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
+    def allgather(self, sendbuf, recvbuf, dtype: str, timeout: float) -> Pending | None:
         seq = self._begin("allgather")
         t0 = time.monotonic()
-        desc = self._desc(sendbuf.size, dtype)
+        desc = self._lazy_desc(sendbuf.size, dtype)
         s, _ = self._device(sendbuf, dtype)
         r, rhost = self._device(recvbuf, dtype)
         n = s.size * ITEMSIZE[dtype]
         u8 = NCCL_DTYPE["uint8"]
         stream = self._stream()
-        self._enqueue("allgather", seq, desc,
-                      lambda: self._comm.allGather(self._ptr(s), self._ptr(r), n, u8, stream.ptr))
-        self._complete("allgather", seq, desc, timeout, t0, stream)
-        self._back(r, rhost, stream)
+        return self._launch("allgather", seq, desc, timeout, t0, stream,
+                            lambda: self._comm.allGather(self._ptr(s), self._ptr(r), n, u8, stream.ptr), (r, rhost))
 
     @_on_own_device
-    def reduce_scatter(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+    def reduce_scatter(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> Pending | None:
         ndt = nccl_dtype(dtype, self.version, self._nccl)
         nop, divide = nccl_op(op, dtype, self.version, self._nccl)
         seq = self._begin("reduce_scatter")
         t0 = time.monotonic()
         n = sendbuf.size
         counts = chunk_counts(n, self._size)
-        desc = self._desc(n, dtype, op)
+        desc = self._lazy_desc(n, dtype, op)
         s, _ = self._device(sendbuf, dtype)
         r, rhost = self._device(recvbuf, dtype)
         stream = self._stream()
-        if n % self._size == 0:
-            self._enqueue("reduce_scatter", seq, desc, lambda: self._comm.reduceScatter(
-                self._ptr(s), self._ptr(r), counts[self._rank], ndt, nop, stream.ptr))
+
+        def even():
+            self._comm.reduceScatter(self._ptr(s), self._ptr(r), counts[self._rank], ndt, nop, stream.ptr)
             if divide:
                 self._divide(r, dtype)
-        else:                           # uneven chunks: allreduce + take this rank's chunk
-            with stream:
-                full = self._cp.empty_like(s)
-            self._enqueue("reduce_scatter", seq, desc, lambda: self._comm.allReduce(
-                self._ptr(s), self._ptr(full), n, ndt, nop, stream.ptr))
+
+        def uneven():                   # uneven chunks: allreduce + take this rank's chunk
+            full = self._cp.empty_like(s)
+            self._comm.allReduce(self._ptr(s), self._ptr(full), n, ndt, nop, stream.ptr)
             if divide:
                 self._divide(full, dtype)
             off = sum(counts[:self._rank])
-            with stream:
-                r[...] = full[off:off + counts[self._rank]]
-        self._complete("reduce_scatter", seq, desc, timeout, t0, stream)
-        self._back(r, rhost, stream)
+            r[...] = full[off:off + counts[self._rank]]
+        with stream:
+            return self._launch("reduce_scatter", seq, desc, timeout, t0, stream,
+                                even if n % self._size == 0 else uneven, (r, rhost))
 
     @_on_own_device
-    def broadcast(self, buf, root: int, dtype: str, timeout: float) -> None:
+    def broadcast(self, buf, root: int, dtype: str, timeout: float) -> Pending | None:
         if not (0 <= root < self._size):
             raise UsageError(f"broadcast: root {root} out of range for {self._size} ranks")
         seq = self._begin("broadcast")
         t0 = time.monotonic()
-        desc = self._desc(buf.size, dtype, root=root)
+        desc = self._lazy_desc(buf.size, dtype, root=root)
         b, host = self._device(buf, dtype)
         n = b.size * ITEMSIZE[dtype]
         u8 = NCCL_DTYPE["uint8"]
         stream = self._stream()
-        self._enqueue("broadcast", seq, desc,
-                      lambda: self._comm.broadcast(self._ptr(b), self._ptr(b), n, u8, root, stream.ptr))
-        self._complete("broadcast", seq, desc, timeout, t0, stream)
-        self._back(b, host, stream)
+        return self._launch("broadcast", seq, desc, timeout, t0, stream,
+                            lambda: self._comm.broadcast(self._ptr(b), self._ptr(b), n, u8, root, stream.ptr),
+                            (b, host))
 
     @_on_own_device
-    def alltoall(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
+    def alltoall(self, sendbuf, recvbuf, dtype: str, timeout: float) -> Pending | None:
         if sendbuf.size % self._size:
             raise UsageError(f"alltoall: {sendbuf.size} elements cannot be split into {self._size} equal blocks")
         if self.version < SENDRECV_MIN_VERSION:
             raise CollectiveError(f"alltoall needs NCCL >= 2.7 (send/recv), this is {format_version(self.version)}")
         seq = self._begin("alltoall")
         t0 = time.monotonic()
-        desc = self._desc(sendbuf.size, dtype)
+        desc = self._lazy_desc(sendbuf.size, dtype)
         s, _ = self._device(sendbuf, dtype)
         r, rhost = self._device(recvbuf, dtype)
+        stream = self._stream()
         if sendbuf is recvbuf or (s.data.ptr == r.data.ptr):
-            s = s.copy()
+            with stream:                # ordered after the producer of s on the caller's stream
+                s = s.copy()
         block = (s.size // self._size) * ITEMSIZE[dtype]
         u8 = NCCL_DTYPE["uint8"]
-        stream = self._stream()
         sp, rp = self._ptr(s), self._ptr(r)
 
         def go():
@@ -407,22 +492,59 @@ class NcclBackend(PolledBackend):
                     self._comm.recv(rp + peer * block, block, u8, peer, stream.ptr)
             finally:
                 self._nccl.groupEnd()
-        self._enqueue("alltoall", seq, desc, go)
-        self._complete("alltoall", seq, desc, timeout, t0, stream)
-        self._back(r, rhost, stream)
+        return self._launch("alltoall", seq, desc, timeout, t0, stream, go, (r, rhost))
 
     @_on_own_device
     def barrier(self, timeout: float) -> None:
+        """Blocks the host (a barrier orders processes, not streams) until every rank entered."""
         seq = self._begin("barrier")
         t0 = time.monotonic()
         stream = self._stream()
         with stream:
             one = self._cp.ones(1, dtype=self._cp.float32)
         f32 = NCCL_DTYPE["float32"]
-        self._enqueue("barrier", seq, "", lambda: self._comm.allReduce(
+        p = self._launch("barrier", seq, "", timeout, t0, stream, lambda: self._comm.allReduce(
             self._ptr(one), self._ptr(one), 1, f32, NCCL_OP["sum"], stream.ptr))
-        self._complete("barrier", seq, "", timeout, t0, stream)
+        self._pending = None
+        self.wait(p)
 
 
-__all__ = ["NcclBackend", "gpu_available", "gpu_count", "uid_to_bytes", "uid_from_bytes", "nccl_dtype",
-           "nccl_op", "wait_for", "format_version"]
+def _check_one_gpu_per_rank(topology, store, gen: int, cupy, device_id: int, timeout: float) -> None:
+    """Every rank publishes its GPU's PCI bus id; each compares with the ranks of its own host
+    (from the topology), so the check costs local_size store reads per rank."""
+    try:
+        bus = str(cupy.cuda.runtime.deviceGetPCIBusId(device_id))
+    except Exception:  # noqa: BLE001 - an old driver API: fall back on the visible index
+        bus = f"visible device {device_id}"
+    store.set(f"nccl/{gen}/gpu/{topology.rank}", bus.encode())
+    hosts = list(topology.hosts or ())
+    peers = [r for r, h in enumerate(hosts) if h == topology.host] or [topology.rank]
+    try:
+        values = store.gather([f"nccl/{gen}/gpu/{r}" for r in peers], timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - StoreTimeoutError names the missing keys
+        raise CollectiveError(f"NCCL communicator {gen}: rank {topology.rank} ({topology.host}) did not hear "
+                              f"from the other ranks of its host within {timeout:g} s: {e}") from None
+    check_gpu_sharing(topology.rank, {r: v.decode() for r, v in zip(peers, values)}, topology.host)
+
+
+def _init_rank(nccl, topology, raw: bytes, as_bytes: bool, device_id: int):
+    """``NcclCommunicator(size, uid, rank)`` with the unique id in the type this CuPy takes; a
+    TypeError about ``commId`` (a CuPy whose version we misjudged) retries with the other type."""
+    last = None
+    for form in (as_bytes, not as_bytes):
+        try:
+            return nccl.NcclCommunicator(topology.size, uid_from_bytes(raw, as_bytes=form), topology.rank)
+        except TypeError as e:
+            if "commId" not in str(e):
+                last = e
+                break
+            last = e
+        except Exception as e:  # noqa: BLE001 - NcclError / CUDA errors
+            last = e
+            break
+    raise CollectiveError(f"ncclCommInitRank failed on rank {topology.rank} ({topology.host}, GPU "
+                          f"{device_id}): {last}", hint="NCCL_DEBUG=INFO shows why")
+
+
+__all__ = ["NcclBackend", "Pending", "gpu_available", "gpu_count", "uid_to_bytes", "uid_from_bytes",
+           "uid_takes_bytes", "check_gpu_sharing", "nccl_dtype", "nccl_op", "wait_for", "format_version"]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hpcring.config.schema import minutes_to_lsf, minutes_to_slurm, time_to_minutes
+from hpcring.config import envvars
 from hpcring.config.site import Site
 from hpcring.errors import UsageError
 
@@ -30,7 +31,25 @@ ENV_VARS: dict[str, str] = {
     "job_dir": "HPCRING_JOB_DIR",
     "timeout": "HPCRING_TIMEOUT",
 }
-_INTS = {"nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task"}
+# whole-number fields -> (lowest, highest) allowed
+_INTS = {"nodes": (1, envvars.MAX_NODES), "tasks_per_node": (1, envvars.MAX_TASKS_PER_NODE),
+         "gpus_per_node": (0, envvars.MAX_GPUS_PER_NODE), "cpus_per_task": (1, envvars.MAX_CPUS_PER_TASK)}
+# text fields that end up in a job script: quoted there, but a line break or a control character
+# would still start a new script line (or an #SBATCH line), so they are refused here
+_TEXTS = ("partition", "account", "qos", "constraint", "name", "job_dir")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_text(what: str, value: str, where: str) -> str:
+    """Refuse a value with a line break or another control character (it would reach a job script)."""
+    m = _CONTROL.search(value)
+    if m:
+        raise UsageError(f"{where}: {what} {value!r} contains the control character {m.group()!r} "
+                         f"at position {m.start()}",
+                         hint=f"use a {what} without line breaks, tabs or control characters")
+    if not value.strip():
+        raise UsageError(f"{where}: {what} is empty", hint=f"give a non-empty {what} or leave it out")
+    return value
 
 
 @dataclass
@@ -84,28 +103,29 @@ def _site_value(site: Site, name: str, partition: str | None) -> Any:
 def _parse(name: str, raw: Any, where: str) -> Any:
     if raw is None:
         return None
+    flag = name.replace('_', '-')
     if name in _INTS:
+        lo, hi = _INTS[name]
         try:
-            v = int(raw)
+            v = int(raw.strip(), 10) if isinstance(raw, str) else int(raw)
         except (TypeError, ValueError):
-            raise UsageError(f"{where}: {name.replace('_', '-')} must be a whole number, got {raw!r}") from None
-        if v < (0 if name == "gpus_per_node" else 1):
-            raise UsageError(f"{where}: {name.replace('_', '-')} must be at least "
-                             f"{0 if name == 'gpus_per_node' else 1}, got {v}")
+            raise UsageError(f"{where}: {flag} must be a whole number, got {raw!r}",
+                             hint=f"give {flag} as a whole number from {lo} to {hi}") from None
+        if not lo <= v <= hi:
+            raise UsageError(f"{where}: {flag} must be at least {lo} and at most {hi}, got {v}",
+                             hint=f"give {flag} as a whole number from {lo} to {hi}")
         return v
     if name == "time":
         try:
-            return time_to_minutes(int(raw) if isinstance(raw, str) and raw.isdigit() else raw)
+            return time_to_minutes(raw)
         except ValueError as exc:
-            raise UsageError(f"{where}: {exc}") from None
+            raise UsageError(f"{where}: {exc}",
+                             hint="Slurm time syntax: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS") from None
     if name == "timeout":
-        try:
-            v = float(raw)
-        except (TypeError, ValueError):
-            raise UsageError(f"{where}: timeout must be seconds, got {raw!r}") from None
-        if v <= 0:
-            raise UsageError(f"{where}: timeout must be positive, got {v}")
-        return v
+        return envvars.check_number(f"{where}: timeout", raw, lo=0, lo_open=True, hi=envvars.MAX_TIMEOUT,
+                                    hint="the per-collective deadline is seconds, e.g. 300")
+    if name in _TEXTS:
+        return check_text(flag.replace("-", " "), str(raw), where)
     return raw
 
 
@@ -139,7 +159,7 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
     pick("partition", None)
     for name, default in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("time", 30),
                           ("account", None), ("qos", None), ("constraint", None),
-                          ("job_dir", "~/hpcring-jobs"), ("timeout", 300.0)):
+                          ("job_dir", "~/hpcring-jobs"), ("timeout", envvars.DEFAULT_TIMEOUT)):
         pick(name, default)
     pick("tasks_per_node", max(1, values["gpus_per_node"]))
     if sources["tasks_per_node"] == "default" and values["gpus_per_node"]:
@@ -151,6 +171,12 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
     else:
         values["exclusive"], sources["exclusive"] = site.config.defaults.exclusive, f"site {site.name}"
 
+    for i, a in enumerate(args or []):
+        if "\x00" in a:
+            raise UsageError(f"script argument {i + 1} {a!r} contains a NUL byte",
+                             hint="a command-line argument cannot carry NUL bytes")
+    for i, a in enumerate(sched_args or []):
+        check_text("scheduler argument", a, f"--sched-arg #{i + 1}")
     spec = JobSpec(script=script, args=list(args or []), nodes=values["nodes"],
                    tasks_per_node=values["tasks_per_node"], gpus_per_node=values["gpus_per_node"],
                    cpus_per_task=values["cpus_per_task"], time_min=values["time"],

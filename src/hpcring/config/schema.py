@@ -11,31 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
-
-
-def time_to_minutes(value: str | int) -> int:
-    """Slurm time syntax (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) or minutes -> minutes."""
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError("time must be positive minutes")
-        return value
-    m = _TIME_RE.match(value.strip())
-    if not m:
-        raise ValueError(f"not a time: {value!r} (use minutes, HH:MM:SS or D-HH:MM:SS)")
-    days, a, b, c = m.groups()
-    if days is not None:  # D-HH[:MM[:SS]]
-        mins = int(days) * 1440 + int(a) * 60 + int(b or 0) + (1 if c and int(c) else 0)
-    elif b is None:  # MM
-        mins = int(a)
-    elif c is None:  # MM:SS
-        mins = int(a) + (1 if int(b) else 0)
-    else:  # HH:MM:SS
-        mins = int(a) * 60 + int(b) + (1 if int(c) else 0)
-    if mins <= 0:
-        raise ValueError(f"time {value!r} is zero")
-    return mins
-
+from hpcring.config import envvars
+from hpcring.config.envvars import DEFAULT_TIMEOUT, MAX_TIMEOUT
+from hpcring.config.slurmtime import time_to_minutes  # noqa: F401  (re-exported)
 
 def minutes_to_slurm(mins: int) -> str:
     days, rem = divmod(mins, 1440)
@@ -56,8 +34,8 @@ class Partition(_Strict):
     """A Slurm partition or an LSF queue."""
 
     max_time: str | None = None
-    max_nodes: int | None = Field(default=None, ge=1)
-    gpus_per_node: int | None = Field(default=None, ge=0)
+    max_nodes: int | None = Field(default=None, ge=1, le=envvars.MAX_NODES)
+    gpus_per_node: int | None = Field(default=None, ge=0, le=envvars.MAX_GPUS_PER_NODE)
     cpus_per_node: int | None = Field(default=None, ge=1)
     qos: str | None = None
 
@@ -74,9 +52,9 @@ class Defaults(_Strict):
 
     partition: str | None = None
     time: str = "00:30:00"
-    nodes: int = Field(default=1, ge=1)
-    tasks_per_node: int | None = Field(default=None, ge=1)  # None: one per GPU, else 1
-    cpus_per_task: int = Field(default=1, ge=1)
+    nodes: int = Field(default=1, ge=1, le=envvars.MAX_NODES)
+    tasks_per_node: int | None = Field(default=None, ge=1, le=envvars.MAX_TASKS_PER_NODE)  # None: one per GPU, else 1
+    cpus_per_task: int = Field(default=1, ge=1, le=envvars.MAX_CPUS_PER_TASK)
     exclusive: bool = False
 
     @field_validator("time")
@@ -106,6 +84,11 @@ class Fabric(_Strict):
     bootstrap_interfaces: list[str] = []
     hcas: list[str] = []  # "mlx5_0:1" (device:port)
     gid_index: int | None = Field(default=None, ge=0)
+    # hpcring ring striping: TCP streams per peer and I/O threads per pass (HPCRING_RING_STREAMS /
+    # HPCRING_RING_THREADS; None keeps the measured defaults, see collectives/ring.py)
+    ring_streams: int | None = Field(default=None, ge=1, le=16)
+    ring_threads: int | None = Field(default=None, ge=1, le=16)
+    ring_shm: bool | None = None      # shared memory between a host's ranks (HPCRING_RING_SHM)
 
     @field_validator("hcas")
     @classmethod
@@ -141,7 +124,7 @@ class SiteConfig(_Strict):
     qos: str | None = None
     constraint: str | None = None
     job_dir: str = "~/hpcring-jobs"   # must be on a filesystem every node sees
-    gpus_per_node: int = Field(default=0, ge=0)
+    gpus_per_node: int = Field(default=0, ge=0, le=envvars.MAX_GPUS_PER_NODE)
     cpus_per_node: int | None = Field(default=None, ge=1)
     partitions: dict[str, Partition] = {}
     defaults: Defaults = Defaults()
@@ -151,10 +134,17 @@ class SiteConfig(_Strict):
     env: dict[str, str] = {}            # extra env for every rank (wins over derived fabric env)
     python: str | None = None           # interpreter on the compute nodes (default: the submitting one)
     template: str | None = None         # own job-script template, relative to the site file
-    timeout: float = Field(default=300.0, gt=0)  # default per-collective deadline, seconds
+    timeout: float = Field(default=DEFAULT_TIMEOUT, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False)  # per-collective deadline, s
     slurm: SlurmOptions = SlurmOptions()
     lsf: LsfOptions = LsfOptions()
     sched_args: list[str] = []          # extra scheduler flags for every job
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v):
+            raise ValueError(f"site name {v!r} may use letters, digits, '_', '.' and '-' only")
+        return v
 
     @field_validator("env")
     @classmethod

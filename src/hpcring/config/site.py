@@ -85,7 +85,8 @@ def load_site(ref: str | None = None, environ: Mapping[str, str] | None = None) 
 def parse_site_file(path: Path) -> SiteConfig:
     data, lines = load_with_lines(path)
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a site config must be a mapping of keys, got {type(data).__name__}")
+        raise ConfigError(f"{path}: a site config must be a mapping of keys, got {type(data).__name__}",
+                          hint="start from a bundled config (hpcring sites list; hpcring sites show local)")
     problems: list[str] = []
     cfg = None
     try:

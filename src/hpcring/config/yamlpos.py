@@ -1,4 +1,11 @@
-"""YAML loading that remembers where each key came from, so errors can say file:line key.path."""
+"""YAML loading that remembers where each key came from, so errors can say file:line key.path.
+
+Site configs are small, hand-written mappings, so the loader is deliberately narrow and refuses,
+each with the file and line, before building anything: anchors and aliases (a 429-byte "billion
+laughs" file would otherwise expand to gigabytes; a recursive alias never ends), complex (non-
+scalar) and duplicate keys, explicit tags other than YAML's plain types, nesting deeper than
+``MAX_DEPTH``, files over ``MAX_BYTES`` and bytes that are not UTF-8.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,29 +15,98 @@ import yaml
 
 from hpcring.errors import ConfigError
 
+MAX_BYTES = 1 << 20     # a site config is a few kilobytes
+MAX_DEPTH = 32
+MAX_EVENTS = 100_000
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "seq", "map")}
+_HINT = "site configs are plain YAML mappings: write values out (no &anchors, *aliases or !tags)"
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that records the line of every mapping key and sequence item."""
+
+def _fail(path: Path, line: int | None, what: str, hint: str = _HINT) -> ConfigError:
+    where = f"{path}:{line}" if line else str(path)
+    return ConfigError(f"{where}: {what}", hint=hint)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read site config {path}: {exc.strerror}",
+                          hint="check the path and its permissions") from None
+    if len(data) > MAX_BYTES:
+        raise _fail(path, None, f"file is larger than {MAX_BYTES} bytes; a site config is a few kilobytes",
+                    hint="point --site at the right file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise _fail(path, line, f"byte {data[exc.start]:#04x} at offset {exc.start} is not UTF-8",
+                    hint="save the file as UTF-8") from None
+
+
+def _check_events(text: str, path: Path) -> None:
+    """Walk the event stream once (no nodes built) and refuse what a site config has no use for."""
+    depth = 0
+    # per open mapping: [expecting a key?, keys seen]
+    maps: list[list] = []
+    stack: list[str] = []
+    for n, ev in enumerate(yaml.parse(text, Loader=yaml.SafeLoader)):
+        line = ev.start_mark.line + 1 if ev.start_mark else None
+        if n > MAX_EVENTS:
+            raise _fail(path, line, f"more than {MAX_EVENTS} YAML items; a site config is small")
+        if isinstance(ev, yaml.AliasEvent):
+            raise _fail(path, line, f"alias *{ev.anchor} is not allowed in a site config")
+        if isinstance(ev, yaml.NodeEvent) and ev.anchor is not None:
+            raise _fail(path, line, f"anchor &{ev.anchor} is not allowed in a site config")
+        tag = getattr(ev, "tag", None)
+        if isinstance(ev, (yaml.ScalarEvent, yaml.CollectionStartEvent)) and tag not in (None, "!") \
+                and not (isinstance(ev, yaml.ScalarEvent) and ev.implicit[0]) and tag not in _PLAIN_TAGS:
+            raise _fail(path, line, f"tag {tag} is not allowed in a site config")
+        is_node = isinstance(ev, (yaml.ScalarEvent, yaml.CollectionStartEvent))
+        is_key = is_node and bool(stack) and stack[-1] == "map" and maps[-1][0]
+        if is_node and stack and stack[-1] == "map":
+            maps[-1][0] = not maps[-1][0]
+        if is_key:
+            if not isinstance(ev, yaml.ScalarEvent):
+                raise _fail(path, line, "a key must be plain text, not a list or mapping (complex key)")
+            if ev.value in maps[-1][1]:
+                raise _fail(path, line, f"key {ev.value!r} appears twice in the same mapping "
+                                        f"(first on line {maps[-1][1][ev.value]})",
+                            hint="remove one of them (YAML would silently keep the last)")
+            maps[-1][1][ev.value] = line
+        if isinstance(ev, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _fail(path, line, f"nested deeper than {MAX_DEPTH} levels")
+            stack.append("map" if isinstance(ev, yaml.MappingStartEvent) else "seq")
+            if stack[-1] == "map":
+                maps.append([True, {}])
+        elif isinstance(ev, yaml.CollectionEndEvent):
+            depth -= 1
+            if stack.pop() == "map":
+                maps.pop()
 
 
 def load_with_lines(path: Path) -> tuple[Any, dict[tuple, int]]:
     """Parse ``path`` safely; return (data, {key path tuple: 1-based line}).
 
-    Raises ConfigError naming the file and line on YAML syntax errors.
+    Raises ConfigError naming the file and line on YAML syntax errors and on everything the
+    module docstring lists.
     """
-    text = path.read_text()
+    text = _read_text(path)
     try:
-        node = yaml.compose(text, Loader=_Loader)
+        _check_events(text, path)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        lines: dict[tuple, int] = {}
+        if node is None:
+            return {}, lines
+        _index(node, (), lines)
+        data = yaml.load(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}",
-                          hint="fix the YAML syntax (indentation, quotes, colons)") from None
-    lines: dict[tuple, int] = {}
-    if node is None:
-        return {}, lines
-    _index(node, (), lines)
-    data = yaml.load(text, Loader=yaml.SafeLoader)
+        raise _fail(path, mark.line + 1 if mark else None, f"not valid YAML: {getattr(exc, 'problem', None) or exc}",
+                    hint="fix the YAML syntax (indentation, quotes, colons)") from None
     return data, lines
 
 

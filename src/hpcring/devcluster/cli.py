@@ -10,7 +10,6 @@ import typer
 
 from hpcring.errors import HpcringError
 
-from . import cluster
 
 app = typer.Typer(
     name="devcluster",
@@ -21,13 +20,13 @@ app = typer.Typer(
 
 
 def _fail(e: HpcringError) -> typer.Exit:
-    typer.echo(f"error: {e}", err=True)
-    return typer.Exit(e.exit_code)
+    from hpcring.cli.common import exit_for
+    return exit_for(e)
 
 
 @app.command()
 def up(
-    nodes: Annotated[int, typer.Option("--nodes", "-n", help="Number of slurmd nodes (node1..nodeN).")] = 3,
+    nodes: Annotated[int, typer.Option("--nodes", "-N", help="Number of slurmd nodes (node1..nodeN).")] = 3,
     dead_interface: Annotated[
         bool,
         typer.Option("--dead-interface/--no-dead-interface",
@@ -41,6 +40,7 @@ def up(
 ) -> None:
     """Start the cluster, or repair it (idempotent). Waits until all nodes are idle."""
     try:
+        from hpcring.devcluster import cluster  # imported on use: keeps `hpcring --help` fast
         info = cluster.up(nodes=nodes, dead_interface=dead_interface, shares=share)
     except HpcringError as e:
         raise _fail(e) from None
@@ -64,6 +64,7 @@ def down() -> None:
     """Stop all daemons, remove namespaces, veths, bridge and the /etc/hosts block."""
     t0 = time.monotonic()
     try:
+        from hpcring.devcluster import cluster  # imported on use: keeps `hpcring --help` fast
         cluster.down()
     except HpcringError as e:
         raise _fail(e) from None
@@ -76,6 +77,7 @@ def status(
 ) -> None:
     """Per-node table (namespace, address, slurmd, sinfo state). Exit code 0 only when up."""
     try:
+        from hpcring.devcluster import cluster  # imported on use: keeps `hpcring --help` fast
         st = cluster.status()
     except HpcringError as e:
         raise _fail(e) from None
@@ -119,6 +121,7 @@ def exec_(
 ) -> None:
     """Run a command inside a node's namespaces, e.g. `hpcring devcluster exec node1 -- ip addr`."""
     try:
+        from hpcring.devcluster import cluster  # imported on use: keeps `hpcring --help` fast
         prefix = cluster.node_exec_argv(node)
     except HpcringError as e:
         raise _fail(e) from None

@@ -9,7 +9,7 @@ long the job runs. The cost is one small object and one frame walk per call (mea
 
 The recorder is what the hang watchdog exchanges between ranks (the last few records and the
 ones in flight) and what is dumped as JSON to ``<job folder>/diag/flight-rank<r>.json`` on a
-failure, on a timeout and on SIGUSR1 (see :mod:`hpcring.diagnostics.watchdog`).
+failure, on a timeout and on SIGRTMIN+7 (see :mod:`hpcring.diagnostics.watchdog`).
 """
 from __future__ import annotations
 
@@ -29,10 +29,8 @@ QUEUED, STARTED, DONE, FAILED = "queued", "started", "done", "failed"
 
 
 def default_capacity() -> int:
-    try:
-        return max(16, int(os.environ.get("HPCRING_FLIGHT_RECORDS", "2048")))
-    except ValueError:
-        return 2048
+    from hpcring.config.envvars import get
+    return get("HPCRING_FLIGHT_RECORDS")
 
 
 def _outside(filename: str) -> bool:
@@ -109,11 +107,6 @@ class Record:
     def site(self) -> str:
         """``file:line in function`` of the call (formatted on demand: the hot path keeps a tuple)."""
         return self._site if isinstance(self._site, str) else _format_site(self._site)
-
-    @property
-    def signature(self) -> tuple:
-        """What must match on every rank for the collective to be the same one."""
-        return (self.op, self.dtype, self.count, self.root)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.FIELDS}

@@ -28,29 +28,13 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from hpcring.ranks import rank_ranges, ranks_label, who  # noqa: F401 - rank_ranges: re-exported for old callers
+
 CATEGORIES = ("dead", "unreachable", "exited", "mismatch", "different", "missing", "joined")
 _LINK = re.compile(r"(send to|recv from) rank (\d+) \(([^)]*)\) (.*?), (\d+)/(\d+) bytes done")
+# a local peer that died while its node's ranks met in shared memory (native/transport_shm.c)
+_SHM_DIED = re.compile(r"rank (\d+) \(([^)]*)\) died during the shared-memory")
 _GONE = ("closed by peer", "reset", "EOF", "Broken pipe", "broken pipe", "connection closed", "Connection refused")
-
-
-def rank_ranges(ranks) -> str:
-    """[0, 1, 2, 4] -> "0-2,4"."""
-    rs = sorted(set(ranks))
-    out, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-def _who(ranks, hosts) -> str:
-    ranks = sorted(ranks)
-    hs = sorted({hosts[r] for r in ranks if r < len(hosts)})
-    label = "rank" if len(ranks) == 1 else "ranks"
-    return f"{label} {rank_ranges(ranks)} ({', '.join(hs)})"
 
 
 def _mib(n: int) -> str:
@@ -94,21 +78,21 @@ class Report:
             if not ranks or cat == "joined":
                 continue
             for r in ranks:
-                lines.append(f"  {cat:<10}: {_who([r], self.hosts)}: {self.details.get(r, '')}".rstrip(": "))
+                lines.append(f"  {cat:<10}: {who([r], self.hosts)}: {self.details.get(r, '')}".rstrip(": "))
         for link in self.links:
             lines.append(f"  stalled   : link rank {link['from']} ({link['from_host']}) -> rank {link['to']} "
                          f"({link['to_host']}){' on ' + link['interface'] if link.get('interface') else ''}: "
                          f"{_mib(link['bytes_done'])} of {_mib(link['bytes_total'])} moved before the deadline")
         for s in self.slow:
-            lines.append(f"  slow rank : {_who([s['rank']], self.hosts)} entered {s['late']:.1f} s after the first rank")
+            lines.append(f"  slow rank : {who([s['rank']], self.hosts)} entered {s['late']:.1f} s after the first rank")
         joined = self.categories.get("joined") or []
         if joined:
-            lines.append(f"  joined    : {_who(joined, self.hosts)}")
+            lines.append(f"  joined    : {who(joined, self.hosts)}")
         groups: dict[str, list[int]] = {}
         for r, w in self.where.items():
             groups.setdefault(w, []).append(r)
         for w, ranks in sorted(groups.items(), key=lambda kv: min(kv[1])):
-            lines.append(f"  where     : {'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)}: {w}")
+            lines.append(f"  where     : {ranks_label(ranks)}: {w}")
         if not self.side_channel:
             lines.append("  note      : the side channel (rank 0's store) was unreachable: this is one rank's view")
         if self.files:
@@ -154,7 +138,12 @@ def parse_link(error: str | None, rank: int) -> dict | None:
         return None
     m = _LINK.search(error)
     if not m:
-        return None
+        d = _SHM_DIED.search(error)
+        if d is None:
+            return None
+        peer = int(d.group(1))
+        return {"from": peer, "to": rank, "peer": peer, "seen_by": rank, "why": "died (shared memory)",
+                "bytes_done": 0, "bytes_total": 0, "timed_out": False, "gone": True}
     direction, peer, _host, why, done, total = m.groups()
     peer = int(peer)
     src, dst = (peer, rank) if direction == "recv from" else (rank, peer)
@@ -191,7 +180,7 @@ def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[in
             elif r in seen_gone:
                 cats["dead"].append(r)
                 by = sorted({ln["seen_by"] for ln in links if ln["peer"] == r})
-                details[r] = f"no answer; its connection was closed or reset (seen by {_who(by, hosts)})"
+                details[r] = f"no answer; its connection was closed or reset (seen by {who(by, hosts)})"
             else:
                 cats["unreachable"].append(r)
                 details[r] = "no answer on the side channel and no reset: host down, process stopped, or link cut"
@@ -245,11 +234,11 @@ def _headline(cats, stalled, slow, ref, seq, hosts) -> str:
                       ("mismatch", "called it with different arguments"),
                       ("different", "called a different collective"), ("missing", "never joined")):
         if cats.get(cat):
-            return f"{name}: {_who(cats[cat], hosts)} {text}"
+            return f"{name}: {who(cats[cat], hosts)} {text}"
     if stalled:
         ln = stalled[0]
         return (f"{name}: link rank {ln['from']} ({ln['from_host']}) -> rank {ln['to']} ({ln['to_host']}) "
                 f"stalled")
     if slow:
-        return f"{name}: {_who([s['rank'] for s in slow], hosts)} joined late (slow rank)"
+        return f"{name}: {who([s['rank'] for s in slow], hosts)} joined late (slow rank)"
     return f"{name}: failed (no rank is missing or mismatched: see the first error)"

@@ -27,7 +27,8 @@ innermost frame outside hpcring stands in for it.
 Signal choice: a real-time signal, SIGRTMIN+6 (:data:`STACK_SIGNAL`), that nothing else in the
 stack uses. Not SIGUSR2: submitit (rank 0 checkpoints and requeues) and Slurm's
 ``--signal=USR2@N`` time-limit warning use it, and a dump hook there would silently disable both.
-Not SIGUSR1: that one dumps the flight records (:mod:`hpcring.diagnostics.watchdog`).
+Not SIGUSR1: Lightning's SLURM requeue handler. SIGRTMIN+7 dumps the flight records
+(:mod:`hpcring.diagnostics.watchdog`).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Mapping, Sequence, Union
 
-from hpcring.diagnostics.report import rank_ranges
+from hpcring.ranks import rank_ranges, ranks_label
 
 __all__ = ["Frame", "ThreadStack", "Group", "STACK_SIGNAL", "live_file_name", "format_all_threads", "where",
            "locate", "install_signal_dump", "uninstall_signal_dump", "installed_signal_dump", "parse_stacks",
@@ -272,7 +273,7 @@ def install_signal_dump(path_or_dir: str | os.PathLike | None, rank: int, *,
         except (OSError, ValueError, RuntimeError, AttributeError) as exc:
             if not _warned:
                 _warned = True
-                warnings.warn(f"hpcring: rank {rank} gets no stack dump on {_signame(signum)}: cannot use "
+                warnings.warn(f"hpcring: rank {rank} gets no stack dump on {signal_name(signum)}: cannot use "
                               f"{path if path is not None else path_or_dir} ({exc}); set HPCRING_JOB_DIR to a "
                               "writable shared folder to get one", RuntimeWarning, stacklevel=2)
             return None
@@ -315,7 +316,8 @@ def _header_only(path: Path) -> bool:
         return f.read().count("\n") <= 1
 
 
-def _signame(signum: int) -> str:
+def signal_name(signum: int) -> str:
+    """'SIGUSR2', or 'SIGRTMIN+6' for real-time signals (signal.Signals does not name them)."""
     if signal.SIGRTMIN < signum <= signal.SIGRTMAX:
         return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
     try:
@@ -330,7 +332,7 @@ def _open_live_file(path: Path, rank: int, signum: int) -> IO[str]:
     fh = open(path, "a", encoding="utf-8")
     try:
         fh.write(f"# hpcring stack dumps of rank {rank} (pid {os.getpid()}) on "
-                 f"{_signame(signum)}, appended below\n")
+                 f"{signal_name(signum)}, appended below\n")
         fh.flush()
     except BaseException:
         fh.close()
@@ -455,8 +457,7 @@ def group(stacks_by_rank: Mapping[int, StackInput]) -> list[Group]:
 
 def group_line(g: Group) -> str:
     """``ranks 0-4,6: in allreduce at train.py:88 (train_step)`` for one group."""
-    label = "rank" if len(g.ranks) == 1 else "ranks"
-    return f"{label} {rank_ranges(g.ranks)}: {g.where}"
+    return f"{ranks_label(g.ranks)}: {g.where}"
 
 
 def summarize(groups: Sequence[Group], sep: str = "; ") -> str:

@@ -91,7 +91,7 @@ def collect(job_id: str, *, method: str = "auto", timeout: float = 60.0) -> Stac
     if report.ntasks:
         missing = sorted(set(range(report.ntasks)) - set(report.stacks))
         if missing:
-            from hpcring.diagnostics.stacks import rank_ranges
+            from hpcring.ranks import rank_ranges
             report.problems.append(f"no process found for rank(s) {rank_ranges(missing)} "
                                    f"(of {report.ntasks}): exited, or not started yet")
     if report.folder is None:

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcring.diagnostics.stacks import LIVE_FILE_RE, STACK_SIGNAL, _signame
+from hpcring.diagnostics.stacks import LIVE_FILE_RE, STACK_SIGNAL, signal_name
 
 MARKER = "@@hpcring-stacks"
 CHUNK = 900
@@ -243,7 +243,7 @@ def catches(pid: int, signum: int) -> bool:
 
 def dump_signal(pid: int, deadline: float, signum: int = STACK_SIGNAL) -> tuple[str, str]:
     """Send ``signum`` to a rank with the hook and return (what it appended, the live file)."""
-    sig = _signame(signum)
+    sig = signal_name(signum)
     hook = hook_file(pid)
     if hook is None:
         raise ProbeError(f"process {pid} has no stack dump hook (no stacks-live-rank*.txt open: "

@@ -158,6 +158,8 @@ def _patch(dist) -> None:
 
     def init_process_group(*args, **kwargs):
         backend = kwargs.get("backend", args[0] if args else None)
+        if _only_hpcring(backend):           # hpcring's own collectives: they report already
+            return original(*args, **kwargs)
         given = kwargs.get("timeout") if kwargs.get("timeout") is not None else (args[2] if len(args) >= 3 else None)
         ours = given is None
         if ours:
@@ -185,6 +187,14 @@ def _patch(dist) -> None:
         c10d.init_process_group = init_process_group
 
 
+def _only_hpcring(backend) -> bool:
+    """``"hpcring"`` or ``"cpu:hpcring,cuda:hpcring"`` (:mod:`hpcring.distributed`)."""
+    if not backend:
+        return False
+    names = {part.rpartition(":")[2].strip().lower() for part in str(backend).split(",")}
+    return names == {"hpcring"}
+
+
 def _init_timeout() -> float:
     """HPCRING_INIT_TIMEOUT as hpcring's bootstrap reads it (default 60 s; never raises here)."""
     try:
@@ -196,17 +206,8 @@ def _init_timeout() -> float:
 def _start(dist, deadline: float | None) -> None:
     if _STATE["watch"] is not None:
         return
-    import signal
-
     import hpcring
-    # hpcring.init() here is the first one in CMD's process (hpcring run): the framework that
-    # calls init_process_group may already own SIGUSR1 (Lightning's SLURM requeue) -- keep it
-    mine = threading.current_thread() is threading.main_thread()
-    before = signal.getsignal(signal.SIGUSR1) if mine else None
-    session = hpcring.init()
-    if callable(before) and signal.getsignal(signal.SIGUSR1) is not before:
-        signal.signal(signal.SIGUSR1, before)
-    wd = session.watchdog
+    wd = hpcring.init().watchdog
     if wd is None:                      # HPCRING_WATCHDOG=0
         return
     pg = dist.distributed_c10d._get_default_group()

@@ -307,10 +307,17 @@ def _from_dict(d: dict) -> Report:
 
 
 # ---------------------------------------------------------------------------------------------
-# SIGUSR1: dump the flight records and keep running
+# DUMP_SIGNAL: dump the flight records and keep running
 # ---------------------------------------------------------------------------------------------
-def install_dump_signal(watchdog: Watchdog, signum: int = signal.SIGUSR1) -> bool:
+# A real-time signal nothing else in the stack uses. Not SIGUSR1: Lightning's SLURM requeue
+# handler lives there and is installed only when no handler exists yet. Not SIGUSR2: submitit
+# and Slurm's --signal=USR2@N time-limit warning. (SIGRTMIN+6 takes stack dumps.)
+DUMP_SIGNAL = signal.SIGRTMIN + 7
+
+
+def install_dump_signal(watchdog: Watchdog, signum: int = DUMP_SIGNAL) -> bool:
     """Make ``signum`` dump ``watchdog``'s flight records and stacks and keep running.
+    Never replaces a handler somebody else installed (returns False then).
 
     A Python signal handler only runs when the main thread returns to the interpreter -- never
     while it is stuck in a collective. So the handler is a no-op and the work is done by a
@@ -318,7 +325,10 @@ def install_dump_signal(watchdog: Watchdog, signum: int = signal.SIGUSR1) -> boo
     there from whatever thread the kernel picked). Must be called from the main thread; returns
     False (and installs nothing) elsewhere or when somebody else (asyncio) owns the wakeup fd.
     """
+    from hpcring.diagnostics.stacks import signal_name
     if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signum) not in (signal.SIG_DFL, None):
         return False
     r, w = os.pipe()
     os.set_blocking(w, False)
@@ -342,7 +352,7 @@ def install_dump_signal(watchdog: Watchdog, signum: int = signal.SIGUSR1) -> boo
             if not data:
                 return
             if signum in data:
-                folder = watchdog.dump(f"signal {signal.Signals(signum).name}")
+                folder = watchdog.dump(f"signal {signal_name(signum)}")
                 print(f"hpcring: rank {watchdog.rank}: flight records and stacks written to {folder}",
                       file=sys.stderr, flush=True)
 

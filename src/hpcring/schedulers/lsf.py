@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -230,7 +231,7 @@ class LsfExecutor(core.PicklingExecutor):
 
 def rank_command(python: str, folder: str) -> str:
     """What every rank runs: hpcring's LSF task entry (per-rank logs), then submitit's."""
-    return f"{python} -u -m hpcring.schedulers.lsf_task {folder}"
+    return f"{python} -u -m hpcring.schedulers.lsf_task {shlex.quote(folder)}"
 
 
 # ------------------------------------------------------------------------------ hpcring hooks

@@ -1,7 +1,6 @@
 """Slurm: submission through submitit's SlurmExecutor with our rendered template; state from sacct."""
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -90,12 +89,5 @@ def explain_refusal(stderr: str) -> str | None:
     if "time limit" in s:
         return "the --time is above the partition's limit"
     return None
-
-
-def job_id_from_output(text: str) -> str:
-    m = re.search(r"job (\d+)", text)
-    if not m:
-        raise SchedulerError(f"could not find a job id in sbatch's answer: {text!r}")
-    return m.group(1)
 
 

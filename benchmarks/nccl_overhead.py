@@ -1,0 +1,130 @@
+"""Per-call cost of hpcring's device collectives against raw NCCL on the same GPU and stream.
+
+    python benchmarks/nccl_overhead.py                     # allreduce float32, 4 KiB .. 256 MiB
+    python benchmarks/nccl_overhead.py -c allgather -e 64M --iters 200
+
+One process, one GPU, a world of one rank (NCCL refuses two ranks on one GPU, so this is where
+the per-call overhead is measured; the bytes do not cross a link). Both sides get the same CuPy
+buffers and the same stream:
+
+* raw: ``cupy.cuda.nccl.NcclCommunicator`` called directly (what the collective costs in NCCL);
+* hpcring: ``Communicator.allreduce(x, out=x)`` etc. on the nccl backend (adaptation, flight
+  record, deadline tracking, completion event).
+
+Each point runs ``--iters`` calls back to back, then synchronizes the stream; the time is per
+call. Results are checked once per size (#wrong must be 0). Prints
+
+    size count type raw(us) hpcring(us) ratio overhead(us) #wrong
+
+Needs cupy + nvidia-nccl-cu12 and an NVIDIA GPU: exits 2 with a message otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
+
+
+def sizes(lo: int, hi: int, factor: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= factor
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-c", "--collective", default="allreduce",
+                    choices=("allreduce", "allgather", "broadcast", "reduce_scatter"))
+    ap.add_argument("-b", "--minbytes", default="4K")
+    ap.add_argument("-e", "--maxbytes", default="256M")
+    ap.add_argument("-f", "--factor", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=5, help="timed loops per size; the median is printed")
+    args = ap.parse_args()
+
+    from hpcring.collectives.nccl import gpu_count
+    if gpu_count() == 0:
+        print("nccl_overhead: needs cupy, NCCL and a visible NVIDIA GPU (none here)", file=sys.stderr)
+        return 2
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    import hpcring
+    session = hpcring.init(backend="nccl")
+    comm = session.communicator("nccl")
+    raw = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    stream = cp.cuda.Stream(non_blocking=True)
+    f32 = nccl.NCCL_FLOAT32
+    print(f"# nccl_overhead: {args.collective} float32, 1 rank, GPU {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
+          f"NCCL {nccl.get_version()}, CuPy {cp.__version__}, {args.iters} calls per loop, median of {args.repeats}")
+    print(f"{'size':>12} {'count':>12} {'type':>6} {'raw(us)':>10} {'hpcring(us)':>12} {'ratio':>7} "
+          f"{'overhead(us)':>13} {'#wrong':>7}")
+    with stream:
+        for nbytes in sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.factor):
+            n = nbytes // 4
+            x = cp.arange(n, dtype=cp.float32) % 97
+            out = cp.empty_like(x)
+            if args.collective == "allreduce":
+                def raw_call():
+                    raw.allReduce(x.data.ptr, out.data.ptr, n, f32, nccl.NCCL_SUM, stream.ptr)
+
+                def hr_call():
+                    comm.allreduce(x, out=out)
+            elif args.collective == "allgather":
+                def raw_call():
+                    raw.allGather(x.data.ptr, out.data.ptr, n, f32, stream.ptr)
+
+                def hr_call():
+                    comm.allgather(x, out=out)
+            elif args.collective == "broadcast":
+                def raw_call():
+                    raw.broadcast(x.data.ptr, x.data.ptr, n, f32, 0, stream.ptr)
+
+                def hr_call():
+                    comm.broadcast(x)
+            else:
+                def raw_call():
+                    raw.reduceScatter(x.data.ptr, out.data.ptr, n, f32, nccl.NCCL_SUM, stream.ptr)
+
+                def hr_call():
+                    comm.reduce_scatter(x, out=out)
+
+            def timed(call) -> float:
+                for _ in range(10):
+                    call()
+                comm.synchronize()
+                stream.synchronize()
+                runs = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    for _ in range(args.iters):
+                        call()
+                    stream.synchronize()
+                    runs.append((time.perf_counter() - t0) / args.iters * 1e6)
+                comm.synchronize()
+                return statistics.median(runs)
+            t_raw = timed(raw_call)
+            t_hr = timed(hr_call)
+            got = out if args.collective != "broadcast" else x   # one rank: every result equals x
+            wrong = int(cp.count_nonzero(got != x).get())
+            print(f"{nbytes:>12} {n:>12} {'float':>6} {t_raw:>10.1f} {t_hr:>12.1f} {t_hr / t_raw:>7.2f} "
+                  f"{t_hr - t_raw:>13.1f} {wrong:>7}", flush=True)
+    raw.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

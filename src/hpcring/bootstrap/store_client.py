@@ -1,0 +1,282 @@
+"""The rendezvous store's blocking client, used by every rank (see store_wire for the protocol)."""
+from __future__ import annotations
+
+import hmac
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from hpcring.bootstrap import auth
+from hpcring.bootstrap.store_wire import (DEFAULT_MAX_FRAME, F64, HEADER, I64, MAC_LEN, MAX_GET_TIMEOUT,
+                                          OP_ADD, OP_CHECK, OP_DELETE, OP_GET, OP_PING, OP_SET,
+                                          SECRET_HINT, ST_ERROR, ST_OK, ST_TIMEOUT, _DIR_TO_CLIENT,
+                                          _DIR_TO_SERVER, StoreAuthError, StoreTimeoutError,
+                                          encode_frame, encode_request, frame_mac, session_key)
+from hpcring.errors import BootstrapError
+from hpcring.netio import recv_exact
+
+if TYPE_CHECKING:
+    from hpcring.bootstrap.store_server import StoreServer
+
+def _seconds(what: str, value) -> float:
+    """A wait in seconds from a caller: finite and in [0, MAX_GET_TIMEOUT], else UsageError."""
+    from hpcring.config.envvars import check_number
+    return check_number(what, value, lo=0, hi=MAX_GET_TIMEOUT)
+
+
+class _StoreBusy(ConnectionResetError):
+    """The server closed a new connection before its hello: full, or pausing accepts (retryable)."""
+
+
+_RETRYABLE_CONNECT = (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError,
+                      TimeoutError, socket.timeout)
+
+
+class StoreClient:
+    """Blocking client of a :class:`StoreServer`; safe to share between threads (one lock).
+
+    Contract: the constructor connects and authenticates, retrying refused or timed-out connects
+    with backoff until ``timeout`` seconds have passed (rank 0 may start late); a peer that fails
+    authentication is not retried (:class:`StoreAuthError`). Every call has a deadline (its own
+    ``timeout`` or the client's) and raises :class:`BootstrapError` naming the store address, the
+    key and what to check.
+    """
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float = 60.0, *,
+                 max_frame: int = DEFAULT_MAX_FRAME, connect_retry: bool = True) -> None:
+        if not secret:
+            raise BootstrapError("StoreClient needs a non-empty per-job secret")
+        self.host, self.port = host, int(port)
+        self.timeout = _seconds("StoreClient(timeout=)", timeout)
+        self.max_frame = max_frame
+        self._secret = bytes(secret)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._key = b""
+        self._send_seq = 0
+        self._recv_seq = 0
+        self.server: StoreServer | None = None   # set by init_bootstrap on rank 0 to keep it alive
+        self._connect(time.monotonic() + self.timeout, retry=connect_retry)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # -- connection -------------------------------------------------------------------------
+    def _connect(self, deadline: float, retry: bool = True) -> None:
+        delay, last_error = 0.02, None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BootstrapError(
+                    f"could not connect to the rendezvous store at {self.address} "
+                    f"within {self.timeout:.0f}s (last error: {last_error})",
+                    hint="check that rank 0 is running and reached init_bootstrap, that the master "
+                         "address is reachable from this host (interface, firewall) and that "
+                         "HPCRING_MASTER_ADDR/MASTER_ADDR point at rank 0's node")
+            try:
+                self._sock = self._open(min(remaining, 5.0))
+                return
+            except StoreAuthError:
+                raise
+            except (OSError, *_RETRYABLE_CONNECT) as e:
+                last_error = f"{type(e).__name__}: {e}"
+                if not retry:   # the caller runs its own loop over several ports
+                    raise BootstrapError(f"could not connect to the rendezvous store at {self.address}: "
+                                         f"{last_error}") from e
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 1.0)
+
+    def _open(self, budget: float) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=budget)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(max(budget, 1.0))
+            self._handshake(sock)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            ns = auth.STORE.read_hello(sock)
+        except auth.NotAPeer as e:
+            raise StoreAuthError(f"peer at {self.address} is not an hpcring store (bad hello)",
+                                 hint=SECRET_HINT) from e
+        except (EOFError, ConnectionResetError, TimeoutError, socket.timeout) as e:
+            # An hpcring store under a flood drops (or is slow to greet) new connections: retry.
+            raise _StoreBusy(f"the store closed the connection before its hello (busy, or not an "
+                             f"hpcring store): {e or type(e).__name__}") from e
+        except OSError as e:
+            raise StoreAuthError(f"peer at {self.address} is not an hpcring store (no hello: {e})",
+                                 hint=SECRET_HINT) from e
+        try:
+            nc = auth.STORE.prove(sock, self._secret, ns)
+        except auth.BadProof as e:
+            raise StoreAuthError(f"the server at {self.address} could not prove it knows this job's secret",
+                                 hint=SECRET_HINT) from e
+        except (EOFError, OSError) as e:
+            raise StoreAuthError(f"the store at {self.address} rejected this rank's handshake",
+                                 hint=SECRET_HINT) from e
+        self._key = session_key(self._secret, ns, nc)
+        self._send_seq = self._recv_seq = 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- one round trip ---------------------------------------------------------------------
+    def _call(self, op: int, key: str, args: bytes, wait: float) -> tuple[int, bytes]:
+        body = encode_request(op, key, args)
+        if len(body) > self.max_frame:
+            raise BootstrapError(f"value for key {key!r} is {len(body)} bytes, over the store's "
+                                 f"frame cap of {self.max_frame}", hint="the store is for small metadata")
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise BootstrapError(f"store client for {self.address} is closed (key {key!r})")
+            frame = encode_frame(self._key, _DIR_TO_SERVER, self._send_seq, body)
+            self._send_seq += 1
+            # The server answers a blocked GET at its own deadline; the slack covers the round trip.
+            sock.settimeout(wait + 5.0)
+            try:
+                sock.sendall(frame)
+                return self._read_reply(sock, key)
+            except (EOFError, ConnectionError) as e:
+                self._sock = None
+                sock.close()
+                raise BootstrapError(
+                    f"the rendezvous store at {self.address} closed the connection while this rank "
+                    f"was waiting for key {key!r} ({type(e).__name__})",
+                    hint="rank 0 runs the store: check whether rank 0 exited or crashed (its log and exit "
+                         "code), or was killed by the scheduler") from e
+            except (TimeoutError, socket.timeout) as e:
+                self._sock = None
+                sock.close()
+                raise BootstrapError(
+                    f"no answer from the rendezvous store at {self.address} for key {key!r} "
+                    f"within {wait + 5.0:.1f}s", hint="rank 0 may be hung or the network path dropped") from e
+            except OSError as e:
+                self._sock = None
+                sock.close()
+                raise BootstrapError(f"talking to the rendezvous store at {self.address} failed for "
+                                     f"key {key!r}: {e}", hint="check rank 0 and the network path") from e
+
+    def _read_reply(self, sock: socket.socket, key: str) -> tuple[int, bytes]:
+        head = recv_exact(sock, HEADER.size + MAC_LEN)
+        (length,) = HEADER.unpack_from(head, 0)
+        if length > self.max_frame or length < 1:
+            raise ConnectionAbortedError(f"reply frame length {length} out of range")
+        body = recv_exact(sock, length)
+        if not hmac.compare_digest(head[HEADER.size:], frame_mac(self._key, _DIR_TO_CLIENT, self._recv_seq, body)):
+            raise ConnectionAbortedError("reply frame has a bad MAC")
+        self._recv_seq += 1
+        status = body[0]
+        if status == ST_ERROR:
+            raise BootstrapError(f"store at {self.address} refused the request on key {key!r}: "
+                                 f"{body[1:].decode('utf-8', 'replace')}")
+        return status, body[1:]
+
+    # -- API --------------------------------------------------------------------------------
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (overwrites) and wake every rank blocked on it."""
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"store values are bytes, not {type(value).__name__} (key {key!r})")
+        self._call(OP_SET, key, bytes(value), self.timeout)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, blocking until it exists; BootstrapError after ``timeout`` seconds."""
+        if timeout is None:
+            wait = self.timeout
+        else:   # a deadline already passed means "do not block" (gather/wait compute what is left)
+            negative = isinstance(timeout, (int, float)) and timeout < 0
+            wait = _seconds(f"store get({key!r}) timeout", 0.0 if negative else timeout)
+        status, payload = self._call(OP_GET, key, F64.pack(wait), wait)
+        if status == ST_TIMEOUT:
+            raise StoreTimeoutError(
+                f"timed out after {wait:.1f}s waiting for key {key!r} in the rendezvous store at {self.address}",
+                hint="some rank did not reach this point: check that every rank started (scheduler log), "
+                     "that all ranks use the same job id and world size, and the logs of the rank "
+                     "that should have published this key", missing=[key])
+        return payload
+
+    def gather(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys`` in order, blocking until all exist; one deadline covers them all.
+
+        On timeout raises :class:`StoreTimeoutError` whose ``missing`` lists every key still absent
+        (not only the first), so callers can name all the ranks that did not arrive.
+        """
+        keys = list(keys)
+        deadline = time.monotonic() + (self.timeout if timeout is None else _seconds("store wait timeout", timeout))
+        values: list[bytes] = []
+        for i, key in enumerate(keys):
+            try:
+                values.append(self.get(key, timeout=max(0.0, deadline - time.monotonic())))
+            except StoreTimeoutError as e:
+                missing = [key] + [k for k in keys[i + 1:] if self.check(k) is None]
+                raise StoreTimeoutError(f"{e.message}; {len(missing)} of {len(keys)} keys still missing",
+                                        hint=e.hint, missing=missing) from None
+        return values
+
+    def check(self, key: str) -> bytes | None:
+        """The value of ``key`` if present, else None (never blocks on the key)."""
+        status, payload = self._call(OP_CHECK, key, b"", self.timeout)
+        return payload if status == ST_OK else None
+
+    def delete(self, key: str) -> bool:
+        status, _ = self._call(OP_DELETE, key, b"", self.timeout)
+        return status == ST_OK
+
+    def add(self, key: str, n: int) -> int:
+        """Atomically add ``n`` to the integer at ``key`` (missing = 0) and return the new value."""
+        _, payload = self._call(OP_ADD, key, I64.pack(int(n)), self.timeout)
+        return I64.unpack(payload)[0]
+
+    def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
+        """Block until every key exists; one deadline covers them all."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else _seconds("store wait timeout", timeout))
+        for key in keys:
+            self.get(key, timeout=max(0.0, deadline - time.monotonic()))
+
+    def barrier(self, name: str, size: int, timeout: float | None = None) -> None:
+        """Return once ``size`` participants have entered barrier ``name`` (one use per name)."""
+        wait = self.timeout if timeout is None else _seconds(f"barrier {name!r} timeout", timeout)
+        deadline = time.monotonic() + wait
+        count_key, done_key = f"__barrier/{name}/count", f"__barrier/{name}/done"
+        n = self.add(count_key, 1)
+        if n > size:
+            raise BootstrapError(f"barrier {name!r} at store {self.address} entered {n} times for size {size}",
+                                 hint="barrier names are single-use; use a fresh name each time")
+        if n == size:
+            # The last one in releases the others and leaves: a get() here could race rank 0
+            # finishing the barrier and exiting (taking the store with it).
+            self.set(done_key, b"1")
+            return
+        try:
+            self.get(done_key, timeout=max(0.0, deadline - time.monotonic()))
+        except BootstrapError as e:
+            arrived = self.check(count_key) if self._sock is not None else None
+            got = arrived.decode() if arrived else "?"
+            if "timed out" not in e.message:   # the store went away: that error says it better
+                raise
+            raise BootstrapError(f"barrier {name!r} timed out after {wait:.1f}s at store {self.address}: "
+                                 f"{got} of {size} ranks arrived (waiting for key {done_key!r})",
+                                 hint="the missing ranks never reached this barrier: check that every "
+                                      "rank started and look at the logs of the slowest ones") from e
+
+    def ping(self, timeout: float = 5.0) -> float:
+        """Round-trip time in seconds."""
+        t0 = time.monotonic()
+        self._call(OP_PING, "", b"", timeout)
+        return time.monotonic() - t0

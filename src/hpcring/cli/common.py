@@ -1,0 +1,37 @@
+"""What every command module shares: the one error wrapper and the --site option.
+
+The library raises one family of exceptions (:class:`hpcring.errors.HpcringError`, each with its
+exit code); here, and only here, they become ``error: ...`` on stderr and that exit code.
+Nothing else is caught: a bug shows its traceback.
+"""
+from __future__ import annotations
+
+import functools
+
+import typer
+
+from hpcring.cli import output
+from hpcring.config.envvars import check_environ
+from hpcring.errors import HpcringError
+
+SiteOpt = typer.Option(None, "--site", "-s", help="Site name or path to a site YAML (default: $HPCRING_SITE, else local).")
+
+
+def exit_for(exc: HpcringError) -> typer.Exit:
+    """Print ``error: <message>`` for a library error and return the Exit to raise."""
+    output.error(str(exc))
+    return typer.Exit(exc.exit_code)
+
+
+def command(target: typer.Typer, *args, **kwargs):
+    """Register a command on ``target`` whose HpcringError becomes :func:`exit_for`'s exit."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            try:
+                check_environ()   # a bad HPCRING_* value stops here, before any rank starts
+                return fn(*a, **kw)
+            except HpcringError as exc:
+                raise exit_for(exc) from None
+        return target.command(*args, **kwargs)(wrapper)
+    return deco

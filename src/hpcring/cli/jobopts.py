@@ -1,0 +1,109 @@
+"""The job options `submit` and `render` share, defined once, and the typed request they become.
+
+:func:`job_options` adds the options to a command's signature (typer reads signatures) and hands
+the command one :class:`JobRequest` instead of fifteen parameters. Precedence is applied later,
+by :func:`hpcring.config.jobspec.resolve_job`: CLI > environment > site config > defaults.
+Imports nothing heavy: ``hpcring --help`` must stay fast.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field, fields
+from typing import List, Optional
+
+import typer
+
+from hpcring.config.envvars import MAX_CPUS_PER_TASK, MAX_GPUS_PER_NODE, MAX_NODES, MAX_TASKS_PER_NODE
+
+_KW = inspect.Parameter.KEYWORD_ONLY
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What the user asked for on the command line (None: not given)."""
+    script: str
+    args: list[str] = field(default_factory=list)
+    site: Optional[str] = None
+    nodes: Optional[int] = None
+    tasks_per_node: Optional[int] = None
+    gpus_per_node: Optional[int] = None
+    cpus_per_task: Optional[int] = None
+    time: Optional[str] = None
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    exclusive: Optional[bool] = None
+    name: Optional[str] = None
+    sched_arg: list[str] = field(default_factory=list)
+    template: Optional[str] = None
+    verbose: bool = False
+
+    # the JobSpec fields the CLI can set (resolve_job's ``cli`` mapping)
+    SPEC_FIELDS = ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "time", "partition",
+                   "account", "qos", "constraint", "name")
+
+    def resolve(self):
+        """(site, job spec): the site config loaded and every value merged by precedence."""
+        from hpcring.config.jobspec import resolve_job
+        from hpcring.config.site import load_site
+        site = load_site(self.site)
+        cli = {k: getattr(self, k) for k in self.SPEC_FIELDS}
+        return site, resolve_job(site, self.script, list(self.args), cli, sched_args=list(self.sched_arg),
+                                 exclusive=self.exclusive)
+
+
+# name -> (annotation, typer option); the order is the order in --help
+_OPTIONS = {
+    "site": (Optional[str], typer.Option(None, "--site", "-s", help="Site name or path to a site YAML "
+                                                                     "(default: $HPCRING_SITE, else local).")),
+    "nodes": (Optional[int], typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES, help="Number of nodes.")),
+    "tasks_per_node": (Optional[int], typer.Option(None, "--tasks-per-node", min=1, max=MAX_TASKS_PER_NODE,
+                                                   help="Ranks per node (default: one per GPU, else 1).")),
+    "gpus_per_node": (Optional[int], typer.Option(None, "--gpus-per-node", min=0, max=MAX_GPUS_PER_NODE,
+                                                  help="GPUs per node.")),
+    "cpus_per_task": (Optional[int], typer.Option(None, "--cpus-per-task", min=1, max=MAX_CPUS_PER_TASK,
+                                                  help="CPUs per rank.")),
+    "time": (Optional[str], typer.Option(None, "--time", "-t",
+                                         help="Time limit: minutes, HH:MM:SS or D-HH:MM:SS.")),
+    "partition": (Optional[str], typer.Option(None, "--partition", "-p", help="Partition (Slurm) or queue (LSF).")),
+    "account": (Optional[str], typer.Option(None, "--account", "-A", help="Account or project to charge.")),
+    "qos": (Optional[str], typer.Option(None, "--qos", help="Quality of service.")),
+    "constraint": (Optional[str], typer.Option(None, "--constraint", "-C", help="Node features.")),
+    "exclusive": (Optional[bool], typer.Option(None, "--exclusive/--shared", help="Whole nodes.")),
+    "name": (Optional[str], typer.Option(None, "--name", "-J", help="Job name (default: script name).")),
+    "sched_arg": (Optional[List[str]], typer.Option(None, "--sched-arg",
+                                                    help="Extra scheduler flag, passed through (repeatable).")),
+    "template": (Optional[str], typer.Option(None, "--template", help="Own job-script template (.j2).")),
+    "verbose": (bool, typer.Option(False, "--verbose", "-v", help="Show where each setting came from.")),
+}
+_ARGUMENTS = {
+    "script": (str, typer.Argument(..., help="Python script each rank runs.")),
+    "args": (Optional[List[str]], typer.Argument(None, help="Arguments for the script (after --).")),
+}
+assert set(_OPTIONS) | set(_ARGUMENTS) == {f.name for f in fields(JobRequest)}
+
+
+def job_options(fn):
+    """Decorate ``fn(req: JobRequest, **own_options)``: the command gets SCRIPT, ARGS and every
+    job option, and ``fn`` one JobRequest built from them."""
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.name != "req"]
+    added = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d, annotation=a)
+             for n, (a, d) in _ARGUMENTS.items()]
+    added += [inspect.Parameter(n, _KW, default=d, annotation=a) for n, (a, d) in _OPTIONS.items()]
+    names = [p.name for p in added]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update({k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        values = {k: v for k, v in bound.items() if v is not None}
+        req = JobRequest(**{**values, "args": list(bound.get("args") or []),
+                            "sched_arg": list(bound.get("sched_arg") or [])})
+        return fn(req=req, **kwargs)
+    wrapper.__signature__ = sig.replace(parameters=added[:2] + [p.replace(kind=_KW) for p in own] + added[2:])
+    wrapper.__annotations__ = {**{n: a for n, (a, _) in {**_ARGUMENTS, **_OPTIONS}.items()},
+                               **{p.name: p.annotation for p in own}}
+    return wrapper

@@ -1,0 +1,219 @@
+"""The async engine under the Communicator: :class:`Handle` (a pending result with
+done-callbacks), :class:`Worker` (one thread per communicator running host-backend operations in
+submission order) and :class:`Completions` (device collectives in flight on a stream-ordered
+backend, completed from their CUDA events by a poller that keeps every deadline)."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from hpcring.diagnostics.recorder import FlightRecorder, Record
+from hpcring.errors import CollectiveError
+
+class Handle:
+    """The pending result of an ``*_async`` call.
+
+    ``add_done_callback(fn)`` chains work on completion (``fn(handle)`` runs once, in the thread
+    that completes the operation, or at once when it is already done), so a caller such as the
+    torch ProcessGroup can complete a future without a thread of its own waiting."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["Handle"], Any]] | None = []
+        self._cb_lock = threading.Lock()
+        self.cuda_event = None          # device collectives: the CUDA event that marks completion
+
+    def _set(self, result=None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        with self._cb_lock:
+            callbacks, self._callbacks = self._callbacks, None
+            self._event.set()
+        for fn in callbacks or ():
+            self._call(fn)
+
+    def _call(self, fn) -> None:
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001 - a callback's bug must not kill the worker thread
+            logging.getLogger("hpcring.collectives").exception("done-callback of %s raised", self.name)
+
+    def add_done_callback(self, fn: Callable[["Handle"], Any]) -> None:
+        """Call ``fn(self)`` once the operation finished (successfully or not); at once if it
+        already has. Exceptions raised by ``fn`` are logged, not propagated."""
+        with self._cb_lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def result(self):
+        """The result of a finished operation (raises its error); for a pending one, waits."""
+        return self.wait()
+
+    def done(self) -> bool:
+        """True once the operation finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the operation finished and return its result (or raise its error).
+        ``timeout`` (seconds) bounds the wait itself: CollectiveError if still running."""
+        if not self._event.wait(timeout):
+            raise CollectiveError(f"{self.name} did not finish within {timeout:.1f} s (still running)",
+                                  hint="the operation keeps its own deadline; wait again or raise it")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        """The error of a finished operation, or None."""
+        return self._error if self._event.is_set() else None
+
+
+class Worker:
+    """One thread per communicator executing submitted operations in order."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+        self._name = name
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def submit(self, name: str, fn: Callable[[], Any]) -> Handle:
+        h = Handle(name)
+        with self._lock:
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._q.put((h, fn))
+        return h
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            h, fn = item
+            try:
+                h._set(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                h._set(error=e)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def stop(self) -> None:
+        with self._lock:
+            t = self._thread
+            self._thread = None
+        if t is not None:
+            self._q.put(None)
+            t.join(timeout=5.0)
+
+
+class Completions:
+    """Device collectives in flight on a stream-ordered backend.
+
+    One thread per communicator polls their completion events (every outstanding one: different
+    streams finish out of order), completes each flight record and handle, and enforces each
+    deadline and NCCL's async error through ``backend.poll`` -- NCCL itself has no timeout. On
+    a failure the communicator is aborted by the backend, the watchdog makes the job-wide report
+    (and normally ends the process), and every outstanding handle gets the error.
+
+    Polls every 0.2 ms growing to 2 ms while work is outstanding (a completion is noticed late
+    by at most that: callers that consume results on the stream never wait for it), and sleeps
+    on a condition when nothing is."""
+
+    POLL_MIN, POLL_MAX = 2e-4, 2e-3
+
+    def __init__(self, comm) -> None:
+        self._comm = comm
+        self._items: list = []
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def add(self, rec: Record, pending, handle: Handle | None, result) -> None:
+        with self._cv:
+            self._items.append((rec, pending, handle, result))
+            self._idle.clear()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"hpcring-cuda-poll:{self._comm.rank}",
+                                                daemon=True)
+                self._thread.start()
+            if len(self._items) == 1:
+                self._cv.notify()
+
+    def _loop(self) -> None:
+        backend = self._comm.backend
+        delay = self.POLL_MIN
+        while True:
+            with self._cv:
+                while not self._items and not self._stopping:
+                    self._idle.set()
+                    self._cv.wait()
+                if not self._items:
+                    return
+                items = list(self._items)
+            now = time.monotonic()
+            finished = []
+            for item in items:
+                rec, pending, handle, result = item
+                try:
+                    done = backend.poll(pending, now)
+                except BaseException as e:  # noqa: BLE001 - CollectiveError: deadline / async error
+                    self._fail(item, e)
+                    return
+                if done:
+                    FlightRecorder.finish(rec)
+                    if handle is not None:
+                        handle._set(result)
+                    finished.append(item)
+            with self._cv:
+                for item in finished:
+                    self._items.remove(item)
+            delay = self.POLL_MIN if finished else min(delay * 2, self.POLL_MAX)
+            time.sleep(delay)
+
+    def _fail(self, item, e: BaseException) -> None:
+        with self._cv:
+            items, self._items = self._items, []
+        err = self._comm._failed(item[0], e)      # may end the process (watchdog abort mode)
+        for rec, _, handle, _ in items:
+            if rec is not item[0]:
+                FlightRecorder.finish(rec, err)
+            if handle is not None:
+                handle._set(error=err)
+        with self._cv:
+            self._thread = None
+            self._idle.set()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until nothing is outstanding (each item keeps its own deadline; ``timeout``
+        bounds this wait too)."""
+        if not self._idle.wait(timeout):
+            raise CollectiveError(f"device collectives still in flight after {timeout:g} s",
+                                  hint="each keeps its own deadline; wait again or raise it")
+
+    def stop(self) -> None:
+        try:
+            self.drain(max((it[1].deadline for it in list(self._items)), default=0) - time.monotonic() + 1.0)
+        except CollectiveError:
+            pass
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()

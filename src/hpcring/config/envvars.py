@@ -1,0 +1,324 @@
+"""Every ``HPCRING_*`` environment variable: name, type, default, bounds and meaning, in one table.
+
+Code reads a variable through :func:`get` (parsed and checked once per distinct value); a bad value
+raises :class:`UsageError` naming the variable, the value, what is allowed and what to do. The
+table in ``docs/environment.md`` is generated from :data:`VARS` (``python -m
+hpcring.config.envvars``) and a unit test keeps the two in step. Variables that hpcring itself
+sets for each rank (``set_by="hpcring"``) are listed so nothing reads an unknown name; users do not
+set them.
+
+Import cost matters (the CLI imports this): standard library only.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hpcring.errors import UsageError
+
+DEFAULT_TIMEOUT = 300.0          # per-collective deadline (s): site config, CLI and ring all use this
+MAX_TIMEOUT = 7 * 24 * 3600.0    # a week: longer than any allocation, and finite
+DEFAULT_INIT_TIMEOUT = 60.0
+
+# Bounds of job sizes, shared by the CLI flags, the environment and the site schema. Generous (the
+# largest machines have ~10^4 nodes) but finite, so a typo cannot render a job of 10^23 nodes.
+MAX_NODES = 100_000
+MAX_TASKS_PER_NODE = 1024
+MAX_GPUS_PER_NODE = 64
+MAX_CPUS_PER_TASK = 4096
+MAX_RANKS = MAX_NODES * 8
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    kind: str                  # float, int, bool, choice, str, path, time
+    default: Any
+    meaning: str
+    lo: float | None = None    # inclusive lower bound (numbers)
+    hi: float | None = None    # inclusive upper bound (numbers)
+    lo_open: bool = False      # lower bound excluded (timeouts must be > 0)
+    choices: tuple[str, ...] = ()
+    set_by: str = "user"       # "user" or "hpcring" (exported by job scripts / the local backend)
+
+    def allowed(self) -> str:
+        if self.kind == "bool":
+            return "one of 1/true/yes/on or 0/false/no/off"
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        if self.kind in ("int", "float"):
+            what = "a whole number" if self.kind == "int" else "a finite number"
+            lo = "" if self.lo is None else (f" > {_num(self.lo)}" if self.lo_open else f" >= {_num(self.lo)}")
+            hi = "" if self.hi is None else f" <= {_num(self.hi)}"
+            return what + (lo + ("," if lo and hi else "") + hi)
+        return "text"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _v(*a, **kw) -> Var:
+    return Var(*a, **kw)
+
+
+VARS: tuple[Var, ...] = (
+    # -- deadlines and behaviour (set by users) --
+    _v("HPCRING_TIMEOUT", "float", DEFAULT_TIMEOUT, "deadline of every collective, seconds "
+       "(also a job setting: CLI > this > site config `timeout`)", 0, MAX_TIMEOUT, lo_open=True),
+    _v("HPCRING_INIT_TIMEOUT", "float", DEFAULT_INIT_TIMEOUT, "deadline of the bootstrap "
+       "(rendezvous, interface checks), seconds", 0, MAX_TIMEOUT, lo_open=True),
+    _v("HPCRING_BACKEND", "choice", None, "collective backend for `auto`; unset: NCCL with a GPU, "
+       "MPI under an MPI launcher, else ring", choices=("ring", "mpi", "nccl")),
+    _v("HPCRING_STORE_PORT", "int", None, "TCP port of the rendezvous store on rank 0's node "
+       "(unset: derived from the job id in 29500-29999)", 1, 65535),
+    _v("HPCRING_STORE_LINGER", "float", 30.0, "how long rank 0 keeps the store up at exit for "
+       "slower ranks, seconds", 0, 3600),
+    _v("HPCRING_IFNAME", "str", None, "interfaces hpcring's rendezvous and ring may use (NCCL "
+       "syntax: `ib`, `=eth0`, `^docker`); set from the site config's fabric"),
+    _v("HPCRING_VERIFY", "choice", "ring", "how interfaces are verified at init",
+       choices=("ring", "all", "none")),
+    _v("HPCRING_MASTER_ADDR", "str", None, "address of rank 0's node (else MASTER_ADDR, else the "
+       "first host of the allocation)"),
+    _v("HPCRING_SOCKBUF", "int", 0, "SO_SNDBUF/SO_RCVBUF of ring sockets, bytes (0: kernel "
+       "autotuning)", 0, 1 << 30),
+    _v("HPCRING_RD_THRESHOLD", "int", None, "allreduce messages below this many bytes use recursive "
+       "doubling (unset: the measured default)", 0, 1 << 40),
+    _v("HPCRING_RING_STREAMS", "int", 1, "TCP streams per ring peer, each carrying a slice of every "
+       "chunk (site: fabric.ring_streams)", 1, 16),
+    _v("HPCRING_RING_THREADS", "int", 1, "I/O threads per rank driving the ring's streams "
+       "(site: fabric.ring_threads)", 1, 16),
+    _v("HPCRING_RING_SHM", "bool", True, "shared memory between the ranks of one host instead of "
+       "loopback TCP (site: fabric.ring_shm)"),
+    _v("HPCRING_BCAST_TREE_MAX", "int", None, "ring broadcast: binomial tree up to this many bytes, "
+       "pipelined chain above (unset: the measured 256 KiB)", 0, 1 << 62),
+    _v("HPCRING_RING_SHM_PIECE", "int", None, "shared-memory piece per rank and buffer, bytes "
+       "(unset: 1 MiB per local rank, 1-8 MiB)", 4096, 1 << 30),
+    _v("HPCRING_CHECK_COLLECTIVES", "bool", False, "check before each collective that every rank "
+       "calls the same op, dtype, count and root (costs a small allreduce)"),
+    _v("HPCRING_MPI_ABORT_ON_TIMEOUT", "bool", True, "MPI backend: abort the job when a collective "
+       "misses its deadline (MPI cannot cancel one)"),
+    _v("HPCRING_WATCHDOG", "bool", True, "start the hang watchdog (flight records, stacks, report)"),
+    _v("HPCRING_DIAG_GRACE", "float", 5.0, "how long the watchdog waits for every rank's snapshot "
+       "before reporting, seconds", 0.5, 3600),
+    _v("HPCRING_ON_FAILURE", "choice", "abort", "after a diagnosed collective failure: `abort` ends "
+       "the process, `raise` raises CollectiveError", choices=("abort", "raise")),
+    _v("HPCRING_FLIGHT_RECORDS", "int", 2048, "collectives kept in each rank's flight recorder",
+       16, 1 << 24),
+    _v("HPCRING_LOCAL_GRACE_S", "float", 30.0, "local backend: seconds between SIGTERM and SIGKILL "
+       "when a job is cancelled or times out", 0, 3600),
+    # -- paths and secrets (set by users or by job scripts) --
+    _v("HPCRING_SITE", "str", "local", "site config name or path when --site is absent"),
+    _v("HPCRING_SITE_DIRS", "str", None, "extra folders of site configs, colon-separated"),
+    _v("HPCRING_STATE_DIR", "path", None, "where job records are kept (default "
+       "~/.local/state/hpcring)"),
+    _v("HPCRING_JOB_DIR", "path", None, "job folder (also a job setting); diagnostics land here"),
+    _v("HPCRING_SECRET_FILE", "path", None, "file holding the per-job secret (mode 0600); set by "
+       "job scripts"),
+    _v("HPCRING_SECRET", "str", None, "the per-job secret itself (prefer HPCRING_SECRET_FILE)"),
+    # -- job settings (CLI flag > these > site config > default) --
+    _v("HPCRING_NODES", "int", 1, "nodes of a submitted job (--nodes)", 1, MAX_NODES),
+    _v("HPCRING_TASKS_PER_NODE", "int", None, "ranks per node (--tasks-per-node; default one per "
+       "GPU, else 1)", 1, MAX_TASKS_PER_NODE),
+    _v("HPCRING_GPUS_PER_NODE", "int", 0, "GPUs per node (--gpus-per-node); job scripts export it "
+       "for the ranks", 0, MAX_GPUS_PER_NODE),
+    _v("HPCRING_CPUS_PER_TASK", "int", 1, "CPUs per rank (--cpus-per-task)", 1, MAX_CPUS_PER_TASK),
+    _v("HPCRING_TIME", "time", "00:30:00", "time limit (--time), Slurm syntax"),
+    _v("HPCRING_PARTITION", "str", None, "partition or queue (--partition)"),
+    _v("HPCRING_ACCOUNT", "str", None, "account or project (--account)"),
+    _v("HPCRING_QOS", "str", None, "quality of service (--qos)"),
+    _v("HPCRING_CONSTRAINT", "str", None, "node features (--constraint)"),
+    _v("HPCRING_JOB_NAME", "str", None, "job name (--name; default the script's name)"),
+    # -- set by hpcring for each rank (users do not set these) --
+    _v("HPCRING_LAUNCHER", "str", None, "`local` for ranks of the local backend", set_by="hpcring"),
+    _v("HPCRING_RANK", "int", None, "local backend: this rank", 0, MAX_RANKS, set_by="hpcring"),
+    _v("HPCRING_SIZE", "int", None, "local backend: number of ranks", 1, MAX_RANKS, set_by="hpcring"),
+    _v("HPCRING_LOCAL_RANK", "int", None, "local backend: rank on this node", 0, MAX_RANKS,
+       set_by="hpcring"),
+    _v("HPCRING_LOCAL_SIZE", "int", None, "local backend: ranks on this node", 1, MAX_RANKS,
+       set_by="hpcring"),
+    _v("HPCRING_NODE_RANK", "int", None, "local backend: this node's index", 0, MAX_NODES,
+       set_by="hpcring"),
+    _v("HPCRING_NUM_NODES", "int", None, "local backend: number of nodes", 1, MAX_NODES,
+       set_by="hpcring"),
+    _v("HPCRING_NODELIST", "str", None, "local backend: the virtual node list", set_by="hpcring"),
+    _v("HPCRING_HOSTNAME", "str", None, "local backend: this rank's virtual host", set_by="hpcring"),
+    _v("HPCRING_JOB_ID", "str", None, "local backend: the job id", set_by="hpcring"),
+    _v("HPCRING_LOCAL_JOB_ID", "str", None, "local backend supervisor: the job id", set_by="hpcring"),
+    _v("HPCRING_TIME_LIMIT_S", "float", 0.0, "local backend supervisor: time limit, seconds (0: none)",
+       0, 10 * 365 * 86400, set_by="hpcring"),
+    _v("HPCRING_SESSION", "str", None, "`hpcring run`: the rank's session, handed to CMD",
+       set_by="hpcring"),
+    _v("HPCRING_BENCH_TABLE", "path", None, "`hpcring bench`: where rank 0 writes its table",
+       set_by="hpcring"),
+    _v("HPCRING_LOG_PATTERN", "str", None, "LSF: per-rank log path pattern", set_by="hpcring"),
+)
+
+REGISTRY: dict[str, Var] = {v.name: v for v in VARS}
+
+
+def spec(name: str) -> Var:
+    try:
+        return REGISTRY[name]
+    except KeyError:   # a programming error: every variable hpcring reads is registered
+        raise KeyError(f"{name} is not in hpcring.config.envvars.VARS") from None
+
+
+def get(name: str, environ: Mapping[str, str] | None = None, default: Any = ...) -> Any:
+    """The parsed value of ``name`` (unset or empty: the registry's default, or ``default``).
+
+    Raises UsageError naming the variable and value, what is allowed, and what to do.
+    """
+    var = spec(name)
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return var.default if default is ... else default
+    return _parse(name, raw)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(name: str, raw: str) -> Any:
+    var = REGISTRY[name]
+    text = raw.strip()
+    try:
+        return _convert(var, text)
+    except ValueError as exc:
+        why = str(exc)
+        raise UsageError(f"environment variable {name}={raw!r}: {why}; expected {var.allowed()} "
+                         f"({var.meaning})",
+                         hint=f"fix or unset {name} (`unset {name}` uses the default"
+                              + (f" {var.default!r})" if var.default is not None else ")")) from None
+
+
+def _convert(var: Var, text: str) -> Any:
+    if var.kind == "bool":
+        low = text.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError("not a yes/no value")
+    if var.kind == "choice":
+        if text.lower() not in var.choices:
+            raise ValueError("not a known value")
+        return text.lower()
+    if var.kind == "int":
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise ValueError("not a whole number") from None
+        _check_bounds(var, value)
+        return value
+    if var.kind == "float":
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("not a number") from None
+        if not math.isfinite(value):
+            raise ValueError("not finite")
+        _check_bounds(var, value)
+        return value
+    if "\x00" in text:
+        raise ValueError("contains a NUL byte")
+    return text
+
+
+def _check_bounds(var: Var, value: float) -> None:
+    if var.lo is not None and (value < var.lo or (var.lo_open and value <= var.lo)):
+        raise ValueError("out of range")
+    if var.hi is not None and value > var.hi:
+        raise ValueError("out of range")
+
+
+def check_environ(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every registered variable that is set; one UsageError listing each bad one.
+
+    Entry points (the CLI, each rank's entry) call this first, so a bad value stops the job with
+    one clear message before any rank or user code runs, not as a traceback from deep inside.
+    """
+    env = os.environ if environ is None else environ
+    problems = []
+    for v in VARS:
+        if v.kind in ("str", "path", "time") or not (env.get(v.name) or "").strip():
+            continue
+        try:
+            _parse(v.name, env[v.name])
+        except UsageError as exc:
+            problems.append(exc)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise UsageError("bad environment variables:\n" + "\n".join(f"  - {p.message}" for p in problems),
+                         hint="fix or unset each (see docs/environment.md)")
+
+
+def check_number(what: str, value: Any, *, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False, integer: bool = False, hint: str | None = None) -> Any:
+    """Validate a number from any edge (a flag, an argument, a site key): finite and in bounds.
+
+    ``what`` names it, e.g. ``"--nodes"`` or ``"Communicator(timeout=)"``. Returns the value
+    (an int when ``integer``); raises UsageError otherwise.
+    """
+    var = Var(what, "int" if integer else "float", None, "", lo, hi, lo_open)
+    try:
+        if isinstance(value, bool):
+            raise ValueError("not a number")
+        number = int(value) if integer else float(value)
+        if integer and number != value and not isinstance(value, str):
+            raise ValueError("not a whole number")
+        if not integer and not math.isfinite(number):
+            raise ValueError("not finite")
+        _check_bounds(var, number)
+    except (TypeError, ValueError, OverflowError) as exc:
+        why = str(exc) if isinstance(exc, ValueError) and str(exc) in (
+            "not a number", "not a whole number", "not finite", "out of range") else "not a number"
+        raise UsageError(f"{what}={value!r}: {why}; expected {var.allowed()}",
+                         hint=hint or f"pass {what} within those bounds") from None
+    return number
+
+
+def collective_timeout(timeout: Any = None, what: str = "Communicator(timeout=)") -> float:
+    """A collective deadline: ``timeout`` checked (finite, > 0, at most a week), or HPCRING_TIMEOUT."""
+    if timeout is None:
+        return get("HPCRING_TIMEOUT")
+    return check_number(what, timeout, lo=0, lo_open=True, hi=MAX_TIMEOUT)
+
+
+def markdown_table() -> str:
+    """The docs table (docs/environment.md embeds it between markers)."""
+    rows = ["| Variable | Type | Default | Allowed | Meaning |", "|---|---|---|---|---|"]
+    for set_by in ("user", "hpcring"):
+        for v in VARS:
+            if v.set_by != set_by:
+                continue
+            default = "—" if v.default is None else f"`{v.default:g}`" if isinstance(v.default, float) \
+                else f"`{v.default}`"
+            allowed = v.allowed() if v.kind in ("int", "float", "bool", "choice") else v.kind
+            meaning = v.meaning + (" *(set by hpcring)*" if set_by == "hpcring" else "")
+            rows.append(f"| `{v.name}` | {v.kind} | {default} | {allowed} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+BEGIN, END = "<!-- envvars:begin (generated: python -m hpcring.config.envvars) -->", "<!-- envvars:end -->"
+
+
+def render_doc(text: str) -> str:
+    """``text`` with the table between the markers replaced by the current one."""
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return head + BEGIN + "\n" + markdown_table() + END + tail
+
+
+if __name__ == "__main__":   # regenerate docs/environment.md's table in place
+    import sys
+    from pathlib import Path
+    doc = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/environment.md")
+    doc.write_text(render_doc(doc.read_text()))
+    print(f"wrote {doc}")

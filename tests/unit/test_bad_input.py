@@ -1,0 +1,423 @@
+"""Bad input at every edge (issue 12): site configs, flags, environment variables, hostlists and
+store traffic. Each case asserts a non-zero exit or the library's error class, no traceback, and a
+message that names what is wrong and where, and says what to do.
+
+CLI cases run in-process through typer's CliRunner (fast); a few go through a real subprocess.
+"""
+from __future__ import annotations
+
+import math
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hpcring.bootstrap import hostlist
+from hpcring.bootstrap import store as st
+from hpcring.cli.main import app
+from hpcring.config import envvars
+from hpcring.errors import HostlistError, HpcringError, UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+HELLO = str(ROOT / "examples" / "hello.py")
+runner = CliRunner()
+
+
+def cli(args, env=None):
+    # ``env`` entries set to None are removed, so the developer's own HPCRING_* cannot leak in
+    base = {k: None for k in os.environ if k.startswith("HPCRING_")}
+    return runner.invoke(app, args, env={**base, **(env or {})})
+
+
+def assert_clean_failure(result, *must_contain, code=None):
+    out = result.output
+    assert result.exit_code != 0, f"exit 0 for bad input; output: {out!r}"
+    if code is not None:
+        assert result.exit_code == code, out
+    assert "Traceback" not in out, out
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    for word in must_contain:
+        assert word in out, f"{word!r} not in {out!r}"
+
+
+# ------------------------------------------------------------------------------ environment
+
+ENV_CASES = [
+    ("HPCRING_TIMEOUT", v) for v in ("abc", "nan", "inf", "-inf", "1e300", "0", "-1", "5s", "0x10")
+] + [
+    ("HPCRING_INIT_TIMEOUT", v) for v in ("abc", "nan", "0", "-3", "1e9")
+] + [
+    ("HPCRING_STORE_PORT", v) for v in ("abc", "99999", "0", "-1", "1.5", "65536", "80 81")
+] + [
+    ("HPCRING_BACKEND", v) for v in ("gloo", "auto", "ring;rm", "NCCL2", "ring mpi")
+] + [
+    ("HPCRING_SOCKBUF", "-1"), ("HPCRING_SOCKBUF", "lots"), ("HPCRING_SOCKBUF", "99999999999999"),
+    ("HPCRING_RD_THRESHOLD", "-5"), ("HPCRING_RD_THRESHOLD", "1.5"),
+    ("HPCRING_FLIGHT_RECORDS", "0"), ("HPCRING_FLIGHT_RECORDS", "many"),
+    ("HPCRING_WATCHDOG", "maybe"), ("HPCRING_CHECK_COLLECTIVES", "2"),
+    ("HPCRING_MPI_ABORT_ON_TIMEOUT", "sometimes"), ("HPCRING_STORE_LINGER", "nan"),
+    ("HPCRING_STORE_LINGER", "-1"), ("HPCRING_DIAG_GRACE", "0"), ("HPCRING_ON_FAILURE", "explode"),
+    ("HPCRING_VERIFY", "some"), ("HPCRING_LOCAL_GRACE_S", "inf"),
+]
+
+
+@pytest.mark.parametrize("name,value", ENV_CASES)
+def test_bad_environment_variable(name, value):
+    with pytest.raises(UsageError) as exc:
+        envvars.get(name, {name: value})
+    text = str(exc.value)
+    assert f"{name}={value!r}" in text                  # what and where
+    assert "expected" in text and f"unset {name}" in text  # what is allowed, what to do
+
+
+def test_bad_env_reaches_the_real_readers(monkeypatch):
+    """The same errors through the code that reads them (not only the registry)."""
+    from hpcring.bootstrap.init import _store_ports
+    from hpcring.bootstrap.topology import Topology
+    from hpcring.collectives.ring import default_timeout
+    from hpcring.session import auto_backend
+    for value in ("abc", "nan", "inf", "1e300"):
+        monkeypatch.setenv("HPCRING_TIMEOUT", value)
+        with pytest.raises(UsageError, match="HPCRING_TIMEOUT"):
+            default_timeout()
+    topo = Topology(rank=0, size=1, local_rank=0, local_size=1, node_rank=0, num_nodes=1, hosts=("h",),
+                    master_addr="127.0.0.1", job_id="1", launcher="local")
+    for value in ("abc", "99999"):
+        with pytest.raises(UsageError, match="HPCRING_STORE_PORT"):
+            _store_ports(topo, {"HPCRING_STORE_PORT": value}, (29500, 29999))
+    with pytest.raises(UsageError, match="HPCRING_BACKEND='gloo'"):
+        auto_backend(topo, {"HPCRING_BACKEND": "gloo"})
+
+
+JOB_ENV_CASES = [
+    ("HPCRING_NODES", "-1"), ("HPCRING_NODES", "abc"), ("HPCRING_NODES", "99999999999999999999999"),
+    ("HPCRING_NODES", "0"), ("HPCRING_TASKS_PER_NODE", "0"), ("HPCRING_GPUS_PER_NODE", "-1"),
+    ("HPCRING_CPUS_PER_TASK", "1.5"), ("HPCRING_TIME", "abc"), ("HPCRING_TIME", "0"),
+    ("HPCRING_TIME", "UNLIMITED"), ("HPCRING_TIMEOUT", "nan"), ("HPCRING_TIMEOUT", "inf"),
+    ("HPCRING_TIMEOUT", "-5"), ("HPCRING_JOB_NAME", "x\ntouch INJECTED"),
+    ("HPCRING_ACCOUNT", "acct\nrm -rf ~"), ("HPCRING_JOB_DIR", "/tmp/a\nb"),
+]
+
+
+@pytest.mark.parametrize("name,value", JOB_ENV_CASES)
+def test_bad_job_setting_from_environment(name, value):
+    r = cli(["render", HELLO, "--site", "devcluster"], env={name: value})
+    assert_clean_failure(r, name, "hint:", code=2)
+
+
+# ------------------------------------------------------------------------------ flags
+
+FLAG_CASES = [
+    (["run", "-N", "-1", "--", "true"], "'--nodes'"),
+    (["run", "-N", "0", "--", "true"], "'--nodes'"),
+    (["run", "--tasks-per-node", "0", "--", "true"], "'--tasks-per-node'"),
+    (["run", "--nodes", "99999999999999999999999", "--", "true"], "'--nodes'"),
+    (["run", "-N", "two", "--", "true"], "'--nodes'"),
+    (["bench", "--ranks", "0"], "'--ranks'"),
+    (["bench", "--ranks", "-3"], "'--ranks'"),
+    (["bench", "--nodes", "0"], "'--nodes'"),
+    (["bench", "--iters", "0"], "'--iters'"),
+    (["bench", "--warmup", "-1"], "'--warmup'"),
+    (["bench", "--timeout", "nan"], "'--timeout'"),
+    (["bench", "--timeout", "inf"], "'--timeout'"),
+    (["bench", "--timeout", "0"], "'--timeout'"),
+    (["bench", "--root", "-1"], "'--root'"),
+] + [
+    (["render", HELLO, "--site", "devcluster", flag, value], flag)
+    for flag, value in [("--nodes", "0"), ("--nodes", "-1"), ("--nodes", "99999999999999999999999"),
+                        ("--nodes", "1e3"), ("--tasks-per-node", "0"), ("--tasks-per-node", "5000"),
+                        ("--gpus-per-node", "-1"), ("--gpus-per-node", "1000"), ("--cpus-per-task", "0")]
+] + [
+    (["submit", HELLO, "--site", "devcluster", "--dry-run", "--nodes", "0"], "--nodes"),
+    (["submit", HELLO, "--site", "devcluster", "--dry-run", "--tasks-per-node", "-2"], "--tasks-per-node"),
+]
+
+
+@pytest.mark.parametrize("args,names", FLAG_CASES, ids=lambda a: " ".join(a) if isinstance(a, list) else a)
+def test_bad_flag_is_a_usage_error(args, names):
+    assert_clean_failure(cli(args), names, code=2)
+
+
+TEXT_FLAG_CASES = [
+    ("--time", v) for v in ("0", "abc", "1:", "1-2:", "1:2:3:4", "UNLIMITED", "-5", "99999999999", "1.5", "1h")
+] + [
+    ("--name", "x\ntouch INJECTED"), ("--name", "a\rb"), ("--name", "tab\there"), ("--name", " "),
+    ("--account", "a\nb"), ("--partition", "p\x07"), ("--qos", "q\nr"), ("--constraint", "c\x1b[31m"),
+    ("--sched-arg", "--mem=1G\nrm -rf ~"),
+]
+
+
+@pytest.mark.parametrize("flag,value", TEXT_FLAG_CASES)
+def test_bad_text_flag_never_reaches_a_job_script(flag, value):
+    r = cli(["render", HELLO, "--site", "devcluster", flag, value])
+    assert_clean_failure(r, flag if flag != "--sched-arg" else "--sched-arg", "hint:", code=2)
+    assert "#SBATCH" not in r.output
+
+
+def test_time_99_99_is_read_as_slurm_reads_it():
+    r = cli(["render", HELLO, "--site", "slurm-tcp", "--time", "99:99"])
+    assert r.exit_code == 0, r.output
+    assert "#SBATCH --time=01:41:00" in r.output
+
+
+@pytest.mark.parametrize("value", ["my run", "it's; touch INJECTED", "$(touch INJECTED)", "`id`", "a\"b", "x&&y|z>w"])
+def test_shell_metacharacters_are_quoted_in_the_job_script(tmp_path, value):
+    r = cli(["render", HELLO, "--site", "devcluster", "--name", value, "--account", value],
+            env={"HPCRING_JOB_DIR": str(tmp_path / "dir with space")})
+    assert r.exit_code == 0, r.output
+    script = r.output
+    # bash parses the script without running anything we did not write (no INJECTED file)
+    check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert check.returncode == 0, check.stderr
+    lines = [ln for ln in script.splitlines() if ln.startswith("#SBATCH --job-name=")]
+    import shlex
+    assert shlex.split(lines[0].split("=", 1)[1]) == [value]
+    out = [ln for ln in script.splitlines() if ln.startswith("#SBATCH --output=")][0]
+    assert shlex.split(out.split("=", 1)[1]) == [str(tmp_path / "dir with space" / "%j" / "%j_0_log.out")]
+
+
+def test_missing_script_and_site_are_clear():
+    assert_clean_failure(cli(["render", "/nonexistent/train.py", "--site", "nosuchsite"]), "nosuchsite", "hint:")
+    assert_clean_failure(cli(["submit", "/nonexistent/train.py", "--site", "local"]), "/nonexistent/train.py", "hint:")
+    assert_clean_failure(cli(["sites", "show", "/nonexistent/site.yaml"]), "/nonexistent/site.yaml", "hint:")
+
+
+# ------------------------------------------------------------------------------ site configs
+
+VALID = "name: t\nscheduler: slurm\nlauncher: {kind: srun}\n"
+SITE_CASES = {
+    "billion-laughs": ('a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
+                       "b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+                       "d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\n"
+                       "f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]\ng: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]\n", 1, "anchor"),
+    "recursive-alias": (VALID + "setup: &r [*r]\n", 4, "anchor"),
+    "alias-only": (VALID + "qos: *undefined\n", 4, "alias"),
+    "complex-key": (VALID + "? [a, b]\n: 1\n", 4, "complex key"),
+    "complex-key-map": (VALID + "? {a: 1}\n: 1\n", 4, "complex key"),
+    "unknown-tag": (VALID + "qos: !custom high\n", 4, "tag"),
+    "python-tag": (VALID + "qos: !!python/object/apply:os.system [ls]\n", 4, "tag"),
+    "binary-tag": (VALID + "qos: !!binary aGk=\n", 4, "tag"),
+    "non-utf8": (VALID + "description: caf\xe9\n", 4, "UTF-8"),
+    "duplicate-key": (VALID + "name: u\n", 4, "twice"),
+    "deep-nesting": (VALID + "env: " + "[" * 100 + "]" * 100 + "\n", 4, "nested"),
+    "syntax-tab": (VALID + "defaults:\n\tnodes: 2\n", 5, "not valid YAML"),
+    "syntax-colon": (VALID + "qos: a: b\n", 4, "not valid YAML"),
+    "timeout-inf": (VALID + "timeout: .inf\n", 4, "timeout"),
+    "timeout-nan": (VALID + "timeout: .nan\n", 4, "timeout"),
+    "timeout-neg": (VALID + "timeout: -1\n", 4, "timeout"),
+    "timeout-zero": (VALID + "timeout: 0\n", 4, "timeout"),
+    "timeout-text": (VALID + "timeout: soon\n", 4, "timeout"),
+    "timeout-huge": (VALID + "timeout: 1e300\n", 4, "timeout"),
+    "nodes-neg": (VALID + "defaults:\n  nodes: -1\n", 5, "nodes"),
+    "nodes-huge": (VALID + "defaults:\n  nodes: 99999999999999999999999\n", 5, "nodes"),
+    "tasks-zero": (VALID + "defaults:\n  tasks_per_node: 0\n", 5, "tasks_per_node"),
+    "time-bad": (VALID + "defaults:\n  time: soon\n", 5, "time"),
+    "time-zero": (VALID + "defaults:\n  time: '0'\n", 5, "time"),
+    "time-unlimited": (VALID + "defaults:\n  time: UNLIMITED\n", 5, "time"),
+    "max-time-bad": (VALID + "partitions:\n  p:\n    max_time: 1:2:3:4\n", 6, "max_time"),
+    "gpus-neg": (VALID + "gpus_per_node: -1\n", 4, "gpus_per_node"),
+    "gpus-huge": (VALID + "gpus_per_node: 1000\n", 4, "gpus_per_node"),
+    "launcher-kind": ("name: t\nscheduler: slurm\nlauncher: {kind: pdsh}\n", 3, "kind"),
+    "scheduler": ("name: t\nscheduler: pbs\nlauncher: {kind: srun}\n", 2, "scheduler"),
+    "unknown-key": (VALID + "nodez: 3\n", 4, "nodez"),
+    "name-newline": ('name: "a\\nb"\nscheduler: slurm\nlauncher: {kind: srun}\n', 1, "name"),
+    "name-space": ("name: my site\nscheduler: slurm\nlauncher: {kind: srun}\n", 1, "name"),
+    "env-key": (VALID + "env:\n  'BAD-NAME': x\n", 4, "BAD-NAME"),
+    "hca": (VALID + "fabric: {kind: infiniband, hcas: ['mlx5 0']}\n", 4, "hcas"),
+    "fabric-kind": (VALID + "fabric: {kind: ethernet}\n", 4, "kind"),
+    "not-a-mapping": ("- a\n- b\n", None, "mapping"),
+    "scalar": ("just text\n", None, "mapping"),
+    "missing-name": ("scheduler: slurm\nlauncher: {kind: srun}\n", 1, "name"),
+    "bool-as-nodes": (VALID + "defaults:\n  nodes: yes please\n", 5, "nodes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SITE_CASES))
+def test_bad_site_config(tmp_path, case):
+    text, line, word = SITE_CASES[case]
+    path = tmp_path / f"{case}.yaml"
+    path.write_bytes(text.encode("latin-1"))
+    r = cli(["sites", "validate", str(path)])
+    assert_clean_failure(r, str(path), word, "hint:")
+    if line is not None:
+        assert f"{path}:{line}" in r.output, r.output
+
+
+def test_billion_laughs_fails_fast(tmp_path):
+    import time
+    text = SITE_CASES["billion-laughs"][0]
+    path = tmp_path / "laughs.yaml"
+    path.write_text(text)
+    t0 = time.monotonic()
+    assert cli(["sites", "validate", str(path)]).exit_code == 1
+    assert time.monotonic() - t0 < 2.0
+
+
+# ------------------------------------------------------------------------------ hostlists
+
+HOSTLIST_CASES = [
+    "n[]", "n[a-b]", "n[3-1]", "n[1-2-3]", "n[1,,2]", "n[1,]", "n[,1]", "n[-1]", "n[1x2]", "n[1-2]]",
+    "n[[1]]", "n[0-65536]", "n[1", "a]b", "n[ 1-2]", "n[1, 2]", "n[+1]", "n[1-]", "[]",
+    "n[99999999999999999999999]", "n[0-60000]x[0-60000]", "a,n[x],b", "n[1-2] m[5-4]",
+]
+
+
+@pytest.mark.parametrize("expr", HOSTLIST_CASES)
+def test_bad_hostlist(expr):
+    with pytest.raises(HostlistError) as exc:
+        hostlist.expand(expr)
+    assert expr.strip() in str(exc.value) or "^" in str(exc.value)
+
+
+@pytest.mark.parametrize("expr", ["n[3-1]", "n[", "a]b"])
+def test_bad_hostlist_cli(expr):
+    from hpcring.cli.hostlist_cmd import app as hl_app
+    r = runner.invoke(hl_app, ["expand", "--", expr])
+    assert r.exit_code == 1 and "Traceback" not in r.output and "error:" in r.output
+
+
+# ------------------------------------------------------------------------------ store traffic
+
+SECRET = b"bad-input-secret" * 2
+
+
+@pytest.fixture(scope="module")
+def store_server():
+    srv = st.StoreServer("127.0.0.1", 0, secret=SECRET)
+    yield srv
+    srv.close()
+
+
+def _session(srv):
+    import secrets
+    import socket
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    hello = st.recv_exact(s, 36)
+    ns, nc = hello[4:], secrets.token_bytes(32)
+    s.sendall(nc + st.client_proof(SECRET, ns, nc))
+    st.recv_exact(s, 32)
+    return s, st.session_key(SECRET, ns, nc)
+
+
+def _reply(s):
+    head = st.recv_exact(s, 36)
+    return st.recv_exact(s, struct.unpack(">I", head[:4])[0])
+
+
+F64 = struct.Struct(">d").pack
+REQUEST_CASES = {   # authenticated but malformed or hostile requests: answered with an error
+    "get-nan": st.encode_request(st.OP_GET, "k", F64(math.nan)),
+    "get-inf": st.encode_request(st.OP_GET, "k", F64(math.inf)),
+    "get-neg-inf": st.encode_request(st.OP_GET, "k", F64(-math.inf)),
+    "get-negative": st.encode_request(st.OP_GET, "k", F64(-5.0)),
+    "get-huge": st.encode_request(st.OP_GET, "k", F64(1e300)),
+    "get-short-args": st.encode_request(st.OP_GET, "k", b"\x00\x01"),
+    "add-short-args": st.encode_request(st.OP_ADD, "k", b"\x00"),
+    "unknown-op": bytes([99]) + b"\x00\x01k",
+    "key-past-end": bytes([st.OP_CHECK]) + b"\xff\xff" + b"abc",
+    "key-not-utf8": bytes([st.OP_CHECK]) + b"\x00\x02\xff\xfe",
+    "empty-body": b"\x01",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REQUEST_CASES))
+def test_bad_store_request_gets_an_error_and_the_store_keeps_serving(store_server, case):
+    s, key = _session(store_server)
+    s.sendall(st.encode_frame(key, b"C", 0, REQUEST_CASES[case]))
+    body = _reply(s)
+    assert body[0] == st.ST_ERROR and len(body) > 10, body   # a reason comes with it
+    c = st.StoreClient("127.0.0.1", store_server.port, SECRET, timeout=5)
+    c.set(f"alive/{case}", b"1")
+    assert c.get(f"alive/{case}") == b"1"
+
+
+CONN_CASES = {   # dropped before anything is parsed
+    "garbage-before-handshake": lambda srv: b"GET / HTTP/1.1\r\n\r\n" * 4,
+    "wrong-secret": "wrong",
+    "bad-mac": "badmac",
+    "oversize": "oversize",
+    "replay": "replay",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONN_CASES))
+def test_hostile_connection_is_dropped(store_server, case):
+    import secrets
+    import socket
+    before = dict(store_server.stats)
+    if case in ("garbage-before-handshake", "wrong-secret"):
+        s = socket.create_connection(("127.0.0.1", store_server.port), timeout=5)
+        hello = st.recv_exact(s, 36)
+        nc = secrets.token_bytes(32)
+        payload = CONN_CASES[case](store_server) if callable(CONN_CASES[case]) \
+            else nc + st.client_proof(b"not the secret", hello[4:], nc)
+        s.sendall(payload)
+    else:
+        s, key = _session(store_server)
+        body = st.encode_request(st.OP_SET, "evil", b"x")
+        if case == "bad-mac":
+            s.sendall(st.HEADER.pack(len(body)) + b"\x00" * 32 + body)
+        elif case == "oversize":
+            s.sendall(st.HEADER.pack(store_server.max_frame + 1) + b"\x00" * 32)
+        else:
+            frame = st.encode_frame(key, b"C", 0, body)
+            s.sendall(frame)
+            _reply(s)
+            s.sendall(frame)
+    s.settimeout(5)
+    try:
+        assert s.recv(1) == b""
+    except ConnectionResetError:
+        pass
+    assert store_server.stats["frames"] - before["frames"] <= 1
+    with pytest.raises(st.StoreAuthError):
+        st.StoreClient("127.0.0.1", store_server.port, b"not the secret", timeout=2)
+
+
+# ------------------------------------------------------------------------------ real processes
+
+def _hpcring(*args, env=None):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("HPCRING_")}
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True,
+                          timeout=120, env=e, cwd=ROOT)
+
+
+def test_run_nonexistent_command_subprocess():
+    p = _hpcring("run", "--", "/nonexistent/cmd")
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "Traceback" not in out, out
+    assert "/nonexistent/cmd" in out and "hint" in out
+
+
+@pytest.mark.parametrize("value", ["abc", "nan"])
+def test_run_with_bad_timeout_env_subprocess(value):
+    p = _hpcring("run", "--", sys.executable, "-c", "import hpcring; hpcring.init().communicator('ring')",
+                 env={"HPCRING_TIMEOUT": value})
+    out = p.stdout + p.stderr
+    assert p.returncode == 2, out                      # refused before any rank starts
+    assert "HPCRING_TIMEOUT" in out and "Traceback" not in out and "hint:" in out
+
+
+def test_flag_error_subprocess():
+    p = _hpcring("run", "-N", "-1", "--", "true")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--nodes" in p.stderr
+
+
+def test_lsf_blaunch_line_survives_the_remote_shell(tmp_path):
+    """blaunch joins its words and runs them through a shell: a job_dir with a space needs (and
+    gets) two levels of quoting on that line, and still arrives as one argument."""
+    import shlex
+    folder = tmp_path / "dir with space"
+    r = cli(["render", HELLO, "--site", "devcluster-lsf", "--name", "my run"], env={"HPCRING_JOB_DIR": str(folder)})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("blaunch "))
+    local_words = shlex.split(" ".join(ln.rstrip("\\") for ln in lines[i:i + 2]))   # the batch shell
+    remote_words = shlex.split(" ".join(local_words[3:]))                          # blaunch's shell
+    assert remote_words[-1] == str(folder / "%j") and remote_words[-2] == "hpcring.schedulers.lsf_task"
+    assert "#BSUB -J 'my run'" in r.output

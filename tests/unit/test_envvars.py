@@ -1,0 +1,50 @@
+"""The HPCRING_* registry: parsing, errors naming the variable, docs and code in step with it."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from hpcring.config import envvars
+from hpcring.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_docs_table_is_generated_from_the_registry():
+    doc = (ROOT / "docs/environment.md").read_text()
+    assert envvars.render_doc(doc) == doc, "run: python -m hpcring.config.envvars docs/environment.md"
+    for v in envvars.VARS:
+        assert f"| `{v.name}` |" in doc
+
+
+def test_every_variable_named_in_the_code_is_registered():
+    names = set()
+    for path in list((ROOT / "src/hpcring").rglob("*.py")) + list((ROOT / "templates").rglob("*.j2")):
+        names |= set(re.findall(r"\bHPCRING_[A-Z][A-Z0-9_]*", path.read_text()))
+    unknown = sorted(names - set(envvars.REGISTRY))
+    assert not unknown, f"add these to hpcring.config.envvars.VARS: {unknown}"
+
+
+def test_defaults_and_values():
+    assert envvars.get("HPCRING_TIMEOUT", {}) == envvars.DEFAULT_TIMEOUT == 300.0
+    assert envvars.get("HPCRING_TIMEOUT", {"HPCRING_TIMEOUT": " 8 "}) == 8.0
+    assert envvars.get("HPCRING_TIMEOUT", {"HPCRING_TIMEOUT": ""}) == 300.0
+    assert envvars.get("HPCRING_STORE_PORT", {"HPCRING_STORE_PORT": "29501"}) == 29501
+    assert envvars.get("HPCRING_WATCHDOG", {"HPCRING_WATCHDOG": "Off"}) is False
+    assert envvars.get("HPCRING_BACKEND", {"HPCRING_BACKEND": "MPI"}) == "mpi"
+
+
+def test_error_names_variable_value_bounds_and_remedy():
+    with pytest.raises(UsageError) as exc:
+        envvars.get("HPCRING_TIMEOUT", {"HPCRING_TIMEOUT": "nan"})
+    text = str(exc.value)
+    assert "HPCRING_TIMEOUT='nan'" in text and "finite" in text and "unset HPCRING_TIMEOUT" in text
+
+
+def test_check_number():
+    assert envvars.check_number("--x", "3", lo=1, integer=True) == 3
+    for bad in (float("nan"), float("inf"), "x", 0, True, None):
+        with pytest.raises(UsageError, match="--x"):
+            envvars.check_number("--x", bad, lo=0, lo_open=True)
