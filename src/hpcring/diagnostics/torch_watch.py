@@ -42,7 +42,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from hpcring.diagnostics import jobdir
-from hpcring.diagnostics.report import Report, _headline, _who, diagnose
+from hpcring.diagnostics.report import Report, _headline, diagnose
+from hpcring.ranks import who
 
 ENABLE_ENV = "HPCRING_TORCH_WATCH"
 SITE_DIR = str(Path(__file__).with_name("torch_site"))
@@ -58,8 +59,8 @@ _STATE: dict = {"watch": None, "installed": False}
 
 
 def enabled(environ=None) -> bool:
-    env = os.environ if environ is None else environ
-    return env.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    from hpcring.config import envvars
+    return envvars.get(ENABLE_ENV, environ)
 
 
 def fr_env(environ=None) -> dict[str, str]:
@@ -196,11 +197,14 @@ def _only_hpcring(backend) -> bool:
 
 
 def _init_timeout() -> float:
-    """HPCRING_INIT_TIMEOUT as hpcring's bootstrap reads it (default 60 s; never raises here)."""
+    """HPCRING_INIT_TIMEOUT as hpcring's bootstrap reads it (a bad value: the default; the
+    bootstrap has already said so)."""
+    from hpcring.config import envvars
+    from hpcring.errors import UsageError
     try:
-        return max(1.0, float(os.environ.get("HPCRING_INIT_TIMEOUT") or 60))
-    except ValueError:
-        return 60.0
+        return envvars.get("HPCRING_INIT_TIMEOUT")
+    except UsageError:
+        return envvars.DEFAULT_INIT_TIMEOUT
 
 
 def _start(dist, deadline: float | None) -> None:
@@ -412,7 +416,7 @@ def diagnose_torch(size: int, hosts: list[str], snaps: dict[int, dict], exits: d
             seen = sorted(r for r, s in snaps.items() if s.get("error") and _GONE.search(s["error"]))
             seen = seen or [(trigger or {}).get("rank")]
             for r in cats["unreachable"]:
-                report.details[r] = (f"no answer; torch saw a connection closed (by {_who(seen, report.hosts)}: "
+                report.details[r] = (f"no answer; torch saw a connection closed (by {who(seen, report.hosts)}: "
                                      f"{gone[:160]})")
             cats["dead"] = sorted(cats.get("dead", []) + cats["unreachable"])
             cats["unreachable"] = []
