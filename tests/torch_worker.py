@@ -179,7 +179,13 @@ def mode_ops():
     chained = fut.then(lambda f: f.value()[0] * 2).wait()
     same(chained, sum(inputs(torch.float32, rank=r) for r in range(SIZE)) * 2, "future.then")
     dist.barrier(group=HP)
-    checks += 4
+    objs = [None] * SIZE                                     # pickled objects: uint8 + int64 tensors
+    dist.all_gather_object(objs, {"rank": RANK, "name": f"r{RANK}"}, group=HP)
+    assert objs == [{"rank": r, "name": f"r{r}"} for r in range(SIZE)], objs
+    box = [("from", RANK)]
+    dist.broadcast_object_list(box, src=SIZE - 1, group=HP)
+    assert box == [("from", SIZE - 1)], box
+    checks += 6
     print(f"ops OK {checks} checks on {SIZE} ranks", flush=True)
 
 
@@ -228,9 +234,12 @@ def mode_ddp():
         d.register_comm_hook(None, allreduce_hook)
         return d
     hook = train(hooked)
+    # bucket views as gradients + the unused-parameter map (an extra int allreduce per step)
+    views = train(lambda m: DDP(m, process_group=HP, gradient_as_bucket_view=True, find_unused_parameters=True))
     diff = max((a - b).abs().max().item() for a, b in zip(ours, ref))
     diff_hook = max((a - b).abs().max().item() for a, b in zip(hook, ref))
-    assert diff < 1e-5 and diff_hook < 1e-5, (diff, diff_hook)
+    diff_views = max((a - b).abs().max().item() for a, b in zip(views, ref))
+    assert diff < 1e-5 and diff_hook < 1e-5 and diff_views < 1e-5, (diff, diff_hook, diff_views)
     print(f"ddp OK on {SIZE} ranks: max |hpcring - gloo| = {diff:.3g}, comm hook {diff_hook:.3g}; "
           f"hpcring collectives on {HP._comm_for('cpu').backend.name}; "
           f"registered before the script: {PRE_REGISTERED}", flush=True)

@@ -35,7 +35,7 @@ def test_ops_dtypes_bad_input_ddp_hook_fsdp_fsdp2_on_2_ranks(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     for r in range(2):
-        assert f"[{r}]<stdout>:ops OK 103 checks on 2 ranks" in out
+        assert f"[{r}]<stdout>:ops OK 105 checks on 2 ranks" in out
         assert f"[{r}]<stdout>:bad OK" in out
         assert re.search(rf"\[{r}\]<stdout>:ddp OK on 2 ranks: .* = 0, comm hook 0; hpcring collectives on ring; registered before the script: False$", out, re.M), out
         assert f"[{r}]<stdout>:fsdp OK on 2 ranks" in out

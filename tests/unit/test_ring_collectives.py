@@ -393,7 +393,7 @@ def test_usage_errors(group):
         c.allreduce(x, out=x)
     with pytest.raises(UsageError, match="root 3 out of range"):
         c.broadcast(np.zeros(3), root=3)
-    with pytest.raises(UsageError, match="timeout must be > 0"):
+    with pytest.raises(UsageError, match="timeout must be a finite number > 0"):
         c.barrier(timeout=0)
     with pytest.raises(UsageError, match="expected a numpy array"):
         c.allreduce([1, 2, 3])

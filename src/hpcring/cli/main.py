@@ -32,16 +32,21 @@ _JOB_HELP = "Extra arguments after `--` go to the script."
 def submit(req: JobRequest,
            dry_run: bool = typer.Option(False, "--dry-run", help="Print the job script; submit nothing."),
            wait: bool = typer.Option(False, "--wait", "-w",
-                                     help="Follow the job: states, rank-tagged output; exit with its exit code.")):
+                                     help="Follow the job: states, rank-tagged output; exit with its exit code."),
+           timeline: bool = typer.Option(False, "--timeline",
+                                         help="Record an hpcring.torch timeline on every rank (HPCRING_TIMELINE); "
+                                              "merge it with `hpcring timeline JOB`.")):
     from hpcring import submit as lib
     s, job = req.resolve()
+    if timeline:
+        job.env["HPCRING_TIMELINE"] = "job"
     if req.verbose:
         output.sources(s, job)
     if dry_run:
         sys.stdout.write(lib.preview(s, job, req.template))
         return
     rec = lib.submit(s, job, req.template)
-    output.info(f"Submitted job {rec.job_id} ({job.ntasks} ranks on {job.nodes} node(s), site {s.name}); "
+    output.info(f"Submitted job {rec.job_id} [{rec.key}] ({job.ntasks} ranks on {job.nodes} node(s), site {s.name}); "
                 f"logs in {rec.folder}")
     if wait:
         _wait(rec)
@@ -49,8 +54,14 @@ def submit(req: JobRequest,
 
 def _wait(rec) -> None:
     from hpcring import submit as lib
-    oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"),
-                    on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+    try:
+        oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"),
+                        on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+    except KeyboardInterrupt:
+        # Ctrl-C stops following, not the job (as with sbatch then squeue): say so, and how to stop it.
+        output.info(f"\nstopped following job {rec.job_id}; it keeps running. "
+                    f"Follow it again with `hpcring logs -f {rec.key}`, stop it with `hpcring cancel {rec.key}`.")
+        raise typer.Exit(130) from None
     if not oc.ok:
         raise lib.describe_failure(rec, oc)
     output.info(f"job {rec.job_id} COMPLETED: {rec.ntasks} ranks exited 0")
@@ -71,7 +82,7 @@ def status(job_id: str = typer.Argument(...)):
     from hpcring import submit as lib
     rec = lib.record(job_id)
     st = lib.job_state(rec)
-    output.status(rec, st, lib.outcome(rec, st) if st.finished else None)
+    output.status(rec, st, lib.outcome(rec, st) if st.finished else None, lib.requeues(rec))
 
 
 @command(app, help="Print a job's output, tagged by rank.")
@@ -127,11 +138,11 @@ def sites_validate(sites: Optional[List[str]] = typer.Argument(None, help="Names
 
 def _add_subapps() -> None:
     """The other layers' commands (each module imports its library only when it runs)."""
-    from hpcring.cli import bench_cmd, doctor_cmd, hostlist_cmd, run_cmd, stacks_cmd
+    from hpcring.cli import bench_cmd, doctor_cmd, hostlist_cmd, run_cmd, stacks_cmd, timeline_cmd
     from hpcring.devcluster import cli as devcluster_cli
     app.add_typer(hostlist_cmd.app, name="hostlist")
     app.add_typer(devcluster_cli.app, name="devcluster")
-    for mod in (run_cmd, bench_cmd, stacks_cmd, doctor_cmd):
+    for mod in (run_cmd, bench_cmd, stacks_cmd, doctor_cmd, timeline_cmd):
         mod.register(app)
 
 

@@ -113,14 +113,17 @@ VARS: tuple[Var, ...] = (
        "the process, `raise` raises CollectiveError", choices=("abort", "raise")),
     _v("HPCRING_FLIGHT_RECORDS", "int", 2048, "collectives kept in each rank's flight recorder",
        16, 1 << 24),
-    _v("HPCRING_LOCAL_GRACE_S", "float", 30.0, "local backend: seconds between SIGTERM and SIGKILL "
-       "when a job is cancelled or times out", 0, 3600),
+    _v("HPCRING_LOCAL_GRACE_S", "float", 10.0, "local backend and `hpcring run`: once a rank failed, "
+       "seconds before the others are stopped (1 s once a hang report is written)", 0, 3600),
+    _v("HPCRING_END_JOB", "bool", True, "after a diagnosed collective failure the reporting rank asks "
+       "the scheduler to end the job (scancel of the step, bkill)"),
     # -- paths and secrets (set by users or by job scripts) --
     _v("HPCRING_SITE", "str", "local", "site config name or path when --site is absent"),
     _v("HPCRING_SITE_DIRS", "str", None, "extra folders of site configs, colon-separated"),
     _v("HPCRING_STATE_DIR", "path", None, "where job records are kept (default "
        "~/.local/state/hpcring)"),
-    _v("HPCRING_JOB_DIR", "path", None, "job folder (also a job setting); diagnostics land here"),
+    _v("HPCRING_JOB_DIR", "path", None, "root of job folders (also a job setting, `job_dir`); each "
+       "job's diagnostics land in `<root>/<job id>/diag`"),
     _v("HPCRING_SECRET_FILE", "path", None, "file holding the per-job secret (mode 0600); set by "
        "job scripts"),
     _v("HPCRING_SECRET", "str", None, "the per-job secret itself (prefer HPCRING_SECRET_FILE)"),
@@ -160,6 +163,8 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_BENCH_TABLE", "path", None, "`hpcring bench`: where rank 0 writes its table",
        set_by="hpcring"),
     _v("HPCRING_LOG_PATTERN", "str", None, "LSF: per-rank log path pattern", set_by="hpcring"),
+    _v("HPCRING_REQUEUE_COUNT", "int", 0, "submitted jobs: how many times hpcring requeued this job "
+       "(hpcring.requeue_count())", 0, 1 << 20, set_by="hpcring"),
 )
 
 REGISTRY: dict[str, Var] = {v.name: v for v in VARS}
@@ -281,12 +286,12 @@ def check_number(what: str, value: Any, *, lo: float | None = None, hi: float | 
     except (TypeError, ValueError, OverflowError) as exc:
         why = str(exc) if isinstance(exc, ValueError) and str(exc) in (
             "not a number", "not a whole number", "not finite", "out of range") else "not a number"
-        raise UsageError(f"{what}={value!r}: {why}; expected {var.allowed()}",
+        raise UsageError(f"{what} must be {var.allowed()}, got {value!r} ({why})",
                          hint=hint or f"pass {what} within those bounds") from None
     return number
 
 
-def collective_timeout(timeout: Any = None, what: str = "Communicator(timeout=)") -> float:
+def collective_timeout(timeout: Any = None, what: str = "Communicator timeout") -> float:
     """A collective deadline: ``timeout`` checked (finite, > 0, at most a week), or HPCRING_TIMEOUT."""
     if timeout is None:
         return get("HPCRING_TIMEOUT")

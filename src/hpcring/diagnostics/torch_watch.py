@@ -43,7 +43,7 @@ from pathlib import Path
 
 from hpcring.diagnostics import jobdir
 from hpcring.diagnostics.report import Report, _headline, diagnose
-from hpcring.ranks import who
+from hpcring.ranks import who as _who
 
 ENABLE_ENV = "HPCRING_TORCH_WATCH"
 SITE_DIR = str(Path(__file__).with_name("torch_site"))
@@ -59,8 +59,17 @@ _STATE: dict = {"watch": None, "installed": False}
 
 
 def enabled(environ=None) -> bool:
+    """HPCRING_TORCH_WATCH; a bad value is reported (once a process) and leaves the watch on:
+    a diagnostics switch must not fail the job."""
     from hpcring.config import envvars
-    return envvars.get(ENABLE_ENV, environ)
+    from hpcring.errors import UsageError
+    try:
+        return envvars.get(ENABLE_ENV, environ)
+    except UsageError as e:
+        if not _STATE.get("warned"):
+            _STATE["warned"] = True
+            print(f"hpcring: {e}; the torch watch stays on", file=sys.stderr)
+        return True
 
 
 def fr_env(environ=None) -> dict[str, str]:
@@ -211,7 +220,10 @@ def _start(dist, deadline: float | None) -> None:
     if _STATE["watch"] is not None:
         return
     import hpcring
-    wd = hpcring.init().watchdog
+    # hpcring.init() here may be the first one in CMD's process (hpcring run); it leaves SIGUSR1
+    # (Lightning's SLURM requeue) alone: its dump signal is SIGRTMIN+7
+    session = hpcring.init()
+    wd = session.watchdog
     if wd is None:                      # HPCRING_WATCHDOG=0
         return
     pg = dist.distributed_c10d._get_default_group()
@@ -416,7 +428,7 @@ def diagnose_torch(size: int, hosts: list[str], snaps: dict[int, dict], exits: d
             seen = sorted(r for r, s in snaps.items() if s.get("error") and _GONE.search(s["error"]))
             seen = seen or [(trigger or {}).get("rank")]
             for r in cats["unreachable"]:
-                report.details[r] = (f"no answer; torch saw a connection closed (by {who(seen, report.hosts)}: "
+                report.details[r] = (f"no answer; torch saw a connection closed (by {_who(seen, report.hosts)}: "
                                      f"{gone[:160]})")
             cats["dead"] = sorted(cats.get("dead", []) + cats["unreachable"])
             cats["unreachable"] = []
