@@ -117,13 +117,13 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_AUTOTUNE_WARMUP_STEPS", "int", 3, "hpcring.torch: steps before autotuning measures", 0, 10_000),
     _v("HPCRING_AUTOTUNE_STEPS_PER_SAMPLE", "int", 5, "hpcring.torch: steps timed per autotuning "
        "sample", 1, 10_000),
-    _v("HPCRING_TORCH_WATCH", "bool", True, "hang reports for torch's own process groups "
-       "(gloo, NCCL) in hpcring jobs"),
     _v("HPCRING_CHECK_COLLECTIVES", "bool", False, "check before each collective that every rank "
        "calls the same op, dtype, count and root (costs a small allreduce)"),
     _v("HPCRING_MPI_ABORT_ON_TIMEOUT", "bool", True, "MPI backend: abort the job when a collective "
        "misses its deadline (MPI cannot cancel one)"),
     _v("HPCRING_WATCHDOG", "bool", True, "start the hang watchdog (flight records, stacks, report)"),
+    _v("HPCRING_TORCH_WATCH", "bool", True, "give torch's own process groups (gloo, NCCL) hpcring's "
+       "deadline and hang report (hpcring.diagnostics.torch_watch)"),
     _v("HPCRING_DIAG_GRACE", "float", 5.0, "how long the watchdog waits for every rank's snapshot "
        "before reporting, seconds", 0.5, 3600),
     _v("HPCRING_ON_FAILURE", "choice", "abort", "after a diagnosed collective failure: `abort` ends "
