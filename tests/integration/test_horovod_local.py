@@ -69,7 +69,8 @@ def test_missing_rank_is_named(tmp_path):
     p = run_job(tmp_path, "missing", env={"HPCRING_TIMEOUT": "3", "HPCRING_DIAG_GRACE": "3"})
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
-    rep = json.loads((tmp_path / "diag" / "hang-report.json").read_text())
+    from helpers_jobs import hang_report
+    rep = hang_report(tmp_path)
     assert rep["categories"]["missing"] == [1], rep
     assert "in allreduce at horovod_worker.py" in out          # where rank 0 waits
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -74,7 +73,8 @@ def _since_fault(out: str) -> float:
 
 
 def _report(tmp_path) -> dict:
-    return json.loads((tmp_path / "diag" / "hang-report.json").read_text())
+    from helpers_jobs import hang_report
+    return hang_report(tmp_path)
 
 
 def test_hang_in_ddp_names_rank_host_and_op(tmp_path):

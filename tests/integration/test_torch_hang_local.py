@@ -32,15 +32,7 @@ def run_job(tmp_path, *worker_args, ranks=3, timeout=120):
     return p, time.time() - float(fault.group(1)) if fault else None   # seconds from the fault to the job's end
 
 
-def diag(tmp_path) -> Path:
-    """The run's own diag folder: <HPCRING_JOB_DIR>/<job id>/diag (one folder per job)."""
-    found = list(tmp_path.glob("*/diag"))
-    assert len(found) == 1, found
-    return found[0]
-
-
-def report(tmp_path) -> dict:
-    return json.loads((diag(tmp_path) / "hang-report.json").read_text())
+from helpers_jobs import diag_folder as diag, hang_report as report  # noqa: E402
 
 
 def test_ddp_rank_stuck_in_its_data_loader_is_named_with_its_location(tmp_path):
