@@ -237,12 +237,3 @@ def bench_main(opts: BenchOptions, ranks: int | None = None, nodes: int | None =
                                  "here", hint="drop --ranks/--nodes when running under hpcring run/srun/mpirun")
         return run_as_rank(opts)
     return spawn_local(opts, ranks or 2, nodes or 1)
-
-
-if __name__ == "__main__":     # `python -m hpcring.bench ...` == `hpcring bench ...`
-    import typer
-
-    from hpcring.cli.bench_cmd import register
-    _app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    register(_app)
-    _app(prog_name="hpcring bench")
