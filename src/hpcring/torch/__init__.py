@@ -35,6 +35,7 @@ def init(comm=None, process_sets=None) -> None:
                          hint="hpcring.torch always uses the whole job (the global process set)")
     import hpcring
     from hpcring.torch.engine import Engine
+    _single_process_secret()
     session = hpcring.init()
     c = session.communicator()
     timeline = None
@@ -51,6 +52,20 @@ def init(comm=None, process_sets=None) -> None:
         eng.autotuner = Autotuner(eng, os.environ.get("HPCRING_AUTOTUNE_LOG") or None)
     state.set_state(session, eng)
     atexit.register(shutdown)
+
+
+def _single_process_secret() -> None:
+    """``python train.py`` without a launcher runs as one rank, as with Horovod: hpcring's
+    bootstrap wants a per-job secret even then, so a one-rank process gets a random one (its
+    store serves only itself)."""
+    if os.environ.get("HPCRING_SECRET_FILE") or os.environ.get("HPCRING_SECRET") or \
+            os.environ.get("HPCRING_SESSION"):
+        return
+    from hpcring.bootstrap.launchers import detect
+    topo = detect()
+    if topo.launcher == "single" and topo.size == 1:
+        import secrets
+        os.environ["HPCRING_SECRET"] = secrets.token_hex(32)
 
 
 def shutdown() -> None:
