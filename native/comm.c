@@ -247,6 +247,7 @@ int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, in
     c->timeout = timeout > 0 ? timeout : 300.0;
     c->rd_threshold = HR_RD_THRESHOLD_DEFAULT;
     c->bcast_tree_max = HR_BCAST_TREE_MAX_DEFAULT;
+    c->twolevel_min = HR_TWOLEVEL_MIN_DEFAULT;
     c->streams = nconn;
     c->threads = 1;
     c->stripe_min = HR_STRIPE_MIN_DEFAULT;
@@ -296,6 +297,7 @@ int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int
     s->slot = slot;
     s->len = hr_shm_bytes(lsize, slot);
     s->base = base;
+    s->spin = lsize > sysconf(_SC_NPROCESSORS_ONLN) ? 0 : 200;
     hr_shm_cell(s, s->lrank)->pid = (int32_t)getpid();
     return HR_OK;
 }

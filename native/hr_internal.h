@@ -37,6 +37,10 @@
 /* broadcast: messages below this many bytes use the binomial tree (broadcast.c). */
 #define HR_BCAST_TREE_MAX_DEFAULT ((size_t)262144)
 
+/* allreduce/reduce-scatter across hosts: two-level (allreduce_shm.c) from this many bytes, flat
+ * TCP ring / recursive doubling below (measured, see allreduce.c). */
+#define HR_TWOLEVEL_MIN_DEFAULT ((size_t)8 << 20)
+
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
 #define HR_RD_THRESHOLD_DEFAULT ((size_t)262144)
 
@@ -76,6 +80,7 @@ typedef struct hr_comm {
     double timeout;             /* default deadline of one collective, seconds */
     size_t rd_threshold;        /* allreduce: bytes below which recursive doubling is used */
     size_t bcast_tree_max;      /* broadcast: bytes below which the binomial tree is used */
+    size_t twolevel_min;        /* several hosts: bytes from which the two-level allreduce runs */
     uint32_t seq;               /* number of collectives started */
     int streams;                /* connections per peer the ring passes stripe over (<= tcp.nconn) */
     int threads;                /* I/O threads per ring pass (1 = the caller only) */

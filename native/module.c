@@ -546,7 +546,23 @@ static PyObject *Comm_get_shm(CommObject *self, void *unused) {
     return Py_BuildValue("(ii)", self->c.shm.lsize, self->c.shm.ncol);
 }
 
+static PyObject *Comm_get_tlm(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(self->c.twolevel_min);
+}
+static int Comm_set_tlm(CommObject *self, PyObject *v, void *unused) {
+    size_t t;
+    (void)unused;
+    if (!v) return -1;
+    t = PyLong_AsSize_t(v);
+    if (PyErr_Occurred()) return -1;
+    self->c.twolevel_min = t;
+    return 0;
+}
+
 static PyGetSetDef Comm_getset[] = {
+    {"twolevel_min", (getter)Comm_get_tlm, (setter)Comm_set_tlm,
+     "bytes from which allreduce/reduce_scatter across hosts run two-level", NULL},
     {"shm", (getter)Comm_get_shm, NULL,
      "(ranks sharing memory on this host, nodes in the two-level ring or 0), or None", NULL},
     {"bcast_tree_max", (getter)Comm_get_btm, (setter)Comm_set_btm,

@@ -32,7 +32,7 @@ int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t co
     }
     cnt = off + n;
     hr_chunks(count, n, off, cnt);
-    if (c->shm.base && c->shm.ncol >= 1) {
+    if (c->shm.base && (c->shm.ncol == 1 || (c->shm.ncol > 1 && count * esz >= c->twolevel_min))) {
         /* shared memory (allreduce_shm.c keeping only this rank's chunk); an input that overlaps
          * the output is copied first, since copy-out may overtake copy-in */
         const unsigned char *in = sbuf;

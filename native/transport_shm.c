@@ -110,6 +110,7 @@ int hr_shm_wait(hr_op_t *op, const char *what) {
     hr_shm_t *s = &c->shm;
     uint32_t want = s->phase;
     int l, spins = 0, l2, st, dead;
+    char why[192];
 
     for (l = 0; l < s->lsize; l++) {
         hr_shm_cell_t *cl = hr_shm_cell(s, l);
@@ -118,13 +119,12 @@ int hr_shm_wait(hr_op_t *op, const char *what) {
         while ((int32_t)((v = __atomic_load_n(&cl->phase, __ATOMIC_ACQUIRE)) - want) < 0) {
             struct timespec ts = {0, 5000000};
             if (__atomic_load_n(&c->failed, __ATOMIC_ACQUIRE)) return HR_ERR;
-            if (++spins < 200) {
+            if (++spins < s->spin) {
                 sched_yield();
                 continue;
             }
             futex(&cl->phase, FUTEX_WAIT, v, &ts);
             if (hr_now() > op->deadline) {
-                char why[96];
                 snprintf(why, sizeof(why), "(shared memory, %s) timed out after %.1f s", what,
                          op->timeout);
                 return hr_op_fail_peer(op, 1, s->lranks[l], why);
@@ -136,19 +136,20 @@ int hr_shm_wait(hr_op_t *op, const char *what) {
             for (l2 = 0, dead = -1; l2 < s->lsize && dead < 0; l2++)
                 if (l2 != s->lrank && peer_state(c, l2) == 1) dead = l2;
             if ((int32_t)(__atomic_load_n(&cl->phase, __ATOMIC_ACQUIRE) - want) >= 0) break;
-            /* name a dead peer before one that failed because of it */
+            /* name a dead peer before one that failed because of it; the "recv from rank ..., x/y
+             * bytes done" form is the one the hang report (diagnostics/report.py) parses */
             if (dead >= 0) {
-                l2 = dead;
-                return hr_op_fail(op, "rank %d (%s) died during the shared-memory %s "
-                                      "(this node; its connection closed without an error report)",
-                                  s->lranks[l2], c->hosts[s->lranks[l2]], what);
+                snprintf(why, sizeof(why), "failed: connection closed by peer (EOF) without an error "
+                         "report: it died during the shared-memory %s (same node)", what);
+                return hr_op_fail_peer(op, 1, s->lranks[dead], why);
             }
             switch (st) {
             case 2:
-                return hr_op_fail(op, "rank %d (%s) failed during the shared-memory %s: "
-                                  "see its error", s->lranks[l], c->hosts[s->lranks[l]], what);
+                snprintf(why, sizeof(why), "failed: it reported an error during the shared-memory %s "
+                         "(same node; see its message)", what);
+                return hr_op_fail_peer(op, 1, s->lranks[l], why);
             case 3:
-                return hr_op_fail(op, "rank %d (%s, this node) sent TCP data while this rank waits in "
+                return hr_op_fail(op, "rank %d (%s, same node) sent TCP data while this rank waits in "
                                   "shared memory (%s); the ranks are out of step (mismatched "
                                   "collectives)", s->lranks[l], c->hosts[s->lranks[l]], what);
             default:

@@ -11,7 +11,8 @@
  * memory goes away with the last mapping).
  *
  * Synchronisation: hr_shm_signal bumps this rank's counter (release) and wakes futex waiters;
- * hr_shm_wait waits until every local peer's counter reached this rank's, spinning briefly,
+ * hr_shm_wait waits until every local peer's counter reached this rank's, spinning briefly
+ * (not at all when the node's ranks outnumber its cores: the peer it waits for needs this core),
  * then sleeping in FUTEX_WAIT for at most 5 ms at a time so that the deadline and the peers'
  * liveness are checked: a peer whose TCP connection reads EOF without having set its failed flag
  * died (SIGKILL, segfault), and is named as such; a peer that set the flag failed on its own and
@@ -43,6 +44,7 @@ typedef struct hr_shm {
     int *col;               /* global ranks of local index lrank on every node (node order) */
     uint32_t phase;         /* this rank's counter (private copy) */
     uint32_t parity;        /* buffer parity of the next piece */
+    int spin;               /* sched_yield rounds before sleeping (0 when ranks outnumber cores) */
 } hr_shm_t;
 
 /* Segment bytes for lsize ranks with buffers of slot bytes. */

@@ -4,8 +4,10 @@ Usage: fault_worker.py SCENARIO [VICTIM] [--backend ring|mpi] [--count N]
 Scenarios: none, skip (VICTIM skips one allreduce, then sleeps), different (VICTIM calls a
 barrier instead), mismatch (VICTIM uses another count), dtype (VICTIM uses float64), kill (VICTIM
 SIGKILLs itself inside the collective's time window), sleep (VICTIM sleeps in load_batch), exit
-(VICTIM exits normally before the collective), cut (no fault here: the test cuts a link while
-every rank loops over large allreduces).
+(VICTIM exits normally before the collective), stop (VICTIM SIGSTOPs itself: a frozen rank, as
+one stuck in the kernel, in swap or on a hung GPU), never (VICTIM never reaches hpcring.init()),
+cut/slow (no fault here: the test cuts or slows a link while every rank loops over large
+allreduces).
 Every rank prints `FAULT_WORKER rank=R phase=P t=T` lines (flushed) so tests can time events.
 """
 import argparse
@@ -24,6 +26,16 @@ def say(rank, phase):
     print(f"FAULT_WORKER rank={rank} phase={phase} t={time.time():.3f}", flush=True)
 
 
+def launcher_rank():
+    """This rank's number before init, from whichever launcher started it."""
+    for var in ("HPCRING_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    if os.environ.get("LSF_PM_TASKID", "").isdigit():
+        return int(os.environ["LSF_PM_TASKID"]) - 1
+    return -1
+
+
 def load_batch(seconds):
     time.sleep(seconds)          # a rank stuck in its data loader
 
@@ -35,7 +47,11 @@ def main():
     p.add_argument("--backend", default="ring")
     p.add_argument("--count", type=int, default=1 << 16)
     p.add_argument("--loops", type=int, default=3)
+    p.add_argument("--tag", default="", help="ignored: lets a harness find this job's processes")
     a = p.parse_args()
+    if a.scenario == "never" and launcher_rank() == a.victim:
+        say(a.victim, "fault")
+        load_batch(3600)             # stuck before init (a hung import, file system or module load)
     s = hpcring.init()
     comm = s.communicator(a.backend)
     rank = comm.rank
@@ -45,7 +61,7 @@ def main():
     say(rank, "warm")
     me = rank == a.victim
     sc = a.scenario
-    if sc == "cut":
+    if sc in ("cut", "slow"):
         say(rank, "looping")
         big = np.ones(1 << 22, np.float32)
         while True:
@@ -68,6 +84,13 @@ def main():
     elif me and sc == "dtype":
         say(rank, "fault")
         comm.allreduce(np.ones(a.count, np.float64))
+    elif me and sc == "stop":
+        def freeze():
+            time.sleep(0.3)
+            say(rank, "fault")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        threading.Thread(target=freeze, daemon=True).start()
+        comm.allreduce(np.ones(1 << 24, np.float32))
     elif me and sc == "kill":
         def die():
             time.sleep(0.3)
@@ -76,7 +99,7 @@ def main():
         threading.Thread(target=die, daemon=True).start()
         comm.allreduce(np.ones(1 << 24, np.float32))
     else:
-        if sc == "kill":
+        if sc in ("kill", "stop"):
             comm.allreduce(np.ones(1 << 24, np.float32))
         else:
             comm.allreduce(x)

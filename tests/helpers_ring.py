@@ -54,6 +54,7 @@ class ThreadGroup:
                         local, column = node_layout(names, r)
                         if names[r] == h and len(local) > 1:
                             natives[r].shm_attach(seg, r == local[0], local, column, shm_piece)
+                            natives[r].twolevel_min = 0      # two-level at every size
                 finally:
                     _native.shm_unlink(seg)
         for c in natives:

@@ -1,9 +1,10 @@
 """hpcring: from one GPU to many on Slurm and LSF."""
 __version__ = "0.1.0"
 
-from hpcring.errors import HpcringError  # noqa: E402,F401
+from hpcring.errors import HpcringError, Preempted  # noqa: E402,F401
 
-_LAZY = {"Session": "hpcring.session", "init": "hpcring.session"}
+_LAZY = {"Session": "hpcring.session", "init": "hpcring.session",
+         "preempted": "hpcring.preempt", "on_preempt": "hpcring.preempt", "requeue_count": "hpcring.preempt"}
 
 
 def __getattr__(name: str):

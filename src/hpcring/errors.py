@@ -75,3 +75,11 @@ class CollectiveError(HpcringError):
 
 class DevClusterError(HpcringError):
     """The local dev cluster could not be brought up or down."""
+
+
+class Preempted(HpcringError):
+    """Raised by a training script (after saving its checkpoint) to stop now and be requeued.
+
+    ``hpcring submit`` jobs: every rank raises it at the same step (``hpcring.preempted(comm)``
+    agrees on the step); rank 0 then requeues the job through submitit, which restarts it from the
+    beginning with ``hpcring.requeue_count()`` one higher. See docs/preemption.md."""

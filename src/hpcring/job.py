@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import json
 import os
 import runpy
 import socket
@@ -21,7 +20,12 @@ import traceback
 from pathlib import Path
 
 from hpcring.diagnostics.jobdir import job_id as _job_id
-from hpcring.errors import HpcringError
+from hpcring.errors import HpcringError, Preempted
+from hpcring.bootstrap.auth import delete_secret_file
+from hpcring.fsutil import write_json
+from hpcring.outcome import bootstrap_failure
+
+READY_WAIT_S = 60.0   # rank 0 waits this long for every rank to stop before it requeues
 
 
 class RankFailed(HpcringError):
@@ -35,6 +39,8 @@ def run_as_main(script: str, args: list[str]) -> tuple[int, str | None]:
     try:
         runpy.run_path(script, run_name="__main__")
         return 0, None
+    except Preempted:
+        raise                      # the script saved its state and asks to be requeued
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0, None
@@ -53,11 +59,19 @@ def run_as_main(script: str, args: list[str]) -> tuple[int, str | None]:
 class RunScript:
     """Run ``script`` with ``args`` in ``cwd`` as ``__main__`` on every rank."""
 
-    def __init__(self, script: str, args: list[str], cwd: str, gpus_per_node: int = 0) -> None:
+    def __init__(self, script: str, args: list[str], cwd: str, gpus_per_node: int = 0, requeues: int = 0) -> None:
         self.script = script
         self.args = list(args)
         self.cwd = cwd
         self.gpus_per_node = gpus_per_node
+        self.requeues = requeues
+
+    def __submitit_checkpoint__(self):
+        """submitit's checkpoint hook (rank 0, on requeue): the same script, one more requeue."""
+        from submitit.core.utils import DelayedSubmission
+        return DelayedSubmission(RunScript(self.script, self.args, self.cwd, self.gpus_per_node, self.requeues + 1))
+
+    checkpoint = __submitit_checkpoint__   # submitit's signal handler looks for this name first
 
     def __call__(self) -> int:
         from hpcring.bootstrap.init import apply_framework_env
@@ -66,14 +80,14 @@ class RunScript:
         status = {"rank": None, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                   "exit_code": None, "error": None}
         folder = _job_folder()
-        os.environ.setdefault("HPCRING_JOB_DIR", str(folder))   # diagnostics land next to the logs
+        from hpcring import preempt
+        os.environ[preempt.REQUEUE_VAR] = str(self.requeues)
+        preempt.install(folder / f"{_job_id()}_preempt.json")   # the warning is the script's to act on
         try:
             session = init()
         except HpcringError as exc:  # bootstrap failed: record it under the launcher's rank
-            from hpcring.bootstrap.launchers import detect
-            t = detect()
-            status.update(rank=t.rank, host=t.hosts[t.rank], exit_code=1, error=str(exc), ended=time.time())
-            _write_status(folder, t.rank, status)
+            status.update(bootstrap_failure(exc))
+            _write_status(folder, status["rank"], status)
             raise
         topo = session.topology
         apply_framework_env(topo, self.gpus_per_node)
@@ -84,11 +98,21 @@ class RunScript:
                                                                          "ended": time.time()}))
         from hpcring.diagnostics.torch_watch import install as watch_torch
         watch_torch()                  # a torch process group in the script gets the hang report too
+        if topo.rank == 0:
+            write_json(folder / f"{_job_id()}_requeues.json", {"count": preempt.requeue_count()})
         os.chdir(self.cwd)
         register_torch_backend_on_import()
-        code, error = run_as_main(self.script, self.args)
+        try:
+            code, error = run_as_main(self.script, self.args)
+        except Preempted as exc:
+            status.update(exit_code=0, error=None, preempted=str(exc) or "Preempted", ended=time.time())
+            _write_status(folder, topo.rank, status)
+            _requeue_when_all_stopped(session, topo)
+            return 0
         status.update(exit_code=code, error=error, ended=time.time())
         _write_status(folder, topo.rank, status)
+        if code == 0 and topo.rank == 0:
+            delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))   # COMPLETED: never requeued
         if code != 0:
             raise RankFailed(f"rank {topo.rank} on {topo.host}: {self.script} {error or f'exited with code {code}'}")
         return 0
@@ -133,6 +157,24 @@ def _register_torch_backend() -> None:
         print(f"hpcring: could not register the torch.distributed backend 'hpcring': {exc}", file=sys.stderr)
 
 
+def _requeue_when_all_stopped(session, topo) -> None:
+    """Every rank raised Preempted: rank 0 waits (bounded) until all have, then requeues the job
+    through submitit (which exits this process); the others just return."""
+    store = session.store
+    try:
+        store.add("preempt/stopped", 1)
+        deadline = time.monotonic() + READY_WAIT_S
+        while topo.rank == 0 and store.add("preempt/stopped", 0) < topo.size and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except HpcringError as exc:      # requeue anyway: the checkpoint is what matters
+        print(f"hpcring: rank {topo.rank}: {exc}", file=sys.stderr, flush=True)
+    if topo.rank == 0:
+        from hpcring import preempt
+        print(f"hpcring: rank 0: every rank stopped for preemption; requeueing the job "
+              f"(requeue {preempt.requeue_count() + 1})", file=sys.stderr, flush=True)
+        preempt.requeue_through_submitit()
+
+
 def _job_folder() -> Path:
     """The job folder with %j resolved (SUBMITIT_FOLDER keeps the placeholder)."""
     try:
@@ -144,9 +186,7 @@ def _job_folder() -> Path:
 
 def _write_status(folder: Path, rank: int, status: dict) -> None:
     path = folder / f"{_job_id()}_{rank}_status.json"
-    tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(json.dumps(status))
-        os.replace(tmp, path)
+        write_json(path, status)
     except OSError as exc:  # never mask the rank's own outcome
         print(f"hpcring: could not write {path}: {exc}", file=sys.stderr)

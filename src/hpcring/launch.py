@@ -11,7 +11,6 @@ tags CMD's output by rank. The exit code is that of the first failing rank, whic
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -19,17 +18,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Mapping
 
 from hpcring.bootstrap import auth
 from hpcring.config.site import Site
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
+from hpcring.outcome import hang_headline, rank_failure, read_statuses, summarize
 from hpcring.render import job_env
-
-GRACE_S = 10.0
-
+from hpcring.schedulers import supervisor
 
 def where(environ: Mapping[str, str]) -> str:
     if environ.get("SLURM_JOB_ID"):
@@ -98,68 +95,51 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
             if shutil.which(argv[0]) is None:
                 raise SchedulerError(f"`{argv[0]}` is not on PATH inside this {kind} allocation",
                                      hint="load the scheduler's module, or check the site's launcher")
-            procs = [subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)]
-        codes = _wait_all(procs)
-        return _verdict(run_dir / "status", nodes * per_node, codes, cmd)
+            procs = [supervisor.start(argv, env)]
+        from hpcring.diagnostics.jobdir import diag_dir
+        diag = diag_dir({**env, "HPCRING_JOB_ID": _local_job_id()} if kind == "local" else env, create=False)
+        codes = _wait_all(procs, diag)
+        return _verdict(run_dir / "status", nodes * per_node, codes, cmd, diag)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _local_job_id() -> str:
+    return f"run{os.getpid()}"
+
+
 def _start_local(rank_cmd: list[str], env: dict, nodes: int, per_node: int) -> list[subprocess.Popen]:
     from hpcring.schedulers.local_run import rank_env
-    job_id = f"run{os.getpid()}"
-    return [subprocess.Popen(rank_cmd, env=rank_env(env, job_id, nodes, per_node, n, l), stdin=subprocess.DEVNULL)
+    job_id = _local_job_id()
+    # SIGTERM, not SIGKILL, on our death: rank_exec then kills its CMD and removes the secret
+    return [supervisor.start(rank_cmd, rank_env(env, job_id, nodes, per_node, n, l), parent_death=signal.SIGTERM)
             for n in range(nodes) for l in range(per_node)]
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
-    """Wait for every process; Ctrl-C or SIGTERM ends them all (TERM, then KILL after a grace)."""
-    stop = {"at": None}
-
-    def on_signal(signum, _frame):
-        if stop["at"] is None:
-            stop["at"] = time.monotonic()
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+def _wait_all(procs: list[subprocess.Popen], diag: Path | None = None) -> list[int]:
+    """Wait for every process (the shared rank supervisor); Ctrl-C or SIGTERM ends them all."""
+    sup = supervisor.Supervisor(procs, grace_s=supervisor.grace_s(), diag=diag)
+    old = {s: signal.signal(s, lambda *_: sup.stop("CANCELLED")) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        first_fail = None
-        while any(p.poll() is None for p in procs):
-            if first_fail is None and any(p.returncode not in (None, 0) for p in procs):
-                first_fail = time.monotonic()
-            # like mpirun: once one rank failed, the rest get a grace period, then are stopped
-            if first_fail and stop["at"] is None and time.monotonic() - first_fail > GRACE_S * 3:
-                on_signal(signal.SIGTERM, None)
-            if stop["at"] is not None and time.monotonic() - stop["at"] > GRACE_S:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-            time.sleep(0.05)
-        return [p.returncode for p in procs]
+        return sup.wait().codes
     finally:
         for s, h in old.items():
             signal.signal(s, h)
 
 
-def _verdict(status_dir: Path, size: int, codes: list[int], cmd: list[str]) -> int:
-    stats = []
-    for r in range(size):
-        try:
-            stats.append(json.loads((status_dir / f"{r}.json").read_text()))
-        except (OSError, ValueError):
-            pass
-    failed = sorted((s for s in stats if s.get("exit_code")), key=lambda s: s.get("ended", 0))
-    missing = sorted(set(range(size)) - {s["rank"] for s in stats})
-    if not failed and not missing and not any(codes):
+def _verdict(status_dir: Path, size: int, codes: list[int], cmd: list[str], diag: Path | None = None) -> int:
+    oc = summarize(read_statuses({r: status_dir / f"{r}.json" for r in range(size)}), size)
+    if oc.clean and not any(codes):
         return 0
-    if failed:
-        s = failed[0]
-        what = s.get("error") or f"{' '.join(cmd)} exited with code {s['exit_code']}"
-        raise JobFailedError(f"rank {s['rank']} on {s.get('host', '?')}: {what}"
-                             + (f" (first of {len(failed)} failing ranks)" if len(failed) > 1 else ""),
+    hang = hang_headline(diag) if diag is not None else None
+    if hang:         # the watchdog's diagnosis says more than "every rank exited with 1"
+        raise JobFailedError(f"collective failure: {hang[0]} (report: {hang[1]})",
+                             exit_code=oc.failed[0]["exit_code"] if oc.failed else 1)
+    if oc.failed:
+        s = oc.failed[0]
+        raise JobFailedError(rank_failure(s, f"{' '.join(cmd)} exited with code {s['exit_code']}")
+                             + (f" (first of {len(oc.failed)} failing ranks)" if len(oc.failed) > 1 else ""),
                              exit_code=s["exit_code"])
     code = next((c for c in codes if c), 1)
-    raise JobFailedError(f"ranks {missing} ended without reporting (launcher exit code {code})",
+    raise JobFailedError(f"ranks {oc.missing} ended without reporting (launcher exit code {code})",
                          exit_code=code if code > 0 else 128 - code)

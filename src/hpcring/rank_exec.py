@@ -7,7 +7,6 @@ Rank 0's rendezvous store stays up while CMD runs (it lives in this process), so
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,8 @@ from pathlib import Path
 
 from hpcring.config import envvars
 from hpcring.errors import HpcringError
+from hpcring.fsutil import write_json
+from hpcring.outcome import bootstrap_failure
 
 
 def _pump(src, dst, prefix: bytes) -> None:
@@ -43,11 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         gpus = envvars.get("HPCRING_GPUS_PER_NODE")
         session = init(watchdog=False)   # the child CMD runs the collectives and the watchdog
     except HpcringError as exc:
-        from hpcring.bootstrap.launchers import detect
-        t = detect()
-        print(f"[{t.rank}]<stderr>:hpcring: {exc}", file=sys.stderr, flush=True)
-        _status(status_dir, t.rank, {"rank": t.rank, "host": t.hosts[t.rank], "exit_code": 1,
-                                     "error": str(exc).splitlines()[0], "ended": time.time()})
+        st = bootstrap_failure(exc, first_line=True)
+        print(f"[{st['rank']}]<stderr>:hpcring: {exc}", file=sys.stderr, flush=True)
+        _status(status_dir, st["rank"], st)
         return 1
     topo = session.topology
     apply_framework_env(topo, gpus)
@@ -55,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(handoff_env(session))
     from hpcring.diagnostics.torch_watch import child_env
     os.environ.update(child_env())     # a torch process group in CMD gets hpcring's hang report
+    from hpcring.schedulers.supervisor import start
+    parent = os.getppid()
     try:
-        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        child = start(argv, dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as exc:   # no such command, not executable: say so once, like a shell would
         what = f"cannot run {argv[0]!r} on {topo.host}: {exc.strerror}"
         print(f"[{topo.rank}]<stderr>:hpcring: {what}\n  hint: check the command after `--` "
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     def forward(signum, _frame):
+        if signum == signal.SIGTERM and os.getppid() != parent:
+            _orphaned(child, status_dir)          # `hpcring run` is gone (PR_SET_PDEATHSIG)
         if child.poll() is None:
             child.send_signal(signum)
 
@@ -89,14 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _orphaned(child, status_dir: Path | None) -> None:
+    """The supervisor died (even by SIGKILL): end CMD, remove the job's secret and run folder, exit."""
+    from hpcring.bootstrap.auth import delete_secret_file
+    child.kill()
+    delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))
+    if status_dir is not None and status_dir.parent.name.startswith("hpcring-run-"):
+        import shutil
+        shutil.rmtree(status_dir.parent, ignore_errors=True)
+    os._exit(128 + signal.SIGTERM)
+
+
 def _status(folder: Path | None, rank: int, data: dict) -> None:
     if folder is None:
         return
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"{rank}.tmp"
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, folder / f"{rank}.json")
+        write_json(folder / f"{rank}.json", data)
     except OSError as exc:
         print(f"hpcring: could not record rank {rank}'s status in {folder}: {exc}", file=sys.stderr)
 

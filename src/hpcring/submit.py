@@ -22,7 +22,9 @@ from hpcring.config.jobspec import JobSpec
 from hpcring.config.site import Site
 from hpcring.ranks import rank_ranges
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
+from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.job import RunScript
+from hpcring.outcome import hang_headline as outcome_hang_headline, read_statuses, summarize
 from hpcring.render import render_script
 from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
 
@@ -74,8 +76,9 @@ def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
         raise SchedulerError(f"{mod.COMMAND} refused the job: {text}",
                              hint=explain or "see the scheduler's message above") from None
     folder = str(root / str(sjob.job_id))
+    cluster = getattr(mod, "cluster_name", lambda s: s.name)(site)
     return new_record(str(sjob.job_id), site.config.scheduler, str(site.path), folder, job.ntasks,
-                      job.name, str(script))
+                      job.name, str(script), cluster, job.env["HPCRING_SECRET_FILE"])
 
 
 def record(job_id: str) -> JobRecord:
@@ -84,9 +87,10 @@ def record(job_id: str) -> JobRecord:
 
 def job_state(rec: JobRecord) -> JobState:
     mod = schedulers.get(rec.scheduler)
-    if rec.scheduler == "local":
-        return mod.state(rec.job_id, Path(rec.folder))
-    return mod.state(rec.job_id)
+    st = mod.state(rec.job_id, Path(rec.folder)) if rec.scheduler == "local" else mod.state(rec.job_id)
+    if st.finished:      # over for good (a requeued job is PENDING/REQUEUED, not finished)
+        delete_secret_file(rec.secret_file)
+    return st
 
 
 def cancel(rec: JobRecord) -> None:
@@ -160,21 +164,12 @@ class Outcome:
 
 
 def rank_statuses(rec: JobRecord) -> dict[int, dict]:
-    out = {}
-    for r in range(rec.ntasks):
-        p = Path(rec.folder) / f"{rec.job_id}_{r}_status.json"
-        try:
-            out[r] = json.loads(p.read_text())
-        except (OSError, ValueError):
-            pass
-    return out
+    return read_statuses({r: Path(rec.folder) / f"{rec.job_id}_{r}_status.json" for r in range(rec.ntasks)})
 
 
 def outcome(rec: JobRecord, st: JobState) -> Outcome:
-    stats = rank_statuses(rec)
-    failed = sorted((s for s in stats.values() if s.get("exit_code")), key=lambda s: s.get("ended", 0))
-    missing = [r for r in range(rec.ntasks) if r not in stats]
-    return Outcome(st, failed, missing)
+    oc = summarize(rank_statuses(rec), rec.ntasks)
+    return Outcome(st, oc.failed, oc.missing)
 
 
 _SRUN_CASUALTY = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Terminated|Segmentation fault|Aborted)")
@@ -197,18 +192,38 @@ def first_casualty(rec: JobRecord) -> str | None:
 
 def hang_headline(rec: JobRecord) -> tuple[str, Path] | None:
     """(headline, report path) of the job's hang report (``<folder>/diag/hang-report.json``)."""
-    for folder in (Path(rec.folder), Path(os.environ.get("HPCRING_JOB_DIR", rec.folder))):
-        path = folder / "diag" / "hang-report.json"
-        try:
-            return json.loads(path.read_text())["headline"], path.with_suffix(".txt")
-        except (OSError, ValueError, KeyError):
-            continue
-    return None
+    return outcome_hang_headline(Path(rec.folder) / "diag")
+
+
+def requeues(rec: JobRecord) -> int:
+    """How many times the job was requeued (rank 0 writes the count at each start)."""
+    try:
+        return int(json.loads((Path(rec.folder) / f"{rec.job_id}_requeues.json").read_text())["count"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def preempt_warning(rec: JobRecord) -> dict | None:
+    """{"signal", "at"} when the scheduler warned the job (time limit or preemption)."""
+    try:
+        return json.loads((Path(rec.folder) / f"{rec.job_id}_preempt.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
     parts = []
     hang = hang_headline(rec)
+    warned = preempt_warning(rec)
+    if oc.state.state in ("TIMEOUT", "PREEMPTED", "DEADLINE"):
+        # The scheduler ended it; whatever the collectives saw while ranks were being killed is noise.
+        why = "reached its time limit" if oc.state.state != "PREEMPTED" else "was preempted"
+        told = (f" after the {warned['signal']} warning at {time.strftime('%H:%M:%S', time.localtime(warned['at']))};"
+                " the script did not stop (check hpcring.preempted(comm) and raise hpcring.Preempted)"
+                if warned else "")
+        return JobFailedError(f"job {rec.job_id} ({rec.name}) {oc.state.state}: the job {why}{told}",
+                              exit_code=oc.state.exit_code or 1,
+                              hint="checkpoint on the warning to be requeued: see docs/preemption.md")
     if hang:         # the watchdog's diagnosis says more than "every rank exited with 1"
         parts.append(f"collective failure: {hang[0]} (report: {hang[1]})")
     elif (casualty := first_casualty(rec)) is not None:

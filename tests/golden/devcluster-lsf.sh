@@ -29,6 +29,9 @@ export HPCRING_TIMEOUT=120
 
 export HPCRING_LOG_PATTERN=/jobs/%j/%j_%t_log
 export SUBMITIT_PREEMPT_SIGNAL=USR2
+# The warning action signals every process of the job: this shell and the launcher ignore it (or the
+# job would end right there); the ranks inherit that until hpcring installs its handler.
+trap '' USR2
 HOSTFILE=$LSB_DJOB_HOSTFILE
 # One task per slot of the host file; each task's rank is LSF_PM_TASKID - 1.
 blaunch -u "$HOSTFILE" \

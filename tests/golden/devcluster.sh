@@ -28,8 +28,10 @@ export SUBMITIT_EXECUTOR=slurm
 export HPCRING_SITE=devcluster
 export HPCRING_TIMEOUT=120
 
-# One task per rank; each writes its own log (%t = rank), as submitit expects.
-srun --unbuffered \
+# One task per rank; each writes its own log (%t = rank), as submitit expects. A rank that exits
+# non-zero (the watchdog after a diagnosed failure, a crash) ends the step: no rank, frozen or
+# waiting on a dead peer, holds the allocation.
+srun --unbuffered --kill-on-bad-exit=1 \
   --output=/jobs/%j/%j_%t_log.out --error=/jobs/%j/%j_%t_log.err \
   --mpi=pmix \
   /usr/bin/python3 -u -m submitit.core._submit /jobs/%j

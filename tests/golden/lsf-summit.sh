@@ -32,6 +32,9 @@ export HPCRING_GPUS_PER_NODE=6
 
 export HPCRING_LOG_PATTERN=/jobs/%j/%j_%t_log
 export SUBMITIT_PREEMPT_SIGNAL=USR2
+# The warning action signals every process of the job: this shell and the launcher ignore it (or the
+# job would end right there); the ranks inherit that until hpcring installs its handler.
+trap '' USR2
 # Resource sets: one per rank, each with its CPUs and one GPU.
 jsrun -n 12 -r 6 -a 1 -c 7 -g 1 -b packed:7 \
   /usr/bin/python3 -u -m submitit.core._submit /jobs/%j

@@ -34,8 +34,10 @@ export HPCRING_SITE=slurm-infiniband
 export HPCRING_TIMEOUT=300
 export HPCRING_GPUS_PER_NODE=4
 
-# One task per rank; each writes its own log (%t = rank), as submitit expects.
-srun --unbuffered \
+# One task per rank; each writes its own log (%t = rank), as submitit expects. A rank that exits
+# non-zero (the watchdog after a diagnosed failure, a crash) ends the step: no rank, frozen or
+# waiting on a dead peer, holds the allocation.
+srun --unbuffered --kill-on-bad-exit=1 \
   --output=/jobs/%j/%j_%t_log.out --error=/jobs/%j/%j_%t_log.err \
   --mpi=pmix \
   /usr/bin/python3 -u -m submitit.core._submit /jobs/%j

@@ -52,7 +52,7 @@ def run_fault(scenario: str, victim: int, backend: str = "ring", *, during=None,
     out, err = p.communicate(timeout=240)
     ended = time.time()
     job = job_id_of(subprocess.CompletedProcess(cmd, p.returncode, out, err))
-    report_file = folder / "diag" / "hang-report.json"
+    report_file = folder / job / "diag" / "hang-report.json"     # one diag folder per job
     report = json.loads(report_file.read_text()) if report_file.exists() else None
     text = out + err
     faults = [float(t) for t in re.findall(r"phase=fault t=([\d.]+)", text)]

@@ -24,8 +24,15 @@ def run_job(tmp_path, *worker_args, ranks=4, env=None, timeout=90):
     return p, time.monotonic() - t0
 
 
+def diag(tmp_path) -> Path:
+    """The run's own diag folder: <HPCRING_JOB_DIR>/<job id>/diag (one folder per job)."""
+    found = list(tmp_path.glob("*/diag"))
+    assert len(found) == 1, found
+    return found[0]
+
+
 def report(tmp_path) -> dict:
-    return json.loads((tmp_path / "diag" / "hang-report.json").read_text())
+    return json.loads((diag(tmp_path) / "hang-report.json").read_text())
 
 
 def test_skipped_collective_is_reported_and_every_rank_exits(tmp_path):
@@ -41,8 +48,8 @@ def test_skipped_collective_is_reported_and_every_rank_exits(tmp_path):
         assert f"hpcring: rank {r} (" in out and "exiting with code 1" in out
     assert "after" not in {line.split("phase=")[-1].split()[0] for line in out.splitlines() if "phase=" in line}
     for r in range(4):
-        assert (tmp_path / "diag" / f"stacks-rank{r}.txt").read_text().count("File ") >= 1
-        assert json.loads((tmp_path / "diag" / f"flight-rank{r}.json").read_text())["rank"] == r
+        assert (diag(tmp_path) / f"stacks-rank{r}.txt").read_text().count("File ") >= 1
+        assert json.loads((diag(tmp_path) / f"flight-rank{r}.json").read_text())["rank"] == r
     assert took < 4 + 3 + 30
 
 
@@ -93,6 +100,6 @@ def test_dump_signal_dumps_flight_records_and_keeps_running_and_sigusr1_stays_fr
     out, err = p.communicate(timeout=60)
     assert p.returncode == 0, err
     assert "SURVIVED" in out
-    data = json.loads((tmp_path / "diag" / "flight-rank0.json").read_text())
+    data = json.loads((tmp_path / "0" / "diag" / "flight-rank0.json").read_text())
     assert [r["op"] for r in data["records"]] == ["allreduce", "barrier"]
     assert data["reason"] == "signal SIGRTMIN+7"

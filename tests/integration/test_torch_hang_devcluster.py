@@ -34,11 +34,12 @@ def test_ddp_on_gloo_hang_on_the_cluster_is_reported():
                        stdin=subprocess.DEVNULL)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
-    rep = json.loads((folder / "diag" / "hang-report.json").read_text())
+    job = job_id_of(p)
+    rep = json.loads((folder / job / "diag" / "hang-report.json").read_text())     # one diag folder per job
     assert rep["categories"]["missing"] == [2], rep
     assert "rank 2 (node3) never joined" in rep["headline"] and rep["op"]["backend"] == "gloo"
     assert "now in load_batch at torch_ddp_worker.py" in rep["details"]["2"]
     assert "never joined" in out                                  # submit --wait ends with the headline
-    assert sacct_state(job_id_of(p)) == "FAILED"
+    assert sacct_state(job) == "FAILED"
     for r in range(3):
-        assert (folder / "diag" / f"stacks-rank{r}.txt").is_file()
+        assert (folder / job / "diag" / f"stacks-rank{r}.txt").is_file()

@@ -32,8 +32,15 @@ def run_job(tmp_path, *worker_args, ranks=3, timeout=120):
     return p, time.time() - float(fault.group(1)) if fault else None   # seconds from the fault to the job's end
 
 
+def diag(tmp_path) -> Path:
+    """The run's own diag folder: <HPCRING_JOB_DIR>/<job id>/diag (one folder per job)."""
+    found = list(tmp_path.glob("*/diag"))
+    assert len(found) == 1, found
+    return found[0]
+
+
 def report(tmp_path) -> dict:
-    return json.loads((tmp_path / "diag" / "hang-report.json").read_text())
+    return json.loads((diag(tmp_path) / "hang-report.json").read_text())
 
 
 def test_ddp_rank_stuck_in_its_data_loader_is_named_with_its_location(tmp_path):
@@ -51,9 +58,9 @@ def test_ddp_rank_stuck_in_its_data_loader_is_named_with_its_location(tmp_path):
     assert out.count("COLLECTIVE FAILURE") == 1
     for r in range(3):
         assert f"hpcring: rank {r} (local0): {rep['headline']}; exiting with code 1" in out
-        records = json.loads((tmp_path / "diag" / f"flight-rank{r}.json").read_text())["records"]
+        records = json.loads((diag(tmp_path) / f"flight-rank{r}.json").read_text())["records"]
         assert records and all(rec["backend"] == "gloo" for rec in records)
-    assert "in load_batch" in (tmp_path / "diag" / "stacks-rank2.txt").read_text()
+    assert "in load_batch" in (diag(tmp_path) / "stacks-rank2.txt").read_text()
     assert took is not None and took < DEADLINE + 30, (took, out)
 
 
@@ -98,7 +105,7 @@ def test_ddp_rank_stopped_mid_training_is_named_unreachable(tmp_path):
     victim = None
     try:
         end = time.monotonic() + 120
-        while time.monotonic() < end and not (tmp_path / "diag" / "hang-report.json").exists():
+        while time.monotonic() < end and not list(tmp_path.glob("*/diag/hang-report.json")):
             time.sleep(0.2)
         m = re.search(r"fault=stop t=[\d.]+ pid=(\d+)", (tmp_path / "out.txt").read_text())
         victim = int(m.group(1)) if m else None

@@ -34,6 +34,7 @@ documentation:
   back to PEND with the same job id; it runs again from the beginning.
 * Run limit (-W [hh:]mm) with -wa SIGNAL / -wt [hh:]mm (bsub.wa.1, bsub.wt.1): the warning signal
   is sent wt before the limit; at the limit SIGINT, SIGTERM, SIGKILL, the job EXITs.
+  (HPCRING_LSF_EMU_MINUTE_S, default 60, is the length of one of those minutes: tests shorten it.)
 * blaunch (https://www.ibm.com/docs/en/spectrum-lsf/10.1.0?topic=reference-blaunch):
   ``blaunch [-n] [-u host_file | -z host ... | host] [-use-login-shell | -no-shell] command``;
   only inside a job and only on the job's hosts; with no host, one task per slot; stdin is
@@ -69,6 +70,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PEND_TIMEOUT_S = float(os.environ.get("HPCRING_LSF_EMU_PEND_TIMEOUT", "600"))
 KILL_INTERVAL_S = float(os.environ.get("HPCRING_LSF_EMU_KILL_INTERVAL", "3"))
+# Seconds in one minute of -W/-wt (tests only: a run limit with a warning in tens of seconds).
+MINUTE_S = float(os.environ.get("HPCRING_LSF_EMU_MINUTE_S", "60"))
 FINISHED = ("DONE", "EXIT")
 
 
@@ -442,8 +445,8 @@ def _run(job: dict) -> bool:
                                 cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                 start_new_session=True)
     update(job["id"], pgid=proc.pid, pid=proc.pid)
-    limit_at = job["started"] + job["limit_min"] * 60 if job["limit_min"] else None
-    warn_at = limit_at - (job["warn_min"] or 0) * 60 if limit_at and job["warn_action"] else None
+    limit_at = job["started"] + job["limit_min"] * MINUTE_S if job["limit_min"] else None
+    warn_at = limit_at - (job["warn_min"] or 0) * MINUTE_S if limit_at and job["warn_action"] else None
     kill_at = None
     reason = None
     requeued = False
@@ -693,7 +696,7 @@ def blaunch(argv: list[str]) -> int:
         env = dict(os.environ, LSF_PM_TASKID=str(task_id))
         procs.append(subprocess.Popen(exec_argv(host, os.getcwd(), job.get("sbatchd")) + cmd, env=env, stdin=subprocess.DEVNULL))
     # The tasks end with the job at the latest: the run limit (plus the kill interval) bounds this wait.
-    limit = (job["started"] + job["limit_min"] * 60 + 2 * KILL_INTERVAL_S + 5) if job["limit_min"] else \
+    limit = (job["started"] + job["limit_min"] * MINUTE_S + 2 * KILL_INTERVAL_S + 5) if job["limit_min"] else \
         time.time() + PEND_TIMEOUT_S * 6
     codes = []
     for p in procs:

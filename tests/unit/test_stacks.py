@@ -259,7 +259,11 @@ def test_install_signal_dump_file_path_and_move(tmp_path, no_hook):
 
 def test_install_signal_dump_default_goes_to_the_job_diag_dir(tmp_path, monkeypatch, no_hook):
     monkeypatch.setenv("HPCRING_JOB_DIR", str(tmp_path / "job"))
-    assert install_signal_dump(None, 2) == tmp_path / "job" / "diag" / "stacks-live-rank2.txt"
+    monkeypatch.delenv("SUBMITIT_FOLDER", raising=False)
+    monkeypatch.setenv("HPCRING_JOB_ID", "7")
+    for var in ("SLURM_JOB_ID", "LSB_JOBID", "SUBMITIT_LOCAL_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert install_signal_dump(None, 2) == tmp_path / "job" / "7" / "diag" / "stacks-live-rank2.txt"
 
 
 def test_install_signal_dump_unwritable_warns_once_and_never_raises(tmp_path, no_hook):

@@ -55,12 +55,13 @@ def test_env_respects_what_the_user_set(monkeypatch, tmp_path):
     env = {"HPCRING_JOB_DIR": str(tmp_path), "PYTHONPATH": "/mine"}
     out = tw.child_env(env)
     assert out["TORCH_FR_BUFFER_SIZE"] == tw.FR_SIZE and out["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert out["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "diag" / "torch-fr-rank")
+    assert out["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "0" / "diag" / "torch-fr-rank")   # job id "0"
     assert out["PYTHONPATH"] == tw.SITE_DIR + os.pathsep + "/mine"
     assert os.path.isfile(os.path.join(tw.SITE_DIR, "sitecustomize.py"))
     mine = tw.child_env({**env, "TORCH_NCCL_TRACE_BUFFER_SIZE": "5", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
     assert "TORCH_FR_BUFFER_SIZE" not in mine and "TORCH_NCCL_DUMP_ON_TIMEOUT" not in mine
     assert tw.child_env({**env, "HPCRING_TORCH_WATCH": "0"}) == {}
+    assert tw.child_env({**env, "HPCRING_TORCH_WATCH": "maybe"})["PYTHONPATH"].startswith(tw.SITE_DIR)
 
 
 def test_process_group_timeout_follows_the_deadline(monkeypatch):
@@ -88,3 +89,9 @@ def test_site_hook_wraps_init_process_group_and_runs_the_sitecustomize_it_shadow
     env.pop("HPCRING_SESSION")                     # not inside hpcring run: nothing is wrapped
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.splitlines() == ["SHADOWED SITECUSTOMIZE RAN", "False False"]
+
+
+def test_hpcring_backend_is_left_alone():
+    assert tw._only_hpcring("hpcring") and tw._only_hpcring("cpu:hpcring,cuda:hpcring")
+    assert not tw._only_hpcring("cpu:gloo,cuda:hpcring") and not tw._only_hpcring(None)
+    assert not tw._only_hpcring("gloo")

@@ -46,7 +46,7 @@ def submit(req: JobRequest,
         sys.stdout.write(lib.preview(s, job, req.template))
         return
     rec = lib.submit(s, job, req.template)
-    output.info(f"Submitted job {rec.job_id} ({job.ntasks} ranks on {job.nodes} node(s), site {s.name}); "
+    output.info(f"Submitted job {rec.job_id} [{rec.key}] ({job.ntasks} ranks on {job.nodes} node(s), site {s.name}); "
                 f"logs in {rec.folder}")
     if wait:
         _wait(rec)
@@ -54,8 +54,14 @@ def submit(req: JobRequest,
 
 def _wait(rec) -> None:
     from hpcring import submit as lib
-    oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"),
-                    on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+    try:
+        oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"),
+                        on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+    except KeyboardInterrupt:
+        # Ctrl-C stops following, not the job (as with sbatch then squeue): say so, and how to stop it.
+        output.info(f"\nstopped following job {rec.job_id}; it keeps running. "
+                    f"Follow it again with `hpcring logs -f {rec.key}`, stop it with `hpcring cancel {rec.key}`.")
+        raise typer.Exit(130) from None
     if not oc.ok:
         raise lib.describe_failure(rec, oc)
     output.info(f"job {rec.job_id} COMPLETED: {rec.ntasks} ranks exited 0")
@@ -76,7 +82,7 @@ def status(job_id: str = typer.Argument(...)):
     from hpcring import submit as lib
     rec = lib.record(job_id)
     st = lib.job_state(rec)
-    output.status(rec, st, lib.outcome(rec, st) if st.finished else None)
+    output.status(rec, st, lib.outcome(rec, st) if st.finished else None, lib.requeues(rec))
 
 
 @command(app, help="Print a job's output, tagged by rank.")

@@ -143,6 +143,30 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.size > 0 and b.size > 0 and np.shares_memory(a, b))
 
 
+_SKIP_FINALIZE: list = []
+
+
+def _skip_finalize_at_exit() -> None:
+    """A collective is stuck (it cannot be cancelled): MPI_Finalize, which mpi4py runs after the
+    interpreter's atexit handlers, would wait for it forever and the rank would never exit (seen on
+    the dev cluster: a rank that never started kept its peers alive until the time limit). So at
+    interpreter exit the process ends with code 1 without finalizing; this handler, registered
+    last, runs first: the others (the store's linger, exit records) would wait on peers too.
+    Results, status files and logs are written before interpreter exit."""
+    if _SKIP_FINALIZE:
+        return
+    _SKIP_FINALIZE.append(True)
+    import atexit
+
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.write("hpcring: MPI communicator is dead (a collective timed out): exiting without "
+                         "MPI_Finalize, which would hang\n")
+        sys.stderr.flush()
+        os._exit(1)
+    atexit.register(leave)
+
+
 class MpiBackend(LibraryBackend):
     """Collectives over a duplicate of MPI_COMM_WORLD (host memory, numpy buffers)."""
 
@@ -236,6 +260,7 @@ class MpiBackend(LibraryBackend):
                 sys.stderr.flush()
             finally:
                 self._MPI.COMM_WORLD.Abort(self.abort_code)
+        _skip_finalize_at_exit()
         raise CollectiveError(msg, hint="MPI cannot cancel a started collective: this communicator is dead; "
                                         "find the missing rank (hpcring stacks) and restart the job")
 

@@ -268,8 +268,10 @@ class RingBackend(Backend):
         if rd_threshold is not None:
             comm.rd_threshold = int(rd_threshold)
         comm.threads = threads
-        if envvars.get("HPCRING_BCAST_TREE_MAX") is not None:
-            comm.bcast_tree_max = envvars.get("HPCRING_BCAST_TREE_MAX")
+        for var, attr in (("HPCRING_RING_STRIPE_MIN", "stripe_min"), ("HPCRING_TWOLEVEL_MIN", "twolevel_min"),
+                          ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max")):
+            if envvars.get(var) is not None:           # unset: the measured defaults in native/
+                setattr(comm, attr, envvars.get(var))
         if shm:
             try:
                 cls._attach_shm(comm, store, secret, base, rank, hosts, deadline)

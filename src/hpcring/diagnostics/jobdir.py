@@ -1,8 +1,11 @@
 """Where a job's diagnostics go: ``<job folder>/diag/`` (flight records, stacks, hang reports).
 
-The job folder is, in order: ``HPCRING_JOB_DIR``; the submitit folder of a submitted job
-(``SUBMITIT_FOLDER`` with ``%j`` resolved); else ``./hpcring-diag/<job id>`` for ranks started
-by ``hpcring run`` or by hand. Ranks of one job agree on it because they share the environment.
+The job folder is, in order: the submitit folder of a submitted job (``SUBMITIT_FOLDER`` with
+``%j`` resolved, ``<job_dir>/<job id>``); else ``<HPCRING_JOB_DIR>/<job id>`` (HPCRING_JOB_DIR is
+the root of job folders, as ``job_dir`` in a site config); else ``./hpcring-diag/<job id>`` for
+ranks started by ``hpcring run`` or by hand. Always one folder per job: two jobs never share a
+``diag/`` (a later job's report would be read as an earlier one's). Ranks of one job agree on it
+because they share the environment.
 """
 from __future__ import annotations
 
@@ -25,11 +28,10 @@ def job_id(environ: Mapping[str, str] | None = None) -> str:
 def job_folder(environ: Mapping[str, str] | None = None) -> Path:
     """The job's folder (see the module doc); not created here."""
     env = os.environ if environ is None else environ
-    if env.get("HPCRING_JOB_DIR"):
-        return Path(env["HPCRING_JOB_DIR"])
     if env.get("SUBMITIT_FOLDER"):
         return Path(env["SUBMITIT_FOLDER"].replace("%j", job_id(env)))
-    return Path.cwd() / "hpcring-diag" / job_id(env)
+    root = Path(env["HPCRING_JOB_DIR"]) if env.get("HPCRING_JOB_DIR") else Path.cwd() / "hpcring-diag"
+    return root / job_id(env)
 
 
 def diag_dir(environ: Mapping[str, str] | None = None, *, create: bool = True) -> Path:

@@ -13,13 +13,14 @@ failure, on a timeout and on SIGRTMIN+7 (see :mod:`hpcring.diagnostics.watchdog`
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
+
+from hpcring.fsutil import write_json
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../hpcring
 _SKIP = (_PKG_DIR, os.path.dirname(threading.__file__) + os.sep + "threading.py",
@@ -178,7 +179,5 @@ class FlightRecorder:
         data = {"rank": self.rank, "size": self.size, "backend": self.backend, "pid": os.getpid(),
                 "host": os.uname().nodename, "dumped": time.time(), **(extra or {}),
                 "records": [r.to_dict() for r in self.records()]}
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        write_json(path, data, indent=1)
         return path

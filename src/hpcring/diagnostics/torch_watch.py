@@ -59,8 +59,17 @@ _STATE: dict = {"watch": None, "installed": False}
 
 
 def enabled(environ=None) -> bool:
-    env = os.environ if environ is None else environ
-    return env.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """HPCRING_TORCH_WATCH; a bad value is reported (once a process) and leaves the watch on:
+    a diagnostics switch must not fail the job."""
+    from hpcring.config import envvars
+    from hpcring.errors import UsageError
+    try:
+        return envvars.get(ENABLE_ENV, environ)
+    except UsageError as e:
+        if not _STATE.get("warned"):
+            _STATE["warned"] = True
+            print(f"hpcring: {e}; the torch watch stays on", file=sys.stderr)
+        return True
 
 
 def fr_env(environ=None) -> dict[str, str]:
@@ -159,6 +168,8 @@ def _patch(dist) -> None:
 
     def init_process_group(*args, **kwargs):
         backend = kwargs.get("backend", args[0] if args else None)
+        if _only_hpcring(backend):           # hpcring's own collectives: they report already
+            return original(*args, **kwargs)
         given = kwargs.get("timeout") if kwargs.get("timeout") is not None else (args[2] if len(args) >= 3 else None)
         ours = given is None
         if ours:
@@ -186,12 +197,23 @@ def _patch(dist) -> None:
         c10d.init_process_group = init_process_group
 
 
+def _only_hpcring(backend) -> bool:
+    """``"hpcring"`` or ``"cpu:hpcring,cuda:hpcring"`` (:mod:`hpcring.distributed`)."""
+    if not backend:
+        return False
+    names = {part.rpartition(":")[2].strip().lower() for part in str(backend).split(",")}
+    return names == {"hpcring"}
+
+
 def _init_timeout() -> float:
-    """HPCRING_INIT_TIMEOUT as hpcring's bootstrap reads it (default 60 s; never raises here)."""
+    """HPCRING_INIT_TIMEOUT as hpcring's bootstrap reads it (a bad value: the default; the
+    bootstrap has already said so)."""
+    from hpcring.config import envvars
+    from hpcring.errors import UsageError
     try:
-        return max(1.0, float(os.environ.get("HPCRING_INIT_TIMEOUT") or 60))
-    except ValueError:
-        return 60.0
+        return envvars.get("HPCRING_INIT_TIMEOUT")
+    except UsageError:
+        return envvars.DEFAULT_INIT_TIMEOUT
 
 
 def _start(dist, deadline: float | None) -> None:

@@ -18,9 +18,12 @@ Protocol (keys under ``diag/``):
    (``HPCRING_DIAG_GRACE``, default 5 s) for all snapshots, runs
    :func:`hpcring.diagnostics.report.diagnose`, prints the report, saves
    ``diag/hang-report.{json,txt}`` and publishes ``diag/report``.
-4. Every rank prints one line naming the cause and exits with :data:`EXIT_CODE`
-   (``os._exit``: the collective may still own the buffers, and a hung main thread cannot be
-   unwound), so the scheduler ends the job instead of burning the allocation.
+4. Every rank prints one line naming the cause, writes its status, acknowledges, waits (bounded)
+   for the others' acknowledgements and exits with :data:`EXIT_CODE` (``os._exit``: the
+   collective may still own the buffers, and a hung main thread cannot be unwound). The
+   reporting rank (and a rank cut off from the side channel) then asks the scheduler to end the
+   job (:mod:`hpcring.diagnostics.teardown`), so that frozen ranks die too and the allocation is
+   released; the report and stacks are on disk before that.
    ``HPCRING_ON_FAILURE=raise`` keeps processes alive and raises the CollectiveError (with the
    report) in the failing thread instead.
 
@@ -39,7 +42,7 @@ import threading
 import time
 from typing import Callable
 
-from hpcring.diagnostics import jobdir
+from hpcring.diagnostics import jobdir, teardown
 from hpcring.diagnostics.recorder import main_thread_location
 from hpcring.diagnostics.report import Report, diagnose
 from hpcring.errors import CollectiveError, HpcringError
@@ -214,13 +217,13 @@ class Watchdog:
                 client.set(f"diag/snap/{self.rank}", json.dumps(snap).encode())
                 client.add("diag/nsnap", 1)
                 if client.add("diag/reporter", 1) == 1:
+                    client.set("diag/reporter-rank", str(self.rank).encode())
                     report = self._collect(client, trig, folder)
                     _publish(report, folder)
                     client.set(REPORT, json.dumps(report.to_dict()).encode())
                     print(report.text(), file=sys.stderr, flush=True)
                 else:
                     report = _from_dict(json.loads(client.get(REPORT, timeout=self.grace + 15.0)))
-                client.add("diag/nack", 1)
             except HpcringError as e:
                 self._lost = str(e)
         if report is None:
@@ -259,16 +262,27 @@ class Watchdog:
         self._done.set()
         if not self.abort:
             return
-        if self.rank == 0 and client is not None:
-            # Rank 0 serves the store: stay until the others have read the report (bounded).
+        reporter = False
+        if client is not None and self._lost is None:
+            # Every rank leaves together, once all that answered have their report and status written:
+            # the first exit ends the job (srun --kill-on-bad-exit, the local supervisor), and rank 0
+            # serves the store the others read from. Bounded: a frozen rank never acknowledges.
             end = time.monotonic() + 5.0
             try:
+                client.add("diag/nack", 1)
+                reporter = client.check("diag/reporter-rank") == str(self.rank).encode()
                 while client.add("diag/nack", 0) < client.add("diag/nsnap", 0) and time.monotonic() < end:
                     time.sleep(0.05)
             except HpcringError:
                 pass
+        else:
+            # No side channel: a rank that still has one may be writing the full report; leaving
+            # now would end the job (and that report) under it.
+            time.sleep(self.grace + 5.0)
         sys.stdout.flush()
         sys.stderr.flush()
+        if reporter or client is None or self._lost is not None:
+            teardown.end_job(self.rank, report.headline)   # frozen ranks included; the report is on disk
         os._exit(EXIT_CODE)
 
     def _on_exit(self) -> None:

@@ -13,7 +13,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpcring.errors import JobNotFoundError
+from hpcring.errors import JobNotFoundError, UsageError
+from hpcring.fsutil import write_json
 
 # States normalized across schedulers (Slurm's names; LSF and local map onto them).
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -42,6 +43,17 @@ class JobRecord:
     name: str
     script: str
     submitted_at: float
+    cluster: str = ""          # Slurm's ClusterName, LSF's cluster, or the site's name
+    secret_file: str = ""      # the job's rendezvous secret, deleted once the job has ended
+
+    @property
+    def key(self) -> str:
+        """The record's name: ``slurm-<cluster>-<id>``, ``lsf-<cluster>-<id>``, ``local-<id>``.
+
+        Ids of different schedulers and clusters overlap (local job 38, Slurm job 38); the key
+        does not."""
+        return "-".join(p for p in (self.scheduler, self.cluster if self.scheduler != "local" else "",
+                                    self.job_id) if p)
 
 
 def state_dir() -> Path:
@@ -53,23 +65,37 @@ def state_dir() -> Path:
 
 
 def save_record(rec: JobRecord) -> None:
-    path = state_dir() / f"{rec.job_id}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(rec), indent=1))
-    os.replace(tmp, path)
+    write_json(state_dir() / f"{rec.key}.json", asdict(rec), indent=1)
 
 
-def load_record(job_id: str) -> JobRecord:
-    path = state_dir() / f"{job_id}.json"
-    if not path.is_file():
-        raise JobNotFoundError(f"job {job_id} was not submitted through hpcring from this account "
-                               f"(no {path})", hint="check the id with `squeue --me` or `bjobs`")
+def load_record(ref: str) -> JobRecord:
+    """The record named ``ref``: a full key (``slurm-devcluster-38``) or a plain id (``38``) when
+    only one scheduler/cluster has a job with that id."""
+    d = state_dir()
+    ref = str(ref)
+    exact = d / f"{ref}.json"
+    if "-" in ref and exact.is_file():
+        return _read(exact)
+    found = sorted(p for p in d.glob(f"*-{ref}.json") if p.stem.rsplit("-", 1)[-1] == ref)
+    if exact.is_file():              # a record written before keys existed
+        found.append(exact)
+    if len(found) > 1:
+        keys = ", ".join(p.stem for p in found)
+        raise UsageError(f"job id {ref} is ambiguous: {len(found)} jobs have it ({keys})",
+                         hint=f"pass the full name, e.g. `hpcring status {found[0].stem}`")
+    if not found:
+        raise JobNotFoundError(f"job {ref} was not submitted through hpcring from this account "
+                               f"(no record {ref} in {d})", hint="check the id with `squeue --me` or `bjobs`")
+    return _read(found[0])
+
+
+def _read(path: Path) -> JobRecord:
     return JobRecord(**json.loads(path.read_text()))
 
 
 def new_record(job_id: str, scheduler: str, site: str, folder: str, ntasks: int, name: str,
-               script: str) -> JobRecord:
+               script: str, cluster: str = "", secret_file: str = "") -> JobRecord:
     rec = JobRecord(job_id=job_id, scheduler=scheduler, site=site, folder=folder, ntasks=ntasks,
-                    name=name, script=script, submitted_at=time.time())
+                    name=name, script=script, submitted_at=time.time(), cluster=cluster, secret_file=secret_file)
     save_record(rec)
     return rec

@@ -21,6 +21,7 @@ from submitit.core import core
 from hpcring.config.jobspec import JobSpec
 from hpcring.config.site import Site
 from hpcring.errors import SchedulerError
+from hpcring.fsutil import write_json
 from hpcring.render import render_script
 from hpcring.schedulers.base import JobState, state_dir
 
@@ -121,15 +122,9 @@ def spawn(script: str, folder: str, time_limit_s: str) -> str:
     with open(real / f"{job_id}_supervisor.log", "ab") as log:
         proc = subprocess.Popen(["bash", script], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 env=env, start_new_session=True, close_fds=True)
-    _write_state(real / f"{job_id}_local.json",
+    write_json(real / f"{job_id}_local.json",
                  {"state": "PENDING", "pgid": proc.pid, "pid": proc.pid, "submitted": time.time()})
     return job_id
-
-
-def _write_state(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def _alive(pid: int) -> bool:
@@ -155,19 +150,56 @@ def state(job_id: str, folder: Path | None) -> JobState:
     if st in ("PENDING", "RUNNING") and not _alive(int(data.get("pid", 0))):
         # supervisor gone without writing a final state: killed from outside
         return JobState("FAILED", "supervisor vanished", data.get("exit_code"))
-    return JobState(st, st, data.get("exit_code"), data.get("nodes", ""))
+    return JobState(st, data.get("reason") or st, data.get("exit_code"), data.get("nodes", ""))
+
+
+CANCEL_WAIT_S = 8.0   # the supervisor's own stop (SIGTERM, then SIGKILL after 3 s) fits in this
 
 
 def cancel(job_id: str, folder: Path | None) -> None:
+    """SIGTERM to the job's process group (the supervisor stops its ranks and records CANCELLED);
+    whatever is still alive after CANCEL_WAIT_S -- a supervisor that is gone or stuck, ranks that
+    ignore SIGTERM as submitit's do -- gets SIGKILL, and the state file says CANCELLED."""
     data = read_state(folder, job_id) if folder else None
     if data is None:
         raise SchedulerError(f"local job {job_id}: no state file under {folder}")
     if data.get("state") not in ("PENDING", "RUNNING"):
         return
+    pgid = int(data["pgid"])
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.1)
+    if _group_alive(pgid):
+        _signal_group(pgid, signal.SIGCONT)
+        _signal_group(pgid, signal.SIGKILL)
+    data = read_state(folder, job_id) or data
+    if data.get("state") in ("PENDING", "RUNNING"):
+        data.update(state="CANCELLED", ended=time.time(), exit_code=data.get("exit_code") or 137)
+        write_json(state_file(folder, job_id), data)
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
     try:
-        os.killpg(int(data["pgid"]), signal.SIGTERM)
+        os.killpg(pgid, sig)
+        return True
     except ProcessLookupError:
-        pass
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Any non-zombie process left in the group (zombies of a dead supervisor do not count)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 if __name__ == "__main__":  # submission command: python -m hpcring.schedulers.local spawn SCRIPT FOLDER LIMIT

@@ -2,13 +2,15 @@
 
 Each rank gets the environment a real allocation gives (docs/architecture.md): rank, local rank,
 size, node rank and the virtual node list, under HPCRING_* names, plus submitit's SUBMITIT_LOCAL_*.
-Like mpirun, when a rank fails the others get a grace period, then are stopped, so a job never
-waits on ranks blocked in a collective with a dead peer. SIGTERM (hpcring cancel) stops all ranks.
+Supervision (schedulers/supervisor.py, shared with ``hpcring run``): like mpirun, when a rank fails
+the others get a grace period (HPCRING_LOCAL_GRACE_S, 10 s), then are stopped, frozen ones included,
+so a job never waits on ranks blocked in a collective with a dead peer; ranks die with this
+supervisor (PR_SET_PDEATHSIG). SIGTERM (hpcring cancel) stops all ranks. The job's secret file is
+deleted when the job ends.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -16,13 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-GRACE_S = float(os.environ.get("HPCRING_LOCAL_GRACE_S", "30"))
-
-
-def _write(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+from hpcring.bootstrap.auth import delete_secret_file
+from hpcring.fsutil import write_json
+from hpcring.outcome import hang_headline
+from hpcring.schedulers.supervisor import Supervisor, grace_s, start
 
 
 def rank_env(base: dict, job_id: str, nodes: int, per_node: int, node: int, local: int) -> dict:
@@ -60,69 +59,29 @@ def main(argv: list[str] | None = None) -> int:
     size = a.nodes * a.tasks_per_node
     st = {"state": "RUNNING", "pid": os.getpid(), "pgid": os.getpgid(0), "started": time.time(),
           "nodes": f"local[0-{a.nodes - 1}]" if a.nodes > 1 else "local0", "ntasks": size}
-    _write(statef, st)
+    write_json(statef, st)
 
     procs: list[subprocess.Popen] = []
-    stopping = {"why": None}
-
-    def on_signal(signum, _frame):
-        stopping["why"] = "CANCELLED"
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    for node in range(a.nodes):
-        for local in range(a.tasks_per_node):
-            rank = node * a.tasks_per_node + local
-            env = rank_env(os.environ, job_id, a.nodes, a.tasks_per_node, node, local)
-            out = open(folder / f"{job_id}_{rank}_log.out", "ab")
-            err = open(folder / f"{job_id}_{rank}_log.err", "ab")
-            procs.append(subprocess.Popen("exec " + " ".join(cmd), shell=True, env=env, stdout=out, stderr=err,
-                                          stdin=subprocess.DEVNULL))
-            out.close()
-            err.close()
-
-    first_fail: tuple[int, int] | None = None
-    fail_time = None
-    t0 = time.monotonic()
-    while True:
-        codes = [p.poll() for p in procs]
-        if first_fail is None:
-            for r, c in enumerate(codes):
-                if c not in (None, 0):
-                    first_fail, fail_time = (r, c), time.monotonic()
-                    break
-        if all(c is not None for c in codes):
-            break
-        if stopping["why"] is None and limit and time.monotonic() - t0 > limit:
-            stopping["why"] = "TIMEOUT"
-        if stopping["why"] or (fail_time and time.monotonic() - fail_time > GRACE_S):
-            _stop(procs)
-            break
-        time.sleep(0.05)
-    codes = [p.wait() for p in procs]
-    if stopping["why"]:
-        final = stopping["why"]
-    elif first_fail or any(codes):
-        final = "FAILED"
-    else:
-        final = "COMPLETED"
-    exit_code = first_fail[1] if first_fail else next((c for c in codes if c), 0)
-    st.update(state=final, ended=time.time(), exit_code=exit_code if exit_code >= 0 else 128 - exit_code,
-              rank_exit_codes=codes, first_failed_rank=first_fail[0] if first_fail else None)
-    _write(statef, st)
-    return 0 if final == "COMPLETED" else 1
-
-
-def _stop(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+    sup = Supervisor(procs, grace_s=grace_s(), limit_s=limit, diag=folder / "diag")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sup.stop("CANCELLED"))
+    try:
+        for node in range(a.nodes):
+            for local in range(a.tasks_per_node):
+                rank = node * a.tasks_per_node + local
+                env = rank_env(os.environ, job_id, a.nodes, a.tasks_per_node, node, local)
+                with open(folder / f"{job_id}_{rank}_log.out", "ab") as out, \
+                        open(folder / f"{job_id}_{rank}_log.err", "ab") as err:
+                    procs.append(start(["bash", "-c", "exec " + " ".join(cmd)], env, stdout=out, stderr=err))
+        ended = sup.wait()
+    finally:
+        delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))   # the job has ended: no requeue locally
+    hang = hang_headline(folder / "diag") if ended.state == "FAILED" else None
+    st.update(state=ended.state, ended=time.time(), exit_code=ended.exit_code, rank_exit_codes=ended.codes,
+              first_failed_rank=ended.first_failed, stopped_ranks=ended.killed,
+              reason=f"collective failure: {hang[0]}" if hang else None)
+    write_json(statef, st)
+    return 0 if ended.state == "COMPLETED" else 1
 
 
 if __name__ == "__main__":

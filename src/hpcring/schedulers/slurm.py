@@ -1,6 +1,7 @@
 """Slurm: submission through submitit's SlurmExecutor with our rendered template; state from sacct."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -69,6 +70,16 @@ def state(job_id: str) -> JobState:
     if "Invalid job id" in q.stderr or q.returncode == 0:
         return JobState("UNKNOWN", (r.stderr or q.stderr).strip())
     raise SchedulerError(f"could not read the state of job {job_id}: {(r.stderr or q.stderr).strip()}")
+
+
+def cluster_name(site: Site) -> str:
+    """Slurm's ClusterName (job ids are per cluster); the site's name when scontrol cannot say."""
+    try:
+        r = _run(["scontrol", "show", "config"])
+    except SchedulerError:
+        return site.name
+    m = re.search(r"^ClusterName\s*=\s*(\S+)", r.stdout, re.M)
+    return m.group(1) if m else site.name
 
 
 def cancel(job_id: str) -> None:

@@ -34,12 +34,13 @@ def init(comm=None, process_sets=None) -> None:
         raise UsageError("hpcring.torch.init() takes no communicator or process sets",
                          hint="hpcring.torch always uses the whole job (the global process set)")
     import hpcring
+    from hpcring.config import envvars
     from hpcring.torch.engine import Engine
     _single_process_secret()
     session = hpcring.init()
     c = session.communicator()
     timeline = None
-    path = os.environ.get("HPCRING_TIMELINE", "").strip()
+    path = (envvars.get("HPCRING_TIMELINE") or "").strip()
     if path == "job":              # hpcring submit --timeline: <job folder>/timeline.json
         from hpcring.diagnostics.jobdir import job_folder
         path = str(job_folder() / "timeline.json")
@@ -47,9 +48,9 @@ def init(comm=None, process_sets=None) -> None:
         from hpcring.diagnostics.timeline import Timeline, measure_offset
         timeline = Timeline(path, c.rank, c.size, measure_offset(c))
     eng = Engine(c, timeline=timeline)
-    if os.environ.get("HPCRING_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if envvars.get("HPCRING_AUTOTUNE"):
         from hpcring.torch.autotune import Autotuner
-        eng.autotuner = Autotuner(eng, os.environ.get("HPCRING_AUTOTUNE_LOG") or None)
+        eng.autotuner = Autotuner(eng, envvars.get("HPCRING_AUTOTUNE_LOG") or None)
     state.set_state(session, eng)
     atexit.register(shutdown)
 

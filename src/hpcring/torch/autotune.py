@@ -16,7 +16,6 @@ to ``HPCRING_AUTOTUNE_LOG`` (CSV) when set.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -31,8 +30,9 @@ class Autotuner:
                  steps_per_sample: int | None = None, clock=time.perf_counter) -> None:
         self.engine = engine
         self._clock = clock
-        self.warmup = int(os.environ.get("HPCRING_AUTOTUNE_WARMUP_STEPS", "3")) if warmup is None else warmup
-        self.steps = int(os.environ.get("HPCRING_AUTOTUNE_STEPS_PER_SAMPLE", "5")) if steps_per_sample is None \
+        from hpcring.config import envvars
+        self.warmup = envvars.get("HPCRING_AUTOTUNE_WARMUP_STEPS") if warmup is None else warmup
+        self.steps = envvars.get("HPCRING_AUTOTUNE_STEPS_PER_SAMPLE") if steps_per_sample is None \
             else steps_per_sample
         self.log_path = log_path
         self._plan = [("cycle", DEFAULT_THRESHOLD, c) for c in CYCLES_MS]

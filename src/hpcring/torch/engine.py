@@ -27,7 +27,6 @@ tensors this rank was waiting with.
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import time
 from typing import Any
@@ -52,14 +51,6 @@ def _h63(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise UsageError(f"{name}={raw!r} is not a number") from None
 
 
 class Handle:
@@ -142,10 +133,9 @@ class Engine:
     def __init__(self, comm, *, local_rank: int = 0, timeline=None) -> None:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
-        self.threshold = int(env_float("HPCRING_FUSION_THRESHOLD", DEFAULT_THRESHOLD))
-        self.cycle_s = env_float("HPCRING_CYCLE_TIME", DEFAULT_CYCLE_MS) / 1000.0
-        if self.threshold < 0 or self.cycle_s < 0:
-            raise UsageError("HPCRING_FUSION_THRESHOLD and HPCRING_CYCLE_TIME must be >= 0")
+        from hpcring.config import envvars          # parsed and bounded there, one message per bad value
+        self.threshold = int(envvars.get("HPCRING_FUSION_THRESHOLD", default=DEFAULT_THRESHOLD))
+        self.cycle_s = envvars.get("HPCRING_CYCLE_TIME", default=DEFAULT_CYCLE_MS) / 1000.0
         self.timeout = comm.timeout
         self.backend = getattr(comm.backend, "name", "?")
         self.timeline = timeline

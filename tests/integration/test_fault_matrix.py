@@ -1,0 +1,114 @@
+"""A representative subset of the fault matrix (benchmarks/fault_matrix.py runs all of it and prints
+the table): a frozen rank (SIGSTOP) ends the whole job -- local backend, Slurm dev cluster with the
+ring and MPI backends, LSF emulation -- with the victim named, every rank gone and the job out of
+the queue within deadline + 30 s, FAILED; and nothing outlives ``hpcring run`` or a local cancel."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fault_matrix  # noqa: E402
+from test_submit_devcluster import _cluster_up  # noqa: E402
+
+DEADLINE = 6.0
+devcluster = [pytest.mark.devcluster,
+              pytest.mark.skipif(not _cluster_up(), reason="dev cluster is not up (hpcring devcluster up)")]
+mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="mpi4py is not installed")
+shared = pytest.mark.skipif(not os.access("/srv/hpcring", os.W_OK), reason="/srv/hpcring is not writable")
+
+
+def check(res: fault_matrix.Result) -> None:
+    print(f"\n[{res.where}/{res.backend}/{res.fault}] ->report {fault_matrix._fmt(res.dt(res.report_at))} s, "
+          f"->gone {fault_matrix._fmt(res.dt(res.gone_at))} s, ->queue {fault_matrix._fmt(res.dt(res.queue_at))} s")
+    assert res.fault_at is not None, res.out[-3000:]
+    assert res.named, (res.headline, res.out[-3000:])
+    assert res.state == "FAILED", (res.state, res.out[-3000:])
+    assert res.dt(res.gone_at) is not None and res.dt(res.gone_at) <= DEADLINE + 30, res.out[-3000:]
+    assert res.dt(res.queue_at) is not None and res.dt(res.queue_at) <= DEADLINE + 30, res.out[-3000:]
+    assert res.rc != 0
+
+
+@shared
+def test_local_frozen_rank_ends_the_job():
+    res = fault_matrix.run_one("local", "ring", "stop", DEADLINE)
+    check(res)
+    assert "unreachable" in res.headline and "rank 1" in res.headline
+    assert "collective failure: allreduce#4: rank 1 (local0) unreachable" in res.out   # submit --wait
+
+
+@pytest.mark.parametrize("backend", ["ring", pytest.param("mpi", marks=mpi)])
+@pytest.mark.devcluster
+def test_slurm_frozen_rank_ends_the_job(backend):
+    if not _cluster_up():
+        pytest.skip("dev cluster is not up (hpcring devcluster up)")
+    res = fault_matrix.run_one("slurm", backend, "stop", DEADLINE)
+    check(res)
+    assert "rank 1 (node2) unreachable" in res.headline
+
+
+@pytest.mark.devcluster
+def test_lsf_frozen_rank_ends_the_job():
+    if not _cluster_up():
+        pytest.skip("dev cluster is not up (hpcring devcluster up)")
+    res = fault_matrix.run_one("lsf", "ring", "stop", DEADLINE)
+    check(res)
+    assert "ending the job: bkill" in fault_matrix._rank_logs(res.folder)
+
+
+def test_sigkill_of_hpcring_run_leaves_no_rank_and_no_secret(tmp_path):
+    marker = f"sleep-{os.getpid()}"
+    p = subprocess.Popen([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", "2", "--",
+                          sys.executable, "-c", f"import hpcring, time; hpcring.init(); print('up', flush=True); "
+                          f"time.sleep(300)  # {marker}"],
+                         env=dict(os.environ, HPCRING_JOB_DIR=str(tmp_path)), stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, cwd=tmp_path)
+    assert "up" in p.stdout.readline()
+    watch = fault_matrix.ProcWatch(marker)
+    run_dirs = list(Path("/tmp").glob(f"hpcring-run-{p.pid}-*"))
+    assert run_dirs and (run_dirs[0] / "secret.key").exists()
+    assert len([q for q in watch.alive() if q != p.pid]) == 4      # 2 x (rank_exec + CMD)
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 10
+    while watch.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    watch.stop()
+    assert watch.alive() == [], "ranks outlived a SIGKILLed `hpcring run`"
+    assert not run_dirs[0].exists(), "the run folder with the job's secret was left behind"
+
+
+def test_local_cancel_stops_ranks_that_ignore_sigterm(tmp_path):
+    script = tmp_path / "deaf.py"
+    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('up', flush=True)\ntime.sleep(300)\n")
+    env = dict(os.environ, HPCRING_STATE_DIR=str(tmp_path / "state"), HPCRING_JOB_DIR=str(tmp_path / "jobs"))
+    r = subprocess.run([sys.executable, "-m", "hpcring", "submit", str(script), "--site", "local", "--nodes", "1",
+                        "--tasks-per-node", "2"], env=env, capture_output=True, text=True, timeout=60)
+    job = r.stderr.split("Submitted job ")[1].split()[0]
+    folder = tmp_path / "jobs" / job
+    watch = fault_matrix.ProcWatch(str(folder))
+    deadline = time.monotonic() + 60
+    while "up" not in "".join(p.read_text() for p in folder.glob("*_log.out")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    c = subprocess.run([sys.executable, "-m", "hpcring", "cancel", job], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert c.returncode == 0, c.stderr
+    deadline = time.monotonic() + 15
+    while watch.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    watch.stop()
+    assert watch.alive() == [] and time.monotonic() - t0 < 15
+    s = subprocess.run([sys.executable, "-m", "hpcring", "status", job], env=env, capture_output=True, text=True)
+    assert f"job {job}  CANCELLED" in s.stdout, s.stdout + s.stderr
+    assert not list((tmp_path / "jobs" / ".secrets").glob("*.key"))   # removed when the job ended
