@@ -69,7 +69,9 @@ def test_missing_rank_is_named(tmp_path):
     p = run_job(tmp_path, "missing", env={"HPCRING_TIMEOUT": "3", "HPCRING_DIAG_GRACE": "3"})
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
-    rep = json.loads((tmp_path / "diag" / "hang-report.json").read_text())
+    found = list(tmp_path.glob("*/diag/hang-report.json"))     # <HPCRING_JOB_DIR>/<job id>/diag
+    assert len(found) == 1, found
+    rep = json.loads(found[0].read_text())
     assert rep["categories"]["missing"] == [1], rep
     assert "in allreduce at horovod_worker.py" in out          # where rank 0 waits
 
