@@ -136,6 +136,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=5, help="steps per timed iteration")
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--tune-steps", type=int, default=3, help="autotune: steps per sample")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the variants this many times, interleaved (a loaded machine drifts); "
+                         "the table shows the run with the median img/s and lists all")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -147,14 +150,23 @@ def main() -> None:
     print(f"# {'ranks':>5} {'variant':<14} {'img/s':>8} {'min-max':>15} {'coll/step':>9} {'cycles/step':>11} "
           f"{'negot ms/step':>13}  settings")
     for n in [int(x) for x in args.ranks.split(",")]:
-        for v in args.variants.split(","):
-            r = run_variant(v, n, args, tmp)
-            if r is None:
+        runs: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
+        for _ in range(args.repeat):
+            for v in runs:
+                r = run_variant(v, n, args, tmp)
+                if r is not None:
+                    runs[v].append(r)
+        for v, rs in runs.items():
+            if not rs:
                 print(f"  {n:>5} {v:<14} {'failed':>8}")
                 continue
+            rs.sort(key=lambda r: r["img_s"])
+            r = rs[len(rs) // 2]
             extra = ""
             if "threshold" in r:
                 extra = f"threshold {r['threshold'] / 2**20:g} MiB, cycle {r['cycle_ms']:g} ms"
+            if len(rs) > 1:
+                extra += "  runs: " + ", ".join(f"{x['img_s']:.0f}" for x in rs)
             print(f"  {n:>5} {v:<14} {r['img_s']:8.1f} {r['img_s_min']:7.1f}-{r['img_s_max']:<7.1f} "
                   f"{r.get('coll_per_step', float('nan')):9.1f} {r.get('cycles_per_step', float('nan')):11.1f} "
                   f"{r.get('negotiate_ms_per_step', float('nan')):13.2f}  {extra}", flush=True)

@@ -98,3 +98,17 @@ def test_timeline_cli_names_what_is_missing(tmp_path):
     m = subprocess.run([sys.executable, "-m", "hpcring", "timeline", str(tmp_path / "nothing")],
                        capture_output=True, text=True, timeout=60)
     assert m.returncode != 0 and "no timeline files" in m.stderr and "Traceback" not in m.stderr
+
+
+def test_plain_python_runs_as_one_rank(tmp_path):
+    """`python train.py` without a launcher is one rank, as with Horovod."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HPCRING_", "SLURM_", "OMPI_", "PMI", "LSB_", "LSF_")) and k not in
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    code = ("import torch, hpcring.torch as hvd; hvd.init(); m = torch.nn.Linear(2, 1)\n"
+            "o = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())\n"
+            "m(torch.ones(3, 2)).sum().backward(); o.step()\n"
+            "print('ONE', hvd.size(), hvd.rank(), hvd.allreduce(torch.tensor([3.0])).item())")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert p.returncode == 0 and "ONE 1 0 3.0" in p.stdout, p.stdout + p.stderr

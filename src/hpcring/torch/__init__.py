@@ -36,6 +36,7 @@ def init(comm=None, process_sets=None) -> None:
     import hpcring
     from hpcring.config import envvars
     from hpcring.torch.engine import Engine
+    _single_process_secret()
     session = hpcring.init()
     c = session.communicator()
     timeline = None
@@ -52,6 +53,20 @@ def init(comm=None, process_sets=None) -> None:
         eng.autotuner = Autotuner(eng, envvars.get("HPCRING_AUTOTUNE_LOG") or None)
     state.set_state(session, eng)
     atexit.register(shutdown)
+
+
+def _single_process_secret() -> None:
+    """``python train.py`` without a launcher runs as one rank, as with Horovod: hpcring's
+    bootstrap wants a per-job secret even then, so a one-rank process gets a random one (its
+    store serves only itself)."""
+    if os.environ.get("HPCRING_SECRET_FILE") or os.environ.get("HPCRING_SECRET") or \
+            os.environ.get("HPCRING_SESSION"):
+        return
+    from hpcring.bootstrap.launchers import detect
+    topo = detect()
+    if topo.launcher == "single" and topo.size == 1:
+        import secrets
+        os.environ["HPCRING_SECRET"] = secrets.token_hex(32)
 
 
 def shutdown() -> None:
