@@ -4,6 +4,7 @@
     python benchmarks/ring_loopback.py -n 2 --op allreduce --algo rd     # force recursive doubling
     python benchmarks/ring_loopback.py -n 2 --mpi                         # + mpi4py Allreduce (mpirun)
     python benchmarks/ring_loopback.py -n 2 --cutover                     # ring vs rd, per size
+    python benchmarks/ring_loopback.py -n 4 --op broadcast --algo tree    # or chain
 
 Ranks are spawned processes that rendezvous through the authenticated store (as in a job).
 Columns follow nccl-tests: time is the slowest rank's mean per iteration; algbw = size / time;
@@ -85,16 +86,21 @@ def child(rank, n, port, args, q):
     from hpcring.bootstrap.store import StoreClient
     from hpcring.bootstrap.topology import Topology
     from hpcring.collectives import Communicator
+    # --transport tcp: every rank on a "host" of its own, so ranks talk over loopback TCP;
+    # shm: one host, so they share memory (the real layout of n ranks on one node)
+    hosts = tuple("localhost" if args.transport == "shm" else f"local{r}" for r in range(n))
     topo = Topology(rank=rank, size=n, local_rank=rank, local_size=n, node_rank=0, num_nodes=1,
-                    hosts=tuple(f"local{r}" for r in range(n)), launcher="local", address="127.0.0.1")
+                    hosts=hosts, launcher="local", address="127.0.0.1")
     comm = Communicator.create(topo, StoreClient("127.0.0.1", port, SECRET, 60), SECRET, timeout=600,
-                               sockbuf=args.sockbuf)
+                               sockbuf=args.sockbuf, shm=args.transport == "shm")
     algos = ["ring", "rd"] if args.cutover else [args.algo]
     rows = []
     for nbytes in sizes(args):
         count = max(nbytes // 4, 0)
         for algo in algos:
-            if algo == "ring":
+            if algo in ("tree", "chain"):      # broadcast: force one algorithm
+                comm.backend._comm.bcast_tree_max = 1 << 62 if algo == "tree" else 0
+            elif algo == "ring":
                 comm.backend.rd_threshold = 0
             elif algo == "rd":
                 comm.backend.rd_threshold = 1 << 62
@@ -201,7 +207,10 @@ def main() -> None:
     ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("256M"))
     ap.add_argument("-f", "--stepfactor", type=int, default=4)
     ap.add_argument("--op", default="allreduce", choices=sorted(FACTORS))
-    ap.add_argument("--algo", default="auto", choices=["auto", "ring", "rd"])
+    ap.add_argument("--algo", default="auto", choices=["auto", "ring", "rd", "tree", "chain"],
+                    help="allreduce: ring/rd; broadcast: tree/chain")
+    ap.add_argument("--transport", default="shm", choices=["shm", "tcp"],
+                    help="shm: ranks on one host share memory (default); tcp: loopback TCP only")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--sockbuf", type=int, default=None)
@@ -222,7 +231,7 @@ def main() -> None:
             (tr, br), (td, bd) = d["ring"], d["rd"]
             print(f" {nbytes:>12} {tr * 1e6:>10.1f} {td * 1e6:>10.1f} {'ring' if tr < td else 'rd':>6}  wrong={br + bd}")
         return
-    header(f"hpcring ring {args.op}, {args.nranks} ranks, loopback TCP, algo={args.algo}")
+    header(f"hpcring ring {args.op}, {args.nranks} ranks, {args.transport}, algo={args.algo}")
     for nbytes, count, _algo, t, bad in rows:
         row(nbytes, count, t, bad, args.op, args.nranks)
     if args.mpi and args.op == "allreduce":

@@ -1,4 +1,15 @@
-/* allreduce.c -- allreduce entry point: picks recursive doubling or the ring by message size.
+/* allreduce.c -- allreduce entry point: picks recursive doubling or the ring by message size,
+ * or shared memory (allreduce_shm.c) when the node's ranks share a segment: on one node for every
+ * size, across nodes (two-level) from c->twolevel_min (HR_TWOLEVEL_MIN_DEFAULT = 8 MiB, env
+ * HPCRING_TWOLEVEL_MIN). Measured on the dev cluster, 3 hosts x 2 ranks (6 processes on 2 loaded
+ * cores), float32 sum, ms per call, flat TCP ring / two-level (two runs):
+ *
+ *     1 MiB     7.0 /  8.9, 14.5
+ *    16 MiB   141.8 / 120.7, 152.5
+ *    64 MiB   836.2 / 567.2, 604.0
+ *
+ * The two-level ring moves 1/L of the bytes per host pair but in pieces (one inter-host ring per
+ * piece), so it wins only once pieces are large; re-measure on real nodes.
  *
  * Cut-over (measured, see docs/collectives.md "Measured cut-over"): recursive doubling
  * (allreduce_rd.c) below c->rd_threshold bytes, the pipelined ring (allreduce_ring.c) at and
@@ -35,6 +46,9 @@ int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int d
     if (hr_op_begin(&op, c, HR_K_ALLREDUCE, dtype, redop, count, -1, timeout) != HR_OK)
         return HR_ERR;
     bytes = count * hr_dtype_size(dtype);
+    /* shared memory: always on one node; across nodes (two-level) from c->twolevel_min */
+    if (c->shm.base && (c->shm.ncol == 1 || (c->shm.ncol > 1 && bytes >= c->twolevel_min)))
+        return hr_allreduce_shm(&op, sbuf, rbuf, count, dtype, redop, 0, count);
     if (c->size > 1 && bytes >= c->rd_threshold)
         return hr_allreduce_ring(&op, sbuf, rbuf, count, dtype, redop);
     if (sbuf != rbuf && bytes) memcpy(rbuf, sbuf, bytes);

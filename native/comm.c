@@ -12,7 +12,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 double hr_now(void) {
     struct timespec ts;
@@ -75,14 +77,29 @@ int hr_op_fail(hr_op_t *op, const char *fmt, ...) {
     hr_comm_t *c = op->c;
     va_list ap;
     int n;
-    if (c->failed) return HR_ERR;
+    pthread_mutex_lock(&c->errlock);
+    if (c->failed) {
+        pthread_mutex_unlock(&c->errlock);
+        return HR_ERR;
+    }
     n = snprintf(c->err, sizeof(c->err), "%s#%u ", op->name, (unsigned)op->hdr.seq);
     va_start(ap, fmt);
     vsnprintf(c->err + n, sizeof(c->err) - (size_t)n, fmt, ap);
     va_end(ap);
-    c->failed = 1;
-    hr_tcp_abort(&c->tcp);
+    __atomic_store_n(&c->failed, 1, __ATOMIC_RELEASE);
+    if (c->shm.base) /* tells local peers this rank failed on its own (it did not die) */
+        __atomic_store_n(&hr_shm_cell(&c->shm, c->shm.lrank)->failed, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&c->errlock);
+    hr_tcp_abort(&c->tcp); /* wakes the other I/O threads and the peers */
     return HR_ERR;
+}
+
+int hr_op_fail_stream(hr_op_t *op, int is_recv, int peer, int stream, int nstreams, size_t done,
+                      size_t total, const char *why) {
+    const char *host = (peer >= 0 && op->c->hosts && op->c->hosts[peer]) ? op->c->hosts[peer] : "?";
+    return hr_op_fail(op, "%s rank %d (%s) on stream %d of %d %s, %zu/%zu bytes done on that stream",
+                      is_recv ? "recv from" : "send to", peer, host, stream, nstreams, why, done,
+                      total);
 }
 
 int hr_op_fail_peer(hr_op_t *op, int is_recv, int peer, const char *why) {
@@ -229,6 +246,12 @@ int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, in
     c->size = size;
     c->timeout = timeout > 0 ? timeout : 300.0;
     c->rd_threshold = HR_RD_THRESHOLD_DEFAULT;
+    c->bcast_tree_max = HR_BCAST_TREE_MAX_DEFAULT;
+    c->twolevel_min = HR_TWOLEVEL_MIN_DEFAULT;
+    c->streams = nconn;
+    c->threads = 1;
+    c->stripe_min = HR_STRIPE_MIN_DEFAULT;
+    pthread_mutex_init(&c->errlock, NULL);
     if (!(c->hosts = calloc((size_t)size, sizeof(char *)))) goto oom;
     for (i = 0; i < size; i++)
         if (!(c->hosts[i] = strdup(hosts && hosts[i] ? hosts[i] : "?"))) goto oom;
@@ -244,8 +267,47 @@ fail:
     return HR_ERR;
 }
 
+int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int *lranks,
+                       int lsize, const int *col, int ncol, char *err, size_t errlen) {
+    hr_shm_t *s = &c->shm;
+    int i;
+    memset(s, 0, sizeof(*s));
+    s->lrank = -1;
+    for (i = 0; i < lsize; i++)
+        if (lranks[i] == c->rank) s->lrank = i;
+    if (lsize < 2 || s->lrank < 0 || (col && ncol < 1)) {
+        snprintf(err, errlen, "bad node layout (%d local ranks, this rank %s among them)", lsize,
+                 s->lrank < 0 ? "not" : "");
+        return HR_ERR;
+    }
+    if (!(s->lranks = malloc(sizeof(int) * (size_t)lsize)) ||
+        (col && !(s->col = malloc(sizeof(int) * (size_t)ncol)))) {
+        free(s->lranks);
+        snprintf(err, errlen, "malloc(): out of memory");
+        return HR_ERR;
+    }
+    memcpy(s->lranks, lranks, sizeof(int) * (size_t)lsize);
+    s->ncol = col ? ncol : 0;
+    s->colpos = -1;
+    for (i = 0; col && i < ncol; i++) {
+        s->col[i] = col[i];
+        if (col[i] == c->rank) s->colpos = i;
+    }
+    s->lsize = lsize;
+    s->slot = slot;
+    s->len = hr_shm_bytes(lsize, slot);
+    s->base = base;
+    s->spin = lsize > sysconf(_SC_NPROCESSORS_ONLN) ? 0 : 200;
+    hr_shm_cell(s, s->lrank)->pid = (int32_t)getpid();
+    return HR_OK;
+}
+
 void hr_comm_destroy(hr_comm_t *c) {
     int i;
+    if (c->shm.base) munmap(c->shm.base, c->shm.len);
+    free(c->shm.lranks);
+    free(c->shm.col);
+    memset(&c->shm, 0, sizeof(c->shm));
     hr_tcp_close(&c->tcp);
     if (c->hosts)
         for (i = 0; i < c->size; i++) free(c->hosts[i]);

@@ -15,17 +15,31 @@
 #ifndef HR_INTERNAL_H
 #define HR_INTERNAL_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 
 #include "transport_tcp.h"
+#include "transport_shm.h"
 
 #define HR_OK 0
 #define HR_ERR (-1)
 
 #define HR_ERRLEN 1024
+
+/* Striped ring (ring_pass.c): a pass uses one stream per HR_STRIPE_MIN_DEFAULT bytes of a chunk,
+ * up to comm->streams, and min(streams used, comm->threads) threads. */
+#define HR_STRIPE_MIN_DEFAULT ((size_t)1 << 20)
+#define HR_MAX_STREAMS 16
+
+/* broadcast: messages below this many bytes use the binomial tree (broadcast.c). */
+#define HR_BCAST_TREE_MAX_DEFAULT ((size_t)262144)
+
+/* allreduce/reduce-scatter across hosts: two-level (allreduce_shm.c) from this many bytes, flat
+ * TCP ring / recursive doubling below (measured, see allreduce.c). */
+#define HR_TWOLEVEL_MIN_DEFAULT ((size_t)8 << 20)
 
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
 #define HR_RD_THRESHOLD_DEFAULT ((size_t)262144)
@@ -65,13 +79,20 @@ typedef struct hr_comm {
     char **hosts;               /* host name of each rank, for messages */
     double timeout;             /* default deadline of one collective, seconds */
     size_t rd_threshold;        /* allreduce: bytes below which recursive doubling is used */
+    size_t bcast_tree_max;      /* broadcast: bytes below which the binomial tree is used */
+    size_t twolevel_min;        /* several hosts: bytes from which the two-level allreduce runs */
     uint32_t seq;               /* number of collectives started */
-    int failed;                 /* sticky error flag */
+    int streams;                /* connections per peer the ring passes stripe over (<= tcp.nconn) */
+    int threads;                /* I/O threads per ring pass (1 = the caller only) */
+    size_t stripe_min;          /* bytes of a chunk per stream before another stream is used */
+    int failed;                 /* sticky error flag (read by all I/O threads, set under errlock) */
+    pthread_mutex_t errlock;    /* the first failing thread wins c->err */
     char err[HR_ERRLEN];        /* first error */
     unsigned char *stage;       /* receive staging buffer for reductions */
     size_t stage_cap;
     unsigned char *tmp;         /* scratch (recursive doubling, in-place alltoall) */
     size_t tmp_cap;
+    hr_shm_t shm;               /* ranks of this node, when attached (shm.base != NULL) */
 } hr_comm_t;
 
 /* One collective in flight. */
@@ -83,6 +104,8 @@ typedef struct hr_op {
     double timeout;
     size_t tx_done, tx_total;   /* payload bytes over the whole collective, for messages */
     size_t rx_done, rx_total;
+    unsigned shm_signals;       /* shared-memory phases signalled by this collective */
+    uint32_t shm_start;         /* phase of its first signal */
 } hr_op_t;
 
 /* ---- comm.c ---- */
@@ -99,6 +122,9 @@ int hr_op_fail(hr_op_t *op, const char *fmt, ...) __attribute__((format(printf, 
 /* Record a transport failure with peer, host and progress in the message. is_recv selects
  * "recv from" / "send to"; why is e.g. "timed out after 30.0 s" or "failed: recv(): ...". */
 int hr_op_fail_peer(hr_op_t *op, int is_recv, int peer, const char *why);
+/* Same for one stream of a striped pass: the message names the stream and its bytes done. */
+int hr_op_fail_stream(hr_op_t *op, int is_recv, int peer, int stream, int nstreams, size_t done,
+                      size_t total, const char *why);
 /* Validate a received header against op->hdr; on mismatch records the error. */
 int hr_op_check_hdr(hr_op_t *op, const hr_hdr_t *got, int peer);
 /* Grow the staging / scratch buffers. */
@@ -121,6 +147,11 @@ void hr_chunks(uint64_t count, int n, size_t *off, size_t *cnt);
 int hr_ring_pass(hr_op_t *op, unsigned char *base, const unsigned char *src, const size_t *off,
                  const size_t *cnt, int first, int reduce, int dtype, int redop, int send_hdr);
 
+/* The same over the sub-ring members[0..nm-1] (global ranks), this rank being members[pos]. */
+int hr_ring_pass_in(hr_op_t *op, const int *members, int nm, int pos, unsigned char *base,
+                    const unsigned char *src, const size_t *off, const size_t *cnt, int first,
+                    int reduce, int dtype, int redop, int send_hdr);
+
 /* ---- reduce.c ---- */
 /* dst[i] = dst[i] OP src[i] for i < n. AVG reduces like SUM. */
 void hr_reduce(void *dst, const void *src, size_t n, int dtype, int redop);
@@ -129,7 +160,28 @@ void hr_reduce3(void *dst, const void *a, const void *b, size_t n, int dtype, in
 /* buf[i] /= divisor (float types). */
 void hr_divide(void *buf, size_t n, int dtype, int divisor);
 
+/* ---- transport_shm.c ---- */
+/* Bump this rank's phase (publishing op->hdr on the collective's first signal) and wake waiters. */
+void hr_shm_signal(hr_op_t *op);
+/* Wait until every local peer reached this rank's phase; deadline, dead and failed peers are
+ * reported (what: the step, for the message). */
+int hr_shm_wait(hr_op_t *op, const char *what);
+/* After the first wait: check the local peers' collective headers against op->hdr. */
+int hr_shm_check_peers(hr_op_t *op);
+/* Attach the comm to an already created/opened segment: lranks[lsize] are the global ranks of
+ * this node (this rank among them), col[ncol] the ranks with the same local index on every node
+ * (ncol = 1: one node; NULL: nodes differ in rank count, no two-level allreduce). */
+int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int *lranks,
+                       int lsize, const int *col, int ncol, char *err, size_t errlen);
+
 /* ---- algorithms ---- */
+/* Shared-memory allreduce on one node, or two-level (intra-node reduce, inter-node ring of the
+ * ranks with the same local index, intra-node copy out) across nodes. Keeps elements [lo, hi)
+ * of the result in rbuf[0 ..] (allreduce: 0, count; reduce-scatter: this rank's chunk). */
+int hr_allreduce_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype,
+                     int redop, size_t lo, size_t hi);
+int hr_allgather_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);
+int hr_broadcast_shm(hr_op_t *op, void *buf, size_t count, int dtype, int root);
 int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype, int redop,
                  double timeout);
 int hr_allreduce_ring(hr_op_t *op, const void *sbuf, void *buf, size_t count, int dtype, int redop);
@@ -138,6 +190,8 @@ int hr_allgather_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, 
                       double timeout);
 int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
                            int redop, double timeout);
+int hr_broadcast(hr_comm_t *c, void *buf, size_t count, int dtype, int root, double timeout);
+int hr_broadcast_tree(hr_op_t *op, void *buf, size_t count, int dtype, int root);
 int hr_broadcast_pipeline(hr_comm_t *c, void *buf, size_t count, int dtype, int root,
                           double timeout);
 int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,

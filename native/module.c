@@ -10,7 +10,10 @@
  *   Comm.broadcast(buf, dtype, root, timeout=0.0)
  *   Comm.alltoall(sendbuf, recvbuf, dtype, timeout=0.0)
  *   Comm.barrier(timeout=0.0)
- *   Comm.close(); attributes rank, size, seq, failed, error, rd_threshold (settable), timeout
+ *   Comm.close(); attributes rank, size, seq, failed, error, timeout; settable rd_threshold,
+ *   streams (<= connections per peer), threads, stripe_min (see ring_pass.c)
+ *   Comm.shm_attach(name, create, local_ranks, column, slot); shm_unlink(name): shared memory
+ *   between the ranks of a node (transport_shm.h; setup and unlinking in collectives/ring.py)
  *   reduce(dst, src, dtype, op)   local kernel dst = dst OP src (tests, fused host-side use)
  *
  * Buffers are any C-contiguous buffer-protocol objects (numpy arrays, memoryviews); lengths are
@@ -25,6 +28,8 @@
 #include <pythread.h>
 
 #include "hr_internal.h"
+
+#include <sys/mman.h>
 
 static PyObject *NativeError;
 
@@ -307,7 +312,7 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args, PyObject *kw) 
         PyErr_Format(PyExc_ValueError, "root %d out of range for size %d", root, self->c.size);
         goto cleanup;
     }
-    RUN_LOCKED(self, rc, hr_broadcast_pipeline(&self->c, b.buf, (size_t)b.len / hr_dtype_size(dtype),
+    RUN_LOCKED(self, rc, hr_broadcast(&self->c, b.buf, (size_t)b.len / hr_dtype_size(dtype),
                                                dtype, root, timeout));
     if (rc != HR_OK) raise_native(self);
     else ret = Py_NewRef(Py_None);
@@ -359,6 +364,70 @@ cleanup:
     return NULL;
 }
 
+/* shm_attach(name, create, local_ranks, column, slot): create (node's first rank) or open the
+ * POSIX shm object, map it and route the node's collectives through it. column: global ranks of
+ * this local index on every node, or None when nodes differ in rank count. Every local rank
+ * must attach before any collective runs; unlinking the name is the caller's job (shm_unlink). */
+static int int_list(PyObject *o, int **out, int *n, const char *what) {
+    PyObject *f = PySequence_Fast(o, what);
+    int i;
+    if (!f) return -1;
+    *n = (int)PySequence_Fast_GET_SIZE(f);
+    if (!(*out = PyMem_Malloc(sizeof(int) * (size_t)(*n + 1)))) {
+        Py_DECREF(f);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (i = 0; i < *n; i++) (*out)[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(f, i));
+    Py_DECREF(f);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *Comm_shm_attach(CommObject *self, PyObject *args) {
+    const char *name;
+    int create, nl = 0, nc = 0, rc;
+    PyObject *pl, *pc;
+    Py_ssize_t slot;
+    int *lr = NULL, *col = NULL;
+    unsigned char *base = NULL;
+    char err[512];
+    PyObject *ret = NULL;
+    if (!PyArg_ParseTuple(args, "spOOn", &name, &create, &pl, &pc, &slot)) return NULL;
+    if (check_open(self)) return NULL;
+    if (self->c.shm.base) {
+        PyErr_SetString(PyExc_ValueError, "shared memory already attached");
+        return NULL;
+    }
+    if (slot < 4096 || slot % 64) {
+        PyErr_Format(PyExc_ValueError, "shm piece size %zd must be >= 4096 and a multiple of 64", slot);
+        return NULL;
+    }
+    if (int_list(pl, &lr, &nl, "local_ranks must be a sequence") ||
+        (pc != Py_None && int_list(pc, &col, &nc, "column must be a sequence")))
+        goto cleanup;
+    if (nl < 2) {
+        PyErr_SetString(PyExc_ValueError, "shared memory needs at least 2 local ranks");
+        goto cleanup;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = hr_shm_map(name, create, hr_shm_bytes(nl, (size_t)slot), &base, err, sizeof(err));
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_SetString(NativeError, err);
+        goto cleanup;
+    }
+    if (hr_comm_shm_attach(&self->c, base, (size_t)slot, lr, nl, col, nc, err, sizeof(err)) != HR_OK) {
+        munmap(base, hr_shm_bytes(nl, (size_t)slot));
+        PyErr_SetString(NativeError, err);
+        goto cleanup;
+    }
+    ret = Py_NewRef(Py_None);
+cleanup:
+    PyMem_Free(lr);
+    PyMem_Free(col);
+    return ret;
+}
+
 static PyObject *Comm_get_error(CommObject *self, void *unused) {
     (void)unused;
     if (!self->c.failed) Py_RETURN_NONE;
@@ -408,7 +477,102 @@ static int Comm_set_rd(CommObject *self, PyObject *v, void *unused) {
     return 0;
 }
 
+/* streams / threads / stripe_min: every rank must set the same values (they decide how a pass
+ * is cut, see ring_pass.c); the setters only check ranges. */
+static int set_int_range(PyObject *v, long lo, long hi, const char *what, long *out) {
+    long x;
+    if (!v) return -1;
+    x = PyLong_AsLong(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    if (x < lo || x > hi) {
+        PyErr_Format(PyExc_ValueError, "%s must be in %ld..%ld, got %ld", what, lo, hi, x);
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+static PyObject *Comm_get_streams(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromLong(self->c.streams);
+}
+static int Comm_set_streams(CommObject *self, PyObject *v, void *unused) {
+    long x;
+    long hi = self->c.tcp.nconn < HR_MAX_STREAMS ? self->c.tcp.nconn : HR_MAX_STREAMS;
+    (void)unused;
+    if (set_int_range(v, 1, hi, "streams (connections per peer opened)", &x)) return -1;
+    self->c.streams = (int)x;
+    return 0;
+}
+static PyObject *Comm_get_threads(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromLong(self->c.threads);
+}
+static int Comm_set_threads(CommObject *self, PyObject *v, void *unused) {
+    long x;
+    (void)unused;
+    if (set_int_range(v, 1, HR_MAX_STREAMS, "threads", &x)) return -1;
+    self->c.threads = (int)x;
+    return 0;
+}
+static PyObject *Comm_get_stripe_min(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(self->c.stripe_min);
+}
+static int Comm_set_stripe_min(CommObject *self, PyObject *v, void *unused) {
+    long x;
+    (void)unused;
+    if (set_int_range(v, 1, 1L << 40, "stripe_min", &x)) return -1;
+    self->c.stripe_min = (size_t)x;
+    return 0;
+}
+
+static PyObject *Comm_get_btm(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(self->c.bcast_tree_max);
+}
+static int Comm_set_btm(CommObject *self, PyObject *v, void *unused) {
+    size_t t;
+    (void)unused;
+    if (!v) return -1;
+    t = PyLong_AsSize_t(v);
+    if (PyErr_Occurred()) return -1;
+    self->c.bcast_tree_max = t;
+    return 0;
+}
+
+static PyObject *Comm_get_shm(CommObject *self, void *unused) {
+    (void)unused;
+    if (!self->c.shm.base) Py_RETURN_NONE;
+    return Py_BuildValue("(ii)", self->c.shm.lsize, self->c.shm.ncol);
+}
+
+static PyObject *Comm_get_tlm(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(self->c.twolevel_min);
+}
+static int Comm_set_tlm(CommObject *self, PyObject *v, void *unused) {
+    size_t t;
+    (void)unused;
+    if (!v) return -1;
+    t = PyLong_AsSize_t(v);
+    if (PyErr_Occurred()) return -1;
+    self->c.twolevel_min = t;
+    return 0;
+}
+
 static PyGetSetDef Comm_getset[] = {
+    {"twolevel_min", (getter)Comm_get_tlm, (setter)Comm_set_tlm,
+     "bytes from which allreduce/reduce_scatter across hosts run two-level", NULL},
+    {"shm", (getter)Comm_get_shm, NULL,
+     "(ranks sharing memory on this host, nodes in the two-level ring or 0), or None", NULL},
+    {"bcast_tree_max", (getter)Comm_get_btm, (setter)Comm_set_btm,
+     "broadcast bytes below which the binomial tree is used", NULL},
+    {"streams", (getter)Comm_get_streams, (setter)Comm_set_streams,
+     "connections per peer a ring pass stripes over", NULL},
+    {"threads", (getter)Comm_get_threads, (setter)Comm_set_threads,
+     "I/O threads per ring pass", NULL},
+    {"stripe_min", (getter)Comm_get_stripe_min, (setter)Comm_set_stripe_min,
+     "chunk bytes per stream before another stream is used", NULL},
     {"error", (getter)Comm_get_error, NULL, "first (sticky) error message, or None", NULL},
     {"failed", (getter)Comm_get_failed, NULL, "True once a collective failed", NULL},
     {"rank", (getter)Comm_get_rank, NULL, NULL, NULL},
@@ -428,6 +592,7 @@ static PyMethodDef Comm_methods[] = {
     {"alltoall", (PyCFunction)(void (*)(void))Comm_alltoall, METH_VARARGS | METH_KEYWORDS, NULL},
     {"barrier", (PyCFunction)(void (*)(void))Comm_barrier, METH_VARARGS | METH_KEYWORDS, NULL},
     {"close", (PyCFunction)Comm_close, METH_NOARGS, NULL},
+    {"shm_attach", (PyCFunction)Comm_shm_attach, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject CommType = {
@@ -478,7 +643,20 @@ static PyObject *mod_divide(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_shm_unlink(PyObject *m, PyObject *args) {
+    const char *name;
+    char err[512];
+    (void)m;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    if (hr_shm_unlink(name, err, sizeof(err)) != 0) {
+        PyErr_SetString(NativeError, err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef mod_methods[] = {
+    {"shm_unlink", mod_shm_unlink, METH_VARARGS, "shm_unlink(name); a missing name is fine"},
     {"reduce", mod_reduce, METH_VARARGS, "reduce(dst, src, dtype, op): dst = dst OP src"},
     {"divide", mod_divide, METH_VARARGS, "divide(buf, dtype, n): buf /= n (float dtypes)"},
     {NULL, NULL, 0, NULL}};
@@ -494,7 +672,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     NativeError = PyErr_NewException("hpcring._native.NativeError", PyExc_RuntimeError, NULL);
     if (!NativeError || PyModule_AddObjectRef(m, "NativeError", NativeError) < 0 ||
         PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||
-        PyModule_AddIntConstant(m, "RD_THRESHOLD_DEFAULT", (long)HR_RD_THRESHOLD_DEFAULT) < 0) {
+        PyModule_AddIntConstant(m, "RD_THRESHOLD_DEFAULT", (long)HR_RD_THRESHOLD_DEFAULT) < 0 ||
+        PyModule_AddIntConstant(m, "BCAST_TREE_MAX_DEFAULT", (long)HR_BCAST_TREE_MAX_DEFAULT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

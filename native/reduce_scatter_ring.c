@@ -6,6 +6,8 @@
  * reductions into a scratch buffer (ring_pass.c, first = r-1; in step s rank r sends chunk (r-1-s) and
  * reduces chunk (r-2-s) received from the left), divide for avg, copy chunk r out.
  *
+ * With a shared-memory segment the node's ranks use allreduce_shm.c instead (keeping only chunk r).
+ *
  * Cost: n-1 steps; each rank sends and receives (n-1)/n * S bytes and reduces as many;
  * time ~ (n-1) a + (n-1)/n S (b + g).
  */
@@ -30,6 +32,20 @@ int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t co
     }
     cnt = off + n;
     hr_chunks(count, n, off, cnt);
+    if (c->shm.base && (c->shm.ncol == 1 || (c->shm.ncol > 1 && count * esz >= c->twolevel_min))) {
+        /* shared memory (allreduce_shm.c keeping only this rank's chunk); an input that overlaps
+         * the output is copied first, since copy-out may overtake copy-in */
+        const unsigned char *in = sbuf;
+        if ((const char *)rbuf < (const char *)sbuf + count * esz &&
+            (const char *)sbuf < (const char *)rbuf + cnt[r] * esz) {
+            if (hr_comm_tmp(&op, count * esz + 1) != HR_OK) goto cleanup;
+            memcpy(c->tmp, sbuf, count * esz);
+            in = c->tmp;
+        }
+        if (hr_allreduce_shm(&op, in, rbuf, count, dtype, redop, off[r], off[r] + cnt[r]) == HR_OK)
+            rc = HR_OK;
+        goto cleanup;
+    }
     if (hr_comm_tmp(&op, count * esz + 1) != HR_OK) goto cleanup;
     if (n == 1 && count) memcpy(c->tmp, sbuf, count * esz);
     /* reductions write tmp = input OP received, so the input is neither copied nor modified */

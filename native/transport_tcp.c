@@ -73,18 +73,20 @@ void hr_tcp_abort(hr_tcp_t *t) {
         if (t->fds[i] >= 0) shutdown(t->fds[i], SHUT_RDWR);
 }
 
-int hr_tcp_fd(const hr_tcp_t *t, int peer) {
-    if (!t->fds || peer < 0 || peer >= t->size) return -1;
-    return t->fds[peer * t->nconn];
+int hr_tcp_fd(const hr_tcp_t *t, int peer) { return hr_tcp_fdk(t, peer, 0); }
+
+int hr_tcp_fdk(const hr_tcp_t *t, int peer, int k) {
+    if (!t->fds || peer < 0 || peer >= t->size || k < 0 || k >= t->nconn) return -1;
+    return t->fds[peer * t->nconn + k];
 }
 
 /* One non-blocking sendmsg/recvmsg on the peer's connection: bytes moved, 0 when it would
  * block, -1 with err set (EOF on a receive is an error: a peer never closes mid-collective). */
-static ssize_t tcp_io(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, int is_send, char *err,
-                      size_t errlen) {
+ssize_t hr_tcp_iok(hr_tcp_t *t, int peer, int k, struct iovec *iov, int iovcnt, int is_send,
+                   char *err, size_t errlen) {
     struct msghdr m;
     ssize_t r;
-    int fd = hr_tcp_fd(t, peer);
+    int fd = hr_tcp_fdk(t, peer, k);
 
     if (fd < 0) {
         snprintf(err, errlen, "no connection");
@@ -109,12 +111,12 @@ static ssize_t tcp_io(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, int 
 
 ssize_t hr_tcp_sendv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char *err,
                      size_t errlen) {
-    return tcp_io(t, peer, iov, iovcnt, 1, err, errlen);
+    return hr_tcp_iok(t, peer, 0, iov, iovcnt, 1, err, errlen);
 }
 
 ssize_t hr_tcp_recvv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char *err,
                      size_t errlen) {
-    return tcp_io(t, peer, iov, iovcnt, 0, err, errlen);
+    return hr_tcp_iok(t, peer, 0, iov, iovcnt, 0, err, errlen);
 }
 
 int hr_tcp_wait(hr_tcp_t *t, int speer, int rpeer, double deadline, char *err, size_t errlen) {

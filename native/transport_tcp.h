@@ -6,9 +6,9 @@
  * disables Linux buffer autotuning, which is usually the better choice on loopback and LANs).
  *
  * Operations never block: hr_tcp_sendv / hr_tcp_recvv move as many bytes as the kernel takes
- * right now, and hr_tcp_wait is the only place that sleeps, always with a deadline. Only
- * connection 0 of each peer is used by the algorithms today; extra connections are accepted,
- * configured and closed so that striping can be added without changing the binding.
+ * right now, and hr_tcp_wait / poll() in ring_pass.c are the only places that sleep, always with a
+ * deadline. Connection 0 of each peer carries the latency-bound algorithms; the striped ring
+ * (ring_pass.c) spreads a pass over connections 0 .. nconn-1 ("streams").
  */
 #ifndef HR_TRANSPORT_TCP_H
 #define HR_TRANSPORT_TCP_H
@@ -39,6 +39,12 @@ void hr_tcp_abort(hr_tcp_t *t);
 
 /* fd of connection 0 to peer, or -1. */
 int hr_tcp_fd(const hr_tcp_t *t, int peer);
+/* fd of connection k to peer, or -1. */
+int hr_tcp_fdk(const hr_tcp_t *t, int peer, int k);
+
+/* hr_tcp_sendv / hr_tcp_recvv on connection k of peer (same return values). */
+ssize_t hr_tcp_iok(hr_tcp_t *t, int peer, int k, struct iovec *iov, int iovcnt, int is_send,
+                   char *err, size_t errlen);
 
 /* Send up to the iovec total to peer without blocking. Returns bytes sent (0 when the socket
  * buffer is full), or -1 with "sendmsg(): <strerror>" in err. */

@@ -12,6 +12,8 @@ bash scripts/install-system-deps.sh
 EXTRAS=test,mpi,cuda12 bash scripts/install.sh
 # CPU torch for the torch.distributed (gloo, env://) tests; this machine kind ships its wheel.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+# Lightning (6 s, <1 MB plus small deps) for the Trainer(strategy=DDPStrategy("hpcring")) test.
+.venv/bin/python -m pip install -q --disable-pip-version-check lightning==2.6.6
 
 t0=$(date +%s)
 .venv/bin/hpcring devcluster up --share "$PWD"

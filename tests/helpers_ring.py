@@ -12,7 +12,7 @@ import traceback
 from hpcring import _native
 from hpcring.bootstrap.topology import Topology
 from hpcring.collectives import Communicator
-from hpcring.collectives.ring import RingBackend
+from hpcring.collectives.ring import RingBackend, node_layout
 
 SECRET = b"0123456789abcdef" * 4
 
@@ -21,24 +21,47 @@ def hosts_for(n: int) -> tuple[str, ...]:
     return tuple(f"node{r}" for r in range(n))
 
 
-def topology(rank: int, size: int) -> Topology:
+def topology(rank: int, size: int, hosts: tuple[str, ...] | None = None) -> Topology:
+    """hosts: the host of each rank (default: all different, so no shared memory); ranks with
+    equal names share a shared-memory segment."""
     return Topology(rank=rank, size=size, local_rank=rank, local_size=size, node_rank=0, num_nodes=1,
-                    hosts=hosts_for(size), launcher="local", address="127.0.0.1")
+                    hosts=hosts or hosts_for(size), launcher="local", address="127.0.0.1")
 
 
 class ThreadGroup:
     """n communicators in this process over socketpairs; ranks run in threads (the native
     calls release the GIL)."""
 
-    def __init__(self, n: int, timeout: float = 30.0) -> None:
+    def __init__(self, n: int, timeout: float = 30.0, streams: int = 1, threads: int = 1,
+                 stripe_min: int | None = None, hosts: tuple[str, ...] | None = None,
+                 shm_piece: int = 4096) -> None:
+        """hosts: ranks with equal names share memory (as RingBackend.create sets it up);
+        shm_piece: tiny by default so that the tests cross many pieces."""
         fds = [[None] * n for _ in range(n)]
         for i in range(n):
             for j in range(i + 1, n):
-                a, b = socket.socketpair()
-                fds[i][j], fds[j][i] = a.detach(), b.detach()
+                pairs = [socket.socketpair() for _ in range(streams)]
+                fds[i][j] = [a.detach() for a, _ in pairs]
+                fds[j][i] = [b.detach() for _, b in pairs]
         self.n = n
-        self.comms = [Communicator(RingBackend(_native.Comm(r, n, fds[r], list(hosts_for(n)), timeout),
-                                               hosts_for(n)), timeout=timeout) for r in range(n)]
+        names = tuple(hosts or hosts_for(n))
+        natives = [_native.Comm(r, n, fds[r], list(names), timeout) for r in range(n)]
+        if hosts:
+            for h in dict.fromkeys(names):
+                seg = f"/hpcring-test-{os.getpid()}-{id(self):x}-{h}"
+                try:
+                    for r in range(n):
+                        local, column = node_layout(names, r)
+                        if names[r] == h and len(local) > 1:
+                            natives[r].shm_attach(seg, r == local[0], local, column, shm_piece)
+                            natives[r].twolevel_min = 0      # two-level at every size
+                finally:
+                    _native.shm_unlink(seg)
+        for c in natives:
+            c.threads = threads
+            if stripe_min is not None:
+                c.stripe_min = stripe_min
+        self.comms = [Communicator(RingBackend(c, names), timeout=timeout) for c in natives]
 
     def run(self, fn, ranks=None):
         """fn(comm) on every rank (or the given ranks) at once; returns (results, errors)."""
@@ -75,12 +98,12 @@ class ThreadGroup:
 
 
 # ---- multi-process runs ------------------------------------------------------------------------
-def _child(rank, size, port, secret, target, args, q, timeout):
+def _child(rank, size, port, secret, target, args, q, timeout, hosts=None):
     try:
         from hpcring.bootstrap.store import StoreClient
         store = StoreClient("127.0.0.1", port, SECRET, timeout)
         try:
-            comm = Communicator.create(topology(rank, size), store, secret, timeout=timeout)
+            comm = Communicator.create(topology(rank, size, hosts), store, secret, timeout=timeout)
         except Exception as e:  # noqa: BLE001
             q.put((rank, "setup-error", f"{type(e).__name__}: {e}", 0.0))
             return
@@ -94,7 +117,7 @@ def _child(rank, size, port, secret, target, args, q, timeout):
         q.put((rank, "crash", traceback.format_exc(), 0.0))
 
 
-def spawn_ranks(size, target, *args, timeout=30.0, secrets=None, wait=120.0):
+def spawn_ranks(size, target, *args, timeout=30.0, secrets=None, wait=120.0, hosts=None):
     """Run target(comm, *args) in `size` spawned processes over loopback TCP with a real store.
     Returns {rank: (status, value, seconds)}; ranks that died without reporting are missing."""
     from hpcring.bootstrap.store import StoreServer
@@ -102,7 +125,8 @@ def spawn_ranks(size, target, *args, timeout=30.0, secrets=None, wait=120.0):
     q = ctx.Queue()
     with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
         procs = [ctx.Process(target=_child, args=(r, size, server.port,
-                                                  (secrets or {}).get(r, SECRET), target, args, q, timeout))
+                                                  (secrets or {}).get(r, SECRET), target, args, q, timeout,
+                                                  hosts))
                  for r in range(size)]
         for p in procs:
             p.start()
@@ -151,6 +175,19 @@ def target_kill(comm, victim, nbytes, delay):
         threading.Timer(delay, lambda: os._exit(17)).start()
     # Keep collectives going until the victim is gone, so it always dies mid-collective
     # however fast or loaded the machine is (two fixed calls could finish before the timer).
+    for _ in range(100_000):
+        comm.allreduce(x, out=y)
+    return "finished"
+
+
+def target_sigkill(comm, victim, nbytes, delay):
+    """Like target_kill, but the victim is SIGKILLed (no exit handlers, no unlinking)."""
+    import signal
+    import numpy as np
+    x = np.ones(nbytes // 4, np.float32)
+    y = np.empty_like(x)
+    if comm.rank == victim:
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
     for _ in range(100_000):
         comm.allreduce(x, out=y)
     return "finished"

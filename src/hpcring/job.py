@@ -9,6 +9,8 @@ and ``hpcring status`` to name failing ranks).
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
 import runpy
 import socket
@@ -46,6 +48,8 @@ def run_as_main(script: str, args: list[str]) -> tuple[int, str | None]:
         return 1, None
     except BaseException as exc:  # the traceback goes to this rank's stderr log
         traceback.print_exc()
+        from hpcring.diagnostics.torch_watch import on_error
+        on_error(exc)                  # a torch collective failed: the job-wide report first
         return 1, f"{type(exc).__name__}: {exc}"
     finally:
         sys.stdout.flush()
@@ -96,9 +100,12 @@ class RunScript:
         from hpcring.diagnostics.watchdog import add_exit_hook
         add_exit_hook(lambda headline: _write_status(folder, topo.rank, {**status, "exit_code": 1, "error": headline,
                                                                          "ended": time.time()}))
+        from hpcring.diagnostics.torch_watch import install as watch_torch
+        watch_torch()                  # a torch process group in the script gets the hang report too
         if topo.rank == 0:
             write_json(folder / f"{_job_id()}_requeues.json", {"count": preempt.requeue_count()})
         os.chdir(self.cwd)
+        register_torch_backend_on_import()
         try:
             code, error = run_as_main(self.script, self.args)
             preempt.finished()
@@ -118,6 +125,45 @@ class RunScript:
             teardown.end_job(topo.rank, f"rank {topo.rank} on {topo.host}: {error or f'exited with code {code}'}")
             raise RankFailed(f"rank {topo.rank} on {topo.host}: {self.script} {error or f'exited with code {code}'}")
         return 0
+
+
+def register_torch_backend_on_import() -> None:
+    """Make ``dist.init_process_group("hpcring")`` work in the user's script without an extra
+    import: the backend is registered right after the script imports torch (importing torch here
+    would cost every job ~2 s, torch or not)."""
+    if "torch" in sys.modules:
+        _register_torch_backend()
+    elif not any(isinstance(f, _TorchImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchImportHook())
+
+
+class _TorchImportHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps torch's own loader so registration runs after ``import torch``."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)          # one shot; also keeps the lookup below from recursing
+        spec = importlib.util.find_spec("torch")
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                _register_torch_backend()
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _register_torch_backend() -> None:
+    """Import hpcring.distributed (which registers the backend); a failure must not break the
+    user's ``import torch``: it is reported and init_process_group("hpcring") then says unknown."""
+    try:
+        import torch.distributed as dist
+        if dist.is_available():
+            import hpcring.distributed  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        print(f"hpcring: could not register the torch.distributed backend 'hpcring': {exc}", file=sys.stderr)
 
 
 def _requeue_when_all_stopped(session, topo) -> None:

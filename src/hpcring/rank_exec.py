@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_framework_env(topo, gpus)
     from hpcring.session import handoff_env
     os.environ.update(handoff_env(session))
+    from hpcring.diagnostics.torch_watch import child_env
+    os.environ.update(child_env())     # a torch process group in CMD gets hpcring's hang report
     from hpcring.schedulers.supervisor import start
     parent = os.getppid()
     try:

@@ -133,7 +133,7 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
             from hpcring.bootstrap.store import load_secret
             envvars.check_environ()   # every bad HPCRING_* value at once, before meeting anyone
             t = envvars.get("HPCRING_INIT_TIMEOUT") if timeout is None else envvars.check_number(
-                "init(timeout=)", timeout, lo=0, lo_open=True, hi=envvars.MAX_TIMEOUT)
+                "init() timeout", timeout, lo=0, lo_open=True, hi=envvars.MAX_TIMEOUT)
             topo, store = init_bootstrap(timeout=t, interface=interface,
                                          verify=verify or envvars.get("HPCRING_VERIFY"))
             _SESSION = Session(topo, store, load_secret())

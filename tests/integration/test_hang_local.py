@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+
+from helpers_jobs import diag_folder, hang_report  # noqa: E402
 
 WORKER = str(Path(__file__).resolve().parents[1] / "fault_worker.py")
 
@@ -24,15 +25,7 @@ def run_job(tmp_path, *worker_args, ranks=4, env=None, timeout=90):
     return p, time.monotonic() - t0
 
 
-def diag(tmp_path) -> Path:
-    """The run's own diag folder: <HPCRING_JOB_DIR>/<job id>/diag (one folder per job)."""
-    found = list(tmp_path.glob("*/diag"))
-    assert len(found) == 1, found
-    return found[0]
-
-
-def report(tmp_path) -> dict:
-    return json.loads((diag(tmp_path) / "hang-report.json").read_text())
+diag, report = diag_folder, hang_report
 
 
 def test_skipped_collective_is_reported_and_every_rank_exits(tmp_path):

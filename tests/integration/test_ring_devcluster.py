@@ -1,4 +1,6 @@
-"""The ring backend is correct across real nodes: 3 nodes x 2 ranks on the dev cluster, one job.
+"""The ring backend is correct across real nodes: 3 nodes x 2 ranks on the dev cluster, one job,
+with every transport on: shared memory within a node, the two-level allreduce / reduce-scatter
+at every size, 2 TCP streams per peer striped by 2 I/O threads from 4 KiB chunks.
 
 Every collective x dtype {float32, float64, int32, float16, bfloat16 (uint16 storage)} x size
 {0, 1, 7, 1000, 65537}, with deterministic per-rank data: every rank computes the numpy reference
@@ -111,6 +113,7 @@ def main():
                 (h_all if same else h_mine).update(f"{coll}{op}{dt}{count}".encode() + np.ascontiguousarray(got).tobytes())
     comm.barrier()
     print("RINGCHECK " + json.dumps({"rank": rank, "size": n, "host": s.topology.host, "checks": checks,
+                                     "transport": comm.backend.describe(),
                                      "fails": fails, "hash": h_all.hexdigest()}), flush=True)
     return 1 if fails else 0
 
@@ -122,7 +125,8 @@ sys.exit(main())
 def test_ring_all_ops_dtypes_sizes_3_nodes_x_2_ranks():
     worker = Path("/srv/hpcring") / f"ring-worker-{os.getpid()}.py"   # /tmp is private per node
     worker.write_text(WORKER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_RING_SHM="1", HPCRING_TWOLEVEL_MIN="0",
+               HPCRING_RING_STREAMS="2", HPCRING_RING_THREADS="2", HPCRING_RING_STRIPE_MIN="4096")
     try:
         r = subprocess.run(["salloc", "-N", "3", "--ntasks-per-node=2", "--time=5", sys.executable, "-m", "hpcring",
                             "run", "--site", "devcluster", "--tasks-per-node", "2", "--", sys.executable, str(worker)],
@@ -136,6 +140,8 @@ def test_ring_all_ops_dtypes_sizes_3_nodes_x_2_ranks():
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(x["rank"] for x in recs) == list(range(6))
     assert {x["host"] for x in recs} == {"node1", "node2", "node3"}
+    assert all("two-level allreduce over 3 hosts" in x["transport"] and "2 stream(s)/peer, 2 I/O thread(s)"
+               in x["transport"] for x in recs), recs[0]["transport"]
     # 5 dtypes x 5 sizes x (5 allreduce ops, 4 for int32, + 5 other calls)
     assert all(x["checks"] == 5 * 5 * 10 - 5 for x in recs)
     assert len({x["hash"] for x in recs}) == 1, "replicated results differ between ranks"

@@ -19,6 +19,7 @@ def test_wheel_renders_from_installed_package(tmp_path):
     names = zipfile.ZipFile(whl).namelist()
     assert "hpcring/templates/slurm.sh.j2" in names and "hpcring/templates/partials/env.sh.j2" in names
     assert "hpcring/site_configs/devcluster.yaml" in names
+    assert "hpcring/diagnostics/torch_site/sitecustomize.py" in names      # hpcring run's torch watch
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)

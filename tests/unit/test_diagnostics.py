@@ -120,6 +120,9 @@ def test_stuck_seq_and_parse_link():
     ln = parse_link("barrier#3 send to rank 4 (n4) failed: sendmsg(): Connection reset by peer, 5/24 bytes done", 1)
     assert (ln["from"], ln["to"], ln["gone"], ln["timed_out"]) == (1, 4, True, False)
     assert parse_link("something else", 0) is None
+    shm = parse_link("allreduce#7 rank 2 (node1) died during the shared-memory allreduce (this node; its "
+                     "connection closed without an error report)", 3)
+    assert shm["peer"] == 2 and shm["gone"] and not shm["timed_out"] and shm["seen_by"] == 3
 
 
 # -- recorder ----------------------------------------------------------------------------------------

@@ -48,3 +48,8 @@ def test_check_number():
     for bad in (float("nan"), float("inf"), "x", 0, True, None):
         with pytest.raises(UsageError, match="--x"):
             envvars.check_number("--x", bad, lo=0, lo_open=True)
+
+
+def test_each_variable_is_registered_once():
+    names = [v.name for v in envvars.VARS]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

@@ -7,6 +7,7 @@ spawn processes that rendezvous through the authenticated store and connect over
 """
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -99,15 +100,25 @@ def assert_identical(results: list[np.ndarray]) -> None:
 
 
 # ---- fixtures ----------------------------------------------------------------------------------
-_groups: dict[int, H.ThreadGroup] = {}
+_groups: dict[tuple[int, str], H.ThreadGroup] = {}
+# "striped": 3 streams per peer, 2 I/O threads, and a stripe every 8 bytes, so that even the small
+# sizes below cut their chunks into uneven (some empty) slices on every stream.
+# "shm": one host, all through shared memory (4 KiB pieces); "twolevel": 3 hosts x 2 ranks, shared
+# memory within a host and striped rings across hosts; "mixed": hosts of different rank counts
+# (shared memory only where a host's whole layout allows it).
+MODES = {"plain": {}, "striped": {"streams": 3, "threads": 2, "stripe_min": 8},
+         "shm": {},                                         # hosts: ("h",) * n
+         "twolevel": {"hosts": ("a", "b", "c", "a", "b", "c"), "streams": 2, "threads": 2, "stripe_min": 8},
+         "mixed": {"hosts": ("a", "a", "a", "b", "b")}}
 
 
 @pytest.fixture(scope="module")
 def group():
-    def get(n: int) -> H.ThreadGroup:
-        if n not in _groups:
-            _groups[n] = H.ThreadGroup(n)
-        return _groups[n]
+    def get(n: int, mode: str = "plain") -> H.ThreadGroup:
+        if (n, mode) not in _groups:
+            kw = dict(MODES[mode], **({"hosts": ("h",) * n} if mode == "shm" else {}))
+            _groups[n, mode] = H.ThreadGroup(n, **kw)
+        return _groups[n, mode]
     yield get
     for g in _groups.values():
         g.close()
@@ -118,10 +129,12 @@ SIZES = [0, 1, 7, 1000, 4099]
 
 
 # ---- allreduce: op x dtype x size x world size x algorithm --------------------------------------
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
-@pytest.mark.parametrize("algo", ["ring", "rd"])
-def test_allreduce_matrix(group, n, algo):
-    g = group(n)
+@pytest.mark.parametrize("n,algo,mode", [(n, a, "plain") for n in range(1, 7) for a in ("ring", "rd")] +
+                         [(n, "ring", "striped") for n in (2, 3, 5)] +
+                         [(4, "ring", "shm"), (3, "ring", "shm"), (6, "ring", "twolevel"), (6, "rd", "twolevel"),
+                          (5, "ring", "mixed")])
+def test_allreduce_matrix(group, n, algo, mode):
+    g = group(n, mode)
     g.set_rd_threshold(0 if algo == "ring" else 1 << 40)
     seed = 0
     for dtype in DTYPES:
@@ -146,10 +159,11 @@ def test_allreduce_matrix(group, n, algo):
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("mode", ["plain", "striped", "shm"])
 @pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("float16", "avg"), ("bfloat16", "sum"),
                                       ("int64", "max"), ("float64", "prod"), ("uint8", "sum")])
-def test_allreduce_large(group, n, dtype, op):
-    g = group(n)
+def test_allreduce_large(group, n, mode, dtype, op):
+    g = group(n, mode)
     g.set_rd_threshold(_native.RD_THRESHOLD_DEFAULT)
     count = (1 << 20) + 3
     xs = [make_input(dtype, op, count, r, 7) for r in range(n)]
@@ -159,9 +173,10 @@ def test_allreduce_large(group, n, dtype, op):
 
 
 # ---- the other collectives ---------------------------------------------------------------------
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
-def test_allgather_broadcast_alltoall(group, n):
-    g = group(n)
+@pytest.mark.parametrize("n,mode", [(n, "plain") for n in range(1, 7)] + [(2, "striped"), (4, "striped"), (4, "shm"),
+                                                                    (3, "shm"), (6, "twolevel"), (5, "mixed")])
+def test_allgather_broadcast_alltoall(group, n, mode):
+    g = group(n, mode)
     for dtype in DTYPES:
         kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
         for count in SIZES + [1 << 17]:
@@ -170,7 +185,9 @@ def test_allgather_broadcast_alltoall(group, n):
             assert_identical(res)
             assert res[0].shape == (n, count)
             np.testing.assert_array_equal(res[0], np.stack(xs))
-            for root in {0, n - 1, n // 2}:
+            for root, tree_max in [(0, 0), (n - 1, 1 << 40), (n // 2, 1 << 40), (n // 2, 0)]:
+                for c in g.comms:                      # chain (0) or binomial tree (1 << 40)
+                    c.backend._comm.bcast_tree_max = tree_max
                 bufs = [x.copy() for x in xs]
                 g.run_ok(lambda c: c.broadcast(bufs[c.rank], root=root, **kw))
                 for b in bufs:
@@ -190,9 +207,10 @@ def test_allgather_broadcast_alltoall(group, n):
                 np.testing.assert_array_equal(bufs[r], res[r])
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
-def test_reduce_scatter(group, n):
-    g = group(n)
+@pytest.mark.parametrize("n,mode", [(n, "plain") for n in range(1, 7)] + [(3, "striped"), (5, "striped"), (4, "shm"),
+                                                                    (3, "shm"), (6, "twolevel")])
+def test_reduce_scatter(group, n, mode):
+    g = group(n, mode)
     seed = 100
     for dtype in DTYPES:
         kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
@@ -375,7 +393,7 @@ def test_usage_errors(group):
         c.allreduce(x, out=x)
     with pytest.raises(UsageError, match="root 3 out of range"):
         c.broadcast(np.zeros(3), root=3)
-    with pytest.raises(UsageError, match="timeout must be > 0"):
+    with pytest.raises(UsageError, match="timeout must be a finite number > 0"):
         c.barrier(timeout=0)
     with pytest.raises(UsageError, match="expected a numpy array"):
         c.allreduce([1, 2, 3])
@@ -408,6 +426,22 @@ def test_timeout_names_peer_and_is_sticky():
             g.comms[0].barrier()
         assert str(again.value).splitlines()[0] == msg0.splitlines()[0]
         assert g.comms[0].error == msg0.splitlines()[0]
+    finally:
+        g.close()
+
+
+def test_striped_timeout_names_peer_and_stream():
+    g = H.ThreadGroup(3, timeout=30, streams=3, threads=2, stripe_min=8)
+    try:
+        g.set_rd_threshold(0)
+        t0 = time.monotonic()
+        _, errs = g.run(lambda c: c.allreduce(np.ones(1 << 16, np.float32), timeout=1.0), ranks=[0, 1])
+        assert time.monotonic() - t0 < 5
+        msg0 = str(errs[0])
+        assert isinstance(errs[0], CollectiveError) and isinstance(errs[1], CollectiveError)
+        assert "rank 2 (node2) on stream" in msg0 and "of 3 timed out after 1.0 s" in msg0, msg0
+        assert "bytes done on that stream" in msg0
+        assert g.comms[0].error == msg0.splitlines()[0]      # sticky, one message for all threads
     finally:
         g.close()
 
@@ -479,3 +513,45 @@ def test_killed_peer_fails_others_within_deadline():
         assert "CollectiveError" in msg and "allreduce#" in msg
         assert secs < deadline
     assert any("rank 2 (node2)" in out[r][1] for r in (0, 1)), out
+
+
+# ---- shared memory: deadlines, dead peers, no segment left behind -------------------------------
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("hpcring-")} if os.path.isdir("/dev/shm") else set()
+
+
+def test_shm_timeout_names_peer_and_is_sticky():
+    g = H.ThreadGroup(3, timeout=30, hosts=("h",) * 3)
+    try:
+        t0 = time.monotonic()
+        _, errs = g.run(lambda c: c.allreduce(np.ones(1 << 16, np.float32), timeout=1.0), ranks=[0, 1])
+        assert time.monotonic() - t0 < 5
+        msg0 = str(errs[0])
+        assert isinstance(errs[0], CollectiveError), errs
+        assert "allreduce#1" in msg0 and "rank 2 (h)" in msg0 and "timed out after 1.0 s" in msg0, msg0
+        with pytest.raises(CollectiveError):                 # sticky
+            g.comms[0].barrier()
+    finally:
+        g.close()
+
+
+def test_shm_sigkilled_rank_is_named_and_leaves_no_segment():
+    before = _segments()
+    deadline = 20.0
+    out = H.spawn_ranks(3, H.target_sigkill, 2, 8 << 20, 0.3, timeout=deadline, hosts=("h",) * 3)
+    assert 2 not in out
+    for r in (0, 1):
+        status, msg, secs = out[r]
+        assert status == "error", out[r]
+        assert "allreduce#" in msg and secs < deadline
+    assert any("recv from rank 2 (h) failed: connection closed by peer (EOF)" in out[r][1] and "it died during the "
+               "shared-memory" in out[r][1] for r in (0, 1)), out
+    assert _segments() <= before                          # nothing new left in /dev/shm
+
+
+@pytest.mark.parametrize("var,value", [("HPCRING_RING_STREAMS", "many"), ("HPCRING_RING_STREAMS", "0"),
+                                       ("HPCRING_RING_THREADS", "17"), ("HPCRING_RING_SHM", "maybe")])
+def test_ring_env_is_checked(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(UsageError, match=var):
+        RingBackend.create(H.topology(0, 2), None, H.SECRET, 5.0)

@@ -152,3 +152,12 @@ def test_fabric_env(name, expected):
         assert "NCCL_IB_HCA" not in env
     if name != "slurm-roce":
         assert "NCCL_IB_GID_INDEX" not in env
+    assert not any(k.startswith("HPCRING_RING_") for k in env)      # unset: the ring's defaults
+
+
+def test_fabric_ring_keys_become_env_and_are_checked():
+    from hpcring.config.schema import Fabric
+    env = fabric_env(Fabric(kind="tcp", ring_streams=4, ring_threads=2, ring_shm=False))
+    assert (env["HPCRING_RING_STREAMS"], env["HPCRING_RING_THREADS"], env["HPCRING_RING_SHM"]) == ("4", "2", "0")
+    with pytest.raises(ValueError, match="ring_streams"):
+        Fabric(kind="tcp", ring_streams=0)

@@ -49,7 +49,7 @@ class StoreClient:
         if not secret:
             raise BootstrapError("StoreClient needs a non-empty per-job secret")
         self.host, self.port = host, int(port)
-        self.timeout = _seconds("StoreClient(timeout=)", timeout)
+        self.timeout = _seconds("StoreClient timeout", timeout)
         self.max_frame = max_frame
         self._secret = bytes(secret)
         self._lock = threading.Lock()

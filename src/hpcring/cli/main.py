@@ -32,9 +32,14 @@ _JOB_HELP = "Extra arguments after `--` go to the script."
 def submit(req: JobRequest,
            dry_run: bool = typer.Option(False, "--dry-run", help="Print the job script; submit nothing."),
            wait: bool = typer.Option(False, "--wait", "-w",
-                                     help="Follow the job: states, rank-tagged output; exit with its exit code.")):
+                                     help="Follow the job: states, rank-tagged output; exit with its exit code."),
+           timeline: bool = typer.Option(False, "--timeline",
+                                         help="Record an hpcring.torch timeline on every rank (HPCRING_TIMELINE); "
+                                              "merge it with `hpcring timeline JOB`.")):
     from hpcring import submit as lib
     s, job = req.resolve()
+    if timeline:
+        job.env["HPCRING_TIMELINE"] = "job"
     if req.verbose:
         output.sources(s, job)
     if dry_run:
@@ -133,11 +138,11 @@ def sites_validate(sites: Optional[List[str]] = typer.Argument(None, help="Names
 
 def _add_subapps() -> None:
     """The other layers' commands (each module imports its library only when it runs)."""
-    from hpcring.cli import bench_cmd, doctor_cmd, hostlist_cmd, run_cmd, stacks_cmd
+    from hpcring.cli import bench_cmd, doctor_cmd, hostlist_cmd, run_cmd, stacks_cmd, timeline_cmd
     from hpcring.devcluster import cli as devcluster_cli
     app.add_typer(hostlist_cmd.app, name="hostlist")
     app.add_typer(devcluster_cli.app, name="devcluster")
-    for mod in (run_cmd, bench_cmd, stacks_cmd, doctor_cmd):
+    for mod in (run_cmd, bench_cmd, stacks_cmd, doctor_cmd, timeline_cmd):
         mod.register(app)
 
 

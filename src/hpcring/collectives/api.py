@@ -130,10 +130,8 @@ class Communicator:
 
     # -- execution ------------------------------------------------------------------------
     def _deadline(self, timeout: float | None) -> float:
-        t = self.timeout if timeout is None else float(timeout)
-        if t <= 0:
-            raise UsageError(f"timeout must be > 0, got {timeout}")
-        return t
+        from hpcring.config.envvars import collective_timeout
+        return self.timeout if timeout is None else collective_timeout(timeout, "timeout")
 
     def _record(self, op: str, dtype: str | None, count: int, root: int | None, timeout: float) -> Record:
         return self.recorder.queue(op, dtype, count, root, timeout)

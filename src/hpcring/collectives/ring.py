@@ -20,6 +20,20 @@ Connection setup (all Python; the C library receives connected, authenticated de
    communicator or rank is worthless for another. A connection that fails authentication is
    closed and logged; the listener keeps waiting for the real peer until the deadline.
 
+Striping: with ``streams`` k > 1 every peer pair gets k such connections (connection index k in
+the handshake) and the native ring passes stripe each chunk over them, driven by ``threads`` I/O
+threads (native/ring_pass.c). Both come from the arguments, else HPCRING_RING_STREAMS /
+HPCRING_RING_THREADS (a site sets them with ``fabric.ring_streams`` / ``fabric.ring_threads``),
+else the measured defaults below; every rank must use the same values.
+
+Shared memory: ranks with the same entry in ``Topology.hosts`` also share a POSIX shared-memory
+segment (native/transport_shm.h) through which their collectives run (all of them on one node;
+the two-level allreduce / reduce-scatter across nodes). The name is derived from the job secret,
+the generation and the host; the node's first rank creates it (O_EXCL, mode 0600), the others map
+it, and every rank unlinks the name as soon as all have mapped it (or on any setup failure), so
+no segment outlives the job whatever kills it. The TCP mesh stays: it is the liveness signal
+(EOF = the peer died) and carries barrier and alltoall.
+
 Payload bytes after the handshake are not MACed (same trust model as Gloo and NCCL: peers are
 authenticated, the network path is trusted).
 """
@@ -33,6 +47,7 @@ import time
 
 from hpcring.bootstrap import auth
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend
+from hpcring.bootstrap.store import StoreTimeoutError
 from hpcring.config import envvars
 from hpcring.errors import BootstrapError, CollectiveError, UsageError
 
@@ -49,6 +64,20 @@ OP_CODES = {name: i for i, name in enumerate(OPS)}            # must match enum 
 
 _U32x2 = struct.Struct(">II")   # (rank, connection index): the handshake's extra field
 HANDSHAKE_TIMEOUT = 10.0
+
+# Measured on the 2-core dev machine (docs/collectives.md "Striping"): extra streams and threads
+# only add switching when every core already runs a rank, so the defaults stay 1/1 there
+# (HPCRING_RING_STREAMS / HPCRING_RING_THREADS in the registry). On a node with spare cores
+# (cores >= 2 x ranks per node) raise both, e.g. 4 and 2, and re-measure with `hpcring bench`.
+MAX_STREAMS = 16      # HR_MAX_STREAMS in native/hr_internal.h
+
+
+def default_shm_piece(local_ranks: int) -> int:
+    """1 MiB per rank on the host, 1-8 MiB: fewer barriers per byte as ranks get more (measured on
+    2 cores, 64 MiB: 2 ranks 2 MiB 0.76-1.51 vs 1 MiB 0.50-0.54 GB/s; 4 ranks 2-4 MiB 0.30-0.50 vs
+    1 MiB 0.22-0.37 GB/s). The segment holds 2 pieces per rank (8 ranks: 128 MiB of /dev/shm)."""
+    return min(8, max(1, local_ranks)) << 20
+
 
 def default_timeout() -> float:
     """HPCRING_TIMEOUT (seconds) or the registry's default (hpcring.config.envvars)."""
@@ -88,6 +117,18 @@ def _auth_listener(sock: socket.socket, secret: bytes, ctx: bytes, size: int, nc
         raise ConnectionError(f"authenticated peer claims rank {peer} conn {conn}, out of range")
     sock.sendall(auth.RING.server_proof(secret, nl, nc, ctx, ids))
     return peer, conn
+
+
+def node_layout(hosts, rank: int) -> tuple[list[int], list[int] | None]:
+    """(ranks on this rank's host, ranks with this rank's local index on every host in order of
+    first appearance, or None when hosts differ in rank count: no two-level allreduce then)."""
+    local = [r for r in range(len(hosts)) if hosts[r] == hosts[rank]]
+    per_node: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        per_node.setdefault(h, []).append(r)
+    if len({len(v) for v in per_node.values()}) != 1:
+        return local, None
+    return local, [v[local.index(rank)] for v in per_node.values()]
 
 
 def _advertised_host(topology) -> str:
@@ -130,15 +171,19 @@ class RingBackend(Backend):
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def create(cls, topology, store, secret: bytes | str, timeout: float | None = None, *,
-               prefix: str = "hpcring/ring", conns_per_peer: int = 1, sockbuf: int | None = None,
-               rd_threshold: int | None = None) -> "RingBackend":
+               prefix: str = "hpcring/ring", conns_per_peer: int | None = None,
+               sockbuf: int | None = None, rd_threshold: int | None = None,
+               threads: int | None = None, shm: bool | None = None) -> "RingBackend":
         """Exchange addresses through ``store`` and build the authenticated full mesh.
 
         ``timeout`` bounds the whole setup and is the default deadline of every collective
         (None: HPCRING_TIMEOUT or 300 s). ``sockbuf`` sets SO_SNDBUF/SO_RCVBUF (None: env
         HPCRING_SOCKBUF or the kernel's autotuning). ``rd_threshold``: allreduce messages below
         this many bytes use recursive doubling (None: env HPCRING_RD_THRESHOLD or the measured
-        default). Raises BootstrapError when peers cannot be reached or authenticated in time.
+        default). ``conns_per_peer`` (streams) and ``threads`` stripe the ring passes (None: env
+        HPCRING_RING_STREAMS / HPCRING_RING_THREADS or 1). ``shm``: shared memory between the
+        ranks of a host (None: env HPCRING_RING_SHM or on). Raises BootstrapError when peers cannot
+        be reached or authenticated in time.
         """
         if _native is None:
             raise BootstrapError(f"hpcring._native is not built: {_IMPORT_ERROR}",
@@ -152,6 +197,14 @@ class RingBackend(Backend):
             sockbuf = envvars.get("HPCRING_SOCKBUF")
         if rd_threshold is None:
             rd_threshold = envvars.get("HPCRING_RD_THRESHOLD")
+        if conns_per_peer is None:
+            conns_per_peer = envvars.get("HPCRING_RING_STREAMS")
+        if threads is None:
+            threads = envvars.get("HPCRING_RING_THREADS")
+        if shm is None:
+            shm = envvars.get("HPCRING_RING_SHM")
+        if not (1 <= conns_per_peer <= MAX_STREAMS and 1 <= threads <= MAX_STREAMS):
+            raise UsageError(f"ring streams ({conns_per_peer}) and threads ({threads}) must be 1..{MAX_STREAMS}")
         rank, size = topology.rank, topology.size
         hosts = tuple(topology.hosts) if len(topology.hosts) == size else tuple(f"rank{r}" for r in range(size))
         if size == 1:
@@ -214,7 +267,52 @@ class RingBackend(Backend):
             s.detach()
         if rd_threshold is not None:
             comm.rd_threshold = int(rd_threshold)
+        comm.threads = threads
+        for var, attr in (("HPCRING_RING_STRIPE_MIN", "stripe_min"), ("HPCRING_TWOLEVEL_MIN", "twolevel_min"),
+                          ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max")):
+            if envvars.get(var) is not None:           # unset: the measured defaults in native/
+                setattr(comm, attr, envvars.get(var))
+        if shm:
+            try:
+                cls._attach_shm(comm, store, secret, base, rank, hosts, deadline)
+            except BaseException:
+                comm.close()
+                raise
         return cls(comm, hosts)
+
+    @staticmethod
+    def _attach_shm(comm, store, secret: bytes, base: str, rank: int, hosts: tuple[str, ...],
+                    deadline: float) -> None:
+        """Map the host's shared-memory segment (see the module docstring); no-op for a rank
+        alone on its host."""
+        local, column = node_layout(hosts, rank)
+        if len(local) < 2:
+            return
+        piece = (envvars.get("HPCRING_RING_SHM_PIECE") or default_shm_piece(len(local))) // 64 * 64
+        name = "/hpcring-" + auth.mac(secret, b"hpcring-ring-v1 shm", base.encode(),
+                                  hosts[rank].encode()).hex()[:32]
+        leader = local[0]
+        try:
+            if rank == leader:
+                _native.shm_unlink(name)      # a leftover of this very job's earlier attempt
+                comm.shm_attach(name, True, local, column, piece)
+                store.set(f"{base}/shm/created/{leader}", b"1")
+            else:
+                store.get(f"{base}/shm/created/{leader}", timeout=max(0.1, deadline - time.monotonic()))
+                comm.shm_attach(name, False, local, column, piece)
+            store.set(f"{base}/shm/mapped/{rank}", b"1")
+            store.gather([f"{base}/shm/mapped/{r}" for r in local], timeout=max(0.1, deadline - time.monotonic()))
+        except _native.NativeError as e:
+            raise BootstrapError(f"ring setup: rank {rank} ({hosts[rank]}): shared memory: {e}",
+                                 hint="check /dev/shm (size, permissions), or turn shared memory "
+                                      "off on every rank with HPCRING_RING_SHM=0") from None
+        except StoreTimeoutError as e:
+            raise BootstrapError(f"ring setup: rank {rank} ({hosts[rank]}): the ranks of this host "
+                                 f"did not all map the shared-memory segment in time "
+                                 f"(missing: {', '.join(e.missing or [])})",
+                                 hint="a rank of this host did not start or failed; see its log") from None
+        finally:
+            _native.shm_unlink(name)          # on every path: no name outlives the setup
 
     @staticmethod
     def _connect(host: str, port: int, deadline: float, peer: int, peer_host: str) -> socket.socket:
@@ -271,6 +369,15 @@ class RingBackend(Backend):
     @property
     def error(self) -> str | None:
         return self._comm.error
+
+    def describe(self) -> str:
+        """The transport in use, for benchmark tables."""
+        shm = self._comm.shm
+        where = "tcp only" if shm is None else (
+            f"shared memory ({shm[0]} ranks on this host)" + (
+                "" if shm[1] == 1 else f", two-level allreduce over {shm[1]} hosts" if shm[1] else
+                ", hosts differ in rank count: tcp across hosts"))
+        return f"ring: {where}; {self._comm.streams} stream(s)/peer, {self._comm.threads} I/O thread(s)"
 
     @property
     def rd_threshold(self) -> int:

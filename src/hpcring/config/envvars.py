@@ -90,11 +90,40 @@ VARS: tuple[Var, ...] = (
        "autotuning)", 0, 1 << 30),
     _v("HPCRING_RD_THRESHOLD", "int", None, "allreduce messages below this many bytes use recursive "
        "doubling (unset: the measured default)", 0, 1 << 40),
+    _v("HPCRING_RING_STREAMS", "int", 1, "TCP streams per ring peer, each carrying a slice of every "
+       "chunk (site: fabric.ring_streams)", 1, 16),
+    _v("HPCRING_RING_THREADS", "int", 1, "I/O threads per rank driving the ring's streams "
+       "(site: fabric.ring_threads)", 1, 16),
+    _v("HPCRING_RING_SHM", "bool", True, "shared memory between the ranks of one host instead of "
+       "loopback TCP (site: fabric.ring_shm)"),
+    _v("HPCRING_BCAST_TREE_MAX", "int", None, "ring broadcast: binomial tree up to this many bytes, "
+       "pipelined chain above (unset: the measured 256 KiB)", 0, 1 << 62),
+    _v("HPCRING_RING_STRIPE_MIN", "int", None, "ring striping: bytes of a chunk per stream before "
+       "another stream is used (unset: 1 MiB)", 1, 1 << 40),
+    _v("HPCRING_TWOLEVEL_MIN", "int", None, "allreduce/reduce-scatter across hosts with shared memory: "
+       "two-level from this many bytes (unset: the measured 8 MiB)", 0, 1 << 62),
+    _v("HPCRING_RING_SHM_PIECE", "int", None, "shared-memory piece per rank and buffer, bytes "
+       "(unset: 1 MiB per local rank, 1-8 MiB)", 4096, 1 << 30),
+    # -- hpcring.torch (the Horovod API) and torch's own backends --
+    _v("HPCRING_FUSION_THRESHOLD", "int", 128 * 1024 * 1024, "hpcring.torch: Tensor Fusion buffer, bytes "
+       "(0: no fusion; Horovod's default)", 0, 1 << 40),
+    _v("HPCRING_CYCLE_TIME", "float", 1.0, "hpcring.torch: how long a fusion cycle collects ready "
+       "gradients, milliseconds (Horovod's default)", 0, 60_000),
+    _v("HPCRING_TIMELINE", "path", None, "hpcring.torch: write this rank's timeline here "
+       "(`hpcring timeline JOB` merges all ranks)"),
+    _v("HPCRING_AUTOTUNE", "bool", False, "hpcring.torch: tune the fusion threshold and cycle time "
+       "during the first steps"),
+    _v("HPCRING_AUTOTUNE_LOG", "path", None, "hpcring.torch: CSV of every autotuning sample"),
+    _v("HPCRING_AUTOTUNE_WARMUP_STEPS", "int", 3, "hpcring.torch: steps before autotuning measures", 0, 10_000),
+    _v("HPCRING_AUTOTUNE_STEPS_PER_SAMPLE", "int", 5, "hpcring.torch: steps timed per autotuning "
+       "sample", 1, 10_000),
     _v("HPCRING_CHECK_COLLECTIVES", "bool", False, "check before each collective that every rank "
        "calls the same op, dtype, count and root (costs a small allreduce)"),
     _v("HPCRING_MPI_ABORT_ON_TIMEOUT", "bool", True, "MPI backend: abort the job when a collective "
        "misses its deadline (MPI cannot cancel one)"),
     _v("HPCRING_WATCHDOG", "bool", True, "start the hang watchdog (flight records, stacks, report)"),
+    _v("HPCRING_TORCH_WATCH", "bool", True, "give torch's own process groups (gloo, NCCL) hpcring's "
+       "deadline and hang report (hpcring.diagnostics.torch_watch)"),
     _v("HPCRING_DIAG_GRACE", "float", 5.0, "how long the watchdog waits for every rank's snapshot "
        "before reporting, seconds", 0.5, 3600),
     _v("HPCRING_ON_FAILURE", "choice", "abort", "after a diagnosed collective failure: `abort` ends "
@@ -274,12 +303,12 @@ def check_number(what: str, value: Any, *, lo: float | None = None, hi: float | 
     except (TypeError, ValueError, OverflowError) as exc:
         why = str(exc) if isinstance(exc, ValueError) and str(exc) in (
             "not a number", "not a whole number", "not finite", "out of range") else "not a number"
-        raise UsageError(f"{what}={value!r}: {why}; expected {var.allowed()}",
+        raise UsageError(f"{what} must be {var.allowed()}, got {value!r} ({why})",
                          hint=hint or f"pass {what} within those bounds") from None
     return number
 
 
-def collective_timeout(timeout: Any = None, what: str = "Communicator(timeout=)") -> float:
+def collective_timeout(timeout: Any = None, what: str = "Communicator timeout") -> float:
     """A collective deadline: ``timeout`` checked (finite, > 0, at most a week), or HPCRING_TIMEOUT."""
     if timeout is None:
         return get("HPCRING_TIMEOUT")

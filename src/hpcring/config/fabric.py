@@ -9,6 +9,7 @@ Why each variable:
   interface names only (no prefixes), so they are set here only when every entry is exact;
   otherwise hpcring sets them per rank at init, after verifying which interface connects.
 - UCX_NET_DEVICES: UCX takes device:port for IB/RoCE and interface names for TCP.
+- HPCRING_RING_STREAMS / HPCRING_RING_THREADS / HPCRING_RING_SHM: hpcring's own ring (fabric.ring_*).
 """
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ def fabric_env(fab: Fabric) -> dict[str, str]:
         env["UCX_NET_DEVICES"] = ",".join(h if ":" in h else f"{h}:1" for h in fab.hcas)
     if fab.kind == "roce" and fab.gid_index is not None:
         env["NCCL_IB_GID_INDEX"] = str(fab.gid_index)
+    if fab.ring_streams is not None:
+        env["HPCRING_RING_STREAMS"] = str(fab.ring_streams)
+    if fab.ring_threads is not None:
+        env["HPCRING_RING_THREADS"] = str(fab.ring_threads)
+    if fab.ring_shm is not None:
+        env["HPCRING_RING_SHM"] = "1" if fab.ring_shm else "0"
     exact_socket = exact_names(socket_spec)
     if exact_socket:
         env["GLOO_SOCKET_IFNAME"] = ",".join(exact_socket)

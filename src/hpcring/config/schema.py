@@ -84,6 +84,11 @@ class Fabric(_Strict):
     bootstrap_interfaces: list[str] = []
     hcas: list[str] = []  # "mlx5_0:1" (device:port)
     gid_index: int | None = Field(default=None, ge=0)
+    # hpcring ring striping: TCP streams per peer and I/O threads per pass (HPCRING_RING_STREAMS /
+    # HPCRING_RING_THREADS; None keeps the measured defaults, see collectives/ring.py)
+    ring_streams: int | None = Field(default=None, ge=1, le=16)
+    ring_threads: int | None = Field(default=None, ge=1, le=16)
+    ring_shm: bool | None = None      # shared memory between a host's ranks (HPCRING_RING_SHM)
 
     @field_validator("hcas")
     @classmethod

@@ -32,6 +32,8 @@ from hpcring.ranks import rank_ranges, ranks_label, who  # noqa: F401 - rank_ran
 
 CATEGORIES = ("dead", "unreachable", "exited", "mismatch", "different", "missing", "joined")
 _LINK = re.compile(r"(send to|recv from) rank (\d+) \(([^)]*)\) (.*?), (\d+)/(\d+) bytes done")
+# a local peer that died while its node's ranks met in shared memory (native/transport_shm.c)
+_SHM_DIED = re.compile(r"rank (\d+) \(([^)]*)\) died during the shared-memory")
 _GONE = ("closed by peer", "reset", "EOF", "Broken pipe", "broken pipe", "connection closed", "Connection refused")
 
 
@@ -136,7 +138,12 @@ def parse_link(error: str | None, rank: int) -> dict | None:
         return None
     m = _LINK.search(error)
     if not m:
-        return None
+        d = _SHM_DIED.search(error)
+        if d is None:
+            return None
+        peer = int(d.group(1))
+        return {"from": peer, "to": rank, "peer": peer, "seen_by": rank, "why": "died (shared memory)",
+                "bytes_done": 0, "bytes_total": 0, "timed_out": False, "gone": True}
     direction, peer, _host, why, done, total = m.groups()
     peer = int(peer)
     src, dst = (peer, rank) if direction == "recv from" else (rank, peer)

@@ -92,6 +92,9 @@ class Watchdog:
         self._listener: threading.Thread | None = None
         self._lost: str | None = None
         self._closing = False
+        # snapshots -> Report; torch_watch swaps in a diagnosis that also reads torch's errors
+        self.diagnose: Callable[..., Report] = diagnose
+        self.where: Callable[[], str] = main_thread_location     # the snapshot's "where"
 
     # -- wiring ---------------------------------------------------------------------------
     def register(self, comm) -> None:
@@ -128,7 +131,7 @@ class Watchdog:
             err = err or comm.backend.error
         return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
                 "records": records, "last_done": last_done, "error": err,
-                "where": main_thread_location()}
+                "where": self.where()}
 
     def dump(self, reason: str) -> str | None:
         """Flight records and all threads' stacks to ``<job folder>/diag``; returns the folder
@@ -152,8 +155,19 @@ class Watchdog:
         """Called by the Communicator when a collective raised ``error``: trigger the job-wide
         diagnosis, wait for the report (bounded), and return the error to raise (with the
         report) -- or end the process when ``abort`` is on."""
-        trig = {"rank": self.rank, "host": self.host, "error": str(getattr(error, "message", error)),
-                "op": rec.to_dict(), "time": time.time()}
+        self.trigger(str(getattr(error, "message", error)), rec.to_dict())
+        if self.report is None:
+            return error
+        text = self.report.text()
+        return CollectiveError(f"{getattr(error, 'message', error)}\n{text}", hint=getattr(error, "hint", None))
+
+    def trigger(self, error: str, op: dict | None = None) -> Report | None:
+        """Start the job-wide diagnosis from this rank (any thread): ``error`` is what this rank
+        saw, ``op`` the record of the collective it concerns (a Record's ``to_dict()``, or None).
+        Waits (bounded) for the report; with ``abort`` on the process ends meanwhile. Returns
+        the report, or None when none came. Used by collectives that do not go through a
+        Communicator (torch's own process groups: :mod:`hpcring.diagnostics.torch_watch`)."""
+        trig = {"rank": self.rank, "host": self.host, "error": error, "op": op, "time": time.time()}
         try:
             client = self._action_client()
             if client.add("diag/ntrigger", 1) == 1:
@@ -165,10 +179,7 @@ class Watchdog:
         self._done.wait(self.grace + 20.0)
         if self.abort and self.report is not None:
             time.sleep(30.0)           # the listener thread is ending the process (os._exit)
-        if self.report is None:
-            return error
-        text = self.report.text()
-        return CollectiveError(f"{getattr(error, 'message', error)}\n{text}", hint=getattr(error, "hint", None))
+        return self.report
 
     # -- every rank -----------------------------------------------------------------------
     def _listen(self) -> None:
@@ -216,7 +227,7 @@ class Watchdog:
             except HpcringError as e:
                 self._lost = str(e)
         if report is None:
-            report = diagnose(self.size, list(self.topology.hosts), {self.rank: snap}, trigger=trig,
+            report = self.diagnose(self.size, list(self.topology.hosts), {self.rank: snap}, trigger=trig,
                               interface=self.topology.interface, side_channel=False)
             report.files = folder
             print(report.text() + f"\n  side channel: {self._lost}", file=sys.stderr, flush=True)
@@ -234,7 +245,7 @@ class Watchdog:
                 snaps[r] = json.loads(v)
             elif (v := client.check(f"diag/exit/{r}")) is not None:
                 exits[r] = json.loads(v)
-        report = diagnose(self.size, list(self.topology.hosts), snaps, exits, trig,
+        report = self.diagnose(self.size, list(self.topology.hosts), snaps, exits, trig,
                           interface=self.topology.interface)
         report.files = folder
         return report

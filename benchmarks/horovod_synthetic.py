@@ -1,0 +1,177 @@
+"""Synthetic training throughput: hpcring.torch (Horovod API) vs torch DDP on gloo, same model and batch.
+
+    python benchmarks/horovod_synthetic.py                    # 2 and 3 local ranks, all variants
+    python benchmarks/horovod_synthetic.py -n 2 --variants hvd,ddp --batch 16
+
+Each variant is one `hpcring run` job (ranks on this machine; ring backend over loopback TCP for
+hpcring.torch, Gloo for DDP). Model: a small ResNet (stem + 4 residual stages, BatchNorm,
+~0.7 M parameters, 30 gradient tensors) on 32x32 random images, SGD, ``torch.set_num_threads(1)``
+per rank. Every rank times ``--iters`` iterations of ``--batches`` steps after ``--warmup`` steps;
+the table shows images/s summed over ranks (mean over iterations, from rank 0's timings) and, for
+hpcring.torch, collectives per step, negotiation cycles per step and negotiation time per step.
+
+Variants: ``hvd`` (defaults: 128 MiB fusion threshold, 1 ms cycle), ``hvd-nofusion``
+(HPCRING_FUSION_THRESHOLD=0: one collective per tensor), ``hvd-autotune`` (HPCRING_AUTOTUNE=1;
+warm-up is extended until the tuner has chosen, then the same measurement), ``hvd-timeline``
+(HPCRING_TIMELINE on: its cost), ``ddp`` (DistributedDataParallel, gloo, default 25 MiB buckets).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ("hvd", "hvd-nofusion", "hvd-autotune", "hvd-timeline", "ddp")
+
+
+def make_model():
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+            self.b1 = nn.BatchNorm2d(cout)
+            self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+            self.b2 = nn.BatchNorm2d(cout)
+            self.skip = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+        def forward(self, x):
+            y = self.b1(self.c1(x)).relu()
+            return (self.b2(self.c2(y)) + self.skip(x)).relu()
+
+    return nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                         Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2), Block(64, 128, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+
+
+def worker(variant: str, batch: int, warmup: int, batches: int, iters: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = make_model()
+    data = torch.randn(batch, 3, 32, 32)
+    target = torch.randint(0, 10, (batch,))
+    if variant == "ddp":
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01 * size)
+        eng = None
+    else:
+        import hpcring.torch as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * size),
+                                       named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        eng = hvd.state.engine()
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(data), target).backward()
+        opt.step()
+
+    for _ in range(warmup):
+        step()
+    tuner = eng.autotuner if eng is not None else None
+    if tuner is not None:          # a fixed number of tuning steps, the same on every rank
+        from hpcring.torch.autotune import CYCLES_MS, THRESHOLDS
+        for _ in range(tuner.warmup + 4 + (len(CYCLES_MS) + len(THRESHOLDS) + 1) * (tuner.steps + 1)):
+            step()
+        if rank == 0 and not tuner.done:
+            raise RuntimeError("autotuner did not finish in the planned number of steps")
+    s0 = dict(eng.stats) if eng is not None else {}
+    rates = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            step()
+        rates.append(batch * batches / (time.perf_counter() - t0))
+    if rank == 0:
+        out = {"variant": variant, "ranks": size, "img_s": size * sum(rates) / len(rates),
+               "img_s_min": size * min(rates), "img_s_max": size * max(rates)}
+        if eng is not None:
+            steps = iters * batches
+            out.update({"coll_per_step": (eng.stats["collectives"] - s0["collectives"]) / steps,
+                        "cycles_per_step": (eng.stats["cycles"] - s0["cycles"]) / steps,
+                        "negotiate_ms_per_step": 1e3 * (eng.stats["negotiate_s"] - s0["negotiate_s"]) / steps,
+                        "threshold": eng.threshold, "cycle_ms": eng.cycle_s * 1e3})
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+def run_variant(variant: str, ranks: int, args, tmp: str) -> dict | None:
+    env = {**os.environ, "HPCRING_TIMEOUT": "120"}
+    if variant == "hvd-nofusion":
+        env["HPCRING_FUSION_THRESHOLD"] = "0"
+    if variant == "hvd-autotune":
+        env.update(HPCRING_AUTOTUNE="1", HPCRING_AUTOTUNE_LOG=os.path.join(tmp, f"autotune-{ranks}.csv"),
+                   HPCRING_AUTOTUNE_STEPS_PER_SAMPLE=str(args.tune_steps))
+    if variant == "hvd-timeline":
+        env["HPCRING_TIMELINE"] = os.path.join(tmp, f"timeline-{ranks}.json")
+    cmd = [sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(ranks), "--",
+           sys.executable, os.path.abspath(__file__), "--worker", variant, "--batch", str(args.batch),
+           "--warmup", str(args.warmup), "--batches", str(args.batches), "--iters", str(args.iters)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=tmp)
+    for line in (p.stdout + p.stderr).splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    sys.stderr.write(f"{variant} on {ranks} ranks failed (exit {p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}\n")
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-n", "--ranks", default="2,3", help="comma-separated rank counts (default 2,3)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--batch", type=int, default=16, help="images per rank per step")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batches", type=int, default=5, help="steps per timed iteration")
+    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--tune-steps", type=int, default=3, help="autotune: steps per sample")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the variants this many times, interleaved (a loaded machine drifts); "
+                         "the table shows the run with the median img/s and lists all")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.batch, args.warmup, args.batches, args.iters)
+        return
+    tmp = tempfile.mkdtemp(prefix="hvd-bench-")
+    print(f"# small ResNet, 32x32 images, batch {args.batch}/rank, {args.iters} x {args.batches} timed steps "
+          f"after {args.warmup} warm-up; img/s summed over ranks (min-max over iterations)")
+    print(f"# {'ranks':>5} {'variant':<14} {'img/s':>8} {'min-max':>15} {'coll/step':>9} {'cycles/step':>11} "
+          f"{'negot ms/step':>13}  settings")
+    for n in [int(x) for x in args.ranks.split(",")]:
+        runs: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
+        for _ in range(args.repeat):
+            for v in runs:
+                r = run_variant(v, n, args, tmp)
+                if r is not None:
+                    runs[v].append(r)
+        for v, rs in runs.items():
+            if not rs:
+                print(f"  {n:>5} {v:<14} {'failed':>8}")
+                continue
+            rs.sort(key=lambda r: r["img_s"])
+            r = rs[len(rs) // 2]
+            extra = ""
+            if "threshold" in r:
+                extra = f"threshold {r['threshold'] / 2**20:g} MiB, cycle {r['cycle_ms']:g} ms"
+            if len(rs) > 1:
+                extra += "  runs: " + ", ".join(f"{x['img_s']:.0f}" for x in rs)
+            print(f"  {n:>5} {v:<14} {r['img_s']:8.1f} {r['img_s_min']:7.1f}-{r['img_s_max']:<7.1f} "
+                  f"{r.get('coll_per_step', float('nan')):9.1f} {r.get('cycles_per_step', float('nan')):11.1f} "
+                  f"{r.get('negotiate_ms_per_step', float('nan')):13.2f}  {extra}", flush=True)
+    print(f"# autotune logs and timelines in {tmp}")
+
+
+if __name__ == "__main__":
+    main()

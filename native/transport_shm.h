@@ -1,0 +1,70 @@
+/* transport_shm.h -- a shared-memory segment shared by the ranks of one node.
+ *
+ * Layout: a header with one cache line per local rank (a phase counter that is also a futex
+ * word, an "I failed" flag, the pid and the header of the collective it is in), then two
+ * buffers of `slot` bytes per local rank (double buffering: piece p uses buffer parity p, counted
+ * across collectives, so a rank may fill its next buffer while peers still read the last one).
+ *
+ * Lifetime (collectives/ring.py): the node's first rank creates the segment (shm_open O_EXCL,
+ * mode 0600, per-job name), every local rank maps it, and once all have mapped it every rank
+ * shm_unlinks the name, so nothing is left in /dev/shm on any later exit, SIGKILL included (the
+ * memory goes away with the last mapping).
+ *
+ * Synchronisation: hr_shm_signal bumps this rank's counter (release) and wakes futex waiters;
+ * hr_shm_wait waits until every local peer's counter reached this rank's, spinning briefly
+ * (not at all when the node's ranks outnumber its cores: the peer it waits for needs this core),
+ * then sleeping in FUTEX_WAIT for at most 5 ms at a time so that the deadline and the peers'
+ * liveness are checked: a peer whose TCP connection reads EOF without having set its failed flag
+ * died (SIGKILL, segfault), and is named as such; a peer that set the flag failed on its own and
+ * its message says why.
+ */
+#ifndef HR_TRANSPORT_SHM_H
+#define HR_TRANSPORT_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define HR_SHM_MAGIC 0x68727368u /* "hrsh" */
+
+typedef struct hr_shm_cell {
+    uint32_t phase;         /* futex word: signals so far */
+    uint32_t failed;        /* set before this rank aborts its connections */
+    int32_t pid;
+    uint32_t hstart;        /* phase at which hdr's collective started (0 while it is written) */
+    unsigned char hdr[24];  /* hr_hdr_t of the collective in progress */
+    unsigned char fill[24];
+} hr_shm_cell_t;            /* 64 bytes: one cache line */
+
+typedef struct hr_shm {
+    unsigned char *base;    /* mapping, NULL when not attached */
+    size_t len, slot;       /* mapping bytes; bytes per buffer */
+    int lsize, lrank;       /* ranks on this node; this rank's index among them */
+    int *lranks;            /* global rank of each local index */
+    int ncol, colpos;       /* two-level: nodes; this node's index */
+    int *col;               /* global ranks of local index lrank on every node (node order) */
+    uint32_t phase;         /* this rank's counter (private copy) */
+    uint32_t parity;        /* buffer parity of the next piece */
+    int spin;               /* sched_yield rounds before sleeping (0 when ranks outnumber cores) */
+} hr_shm_t;
+
+/* Segment bytes for lsize ranks with buffers of slot bytes. */
+size_t hr_shm_bytes(int lsize, size_t slot);
+
+/* Create (create != 0: O_CREAT|O_EXCL, mode 0600, posix_fallocate) or open the POSIX shm object
+ * `name` and map it; the descriptor is closed at once. Returns 0, or -1 with the failing system
+ * call in err (nothing mapped). */
+int hr_shm_map(const char *name, int create, size_t bytes, unsigned char **out, char *err,
+               size_t errlen);
+
+/* shm_unlink(name); ENOENT is not an error (another local rank was first). */
+int hr_shm_unlink(const char *name, char *err, size_t errlen);
+
+static inline hr_shm_cell_t *hr_shm_cell(const hr_shm_t *s, int l) {
+    return (hr_shm_cell_t *)(void *)(s->base + 64 + (size_t)l * sizeof(hr_shm_cell_t));
+}
+static inline unsigned char *hr_shm_buf(const hr_shm_t *s, int l, uint32_t parity) {
+    size_t hdr = (64 + (size_t)s->lsize * sizeof(hr_shm_cell_t) + 4095) & ~(size_t)4095;
+    return s->base + hdr + ((size_t)l * 2 + (parity & 1)) * s->slot;
+}
+
+#endif

@@ -1,0 +1,42 @@
+"""nccl-tests-style collective benchmark with a correctness check in every run (``hpcring bench``).
+
+Where it runs:
+  * inside any launcher, as a rank (``hpcring run -- hpcring bench ...``, ``srun``, ``mpirun``, or a
+    script under ``hpcring submit`` that calls :func:`run_as_rank`): every rank benchmarks, rank 0
+    prints;
+  * standalone (no launcher around it): :func:`bench_main` spawns ``--ranks`` local ranks itself
+    through :func:`hpcring.launch.run` (local backend env) and prints rank 0's table untagged.
+
+Columns follow nccl-tests (out-of-place only): ``size`` is the bytes of the largest buffer of the
+call (allgather: the gathered output; reduce_scatter: the input; alltoall: one rank's buffer),
+``count`` the elements per rank (allgather/reduce_scatter: one rank's share; alltoall: per peer),
+``time`` the mean of ``iters`` timed calls on the slowest rank (after ``warmup`` calls and a barrier),
+``algbw = size / time``, ``busbw = algbw * factor`` with factor allreduce 2(n-1)/n; allgather,
+reduce_scatter, alltoall (n-1)/n; broadcast 1.
+
+Correctness: rank r's input is a deterministic pattern ``G_r`` of small integers with period 1021
+elements (from the seed and r), so every rank can compute the expected result of any collective
+for every rank without communication; ``#wrong`` is the number of elements, summed over ranks,
+that differ from it (exact comparison; ``avg`` within one rounding of the dtype). Integer-valued
+data keep float16/bfloat16 sums exact, so the check is exact for them too.
+"""
+
+from __future__ import annotations
+
+from hpcring.bench.data import (  # noqa: F401
+    DTYPES, DTYPE_ALIASES, PERIOD, ENV_TABLE, normalize_dtype, is_float, f32_to_bf16_bits,
+    bf16_bits_to_f32, to_storage, as_values, rank_pattern, reduce_patterns, tile, count_wrong, Case)
+
+from hpcring.bench.cases import (  # noqa: F401
+    busbw_factor, counts_for, MEMORIES, device_module, memory_label, Collective, TABLE, COLLECTIVES, REDUCING,
+    make_case)
+
+from hpcring.bench.options import (  # noqa: F401
+    OPS, parse_size, size_list, BenchOptions, require_matplotlib)
+
+from hpcring.bench.table import (  # noqa: F401
+    Row, HEADER, format_header, format_row, avg_busbw, format_footer, make_row)
+
+from hpcring.bench.run import (  # noqa: F401
+    run_bench, result_dict, write_plot, preamble, in_rank, resolved_backend, run_as_rank, to_argv,
+    spawn_local, bench_main)

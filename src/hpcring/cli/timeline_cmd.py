@@ -1,0 +1,39 @@
+"""`hpcring timeline JOB`: merge every rank's hpcring.torch timeline into one Chrome-trace JSON.
+
+The work is in :mod:`hpcring.diagnostics.timeline` (no torch import needed to merge)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    try:
+        from hpcring.cli.main import command
+    except ImportError:  # pragma: no cover - a partial build
+        command = lambda target, *a, **kw: target.command(*a, **kw)  # noqa: E731
+
+    @command(app, "timeline",
+             help="Merge the per-rank timelines of a job run with HPCRING_TIMELINE=PATH (or `hpcring submit "
+                  "--timeline`) into one Chrome-trace/Perfetto JSON, one track per rank, clocks aligned to rank 0. "
+                  "JOB: a job id, a job folder, or the PATH given to HPCRING_TIMELINE.")
+    def timeline(job: str = typer.Argument(..., help="Job id, job folder, or timeline PATH."),
+                 out: Optional[str] = typer.Option(None, "--output", "-o",
+                                                   help="Merged file (default: <base>, e.g. <job folder>/timeline.json).")):
+        from hpcring.cli import output
+        from hpcring.diagnostics.timeline import find_rank_files, merge
+
+        target = job
+        if "/" not in job and not Path(job).exists() and not list(Path(".").glob(job + ".rank*")):   # a job id
+            from hpcring import submit as lib
+            target = lib.record(job).folder
+        base, files = find_rank_files(target)
+        doc = merge(files)
+        dest = Path(out or base)
+        dest.write_text(json.dumps(doc))
+        n = sum(1 for e in doc["traceEvents"] if e.get("ph") == "X")
+        output.info(f"merged {n} events from {len(files)} rank(s) into {dest} (open in https://ui.perfetto.dev "
+                    "or chrome://tracing)")

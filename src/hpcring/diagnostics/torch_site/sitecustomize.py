@@ -1,0 +1,30 @@
+"""Run by the Python of ``hpcring run``'s CMD at start (rank_exec puts this folder first on
+PYTHONPATH): watch the torch process group the script may create
+(:func:`hpcring.diagnostics.torch_watch.install`), then run the ``sitecustomize`` this file
+shadows, if any. A Python without hpcring just skips the watch."""
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+try:
+    if os.environ.get("HPCRING_SESSION"):
+        from hpcring.diagnostics import torch_watch
+        torch_watch.install()
+except ImportError:  # CMD's Python is not the one hpcring is installed in: nothing to watch with
+    pass
+except Exception as _e:  # noqa: BLE001 - never stop the user's program
+    print(f"hpcring: torch hang watch not installed: {_e}", file=sys.stderr)
+
+
+def _chain() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+
+
+_chain()

@@ -1,0 +1,48 @@
+"""DDP communication hook: keep gloo/NCCL as the process group, move gradients with hpcring.
+
+    from hpcring.distributed import allreduce_hook
+    model = DDP(model)                                # on gloo or nccl
+    model.register_comm_hook(None, allreduce_hook)    # state: None (the session's communicator)
+                                                      # or an hpcring Communicator
+
+Each gradient bucket is divided by the world size and summed in place by
+``Communicator.allreduce_async`` (DDP's own default does the same, so results match it); the
+future completes from hpcring's worker thread, and the allreduce has hpcring's deadline, flight
+record and hang report.
+"""
+# no `from __future__ import annotations`: DDP compares the hook's annotations with the real types
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+
+def _communicator(state, device_type: str):
+    if state is not None:
+        return state
+    from hpcring.session import current, init
+    session = current() or init()
+    comm = session.communicator()
+    if device_type == "cpu" and getattr(comm.backend, "device", "cpu") != "cpu":
+        comm = session.communicator("ring")
+    return comm
+
+
+def allreduce_hook(state, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """``model.register_comm_hook(state, allreduce_hook)``: average each bucket over the ranks
+    with hpcring (``state``: a Communicator, or None for the session's)."""
+    buf = bucket.buffer()
+    comm = _communicator(state, buf.device.type)
+    buf.div_(comm.size)
+    fut: Future = Future()
+
+    def done(handle) -> None:
+        err = handle.exception()
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(buf)
+    comm.allreduce_async(buf, "sum", out=buf).add_done_callback(done)
+    return fut
+
+
+__all__ = ["allreduce_hook"]

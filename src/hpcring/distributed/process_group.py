@@ -1,0 +1,480 @@
+"""``ProcessGroupHpcring``: torch.distributed collectives on an hpcring Communicator.
+
+Every op validates its tensors in the calling thread (a clear ``UsageError`` before anything is
+sent, so a bad call never hangs), then queues one or more ``Communicator.*_async`` calls and
+returns a :class:`HpcringWork` whose future completes from the communicator's worker thread
+(``Handle.add_done_callback``): the caller never blocks, and every collective carries hpcring's
+deadline, flight record, watchdog and hang report. Ops with no hpcring collective behind them
+are composed of ones that exist (reduce = allreduce, gather = allgather, scatter = broadcast,
+uneven all_to_all = padded alltoall); send/recv are refused (hpcring has no point-to-point).
+
+Which communicator: CUDA tensors go to the session's default communicator (``backend="auto"``:
+NCCL when a GPU is visible, see :func:`hpcring.session.auto_backend`), CPU tensors to a host
+communicator (the same one when the default is ring or MPI; else a ring communicator, created
+on the first CPU op, collectively like every op).
+"""
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.futures import Future
+
+from hpcring.errors import UsageError
+
+# torch reduce op -> hpcring op. BAND/BOR/BXOR and PREMUL_SUM have no hpcring kernel.
+_OPS = {ReduceOp.RedOpType.SUM: "sum", ReduceOp.RedOpType.PRODUCT: "prod", ReduceOp.RedOpType.MIN: "min",
+        ReduceOp.RedOpType.MAX: "max", ReduceOp.RedOpType.AVG: "avg"}
+# dtypes hpcring reduces; the others move as raw bytes in ops that do not reduce.
+_REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
+_DEVICES = ("cpu", "cuda")
+BACKEND_NAME = "hpcring"
+
+
+class HpcringWork(dist.Work):
+    """A pending torch op: ``get_future()`` completes (result: the op's output tensors) when the
+    last hpcring collective of the op finished; ``wait()`` blocks until then and raises its error."""
+
+    def __init__(self, future: Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        # The collectives carry hpcring's own deadline; torch's per-wait timeout is not needed
+        # to end a hang (the communicator fails, or the watchdog ends the job, first).
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:  # noqa: BLE001 - the error is the answer
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._future.value() if self._future.done() else None
+        except Exception as e:  # noqa: BLE001
+            return e
+        return None
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+def _done_work(result) -> HpcringWork:
+    f = Future()
+    f.set_result(result)
+    return HpcringWork(f)
+
+
+def _chain(handles: list, finish) -> HpcringWork:
+    """A Work completed after ``handles`` (queued in this order on one communicator, so the last
+    finishes last): ``finish()`` (copies out of staging buffers) gives the future's result; the
+    first error of any handle fails the future instead."""
+    fut = Future()
+
+    def on_done(_last) -> None:
+        try:
+            for h in handles:
+                h.wait(0)          # done already: raises the op's error, if any
+            fut.set_result(finish())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
+    handles[-1].add_done_callback(on_done)
+    return HpcringWork(fut)
+
+
+def _reduce_op(opts_op, what: str, dtype: torch.dtype) -> str:
+    kind = getattr(opts_op, "op", opts_op)
+    op = _OPS.get(kind)
+    if op is None:
+        name = getattr(kind, "name", str(kind))
+        raise UsageError(f"hpcring backend: {what} with ReduceOp.{name} is not supported",
+                         hint="supported: SUM, PRODUCT, MIN, MAX, AVG (AVG for floating-point tensors); "
+                              "for PREMUL_SUM scale the tensor first and use SUM")
+    if dtype not in _REDUCE_DTYPES:
+        raise UsageError(f"hpcring backend: {what} cannot reduce {dtype}",
+                         hint="supported: " + ", ".join(str(d).replace("torch.", "") for d in _REDUCE_DTYPES)
+                              + "; convert first (t.float())")
+    if op == "avg" and not dtype.is_floating_point:
+        raise UsageError(f"hpcring backend: {what} with ReduceOp.AVG needs a floating-point tensor, got {dtype}",
+                         hint="use SUM and divide, or convert to float")
+    return op
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when hpcring has its dtype, else its bytes (bool, int8, int16, complex, ...):
+    ops that only move data need no dtype."""
+    return t if t.dtype in _REDUCE_DTYPES else t.view(torch.uint8)
+
+
+class ProcessGroupHpcring(dist.ProcessGroup):
+    """torch.distributed process group whose collectives run on an hpcring session.
+
+    ``session``: an :class:`hpcring.session.Session` (its topology gives rank and size);
+    ``timeout``: deadline in seconds of every collective (None: the communicator's default,
+    HPCRING_TIMEOUT or 300 s)."""
+
+    def __init__(self, session, rank: int, size: int, timeout: float | None = None) -> None:
+        super().__init__(rank, size)
+        self._session = session
+        self._timeout = timeout
+        self._comms: dict[str, object] = {}
+        self._name = ""
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND_NAME
+
+    # torch reads a group's name from its C++ backends, which a Python group has none of; keep
+    # the name torch assigns here (DeviceMesh, FSDP2 and functional collectives look groups up by it).
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupHpcring rank {self.rank()}/{self.size()} comms {sorted(self._comms)}>"
+
+    # -- communicators --------------------------------------------------------------------
+    def _comm(self, tensors, what: str):
+        """The communicator for tensors all on one device type (cpu or cuda)."""
+        kinds = {t.device.type for t in tensors}
+        if len(kinds) != 1 or not kinds <= set(_DEVICES):
+            raise UsageError(f"hpcring backend: {what} got tensors on {', '.join(sorted(str(t.device) for t in tensors))}",
+                             hint="every tensor of one call must be on the CPU, or every one on CUDA")
+        for t in tensors:
+            if t.is_sparse or t.layout != torch.strided:
+                raise UsageError(f"hpcring backend: {what} needs dense (strided) tensors, got layout {t.layout}")
+        return self._comm_for(kinds.pop())
+
+    def _comm_for(self, device_type: str):
+        comm = self._comms.get(device_type)
+        if comm is None:
+            default = self._session.communicator(timeout=self._timeout)
+            if device_type == "cpu" and getattr(default.backend, "device", "cpu") != "cpu":
+                comm = self._session.communicator("ring", timeout=self._timeout)
+            else:
+                comm = default
+            self._comms[device_type] = comm
+        return comm
+
+    def _t(self):
+        return {"timeout": self._timeout}
+
+    # -- allreduce ------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        t = _one(tensors, "all_reduce")
+        op = _reduce_op(_opt(opts, "reduceOp", ReduceOp.SUM), "all_reduce", t.dtype)
+        comm = self._comm([t], "all_reduce")
+        buf = t if t.is_contiguous() else t.contiguous()
+        h = comm.allreduce_async(buf, op, out=buf, **self._t())
+        return _chain([h], lambda: _copy_back(t, buf) or [t])
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        tensors = list(tensors)
+        if not tensors:
+            return _done_work([])
+        op = _opt(opts, "reduceOp", ReduceOp.SUM)
+        for t in tensors:
+            _reduce_op(op, "all_reduce_coalesced", t.dtype)
+        comm = self._comm(tensors, "all_reduce_coalesced")
+        bufs = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        h = comm.allreduce_grouped_async(bufs, _reduce_op(op, "all_reduce_coalesced", tensors[0].dtype),
+                                         inplace=True, **self._t())
+        return _chain([h], lambda: [_copy_back(t, b) or t for t, b in zip(tensors, bufs)])
+
+    # -- allgather ------------------------------------------------------------------------
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        inp = _one(input_tensors, "all_gather")
+        outs = _one(output_tensors, "all_gather output")
+        _same_list(outs, inp, self.size(), "all_gather")
+        comm = self._comm([inp, *outs], "all_gather")
+        flat = torch.empty((self.size(), inp.numel()), dtype=inp.dtype, device=inp.device)
+        h = comm.allgather_async(_bytes(inp.contiguous()), out=_bytes(flat), **self._t())
+
+        def finish():
+            for r, o in enumerate(outs):
+                o.copy_(flat[r].view(o.shape))
+            return [outs]
+        return _chain([h], finish)
+
+    def _allgather_base(self, output, input, opts=None):  # noqa: A002 - torch's names
+        _check_pair(output, input, self.size(), "all_gather_into_tensor")
+        comm = self._comm([output, input], "all_gather_into_tensor")
+        buf = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        h = comm.allgather_async(_bytes(input.contiguous()), out=_bytes(buf), **self._t())
+        return _chain([h], lambda: _copy_back(output, buf) or [output])
+
+    all_gather_single = _allgather_base          # torch >= 2.13's name for the same op
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        works = [self.allgather([outs], [inp]) for outs, inp in _zip(output_lists, input_list, "all_gather_coalesced")]
+        return _last(works, [list(o) for o in output_lists])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self._allgather_base(o, i) for o, i in _zip(outputs, inputs, "all_gather_into_tensor_coalesced")]
+        return _last(works, list(outputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    # -- broadcast ------------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        t = _one(tensors, "broadcast")
+        root = _opt(opts, "rootRank", 0)
+        comm = self._comm([t], "broadcast")
+        buf = t if t.is_contiguous() else t.contiguous()
+        h = comm.broadcast_async(_bytes(buf), root, **self._t())
+        return _chain([h], lambda: _copy_back(t, buf) or [t])
+
+    # -- reduce_scatter -------------------------------------------------------------------
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        out = _one(output_tensors, "reduce_scatter")
+        ins = _one(input_tensors, "reduce_scatter input")
+        _same_list(ins, out, self.size(), "reduce_scatter")
+        op = _reduce_op(_opt(opts, "reduceOp", ReduceOp.SUM), "reduce_scatter", out.dtype)
+        comm = self._comm([out, *ins], "reduce_scatter")
+        flat = torch.cat([i.reshape(-1) for i in ins])
+        buf = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        h = comm.reduce_scatter_async(flat, op, out=buf, **self._t())
+        return _chain([h], lambda: _copy_back(out, buf) or [out])
+
+    def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
+        _check_pair(input, output, self.size(), "reduce_scatter_tensor")
+        op = _reduce_op(_opt(opts, "reduceOp", ReduceOp.SUM), "reduce_scatter_tensor", output.dtype)
+        comm = self._comm([output, input], "reduce_scatter_tensor")
+        buf = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        h = comm.reduce_scatter_async(input.contiguous().reshape(-1), op, out=buf, **self._t())
+        return _chain([h], lambda: _copy_back(output, buf) or [output])
+
+    reduce_scatter_single = _reduce_scatter_base   # torch >= 2.13's name
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in _zip(outputs, inputs, "reduce_scatter_tensor_coalesced")]
+        return _last(works, list(outputs))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # -- alltoall -------------------------------------------------------------------------
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        outs, ins = list(output_tensors), list(input_tensors)
+        n = self.size()
+        if len(outs) != n or len(ins) != n:
+            raise UsageError(f"hpcring backend: all_to_all needs {n} input and {n} output tensors "
+                             f"(one per rank), got {len(ins)} and {len(outs)}")
+        _same_dtype([*outs, *ins], "all_to_all")
+        comm = self._comm([*outs, *ins], "all_to_all")
+
+        def finish(flat):
+            for o, piece in zip(outs, torch.split(flat, [o.numel() for o in outs])):
+                o.copy_(piece.view(o.shape))
+            return outs
+        return self._alltoall_flat(comm, torch.cat([i.reshape(-1) for i in ins]),
+                                   [i.numel() for i in ins], [o.numel() for o in outs], finish, agree=True)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        n = self.size()
+        _same_dtype([output, input], "all_to_all_single")
+        comm = self._comm([output, input], "all_to_all_single")
+        row = input[0].numel() if input.dim() else 1       # splits count rows (dim 0)
+        in_splits = _splits(input_split_sizes, input, n, "input")
+        out_splits = _splits(output_split_sizes, output, n, "output")
+
+        def finish(flat):
+            if flat is not output:
+                output.copy_(flat.view(output.shape))
+            return [output]
+        # without split sizes every rank sends equal blocks: no need to agree first
+        return self._alltoall_flat(comm, input.contiguous().reshape(-1), [s * row for s in in_splits],
+                                   [s * row for s in out_splits], finish,
+                                   out=output if output.is_contiguous() else None,
+                                   agree=bool(input_split_sizes or output_split_sizes))
+
+    all_to_all_single = alltoall_base             # torch >= 2.13's name
+
+    def _alltoall_flat(self, comm, flat, send_counts, recv_counts, finish, *, out=None, agree: bool):
+        """Blocks of ``send_counts`` elements to each rank, ``recv_counts`` from each; ``finish(flat
+        result)`` gives the op's result. Equal blocks everywhere: one alltoall; otherwise every
+        block is padded to the job-wide largest. ``agree``: sizes may differ between ranks, so
+        first agree on the block size and path (an allreduce(max) of two integers, waited for)."""
+        import numpy as np
+        n = self.size()
+        block = max([*send_counts, *recv_counts], default=0)
+        padded = len(set(send_counts) | set(recv_counts)) > 1
+        if agree:          # every rank must take the same path with the same block size
+            both = comm.allreduce(np.array([block, int(padded)], dtype=np.int64), "max", **self._t())
+            block, padded = int(both[0]), bool(both[1])
+        if not padded:
+            res = out if out is not None else torch.empty_like(flat)
+            h = comm.alltoall_async(_bytes(flat), out=_bytes(res), **self._t())
+            return _chain([h], lambda: finish(res))
+        send = torch.zeros(n * block, dtype=flat.dtype, device=flat.device)
+        pos = 0
+        for j, c in enumerate(send_counts):
+            send[j * block:j * block + c] = flat[pos:pos + c]
+            pos += c
+        recv = torch.empty_like(send)
+        h = comm.alltoall_async(_bytes(send), out=_bytes(recv), **self._t())
+        return _chain([h], lambda: finish(torch.cat([recv[j * block:j * block + c]
+                                                     for j, c in enumerate(recv_counts)])))
+
+    # -- composed ops ---------------------------------------------------------------------
+    def barrier(self, opts=None):
+        comm = self._session.communicator(timeout=self._timeout)      # the default: no tensors to place
+        return _chain([comm.barrier_async(**self._t())], lambda: [])
+
+    def reduce(self, tensors, opts=None):
+        """All ranks reduce (one allreduce into a scratch copy); only the root's tensor changes."""
+        t = _one(tensors, "reduce")
+        op = _reduce_op(_opt(opts, "reduceOp", ReduceOp.SUM), "reduce", t.dtype)
+        root = _opt(opts, "rootRank", 0)
+        comm = self._comm([t], "reduce")
+        scratch = t.contiguous().clone()
+        h = comm.allreduce_async(scratch, op, out=scratch, **self._t())
+
+        def finish():
+            if self.rank() == root:
+                t.copy_(scratch)
+            return [t]
+        return _chain([h], finish)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """An allgather into scratch; the root copies out."""
+        inp = _one(input_tensors, "gather")
+        root = _opt(opts, "rootRank", 0)
+        outs = list(output_tensors[0]) if (self.rank() == root and output_tensors) else []
+        if self.rank() == root:
+            _same_list(outs, inp, self.size(), "gather")
+        comm = self._comm([inp, *outs], "gather")
+        flat = torch.empty((self.size(), inp.numel()), dtype=inp.dtype, device=inp.device)
+        h = comm.allgather_async(_bytes(inp.contiguous()), out=_bytes(flat), **self._t())
+
+        def finish():
+            for r, o in enumerate(outs):
+                o.copy_(flat[r].view(o.shape))
+            return [outs] if outs else []
+        return _chain([h], finish)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """The root's tensors broadcast as one buffer; each rank keeps its piece."""
+        out = _one(output_tensors, "scatter")
+        root = _opt(opts, "rootRank", 0)
+        comm = self._comm([out], "scatter")
+        flat = torch.empty((self.size(), out.numel()), dtype=out.dtype, device=out.device)
+        if self.rank() == root:
+            ins = list(input_tensors[0]) if input_tensors else []
+            _same_list(ins, out, self.size(), "scatter")
+            for r, i in enumerate(ins):
+                flat[r].copy_(i.reshape(-1))
+        h = comm.broadcast_async(_bytes(flat), root, **self._t())
+
+        def finish():
+            out.copy_(flat[self.rank()].view(out.shape))
+            return [out]
+        return _chain([h], finish)
+
+    # -- refused --------------------------------------------------------------------------
+    def send(self, tensors, dst, tag=0):
+        raise _no_p2p("send")
+
+    def recv(self, tensors, src, tag=0):
+        raise _no_p2p("recv")
+
+    def recv_anysource(self, tensors, tag=0):
+        raise _no_p2p("recv (any source)")
+
+
+def _no_p2p(op: str) -> UsageError:
+    return UsageError(f"hpcring backend: {op} is not supported (hpcring has collectives only, no point-to-point)",
+                      hint="use a gloo or nccl group for point-to-point (dist.new_group(backend='gloo')), "
+                           "or a collective (broadcast, all_to_all)")
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks: all raise UsageError in the calling thread, before anything is sent
+# ---------------------------------------------------------------------------------------------
+def _opt(opts, name: str, default):
+    return default if opts is None else getattr(opts, name, default)
+
+
+def _one(tensors, what: str):
+    items = list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+    if len(items) != 1:
+        raise UsageError(f"hpcring backend: {what} takes one tensor (or one list) per call, got {len(items)}",
+                         hint="one process per device; call once per tensor")
+    return items[0]
+
+
+def _same_dtype(tensors, what: str) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise UsageError(f"hpcring backend: {what} got mixed dtypes {sorted(str(d) for d in dtypes)}")
+
+
+def _same_list(tensors, like: torch.Tensor, size: int, what: str) -> None:
+    """``tensors`` is one tensor per rank, each with ``like``'s dtype and element count."""
+    if len(tensors) != size:
+        raise UsageError(f"hpcring backend: {what} needs a list of {size} tensors (one per rank), got {len(tensors)}")
+    for r, t in enumerate(tensors):
+        if t.dtype != like.dtype or t.numel() != like.numel():
+            raise UsageError(f"hpcring backend: {what}: tensor {r} of the list is {t.dtype} {tuple(t.shape)}, "
+                             f"but the single tensor is {like.dtype} {tuple(like.shape)}",
+                             hint="every tensor of the list needs the single tensor's dtype and size")
+
+
+def _check_pair(big: torch.Tensor, small: torch.Tensor, size: int, what: str) -> None:
+    """``big`` holds ``size`` times ``small``'s elements, same dtype."""
+    if big.dtype != small.dtype:
+        raise UsageError(f"hpcring backend: {what}: dtypes differ ({big.dtype} vs {small.dtype})")
+    if big.numel() != size * small.numel():
+        raise UsageError(f"hpcring backend: {what}: the large tensor has {big.numel()} elements, "
+                         f"need world size {size} x {small.numel()}")
+
+
+def _splits(sizes, t: torch.Tensor, n: int, what: str) -> list[int]:
+    rows = t.shape[0] if t.dim() else 1
+    if not sizes:
+        if rows % n:
+            raise UsageError(f"hpcring backend: all_to_all_single: {what} has {rows} rows, not divisible by {n} ranks",
+                             hint=f"pass {what}_split_sizes")
+        return [rows // n] * n
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
+        raise UsageError(f"hpcring backend: all_to_all_single: {what}_split_sizes {sizes} must be {n} "
+                         f"non-negative sizes summing to the {rows} rows of the {what}")
+    return sizes
+
+
+def _zip(a, b, what: str):
+    a, b = list(a), list(b)
+    if len(a) != len(b):
+        raise UsageError(f"hpcring backend: {what}: {len(a)} outputs but {len(b)} inputs")
+    if not a:
+        raise UsageError(f"hpcring backend: {what} got no tensors")
+    return zip(a, b)
+
+
+def _last(works: list[HpcringWork], result) -> HpcringWork:
+    """One Work for several queued on one communicator: the last completes last."""
+    def done(f):
+        f.value()                       # raises the last op's error
+        for w in works[:-1]:
+            w.wait()                    # finished already; raises an earlier op's error
+        return result
+    return HpcringWork(works[-1].get_future().then(done))
+
+
+def _copy_back(dst: torch.Tensor, buf: torch.Tensor) -> None:
+    """Copy a contiguous staging buffer into a non-contiguous destination (no-op when they are one)."""
+    if buf is not dst:
+        dst.copy_(buf.view(dst.shape))

@@ -1,0 +1,175 @@
+"""``import hpcring.torch as hvd``: Horovod's PyTorch API on hpcring's collectives.
+
+Launch with ``hpcring run`` / ``hpcring submit`` instead of ``horovodrun``; the rest of a Horovod
+script stays as it is. Differences from Horovod are listed in docs/from-horovod.md.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+
+from hpcring.errors import HpcringError, UsageError
+from hpcring.torch import state
+from hpcring.torch.compression import Compression
+from hpcring.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                                     broadcast_parameters)
+from hpcring.torch.ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
+                               allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
+                               broadcast, broadcast_, broadcast_async, broadcast_async_, global_process_set,
+                               grouped_allgather, grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                               grouped_allreduce_async, grouped_allreduce_async_, join, poll, reducescatter,
+                               reducescatter_async, synchronize)
+from hpcring.torch.optimizer import DistributedOptimizer
+from hpcring.torch.sync_batch_norm import SyncBatchNorm
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Bootstrap this rank (:func:`hpcring.init`), create the communicator and start the engine.
+    Idempotent. ``HPCRING_TIMELINE``, ``HPCRING_AUTOTUNE``, ``HPCRING_FUSION_THRESHOLD`` and
+    ``HPCRING_CYCLE_TIME`` are read here."""
+    if state._engine is not None:
+        return
+    if comm is not None or process_sets is not None:
+        raise UsageError("hpcring.torch.init() takes no communicator or process sets",
+                         hint="hpcring.torch always uses the whole job (the global process set)")
+    import hpcring
+    from hpcring.config import envvars
+    from hpcring.torch.engine import Engine
+    _single_process_secret()
+    session = hpcring.init()
+    c = session.communicator()
+    timeline = None
+    path = (envvars.get("HPCRING_TIMELINE") or "").strip()
+    if path == "job":              # hpcring submit --timeline: <job folder>/timeline.json
+        from hpcring.diagnostics.jobdir import job_folder
+        path = str(job_folder() / "timeline.json")
+    if path:
+        from hpcring.diagnostics.timeline import Timeline, measure_offset
+        timeline = Timeline(path, c.rank, c.size, measure_offset(c))
+    eng = Engine(c, timeline=timeline)
+    if envvars.get("HPCRING_AUTOTUNE"):
+        from hpcring.torch.autotune import Autotuner
+        eng.autotuner = Autotuner(eng, envvars.get("HPCRING_AUTOTUNE_LOG") or None)
+    state.set_state(session, eng)
+    atexit.register(shutdown)
+
+
+def _single_process_secret() -> None:
+    """``python train.py`` without a launcher runs as one rank, as with Horovod: hpcring's
+    bootstrap wants a per-job secret even then, so a one-rank process gets a random one (its
+    store serves only itself)."""
+    if os.environ.get("HPCRING_SECRET_FILE") or os.environ.get("HPCRING_SECRET") or \
+            os.environ.get("HPCRING_SESSION"):
+        return
+    from hpcring.bootstrap.launchers import detect
+    topo = detect()
+    if topo.launcher == "single" and topo.size == 1:
+        import secrets
+        os.environ["HPCRING_SECRET"] = secrets.token_hex(32)
+
+
+def shutdown() -> None:
+    """Stop the engine (pending operations fail) and flush the timeline. The bootstrap session
+    stays (it ends with the process)."""
+    eng = state._engine
+    if eng is not None:
+        state.set_state(None, None)
+        eng.shutdown()
+
+
+def is_initialized() -> bool:
+    return state._engine is not None
+
+
+def _topo():
+    return state.session().topology
+
+
+def size() -> int:
+    return _topo().size
+
+
+def rank() -> int:
+    return _topo().rank
+
+
+def local_size() -> int:
+    return _topo().local_size
+
+
+def local_rank() -> int:
+    return _topo().local_rank
+
+
+def cross_size() -> int:
+    """Number of nodes."""
+    return _topo().num_nodes
+
+
+def cross_rank() -> int:
+    """This node's index."""
+    return _topo().node_rank
+
+
+def is_homogeneous() -> bool:
+    """True when every node runs the same number of ranks."""
+    return len(set(collections.Counter(_topo().hosts).values())) == 1
+
+
+def _backend() -> str:
+    return getattr(state.engine().comm.backend, "name", "?")
+
+
+def mpi_built() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def mpi_enabled() -> bool:
+    return _backend() == "mpi"
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    from hpcring.collectives.nccl import gpu_available
+    return int(gpu_available())
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def start_timeline(file_path, mark_cycles=False) -> None:
+    raise UsageError("hpcring.torch records the timeline from process start only",
+                     hint="set HPCRING_TIMELINE=PATH (or hpcring submit --timeline) and merge with `hpcring timeline`")
+
+
+stop_timeline = start_timeline
+HorovodInternalError = HpcringError
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "atexit", "collections", "os")]

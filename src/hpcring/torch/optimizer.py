@@ -1,0 +1,236 @@
+"""``DistributedOptimizer``: allreduce each gradient from a hook as soon as autograd has
+accumulated it (overlapping communication with the rest of the backward pass); ``step()`` waits
+only for what is still in flight, then runs the wrapped optimizer's step.
+
+Semantics follow Horovod's: gradients are averaged (``op=Average``) across ranks; with
+``backward_passes_per_step=k`` gradients accumulate locally for k backward passes and are reduced
+on the k-th (nothing is divided by k: scale the loss, as with Horovod); ``num_groups``/``groups``
+reduce parameter groups together; ``gradient_predivide_factor=f`` divides by f before the sum and
+multiplies by f/size after it.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from hpcring.errors import UsageError
+from hpcring.torch import ops
+from hpcring.torch.compression import Compression
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=ops.Average,
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+                raise UsageError("DistributedOptimizer: named_parameters must be (name, parameter) pairs, "
+                                 "as model.named_parameters() gives")
+        else:
+            named = [(f"allreduce.noname.{i}", p) for i, p in enumerate(all_params)]
+        names = [n for n, _ in named]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise UsageError(f"DistributedOptimizer: duplicate parameter names: {', '.join(dups)}")
+        ids = {id(p) for _, p in named}
+        unnamed = [i for i, p in enumerate(all_params) if id(p) not in ids]
+        if unnamed:
+            raise UsageError(f"DistributedOptimizer: {len(unnamed)} optimizer parameter(s) are missing from "
+                             "named_parameters", hint="pass model.named_parameters() of the model being optimized")
+        if op == ops.Adasum:
+            raise UsageError("hpcring.torch does not implement Adasum", hint="use op=hvd.Average")
+        if backward_passes_per_step < 1:
+            raise UsageError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        self._names = {p: n for n, p in named}
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self._delay = {p: backward_passes_per_step for _, p in named}
+        self._handles: dict = {}          # param or tuple of params -> (handle, ctx(s))
+        self._hook_handles = []
+        self._requires_update: set = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._p_to_group: dict = {}
+        self._group_ready: dict = {}
+        if ops.state.engine().size > 1:
+            self._make_groups(num_groups, groups)
+            self._register_hooks()
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _make_groups(self, num_groups, groups) -> None:
+        if groups is not None:
+            if num_groups:
+                raise UsageError("DistributedOptimizer: give num_groups or groups, not both")
+            if isinstance(groups, int):
+                num_groups, groups = groups, None
+        plist = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if groups is not None:
+            made = [tuple(g) for g in groups]
+        elif num_groups:
+            # the same order on every rank: rank 0's name order
+            from hpcring.torch.functions import broadcast_object
+            order = broadcast_object([self._names[p] for p in plist], root_rank=0)
+            plist.sort(key=lambda p: order.index(self._names[p]))
+            k, extra = divmod(len(plist), num_groups)
+            made, pos = [], 0
+            for i in range(num_groups):
+                n = k + (i < extra)
+                if n:
+                    made.append(tuple(plist[pos:pos + n]))
+                pos += n
+        else:
+            return
+        for g in made:
+            for p in g:
+                self._p_to_group[p] = g
+            self._group_ready[g] = 0
+
+    def _register_hooks(self) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if not p.requires_grad:
+                    continue
+                self._requires_update.add(p)
+                if hasattr(p, "register_post_accumulate_grad_hook"):     # torch >= 2.1
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+                else:                                                    # the grad accumulator node
+                    acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                    acc.register_hook(self._make_hook(p))
+                    self._hook_handles.append(acc)
+
+    # -- communication --------------------------------------------------------------------------
+    def _factors(self):
+        if self.op == ops.Average:
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _allreduce_grad_async(self, p):
+        compressed, ctx = self._compression.compress(p.grad)
+        pre, post = self._factors()
+        h = ops.allreduce_async_(compressed if compressed.is_contiguous() else compressed.contiguous(),
+                                 name=self._names[p], op=self.op, prescale_factor=pre, postscale_factor=post)
+        return h, (compressed, ctx)
+
+    def _grouped_allreduce_async(self, group):
+        pairs = [self._compression.compress(p.grad) for p in group]
+        pre, post = self._factors()
+        h = ops.grouped_allreduce_async_([c for c, _ in pairs], name=self._names[group[0]], op=self.op,
+                                         prescale_factor=pre, postscale_factor=post)
+        return h, pairs
+
+    def _make_hook(self, p):
+        def hook(*_):
+            if p.grad is None:
+                return
+            if self._delay[p] <= 0:
+                raise UsageError("DistributedOptimizer: gradients were computed more than backward_passes_per_step "
+                                 f"({self.backward_passes_per_step}) times before step()",
+                                 hint="raise backward_passes_per_step to accumulate gradients locally")
+            self._delay[p] -= 1
+            if self._delay[p] > 0:
+                self._handles.setdefault(p, (None, None))
+                return
+            group = self._p_to_group.get(p)
+            if group is not None:
+                self._group_ready[group] += 1
+                if self._group_ready[group] == len(group):
+                    self._handles[group] = self._grouped_allreduce_async(group)
+                    for gp in group:
+                        self._handles.pop(gp, None)
+                    self._group_ready[group] = 0
+                return
+            self._handles[p] = self._allreduce_grad_async(p)
+        return hook
+
+    def synchronize(self) -> None:
+        """Start what the hooks did not (parameters without a gradient this step still take part, so
+        every rank submits the same names) and wait for all of it."""
+        done = set()
+        for key in self._handles:
+            done.update(key) if isinstance(key, tuple) else done.add(key)
+        for p in self._requires_update - done:
+            if p in self._p_to_group:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._handles[p] = self._allreduce_grad_async(p)
+        for group, n in list(self._group_ready.items()):
+            if 0 < n < len(group) or (n == 0 and group not in self._handles and any(
+                    self._delay[gp] < self.backward_passes_per_step for gp in group)):
+                for gp in group:
+                    if gp.grad is None:
+                        gp.grad = torch.zeros_like(gp)
+                self._handles[group] = self._grouped_allreduce_async(group)
+                self._group_ready[group] = 0
+        for key, (h, ctx) in list(self._handles.items()):
+            if h is None:
+                self._handles[key] = self._allreduce_grad_async(key)
+        for key, (h, ctx) in self._handles.items():
+            outs = ops.synchronize(h)
+            if isinstance(key, tuple):
+                for gp, out, (compressed, c) in zip(key, outs, ctx):
+                    self._finish(gp, out, compressed, c)
+            else:
+                self._finish(key, outs, *ctx)
+        self._handles.clear()
+        self._synchronized = True
+
+    def _finish(self, p, out, compressed, ctx) -> None:
+        self._delay[p] = self.backward_passes_per_step
+        if compressed is not p.grad:           # compressed or made contiguous: copy back
+            p.grad.copy_(self._compression.decompress(out, ctx))
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``optimizer.synchronize(); with optimizer.skip_synchronize(): optimizer.step()``."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
+                              "optimizer.skip_synchronize(): the gradients are reduced twice' worth of waiting")
+            self.synchronize()
+        self._synchronized = False
+        tuner = ops.state.engine().autotuner
+        if tuner is not None:
+            tuner.on_step()
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if any(h is not None for h, _ in self._handles.values()):
+            raise UsageError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                             "or optimizer.synchronize()", hint="call step() (or synchronize()) first")
+        return super(self.__class__, self).zero_grad(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+        return super(self.__class__, self).load_state_dict(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
+                         op=ops.Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=None):
+    """Wrap ``optimizer`` (any torch optimizer): same class name and behaviour, gradients averaged
+    across ranks before each step. Sparse gradients are not supported (``sparse_as_dense`` is
+    accepted for compatibility; sparse gradients raise)."""
+    ops._check_process_set(process_set)
+    if gradient_predivide_factor != 1.0 and op != ops.Average:
+        raise UsageError("gradient_predivide_factor needs op=hvd.Average")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, num_groups, groups)

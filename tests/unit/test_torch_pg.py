@@ -1,0 +1,79 @@
+"""hpcring.distributed without a job: the creator's checks and the op/dtype refusals (real torch)."""
+import datetime
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+import hpcring.session  # noqa: E402
+from hpcring.distributed import _create, _seconds  # noqa: E402
+from hpcring.distributed.process_group import _reduce_op  # noqa: E402
+from hpcring.errors import UsageError  # noqa: E402
+
+R = dist.ReduceOp
+
+
+@pytest.fixture
+def session(monkeypatch):
+    s = SimpleNamespace(rank=1, size=4, host="nodeB")
+    monkeypatch.setattr(hpcring.session, "_SESSION", s)
+    return s
+
+
+def opts(rank, size, members=None, timeout=None):
+    from torch.distributed.constants import default_pg_timeout
+    return SimpleNamespace(group_rank=rank, group_size=size, global_ranks_in_group=members,
+                           timeout=timeout or default_pg_timeout)
+
+
+def test_registered_for_cpu_and_cuda():
+    assert "hpcring" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["hpcring"] == ["cpu", "cuda"]
+
+
+def test_whole_job_group_is_created_with_the_session(session):
+    pg = _create(opts(1, 4, [0, 1, 2, 3]))
+    assert (pg.rank(), pg.size(), pg.getBackendName()) == (1, 4, "hpcring")
+
+
+def test_subgroup_is_refused_naming_its_ranks(session):
+    with pytest.raises(UsageError, match=r"group of ranks \[0, 1\] \(of 4\) is not supported") as e:
+        _create(opts(1, 2, [0, 1]))
+    assert "backend='gloo'" in e.value.hint
+
+
+def test_rank_disagreeing_with_the_session_is_refused(session):
+    with pytest.raises(UsageError, match="torch says rank 2 of 4, but the hpcring session on nodeB is rank 1 of 4"):
+        _create(opts(2, 4))
+
+
+def test_default_torch_timeout_leaves_hpcring_deadline_explicit_one_is_used():
+    from torch.distributed.constants import default_pg_timeout
+    assert _seconds(default_pg_timeout) is None
+    assert _seconds(datetime.timedelta(seconds=42)) == 42.0
+
+
+@pytest.mark.parametrize("op,dtype,words", [
+    (R.BAND, torch.int32, "ReduceOp.BAND is not supported"),
+    (R.BOR, torch.int64, "ReduceOp.BOR"),
+    (R.BXOR, torch.uint8, "ReduceOp.BXOR"),
+    (R.SUM, torch.int8, "cannot reduce torch.int8"),
+    (R.SUM, torch.complex64, "cannot reduce torch.complex64"),
+    (R.AVG, torch.int64, "AVG needs a floating-point tensor"),
+])
+def test_unsupported_reductions_are_refused(op, dtype, words):
+    with pytest.raises(UsageError, match=words):
+        _reduce_op(op, "all_reduce", dtype)
+
+
+def test_premul_sum_is_refused():
+    op = dist._make_nccl_premul_sum(2.0)
+    with pytest.raises(UsageError, match="PREMUL_SUM is not supported"):
+        _reduce_op(op, "all_reduce", torch.float32)
+
+
+def test_supported_reductions_map_to_hpcring_ops():
+    got = [_reduce_op(op, "x", torch.float32) for op in (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG)]
+    assert got == ["sum", "prod", "min", "max", "avg"]
