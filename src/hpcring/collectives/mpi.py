@@ -157,6 +157,17 @@ def _all_arrived(store, topology, timeout: float) -> None:
         store.set(f"{key}/all", b"1")
     try:
         store.get(f"{key}/all", timeout=timeout)
+        if topology.rank != 0:
+            store.add(f"{key}/ack", 1)
+            return
+        # rank 0 serves the store: it enters MPI_Init only once every rank has its answer (the
+        # answers go out one by one, and MPI_Init may starve the store thread of the GIL)
+        end = time.monotonic() + timeout
+        while store.add(f"{key}/ack", 0) < topology.size - 1:
+            if time.monotonic() > end:
+                raise CollectiveError("MPI setup: not every rank acknowledged the meeting within "
+                                      f"{timeout:g} s (rank 0 waited)")
+            time.sleep(0.005)
         return
     except HpcringError:
         pass
