@@ -14,3 +14,22 @@ def diag_folder(job_dir: Path) -> Path:
 
 def hang_report(job_dir: Path) -> dict:
     return json.loads((diag_folder(job_dir) / "hang-report.json").read_text())
+
+
+def sinfo_states() -> str | None:
+    """The dev cluster's node states (`sinfo -h -o %T`), or None without a working Slurm."""
+    import shutil
+    import subprocess
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def cluster_up() -> bool:
+    """The dev cluster answers and has usable nodes (tests marked devcluster skip otherwise)."""
+    states = sinfo_states() or ""
+    return any(w in states for w in ("idle", "mix", "alloc"))

@@ -6,7 +6,6 @@ limit Slurm stored must be the one we compute. Strings Slurm refuses must be ref
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -15,14 +14,7 @@ from hpcring.config.schema import minutes_to_slurm
 from hpcring.config.slurmtime import time_to_minutes
 
 
-def _cluster_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return False
-    return r.returncode == 0 and any(w in r.stdout for w in ("idle", "mix", "alloc"))
+from helpers_jobs import cluster_up as _cluster_up  # noqa: E402
 
 
 pytestmark = [pytest.mark.devcluster,

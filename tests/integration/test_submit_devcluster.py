@@ -1,7 +1,6 @@
 """`hpcring submit` on the real Slurm dev cluster (hpcring devcluster up)."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -13,14 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HELLO = ROOT / "examples" / "hello.py"
 
 
-def _cluster_up() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return False
-    return r.returncode == 0 and any(w in r.stdout for w in ("idle", "mix", "alloc"))
+from helpers_jobs import cluster_up as _cluster_up  # noqa: E402
 
 
 pytestmark = [pytest.mark.devcluster,

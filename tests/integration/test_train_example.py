@@ -72,13 +72,8 @@ def test_local_backend_matches_single_process(tmp_path, local_env, nodes, per_no
 
 
 def _idle_nodes() -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    try:
-        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return False
-    return r.returncode == 0 and "idle" in r.stdout
+    from helpers_jobs import sinfo_states
+    return "idle" in (sinfo_states() or "")
 
 
 @pytest.mark.devcluster
