@@ -132,6 +132,7 @@ def _hook_excepthook() -> None:
     previous = sys.excepthook
 
     def excepthook(kind, exc, tb):
+        _note(exc)              # first: a report triggered by another rank meanwhile says where it was raised
         previous(kind, exc, tb)
         on_error(exc)
 
@@ -241,9 +242,17 @@ def _start(dist, deadline: float | None) -> None:
 def on_error(exc: BaseException) -> None:
     """The script raised ``exc`` on this rank: when it is a torch distributed error and a watch
     runs, trigger the job-wide report (with ``HPCRING_ON_FAILURE=abort`` this does not return)."""
+    watch = _note(exc)
+    if watch is not None:
+        watch.fire(watch.error)
+
+
+def _note(exc: BaseException):
+    """Record a torch distributed error and where it was raised on the running watch (what this
+    rank's snapshot says); returns the watch, or None when there is none or ``exc`` is not one."""
     watch = _STATE["watch"]
     if watch is None or not is_torch_error(exc):
-        return
+        return None
     watch.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
     frames, tb = [], exc.__traceback__
     while tb is not None:
@@ -251,7 +260,7 @@ def on_error(exc: BaseException) -> None:
         tb = tb.tb_next
     if frames:
         watch.failed_at = f"raised {type(exc).__name__} {locate_torch(frames[-1], frames[::-1])}"
-    watch.fire(watch.error)
+    return watch
 
 
 def is_torch_error(exc: BaseException) -> bool:
