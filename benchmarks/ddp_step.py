@@ -57,33 +57,8 @@ def build(name: str):
         model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 768), nn.ReLU(), nn.Linear(768, 768), nn.ReLU(),
                               nn.Linear(768, 10))
         return model, (3, 32, 32)
+    from models import resnet18          # benchmarks/models.py (the script's folder is on sys.path)
     return resnet18(), (3, 64, 64)
-
-
-def resnet18():
-    """ResNet-18 (torchvision's layout: BasicBlock x [2, 2, 2, 2], 11.2 M parameters), 10 classes."""
-    import torch.nn as nn
-
-    class Block(nn.Module):
-        def __init__(self, cin, cout, stride):
-            super().__init__()
-            self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-            self.b1 = nn.BatchNorm2d(cout)
-            self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-            self.b2 = nn.BatchNorm2d(cout)
-            self.down = None if stride == 1 and cin == cout else nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-        def forward(self, x):
-            y = self.b2(self.c2(self.b1(self.c1(x)).relu()))
-            return (y + (x if self.down is None else self.down(x))).relu()
-
-    layers, cin = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1)], 64
-    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [Block(cin, cout, stride), Block(cout, cout, 1)]
-        cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10)]
-    return nn.Sequential(*layers)
 
 
 def rank_main(args) -> None:

@@ -29,25 +29,8 @@ VARIANTS = ("hvd", "hvd-nofusion", "hvd-autotune", "hvd-timeline", "ddp")
 
 
 def make_model():
-    import torch.nn as nn
-
-    class Block(nn.Module):
-        def __init__(self, cin, cout, stride):
-            super().__init__()
-            self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-            self.b1 = nn.BatchNorm2d(cout)
-            self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-            self.b2 = nn.BatchNorm2d(cout)
-            self.skip = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-        def forward(self, x):
-            y = self.b1(self.c1(x)).relu()
-            return (self.b2(self.c2(y)) + self.skip(x)).relu()
-
-    return nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-                         Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2), Block(64, 128, 2),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10))
+    from models import small_resnet      # benchmarks/models.py (the script's folder is on sys.path)
+    return small_resnet()
 
 
 def worker(variant: str, batch: int, warmup: int, batches: int, iters: int) -> None:
