@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from hpcring.diagnostics.recorder import DONE, FAILED, STARTED, FlightRecorder, call_site, locate
-from hpcring.diagnostics.report import diagnose, parse_link, rank_ranges, stuck_seq
+from hpcring.diagnostics.report import diagnose, parse_link, stuck_seq
+from hpcring.ranks import rank_ranges
 from hpcring.errors import CollectiveError
 
 HOSTS = ["node1", "node1", "node2", "node2", "node3", "node3"]

@@ -28,7 +28,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from hpcring.ranks import rank_ranges, ranks_label, who  # noqa: F401 - rank_ranges: re-exported for old callers
+from hpcring.ranks import ranks_label, who
 
 CATEGORIES = ("dead", "unreachable", "exited", "mismatch", "different", "missing", "joined")
 _LINK = re.compile(r"(send to|recv from) rank (\d+) \(([^)]*)\) (.*?), (\d+)/(\d+) bytes done")

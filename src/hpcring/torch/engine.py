@@ -285,7 +285,7 @@ class Engine:
 
     # -- diagnoses --------------------------------------------------------------------------
     def _mismatch(self, h: int, entries, active, mine) -> None:
-        from hpcring.diagnostics.report import rank_ranges
+        from hpcring.ranks import rank_ranges
         e = mine.get(h)
         groups: dict[tuple, list[int]] = {}
         for r in active:
@@ -303,7 +303,7 @@ class Engine:
 
     def _diagnose_stall(self, table, batch) -> None:
         """Every rank arrives here in the same cycle: exchange pending names, fail with them."""
-        from hpcring.diagnostics.report import rank_ranges
+        from hpcring.ranks import rank_ranges
         text = "\n".join(e.name for e in batch).encode()
         lens = self.comm.allgather(np.array([len(text)], dtype=np.int64), timeout=self.timeout).reshape(-1)
         buf = np.zeros(int(lens.max()) or 1, dtype=np.uint8)
