@@ -245,3 +245,38 @@ def test_single_rank_allreduce_on_gpu():
         assert cupy.allclose(cupy.asarray(y), x)
         comm.barrier()
         comm.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_torch_process_group_on_nccl_is_stream_ordered():
+    """CUDA tensors on the hpcring process group over NCCL: the Work is complete at once (its
+    future CUDA-aware, as torch's NCCL works), the GPU still busy, and the results right."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.collectives.api import Communicator
+    from hpcring.distributed.hooks import allreduce_hook
+    from hpcring.distributed.process_group import ProcessGroupHpcring
+    secret = b"s" * 32
+    topo = types.SimpleNamespace(rank=0, size=1, local_rank=0, host="here", hosts=("here",))
+    with StoreServer("127.0.0.1", 0, secret=secret) as srv:
+        store = StoreClient("127.0.0.1", srv.port, secret)
+        comm = Communicator(N.NcclBackend.create(topo, store, timeout=30.0), timeout=30.0)
+        pg = ProcessGroupHpcring(types.SimpleNamespace(communicator=lambda *a, **k: comm), 0, 1)
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        want = x.clone()
+        torch.cuda._sleep(200_000_000)             # keep the stream busy for a while
+        w = pg.allreduce([x])
+        assert w.get_future().done() and not w.is_completed()
+        outs = [torch.empty_like(x)]
+        g = pg.allgather([outs], [x])              # copy-outs enqueued behind the collective
+        g.wait()                                   # orders the current stream; no host wait
+        bucket = types.SimpleNamespace(buffer=lambda: x)
+        assert allreduce_hook(comm, bucket).done()
+        torch.cuda.synchronize()
+        comm.synchronize()
+        assert w.is_completed() and g.is_completed() and w.exception() is None
+        assert torch.equal(x, want) and torch.equal(outs[0], want)
+        comm.close()
