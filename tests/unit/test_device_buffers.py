@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import helpers_fake_cuda as F  # noqa: E402
 
 from hpcring.collectives import nccl as N  # noqa: E402
 from hpcring.collectives.api import Communicator  # noqa: E402
+from hpcring.errors import CollectiveError  # noqa: E402
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend  # noqa: E402
 from hpcring.errors import UsageError  # noqa: E402
 
@@ -275,6 +277,38 @@ def test_device_collectives_return_before_the_gpu_finished(fake):
     comm.synchronize(5)
     assert seen == [None] and [r.state for r in comm.recorder.records()] == ["done", "done"]
     np.testing.assert_array_equal(y.get(), np.full(1024, 2, np.float32))
+    comm.close()
+
+
+def test_the_poller_queries_one_event_per_stream_not_every_op_in_flight(fake):
+    """Ops on one stream complete in order: with 60 small ops queued behind a busy GPU, the
+    poller asks only the oldest one (a long queue must not make it hog the GIL)."""
+    cp = fake.cp
+    comm, nc = nccl_comm(fake, size=2)
+    x = cp.device_array(np.ones(256, np.float32), device=GPU)
+    cp.gpu_busy = True
+    handles = [comm.allreduce_async(x, out=x) for _ in range(60)]
+    cp.event_queries = 0
+    time.sleep(0.03)                          # several poll rounds (0.2 ms growing to 2 ms)
+    queried = cp.event_queries
+    assert 0 < queried < 60, queried          # polling all 60 would take 60 queries a round
+    cp.gpu_busy = False
+    comm.synchronize(5)
+    assert all(h.done() and h.exception() is None for h in handles)
+    comm.close()
+
+
+def test_an_op_behind_a_running_one_still_keeps_its_own_deadline(fake):
+    cp = fake.cp
+    comm, nc = nccl_comm(fake, size=2)
+    x = cp.device_array(np.ones(256, np.float32), device=GPU)
+    cp.gpu_busy = True
+    slow = comm.allreduce_async(x, out=x, timeout=30)
+    short = comm.allreduce_async(x, out=x, timeout=0.2)    # queued behind, shorter deadline
+    with pytest.raises(CollectiveError, match="allreduce#2"):
+        short.wait(10)
+    assert slow.done() and isinstance(slow.exception(), CollectiveError)     # aborted with it
+    cp.gpu_busy = False
     comm.close()
 
 

@@ -47,6 +47,7 @@ import time
 
 import numpy as np
 
+from hpcring.collectives.arrays import active_dev
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, ITEMSIZE, OPS, LibraryBackend, chunk_counts
 from hpcring.errors import CollectiveError, UsageError
 
@@ -206,6 +207,9 @@ def _on_own_device(fn):
     device current, and staging/scratch buffers and the current stream must be this GPU's."""
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
+        dev = active_dev()
+        if dev is not None and dev.device_id == self.device_id:   # the Communicator made it current
+            return fn(self, *args, **kwargs)
         with self._cp.cuda.Device(self.device_id):
             return fn(self, *args, **kwargs)
     return wrapper
@@ -215,10 +219,12 @@ class Pending:
     """A device collective enqueued on a stream and not yet known to be complete: the CUDA event
     recorded after it, what it was (for messages) and its deadline."""
 
-    __slots__ = ("event", "name", "seq", "desc", "t0", "timeout")
+    __slots__ = ("event", "name", "seq", "desc", "t0", "timeout", "stream")
 
-    def __init__(self, event, name: str, seq: int, desc: str, t0: float, timeout: float) -> None:
+    def __init__(self, event, name: str, seq: int, desc: str, t0: float, timeout: float,
+                 stream: int | None = None) -> None:
         self.event, self.name, self.seq, self.desc, self.t0, self.timeout = event, name, seq, desc, t0, timeout
+        self.stream = stream            # the stream's pointer: ops on one stream complete in order
 
     @property
     def deadline(self) -> float:
@@ -355,7 +361,7 @@ class NcclBackend(LibraryBackend):
             raise self._fail(f"{name}#{seq}{desc} failed to start on {self._where()}: {e}", abort=True) from None
         event = self._cp.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
-        p = Pending(event, name, seq, desc, t0, timeout)
+        p = Pending(event, name, seq, desc, t0, timeout, stream.ptr)
         if host is None or host[1] is None:
             self._pending = p
             return p
