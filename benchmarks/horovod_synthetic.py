@@ -8,12 +8,17 @@ hpcring.torch, Gloo for DDP). Model: a small ResNet (stem + 4 residual stages, B
 ~0.7 M parameters, 30 gradient tensors) on 32x32 random images, SGD, ``torch.set_num_threads(1)``
 per rank. Every rank times ``--iters`` iterations of ``--batches`` steps after ``--warmup`` steps;
 the table shows images/s summed over ranks (mean over iterations, from rank 0's timings) and, for
-hpcring.torch, collectives per step, negotiation cycles per step and negotiation time per step.
+hpcring.torch, collectives per step, negotiation cycles per step, negotiation time per step (mostly
+waiting for the slowest rank to queue the same names: rank skew, not protocol cost), time in the
+backend's collectives and in the fusion buffer copies (pack + unpack) per step.
 
 Variants: ``hvd`` (defaults: 128 MiB fusion threshold, 1 ms cycle), ``hvd-nofusion``
 (HPCRING_FUSION_THRESHOLD=0: one collective per tensor), ``hvd-autotune`` (HPCRING_AUTOTUNE=1;
 warm-up is extended until the tuner has chosen, then the same measurement), ``hvd-timeline``
-(HPCRING_TIMELINE on: its cost), ``ddp`` (DistributedDataParallel, gloo, default 25 MiB buckets).
+(HPCRING_TIMELINE on: its cost), ``ddp`` (DistributedDataParallel, gloo, default 25 MiB buckets),
+``ddp-hpcring`` (the same DDP on the ``hpcring`` torch.distributed backend: hpcring's collectives
+without the Horovod engine). ``--hvd-env K=V,...`` adds environment variables to the hvd variants
+(e.g. ``HPCRING_CYCLE_TIME=5``).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("hvd", "hvd-nofusion", "hvd-autotune", "hvd-timeline", "ddp")
+VARIANTS = ("hvd", "hvd-nofusion", "hvd-autotune", "hvd-timeline", "ddp", "ddp-hpcring")
 
 
 def make_model():
@@ -41,9 +46,11 @@ def worker(variant: str, batch: int, warmup: int, batches: int, iters: int) -> N
     model = make_model()
     data = torch.randn(batch, 3, 32, 32)
     target = torch.randint(0, 10, (batch,))
-    if variant == "ddp":
+    if variant.startswith("ddp"):
         import torch.distributed as dist
-        dist.init_process_group("gloo")
+        if variant == "ddp-hpcring":
+            import hpcring.distributed  # noqa: F401  (registers the "hpcring" backend)
+        dist.init_process_group("gloo" if variant == "ddp" else "hpcring")
         rank, size = dist.get_rank(), dist.get_world_size()
         model = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.01 * size)
@@ -86,12 +93,16 @@ def worker(variant: str, batch: int, warmup: int, batches: int, iters: int) -> N
             out.update({"coll_per_step": (eng.stats["collectives"] - s0["collectives"]) / steps,
                         "cycles_per_step": (eng.stats["cycles"] - s0["cycles"]) / steps,
                         "negotiate_ms_per_step": 1e3 * (eng.stats["negotiate_s"] - s0["negotiate_s"]) / steps,
+                        "backend_ms_per_step": 1e3 * (eng.stats["backend_s"] - s0["backend_s"]) / steps,
+                        "copy_ms_per_step": 1e3 * sum(eng.stats[k] - s0[k] for k in ("pack_s", "unpack_s")) / steps,
                         "threshold": eng.threshold, "cycle_ms": eng.cycle_s * 1e3})
         print("RESULT " + json.dumps(out), flush=True)
 
 
 def run_variant(variant: str, ranks: int, args, tmp: str) -> dict | None:
     env = {**os.environ, "HPCRING_TIMEOUT": "120"}
+    if variant.startswith("hvd") and args.hvd_env:
+        env.update(kv.split("=", 1) for kv in args.hvd_env.split(","))
     if variant == "hvd-nofusion":
         env["HPCRING_FUSION_THRESHOLD"] = "0"
     if variant == "hvd-autotune":
@@ -122,6 +133,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the variants this many times, interleaved (a loaded machine drifts); "
                          "the table shows the run with the median img/s and lists all")
+    ap.add_argument("--hvd-env", default="", help="K=V,... added to the hvd variants' environment")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -131,7 +143,7 @@ def main() -> None:
     print(f"# small ResNet, 32x32 images, batch {args.batch}/rank, {args.iters} x {args.batches} timed steps "
           f"after {args.warmup} warm-up; img/s summed over ranks (min-max over iterations)")
     print(f"# {'ranks':>5} {'variant':<14} {'img/s':>8} {'min-max':>15} {'coll/step':>9} {'cycles/step':>11} "
-          f"{'negot ms/step':>13}  settings")
+          f"{'negot ms/step':>13} {'backend ms':>10} {'copy ms':>7}  settings")
     for n in [int(x) for x in args.ranks.split(",")]:
         runs: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
         for _ in range(args.repeat):
@@ -152,7 +164,8 @@ def main() -> None:
                 extra += "  runs: " + ", ".join(f"{x['img_s']:.0f}" for x in rs)
             print(f"  {n:>5} {v:<14} {r['img_s']:8.1f} {r['img_s_min']:7.1f}-{r['img_s_max']:<7.1f} "
                   f"{r.get('coll_per_step', float('nan')):9.1f} {r.get('cycles_per_step', float('nan')):11.1f} "
-                  f"{r.get('negotiate_ms_per_step', float('nan')):13.2f}  {extra}", flush=True)
+                  f"{r.get('negotiate_ms_per_step', float('nan')):13.2f} {r.get('backend_ms_per_step', float('nan')):10.2f} "
+                  f"{r.get('copy_ms_per_step', float('nan')):7.2f}  {extra}", flush=True)
     print(f"# autotune logs and timelines in {tmp}")
 
 

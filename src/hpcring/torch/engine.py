@@ -26,6 +26,7 @@ tensors this rank was waiting with.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
@@ -47,6 +48,7 @@ DEFAULT_THRESHOLD = 128 * 1024 * 1024      # Horovod's default since 0.21
 DEFAULT_CYCLE_MS = 1.0                     # Horovod's default since 0.21
 
 
+@functools.lru_cache(maxsize=65536)     # the same names and signatures recur every step
 def _h63(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
@@ -103,7 +105,7 @@ class Entry:
     ``output``: where the result goes (allreduce/broadcast: written in place, may be ``tensor``)."""
 
     __slots__ = ("name", "kind", "tensor", "output", "op", "pre", "post", "root", "splits", "handle",
-                 "t_queued", "name_hash", "sig_hash", "numel", "code", "stream")
+                 "t_queued", "name_hash", "sig_hash", "numel", "nbytes", "code", "stream")
 
     def __init__(self, name: str, kind: str, tensor, output=None, *, op: str = "sum", pre: float = 1.0,
                  post: float = 1.0, root: int = -1, splits=None) -> None:
@@ -118,6 +120,7 @@ class Entry:
         self.name_hash = _h63(name)
         self.sig_hash = _h63(f"{kind}|{dt}|{shape}|{op}|{pre}|{post}|{root}")
         self.numel = tensor.numel() if tensor is not None else 0
+        self.nbytes = self.numel * tensor.element_size() if tensor is not None else 0
         self.code = KINDS.index(kind) * 256 + (_DTYPES.index(dt) if dt in _DTYPES else 255)
         self.stream = None
         if tensor is not None and tensor.is_cuda:
@@ -144,13 +147,18 @@ class Engine:
         self._pending: list[Entry] = []
         self._inflight: list[Entry] = []       # taken off _pending by the cycle now running
         self._names: dict[str, Entry] = {}
+        self._due: dict[int, set[str]] = {}       # expect(): owner -> names it has still to submit
+        self._flush = False                     # an owner's expected names are all queued: go now
+        self._pending_bytes = 0                 # fusable bytes queued (the buffer-full trigger)
+        self._cycle_t0 = 0.0                    # when the last cycle started
         self._error: BaseException | None = None
         self._stop = False
         self._join_handle: Handle | None = None
         self._joined_cycle = 0
         self._cycle = 0
         self._buffers: dict[tuple, torch.Tensor] = {}
-        self.stats = {"cycles": 0, "negotiate_s": 0.0, "collectives": 0, "fused_tensors": 0}
+        self.stats = {"cycles": 0, "negotiate_s": 0.0, "collectives": 0, "fused_tensors": 0,
+                      "pack_s": 0.0, "backend_s": 0.0, "unpack_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name=f"hpcring-torch:{self.rank}", daemon=True)
         self._thread.start()
 
@@ -165,8 +173,23 @@ class Engine:
                 raise UsageError(f"hpcring.torch: an operation named '{e.name}' is already in flight on rank {self.rank}",
                                  hint="names must be unique among pending operations; synchronize the first one")
             self._names[e.name] = e
+            # wake the engine only when this entry changes when its cycle starts: it was idle, or
+            # this completes an expected set or fills the buffer (else its timed wait ends on its
+            # own; a wake-up per gradient costs the backward pass a thread switch each)
+            wake = not self._pending
             self._pending.append(e)
-            self._cv.notify()
+            if e.kind in FUSABLE:
+                self._pending_bytes += e.nbytes
+                wake = wake or 0 < self.threshold <= self._pending_bytes
+            for owner, due in self._due.items():
+                if e.name in due:
+                    due.discard(e.name)
+                    if not due:
+                        del self._due[owner]
+                        self._flush = wake = True
+                    break
+            if wake:
+                self._cv.notify()
         return e.handle
 
     def join(self) -> Handle:
@@ -189,13 +212,10 @@ class Engine:
         idle_cycles = 0
         while True:
             with self._cv:
-                while not self._pending and self._join_handle is None and not self._stop:
-                    self._cv.wait()
+                self._wait_for_cycle(idle_cycles)
                 if self._stop:
                     self._fail_all(UsageError("hpcring.torch was shut down with operations in flight"))
                     return
-            # let gradients that arrive together fuse; back off while nothing matches
-            time.sleep(min(self.cycle_s * (1 + idle_cycles), 0.05))
             try:
                 progressed = self._cycle_once()
             except BaseException as err:  # noqa: BLE001 - every waiter gets the error
@@ -207,18 +227,52 @@ class Engine:
                 return
             idle_cycles = 0 if progressed else min(idle_cycles + 1, 50)
 
+    def _wait_for_cycle(self, idle_cycles: int) -> None:
+        """Return (holding ``_cv``) when a cycle should start. A cycle ends its collecting early
+        when every operation an optimizer expects this step is queued (nothing more will come to
+        fuse with) or the queued fusable bytes fill the fusion buffer; otherwise it collects for
+        the cycle time, counted from the oldest queued operation or the start of the previous cycle,
+        whichever is later. After a cycle that matched
+        nothing (ranks queued different names) the wait backs off, up to 50 ms."""
+        while not self._stop:
+            if self._join_handle is not None:
+                return
+            if not self._pending:
+                self._cv.wait()
+                continue
+            if idle_cycles == 0 and (self._flush or 0 < self.threshold <= self._pending_bytes):
+                return
+            span = max(self.cycle_s, min(self.cycle_s * (1 + idle_cycles), 0.05))
+            wait = max(self._pending[0].t_queued, self._cycle_t0) + span - time.time()
+            if wait <= 0:
+                return
+            self._cv.wait(wait)
+
+    def expect(self, owner: object, names) -> None:
+        """``owner`` (a DistributedOptimizer) will submit every one of ``names`` this step: once the
+        last of them is queued, the cycle starts without waiting out the cycle time. Called again
+        for each step; an owner with an empty list expects nothing."""
+        with self._cv:
+            due = set(names)
+            if due:
+                self._due[id(owner)] = due
+            else:
+                self._due.pop(id(owner), None)
+
     def _fail_all(self, err: BaseException) -> None:
         for e in self._pending + self._inflight:
             e.handle._set(error=err)
         self._pending.clear()
         self._inflight = []
         self._names.clear()
+        self._pending_bytes, self._flush = 0, False
         if self._join_handle is not None:
             self._join_handle._set(error=err)
             self._join_handle = None
 
     def _cycle_once(self) -> bool:
         self._cycle += 1
+        self._cycle_t0 = time.time()
         with self._cv:
             batch = list(self._pending[:CAP])
             joining = self._join_handle is not None
@@ -267,10 +321,15 @@ class Engine:
                 ready.append(e)
         if ready:
             with self._cv:
+                taken = {id(e) for e in ready if self._names.get(e.name) is e}
                 for e in ready:
-                    if self._names.get(e.name) is e:
+                    if id(e) in taken:
                         del self._names[e.name]
-                        self._pending.remove(e)
+                        if e.kind in FUSABLE:
+                            self._pending_bytes -= e.nbytes
+                self._pending = [e for e in self._pending if id(e) not in taken]
+                if not self._pending:
+                    self._flush = False
                 self._inflight = ready
             self._execute(ready)
             self._inflight = []
@@ -357,7 +416,7 @@ class Engine:
             chunk: list[Entry] = []
             nbytes = 0
             for e in members:
-                b = e.numel * e.tensor.element_size()
+                b = e.nbytes
                 if chunk and nbytes + b > self.threshold:
                     self._fused(chunk)
                     chunk, nbytes = [], 0
@@ -419,8 +478,12 @@ class Engine:
                 e.output.view(-1).copy_(buf[pos:pos + e.numel])
                 pos += e.numel
         t3 = time.time()
-        self.stats["collectives"] += 1
-        self.stats["fused_tensors"] += len(chunk)
+        st = self.stats
+        st["collectives"] += 1
+        st["fused_tensors"] += len(chunk)
+        st["pack_s"] += t1 - t0
+        st["backend_s"] += t2 - t1
+        st["unpack_s"] += t3 - t2
         if tl is not None:
             tl.fused(chunk, t0, t1, t2, t3, total * first.tensor.element_size(), self.backend)
 

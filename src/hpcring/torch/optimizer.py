@@ -58,9 +58,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._p_to_group: dict = {}
         self._group_ready: dict = {}
+        self._expected: list[str] = []
         if ops.state.engine().size > 1:
             self._make_groups(num_groups, groups)
             self._register_hooks()
+            self._expected = self._submission_names()
+            self._expect()
 
     # -- setup ----------------------------------------------------------------------------------
     def _make_groups(self, num_groups, groups) -> None:
@@ -103,6 +106,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     acc = p.expand_as(p).grad_fn.next_functions[0][0]
                     acc.register_hook(self._make_hook(p))
                     self._hook_handles.append(acc)
+
+    def _submission_names(self) -> list[str]:
+        """The names one step submits: each parameter's, or per group ``<first name>.<i>``."""
+        names = [self._names[p] for p in self._requires_update if p not in self._p_to_group]
+        for g in self._group_ready:
+            names += [f"{self._names[g[0]]}.{i}" for i in range(len(g))]
+        return names
+
+    def _expect(self) -> None:
+        """Tell the engine which names this step will bring, so that its fusion cycle starts as
+        soon as the last gradient is queued instead of waiting out the cycle time."""
+        ops.state.engine().expect(self, self._expected)
 
     # -- communication --------------------------------------------------------------------------
     def _factors(self):
@@ -180,6 +195,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._finish(key, outs, *ctx)
         self._handles.clear()
         self._synchronized = True
+        self._expect()
 
     def _finish(self, p, out, compressed, ctx) -> None:
         self._delay[p] = self.backward_passes_per_step
@@ -219,6 +235,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+        if self._expected:
+            self._expect()
         return super(self.__class__, self).load_state_dict(*args, **kwargs)
 
 
