@@ -12,7 +12,7 @@ hpcring.torch, collectives per step, negotiation cycles per step, negotiation ti
 waiting for the slowest rank to queue the same names: rank skew, not protocol cost), time in the
 backend's collectives and in the fusion buffer copies (pack + unpack) per step.
 
-Variants: ``hvd`` (defaults: 128 MiB fusion threshold, 1 ms cycle), ``hvd-nofusion``
+Variants: ``hvd`` (defaults: 128 MiB fusion threshold, auto cycle), ``hvd-nofusion``
 (HPCRING_FUSION_THRESHOLD=0: one collective per tensor), ``hvd-autotune`` (HPCRING_AUTOTUNE=1;
 warm-up is extended until the tuner has chosen, then the same measurement), ``hvd-timeline``
 (HPCRING_TIMELINE on: its cost), ``ddp`` (DistributedDataParallel, gloo, default 25 MiB buckets),
@@ -90,11 +90,12 @@ def worker(variant: str, batch: int, warmup: int, batches: int, iters: int) -> N
                "img_s_min": size * min(rates), "img_s_max": size * max(rates)}
         if eng is not None:
             steps = iters * batches
+            st = lambda k: eng.stats.get(k, 0.0) - s0.get(k, 0.0)  # noqa: E731
             out.update({"coll_per_step": (eng.stats["collectives"] - s0["collectives"]) / steps,
                         "cycles_per_step": (eng.stats["cycles"] - s0["cycles"]) / steps,
                         "negotiate_ms_per_step": 1e3 * (eng.stats["negotiate_s"] - s0["negotiate_s"]) / steps,
-                        "backend_ms_per_step": 1e3 * (eng.stats["backend_s"] - s0["backend_s"]) / steps,
-                        "copy_ms_per_step": 1e3 * sum(eng.stats[k] - s0[k] for k in ("pack_s", "unpack_s")) / steps,
+                        "backend_ms_per_step": 1e3 * st("backend_s") / steps,
+                        "copy_ms_per_step": 1e3 * (st("pack_s") + st("unpack_s")) / steps,
                         "threshold": eng.threshold, "cycle_ms": eng.cycle_s * 1e3})
         print("RESULT " + json.dumps(out), flush=True)
 
@@ -159,7 +160,8 @@ def main() -> None:
             r = rs[len(rs) // 2]
             extra = ""
             if "threshold" in r:
-                extra = f"threshold {r['threshold'] / 2**20:g} MiB, cycle {r['cycle_ms']:g} ms"
+                cyc = "auto" if r["cycle_ms"] < 0 else f"{r['cycle_ms']:g} ms"
+                extra = f"threshold {r['threshold'] / 2**20:g} MiB, cycle {cyc}"
             if len(rs) > 1:
                 extra += "  runs: " + ", ".join(f"{x['img_s']:.0f}" for x in rs)
             print(f"  {n:>5} {v:<14} {r['img_s']:8.1f} {r['img_s_min']:7.1f}-{r['img_s_max']:<7.1f} "

@@ -170,10 +170,44 @@ def timeline() -> None:
         opt.step()
 
 
+def cycles() -> None:
+    """What starts a fusion cycle. A 30 ms pause in the middle of each backward pass (a hook on
+    the hidden activation) separates the last layer's gradients from the first layer's: time-based
+    cycles would negotiate on both sides of it."""
+    import time
+    eng = hvd.state.engine()
+    model, xs, ys = model_and_data(3, 2, hvd.size())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+
+    def steps():
+        c0, t0 = eng.stats["cycles"], time.monotonic()
+        for x, y in zip(xs, ys):
+            opt.zero_grad()
+            h = model[1](model[0](x))
+            h.register_hook(lambda g: time.sleep(0.03))
+            torch.nn.functional.mse_loss(model[2](h), y).backward()
+            opt.step()
+        return eng.stats["cycles"] - c0, time.monotonic() - t0
+
+    saved = eng.threshold, eng.cycle_s
+    try:
+        n, _ = steps()             # auto: host gradients wait for the step's whole set
+        assert n == len(xs), f"auto cycle: {n} negotiations for {len(xs)} steps"
+        eng.cycle_s = 60.0         # the last expected gradient ends even a 60 s cycle
+        n, dt = steps()
+        assert n == len(xs) and dt < 20, f"60 s cycle: {n} negotiations, {dt:.1f} s for {len(xs)} steps"
+        eng.threshold = 64         # every gradient fills the buffer: it starts a cycle at once
+        n, dt = steps()
+        assert n >= 2 * len(xs) and dt < 20, f"full buffer: {n} negotiations, {dt:.1f} s for {len(xs)} steps"
+    finally:
+        eng.threshold, eng.cycle_s = saved
+
+
 if __name__ == "__main__":
     hvd.init()
     checks = {"syncbn": syncbn, "optstate": optimizer_state, "collectives": collectives, "mismatch": mismatch, "missing": missing,
-              "timeline": timeline}
+              "timeline": timeline, "cycles": cycles}
     for mode in sys.argv[1:]:          # several checks per job: ranks import torch once
         if mode.startswith("train:"):  # train:<compression>:<backward passes>
             _, comp, passes = mode.split(":")

@@ -33,7 +33,7 @@ def job3(tmp_path_factory):
     """One 3-rank job runs every positive check (ranks import torch once), recording a timeline."""
     tmp = tmp_path_factory.mktemp("hvd3")
     base = tmp / "tl" / "timeline.json"
-    p = run_job(tmp, "train:none:1", "train:fp16:1", "train:none:2", "optstate", "collectives", "syncbn", "timeline",
+    p = run_job(tmp, "train:none:1", "train:fp16:1", "train:none:2", "optstate", "collectives", "syncbn", "timeline", "cycles",
                 ranks=3, env={"HPCRING_TIMELINE": str(base)})
     return p, base
 
@@ -53,6 +53,10 @@ def test_sync_batch_norm_matches_batch_norm_on_the_global_batch(job3):
 
 def test_collectives_allgather_uneven_alltoall_reducescatter_join(job3):
     ok(job3[0], "collectives", 3)
+
+
+def test_fusion_cycle_starts_on_the_steps_last_gradient_or_a_full_buffer(job3):
+    ok(job3[0], "cycles", 3)
 
 
 def test_name_mismatch_is_named_on_every_rank(tmp_path):

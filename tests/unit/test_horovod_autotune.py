@@ -27,10 +27,10 @@ def drive(cost, tmp_path, noise=None):
 
 
 def test_finds_the_best_pair_and_applies_it(tmp_path):
-    best = (8 << 20, 2.5)
-    t, eng, log = drive(lambda thr, cyc: 0.1 if (thr, cyc) == best else 0.2 if cyc == 2.5 else 0.3, tmp_path)
+    best = (8 << 20, 5.0)
+    t, eng, log = drive(lambda thr, cyc: 0.1 if (thr, cyc) == best else 0.2 if cyc == 5.0 else 0.3, tmp_path)
     assert t.best == best and (eng.threshold, eng.cycle_s * 1e3) == best
-    assert log[0].startswith("sample,phase") and log[-1].split(",")[1:4] == ["chosen", str(8 << 20), "2.5"]
+    assert log[0].startswith("sample,phase") and log[-1].split(",")[1:4] == ["chosen", str(8 << 20), "5"]
     assert len(log) == 1 + len(CYCLES_MS) + len(THRESHOLDS) - 1 + 2 + 1
 
 
@@ -47,7 +47,7 @@ def test_keeps_the_default_when_the_sweeps_win_was_noise(tmp_path):
     t, eng, log = drive(cost, tmp_path)
     assert [r.split(",")[3] for r in log if ",threshold," in r] == ["0.2"] * (len(THRESHOLDS) - 1)
     confirm = [r.split(",") for r in log if ",confirm," in r]
-    assert [c[3] for c in confirm] == ["0.2", str(DEFAULT_CYCLE_MS)]
+    assert [c[3] for c in confirm] == ["0.2", "auto"]
     assert t.best == (DEFAULT_THRESHOLD, DEFAULT_CYCLE_MS)
     assert (eng.threshold, eng.cycle_s * 1e3) == (DEFAULT_THRESHOLD, DEFAULT_CYCLE_MS)
 

@@ -106,9 +106,11 @@ VARS: tuple[Var, ...] = (
        "(unset: 1 MiB per local rank, 1-8 MiB)", 4096, 1 << 30),
     # -- hpcring.torch (the Horovod API) and torch's own backends --
     _v("HPCRING_FUSION_THRESHOLD", "int", 128 * 1024 * 1024, "hpcring.torch: Tensor Fusion buffer, bytes "
-       "(0: no fusion; Horovod's default)", 0, 1 << 40),
-    _v("HPCRING_CYCLE_TIME", "float", 1.0, "hpcring.torch: how long a fusion cycle collects ready "
-       "gradients, milliseconds (Horovod's default)", 0, 60_000),
+       "(0: no fusion; Horovod's default); queued gradients that fill it start a cycle at once", 0, 1 << 40),
+    _v("HPCRING_CYCLE_TIME", "float", None, "hpcring.torch: how long a fusion cycle collects ready "
+       "gradients, milliseconds; a cycle also starts as soon as an optimizer's gradients for the step "
+       "are all queued or fill the fusion buffer. Unset: a DistributedOptimizer's CPU gradients wait "
+       "for exactly that, everything else 1 ms (Horovod's default)", 0, 60_000),
     _v("HPCRING_TIMELINE", "path", None, "hpcring.torch: write this rank's timeline here "
        "(`hpcring timeline JOB` merges all ranks)"),
     _v("HPCRING_AUTOTUNE", "bool", False, "hpcring.torch: tune the fusion threshold and cycle time "

@@ -1,14 +1,18 @@
 """``HPCRING_AUTOTUNE=1``: tune the fusion threshold and the cycle time online, on rank 0.
 
 Method: coordinate search over two small grids, scored by the median optimizer step time.
-First the cycle time is swept at the default threshold, then the threshold at the best cycle
-time; the best measured pair is kept for the rest of the run. Why not Bayesian optimisation
-(Horovod's choice): there are two knobs with a handful of meaningful values each, and step times
-are noisy; a Gaussian process fitted on ~10 noisy samples mostly re-measures the same corners,
-while a sweep costs a fixed, predictable number of steps (here ``(5 + 4 + 2) * (steps + 1)``
-after warm-up). A final confirmation measures the sweep's best and the default once more, back to
-back, and keeps the better of the two, so a single noisy sample cannot displace the default. The two knobs interact weakly (the cycle time decides how many gradients are ready
-together, the threshold caps how many are fused), which is what coordinate search assumes.
+First the cycle time is swept at the default threshold (auto, then 1, 0.2, 5 and 20 ms), then
+the threshold (128, 32, 8, 2, 0.5 MiB) at the best cycle time; the best measured pair is kept
+for the rest of the run. With the auto cycle the threshold also starts a cycle early (buffer
+full), so the threshold sweep explores DDP-like buckets that overlap the backward pass. Why not
+Bayesian optimisation (Horovod's choice): there are two knobs with a handful of meaningful values
+each, and step times are noisy; a Gaussian process fitted on ~10 noisy samples mostly re-measures
+the same corners, while a sweep costs a fixed, predictable number of steps (here
+``(5 + 4 + 2) * (steps + 1)`` after warm-up). A final confirmation measures the sweep's best and
+the default once more, back to back, and keeps the better of the two, so a single noisy sample
+cannot displace the default. Coordinate search assumes the knobs interact weakly: the cycle time
+decides how long gradients gather, the threshold how many are fused (and, with auto, where a
+bucket ends).
 
 Only rank 0 measures and decides; the engine sends rank 0's values in every negotiation header
 and all ranks adopt them (fusion must be cut identically on every rank). Each sample is logged
@@ -19,9 +23,11 @@ from __future__ import annotations
 import statistics
 import time
 
-from hpcring.torch.engine import DEFAULT_CYCLE_MS, DEFAULT_THRESHOLD
+from hpcring.torch.engine import DEFAULT_CYCLE_MS, DEFAULT_THRESHOLD, HOROVOD_CYCLE_MS
 
-CYCLES_MS = (DEFAULT_CYCLE_MS, 0.2, 2.5, 5.0, 10.0)
+# the default (auto: a host optimizer's gradients wait for the whole step or a full buffer), then
+# time-based cycles, which overlap communication with the backward pass at the cost of more cycles
+CYCLES_MS = (DEFAULT_CYCLE_MS, HOROVOD_CYCLE_MS, 0.2, 5.0, 20.0)
 THRESHOLDS = (DEFAULT_THRESHOLD, 32 << 20, 8 << 20, 2 << 20, 512 << 10)
 
 
@@ -96,4 +102,9 @@ class Autotuner:
         self._sample += 1
         if self.log_path:
             with open(self.log_path, "a") as f:
-                f.write(f"{self._sample},{phase},{thr},{cyc},{med:.6f},{self.steps}\n")
+                f.write(f"{self._sample},{phase},{thr},{cycle_text(cyc)},{med:.6f},{self.steps}\n")
+
+
+def cycle_text(cycle_ms: float) -> str:
+    """How logs and tables show a cycle time (negative: auto)."""
+    return "auto" if cycle_ms < 0 else f"{cycle_ms:g}"

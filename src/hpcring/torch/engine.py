@@ -4,7 +4,10 @@ and execution on an hpcring :class:`~hpcring.collectives.api.Communicator`.
 Horovod's model: each rank submits named operations in any order; an operation runs once every
 rank has submitted it. Here one engine thread per process does, in cycles:
 
-1. wait for work, then ``cycle_time`` more so that gradients arriving together fuse;
+1. wait for work, then until the cycle should start (:meth:`Engine._wait_for_cycle`): every
+   gradient an optimizer expects this step is queued (:meth:`Engine.expect`), or the queued
+   bytes fill the fusion buffer, or ``cycle_time`` has passed (unset: host gradients of an
+   optimizer wait for the first two, everything else 1 ms), so that gradients fuse;
 2. **negotiate**: one fixed-size int64 allgather of (header, up to ``CAP`` entries). An entry is
    (name hash, signature hash, element count, kind/dtype code); the header carries flags and
    rank 0's fusion threshold and cycle time, which every rank adopts (the autotuner runs on
@@ -45,7 +48,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.in
            torch.uint8, torch.int8, torch.int16, torch.bool)
 _DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in _DTYPES}
 DEFAULT_THRESHOLD = 128 * 1024 * 1024      # Horovod's default since 0.21
-DEFAULT_CYCLE_MS = 1.0                     # Horovod's default since 0.21
+HOROVOD_CYCLE_MS = 1.0                     # Horovod's default since 0.21
+AUTO_CYCLE_MS = -1.0                       # HPCRING_CYCLE_TIME unset: see Engine._wait_for_cycle
+DEFAULT_CYCLE_MS = AUTO_CYCLE_MS
+HELD_MAX_S = 1.0      # auto: the longest held gradients wait (a backstop; the step's end comes first)
 
 
 @functools.lru_cache(maxsize=65536)     # the same names and signatures recur every step
@@ -105,7 +111,7 @@ class Entry:
     ``output``: where the result goes (allreduce/broadcast: written in place, may be ``tensor``)."""
 
     __slots__ = ("name", "kind", "tensor", "output", "op", "pre", "post", "root", "splits", "handle",
-                 "t_queued", "name_hash", "sig_hash", "numel", "nbytes", "code", "stream")
+                 "t_queued", "name_hash", "sig_hash", "numel", "nbytes", "code", "stream", "held")
 
     def __init__(self, name: str, kind: str, tensor, output=None, *, op: str = "sum", pre: float = 1.0,
                  post: float = 1.0, root: int = -1, splits=None) -> None:
@@ -122,6 +128,7 @@ class Entry:
         self.numel = tensor.numel() if tensor is not None else 0
         self.nbytes = self.numel * tensor.element_size() if tensor is not None else 0
         self.code = KINDS.index(kind) * 256 + (_DTYPES.index(dt) if dt in _DTYPES else 255)
+        self.held = False              # set by Engine.submit: an optimizer expects it, on the host
         self.stream = None
         if tensor is not None and tensor.is_cuda:
             self.stream = torch.cuda.current_stream(tensor.device)
@@ -138,7 +145,7 @@ class Engine:
         self.rank, self.size = comm.rank, comm.size
         from hpcring.config import envvars          # parsed and bounded there, one message per bad value
         self.threshold = int(envvars.get("HPCRING_FUSION_THRESHOLD", default=DEFAULT_THRESHOLD))
-        self.cycle_s = envvars.get("HPCRING_CYCLE_TIME", default=DEFAULT_CYCLE_MS) / 1000.0
+        self.cycle_s = envvars.get("HPCRING_CYCLE_TIME", default=DEFAULT_CYCLE_MS) / 1000.0   # < 0: auto
         self.timeout = comm.timeout
         self.backend = getattr(comm.backend, "name", "?")
         self.timeline = timeline
@@ -150,6 +157,7 @@ class Engine:
         self._due: dict[int, set[str]] = {}       # expect(): owner -> names it has still to submit
         self._flush = False                     # an owner's expected names are all queued: go now
         self._pending_bytes = 0                 # fusable bytes queued (the buffer-full trigger)
+        self._held = 0                          # pending host gradients an optimizer expects (auto cycle)
         self._cycle_t0 = 0.0                    # when the last cycle started
         self._error: BaseException | None = None
         self._stop = False
@@ -184,6 +192,8 @@ class Engine:
             for owner, due in self._due.items():
                 if e.name in due:
                     due.discard(e.name)
+                    e.held = e.stream is None
+                    self._held += e.held
                     if not due:
                         del self._due[owner]
                         self._flush = wake = True
@@ -232,8 +242,12 @@ class Engine:
         when every operation an optimizer expects this step is queued (nothing more will come to
         fuse with) or the queued fusable bytes fill the fusion buffer; otherwise it collects for
         the cycle time, counted from the oldest queued operation or the start of the previous cycle,
-        whichever is later. After a cycle that matched
-        nothing (ranks queued different names) the wait backs off, up to 50 ms."""
+        whichever is later. With the cycle time unset (auto), gradients on the host that an
+        optimizer expects wait for those two events (or 1 s, a backstop): on CPU the collectives
+        compete with the backward pass for the same cores, so overlapping buys less than the extra
+        cycles cost (docs/from-horovod.md, Performance); anything else (CUDA tensors, plain
+        hvd.allreduce calls) gets Horovod's 1 ms. After a cycle that matched nothing (ranks queued different
+        names) the wait backs off, up to 50 ms."""
         while not self._stop:
             if self._join_handle is not None:
                 return
@@ -242,7 +256,11 @@ class Engine:
                 continue
             if idle_cycles == 0 and (self._flush or 0 < self.threshold <= self._pending_bytes):
                 return
-            span = max(self.cycle_s, min(self.cycle_s * (1 + idle_cycles), 0.05))
+            cycle = self.cycle_s
+            if cycle < 0:
+                held = idle_cycles == 0 and self._held == len(self._pending)
+                cycle = HELD_MAX_S if held else HOROVOD_CYCLE_MS / 1000.0
+            span = max(cycle, min(cycle * (1 + idle_cycles), 0.05))
             wait = max(self._pending[0].t_queued, self._cycle_t0) + span - time.time()
             if wait <= 0:
                 return
@@ -265,7 +283,7 @@ class Engine:
         self._pending.clear()
         self._inflight = []
         self._names.clear()
-        self._pending_bytes, self._flush = 0, False
+        self._pending_bytes, self._held, self._flush = 0, 0, False
         if self._join_handle is not None:
             self._join_handle._set(error=err)
             self._join_handle = None
@@ -327,6 +345,7 @@ class Engine:
                         del self._names[e.name]
                         if e.kind in FUSABLE:
                             self._pending_bytes -= e.nbytes
+                        self._held -= e.held
                 self._pending = [e for e in self._pending if id(e) not in taken]
                 if not self._pending:
                     self._flush = False
