@@ -10,7 +10,7 @@ per rank. Every rank times ``--iters`` iterations of ``--batches`` steps after `
 the table shows images/s summed over ranks (mean over iterations, from rank 0's timings) and, for
 hpcring.torch, collectives per step, negotiation cycles per step, negotiation time per step (mostly
 waiting for the slowest rank to queue the same names: rank skew, not protocol cost), time in the
-backend's collectives and in the fusion buffer copies (pack + unpack) per step.
+backend's collectives and in the fusion buffer copies and scaling (pack + unpack) per step.
 
 Variants: ``hvd`` (defaults: 128 MiB fusion threshold, auto cycle), ``hvd-nofusion``
 (HPCRING_FUSION_THRESHOLD=0: one collective per tensor), ``hvd-autotune`` (HPCRING_AUTOTUNE=1;
@@ -144,7 +144,7 @@ def main() -> None:
     print(f"# small ResNet, 32x32 images, batch {args.batch}/rank, {args.iters} x {args.batches} timed steps "
           f"after {args.warmup} warm-up; img/s summed over ranks (min-max over iterations)")
     print(f"# {'ranks':>5} {'variant':<14} {'img/s':>8} {'min-max':>15} {'coll/step':>9} {'cycles/step':>11} "
-          f"{'negot ms/step':>13} {'backend ms':>10} {'copy ms':>7}  settings")
+          f"{'negot ms/step':>13} {'backend ms':>10} {'pack ms':>7}  settings")
     for n in [int(x) for x in args.ranks.split(",")]:
         runs: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
         for _ in range(args.repeat):
