@@ -194,6 +194,27 @@ def cycles() -> None:
     try:
         n, _ = steps()             # auto: host gradients wait for the step's whole set
         assert n == len(xs), f"auto cycle: {n} negotiations for {len(xs)} steps"
+        # ... but other work does not wait with them (the hold's backstop is 1 s): a metric
+        # allreduced from inside the backward pass, with the last layer's gradients queued
+        took = []
+
+        def metric(g):
+            t = time.monotonic()
+            hvd.allreduce(torch.ones(1), name="metric.in.backward")
+            took.append(time.monotonic() - t)
+        opt.zero_grad()
+        h = model[1](model[0](xs[0]))
+        h.register_hook(metric)
+        torch.nn.functional.mse_loss(model[2](h), ys[0]).backward()
+        opt.step()
+        assert took[0] < 0.5, f"an allreduce next to held gradients took {took[0]:.2f} s"
+        # a set that never completes (here: a name nobody submits) is released by the backstop
+        eng.expect(opt, opt._expected + ["never.submitted"])
+        t = time.monotonic()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+        opt.step()                 # synchronize() expects the real set again
+        assert 0.5 < time.monotonic() - t < 10, f"backstop: the step took {time.monotonic() - t:.2f} s"
         eng.cycle_s = 60.0         # the last expected gradient ends even a 60 s cycle
         n, dt = steps()
         assert n == len(xs) and dt < 20, f"60 s cycle: {n} negotiations, {dt:.1f} s for {len(xs)} steps"

@@ -181,11 +181,13 @@ class Engine:
                 raise UsageError(f"hpcring.torch: an operation named '{e.name}' is already in flight on rank {self.rank}",
                                  hint="names must be unique among pending operations; synchronize the first one")
             self._names[e.name] = e
-            # wake the engine only when this entry changes when its cycle starts: it was idle, or
-            # this completes an expected set or fills the buffer (else its timed wait ends on its
-            # own; a wake-up per gradient costs the backward pass a thread switch each)
-            wake = not self._pending
+            # wake the engine only when this entry changes when its cycle starts: it was idle or
+            # holding gradients only (auto), or this completes an expected set or fills the buffer
+            # (else its timed wait ends on its own; a wake-up per gradient costs the backward pass
+            # a thread switch each)
+            idle, all_held = not self._pending, self._held == len(self._pending)
             self._pending.append(e)
+            wake = idle
             if e.kind in FUSABLE:
                 self._pending_bytes += e.nbytes
                 wake = wake or 0 < self.threshold <= self._pending_bytes
@@ -198,6 +200,7 @@ class Engine:
                         del self._due[owner]
                         self._flush = wake = True
                     break
+            wake = wake or (all_held and not e.held)
             if wake:
                 self._cv.notify()
         return e.handle
@@ -246,8 +249,8 @@ class Engine:
         optimizer expects wait for those two events (or 1 s, a backstop): on CPU the collectives
         compete with the backward pass for the same cores, so overlapping buys less than the extra
         cycles cost (docs/from-horovod.md, Performance); anything else (CUDA tensors, plain
-        hvd.allreduce calls) gets Horovod's 1 ms. After a cycle that matched nothing (ranks queued different
-        names) the wait backs off, up to 50 ms."""
+        hvd.allreduce calls) gets Horovod's 1 ms. After a cycle that matched nothing (ranks queued
+        different names) the wait backs off, up to 50 ms."""
         while not self._stop:
             if self._join_handle is not None:
                 return
