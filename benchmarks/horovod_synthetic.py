@@ -5,7 +5,7 @@
 
 Each variant is one `hpcring run` job (ranks on this machine; ring backend over loopback TCP for
 hpcring.torch, Gloo for DDP). Model: a small ResNet (stem + 4 residual stages, BatchNorm,
-~0.7 M parameters, 30 gradient tensors) on 32x32 random images, SGD, ``torch.set_num_threads(1)``
+~0.7 M parameters, 38 gradient tensors) on 32x32 random images, SGD, ``torch.set_num_threads(1)``
 per rank. Every rank times ``--iters`` iterations of ``--batches`` steps after ``--warmup`` steps;
 the table shows images/s summed over ranks (mean over iterations, from rank 0's timings) and, for
 hpcring.torch, collectives per step, negotiation cycles per step, negotiation time per step (mostly
