@@ -319,14 +319,16 @@ def ensure_shares(i: int, paths: list[str]) -> list[str]:
             continue
         rel = real[len("/tmp/"):]
         src = f"{n.HOST_TMP_VIEW}/{rel}"
-        # A share whose directory was deleted and re-created (a new clone) is re-bound.
+        # A share whose directory was deleted and re-created (a new clone) is re-bound. "bound" on
+        # stdout tells a new bind from one already there, so a repeated `up` reports nothing.
         script = (f"mkdir -p '{real}' && if mountpoint -q '{real}' && "
                   f"[ \"$(stat -c %d:%i '{real}')\" != \"$(stat -c %d:%i '{src}')\" ]; then umount -l '{real}'; fi; "
-                  f"mountpoint -q '{real}' || mount --bind '{src}' '{real}'")
-        run(["nsenter", f"--mount={n.mnt_ns_file(i)}", "--", "sh", "-c", script],
-            what=f"sharing {real} with {n.node_name(i)}",
-            hint="the path must exist on this machine; shares apply to paths under /tmp only")
-        added.append(real)
+                  f"mountpoint -q '{real}' || {{ mount --bind '{src}' '{real}' && echo bound; }}")
+        proc = run(["nsenter", f"--mount={n.mnt_ns_file(i)}", "--", "sh", "-c", script],
+                   what=f"sharing {real} with {n.node_name(i)}",
+                   hint="the path must exist on this machine; shares apply to paths under /tmp only")
+        if "bound" in proc.stdout.split():
+            added.append(real)
     return added
 
 
