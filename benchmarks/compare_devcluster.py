@@ -9,7 +9,8 @@ Needs the dev cluster up (`hpcring devcluster up`), Open MPI + mpi4py, CPU torch
 
   * dev cluster, 3 nodes x 1 rank (--nodes/--per-node): ring (hpcring run --site devcluster),
     Open MPI (srun --mpi=pmix, btl tcp,self,vader on eth0), torch gloo (env://);
-  * link: iperf3 node2 -> node1 (hpcring devcluster exec), one stream, 3 s;
+  * link: iperf3 node2 -> node1 (hpcring devcluster exec), one stream, 3 s; and the ring's own
+    pattern, node i -> node i+1 on every link at once (the namespaces share this host's cores);
   * one host, 2/4/8 ranks (--one-host-ranks), 16 and 64 MiB: ring (hpcring run --nodes 1, so
     the ranks share memory), mpirun -np n (Open MPI's own shared memory), torch gloo;
   * yardsticks on this host: one loopback TCP stream (iperf3 -P 1), memcpy and float32 add
@@ -192,6 +193,40 @@ def iperf(seconds: int = 3) -> float | None:
             server.kill()
 
 
+def iperf_ring(nodes: int, seconds: int = 3) -> float | None:
+    """The ring's own traffic pattern as a yardstick: node i -> node i+1 for every i at once (one
+    stream each, as the ring sends while it receives); the mean per-link rate in GB/s, or None.
+    On one host the namespaces' veths share its cores, so concurrent links are slower than one."""
+    if shutil.which("iperf3") is None or nodes < 2:
+        return None
+    ex = [sys.executable, "-m", "hpcring", "devcluster", "exec"]
+    servers = [subprocess.Popen(ex + [f"node{i}", "--", "iperf3", "-s", "-1", "-p", str(5300 + i)], env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+               for i in range(1, nodes + 1)]
+    try:
+        time.sleep(1.0)
+        clients = []
+        for i in range(1, nodes + 1):
+            to = i % nodes + 1
+            clients.append(subprocess.Popen(
+                ex + [f"node{i}", "--", "iperf3", "-c", f"10.99.0.{to}", "-p", str(5300 + to), "-t", str(seconds), "-J"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), stdin=subprocess.DEVNULL))
+        rates = []
+        for c in clients:
+            out, err = c.communicate(timeout=seconds + 30)
+            if c.returncode:
+                print(f"# iperf3 (ring pattern) failed: {err.strip()[-500:]}")
+                return None
+            rates.append(json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8e9)
+        return sum(rates) / len(rates)
+    finally:
+        for sv in servers:
+            try:
+                sv.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                sv.kill()
+
+
 ONE_HOST_SIZES = [16 << 20, 64 << 20]
 
 
@@ -316,6 +351,7 @@ def main() -> int:
     if "gloo" not in skip:
         results["torch gloo"] = _run("gloo", salloc(args) + hpcring_run(args) + worker_argv("gloo", args, SIZES, False), env)
     link = None if "link" in skip else iperf()
+    link_ring = None if "link" in skip else iperf_ring(args.nodes)
     hosts1 = {} if "onehost" in skip else one_host(args)
     yard = {} if "yard" in skip else yardsticks()
 
@@ -324,7 +360,7 @@ def main() -> int:
     print()
     print(f"# yardsticks (this host, same run): one loopback TCP stream {gbs(yard.get('tcp1'))}, memcpy "
           f"{gbs(yard.get('memcpy'))}, float32 add {gbs(yard.get('add'))}; dev-cluster link (iperf3 node2->node1) "
-          f"{gbs(link)}")
+          f"{gbs(link)}, the ring's pattern (node i -> i+1, all {args.nodes} links at once) {gbs(link_ring)} per link")
     for kind, rows in results.items():
         print()
         for line in nccl_table(f"{kind}: dev cluster, {args.nodes} nodes x {args.per_node} rank(s) = {n} ranks, "
@@ -356,6 +392,8 @@ def main() -> int:
     for s in (16 << 20, 64 << 20):
         tag = f"{s >> 20} MiB"
         checks.append(verdict(f"dev cluster ring busbw / iperf3 link @ {tag}", ratio(at(results, ring, s), link), 0.60, "{:.0%}"))
+        checks.append(verdict(f"dev cluster ring busbw / iperf3 in the ring's pattern @ {tag} (info)",
+                              ratio(at(results, ring, s), link_ring), 0.60, "{:.0%}"))
         checks.append(verdict(f"dev cluster ring/Open MPI @ {tag}", ratio(at(results, ring, s), at(results, mpi, s)), 2.0))
         checks.append(verdict(f"dev cluster ring/gloo @ {tag}", ratio(at(results, ring, s), at(results, gloo, s)), 2.0))
     checks.append(verdict("dev cluster 4 KiB latency Open MPI time / ring time (>= 1: ring no worse)",
@@ -383,7 +421,8 @@ def main() -> int:
               "rate;\n# reduce = (n-1)/n*S of numpy float32 adds on this host; other = native - wire - reduce "
               "(copies, waiting on\n# the slowest rank: all ranks share 2 cores, syscalls, pipeline fill).")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "link_GBps": link, "yardsticks": yard,
+        Path(args.json).write_text(json.dumps({"results": results, "link_GBps": link, "link_ring_GBps": link_ring,
+                                               "yardsticks": yard,
                                                "one_host": {str(k): v for k, v in hosts1.items()}}, indent=1))
     return 1 if wrong else 0
 

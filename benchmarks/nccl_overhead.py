@@ -55,7 +55,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed loops per size; the median is printed")
     args = ap.parse_args()
 
-    from hpcring.collectives.nccl import gpu_count
+    from hpcring.collectives.nccl_lib import gpu_count
     if gpu_count() == 0:
         print("nccl_overhead: needs cupy, NCCL and a visible NVIDIA GPU (none here)", file=sys.stderr)
         return 2

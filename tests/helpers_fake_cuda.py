@@ -46,6 +46,7 @@ def make_cupy(ngpus: int = 2):
     cp.concatenations = []       # number of pieces of every concatenate call
     cp.live = []                 # numpy arrays backing device memory: (array, device id)
     cp.gpu_busy = False          # while True, no event completes
+    cp.event_queries = 0         # Event.done reads (cudaEventQuery)
     cp.stream_waits = []         # (stream ptr, event) of every Stream.wait_event
     tls = threading.local()
 
@@ -144,6 +145,7 @@ def make_cupy(ngpus: int = 2):
 
         @property
         def done(self):
+            cp.event_queries += 1
             return not cp.gpu_busy
 
         def synchronize(self):

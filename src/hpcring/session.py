@@ -39,7 +39,7 @@ def auto_backend(topology: Topology, environ=None) -> str:
     chosen = envvars.get("HPCRING_BACKEND", env)
     if chosen:
         return chosen
-    from hpcring.collectives.nccl import gpu_available
+    from hpcring.collectives.nccl_lib import gpu_available
     if gpu_available():
         return "nccl"
     if importlib.util.find_spec("mpi4py") is not None:

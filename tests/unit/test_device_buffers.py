@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -23,8 +24,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import helpers_fake_cuda as F  # noqa: E402
 
-from hpcring.collectives import nccl as N  # noqa: E402
+from hpcring.collectives import nccl as N
+from hpcring.collectives import nccl_lib as NL  # noqa: E402
 from hpcring.collectives.api import Communicator  # noqa: E402
+from hpcring.errors import CollectiveError  # noqa: E402
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend  # noqa: E402
 from hpcring.errors import UsageError  # noqa: E402
 
@@ -83,7 +86,7 @@ def test_cupy_arrays_reach_nccl_without_copies(fake, tag):
         c = last(nc, "allReduce")
         assert isinstance(y, cp.ndarray) and y.shape == (3, 4) and y.dtype == x.dtype and y.device.id == GPU
         assert (c["send"], c["recv"], c["count"]) == (x.data.ptr, y.data.ptr, 12)
-        assert c["dtype"] == N.NCCL_DTYPE[tag] and c["nccl_op"] == N.NCCL_OP[op]
+        assert c["dtype"] == NL.NCCL_DTYPE[tag] and c["nccl_op"] == NL.NCCL_OP[op]
         np.testing.assert_array_equal(y._a, ref)
 
     assert comm.allreduce(x, "max", out=x, **kw) is x
@@ -164,7 +167,7 @@ def test_torch_cuda_tensors_reach_nccl_through_dlpack(fake, tag):
     c = last(nc, "allReduce")
     assert isinstance(y, torch.Tensor) and y.dtype is dt and y.device == torch.device("cuda", GPU)
     assert y.shape == (2, 5) and (c["send"], c["recv"]) == (x.data_ptr(), y.data_ptr())
-    assert c["dtype"] == N.NCCL_DTYPE[tag]
+    assert c["dtype"] == NL.NCCL_DTYPE[tag]
     np.testing.assert_array_equal(y._a, ref)
 
     assert comm.allreduce(x, "min", out=x) is x
@@ -275,6 +278,38 @@ def test_device_collectives_return_before_the_gpu_finished(fake):
     comm.synchronize(5)
     assert seen == [None] and [r.state for r in comm.recorder.records()] == ["done", "done"]
     np.testing.assert_array_equal(y.get(), np.full(1024, 2, np.float32))
+    comm.close()
+
+
+def test_the_poller_queries_one_event_per_stream_not_every_op_in_flight(fake):
+    """Ops on one stream complete in order: with 60 small ops queued behind a busy GPU, the
+    poller asks only the oldest one (a long queue must not make it hog the GIL)."""
+    cp = fake.cp
+    comm, nc = nccl_comm(fake, size=2)
+    x = cp.device_array(np.ones(256, np.float32), device=GPU)
+    cp.gpu_busy = True
+    handles = [comm.allreduce_async(x, out=x) for _ in range(60)]
+    cp.event_queries = 0
+    time.sleep(0.03)                          # several poll rounds (0.2 ms growing to 2 ms)
+    queried = cp.event_queries
+    assert 0 < queried < 60, queried          # polling all 60 would take 60 queries a round
+    cp.gpu_busy = False
+    comm.synchronize(5)
+    assert all(h.done() and h.exception() is None for h in handles)
+    comm.close()
+
+
+def test_an_op_behind_a_running_one_still_keeps_its_own_deadline(fake):
+    cp = fake.cp
+    comm, nc = nccl_comm(fake, size=2)
+    x = cp.device_array(np.ones(256, np.float32), device=GPU)
+    cp.gpu_busy = True
+    slow = comm.allreduce_async(x, out=x, timeout=30)
+    short = comm.allreduce_async(x, out=x, timeout=0.2)    # queued behind, shorter deadline
+    with pytest.raises(CollectiveError, match="allreduce#2"):
+        short.wait(10)
+    assert slow.done() and isinstance(slow.exception(), CollectiveError)     # aborted with it
+    cp.gpu_busy = False
     comm.close()
 
 
@@ -398,7 +433,7 @@ def test_grouped_allreduce_fuses_on_the_device(fake):
     out = comm.allreduce_grouped(arrs)
     assert cp.concatenations == [3, 1]                  # one fused buffer per dtype, float32 first
     calls = [c for c in nc.calls if c["op"] == "allReduce"]
-    assert [(c["count"], c["dtype"]) for c in calls] == [(10, N.NCCL_DTYPE["float32"]), (5, N.NCCL_DTYPE["int64"])]
+    assert [(c["count"], c["dtype"]) for c in calls] == [(10, NL.NCCL_DTYPE["float32"]), (5, NL.NCCL_DTYPE["int64"])]
     assert [type(o).__name__ for o in out] == ["ndarray", "ndarray", "Tensor", "ndarray"]
     assert [tuple(o.shape) for o in out] == [(2, 3), (5,), (4,), (0,)]
     for o, a, ref in zip(out, arrs, refs):
@@ -441,7 +476,7 @@ def test_host_inputs_on_a_cuda_backend_are_staged_by_the_backend(fake):
     r = comm.allreduce(t)
     assert isinstance(r, torch.Tensor) and r.device.type == "cpu" and r.dtype is torch.bfloat16
     np.testing.assert_array_equal(r._a, t._a)
-    assert last(nc, "allReduce")["dtype"] == N.NCCL_DTYPE["bfloat16"]
+    assert last(nc, "allReduce")["dtype"] == NL.NCCL_DTYPE["bfloat16"]
     assert cp.h2d >= 3 and cp.d2h >= 3
     assert all(dev == GPU for dev, *_ in cp.allocations)
     comm.close()
@@ -512,7 +547,7 @@ def test_host_backend_stages_device_arrays_through_host_memory(fake):
 # ---------------------------------------------------------------------------------------------
 # real GPU: one-rank NCCL communicator, every op and dtype, cupy and torch
 # ---------------------------------------------------------------------------------------------
-needs_gpu = pytest.mark.skipif(not N.gpu_available(), reason="no NVIDIA GPU/cupy")
+needs_gpu = pytest.mark.skipif(not NL.gpu_available(), reason="no NVIDIA GPU/cupy")
 
 
 class _Spy:
@@ -537,7 +572,7 @@ class _Spy:
 
 @pytest.fixture(scope="module")
 def gpu_comm():
-    if not N.gpu_available():
+    if not NL.gpu_available():
         pytest.skip("no NVIDIA GPU/cupy")
     from hpcring.bootstrap.store import StoreClient, StoreServer
     secret = b"g" * 32

@@ -8,22 +8,23 @@ import types
 import pytest
 
 from hpcring.collectives import nccl as N
+from hpcring.collectives import nccl_lib as NL
 from hpcring.collectives.backends import DTYPES, OPS
 from hpcring.errors import CollectiveError, UsageError
 
 
 def test_unique_id_round_trips_as_raw_bytes_for_old_and_new_cupy():
     old = tuple((i * 37) % 256 - 128 for i in range(128))        # CuPy <= 13: signed chars
-    data = N.uid_to_bytes(old)
+    data = NL.uid_to_bytes(old)
     assert isinstance(data, bytes) and len(data) == 128
-    assert N.uid_from_bytes(data) == old
-    assert N.uid_from_bytes(data, as_bytes=True) == data           # CuPy >= 14: bytes
-    assert N.uid_to_bytes(data) == data
-    assert all(-128 <= c <= 127 for c in N.uid_from_bytes(bytes(range(128))))
+    assert NL.uid_from_bytes(data) == old
+    assert NL.uid_from_bytes(data, as_bytes=True) == data           # CuPy >= 14: bytes
+    assert NL.uid_to_bytes(data) == data
+    assert all(-128 <= c <= 127 for c in NL.uid_from_bytes(bytes(range(128))))
     with pytest.raises(CollectiveError, match="expected 128"):
-        N.uid_from_bytes(b"\x00" * 10)
-    assert N.uid_takes_bytes(types.SimpleNamespace(__version__="14.2.0"))
-    assert not N.uid_takes_bytes(types.SimpleNamespace(__version__="13.6.0"))
+        NL.uid_from_bytes(b"\x00" * 10)
+    assert NL.uid_takes_bytes(types.SimpleNamespace(__version__="14.2.0"))
+    assert not NL.uid_takes_bytes(types.SimpleNamespace(__version__="13.6.0"))
 
 
 def _real_nccl():
@@ -43,9 +44,9 @@ def test_real_cupy_unique_id_reaches_ncclcomminitrank_in_the_type_it_takes():
     and comes back in the type this CuPy's NcclCommunicator accepts. Without a GPU the call then
     fails inside CUDA/NCCL -- never with the argument TypeError that broke every GPU run."""
     cupy, nccl = _real_nccl()
-    raw = N.uid_to_bytes(nccl.get_unique_id())
+    raw = NL.uid_to_bytes(nccl.get_unique_id())
     assert len(raw) == 128
-    uid = N.uid_from_bytes(raw, as_bytes=N.uid_takes_bytes(cupy))
+    uid = NL.uid_from_bytes(raw, as_bytes=NL.uid_takes_bytes(cupy))
     try:
         comm = nccl.NcclCommunicator(1, uid, 0)
     except TypeError as e:
@@ -55,12 +56,12 @@ def test_real_cupy_unique_id_reaches_ncclcomminitrank_in_the_type_it_takes():
     else:                                # a GPU is visible: a real one-rank communicator
         comm.destroy()
     topo = types.SimpleNamespace(rank=0, size=1, host="here")
-    if N.gpu_count() == 0:               # the whole creation path: an NcclError, named
+    if NL.gpu_count() == 0:               # the whole creation path: an NcclError, named
         with pytest.raises(CollectiveError, match=r"ncclCommInitRank failed on rank 0 \(here, GPU 0\)"):
-            N._init_rank(nccl, topo, raw, N.uid_takes_bytes(cupy), 0)
+            N._init_rank(nccl, topo, raw, NL.uid_takes_bytes(cupy), 0)
     # the other form is what the other CuPy generation takes: this one refuses it by type
     with pytest.raises(TypeError, match="commId"):
-        nccl.NcclCommunicator(1, N.uid_from_bytes(raw, as_bytes=not N.uid_takes_bytes(cupy)), 0)
+        nccl.NcclCommunicator(1, NL.uid_from_bytes(raw, as_bytes=not NL.uid_takes_bytes(cupy)), 0)
 
 
 def test_init_rank_retries_with_the_other_id_type_when_cupy_refuses_it():
@@ -78,9 +79,9 @@ def test_init_rank_retries_with_the_other_id_type_when_cupy_refuses_it():
 
 
 def test_two_ranks_on_one_gpu_are_refused_naming_them():
-    N.check_gpu_sharing(0, {0: "0000:1b:00.0", 1: "0000:1c:00.0"}, "gpu1")       # distinct: fine
+    NL.check_gpu_sharing(0, {0: "0000:1b:00.0", 1: "0000:1c:00.0"}, "gpu1")       # distinct: fine
     with pytest.raises(CollectiveError) as ei:
-        N.check_gpu_sharing(3, {2: "0000:1b:00.0", 3: "0000:1b:00.0", 4: "0000:1c:00.0"}, "gpu1")
+        NL.check_gpu_sharing(3, {2: "0000:1b:00.0", 3: "0000:1b:00.0", 4: "0000:1c:00.0"}, "gpu1")
     msg = f"{ei.value} {ei.value.hint}"
     assert "ranks 2, 3 on gpu1 would share one GPU (PCI 0000:1b:00.0)" in msg
     assert "--gpus-per-node" in msg and "CUDA_VISIBLE_DEVICES" in msg
@@ -104,18 +105,18 @@ def test_gpu_sharing_check_reads_only_the_ranks_of_this_host():
 
 def test_dtype_and_op_mapping():
     new, old = 22000, 20800
-    assert [N.nccl_dtype(d, new) for d in DTYPES] == [6, 9, 7, 8, 2, 4, 1]
+    assert [NL.nccl_dtype(d, new) for d in DTYPES] == [6, 9, 7, 8, 2, 4, 1]
     with pytest.raises(CollectiveError, match="bfloat16 needs NCCL >= 2.10.3, this is NCCL 2.8.0"):
-        N.nccl_dtype("bfloat16", old)
-    assert N.nccl_op("avg", "float32", new) == (4, False)          # ncclAvg
-    assert N.nccl_op("avg", "float16", old) == (0, True)           # sum + divide
-    assert [N.nccl_op(o, "int32", new)[0] for o in OPS if o != "avg"] == [0, 1, 3, 2]
+        NL.nccl_dtype("bfloat16", old)
+    assert NL.nccl_op("avg", "float32", new) == (4, False)          # ncclAvg
+    assert NL.nccl_op("avg", "float16", old) == (0, True)           # sum + divide
+    assert [NL.nccl_op(o, "int32", new)[0] for o in OPS if o != "avg"] == [0, 1, 3, 2]
     with pytest.raises(UsageError, match="avg"):
-        N.nccl_op("avg", "int64", new)
+        NL.nccl_op("avg", "int64", new)
     # names exported by cupy win over the built-in numbers
     fake = types.SimpleNamespace(NCCL_FLOAT32=70, NCCL_AVG=40)
-    assert N.nccl_dtype("float32", new, fake) == 70 and N.nccl_op("avg", "float64", new, fake) == (40, False)
-    assert N.format_version(21805) == "2.18.5" and N.format_version(2708) == "2.7.8"
+    assert NL.nccl_dtype("float32", new, fake) == 70 and NL.nccl_op("avg", "float64", new, fake) == (40, False)
+    assert NL.format_version(21805) == "2.18.5" and NL.format_version(2708) == "2.7.8"
 
 
 def test_wait_for_polls_with_growing_sleeps_until_the_deadline():
@@ -125,10 +126,10 @@ def test_wait_for_polls_with_growing_sleeps_until_the_deadline():
     def sleep(s):
         sleeps.append(s)
         now[0] += s
-    expired = N.wait_for(lambda: False, lambda: None, timeout=0.01, t0=0.0, clock=lambda: now[0], sleep=sleep)
+    expired = NL.wait_for(lambda: False, lambda: None, timeout=0.01, t0=0.0, clock=lambda: now[0], sleep=sleep)
     assert expired is not None and expired >= 0.01
     assert sleeps[0] == pytest.approx(50e-6) and max(sleeps) <= 1e-3 and sleeps[1] == pytest.approx(100e-6)
-    assert N.wait_for(lambda: True, lambda: None, timeout=1.0, t0=0.0) is None
+    assert NL.wait_for(lambda: True, lambda: None, timeout=1.0, t0=0.0) is None
 
 
 class _FakeComm:
@@ -219,13 +220,13 @@ def test_async_error_aborts_at_once():
 
 def test_create_without_cupy_or_gpu_says_why():
     topo = types.SimpleNamespace(rank=0, size=1, local_rank=0, host="here", hosts=("here",))
-    if N.gpu_available():
+    if NL.gpu_available():
         pytest.skip("a GPU is visible: the refusal path is not reachable")
     with pytest.raises(CollectiveError, match="CuPy|GPU"):
         N.NcclBackend.create(topo, store=None)
 
 
-needs_gpu = pytest.mark.skipif(not N.gpu_available(), reason="no NVIDIA GPU/cupy")
+needs_gpu = pytest.mark.skipif(not NL.gpu_available(), reason="no NVIDIA GPU/cupy")
 
 
 @pytest.mark.gpu
@@ -244,4 +245,39 @@ def test_single_rank_allreduce_on_gpu():
         y = comm.allreduce(x)
         assert cupy.allclose(cupy.asarray(y), x)
         comm.barrier()
+        comm.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_torch_process_group_on_nccl_is_stream_ordered():
+    """CUDA tensors on the hpcring process group over NCCL: the Work is complete at once (its
+    future CUDA-aware, as torch's NCCL works), the GPU still busy, and the results right."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.collectives.api import Communicator
+    from hpcring.distributed.hooks import allreduce_hook
+    from hpcring.distributed.process_group import ProcessGroupHpcring
+    secret = b"s" * 32
+    topo = types.SimpleNamespace(rank=0, size=1, local_rank=0, host="here", hosts=("here",))
+    with StoreServer("127.0.0.1", 0, secret=secret) as srv:
+        store = StoreClient("127.0.0.1", srv.port, secret)
+        comm = Communicator(N.NcclBackend.create(topo, store, timeout=30.0), timeout=30.0)
+        pg = ProcessGroupHpcring(types.SimpleNamespace(communicator=lambda *a, **k: comm), 0, 1)
+        x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        want = x.clone()
+        torch.cuda._sleep(200_000_000)             # keep the stream busy for a while
+        w = pg.allreduce([x])
+        assert w.get_future().done() and not w.is_completed()
+        outs = [torch.empty_like(x)]
+        g = pg.allgather([outs], [x])              # copy-outs enqueued behind the collective
+        g.wait()                                   # orders the current stream; no host wait
+        bucket = types.SimpleNamespace(buffer=lambda: x)
+        assert allreduce_hook(comm, bucket).done()
+        torch.cuda.synchronize()
+        comm.synchronize()
+        assert w.is_completed() and g.is_completed() and w.exception() is None
+        assert torch.equal(x, want) and torch.equal(outs[0], want)
         comm.close()

@@ -77,3 +77,76 @@ def test_premul_sum_is_refused():
 def test_supported_reductions_map_to_hpcring_ops():
     got = [_reduce_op(op, "x", torch.float32) for op in (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG)]
     assert got == ["sum", "prod", "min", "max", "avg"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Work completion: host (from the worker thread) vs stream-ordered (device collectives)
+# ---------------------------------------------------------------------------------------------
+from hpcring.collectives.engine import Handle  # noqa: E402
+from hpcring.distributed.work import chain, cuda_devices, last  # noqa: E402
+from hpcring.errors import CollectiveError  # noqa: E402
+
+
+def _handles(n, stream=False):
+    hs = [Handle(f"allreduce#{i}") for i in range(n)]
+    for h in hs:
+        h.cuda_event = object() if stream else None
+    return hs
+
+
+def test_host_work_finishes_when_the_last_handle_completes():
+    hs, calls = _handles(2), []
+    w = chain(hs, lambda: calls.append("finish") or ["out"])
+    assert not w.is_completed() and calls == []
+    hs[0]._set(1)
+    assert not w.is_completed()
+    hs[1]._set(2)
+    assert w.is_completed() and w.is_success() and calls == ["finish"]
+    assert w.get_future().value() == ["out"]
+
+
+def test_host_work_carries_the_first_error():
+    hs = _handles(2)
+    w = chain(hs, lambda: ["out"])
+    hs[0]._set(error=CollectiveError("allreduce#0 timed out"))
+    hs[1]._set(2)
+    assert w.is_completed() and not w.is_success()
+    assert "allreduce#0" in str(w.exception())
+    with pytest.raises(CollectiveError):
+        w.wait()
+
+
+def test_stream_ordered_work_enqueues_its_copies_at_once_and_never_blocks():
+    hs, calls = _handles(2, stream=True), []
+    w = chain(hs, lambda: calls.append("finish") or ["out"])
+    # the copy-outs went on the stream right behind the collectives; the future is complete
+    assert calls == ["finish"] and w.get_future().done() and w.get_future().value() == ["out"]
+    assert w.wait() is True                       # returns with the GPU work still pending
+    assert not w.is_completed()                   # ... which the handles still say
+    hs[0]._set(1)
+    hs[1]._set(error=CollectiveError("allreduce#1: NCCL async error on gpu0"))
+    assert w.is_completed() and not w.is_success()
+    assert "allreduce#1" in str(w.exception())
+
+
+def test_a_failed_enqueue_is_not_stream_ordered():
+    hs = _handles(1, stream=True)
+    hs[0].cuda_event = None                        # the enqueue failed: a finished, failed handle
+    hs[0]._set(error=CollectiveError("allreduce#0 failed to start"))
+    w = chain(hs, lambda: ["out"])
+    with pytest.raises(CollectiveError, match="failed to start"):
+        w.wait()
+
+
+def test_coalesced_stream_ordered_works_stay_stream_ordered():
+    a, b = _handles(1, stream=True), _handles(1, stream=True)
+    w = last([chain(a, lambda: ["a"]), chain(b, lambda: ["b"])], ["a", "b"])
+    w.wait()
+    assert w.get_future().value() == ["a", "b"] and not w.is_completed()
+    a[0]._set(1)
+    b[0]._set(1)
+    assert w.is_completed() and w.is_success()
+
+
+def test_cuda_devices_of_a_result_on_the_cpu_is_empty():
+    assert cuda_devices([[torch.zeros(2)], torch.ones(1)]) == []

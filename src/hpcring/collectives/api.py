@@ -130,8 +130,10 @@ class Communicator:
 
     # -- execution ------------------------------------------------------------------------
     def _deadline(self, timeout: float | None) -> float:
+        if timeout is None:             # the hot path: no import, no check
+            return self.timeout
         from hpcring.config.envvars import collective_timeout
-        return self.timeout if timeout is None else collective_timeout(timeout, "timeout")
+        return collective_timeout(timeout, "timeout")
 
     def _record(self, op: str, dtype: str | None, count: int, root: int | None, timeout: float) -> Record:
         return self.recorder.queue(op, dtype, count, root, timeout)

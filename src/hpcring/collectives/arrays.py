@@ -115,6 +115,11 @@ def _cupy_stream(cp, torch_stream, device_id: int):
     return s
 
 
+def active_dev() -> CudaContext | None:
+    """The CudaContext this thread is inside (its GPU and stream current), or None."""
+    return getattr(_THREAD, "dev", None)
+
+
 def active_on(dev: CudaContext | None):
     """``dev.active()``, or nothing for a host backend."""
     return contextlib.nullcontext() if dev is None else dev.active()

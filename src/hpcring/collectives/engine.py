@@ -171,8 +171,14 @@ class Completions:
                 items = list(self._items)
             now = time.monotonic()
             finished = []
+            waiting: set = set()        # streams whose oldest op here is still running
             for item in items:
                 rec, pending, handle, result = item
+                stream = getattr(pending, "stream", None)
+                # ops on one stream complete in order: behind a running one, only the deadline
+                # can change (a long queue of small ops costs one event query per stream)
+                if stream is not None and stream in waiting and now < pending.deadline:
+                    continue
                 try:
                     done = backend.poll(pending, now)
                 except BaseException as e:  # noqa: BLE001 - CollectiveError: deadline / async error
@@ -183,9 +189,12 @@ class Completions:
                     if handle is not None:
                         handle._set(result)
                     finished.append(item)
-            with self._cv:
-                for item in finished:
-                    self._items.remove(item)
+                elif stream is not None:
+                    waiting.add(stream)
+            if finished:
+                gone = set(map(id, finished))
+                with self._cv:
+                    self._items = [it for it in self._items if id(it) not in gone]
             delay = self.POLL_MIN if finished else min(delay * 2, self.POLL_MAX)
             time.sleep(delay)
 

@@ -16,7 +16,8 @@ import os
 import torch.distributed as dist
 
 from hpcring.distributed.hooks import allreduce_hook
-from hpcring.distributed.process_group import BACKEND_NAME, HpcringWork, ProcessGroupHpcring
+from hpcring.distributed.process_group import BACKEND_NAME, ProcessGroupHpcring
+from hpcring.distributed.work import HpcringWork
 from hpcring.errors import UsageError
 
 

@@ -7,13 +7,16 @@
 
 Each gradient bucket is divided by the world size and summed in place by
 ``Communicator.allreduce_async`` (DDP's own default does the same, so results match it); the
-future completes from hpcring's worker thread, and the allreduce has hpcring's deadline, flight
-record and hang report.
+future completes from hpcring's worker thread (host backends) or is stream-ordered on the
+bucket's CUDA stream (NCCL, see work.py), and the allreduce has hpcring's deadline, flight record
+and hang report.
 """
 # no `from __future__ import annotations`: DDP compares the hook's annotations with the real types
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+
+from hpcring.distributed.work import stream_ordered
 
 
 def _communicator(state, device_type: str):
@@ -33,7 +36,12 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     buf = bucket.buffer()
     comm = _communicator(state, buf.device.type)
     buf.div_(comm.size)
-    fut: Future = Future()
+    handle = comm.allreduce_async(buf, "sum", out=buf)
+    if stream_ordered([handle]):      # NCCL: on the bucket's stream, done as torch's NCCL hook is
+        fut: Future = Future(devices=[buf.device])
+        fut.set_result(buf)
+        return fut
+    fut = Future()
 
     def done(handle) -> None:
         err = handle.exception()
@@ -41,7 +49,7 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> Future[torch.Tensor]:
             fut.set_exception(err)
         else:
             fut.set_result(buf)
-    comm.allreduce_async(buf, "sum", out=buf).add_done_callback(done)
+    handle.add_done_callback(done)
     return fut
 
 

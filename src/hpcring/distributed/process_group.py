@@ -2,9 +2,10 @@
 
 Every op validates its tensors in the calling thread (a clear ``UsageError`` before anything is
 sent, so a bad call never hangs), then queues one or more ``Communicator.*_async`` calls and
-returns a :class:`HpcringWork` whose future completes from the communicator's worker thread
-(``Handle.add_done_callback``): the caller never blocks, and every collective carries hpcring's
-deadline, flight record, watchdog and hang report. Ops with no hpcring collective behind them
+returns a :class:`~hpcring.distributed.work.HpcringWork`: its future completes from the
+communicator's worker thread (``Handle.add_done_callback``), or, for CUDA tensors on NCCL, is
+stream-ordered like torch's NCCL works (see work.py). The caller never blocks, and every
+collective carries hpcring's deadline, flight record, watchdog and hang report. Ops with no hpcring collective behind them
 are composed of ones that exist (reduce = allreduce, gather = allgather, scatter = broadcast,
 uneven all_to_all = padded alltoall); send/recv are refused (hpcring has no point-to-point).
 
@@ -15,13 +16,11 @@ on the first CPU op, collectively like every op).
 """
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-from torch.futures import Future
 
+from hpcring.distributed.work import chain as _chain, done_work as _done_work, last as _last
 from hpcring.errors import UsageError
 
 # torch reduce op -> hpcring op. BAND/BOR/BXOR and PREMUL_SUM have no hpcring kernel.
@@ -31,66 +30,6 @@ _OPS = {ReduceOp.RedOpType.SUM: "sum", ReduceOp.RedOpType.PRODUCT: "prod", Reduc
 _REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
 _DEVICES = ("cpu", "cuda")
 BACKEND_NAME = "hpcring"
-
-
-class HpcringWork(dist.Work):
-    """A pending torch op: ``get_future()`` completes (result: the op's output tensors) when the
-    last hpcring collective of the op finished; ``wait()`` blocks until then and raises its error."""
-
-    def __init__(self, future: Future) -> None:
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        # The collectives carry hpcring's own deadline; torch's per-wait timeout is not needed
-        # to end a hang (the communicator fails, or the watchdog ends the job, first).
-        self._future.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:  # noqa: BLE001 - the error is the answer
-            return False
-        return True
-
-    def exception(self):
-        try:
-            self._future.value() if self._future.done() else None
-        except Exception as e:  # noqa: BLE001
-            return e
-        return None
-
-    def get_future(self) -> Future:
-        return self._future
-
-
-def _done_work(result) -> HpcringWork:
-    f = Future()
-    f.set_result(result)
-    return HpcringWork(f)
-
-
-def _chain(handles: list, finish) -> HpcringWork:
-    """A Work completed after ``handles`` (queued in this order on one communicator, so the last
-    finishes last): ``finish()`` (copies out of staging buffers) gives the future's result; the
-    first error of any handle fails the future instead."""
-    fut = Future()
-
-    def on_done(_last) -> None:
-        try:
-            for h in handles:
-                h.wait(0)          # done already: raises the op's error, if any
-            fut.set_result(finish())
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            fut.set_exception(e)
-    handles[-1].add_done_callback(on_done)
-    return HpcringWork(fut)
 
 
 def _reduce_op(opts_op, what: str, dtype: torch.dtype) -> str:
@@ -462,16 +401,6 @@ def _zip(a, b, what: str):
     if not a:
         raise UsageError(f"hpcring backend: {what} got no tensors")
     return zip(a, b)
-
-
-def _last(works: list[HpcringWork], result) -> HpcringWork:
-    """One Work for several queued on one communicator: the last completes last."""
-    def done(f):
-        f.value()                       # raises the last op's error
-        for w in works[:-1]:
-            w.wait()                    # finished already; raises an earlier op's error
-        return result
-    return HpcringWork(works[-1].get_future().then(done))
 
 
 def _copy_back(dst: torch.Tensor, buf: torch.Tensor) -> None:

@@ -139,7 +139,7 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> int:
-    from hpcring.collectives.nccl import gpu_available
+    from hpcring.collectives.nccl_lib import gpu_available
     return int(gpu_available())
 
 

@@ -1,0 +1,131 @@
+"""``HpcringWork``: what the hpcring process group's ops return, on the host or stream-ordered.
+
+Two completions, chosen per op from what the communicator did:
+
+* **host**: the collectives run on the communicator's worker thread (ring, MPI, staged buffers);
+  the op's future completes from that thread (``Handle.add_done_callback``) and ``wait()``
+  blocks the host until then;
+* **stream-ordered**: every collective of the op was enqueued on torch's current CUDA stream
+  (the NCCL backend; each handle carries a ``cuda_event``). The op's copy-outs are enqueued on
+  that stream right after them and the Work is complete at once, as torch's own NCCL works are:
+  its future is CUDA-aware (``Future(devices=...)`` records an event on the current stream), so
+  ``wait()`` and ``get_future().wait()`` only order the consumer's stream after the op and the
+  host never blocks. A failure found later by the poller (deadline, NCCL async error) goes
+  through the watchdog, which ends the job with a report, as an NCCL async error does in torch;
+  ``is_completed()`` and ``exception()`` read the handles.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+
+class HpcringWork(dist.Work):
+    """A pending torch op: ``get_future()`` completes (result: the op's output tensors) when the
+    last hpcring collective of the op finished (stream-ordered: at once, see the module note);
+    ``wait()`` waits for that and raises its error."""
+
+    def __init__(self, future: Future, handles: Sequence = ()) -> None:
+        super().__init__()
+        self._future = future
+        self._handles = tuple(handles)     # stream-ordered ops only: the collectives behind it
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        # The collectives carry hpcring's own deadline; torch's per-wait timeout is not needed
+        # to end a hang (the communicator fails, or the watchdog ends the job, first). A
+        # CUDA-aware future's wait() makes the current stream wait; it does not block the host.
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._handles:
+            return all(h.done() for h in self._handles)
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self.exception() is None
+
+    def exception(self):
+        for h in self._handles:
+            if h.done() and h.exception() is not None:
+                return h.exception()
+        try:
+            self._future.value() if self._future.done() else None
+        except Exception as e:  # noqa: BLE001 - the error is the answer
+            return e
+        return None
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+def done_work(result) -> HpcringWork:
+    f = Future()
+    f.set_result(result)
+    return HpcringWork(f)
+
+
+def stream_ordered(handles: Sequence) -> bool:
+    """True when every handle is a device collective enqueued on the caller's stream."""
+    return bool(handles) and all(getattr(h, "cuda_event", None) is not None for h in handles)
+
+
+def chain(handles: list, finish: Callable[[], object]) -> HpcringWork:
+    """A Work completed after ``handles`` (queued in this order on one communicator, so the last
+    finishes last). ``finish()`` (copies out of staging buffers) gives the future's result.
+
+    Stream-ordered handles (see :func:`stream_ordered`): ``finish()`` runs now, its copies
+    enqueued on the same stream after the collectives, and the future, CUDA-aware on the
+    result's devices, completes at once. Otherwise ``finish()`` runs when the
+    last handle completes, and the first error of any handle fails the future instead."""
+    if stream_ordered(handles):
+        result = finish()
+        devices = cuda_devices(result)
+        fut = Future(devices=devices) if devices else Future()
+        fut.set_result(result)
+        return HpcringWork(fut, handles)
+    fut = Future()
+
+    def on_done(_last) -> None:
+        try:
+            for h in handles:
+                h.wait(0)          # done already: raises the op's error, if any
+            fut.set_result(finish())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
+    handles[-1].add_done_callback(on_done)
+    return HpcringWork(fut)
+
+
+def last(works: list[HpcringWork], result) -> HpcringWork:
+    """One Work for several queued on one communicator: the last completes last."""
+    handles = [h for w in works for h in w._handles]
+    if handles and all(w._handles for w in works):        # all stream-ordered: complete already
+        return HpcringWork(works[-1].get_future().then(lambda _f: result), handles)
+
+    def done(f):
+        f.value()                       # raises the last op's error
+        for w in works[:-1]:
+            w.wait()                    # finished already; raises an earlier op's error
+        return result
+    return HpcringWork(works[-1].get_future().then(done))
+
+
+def cuda_devices(result) -> list[torch.device]:
+    """The distinct CUDA devices of the tensors in ``result`` (a tensor or nested lists of them),
+    for a CUDA-aware future; [] when there are none."""
+    found: dict[torch.device, None] = {}
+
+    def visit(x) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.device.type == "cuda":
+                found[x.device] = None
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                visit(y)
+    visit(result)
+    return list(found)
