@@ -36,6 +36,9 @@ def job_env(site: Site, job: JobSpec) -> dict[str, str]:
     env["HPCRING_TIMEOUT"] = f"{job.timeout:g}"
     if job.gpus_per_node:
         env["HPCRING_GPUS_PER_NODE"] = str(job.gpus_per_node)
+    if site.config.scheduler == "lsf" and site.config.lsf.drop_launch_node:
+        # the launcher's host file leaves the launch node out; the ranks' slot lists must too
+        env["HPCRING_LSF_DROP_LAUNCH_NODE"] = "1"
     env.update(job.env)
     return env
 
