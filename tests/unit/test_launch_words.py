@@ -206,3 +206,14 @@ def test_drop_launch_node_is_exported_and_read_by_detect(tmp_path):
     assert topo.hosts == ("c1", "c1", "c2", "c2") and topo.launcher == "lsf"
     assert launchers.detect({**env, "HPCRING_LSF_DROP_LAUNCH_NODE": "1"}, hostname="c2",
                             lsf_drop_launch_node=False).hosts[0] == "?"   # an explicit argument wins
+
+
+def test_submitit_hostnames_leave_the_launch_node_out(monkeypatch):
+    for k in ("LSB_DJOB_RANKFILE", "LSB_DJOB_HOSTFILE", "LSB_HOSTS", "SLURM_JOB_ID", "SLURM_JOBID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LSB_JOBID", "4")
+    monkeypatch.setenv("LSB_MCPU_HOSTS", "batch1 1 c1 2 c2 2")
+    monkeypatch.setenv("HPCRING_LSF_DROP_LAUNCH_NODE", "1")
+    assert lsf.LsfJobEnvironment().hostnames == ["c1", "c2"]
+    monkeypatch.setenv("HPCRING_LSF_DROP_LAUNCH_NODE", "0")
+    assert lsf.LsfJobEnvironment().hostnames == ["batch1", "c1", "c2"]

@@ -138,8 +138,9 @@ class LsfJobEnvironment(job_environment.JobEnvironment):
 
     @property
     def hostnames(self) -> list[str]:
-        hosts = os.environ.get("LSB_MCPU_HOSTS", "").split()[::2]
-        return hosts or [self.hostname]
+        from hpcring.bootstrap.launchers import allocation
+        alloc = allocation()   # the job's hosts from the slot list, a launch node left out
+        return list(dict.fromkeys(alloc.slots)) if alloc and alloc.slots else [self.hostname]
 
     @property
     def num_tasks(self) -> int:
