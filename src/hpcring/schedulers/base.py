@@ -3,7 +3,8 @@
 A scheduler module (slurm.py, lsf.py, local.py) fills a few hooks, submitit-style:
   ``make_executor(site, job, folder, template)`` -> a submitit executor whose submission file is
   our rendered template; ``state(job_id)`` -> JobState; ``cancel(job_id)``; ``COMMAND``, the
-  submission command name (for error messages).
+  submission command name (for error messages); Slurm and LSF also ``launch_argv(site, request)``,
+  the line that starts the ranks (launch_words.py), used by job scripts and ``hpcring run``.
 """
 from __future__ import annotations
 
