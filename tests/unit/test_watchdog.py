@@ -63,6 +63,8 @@ def test_one_trigger_one_report_every_rank_agrees(job):
         t.start()
     for t in threads:
         t.join(30)
+    for d in dogs:                          # rank 0 hears of it through its listener thread
+        d._done.wait(10)
     reports = [d.report for d in dogs]
     assert all(r is not None for r in reports), "every rank gets the report, rank 0 (not failing) too"
     assert len({r.headline for r in reports}) == 1
