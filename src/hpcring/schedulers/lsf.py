@@ -34,11 +34,10 @@ from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site, load_site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
-from hpcring.schedulers.base import JobState, state_dir
+from hpcring.schedulers.base import JobState, run_command, state_dir
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, remote_shell
 
 COMMAND = "bsub"
-_CMD_TIMEOUT = 30.0
 BJOBS_FORMAT = "jobid stat exit_code exec_host"
 
 # LSF's job states -> hpcring's normalized ones (base.TERMINAL decides what is finished).
@@ -276,13 +275,8 @@ def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, 
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise SchedulerError(f"`{cmd[0]}` is not on PATH", hint="run on the cluster's login node (source profile.lsf)") from None
-    except subprocess.TimeoutExpired:
-        raise SchedulerError(f"`{' '.join(cmd)}` did not answer within {_CMD_TIMEOUT:.0f} s",
-                             hint="is mbatchd up? try `bjobs` and `bhosts`") from None
+    return run_command(cmd, missing_hint="run on the cluster's login node (source profile.lsf)",
+                       slow_hint="is mbatchd up? try `bjobs` and `bhosts`")
 
 
 def state(job_id: str) -> JobState:

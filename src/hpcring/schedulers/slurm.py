@@ -14,11 +14,10 @@ from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
-from hpcring.schedulers.base import JobState
+from hpcring.schedulers.base import JobState, run_command
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell
 
 COMMAND = "sbatch"
-_CMD_TIMEOUT = 30.0
 
 
 class Executor(submitit.SlurmExecutor):
@@ -63,13 +62,8 @@ def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, 
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise SchedulerError(f"`{cmd[0]}` is not on PATH", hint="run on the cluster's login node") from None
-    except subprocess.TimeoutExpired:
-        raise SchedulerError(f"`{' '.join(cmd)}` did not answer within {_CMD_TIMEOUT:.0f} s",
-                             hint="is slurmctld (or slurmdbd) up? try `sinfo`") from None
+    return run_command(cmd, missing_hint="run on the cluster's login node",
+                       slow_hint="is slurmctld (or slurmdbd) up? try `sinfo`")
 
 
 def _normalize(raw: str) -> str:
