@@ -199,8 +199,12 @@ def iperf_ring(nodes: int, seconds: int = 3) -> float | None:
     On one host the namespaces' veths share its cores, so concurrent links are slower than one."""
     if shutil.which("iperf3") is None or nodes < 2:
         return None
-    ex = [sys.executable, "-m", "hpcring", "devcluster", "exec"]
-    servers = [subprocess.Popen(ex + [f"node{i}", "--", "iperf3", "-s", "-1", "-p", str(5300 + i)], env=_env(),
+    sys.path.insert(0, str(ROOT / "src"))
+    from hpcring.devcluster.cluster import node_exec_argv   # nsenter directly: the clients start together
+
+    def ex(i: int) -> list[str]:
+        return node_exec_argv(f"node{i}")
+    servers = [subprocess.Popen(ex(i) + ["iperf3", "-s", "-1", "-p", str(5300 + i)], env=_env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
                for i in range(1, nodes + 1)]
     try:
@@ -209,7 +213,7 @@ def iperf_ring(nodes: int, seconds: int = 3) -> float | None:
         for i in range(1, nodes + 1):
             to = i % nodes + 1
             clients.append(subprocess.Popen(
-                ex + [f"node{i}", "--", "iperf3", "-c", f"10.99.0.{to}", "-p", str(5300 + to), "-t", str(seconds), "-J"],
+                ex(i) + ["iperf3", "-c", f"10.99.0.{to}", "-p", str(5300 + to), "-t", str(seconds), "-J"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), stdin=subprocess.DEVNULL))
         rates = []
         for c in clients:

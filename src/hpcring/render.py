@@ -2,7 +2,9 @@
 
 Templates render with StrictUndefined, so a typo in a template is an error, not an empty string.
 A site may point at its own template (``template:`` relative to the site file); a user may pass
-``--template``. Templates may include partials from the bundled ``templates/`` folder.
+``--template``. Templates may include partials from the bundled ``templates/`` folder, and write
+the line that starts the ranks with ``{{ launch_command(logs=...) }}``: the scheduler module's
+``launch_argv`` (the same words ``hpcring run`` executes, see schedulers/launch_words.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from hpcring.config.jobspec import JobSpec, check_text
 from hpcring.config.site import Site
 from hpcring.errors import TemplateError
 from hpcring.resources import templates_dir
+from hpcring.schedulers.launch_words import LaunchRequest, Shell
 
 SCHEDULER_TEMPLATES = {"slurm": "slurm.sh.j2", "lsf": "lsf.sh.j2", "local": "local.sh.j2"}
 
@@ -33,8 +36,26 @@ def job_env(site: Site, job: JobSpec) -> dict[str, str]:
     env["HPCRING_TIMEOUT"] = f"{job.timeout:g}"
     if job.gpus_per_node:
         env["HPCRING_GPUS_PER_NODE"] = str(job.gpus_per_node)
+    if site.config.scheduler == "lsf" and site.config.lsf.drop_launch_node:
+        # the launcher's host file leaves the launch node out; the ranks' slot lists must too
+        env["HPCRING_LSF_DROP_LAUNCH_NODE"] = "1"
     env.update(job.env)
     return env
+
+
+def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = None) -> str:
+    """The job script's launcher line: the site scheduler's ``launch_argv`` for the whole job.
+
+    ``command`` is shell text (submitit's, already quoted); ``logs`` the per-rank log prefix.
+    """
+    from hpcring.schedulers import get   # lazily: the scheduler modules import this one
+    build = getattr(get(site.config.scheduler), "launch_argv", None)
+    if build is None:
+        raise TemplateError(f"launch_command(): the {site.config.scheduler} scheduler has no launcher line",
+                            hint="a local-site template runs hpcring.schedulers.local_run instead")
+    req = LaunchRequest(nodes=job.nodes, tasks_per_node=job.tasks_per_node, command=Shell(command),
+                        cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, logs=logs)
+    return build(site.config, req).script()
 
 
 def template_path(site: Site, override: str | Path | None = None) -> Path:
@@ -66,9 +87,7 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
     jenv = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, autoescape=False)
     jenv.filters["shquote"] = lambda v: shlex.quote(str(v))
-    # blaunch joins its arguments and runs them through a shell on each host: every word of an
-    # already shell-quoted command needs one more level of quoting (no-op for plain words)
-    jenv.filters["remote_shell"] = lambda cmd: " ".join(shlex.quote(shlex.quote(w)) for w in shlex.split(str(cmd)))
+    jenv.globals["launch_command"] = lambda logs=None: launch_command(site, job, command, logs)
     try:
         text = jenv.get_template(path.name).render(
             site=site.config, site_path=site.path.name if site.origin == "bundled" else str(site.path),

@@ -213,3 +213,33 @@ def test_ring_allreduce_across_6_ranks(env):
     sums = [json.loads(l.split("SUM ", 1)[1]) for l in r.stdout.splitlines() if "<stdout>:SUM " in l]
     assert sorted(s["rank"] for s in sums) == list(range(6))
     assert all(s["min"] == s["max"] == 21.0 for s in sums)  # 1 + 2 + ... + 6
+
+
+def test_hpcring_run_inside_an_lsf_job_leaves_the_launch_node_out(env):
+    """`hpcring run` in a job of 3 hosts x 2 slots, with a site whose first host is the launch node:
+    blaunch starts 2 x 2 ranks on the other two hosts, from the host file hpcring run wrote, and
+    every rank's bootstrap sees the same 4-rank world (a quoted argument survives blaunch's shell)."""
+    site = SHARED / f"lsf_run_site_{os.getpid()}.yaml"
+    site.write_text((ROOT / "site_configs" / "devcluster-lsf.yaml").read_text()
+                    .replace('  warning_time: "1"', '  warning_time: "1"\n  drop_launch_node: true'))
+    out = SHARED / f"lsf_run_{os.getpid()}.out"
+    script = SHARED / f"lsf_run_{os.getpid()}.sh"
+    whoami = f"import runpy; runpy.run_path('{ROOT / 'examples' / 'whoami.py'}')"
+    script.write_text(f"#!/bin/bash\n#BSUB -n 6\n#BSUB -R \"span[ptile=2]\"\n#BSUB -W 5\n#BSUB -oo {out}\n"
+                      f"exec {sys.executable} -m hpcring run --site {site} --tasks-per-node 2 -- "
+                      f"{sys.executable} -c \"{whoami}\"\n")
+    try:
+        r = run("/bin/sh", "-c", 'exec bsub < "$1"', "bsub", str(script), env=env)
+        jid = r.stdout.split("<")[1].split(">")[0]
+        wait_for(lambda: bjobs_stat(jid, env) in ("DONE", "EXIT"), "the job's end", 120)
+        text = wait_for(lambda: out.is_file() and out.read_text(), "the job's output")
+        assert bjobs_stat(jid, env) == "DONE", text[-3000:]
+        recs = [json.loads(line.split("TOPO ", 1)[1]) for line in text.splitlines() if "TOPO " in line]
+        assert sorted(x["rank"] for x in recs) == [0, 1, 2, 3], text[-3000:]
+        for x in recs:
+            assert x["size"] == 4 and x["hosts"] == ["node2", "node2", "node3", "node3"]
+            assert x["host"] == x["hosts"][x["rank"]] and x["launcher"] == "blaunch"
+            assert x["local_size"] == 2 and x["num_nodes"] == 2
+    finally:
+        for p in (site, out, script):
+            p.unlink(missing_ok=True)

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hpcring.bootstrap import netif
+from hpcring.bootstrap import netif, netif_list
 from hpcring.bootstrap.netif import Interface, InterfaceSpec, parse_spec, select_candidates
 from hpcring.bootstrap.store import StoreServer
 from hpcring.errors import BootstrapError
+from hpcring.netio import recv_exact
 
 SECRET = b"netif-test-secret-" + b"9" * 20
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -104,13 +105,13 @@ def test_ip_json_parsing():
         {"ifname": "nosuchif0", "flags": ["BROADCAST"], "mtu": 9000,
          "addr_info": [{"family": "inet", "local": "10.0.0.2", "prefixlen": 24},
                        {"family": "inet6", "local": "fe80::1", "prefixlen": 64}]}])
-    got = netif._from_ip_json(text)
+    got = netif_list._from_ip_json(text)
     assert [(f.name, f.address, f.prefixlen, f.up, f.loopback, f.mtu) for f in got] == [
         ("lo", "127.0.0.1", 8, True, True, 65536), ("nosuchif0", "10.0.0.2", 24, False, False, 9000)]
 
 
 def test_this_machine_lists_loopback_both_ways():
-    for listing in (netif.list_interfaces(), netif._from_ioctl()):
+    for listing in (netif.list_interfaces(), netif_list._from_ioctl()):
         lo = [f for f in listing if f.name == "lo"]
         assert lo and lo[0].address == "127.0.0.1" and lo[0].up and lo[0].prefixlen == 8
 
@@ -141,7 +142,7 @@ def test_probe_connect_hands_the_authenticated_socket_to_both_sides():
     try:
         with netif.probe_connect("127.0.0.1", lst.port, SECRET) as s:
             s.sendall(b"hello")
-            assert netif.recv_exact(s, 4) == b"back"
+            assert recv_exact(s, 4) == b"back"
         with pytest.raises(netif.ProbeFailed):
             netif.probe_connect("127.0.0.1", lst.port, b"other job", timeout=1)
     finally:

@@ -5,7 +5,7 @@ Where it runs:
     script under ``hpcring submit`` that calls :func:`run_as_rank`): every rank benchmarks, rank 0
     prints;
   * standalone (no launcher around it): :func:`bench_main` spawns ``--ranks`` local ranks itself
-    through :func:`hpcring.launch.run` (local backend env) and prints rank 0's table untagged.
+    through :func:`hpcring.allocation.run` (local backend env) and prints rank 0's table untagged.
 
 Columns follow nccl-tests (out-of-place only): ``size`` is the bytes of the largest buffer of the
 call (allgather: the gathered output; reduce_scatter: the input; alltoall: one rank's buffer),

@@ -181,11 +181,11 @@ def to_argv(opts: BenchOptions) -> list[str]:
 
 
 def spawn_local(opts: BenchOptions, ranks: int, nodes: int = 1, out=None) -> int:
-    """Standalone: start ``ranks`` local ranks (``nodes`` virtual nodes) through hpcring.launch and
+    """Standalone: start ``ranks`` local ranks (``nodes`` virtual nodes) through hpcring.allocation and
     print rank 0's table as it is written (untagged). Returns the ranks' exit code."""
     from hpcring.config.site import load_site
     from hpcring.errors import HpcringError
-    from hpcring.launch import run as launch_run
+    from hpcring import allocation
     opts.check()
     if ranks < 1 or nodes < 1 or ranks % nodes:
         raise UsageError(f"--ranks {ranks} must be a positive multiple of --nodes {nodes}")
@@ -215,7 +215,7 @@ def spawn_local(opts: BenchOptions, ranks: int, nodes: int = 1, out=None) -> int
     th = threading.Thread(target=tail, daemon=True)
     th.start()
     try:
-        code = launch_run(cmd, load_site("local"), nodes, ranks // nodes, environ=env)
+        code = allocation.run(cmd, load_site("local"), nodes, ranks // nodes, environ=env)
     except HpcringError as exc:
         code = getattr(exc, "exit_code", 1) or 1
     finally:

@@ -2,14 +2,17 @@
 
 Contract
 --------
-``detect(environ=None, *, hostname=None, lsf_drop_launch_node=False) -> Topology``
-    Pure apart from reading the LSF host files named by ``LSB_DJOB_RANKFILE`` /
-    ``LSB_DJOB_HOSTFILE`` and, only when ``hostname`` is None and a launcher does not name this
+``detect(environ=None, *, hostname=None, lsf_drop_launch_node=None) -> Topology``
+    Pure apart from reading the LSF host files named by ``HPCRING_LSF_HOSTFILE`` /
+    ``LSB_DJOB_RANKFILE`` / ``LSB_DJOB_HOSTFILE`` and, only when ``hostname`` is None and a launcher does not name this
     host, calling ``socket.gethostname()``. Raises :class:`hpcring.errors.BootstrapError` naming
     the variables and values when the chosen launcher's variables are partial or contradict each
     other (rank >= size, local rank >= local size, a nodelist shorter than the node count, ...).
+``allocation(environ=None, *, lsf_drop_launch_node=None) -> Allocation | None``
+    The Slurm or LSF allocation this process runs in (salloc, bsub -Is, a batch script) and its
+    node count, from :data:`ALLOCATIONS`; None outside any. Same purity and errors.
 
-Each launcher is a DATA TABLE (:data:`TABLES`): which variables give which Topology field; the
+Each launcher is a DATA TABLE (:data:`TABLES`, in launcher_tables.py): which variables give which Topology field; the
 first variable of a field's tuple that is set wins. ``Topology.sources`` records, per field, the
 variable (or derivation) it came from, plus ``launcher`` (why that table was chosen) and
 ``hosts_known``.
@@ -39,11 +42,14 @@ Open MPI ranks sets SLURM_*, PMIX_* and OMPI_*), so its fields fill the gaps (ho
 PMIx) and ``Topology.launcher`` names it. An outer launcher that disagrees or is inconsistent is
 ignored (noted in sources). Other inner tables that are set must agree on the rank, else
 BootstrapError. If hosts are still unknown inside an LSF job, the LSF slot list
-(LSB_DJOB_RANKFILE, LSB_DJOB_HOSTFILE, LSB_MCPU_HOSTS, LSB_HOSTS, first one set) gives them when
+(HPCRING_LSF_HOSTFILE, LSB_DJOB_RANKFILE, LSB_DJOB_HOSTFILE, LSB_MCPU_HOSTS, LSB_HOSTS, first one
+set; read by lsf_slots.py) gives them when
 it has exactly ``size`` slots and is consistent with this rank's local rank, local size and host;
 then the launcher is ``lsf`` (never for jsrun, which places ranks by resource set, not by
 slot). ``lsf_drop_launch_node`` drops the leading entries of the first host
-(Summit-like sites list the launch node first).
+(Summit-like sites list the launch node first); None (the default) reads it from
+HPCRING_LSF_DROP_LAUNCH_NODE, which job scripts and ``hpcring run`` export for a site with
+``lsf.drop_launch_node``.
 
 Unknown values (documented convention, the rendezvous fills them in with :func:`complete`):
 an int field a launcher does not give is :data:`UNKNOWN` (-1); a host of another rank that is not
@@ -54,115 +60,24 @@ used: it is the process's rank among all processes on its node, not the node's i
 from __future__ import annotations
 
 import os
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hpcring.bootstrap import hostlist
+from hpcring.bootstrap import hostlist, lsf_slots
+from hpcring.bootstrap.launcher_tables import (
+    ALLOCATIONS, DETECTION_ORDER, INNER_MPI, JOB_ID_FALLBACK, OUTER, RANK_SLOT_VARS, SLURM_MAX_TASK_STEP,
+    TABLES, UNKNOWN, UNKNOWN_HOST, LauncherTable, env_get, first,
+)
+from hpcring.bootstrap.slurm_layout import block, cyclic, parse_tasks_per_node
 from hpcring.bootstrap.topology import Topology
 from hpcring.errors import BootstrapError, HostlistError
 
-__all__ = ["detect", "complete", "hosts_known", "explain", "LauncherTable", "TABLES",
-           "DETECTION_ORDER", "UNKNOWN", "UNKNOWN_HOST"]
-
-UNKNOWN = -1
-UNKNOWN_HOST = "?"
+__all__ = ["detect", "allocation", "Allocation", "complete", "hosts_known", "explain", "LauncherTable",
+           "TABLES", "DETECTION_ORDER", "UNKNOWN", "UNKNOWN_HOST", "parse_tasks_per_node"]
 
 _INT_FIELDS = ("rank", "size", "local_rank", "local_size", "node_rank", "num_nodes")
 _RANK_FIELDS = ("rank", "size", "local_rank", "local_size")
-
-
-@dataclass(frozen=True)
-class LauncherTable:
-    """Variable names per Topology field for one launcher; the first name that is set wins.
-
-    ``marker``: variables that must all be set for the table to apply (``marker_value`` pins the
-    first one to a value). ``required``: fields that must then be present, else BootstrapError.
-    """
-
-    name: str
-    marker: tuple[str, ...]
-    required: tuple[str, ...] = ()
-    marker_value: str | None = None
-    rank: tuple[str, ...] = ()
-    size: tuple[str, ...] = ()
-    local_rank: tuple[str, ...] = ()
-    local_size: tuple[str, ...] = ()
-    node_rank: tuple[str, ...] = ()
-    num_nodes: tuple[str, ...] = ()
-    job_id: tuple[str, ...] = ()
-    master_addr: tuple[str, ...] = ()
-    master_port: tuple[str, ...] = ()
-    nodelist: tuple[str, ...] = ()        # hostlist expression of the nodes, node-rank order
-    tasks_per_node: tuple[str, ...] = ()  # Slurm's "2(x3),1"
-    hostname: tuple[str, ...] = ()        # this rank's node name as the launcher knows it
-    step_id: tuple[str, ...] = ()
-    rank_base: int = 0                    # the rank variable counts from this (LSF_PM_TASKID: 1)
-
-
-TABLES: dict[str, LauncherTable] = {
-    "local": LauncherTable(
-        "local", marker=("HPCRING_LAUNCHER",), marker_value="local",
-        required=("rank", "size", "local_rank", "local_size", "node_rank", "num_nodes", "nodelist"),
-        rank=("HPCRING_RANK",), size=("HPCRING_SIZE",),
-        local_rank=("HPCRING_LOCAL_RANK",), local_size=("HPCRING_LOCAL_SIZE",),
-        node_rank=("HPCRING_NODE_RANK",), num_nodes=("HPCRING_NUM_NODES",),
-        nodelist=("HPCRING_NODELIST",), hostname=("HPCRING_HOSTNAME",),
-        job_id=("HPCRING_JOB_ID",), master_addr=("HPCRING_MASTER_ADDR",)),
-    "torchrun": LauncherTable(
-        "torchrun", marker=("RANK", "WORLD_SIZE"),
-        required=("rank", "size", "local_rank", "local_size"),
-        rank=("RANK",), size=("WORLD_SIZE",),
-        local_rank=("LOCAL_RANK",), local_size=("LOCAL_WORLD_SIZE",),
-        node_rank=("GROUP_RANK",), num_nodes=("GROUP_WORLD_SIZE",),
-        job_id=("TORCHELASTIC_RUN_ID",),
-        master_addr=("MASTER_ADDR",), master_port=("MASTER_PORT",)),
-    "openmpi": LauncherTable(
-        "openmpi", marker=("OMPI_COMM_WORLD_RANK",),
-        required=("rank", "size", "local_rank", "local_size"),
-        rank=("OMPI_COMM_WORLD_RANK",), size=("OMPI_COMM_WORLD_SIZE",),
-        local_rank=("OMPI_COMM_WORLD_LOCAL_RANK",), local_size=("OMPI_COMM_WORLD_LOCAL_SIZE",)),
-    "mvapich": LauncherTable(
-        "mvapich", marker=("MV2_COMM_WORLD_RANK",),
-        required=("rank", "size", "local_rank", "local_size"),
-        rank=("MV2_COMM_WORLD_RANK",), size=("MV2_COMM_WORLD_SIZE",),
-        local_rank=("MV2_COMM_WORLD_LOCAL_RANK",), local_size=("MV2_COMM_WORLD_LOCAL_SIZE",)),
-    "pmi": LauncherTable(
-        "pmi", marker=("PMI_RANK",), required=("rank", "size"),
-        rank=("PMI_RANK",), size=("PMI_SIZE",),
-        # Hydra sets these; Slurm's pmi2 plugin does not (then srun's SLURM_* corroborate).
-        local_rank=("MPI_LOCALRANKID",), local_size=("MPI_LOCALNRANKS",)),
-    "pmix": LauncherTable(
-        "pmix", marker=("PMIX_RANK",), required=("rank",), rank=("PMIX_RANK",)),
-    "jsrun": LauncherTable(
-        "jsrun", marker=("JSM_NAMESPACE_RANK",),
-        required=("rank", "size", "local_rank", "local_size"),
-        rank=("JSM_NAMESPACE_RANK",), size=("JSM_NAMESPACE_SIZE",),
-        local_rank=("JSM_NAMESPACE_LOCAL_RANK",), local_size=("JSM_NAMESPACE_LOCAL_SIZE",),
-        job_id=("LSB_JOBID",)),
-    "blaunch": LauncherTable(
-        "blaunch", marker=("LSF_PM_TASKID", "LSB_JOBID"), required=("rank",),
-        rank=("LSF_PM_TASKID",), rank_base=1, job_id=("LSB_JOBID",)),
-    "slurm": LauncherTable(
-        "slurm", marker=("SLURM_STEP_ID", "SLURM_PROCID"),
-        required=("rank", "size", "local_rank", "node_rank", "nodelist", "tasks_per_node"),
-        rank=("SLURM_PROCID",), size=("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"),
-        local_rank=("SLURM_LOCALID",), node_rank=("SLURM_NODEID",),
-        num_nodes=("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"),
-        nodelist=("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"),
-        tasks_per_node=("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
-        hostname=("SLURMD_NODENAME",), job_id=("SLURM_JOB_ID", "SLURM_JOBID"),
-        step_id=("SLURM_STEP_ID",)),
-}
-
-DETECTION_ORDER = ("local", "torchrun", "openmpi", "mvapich", "pmi", "pmix", "jsrun", "blaunch", "slurm")
-_OUTER = ("jsrun", "slurm")
-_INNER_MPI = ("openmpi", "mvapich", "pmi", "pmix")
-_LSF_HOST_VARS = ("LSB_DJOB_RANKFILE", "LSB_DJOB_HOSTFILE", "LSB_MCPU_HOSTS", "LSB_HOSTS")
-_JOB_ID_FALLBACK = ("SLURM_JOB_ID", "SLURM_JOBID", "LSB_JOBID")
-# Slurm's special step ids (batch 0xfffffffb, interactive 0xfffffffa, ...) are not task steps.
-_SLURM_MAX_TASK_STEP = 0xFFFFFFF0
 
 
 class _Reading:
@@ -187,7 +102,7 @@ class _Reading:
 # ------------------------------------------------------------------------------------ public API
 
 def detect(environ: Mapping[str, str] | None = None, *, hostname: str | None = None,
-           lsf_drop_launch_node: bool = False) -> Topology:
+           lsf_drop_launch_node: bool | None = None) -> Topology:
     """Who am I and who else is there, from the launcher's environment variables.
 
     Pre: ``environ`` maps names to strings (default ``os.environ``); ``hostname`` is this
@@ -198,6 +113,7 @@ def detect(environ: Mapping[str, str] | None = None, *, hostname: str | None = N
     Raises: BootstrapError for partial or contradictory variables.
     """
     env = os.environ if environ is None else environ
+    lsf_drop_launch_node = lsf_slots.drop_launch_node(env, lsf_drop_launch_node)
     name = next((n for n in DETECTION_ORDER if _matches(TABLES[n], env)), None)
     if name is None:
         return _single(env, hostname)
@@ -209,11 +125,41 @@ def detect(environ: Mapping[str, str] | None = None, *, hostname: str | None = N
         if reading.launcher == "blaunch":
             _blaunch_size(reading, env, lsf_drop_launch_node)
         # jsrun places ranks by resource set, not in LSF slot order: never map its ranks to slots.
-        if not reading.known("hosts") and reading.launcher != "jsrun" and _env_get(env, "LSB_JOBID"):
+        if not reading.known("hosts") and reading.launcher != "jsrun" and env_get(env, "LSB_JOBID"):
             _lsf_hosts(reading, env, hostname, lsf_drop_launch_node)
     if reading.launcher == "blaunch" and reading.known("hosts"):
         _local_from_hosts(reading)
     return _build(reading, env, hostname)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The allocation a process runs in (see :data:`ALLOCATIONS`)."""
+
+    scheduler: str                # "slurm" or "lsf"
+    job_id: str
+    num_nodes: int | None         # None when the allocation does not say
+    source: str                   # the variable the node count came from
+    slots: tuple[str, ...] = ()   # LSF: one host per slot, a launch node left out
+
+
+def allocation(environ: Mapping[str, str] | None = None, *,
+               lsf_drop_launch_node: bool | None = None) -> Allocation | None:
+    """The Slurm or LSF allocation of this process and its node count; None outside any."""
+    env = os.environ if environ is None else environ
+    for t in ALLOCATIONS:
+        job = first(env, t.job_id)
+        if job is None:
+            continue
+        found = first(env, t.num_nodes)
+        if found:
+            return Allocation(t.name, job[1], _parse_int(*found, t.name), found[0])
+        got = lsf_slots.read(env, lsf_slots.drop_launch_node(env, lsf_drop_launch_node), t.slots) \
+            if t.slots else None
+        if got:
+            return Allocation(t.name, job[1], len(set(got[0])), got[1], tuple(got[0]))
+        return Allocation(t.name, job[1], None, "unknown")
+    return None
 
 
 def hosts_known(topo: Topology) -> bool:
@@ -254,15 +200,9 @@ def explain(topo: Topology) -> str:
 
 # ------------------------------------------------------------------------------------- reading
 
-def _env_get(env: Mapping[str, str], name: str) -> str | None:
-    """A variable's value, None when unset or empty (launchers sometimes export empty values)."""
-    value = env.get(name)
-    return value if value not in (None, "") else None
-
-
 def _matches(table: LauncherTable, env: Mapping[str, str]) -> bool:
     """Whether the table's marker variables are set (and, for ``local``, have the pinned value)."""
-    if not all(_env_get(env, v) is not None for v in table.marker):
+    if not all(env_get(env, v) is not None for v in table.marker):
         return False
     if table.marker_value is not None and env[table.marker[0]] != table.marker_value:
         return False
@@ -273,20 +213,11 @@ def _matches(table: LauncherTable, env: Mapping[str, str]) -> bool:
 
 def _is_task_step(step_id: str) -> bool:
     """SLURM_STEP_ID of a real srun step (not batch/extern/interactive pseudo-steps)."""
-    return step_id.isdigit() and int(step_id) < _SLURM_MAX_TASK_STEP
+    return step_id.isdigit() and int(step_id) < SLURM_MAX_TASK_STEP
 
 
 def _marker_text(table: LauncherTable, env: Mapping[str, str]) -> str:
     return " ".join(f"{v}={env[v]}" for v in table.marker)
-
-
-def _first(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
-    """(variable, value) of the first of ``names`` that is set."""
-    for n in names:
-        v = _env_get(env, n)
-        if v is not None:
-            return n, v
-    return None
 
 
 def _parse_int(var: str, value: str, table: str) -> int:
@@ -302,7 +233,7 @@ def _read(table: LauncherTable, env: Mapping[str, str]) -> _Reading:
     """Read and check one table. Raises BootstrapError for partial/contradictory variables."""
     r = _Reading(table.name)
     for f in (*_INT_FIELDS, "master_port"):
-        found = _first(env, getattr(table, f))
+        found = first(env, getattr(table, f))
         if found:
             r.set(f, _parse_int(*found, table.name), found[0])
     if table.rank_base and r.known("rank"):
@@ -311,7 +242,7 @@ def _read(table: LauncherTable, env: Mapping[str, str]) -> _Reading:
                                  f"{table.rank_base}", hint="the launcher environment is damaged or was set by hand")
         r.set("rank", r.get("rank") - table.rank_base, f"{r.sources['rank']}-{table.rank_base}")
     for f in ("job_id", "master_addr", "nodelist", "tasks_per_node", "hostname"):
-        found = _first(env, getattr(table, f))
+        found = first(env, getattr(table, f))
         if found:
             r.set(f, found[1].strip(), found[0])
     missing = [f for f in table.required if f not in r.values]
@@ -352,20 +283,6 @@ def _expand_nodes(r: _Reading) -> list[str]:
 
 # --------------------------------------------------------------------------------------- slurm
 
-_TPN_ITEM = re.compile(r"(\d+)(?:\(x(\d+)\))?\Z")
-
-
-def parse_tasks_per_node(text: str) -> list[int]:
-    """Slurm's compressed tasks-per-node ``2(x3),1`` -> ``[2, 2, 2, 1]``; ValueError if malformed."""
-    counts: list[int] = []
-    for item in text.split(","):
-        m = _TPN_ITEM.match(item.strip())
-        if not m:
-            raise ValueError(f"bad item {item!r}")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-    return counts
-
-
 def _slurm_hosts(r: _Reading, env: Mapping[str, str]) -> None:
     """Check the step's node and task layout; set local_size, num_nodes and (if derivable) hosts."""
     nodes = _expand_nodes(r)
@@ -399,8 +316,8 @@ def _slurm_hosts(r: _Reading, env: Mapping[str, str]) -> None:
 
 def _slurm_rank_hosts(r: _Reading, env: Mapping[str, str], nodes: list[str], counts: list[int]) -> None:
     """Host of every rank from Slurm's task distribution, if it is block or cyclic and checks out."""
-    dist = (_env_get(env, "SLURM_DISTRIBUTION") or "block").split(":")[0]
-    layout = {"block": _block, "cyclic": _cyclic}.get(dist)
+    dist = (env_get(env, "SLURM_DISTRIBUTION") or "block").split(":")[0]
+    layout = {"block": block, "cyclic": cyclic}.get(dist)
     how = f"{r.sources['nodelist']}+{r.sources['tasks_per_node']} ({dist} distribution)"
     if layout is None:
         r.sources["hosts"] = f"unknown: SLURM_DISTRIBUTION={dist} is neither block nor cyclic"
@@ -416,19 +333,6 @@ def _slurm_rank_hosts(r: _Reading, env: Mapping[str, str], nodes: list[str], cou
         r.set("own_host", nodes[node], r.sources["nodelist"])
         return
     r.set("hosts", tuple(nodes[n] for n in rank_nodes), how)
-
-
-def _block(counts: list[int]) -> list[int]:
-    """Node index of each rank, block distribution: fill node 0, then node 1, ..."""
-    return [n for n, c in enumerate(counts) for _ in range(c)]
-
-
-def _cyclic(counts: list[int]) -> list[int]:
-    """Node index of each rank, cyclic distribution: one task per node per round."""
-    out: list[int] = []
-    for rnd in range(max(counts, default=0)):
-        out.extend(n for n, c in enumerate(counts) if c > rnd)
-    return out
 
 
 # --------------------------------------------------------------------------------------- local
@@ -457,9 +361,9 @@ def _local_hosts(r: _Reading) -> None:
 
 def _check_inner_agree(r: _Reading, env: Mapping[str, str]) -> None:
     """Every other MPI-family table that is set must name the same rank (else stale variables)."""
-    if r.launcher not in _INNER_MPI:
+    if r.launcher not in INNER_MPI:
         return
-    for name in _INNER_MPI:
+    for name in INNER_MPI:
         t = TABLES[name]
         if name == r.launcher or not _matches(t, env):
             continue
@@ -472,7 +376,7 @@ def _check_inner_agree(r: _Reading, env: Mapping[str, str]) -> None:
 
 def _corroborate(r: _Reading, env: Mapping[str, str]) -> None:
     """Let an outer launcher that agrees with ``r`` fill its gaps and give the launcher name."""
-    later = _OUTER[_OUTER.index(r.launcher) + 1:] if r.launcher in _OUTER else _OUTER
+    later = OUTER[OUTER.index(r.launcher) + 1:] if r.launcher in OUTER else OUTER
     for name in later:
         if not _matches(TABLES[name], env):
             continue
@@ -496,38 +400,6 @@ def _corroborate(r: _Reading, env: Mapping[str, str]) -> None:
         return
 
 
-def _lsf_slots(env: Mapping[str, str], drop_launch_node: bool) -> tuple[list[str], str] | None:
-    """Host of each LSF slot (first source set) and the variable it came from."""
-    found = _first(env, _LSF_HOST_VARS)
-    if found is None:
-        return None
-    var, value = found
-    if var in ("LSB_DJOB_RANKFILE", "LSB_DJOB_HOSTFILE"):
-        try:
-            with open(value, encoding="utf-8") as fh:
-                slots = [line.strip() for line in fh if line.strip()]
-        except OSError as e:
-            raise BootstrapError(f"lsf: cannot read {var}={value}: {e.strerror}") from None
-    elif var == "LSB_MCPU_HOSTS":
-        slots = _mcpu_slots(value)
-    else:
-        slots = value.split()
-    if drop_launch_node and slots:
-        first = slots[0]
-        while slots and slots[0] == first:
-            slots.pop(0)
-        var += " (launch node dropped)"
-    return slots, var
-
-
-def _mcpu_slots(value: str) -> list[str]:
-    """``hA 4 hB 4`` -> one entry per slot."""
-    parts = value.split()
-    if len(parts) % 2 or not all(p.isdigit() for p in parts[1::2]):
-        raise BootstrapError(f"lsf: LSB_MCPU_HOSTS={value!r} is not 'host count host count ...'")
-    return [h for h, c in zip(parts[::2], parts[1::2]) for _ in range(int(c))]
-
-
 def _short(host: str) -> str:
     return host.split(".", 1)[0]
 
@@ -535,7 +407,7 @@ def _short(host: str) -> str:
 def _lsf_hosts(r: _Reading, env: Mapping[str, str], hostname: str | None, drop: bool) -> None:
     """Take hosts from the LSF slot list when it is consistent with this rank; else leave unknown."""
     try:
-        got = _lsf_slots(env, drop)
+        got = lsf_slots.read(env, drop)
     except BootstrapError as e:
         r.sources.setdefault("ignored", e.message)
         return
@@ -555,12 +427,12 @@ def _lsf_hosts(r: _Reading, env: Mapping[str, str], hostname: str | None, drop: 
 def _blaunch_size(r: _Reading, env: Mapping[str, str], drop: bool) -> None:
     """blaunch starts one task per slot of the host file: the world size is the slot count."""
     try:
-        got = _lsf_slots(env, drop)
+        got = lsf_slots.read(env, drop)
     except BootstrapError as e:
         raise BootstrapError(f"blaunch: {e.message}", hint="blaunch tasks need the job's LSF host file") from None
     if not got or not got[0]:
         raise BootstrapError(f"blaunch: LSF_PM_TASKID={env.get('LSF_PM_TASKID')} is set but none of "
-                             f"{', '.join(_LSF_HOST_VARS)} lists the job's slots, so the world size is unknown",
+                             f"{', '.join(RANK_SLOT_VARS)} lists the job's slots, so the world size is unknown",
                              hint="start the ranks with `blaunch -u $LSB_DJOB_HOSTFILE ...` inside the job")
     slots, var = got
     r.set("size", len(slots), f"{var} ({len(slots)} slots, one blaunch task each)")
@@ -596,7 +468,7 @@ def _lsf_mismatch(r: _Reading, slots: list[str], hostname: str | None) -> str | 
 def _single(env: Mapping[str, str], hostname: str | None) -> Topology:
     """No launcher: one process (possibly a batch script inside a Slurm or LSF job)."""
     host = hostname or socket.gethostname()
-    found = _first(env, _JOB_ID_FALLBACK)
+    found = first(env, JOB_ID_FALLBACK)
     sources = {"launcher": "no launcher variables", "rank": "default", "size": "default",
                "local_rank": "default", "local_size": "default", "node_rank": "default",
                "num_nodes": "default", "hosts": "hostname", "hosts_known": "true"}
@@ -615,7 +487,7 @@ def _build(r: _Reading, env: Mapping[str, str], hostname: str | None) -> Topolog
                              hint="launch with srun --mpi=pmix or mpirun, which export the size")
     _check_ranges(r)
     if not r.known("job_id"):
-        found = _first(env, _JOB_ID_FALLBACK)
+        found = first(env, JOB_ID_FALLBACK)
         if found:
             r.set("job_id", found[1], found[0])
     hosts = r.get("hosts")

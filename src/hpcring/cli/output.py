@@ -31,7 +31,7 @@ def status(rec, st, oc, requeues: int = 0) -> None:
     print(f"job {rec.job_id}  {st.state}" + (f" ({st.raw})" if st.raw and st.raw != st.state else "")
           + (f"  exit {st.exit_code}" if st.exit_code is not None else ""))
     print(f"  record {rec.key}  name {rec.name}  scheduler {rec.scheduler}  ranks {rec.ntasks}  "
-          f"nodes {st.nodes or '-'}  requeued {requeues}")
+          f"nodes {st.nodelist or '-'}  requeued {requeues}")
     print(f"  folder {rec.folder}")
     if oc is not None:
         for s in oc.failed:

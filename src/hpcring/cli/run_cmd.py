@@ -1,4 +1,4 @@
-"""`hpcring run [--nodes N --tasks-per-node K] -- CMD...` (see hpcring.launch)."""
+"""`hpcring run [--nodes N --tasks-per-node K] -- CMD...` (see hpcring.allocation)."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -20,5 +20,5 @@ def register(app: typer.Typer) -> None:
         import sys
 
         from hpcring.config.site import load_site
-        from hpcring.launch import run as launch_run
-        sys.exit(launch_run(cmd, load_site(site), nodes, tasks_per_node))
+        from hpcring import allocation
+        sys.exit(allocation.run(cmd, load_site(site), nodes, tasks_per_node))

@@ -182,6 +182,10 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_BENCH_TABLE", "path", None, "`hpcring bench`: where rank 0 writes its table",
        set_by="hpcring"),
     _v("HPCRING_LOG_PATTERN", "str", None, "LSF: per-rank log path pattern", set_by="hpcring"),
+    _v("HPCRING_LSF_DROP_LAUNCH_NODE", "bool", False, "LSF: the site's `lsf.drop_launch_node`; the "
+       "ranks leave the first host (the launch node) out of LSF's slot list", set_by="hpcring"),
+    _v("HPCRING_LSF_HOSTFILE", "path", None, "LSF, `hpcring run`: the host file blaunch/mpirun started "
+       "the ranks from (read before LSF's own slot lists)", set_by="hpcring"),
     _v("HPCRING_REQUEUE_COUNT", "int", 0, "submitted jobs: how many times hpcring requeued this job "
        "(hpcring.requeue_count())", 0, 1 << 20, set_by="hpcring"),
 )

@@ -178,8 +178,13 @@ def cross_checks(cfg: SiteConfig) -> list[tuple[tuple, str]]:
         out.append((("fabric", "hcas"), "fabric kind 'tcp' uses no HCAs; remove them or set kind to infiniband/roce"))
     if fab.kind != "roce" and fab.gid_index is not None:
         out.append((("fabric", "gid_index"), "a GID index only applies to RoCE"))
-    allowed = {"slurm": {"srun", "mpirun"}, "lsf": {"jsrun", "blaunch", "mpirun"}, "local": {"local"}}[cfg.scheduler]
-    if lau.kind not in allowed:
+    # the launchers hpcring can write for each scheduler (schedulers/<name>.py launch_argv)
+    allowed = {"slurm": {"srun"}, "lsf": {"jsrun", "blaunch", "mpirun"}, "local": {"local"}}[cfg.scheduler]
+    if cfg.scheduler == "slurm" and lau.kind == "mpirun":
+        out.append((("launcher", "kind"), "hpcring starts the ranks of a Slurm job with srun, not mpirun; "
+                    "use kind 'srun' (with mpi: pmix or pmi2 for MPI programs: Open MPI and MPICH "
+                    "ranks then get their world from Slurm)"))
+    elif lau.kind not in allowed:
         out.append((("launcher", "kind"), f"launcher {lau.kind!r} does not run under scheduler "
                     f"{cfg.scheduler!r}; use one of {sorted(allowed)}"))
     if lau.mpi is not None and lau.kind != "srun":

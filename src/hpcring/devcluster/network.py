@@ -241,10 +241,15 @@ def ensure_ns_dir() -> None:
         run(["mount", "--make-private", str(n.NS_DIR)], what=f"making {n.NS_DIR} a private mount")
 
 
+def node_ns_files_ok(i: int) -> bool:
+    """Node i's mount and UTS namespaces are bound at their files (nsenter can enter them)."""
+    return is_nsfs_mount(n.mnt_ns_file(i)) and is_nsfs_mount(n.uts_ns_file(i))
+
+
 def node_ns_ok(i: int) -> bool:
     """Mount and UTS namespaces exist, /tmp in them is the node's own, hostname is the node name."""
     mnt, uts = n.mnt_ns_file(i), n.uts_ns_file(i)
-    if not (is_nsfs_mount(mnt) and is_nsfs_mount(uts)):
+    if not node_ns_files_ok(i):
         return False
     script = (f'test "$(hostname)" = {n.node_name(i)} && mountpoint -q /tmp && mountpoint -q /dev/shm '
               f'&& mountpoint -q {n.HOST_TMP_VIEW}')
@@ -314,15 +319,24 @@ def ensure_shares(i: int, paths: list[str]) -> list[str]:
             continue
         rel = real[len("/tmp/"):]
         src = f"{n.HOST_TMP_VIEW}/{rel}"
-        # A share whose directory was deleted and re-created (a new clone) is re-bound.
+        # A share whose directory was deleted and re-created (a new clone) is re-bound. "bound" on
+        # stdout tells a new bind from one already there, so a repeated `up` reports nothing.
         script = (f"mkdir -p '{real}' && if mountpoint -q '{real}' && "
                   f"[ \"$(stat -c %d:%i '{real}')\" != \"$(stat -c %d:%i '{src}')\" ]; then umount -l '{real}'; fi; "
-                  f"mountpoint -q '{real}' || mount --bind '{src}' '{real}'")
-        run(["nsenter", f"--mount={n.mnt_ns_file(i)}", "--", "sh", "-c", script],
-            what=f"sharing {real} with {n.node_name(i)}",
-            hint="the path must exist on this machine; shares apply to paths under /tmp only")
-        added.append(real)
+                  f"mountpoint -q '{real}' || {{ mount --bind '{src}' '{real}' && echo bound; }}")
+        proc = run(["nsenter", f"--mount={n.mnt_ns_file(i)}", "--", "sh", "-c", script],
+                   what=f"sharing {real} with {n.node_name(i)}",
+                   hint="the path must exist on this machine; shares apply to paths under /tmp only")
+        if "bound" in proc.stdout.split():
+            added.append(real)
     return added
+
+
+def remove_node(i: int) -> None:
+    """Remove node i's links, mount/UTS namespaces and network namespace (end its processes first)."""
+    remove_node_links(i)
+    remove_node_ns(i)
+    remove_netns(i)
 
 
 def exec_argv(i: int) -> list[str]:

@@ -113,6 +113,22 @@ def wait_for(
         time.sleep(interval)
 
 
+def start_daemon(argv: list[str], *, what: str, log: Path) -> None:
+    """Run a self-daemonising command; its early stderr goes to ``log``.
+
+    Not :func:`run`: the daemon inherits stdout/stderr, so pipes would never reach EOF."""
+    with open(log, "ab") as f:
+        try:
+            p = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f, timeout=30,
+                               start_new_session=True)
+        except subprocess.TimeoutExpired:
+            raise DevClusterError(f"{what}: `{' '.join(argv)}` did not return within 30 s" + log_tail(log),
+                                  hint=f"see {log}") from None
+    if p.returncode != 0:
+        raise DevClusterError(f"{what}: `{' '.join(argv)}` exited with {p.returncode}" + log_tail(log),
+                              hint=f"see {log}")
+
+
 # ---------------------------------------------------------------------------- processes
 
 

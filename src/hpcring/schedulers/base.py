@@ -3,17 +3,19 @@
 A scheduler module (slurm.py, lsf.py, local.py) fills a few hooks, submitit-style:
   ``make_executor(site, job, folder, template)`` -> a submitit executor whose submission file is
   our rendered template; ``state(job_id)`` -> JobState; ``cancel(job_id)``; ``COMMAND``, the
-  submission command name (for error messages).
+  submission command name (for error messages); Slurm and LSF also ``launch_argv(site, request)``,
+  the line that starts the ranks (launch_words.py), used by job scripts and ``hpcring run``.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpcring.errors import JobNotFoundError, UsageError
+from hpcring.errors import JobNotFoundError, SchedulerError, UsageError
 from hpcring.fsutil import write_json
 
 # States normalized across schedulers (Slurm's names; LSF and local map onto them).
@@ -21,12 +23,27 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 
 
+COMMAND_TIMEOUT = 30.0         # seconds a scheduler command (sacct, bjobs, scancel, ...) may take
+
+
+def run_command(cmd: list[str], *, missing_hint: str, slow_hint: str) -> subprocess.CompletedProcess:
+    """Run a scheduler query/control command (output captured, no stdin, COMMAND_TIMEOUT). A
+    command not on PATH or not answering is a SchedulerError with the scheduler's own hint."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise SchedulerError(f"`{cmd[0]}` is not on PATH", hint=missing_hint) from None
+    except subprocess.TimeoutExpired:
+        raise SchedulerError(f"`{' '.join(cmd)}` did not answer within {COMMAND_TIMEOUT:.0f} s",
+                             hint=slow_hint) from None
+
+
 @dataclass(frozen=True)
 class JobState:
     state: str                 # normalized (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...)
     raw: str = ""              # the scheduler's own word, e.g. "CANCELLED by 0" or "EXIT"
     exit_code: int | None = None
-    nodes: str = ""
+    nodelist: str = ""         # the hosts, as the scheduler writes them (a Slurm hostlist, LSF host names)
 
     @property
     def finished(self) -> bool:

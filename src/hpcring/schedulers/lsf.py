@@ -11,7 +11,9 @@ The hooks of schedulers/base.py (``make_executor``, ``state``, ``cancel``, ``COM
   number of tasks;
 * states: ``bjobs -o "jobid stat exit_code exec_host" -noheader``; a suspended job (PSUSP, USUSP,
   SSUSP) is SUSPENDED, which is not finished (submitit's own watcher would take it for finished);
-* cancel: ``bkill``; requeue on preemption or timeout (the -wa warning signal): ``brequeue``.
+* cancel: ``bkill``; requeue on preemption or timeout (the -wa warning signal): ``brequeue``;
+* the line that starts the ranks (:func:`launch_argv`, for job scripts and ``hpcring run``):
+  jsrun resource sets, ``blaunch -u HOSTFILE`` or ``mpirun --hostfile HOSTFILE``.
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ from pathlib import Path
 from submitit.core import core, job_environment, logger
 
 from hpcring.config.jobspec import JobSpec, resolve_job
+from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site, load_site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
-from hpcring.schedulers.base import JobState, state_dir
+from hpcring.schedulers.base import JobState, run_command, state_dir
+from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, remote_shell
 
 COMMAND = "bsub"
-_CMD_TIMEOUT = 30.0
 BJOBS_FORMAT = "jobid stat exit_code exec_host"
 
 # LSF's job states -> hpcring's normalized ones (base.TERMINAL decides what is finished).
@@ -134,8 +137,9 @@ class LsfJobEnvironment(job_environment.JobEnvironment):
 
     @property
     def hostnames(self) -> list[str]:
-        hosts = os.environ.get("LSB_MCPU_HOSTS", "").split()[::2]
-        return hosts or [self.hostname]
+        from hpcring.bootstrap.launchers import allocation
+        alloc = allocation()   # the job's hosts from the slot list, a launch node left out
+        return list(dict.fromkeys(alloc.slots)) if alloc and alloc.slots else [self.hostname]
 
     @property
     def num_tasks(self) -> int:
@@ -236,6 +240,33 @@ def rank_command(python: str, folder: str) -> str:
 
 # ------------------------------------------------------------------------------ hpcring hooks
 
+def launch_argv(site: SiteConfig, req: LaunchRequest) -> LaunchWords:
+    """The launcher line for ``req.ntasks`` ranks, per ``site.launcher.kind``.
+
+    jsrun: one resource set per rank, each with ``cpus_per_task`` CPUs (bound packed) and one GPU
+    when the job has GPUs. blaunch: one task per line of ``req.hostfile``; it joins its words and
+    runs them through a shell on each host, so they get one more level of quoting. mpirun:
+    ``tasks_per_node`` per host of ``req.hostfile``. Per-rank logs are not launcher options here
+    (lsf_task writes them from HPCRING_LOG_PATTERN), so ``req.logs`` is not used.
+    """
+    lau = site.launcher
+    if lau.kind == "jsrun":
+        head = ("jsrun", "-n", str(req.ntasks), "-r", str(req.tasks_per_node), "-a", "1",
+                "-c", str(req.cpus_per_task), "-g", "1" if req.gpus_per_node else "0",
+                "-b", f"packed:{req.cpus_per_task}")
+    elif lau.kind == "blaunch":
+        head = ("blaunch", "-u", req.hostfile)
+    elif lau.kind == "mpirun":
+        head = ("mpirun", "-np", str(req.ntasks), "--hostfile", req.hostfile,
+                "--map-by", f"ppr:{req.tasks_per_node}:node")
+    else:   # the site schema refuses other kinds for LSF; a programming error if reached
+        raise SchedulerError(f"launcher kind {lau.kind!r} does not run under LSF")
+    if lau.kind == "blaunch":
+        return LaunchWords((head, *((a,) for a in remote_shell(lau.args)), remote_shell(req.command_words())))
+    cmd = (req.command,) if isinstance(req.command, Shell) else req.command_words()
+    return LaunchWords((head, *((a,) for a in lau.args), cmd))
+
+
 def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, python: str) -> LsfExecutor:
     if shutil.which("bsub") is None:
         raise SchedulerError(f"site {site.name!r} uses LSF but `bsub` is not on PATH on this machine",
@@ -244,13 +275,8 @@ def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, 
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise SchedulerError(f"`{cmd[0]}` is not on PATH", hint="run on the cluster's login node (source profile.lsf)") from None
-    except subprocess.TimeoutExpired:
-        raise SchedulerError(f"`{' '.join(cmd)}` did not answer within {_CMD_TIMEOUT:.0f} s",
-                             hint="is mbatchd up? try `bjobs` and `bhosts`") from None
+    return run_command(cmd, missing_hint="run on the cluster's login node (source profile.lsf)",
+                       slow_hint="is mbatchd up? try `bjobs` and `bhosts`")
 
 
 def state(job_id: str) -> JobState:

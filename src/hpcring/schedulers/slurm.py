@@ -1,4 +1,5 @@
-"""Slurm: submission through submitit's SlurmExecutor with our rendered template; state from sacct."""
+"""Slurm: submission through submitit's SlurmExecutor with our rendered template; state from sacct;
+the srun line that starts the ranks (:func:`launch_argv`, for job scripts and ``hpcring run``)."""
 from __future__ import annotations
 
 import re
@@ -9,13 +10,14 @@ from pathlib import Path
 import submitit
 
 from hpcring.config.jobspec import JobSpec
+from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
-from hpcring.schedulers.base import JobState
+from hpcring.schedulers.base import JobState, run_command
+from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell
 
 COMMAND = "sbatch"
-_CMD_TIMEOUT = 30.0
 
 
 class Executor(submitit.SlurmExecutor):
@@ -32,6 +34,26 @@ class Executor(submitit.SlurmExecutor):
         return render_script(self._site, self._job, command, str(self.folder), self._template)
 
 
+def launch_argv(site: SiteConfig, req: LaunchRequest) -> LaunchWords:
+    """One srun step of ``req.ntasks`` tasks running ``req.command``.
+
+    ``--kill-on-bad-exit=1``: a rank that exits non-zero (the watchdog after a diagnosed failure,
+    a crash) ends the step, so no rank frozen or waiting on a dead peer holds the allocation.
+    ``req.logs``: each task writes ``<logs>.out/.err`` (``%t`` = rank), as submitit expects.
+    """
+    lau = site.launcher
+    lines = [("srun", "--unbuffered", "--kill-on-bad-exit=1")]
+    if req.size_step:
+        lines.append((f"--nodes={req.nodes}", f"--ntasks-per-node={req.tasks_per_node}", f"--ntasks={req.ntasks}"))
+    if req.logs is not None:
+        lines.append((f"--output={req.logs}.out", f"--error={req.logs}.err"))
+    if lau.mpi:
+        lines.append((f"--mpi={lau.mpi}",))
+    lines += [(a,) for a in lau.args]
+    lines.append((req.command,) if isinstance(req.command, Shell) else req.command_words())
+    return LaunchWords(tuple(lines))
+
+
 def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, python: str):
     if shutil.which("sbatch") is None:
         raise SchedulerError(f"site {site.name!r} uses Slurm but `sbatch` is not on PATH on this machine",
@@ -40,13 +62,8 @@ def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, 
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise SchedulerError(f"`{cmd[0]}` is not on PATH", hint="run on the cluster's login node") from None
-    except subprocess.TimeoutExpired:
-        raise SchedulerError(f"`{' '.join(cmd)}` did not answer within {_CMD_TIMEOUT:.0f} s",
-                             hint="is slurmctld (or slurmdbd) up? try `sinfo`") from None
+    return run_command(cmd, missing_hint="run on the cluster's login node",
+                       slow_hint="is slurmctld (or slurmdbd) up? try `sinfo`")
 
 
 def _normalize(raw: str) -> str:

@@ -1,13 +1,15 @@
 """``hpcring run``: start ranks inside the current allocation, or locally outside any.
 
 Where the ranks start, in this order:
-  - inside a Slurm allocation (SLURM_JOB_ID set, e.g. `salloc -N 2`): one `srun` step through the
-    site's launcher settings (`--mpi=...`), `--kill-on-bad-exit=1` so one failing rank ends the step;
-  - inside an LSF job (LSB_JOBID set, e.g. `bsub -Is`): `blaunch` over LSB_DJOB_HOSTFILE, or
-    `jsrun`/`mpirun` when the site says so;
+  - inside a Slurm allocation (SLURM_JOB_ID set, e.g. `salloc -N 2`): one srun step, the words of
+    ``schedulers.slurm.launch_argv`` (the job script's line, sized to ``--nodes x --tasks-per-node``);
+  - inside an LSF job (LSB_JOBID set, e.g. `bsub -Is`): ``schedulers.lsf.launch_argv`` (jsrun
+    resource sets, or blaunch/mpirun over a host file written into the run folder: the first
+    ``--nodes`` hosts of the job's slot list, launch node left out, ``--tasks-per-node`` lines each);
   - otherwise on this machine, with the local backend's per-rank environment.
-Every rank runs ``python -m hpcring.rank_exec`` which bootstraps, exports MASTER_ADDR & co. and
-tags CMD's output by rank. The exit code is that of the first failing rank, which is named.
+The allocation's size comes from the launcher tables (``launchers.allocation``). Every rank runs
+``python -m hpcring.rank_exec`` which bootstraps, exports MASTER_ADDR & co. and tags CMD's output
+by rank. The exit code is that of the first failing rank, which is named.
 """
 from __future__ import annotations
 
@@ -18,49 +20,48 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
-from hpcring.bootstrap import auth
+from hpcring.bootstrap import auth, launchers, lsf_slots
+from hpcring.config.jobspec import JobSpec
+from hpcring.config.schema import Launcher
 from hpcring.config.site import Site
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.outcome import hang_headline, rank_failure, read_statuses, summarize
 from hpcring.render import job_env
 from hpcring.schedulers import supervisor
+from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords
 
-def where(environ: Mapping[str, str]) -> str:
-    if environ.get("SLURM_JOB_ID"):
-        return "slurm"
-    if environ.get("LSB_JOBID"):
-        return "lsf"
-    return "local"
+_PLAIN_LAUNCHER = {"slurm": "srun", "lsf": "blaunch"}
 
 
-def _alloc_nodes(kind: str, environ: Mapping[str, str]) -> int | None:
-    if kind == "slurm" and environ.get("SLURM_JOB_NUM_NODES", environ.get("SLURM_NNODES")):
-        return int(environ.get("SLURM_JOB_NUM_NODES") or environ["SLURM_NNODES"])
-    if kind == "lsf" and environ.get("LSB_MCPU_HOSTS"):
-        return len(environ["LSB_MCPU_HOSTS"].split()) // 2
-    return None
+def launch_words(alloc: launchers.Allocation, site: Site, job: JobSpec, nodes: int, per_node: int,
+                 rank_cmd: list[str], run_dir: Path) -> tuple[LaunchWords, dict[str, str]]:
+    """The scheduler's launcher line for ``nodes x per_node`` ranks in ``alloc``, and the variables
+    the ranks need besides (LSF: the host file, written into ``run_dir``).
 
-
-def launcher_argv(kind: str, site: Site, nodes: int, per_node: int, rank_cmd: list[str]) -> list[str]:
-    """The command that starts ``nodes x per_node`` copies of ``rank_cmd`` in this allocation."""
-    lau = site.config.launcher
-    if kind == "slurm":
-        argv = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={per_node}", f"--ntasks={nodes * per_node}",
-                "--kill-on-bad-exit=1", "--unbuffered"]
-        if lau.kind == "srun" and lau.mpi:
-            argv.append(f"--mpi={lau.mpi}")
-        return argv + list(lau.args) + rank_cmd
-    if kind == "lsf":
-        if lau.kind == "jsrun":
-            return ["jsrun", "-n", str(nodes * per_node), "-r", str(per_node), "-a", "1"] + list(lau.args) + rank_cmd
-        if lau.kind == "mpirun":
-            return ["mpirun", "-np", str(nodes * per_node), "--hostfile", os.environ["LSB_DJOB_HOSTFILE"],
-                    "--map-by", f"ppr:{per_node}:node"] + list(lau.args) + rank_cmd
-        return ["blaunch", "-u", os.environ.get("LSB_DJOB_HOSTFILE", "")] + list(lau.args) + rank_cmd
-    raise UsageError(f"no launcher for {kind!r}")
+    A site of another scheduler (the default ``local`` site inside salloc or bsub -Is) gets that
+    allocation's plain launcher: srun, or blaunch.
+    """
+    from hpcring.schedulers import get
+    cfg = site.config
+    if cfg.scheduler != alloc.scheduler:
+        cfg = cfg.model_copy(update={"launcher": Launcher(kind=_PLAIN_LAUNCHER[alloc.scheduler])})
+    req = LaunchRequest(nodes=nodes, tasks_per_node=per_node, command=tuple(rank_cmd),
+                        cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, size_step=True)
+    extra: dict[str, str] = {}
+    if alloc.scheduler == "lsf" and cfg.launcher.kind in ("blaunch", "mpirun"):
+        if not alloc.slots:
+            raise SchedulerError("this LSF job lists no slots (LSB_DJOB_HOSTFILE, LSB_MCPU_HOSTS and "
+                                 "LSB_HOSTS are unset)", hint="run `hpcring run` inside `bsub -Is`")
+        hostfile = run_dir / "hosts"
+        lines = lsf_slots.host_file(list(alloc.slots), nodes, per_node, alloc.source)
+        hostfile.write_text("".join(f"{h}\n" for h in lines))
+        req = replace(req, hostfile=str(hostfile))
+        extra["HPCRING_LSF_HOSTFILE"] = str(hostfile)
+    return get(alloc.scheduler).launch_argv(cfg, req), extra
 
 
 def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
@@ -69,35 +70,36 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     env_in = dict(os.environ if environ is None else environ)
     if not cmd:
         raise UsageError("nothing to run: give a command after --, e.g. hpcring run -- python train.py")
-    kind = where(env_in)
-    alloc = _alloc_nodes(kind, env_in)
-    nodes = nodes or alloc or 1
-    if alloc and nodes > alloc:
-        raise UsageError(f"--nodes {nodes} but this allocation has {alloc} node(s)")
+    drop = site.config.scheduler == "lsf" and site.config.lsf.drop_launch_node
+    alloc = launchers.allocation(env_in, lsf_drop_launch_node=drop)
+    nodes = nodes or (alloc.num_nodes if alloc else None) or 1
+    if alloc and alloc.num_nodes and nodes > alloc.num_nodes:
+        raise UsageError(f"--nodes {nodes} but this allocation has {alloc.num_nodes} node(s) ({alloc.source})")
     if per_node is None:  # one rank per GPU, as submit does
         per_node = max(1, site.config.gpus_per_node)
-    base = Path(os.path.expanduser(site.config.job_dir)) if kind != "local" else Path(tempfile.gettempdir())
+    base = Path(os.path.expanduser(site.config.job_dir)) if alloc else Path(tempfile.gettempdir())
     run_dir = base / f"hpcring-run-{os.getpid()}-{secrets.token_hex(3)}"
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
     secret = auth.write_secret_file(run_dir / "secret.key", exclusive=True)
-    env = dict(env_in)
     from hpcring.config.jobspec import resolve_job
-    env.update({k: v for k, v in job_env(site, resolve_job(site, "run", [], {}, environ={})).items()
-                if k not in env_in})
+    job = resolve_job(site, "run", [], {}, environ={})
+    env = dict(env_in)
+    env.update({k: v for k, v in job_env(site, job).items() if k not in env_in})
     env["HPCRING_SECRET_FILE"] = str(secret)
     rank_cmd = [sys.executable, "-m", "hpcring.rank_exec", "--status-dir", str(run_dir / "status"), "--", *cmd]
     try:
-        if kind == "local":
+        if alloc is None:
             procs = _start_local(rank_cmd, env, nodes, per_node)
         else:
-            argv = launcher_argv(kind, site, nodes, per_node, rank_cmd)
+            words, extra = launch_words(alloc, site, job, nodes, per_node, rank_cmd, run_dir)
+            argv = words.argv
             if shutil.which(argv[0]) is None:
-                raise SchedulerError(f"`{argv[0]}` is not on PATH inside this {kind} allocation",
+                raise SchedulerError(f"`{argv[0]}` is not on PATH inside this {alloc.scheduler} allocation",
                                      hint="load the scheduler's module, or check the site's launcher")
-            procs = [supervisor.start(argv, env)]
+            procs = [supervisor.start(argv, {**env, **extra})]
         from hpcring.diagnostics.jobdir import diag_dir
-        diag = diag_dir({**env, "HPCRING_JOB_ID": _local_job_id()} if kind == "local" else env, create=False)
+        diag = diag_dir({**env, "HPCRING_JOB_ID": _local_job_id()} if alloc is None else env, create=False)
         codes = _wait_all(procs, diag)
         return _verdict(run_dir / "status", nodes * per_node, codes, cmd, diag)
     finally:

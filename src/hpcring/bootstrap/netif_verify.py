@@ -1,0 +1,153 @@
+"""Verification between ranks: agree on one interface per rank that its peers really reach.
+
+Names are not trusted: every rank listens on each of its candidates (a short-lived socket that
+answers an HMAC challenge with the job secret before it reads anything), publishes ``(name,
+address, port)`` in the store, and connects to its ring neighbour's (or every rank's) candidates.
+Rank 0 gathers the results and picks, for each rank, its first candidate that every tester
+reached, so ``ib0`` on one host may pair with ``ibp65s0`` on another.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from hpcring.bootstrap.netif_list import Interface
+from hpcring.bootstrap.netif_probe import ProbeListener, probe
+from hpcring.errors import BootstrapError
+from hpcring.ranks import runs
+
+log = logging.getLogger("hpcring.bootstrap.netif")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One rank's chosen interface."""
+    rank: int
+    host: str
+    interface: str
+    address: str
+
+
+def verify_interfaces(client, *, rank: int, size: int, host: str, candidates: Sequence[Interface],
+                      secret: bytes, mode: str = "ring", timeout: float = 30.0,
+                      connect_timeout: float = 2.0, prefix: str = "netif",
+                      _dead: Collection[str] = ()) -> list[Endpoint]:
+    """Agree, through the store ``client``, on one verified interface per rank; every rank returns
+    the same table (index = rank).
+
+    ``mode``: ``"ring"`` (each rank probes rank+1), ``"all"`` (every pair) or ``"none"`` (first
+    candidate, no connections). Raises BootstrapError naming the unreachable rank's host, its
+    interfaces and addresses tried, the errors, and the interfaces that did connect; with dead
+    links this returns after about ``connect_timeout`` plus store round trips.
+    ``_dead``: candidate names whose listener is a blackhole (connects time out; tests only).
+    """
+    if mode not in ("ring", "all", "none"):
+        raise BootstrapError(f"interface verification mode must be ring, all or none, not {mode!r}")
+    if not candidates:
+        raise BootstrapError(f"rank {rank} on {host} has no interface candidates")
+    deadline = time.monotonic() + timeout
+    listeners = [ProbeListener(c.address, secret, listen="blackhole" if c.name in _dead else True)
+                 for c in candidates] \
+        if mode != "none" and size > 1 else []
+    try:
+        mine = {"host": host, "cands": [
+            {"name": c.name, "address": c.address,
+             "port": listeners[i].port if listeners else 0,
+             "error": listeners[i].error if listeners else None}
+            for i, c in enumerate(candidates)]}
+        client.set(f"{prefix}/cand/{rank}", _dumps(mine))
+        results = _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix)
+        client.set(f"{prefix}/res/{rank}", _dumps(results))
+        if rank == 0:
+            client.set(f"{prefix}/choice", _dumps(_decide(client, size, mode, deadline, prefix)))
+        choice = _loads(client.get(f"{prefix}/choice", timeout=_left(deadline)))
+    finally:
+        for lst in listeners:
+            lst.close()
+    if not choice["ok"]:
+        raise BootstrapError(choice["error"], hint=choice["hint"])
+    return [Endpoint(*row) for row in choice["table"]]
+
+
+def _peers(rank: int, size: int, mode: str) -> list[int]:
+    if size == 1 or mode == "none":
+        return []
+    if mode == "ring":
+        return [(rank + 1) % size]
+    return [r for r in range(size) if r != rank]
+
+
+def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix) -> dict[str, list]:
+    """``{peer rank: [error or None per candidate of that peer]}``; all probes run in parallel."""
+    peers = _peers(rank, size, mode)
+    cands = {p: _loads(client.get(f"{prefix}/cand/{p}", timeout=_left(deadline)))["cands"] for p in peers}
+    jobs = [(p, i, c) for p in peers for i, c in enumerate(cands[p])]
+    if not jobs:
+        return {}
+    from concurrent.futures import ThreadPoolExecutor   # only ranks that probe pay for the import
+    with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
+        errors = list(pool.map(lambda j: probe(j[2]["address"], j[2]["port"], secret, connect_timeout), jobs))
+    out: dict[str, list] = {str(p): [None] * len(cands[p]) for p in peers}
+    for (p, i, _), err in zip(jobs, errors):
+        out[str(p)][i] = err
+    return out
+
+
+def _decide(client, size: int, mode: str, deadline: float, prefix: str) -> dict:
+    """Rank 0: gather every rank's candidates and probe results and choose per rank."""
+    cands = [_loads(client.get(f"{prefix}/cand/{r}", timeout=_left(deadline))) for r in range(size)]
+    tested: dict[int, list[tuple[int, list]]] = {r: [] for r in range(size)}   # target -> [(tester, errors)]
+    for r in range(size):
+        for peer, errs in _loads(client.get(f"{prefix}/res/{r}", timeout=_left(deadline))).items():
+            tested[int(peer)].append((r, errs))
+    table, failures = [], []
+    for r in range(size):
+        ok = [i for i in range(len(cands[r]["cands"])) if all(errs[i] is None for _, errs in tested[r])]
+        if not ok:
+            failures.append(r)
+            continue
+        c = cands[r]["cands"][ok[0]]
+        table.append([r, cands[r]["host"], c["name"], c["address"]])
+    if failures:
+        return {"ok": False, **_failure_report(failures, cands, tested)}
+    log.info("hpcring interfaces: %s", _summarise(table))
+    return {"ok": True, "table": table}
+
+
+def _failure_report(failures: list[int], cands: list[dict], tested: dict) -> dict:
+    lines = []
+    for r in failures[:8]:
+        host = cands[r]["host"]
+        for tester, errs in tested[r]:
+            tried = "; ".join(f"{c['name']} {c['address']}:{c['port']} -> {errs[i]}"
+                              for i, c in enumerate(cands[r]["cands"]) if errs[i])
+            lines.append(f"rank {r} on {host} unreachable from rank {tester} on {cands[tester]['host']}: {tried}")
+    worked = sorted({f"{cands[r]['host']} {c['name']} {c['address']}"
+                     for r in tested for _, errs in tested[r]
+                     for i, c in enumerate(cands[r]["cands"]) if errs[i] is None})
+    more = f" (and {len(failures) - 8} more ranks)" if len(failures) > 8 else ""
+    return {"error": "interface verification failed: " + " | ".join(lines) + more
+                     + f". Interfaces that did connect: {', '.join(worked) or 'none'}",
+            "hint": "choose an interface that links every node (site config interface / HPCRING_IFNAME, "
+                    "e.g. '=ib0' or 'ib,eth'); check that it is up and not firewalled between these hosts"}
+
+
+def _summarise(table: list[list]) -> str:
+    """``0-3->host lo 127.0.0.1, 4->...``: runs of ranks with the same host/interface/address."""
+    return ", ".join(f"{a if a == b else f'{a}-{b}'}->{' '.join(map(str, v))}"
+                     for a, b, v in runs([tuple(row[1:]) for row in table]))
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _loads(data: bytes):
+    return json.loads(data.decode())

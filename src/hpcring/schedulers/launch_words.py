@@ -1,0 +1,89 @@
+"""The command that starts the ranks, as words: one request, one result, one way to write it down.
+
+Each scheduler module has ``launch_argv(site, request) -> LaunchWords`` (``slurm.py``: srun,
+``lsf.py``: jsrun, blaunch, mpirun), built from the site's launcher settings. The job-script
+templates write it through the ``launch_command`` Jinja global (:meth:`LaunchWords.script`), and
+``hpcring run`` executes :attr:`LaunchWords.argv`: a batch job and an interactive allocation start
+their ranks with the same flags, written in one place.
+
+Two things exist only in a job script and are marked :class:`Shell` (written as they are, never
+executed from Python): the command submitit hands the template (already shell text) and the
+script's ``"$HOSTFILE"``. ``hpcring run`` passes a word list and a real host file instead.
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+
+class Shell(str):
+    """Text the batch script's shell expands (``"$HOSTFILE"``, an already-quoted command)."""
+
+
+HOSTFILE = Shell('"$HOSTFILE"')   # the host file templates/lsf.sh.j2 makes before it launches
+_OPTION = re.compile(r"(--[A-Za-z0-9][A-Za-z0-9-]*=)(.*)\Z", re.S)
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What to start: ``nodes x tasks_per_node`` copies of ``command``.
+
+    ``logs``: per-rank log path prefix for the launcher's own output options (Slurm's ``%j`` job
+    id, ``%t`` rank; a batch script), None when output goes to the caller (``hpcring run`` tags
+    it). ``size_step``: name the step's size (``hpcring run`` may use part of an allocation; a
+    batch script's step is the whole job as submitted). ``hostfile``: LSF's host file for
+    blaunch/mpirun, one line per slot.
+    """
+
+    nodes: int
+    tasks_per_node: int
+    command: tuple[str, ...] | Shell
+    cpus_per_task: int = 1
+    gpus_per_node: int = 0
+    logs: str | None = None
+    size_step: bool = False
+    hostfile: str = HOSTFILE
+
+    @property
+    def ntasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    def command_words(self) -> tuple[str, ...]:
+        """The command's argv (shell text split the way the batch shell splits it)."""
+        return tuple(shlex.split(self.command)) if isinstance(self.command, Shell) else tuple(self.command)
+
+
+@dataclass(frozen=True)
+class LaunchWords:
+    """The launcher's words, grouped in lines (how a job script breaks them; an argv ignores it)."""
+
+    lines: tuple[tuple[str, ...], ...]
+
+    @property
+    def argv(self) -> list[str]:
+        """The words as one argv, for ``subprocess``; ValueError if one is job-script-only text."""
+        words = [w for line in self.lines for w in line]
+        shell = [w for w in words if isinstance(w, Shell)]
+        if shell:
+            raise ValueError(f"job-script text {shell} cannot be executed: pass real words and a host file")
+        return words
+
+    def script(self) -> str:
+        """The words as job-script text: one backslash-continued line per group, each word quoted."""
+        return " \\\n  ".join(" ".join(_script_word(w) for w in line) for line in self.lines)
+
+
+def _script_word(word: str) -> str:
+    if isinstance(word, Shell):
+        return str(word)
+    m = _OPTION.match(word)   # --output=VALUE reads better with only the value quoted
+    return m.group(1) + shlex.quote(m.group(2)) if m else shlex.quote(word)
+
+
+def remote_shell(words: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Words for a launcher that joins its arguments and runs them through a shell on each host
+    (blaunch): one more level of quoting, so each still arrives as one argument."""
+    return tuple(shlex.quote(w) for w in words)
