@@ -2,6 +2,7 @@
 
     python benchmarks/horovod_synthetic.py                    # 2 and 3 local ranks, all variants
     python benchmarks/horovod_synthetic.py -n 2 --variants hvd,ddp --batch 16
+    python benchmarks/horovod_synthetic.py --devcluster -n 3     # 3 dev-cluster nodes x 1 rank
 
 Each variant is one `hpcring run` job (ranks on this machine; ring backend over loopback TCP for
 hpcring.torch, Gloo for DDP). Model: a small ResNet (stem + 4 residual stages, BatchNorm,
@@ -111,8 +112,12 @@ def run_variant(variant: str, ranks: int, args, tmp: str) -> dict | None:
                    HPCRING_AUTOTUNE_STEPS_PER_SAMPLE=str(args.tune_steps))
     if variant == "hvd-timeline":
         env["HPCRING_TIMELINE"] = os.path.join(tmp, f"timeline-{ranks}.json")
-    cmd = [sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(ranks), "--",
-           sys.executable, os.path.abspath(__file__), "--worker", variant, "--batch", str(args.batch),
+    if args.devcluster:        # one rank per dev-cluster node, through Slurm (real TCP between namespaces)
+        launch = ["salloc", "-N", str(ranks), "--ntasks-per-node=1", "--time=20", "-Q",
+                  sys.executable, "-m", "hpcring", "run", "--site", "devcluster", "--tasks-per-node", "1", "--"]
+    else:
+        launch = [sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(ranks), "--"]
+    cmd = [*launch, sys.executable, os.path.abspath(__file__), "--worker", variant, "--batch", str(args.batch),
            "--warmup", str(args.warmup), "--batches", str(args.batches), "--iters", str(args.iters)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=tmp)
     for line in (p.stdout + p.stderr).splitlines():
@@ -135,13 +140,18 @@ def main() -> None:
                     help="run the variants this many times, interleaved (a loaded machine drifts); "
                          "the table shows the run with the median img/s and lists all")
     ap.add_argument("--hvd-env", default="", help="K=V,... added to the hvd variants' environment")
+    ap.add_argument("--devcluster", action="store_true",
+                    help="run on the dev cluster (salloc, one rank per node; -n counts nodes) instead of "
+                         "local ranks; needs `hpcring devcluster up --share` of this checkout")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.batch, args.warmup, args.batches, args.iters)
         return
-    tmp = tempfile.mkdtemp(prefix="hvd-bench-")
-    print(f"# small ResNet, 32x32 images, batch {args.batch}/rank, {args.iters} x {args.batches} timed steps "
+    # dev-cluster nodes have private /tmp: the job's folder must be on the shared /srv/hpcring
+    tmp = tempfile.mkdtemp(prefix="hvd-bench-", dir="/srv/hpcring" if args.devcluster else None)
+    where = "dev cluster, one rank per node" if args.devcluster else "local ranks"
+    print(f"# {where}; small ResNet, 32x32 images, batch {args.batch}/rank, {args.iters} x {args.batches} timed steps "
           f"after {args.warmup} warm-up; img/s summed over ranks (min-max over iterations)")
     print(f"# {'ranks':>5} {'variant':<14} {'img/s':>8} {'min-max':>15} {'coll/step':>9} {'cycles/step':>11} "
           f"{'negot ms/step':>13} {'backend ms':>10} {'pack ms':>7}  settings")
