@@ -81,16 +81,19 @@ def worker(variant: str, batch: int, warmup: int, batches: int, iters: int) -> N
             raise RuntimeError("autotuner did not finish in the planned number of steps")
     s0 = dict(eng.stats) if eng is not None else {}
     rates = []
+    c0, w0 = time.process_time(), time.perf_counter()      # this process's CPU, all its threads
     for _ in range(iters):
         t0 = time.perf_counter()
         for _ in range(batches):
             step()
         rates.append(batch * batches / (time.perf_counter() - t0))
     if rank == 0:
+        steps = iters * batches
         out = {"variant": variant, "ranks": size, "img_s": size * sum(rates) / len(rates),
+               "step_ms": 1e3 * (time.perf_counter() - w0) / steps,
+               "cpu_ms_per_step": 1e3 * (time.process_time() - c0) / steps,
                "img_s_min": size * min(rates), "img_s_max": size * max(rates)}
         if eng is not None:
-            steps = iters * batches
             st = lambda k: eng.stats.get(k, 0.0) - s0.get(k, 0.0)  # noqa: E731
             out.update({"coll_per_step": (eng.stats["collectives"] - s0["collectives"]) / steps,
                         "cycles_per_step": (eng.stats["cycles"] - s0["cycles"]) / steps,
@@ -154,7 +157,7 @@ def main() -> None:
     print(f"# {where}; small ResNet, 32x32 images, batch {args.batch}/rank, {args.iters} x {args.batches} timed steps "
           f"after {args.warmup} warm-up; img/s summed over ranks (min-max over iterations)")
     print(f"# {'ranks':>5} {'variant':<14} {'img/s':>8} {'min-max':>15} {'coll/step':>9} {'cycles/step':>11} "
-          f"{'negot ms/step':>13} {'backend ms':>10} {'pack ms':>7}  settings")
+          f"{'negot ms/step':>13} {'backend ms':>10} {'pack ms':>7} {'step ms':>7} {'cpu ms':>6}  settings")
     for n in [int(x) for x in args.ranks.split(",")]:
         runs: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
         for _ in range(args.repeat):
@@ -177,7 +180,8 @@ def main() -> None:
             print(f"  {n:>5} {v:<14} {r['img_s']:8.1f} {r['img_s_min']:7.1f}-{r['img_s_max']:<7.1f} "
                   f"{r.get('coll_per_step', float('nan')):9.1f} {r.get('cycles_per_step', float('nan')):11.1f} "
                   f"{r.get('negotiate_ms_per_step', float('nan')):13.2f} {r.get('backend_ms_per_step', float('nan')):10.2f} "
-                  f"{r.get('copy_ms_per_step', float('nan')):7.2f}  {extra}", flush=True)
+                  f"{r.get('copy_ms_per_step', float('nan')):7.2f} {r['step_ms']:7.1f} {r['cpu_ms_per_step']:6.1f}  {extra}",
+                  flush=True)
     print(f"# autotune logs and timelines in {tmp}")
 
 
