@@ -1,7 +1,8 @@
-"""Socket helpers shared by the rendezvous store, interface probes and the ring's handshake."""
+"""Socket and deadline helpers shared by the rendezvous store, interface probes and the ring's handshake."""
 from __future__ import annotations
 
 import socket
+import time
 
 
 class ConnectionClosed(ConnectionError, EOFError):
@@ -17,3 +18,8 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionClosed(f"connection closed after {len(buf)} of {n} bytes")
         buf += chunk
     return bytes(buf)
+
+
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` value), never negative."""
+    return max(0.0, deadline - time.monotonic())

@@ -31,6 +31,7 @@ from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, St
 from hpcring.bootstrap.topology import Topology
 from hpcring.config import envvars
 from hpcring.errors import BootstrapError
+from hpcring.netio import time_left
 from hpcring.ranks import each_on_host
 
 log = logging.getLogger("hpcring.bootstrap.init")
@@ -91,7 +92,7 @@ def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
     try:
         table = netif.verify_interfaces(
             client, rank=topo.rank, size=topo.size, host=hosts[topo.rank], candidates=candidates,
-            secret=secret, mode=verify, timeout=_left(deadline), prefix="init/netif")
+            secret=secret, mode=verify, timeout=time_left(deadline), prefix="init/netif")
     except BootstrapError as exc:
         if spec is None or "verification failed" not in exc.message:
             raise
@@ -139,7 +140,7 @@ def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, 
 def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: float) -> StoreClient:
     if topo.rank == 0:
         server = _start_server(ports, secret)
-        client = StoreClient("127.0.0.1", server.port, secret, timeout=max(1.0, _left(deadline)))
+        client = StoreClient("127.0.0.1", server.port, secret, timeout=max(1.0, time_left(deadline)))
         client.server = server
         return client
     return _connect_any(bootstrap_master_addr(topo, env), ports, secret, deadline,
@@ -187,7 +188,7 @@ def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float, wh
     while True:
         for port in ports:
             try:
-                return StoreClient(host, port, secret, timeout=min(2.0, max(0.1, _left(deadline))),
+                return StoreClient(host, port, secret, timeout=min(2.0, max(0.1, time_left(deadline))),
                                    connect_retry=False)
             except StoreAuthError as e:
                 seen[port] = f"not our store ({e.message})"   # another job's store: try the next port
@@ -195,13 +196,13 @@ def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float, wh
                 seen[port] = e.message
                 if time.monotonic() - start < STRICT_PORT_ORDER_S:
                     break   # nobody there yet: rank 0 is probably still starting on this port
-        if _left(deadline) <= 0:
+        if time_left(deadline) <= 0:
             raise BootstrapError(
                 f"could not reach the rendezvous store of {who} at {host} on ports {ports}: "
                 + "; ".join(f"{p}: {m}" for p, m in seen.items()),
                 hint="check that rank 0 started, that HPCRING_MASTER_ADDR/MASTER_ADDR or the first host "
                      "name resolves to rank 0's node, and that these ports are not firewalled")
-        time.sleep(min(delay, _left(deadline)))
+        time.sleep(min(delay, time_left(deadline)))
         delay = min(delay * 2, 0.2)   # refused connects are cheap; rank 0 may appear any moment
 
 
@@ -217,7 +218,7 @@ def _gather_hosts(client: StoreClient, topo: Topology, deadline: float) -> list[
     if topo.rank == 0:
         _publish_hosts(client, topo, deadline)
     try:
-        hosts = json.loads(client.get("init/hosts", timeout=_left(deadline)))
+        hosts = json.loads(client.get("init/hosts", timeout=time_left(deadline)))
     except StoreTimeoutError as e:   # rank 0 published nothing: it is hung, or started very late
         try:
             missing = [r for r in range(topo.size) if client.check(_host_key(r)) is None]
@@ -240,9 +241,9 @@ def _publish_hosts(client: StoreClient, topo: Topology, deadline: float) -> None
     """Rank 0: gather every rank's host into ``init/hosts`` (one gatherer keeps this O(size)
     requests); when ranks are missing, publish the error there instead and raise it."""
     # Stop a little before the others' deadline so they read the reason instead of timing out blind.
-    margin = min(GATHER_MARGIN_S, 0.1 * _left(deadline))
+    margin = min(GATHER_MARGIN_S, 0.1 * time_left(deadline))
     try:
-        values = client.gather([_host_key(r) for r in range(topo.size)], timeout=max(0.0, _left(deadline) - margin))
+        values = client.gather([_host_key(r) for r in range(topo.size)], timeout=max(0.0, time_left(deadline) - margin))
     except StoreTimeoutError as e:
         missing = sorted(int(k.rsplit("/", 1)[1]) for k in e.missing)
         err = _missing_ranks_error(topo, missing, e)
@@ -269,7 +270,7 @@ def _with_alternatives(exc: BootstrapError, client, topo: Topology, hosts: list[
         auto = netif.select_candidates(netif.list_interfaces(), None)
         table = netif.verify_interfaces(
             client, rank=topo.rank, size=topo.size, host=hosts[topo.rank], candidates=auto, secret=secret,
-            mode=verify, timeout=min(8.0, _left(deadline)), prefix="init/netif-alt")
+            mode=verify, timeout=min(8.0, time_left(deadline)), prefix="init/netif-alt")
         works = ", ".join(sorted({f"{e.host} {e.interface} {e.address}" for e in table}))
         alt = f" Interfaces that do connect every rank (automatic choice): {works}."
     except BootstrapError as alt_exc:
@@ -284,7 +285,7 @@ def _agree_master(client: StoreClient, rank: int, table, deadline: float) -> dic
                   "framework_port": _free_port_after(store_port)}
         client.set("init/master", json.dumps(record).encode())
         client.set("MASTER_ADDR", record["addr"].encode())
-    return json.loads(client.get("init/master", timeout=_left(deadline)))
+    return json.loads(client.get("init/master", timeout=time_left(deadline)))
 
 
 def _free_port_after(port: int, tries: int = 64) -> int:
@@ -298,10 +299,6 @@ def _free_port_after(port: int, tries: int = 64) -> int:
                 continue
     raise BootstrapError(f"no free port in {port + 1}..{port + tries} on rank 0 for MASTER_PORT",
                          hint="pass another port_range to init_bootstrap")
-
-
-def _left(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
 
 
 # ----------------------------------------------------------------------------------- frameworks

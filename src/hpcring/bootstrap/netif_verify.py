@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from hpcring.bootstrap.netif_list import Interface
 from hpcring.bootstrap.netif_probe import ProbeListener, probe
 from hpcring.errors import BootstrapError
+from hpcring.netio import time_left
 from hpcring.ranks import runs
 
 log = logging.getLogger("hpcring.bootstrap.netif")
@@ -63,7 +64,7 @@ def verify_interfaces(client, *, rank: int, size: int, host: str, candidates: Se
         client.set(f"{prefix}/res/{rank}", _dumps(results))
         if rank == 0:
             client.set(f"{prefix}/choice", _dumps(_decide(client, size, mode, deadline, prefix)))
-        choice = _loads(client.get(f"{prefix}/choice", timeout=_left(deadline)))
+        choice = _loads(client.get(f"{prefix}/choice", timeout=time_left(deadline)))
     finally:
         for lst in listeners:
             lst.close()
@@ -83,7 +84,7 @@ def _peers(rank: int, size: int, mode: str) -> list[int]:
 def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix) -> dict[str, list]:
     """``{peer rank: [error or None per candidate of that peer]}``; all probes run in parallel."""
     peers = _peers(rank, size, mode)
-    cands = {p: _loads(client.get(f"{prefix}/cand/{p}", timeout=_left(deadline)))["cands"] for p in peers}
+    cands = {p: _loads(client.get(f"{prefix}/cand/{p}", timeout=time_left(deadline)))["cands"] for p in peers}
     jobs = [(p, i, c) for p in peers for i, c in enumerate(cands[p])]
     if not jobs:
         return {}
@@ -98,10 +99,10 @@ def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, pr
 
 def _decide(client, size: int, mode: str, deadline: float, prefix: str) -> dict:
     """Rank 0: gather every rank's candidates and probe results and choose per rank."""
-    cands = [_loads(client.get(f"{prefix}/cand/{r}", timeout=_left(deadline))) for r in range(size)]
+    cands = [_loads(client.get(f"{prefix}/cand/{r}", timeout=time_left(deadline))) for r in range(size)]
     tested: dict[int, list[tuple[int, list]]] = {r: [] for r in range(size)}   # target -> [(tester, errors)]
     for r in range(size):
-        for peer, errs in _loads(client.get(f"{prefix}/res/{r}", timeout=_left(deadline))).items():
+        for peer, errs in _loads(client.get(f"{prefix}/res/{r}", timeout=time_left(deadline))).items():
             tested[int(peer)].append((r, errs))
     table, failures = [], []
     for r in range(size):
@@ -139,10 +140,6 @@ def _summarise(table: list[list]) -> str:
     """``0-3->host lo 127.0.0.1, 4->...``: runs of ranks with the same host/interface/address."""
     return ", ".join(f"{a if a == b else f'{a}-{b}'}->{' '.join(map(str, v))}"
                      for a, b, v in runs([tuple(row[1:]) for row in table]))
-
-
-def _left(deadline: float) -> float:
-    return max(0.0, deadline - time.monotonic())
 
 
 def _dumps(obj) -> bytes:

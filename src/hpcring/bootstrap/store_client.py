@@ -15,7 +15,7 @@ from hpcring.bootstrap.store_wire import (DEFAULT_MAX_FRAME, F64, HEADER, I64, M
                                           _DIR_TO_SERVER, StoreAuthError, StoreTimeoutError,
                                           encode_frame, encode_request, frame_mac, session_key)
 from hpcring.errors import BootstrapError
-from hpcring.netio import recv_exact
+from hpcring.netio import recv_exact, time_left
 
 if TYPE_CHECKING:
     from hpcring.bootstrap.store_server import StoreServer
@@ -86,7 +86,7 @@ class StoreClient:
                 if not retry:   # the caller runs its own loop over several ports
                     raise BootstrapError(f"could not connect to the rendezvous store at {self.address}: "
                                          f"{last_error}") from e
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(delay, time_left(deadline)))
             delay = min(delay * 2, 1.0)
 
     def _open(self, budget: float) -> socket.socket:
@@ -222,7 +222,7 @@ class StoreClient:
         values: list[bytes] = []
         for i, key in enumerate(keys):
             try:
-                values.append(self.get(key, timeout=max(0.0, deadline - time.monotonic())))
+                values.append(self.get(key, timeout=time_left(deadline)))
             except StoreTimeoutError as e:
                 missing = [key] + [k for k in keys[i + 1:] if self.check(k) is None]
                 raise StoreTimeoutError(f"{e.message}; {len(missing)} of {len(keys)} keys still missing",
@@ -247,7 +247,7 @@ class StoreClient:
         """Block until every key exists; one deadline covers them all."""
         deadline = time.monotonic() + (self.timeout if timeout is None else _seconds("store wait timeout", timeout))
         for key in keys:
-            self.get(key, timeout=max(0.0, deadline - time.monotonic()))
+            self.get(key, timeout=time_left(deadline))
 
     def barrier(self, name: str, size: int, timeout: float | None = None) -> None:
         """Return once ``size`` participants have entered barrier ``name`` (one use per name)."""
@@ -264,7 +264,7 @@ class StoreClient:
             self.set(done_key, b"1")
             return
         try:
-            self.get(done_key, timeout=max(0.0, deadline - time.monotonic()))
+            self.get(done_key, timeout=time_left(deadline))
         except BootstrapError as e:
             arrived = self.check(count_key) if self._sock is not None else None
             got = arrived.decode() if arrived else "?"
