@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Mapping
 
 from hpcring.bootstrap import auth, launchers, lsf_slots
-from hpcring.config.jobspec import JobSpec
+from hpcring.config.jobspec import JobSpec, resolve_job
 from hpcring.config.schema import Launcher
 from hpcring.config.site import Site
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
@@ -82,7 +82,6 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
     secret = auth.write_secret_file(run_dir / "secret.key", exclusive=True)
-    from hpcring.config.jobspec import resolve_job
     job = resolve_job(site, "run", [], {}, environ={})
     env = dict(env_in)
     env.update({k: v for k, v in job_env(site, job).items() if k not in env_in})

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from hpcring.distributed.work import chain as _chain, done_work as _done_work, last as _last
+from hpcring.distributed import work
 from hpcring.errors import UsageError
 
 # torch reduce op -> hpcring op. BAND/BOR/BXOR and PREMUL_SUM have no hpcring kernel.
@@ -118,12 +118,12 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         comm = self._comm([t], "all_reduce")
         buf = t if t.is_contiguous() else t.contiguous()
         h = comm.allreduce_async(buf, op, out=buf, **self._t())
-        return _chain([h], lambda: _copy_back(t, buf) or [t])
+        return work.chain([h], lambda: _copy_back(t, buf) or [t])
 
     def allreduce_coalesced(self, tensors, opts=None):
         tensors = list(tensors)
         if not tensors:
-            return _done_work([])
+            return work.done_work([])
         op = _opt(opts, "reduceOp", ReduceOp.SUM)
         for t in tensors:
             _reduce_op(op, "all_reduce_coalesced", t.dtype)
@@ -131,7 +131,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         bufs = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         h = comm.allreduce_grouped_async(bufs, _reduce_op(op, "all_reduce_coalesced", tensors[0].dtype),
                                          inplace=True, **self._t())
-        return _chain([h], lambda: [_copy_back(t, b) or t for t, b in zip(tensors, bufs)])
+        return work.chain([h], lambda: [_copy_back(t, b) or t for t, b in zip(tensors, bufs)])
 
     # -- allgather ------------------------------------------------------------------------
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -146,24 +146,24 @@ class ProcessGroupHpcring(dist.ProcessGroup):
             for r, o in enumerate(outs):
                 o.copy_(flat[r].view(o.shape))
             return [outs]
-        return _chain([h], finish)
+        return work.chain([h], finish)
 
     def _allgather_base(self, output, input, opts=None):  # noqa: A002 - torch's names
         _check_pair(output, input, self.size(), "all_gather_into_tensor")
         comm = self._comm([output, input], "all_gather_into_tensor")
         buf = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         h = comm.allgather_async(_bytes(input.contiguous()), out=_bytes(buf), **self._t())
-        return _chain([h], lambda: _copy_back(output, buf) or [output])
+        return work.chain([h], lambda: _copy_back(output, buf) or [output])
 
     all_gather_single = _allgather_base          # torch >= 2.13's name for the same op
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         works = [self.allgather([outs], [inp]) for outs, inp in _zip(output_lists, input_list, "all_gather_coalesced")]
-        return _last(works, [list(o) for o in output_lists])
+        return work.last(works, [list(o) for o in output_lists])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self._allgather_base(o, i) for o, i in _zip(outputs, inputs, "all_gather_into_tensor_coalesced")]
-        return _last(works, list(outputs))
+        return work.last(works, list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -174,7 +174,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         comm = self._comm([t], "broadcast")
         buf = t if t.is_contiguous() else t.contiguous()
         h = comm.broadcast_async(_bytes(buf), root, **self._t())
-        return _chain([h], lambda: _copy_back(t, buf) or [t])
+        return work.chain([h], lambda: _copy_back(t, buf) or [t])
 
     # -- reduce_scatter -------------------------------------------------------------------
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -186,7 +186,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         flat = torch.cat([i.reshape(-1) for i in ins])
         buf = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         h = comm.reduce_scatter_async(flat, op, out=buf, **self._t())
-        return _chain([h], lambda: _copy_back(out, buf) or [out])
+        return work.chain([h], lambda: _copy_back(out, buf) or [out])
 
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
         _check_pair(input, output, self.size(), "reduce_scatter_tensor")
@@ -194,13 +194,13 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         comm = self._comm([output, input], "reduce_scatter_tensor")
         buf = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         h = comm.reduce_scatter_async(input.contiguous().reshape(-1), op, out=buf, **self._t())
-        return _chain([h], lambda: _copy_back(output, buf) or [output])
+        return work.chain([h], lambda: _copy_back(output, buf) or [output])
 
     reduce_scatter_single = _reduce_scatter_base   # torch >= 2.13's name
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self._reduce_scatter_base(o, i, opts) for o, i in _zip(outputs, inputs, "reduce_scatter_tensor_coalesced")]
-        return _last(works, list(outputs))
+        return work.last(works, list(outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -256,7 +256,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         if not padded:
             res = out if out is not None else torch.empty_like(flat)
             h = comm.alltoall_async(_bytes(flat), out=_bytes(res), **self._t())
-            return _chain([h], lambda: finish(res))
+            return work.chain([h], lambda: finish(res))
         send = torch.zeros(n * block, dtype=flat.dtype, device=flat.device)
         pos = 0
         for j, c in enumerate(send_counts):
@@ -264,13 +264,13 @@ class ProcessGroupHpcring(dist.ProcessGroup):
             pos += c
         recv = torch.empty_like(send)
         h = comm.alltoall_async(_bytes(send), out=_bytes(recv), **self._t())
-        return _chain([h], lambda: finish(torch.cat([recv[j * block:j * block + c]
+        return work.chain([h], lambda: finish(torch.cat([recv[j * block:j * block + c]
                                                      for j, c in enumerate(recv_counts)])))
 
     # -- composed ops ---------------------------------------------------------------------
     def barrier(self, opts=None):
         comm = self._session.communicator(timeout=self._timeout)      # the default: no tensors to place
-        return _chain([comm.barrier_async(**self._t())], lambda: [])
+        return work.chain([comm.barrier_async(**self._t())], lambda: [])
 
     def reduce(self, tensors, opts=None):
         """All ranks reduce (one allreduce into a scratch copy); only the root's tensor changes."""
@@ -285,7 +285,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
             if self.rank() == root:
                 t.copy_(scratch)
             return [t]
-        return _chain([h], finish)
+        return work.chain([h], finish)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         """An allgather into scratch; the root copies out."""
@@ -302,7 +302,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
             for r, o in enumerate(outs):
                 o.copy_(flat[r].view(o.shape))
             return [outs] if outs else []
-        return _chain([h], finish)
+        return work.chain([h], finish)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """The root's tensors broadcast as one buffer; each rank keeps its piece."""
@@ -320,7 +320,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         def finish():
             out.copy_(flat[self.rank()].view(out.shape))
             return [out]
-        return _chain([h], finish)
+        return work.chain([h], finish)
 
     # -- refused --------------------------------------------------------------------------
     def send(self, tensors, dst, tag=0):
