@@ -170,56 +170,32 @@ def hpcring_run(args) -> list[str]:
     return [sys.executable, "-m", "hpcring", "run", "--site", "devcluster", "--tasks-per-node", str(args.per_node), "--"]
 
 
-def iperf(seconds: int = 3) -> float | None:
-    """node2 -> node1 TCP throughput in GB/s (1e9 bytes/s), or None."""
+def iperf_pairs(pairs: list[tuple[int, int]], seconds: int = 3) -> float | None:
+    """iperf3 from node a to node b for every (a, b) in ``pairs``, all at once (one stream each);
+    the mean rate in GB/s (1e9 bytes/s), or None. The clients enter their namespaces through
+    nsenter directly, so concurrent ones start together."""
     if shutil.which("iperf3") is None:
         print("# iperf3 not installed: no link rate")
         return None
-    ex = [sys.executable, "-m", "hpcring", "devcluster", "exec"]
-    server = subprocess.Popen(ex + ["node1", "--", "iperf3", "-s", "-1", "-p", "5299"], env=_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    try:
-        time.sleep(1.0)
-        p = subprocess.run(ex + ["node2", "--", "iperf3", "-c", "10.99.0.1", "-p", "5299", "-t", str(seconds), "-J"],
-                           capture_output=True, text=True, env=_env(), timeout=seconds + 30, stdin=subprocess.DEVNULL)
-        if p.returncode:
-            print(f"# iperf3 failed: {p.stderr.strip()[-500:]}")
-            return None
-        return json.loads(p.stdout)["end"]["sum_received"]["bits_per_second"] / 8e9
-    finally:
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-
-
-def iperf_ring(nodes: int, seconds: int = 3) -> float | None:
-    """The ring's own traffic pattern as a yardstick: node i -> node i+1 for every i at once (one
-    stream each, as the ring sends while it receives); the mean per-link rate in GB/s, or None.
-    On one host the namespaces' veths share its cores, so concurrent links are slower than one."""
-    if shutil.which("iperf3") is None or nodes < 2:
-        return None
     sys.path.insert(0, str(ROOT / "src"))
-    from hpcring.devcluster.cluster import node_exec_argv   # nsenter directly: the clients start together
+    from hpcring.devcluster.cluster import node_exec_argv
 
     def ex(i: int) -> list[str]:
         return node_exec_argv(f"node{i}")
-    servers = [subprocess.Popen(ex(i) + ["iperf3", "-s", "-1", "-p", str(5300 + i)], env=_env(),
+    servers = [subprocess.Popen(ex(b) + ["iperf3", "-s", "-1", "-p", str(5300 + b)], env=_env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-               for i in range(1, nodes + 1)]
+               for _, b in pairs]
     try:
         time.sleep(1.0)
-        clients = []
-        for i in range(1, nodes + 1):
-            to = i % nodes + 1
-            clients.append(subprocess.Popen(
-                ex(i) + ["iperf3", "-c", f"10.99.0.{to}", "-p", str(5300 + to), "-t", str(seconds), "-J"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), stdin=subprocess.DEVNULL))
+        clients = [subprocess.Popen(ex(a) + ["iperf3", "-c", f"10.99.0.{b}", "-p", str(5300 + b), "-t", str(seconds), "-J"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                                    stdin=subprocess.DEVNULL)
+                   for a, b in pairs]
         rates = []
         for c in clients:
             out, err = c.communicate(timeout=seconds + 30)
             if c.returncode:
-                print(f"# iperf3 (ring pattern) failed: {err.strip()[-500:]}")
+                print(f"# iperf3 failed: {err.strip()[-500:]}")
                 return None
             rates.append(json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8e9)
         return sum(rates) / len(rates)
@@ -229,6 +205,18 @@ def iperf_ring(nodes: int, seconds: int = 3) -> float | None:
                 sv.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 sv.kill()
+
+
+def iperf() -> float | None:
+    """One link alone: node2 -> node1."""
+    return iperf_pairs([(2, 1)])
+
+
+def iperf_ring(nodes: int) -> float | None:
+    """The ring's own traffic pattern as a yardstick: node i -> node i+1 on every link at once (as
+    the ring sends while it receives), per link. On one host the namespaces' veths share its
+    cores, so concurrent links are slower than one."""
+    return iperf_pairs([(i, i % nodes + 1) for i in range(1, nodes + 1)]) if nodes >= 2 else None
 
 
 ONE_HOST_SIZES = [16 << 20, 64 << 20]
