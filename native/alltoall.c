@@ -6,6 +6,8 @@
  * directions at once, non-blocking, so the pairing cannot deadlock). In place (sbuf == rbuf) the
  * input is first copied to scratch.
  *
+ * On one node with a shared-memory segment, alltoall_shm.c runs instead.
+ *
  * Cost: n-1 steps; each rank sends and receives (n-1)/n * S bytes; time ~ (n-1)(a + S/n b).
  */
 #include "hr_internal.h"
@@ -25,6 +27,7 @@ int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dt
     if (hr_op_begin(&op, c, HR_K_ALLTOALL, dtype, 0, count, -1, timeout) != HR_OK) return HR_ERR;
     if (count % (size_t)n)
         return hr_op_fail(&op, "count %zu is not divisible by the world size %d", count, n);
+    if (c->shm.base && c->shm.ncol == 1) return hr_alltoall_shm(&op, sbuf, rbuf, count, dtype);
     blk = count / (size_t)n * esz;
     if (sbuf == rbuf && n > 1) {
         if (hr_comm_tmp(&op, count * esz + 1) != HR_OK) return HR_ERR;

@@ -5,6 +5,8 @@
  * so after ceil(log2 n) rounds nobody leaves before everybody arrived. The header carries the
  * sequence number, so a rank that skipped or added a collective is reported as a mismatch.
  *
+ * On one node with a shared-memory segment: one signal-and-wait on it (barrier_shm.c).
+ *
  * Cost: ceil(log2 n) rounds of one 24-byte message: time ~ ceil(log2 n) a.
  */
 #include "hr_internal.h"
@@ -14,6 +16,7 @@ int hr_barrier(hr_comm_t *c, double timeout) {
     hr_op_t op;
     int n = c->size, r = c->rank, k;
     if (hr_op_begin(&op, c, HR_K_BARRIER, HR_U8, 0, 0, -1, timeout) != HR_OK) return HR_ERR;
+    if (c->shm.base && c->shm.ncol == 1) return hr_barrier_shm(&op);
     for (k = 1; k < n; k <<= 1)
         if (hr_sendrecv(&op, (r + k) % n, NULL, 0, 1, (r - k + n) % n, NULL, 0, 1) != HR_OK)
             return HR_ERR;

@@ -182,6 +182,8 @@ int hr_allreduce_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, in
                      int redop, size_t lo, size_t hi);
 int hr_allgather_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);
 int hr_broadcast_shm(hr_op_t *op, void *buf, size_t count, int dtype, int root);
+int hr_alltoall_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);
+int hr_barrier_shm(hr_op_t *op);
 int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype, int redop,
                  double timeout);
 int hr_allreduce_ring(hr_op_t *op, const void *sbuf, void *buf, size_t count, int dtype, int redop);

@@ -535,6 +535,31 @@ def test_shm_timeout_names_peer_and_is_sticky():
         g.close()
 
 
+@pytest.mark.parametrize("name", ["alltoall", "barrier"])
+def test_shm_alltoall_and_barrier_run_in_shared_memory(name):
+    """On one host alltoall and barrier go through the segment: a missing rank is reported from the
+    shared-memory wait (not a TCP recv), and a rank in another collective is named."""
+    g = H.ThreadGroup(3, timeout=30, hosts=("h",) * 3)
+    call = {"alltoall": lambda c: c.alltoall(np.ones(3 << 12, np.float32), timeout=1.0),
+            "barrier": lambda c: c.barrier(timeout=1.0)}[name]
+    try:
+        _, errs = g.run(call, ranks=[0, 1])
+        msg = str(errs[0])
+        assert isinstance(errs[0], CollectiveError), errs
+        assert f"{name}#1" in msg and "rank 2 (h)" in msg and f"(shared memory, {name}) timed out" in msg, msg
+    finally:
+        g.close()
+    g = H.ThreadGroup(2, timeout=30, hosts=("h",) * 2)
+    other = {"alltoall": lambda c: c.barrier(timeout=5.0),
+             "barrier": lambda c: c.alltoall(np.ones(8, np.float32), timeout=5.0)}[name]
+    try:
+        _, errs = g.run(lambda c: (call if c.rank == 0 else other)(c))
+        assert all(isinstance(e, CollectiveError) for e in errs), errs
+        assert any("mismatch" in str(e) or "out of step" in str(e) for e in errs), errs
+    finally:
+        g.close()
+
+
 def test_shm_sigkilled_rank_is_named_and_leaves_no_segment():
     before = _segments()
     deadline = 20.0
