@@ -8,7 +8,6 @@ reached, so ``ib0`` on one host may pair with ``ibp65s0`` on another.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Collection, Sequence
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 from hpcring.bootstrap.netif_list import Interface
 from hpcring.bootstrap.netif_probe import ProbeListener, probe
+from hpcring.bootstrap.store_wire import from_json, json_value
 from hpcring.errors import BootstrapError
 from hpcring.netio import time_left
 from hpcring.ranks import runs
@@ -59,12 +59,12 @@ def verify_interfaces(client, *, rank: int, size: int, host: str, candidates: Se
              "port": listeners[i].port if listeners else 0,
              "error": listeners[i].error if listeners else None}
             for i, c in enumerate(candidates)]}
-        client.set(f"{prefix}/cand/{rank}", _dumps(mine))
+        client.set(f"{prefix}/cand/{rank}", json_value(mine))
         results = _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix)
-        client.set(f"{prefix}/res/{rank}", _dumps(results))
+        client.set(f"{prefix}/res/{rank}", json_value(results))
         if rank == 0:
-            client.set(f"{prefix}/choice", _dumps(_decide(client, size, mode, deadline, prefix)))
-        choice = _loads(client.get(f"{prefix}/choice", timeout=time_left(deadline)))
+            client.set(f"{prefix}/choice", json_value(_decide(client, size, mode, deadline, prefix)))
+        choice = from_json(client.get(f"{prefix}/choice", timeout=time_left(deadline)))
     finally:
         for lst in listeners:
             lst.close()
@@ -84,7 +84,7 @@ def _peers(rank: int, size: int, mode: str) -> list[int]:
 def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix) -> dict[str, list]:
     """``{peer rank: [error or None per candidate of that peer]}``; all probes run in parallel."""
     peers = _peers(rank, size, mode)
-    cands = {p: _loads(client.get(f"{prefix}/cand/{p}", timeout=time_left(deadline)))["cands"] for p in peers}
+    cands = {p: from_json(client.get(f"{prefix}/cand/{p}", timeout=time_left(deadline)))["cands"] for p in peers}
     jobs = [(p, i, c) for p in peers for i, c in enumerate(cands[p])]
     if not jobs:
         return {}
@@ -99,10 +99,10 @@ def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, pr
 
 def _decide(client, size: int, mode: str, deadline: float, prefix: str) -> dict:
     """Rank 0: gather every rank's candidates and probe results and choose per rank."""
-    cands = [_loads(client.get(f"{prefix}/cand/{r}", timeout=time_left(deadline))) for r in range(size)]
+    cands = [from_json(client.get(f"{prefix}/cand/{r}", timeout=time_left(deadline))) for r in range(size)]
     tested: dict[int, list[tuple[int, list]]] = {r: [] for r in range(size)}   # target -> [(tester, errors)]
     for r in range(size):
-        for peer, errs in _loads(client.get(f"{prefix}/res/{r}", timeout=time_left(deadline))).items():
+        for peer, errs in from_json(client.get(f"{prefix}/res/{r}", timeout=time_left(deadline))).items():
             tested[int(peer)].append((r, errs))
     table, failures = [], []
     for r in range(size):
@@ -142,9 +142,3 @@ def _summarise(table: list[list]) -> str:
                      for a, b, v in runs([tuple(row[1:]) for row in table]))
 
 
-def _dumps(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _loads(data: bytes):
-    return json.loads(data.decode())

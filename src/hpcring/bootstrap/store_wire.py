@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import struct
 from collections.abc import Iterable
 
@@ -63,6 +64,16 @@ class StoreTimeoutError(BootstrapError):
     def __init__(self, message: str, *, hint: str | None = None, missing: Iterable[str] = ()) -> None:
         super().__init__(message, hint=hint)
         self.missing = list(missing)
+
+
+def json_value(obj) -> bytes:
+    """``obj`` as a store value: compact JSON (values are parsed by other ranks, never unpickled)."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def from_json(data: bytes):
+    """The object a :func:`json_value` holds."""
+    return json.loads(data.decode())
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:

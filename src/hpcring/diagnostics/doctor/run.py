@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from hpcring.bootstrap import netif
-from hpcring.bootstrap.store import StoreTimeoutError, load_secret
+from hpcring.bootstrap.store import StoreTimeoutError, json_value, load_secret
 from hpcring.errors import BootstrapError, UsageError
 from hpcring.netio import recv_exact
 from hpcring.ranks import each_on_host
@@ -87,7 +87,7 @@ class _DoctorRank:
             mine = collect_facts(self.topo, self.env)
             mine["listen"] = self._listen(mine)
             facts = self._share_facts(mine)
-            self.store.set(self._key("conn", self.rank), _dumps(self._probe_all(facts)))
+            self.store.set(self._key("conn", self.rank), json_value(self._probe_all(facts)))
             # Rank 0 starts the bandwidth chain only once every rank has finished probing, so no
             # probe competes with a transfer for the CPU.
             conn = [json.loads(v) for v in self._gather("conn")] if self.rank == 0 else None
@@ -120,10 +120,10 @@ class _DoctorRank:
     def _share_facts(self, mine: dict) -> list[dict]:
         """Rank 0 gets every rank's facts; the others only where to probe each rank (O(size) bytes
         each instead of everything rank 0 evaluates)."""
-        self.store.set(self._key("facts", self.rank), _dumps(mine))
+        self.store.set(self._key("facts", self.rank), json_value(mine))
         if self.rank == 0:
             facts = [json.loads(v) for v in self._gather("facts")]
-            self.store.set(f"{self.prefix}/facts", _dumps([{k: f[k] for k in ("rank", "host", "listen")} for f in facts]))
+            self.store.set(f"{self.prefix}/facts", json_value([{k: f[k] for k in ("rank", "host", "listen")} for f in facts]))
             return facts
         return self._get(f"{self.prefix}/facts", "rank 0 to publish everyone's facts")
 
@@ -163,7 +163,7 @@ class _DoctorRank:
                                                            self.deadline, connect_timeout=self.opts.connect_timeout)
         except (netif.ProbeFailed, OSError, EOFError) as e:
             record["error"] = str(e) if isinstance(e, netif.ProbeFailed) else f"{type(e).__name__}: {e}"
-        self.store.set(self._key(what, self.rank), _dumps(record))
+        self.store.set(self._key(what, self.rank), json_value(record))
 
     def _recheck(self, facts: list[dict]) -> list[dict] | None:
         """Links that look slow are measured once more (chained again) and keep their best rate, so
@@ -172,7 +172,7 @@ class _DoctorRank:
         if self.rank == 0:
             links = [json.loads(v) for v in self._gather("bw")]
             suspects = sorted(lk["src"] for lk, _, _ in slow_links(facts, links)[0])
-            self.store.set(f"{self.prefix}/recheck", _dumps(suspects))
+            self.store.set(f"{self.prefix}/recheck", json_value(suspects))
         else:
             suspects = self._get(f"{self.prefix}/recheck", "rank 0 to gather the ring link measurements")
         if self.rank in suspects:
@@ -194,7 +194,7 @@ class _DoctorRank:
             if self.emit is not None:   # before publishing: the others may exit as soon as they have it
                 self.emit(report)
         finally:   # the verdict only: the others need no copy of the data behind it
-            self.store.set(f"{self.prefix}/report", _dumps(report.to_dict(with_data=False)))
+            self.store.set(f"{self.prefix}/report", json_value(report.to_dict(with_data=False)))
         return report
 
     def _wait_report(self) -> DoctorReport:
@@ -220,7 +220,7 @@ class _DoctorRank:
                 hint="every rank of the job must run the doctor: check that those ranks run it and are not "
                      "stuck (their logs); raise --timeout on a busy machine")
             for key in (f"{self.prefix}/facts", f"{self.prefix}/recheck", f"{self.prefix}/report"):   # where the others wait
-                self.store.set(key, _dumps({"error": err.message, "hint": err.hint}))
+                self.store.set(key, json_value({"error": err.message, "hint": err.hint}))
             raise err from None
 
     def _get(self, key: str, waiting_for: str):
@@ -237,10 +237,6 @@ class _DoctorRank:
 
     def _left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
-
-
-def _dumps(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def run_doctor(session=None, options: Options | None = None, environ: Mapping[str, str] | None = None,
