@@ -18,7 +18,9 @@ Needs the dev cluster up (`hpcring devcluster up`), Open MPI + mpi4py, CPU torch
 
 Tables use nccl-tests' columns: busbw = size / time * 2(n-1)/n; time = mean per call on the
 slowest rank; #wrong = elements differing from the exact expected sum, checked on every rank in
-every run (small integers). The ratios against the issue's targets are printed as measured, and
+every run (small integers); host CPU = the share of this host's cores busy during the timed loop
+(/proc/stat, 10 ms ticks: coarse for short loops), printed for iperf3 too, since the dev cluster's
+nodes share these cores: a yardstick that keeps them busy is bounded by CPU, not by the wire. The ratios against the issue's targets are printed as measured, and
 where a dev-cluster target is missed a timing breakdown of the ring says where the time goes.
 """
 from __future__ import annotations
@@ -42,6 +44,21 @@ SHARED = Path("/srv/hpcring")
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_btl_tcp_if_include": "eth0", "OMPI_MCA_oob_tcp_if_include": "eth0",
            "OMPI_MCA_btl": "tcp,self,vader", "OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all of this host's cores (/proc/stat is not per namespace, so the
+    dev cluster's nodes and this process read the same counters)."""
+    with open("/proc/stat") as fh:
+        v = [int(x) for x in fh.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)          # idle + iowait
+    return sum(v) - idle, sum(v)
+
+
+def cpu_busy(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """Fraction of the host's cores busy between two :func:`cpu_ticks` samples."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else None
 
 
 def busbw(nbytes: int, seconds: float, n: int) -> float:
@@ -101,12 +118,14 @@ def worker(kind: str, sizes: list[int], quick: bool, breakdown: bool) -> None:
         for _ in range(1 if nbytes >= (16 << 20) else 3):
             call(x, out)
         barrier()
-        t0 = time.perf_counter()
+        c0, t0 = cpu_ticks(), time.perf_counter()
         for _ in range(it):
             call(x, out)
         t = tmax((time.perf_counter() - t0) / it)
+        cpu = cpu_busy(c0, cpu_ticks())
         wrong = isum(int(np.count_nonzero(out != n * (n + 1) / 2)))
-        rec = {"kind": kind, "n": n, "size": nbytes, "time": t, "busbw": busbw(nbytes, t, n), "wrong": wrong}
+        rec = {"kind": kind, "n": n, "size": nbytes, "time": t, "busbw": busbw(nbytes, t, n), "wrong": wrong,
+               "cpu": cpu}
         if kind == "ring" and hasattr(c.backend, "describe"):
             rec["transport"] = c.backend.describe()
         if breakdown and kind == "ring":
@@ -170,10 +189,14 @@ def hpcring_run(args) -> list[str]:
     return [sys.executable, "-m", "hpcring", "run", "--site", "devcluster", "--tasks-per-node", str(args.per_node), "--"]
 
 
-def iperf_pairs(pairs: list[tuple[int, int]], seconds: int = 3) -> float | None:
+CPU_BUSY: dict[str, float | None] = {}   # yardstick -> host cores busy while it ran
+
+
+def iperf_pairs(pairs: list[tuple[int, int]], seconds: int = 3, label: str = "") -> float | None:
     """iperf3 from node a to node b for every (a, b) in ``pairs``, all at once (one stream each);
     the mean rate in GB/s (1e9 bytes/s), or None. The clients enter their namespaces through
-    nsenter directly, so concurrent ones start together."""
+    nsenter directly, so concurrent ones start together. The host's CPU use while they run goes
+    to ``CPU_BUSY[label]``."""
     if shutil.which("iperf3") is None:
         print("# iperf3 not installed: no link rate")
         return None
@@ -187,6 +210,7 @@ def iperf_pairs(pairs: list[tuple[int, int]], seconds: int = 3) -> float | None:
                for _, b in pairs]
     try:
         time.sleep(1.0)
+        c0 = cpu_ticks()
         clients = [subprocess.Popen(ex(a) + ["iperf3", "-c", f"10.99.0.{b}", "-p", str(5300 + b), "-t", str(seconds), "-J"],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                                     stdin=subprocess.DEVNULL)
@@ -198,6 +222,7 @@ def iperf_pairs(pairs: list[tuple[int, int]], seconds: int = 3) -> float | None:
                 print(f"# iperf3 failed: {err.strip()[-500:]}")
                 return None
             rates.append(json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8e9)
+        CPU_BUSY[label] = cpu_busy(c0, cpu_ticks())
         return sum(rates) / len(rates)
     finally:
         for sv in servers:
@@ -209,14 +234,14 @@ def iperf_pairs(pairs: list[tuple[int, int]], seconds: int = 3) -> float | None:
 
 def iperf() -> float | None:
     """One link alone: node2 -> node1."""
-    return iperf_pairs([(2, 1)])
+    return iperf_pairs([(2, 1)], label="link")
 
 
 def iperf_ring(nodes: int) -> float | None:
     """The ring's own traffic pattern as a yardstick: node i -> node i+1 on every link at once (as
     the ring sends while it receives), per link. On one host the namespaces' veths share its
     cores, so concurrent links are slower than one."""
-    return iperf_pairs([(i, i % nodes + 1) for i in range(1, nodes + 1)]) if nodes >= 2 else None
+    return iperf_pairs([(i, i % nodes + 1) for i in range(1, nodes + 1)], label="pattern") if nodes >= 2 else None
 
 
 ONE_HOST_SIZES = [16 << 20, 64 << 20]
@@ -276,13 +301,16 @@ def nccl_table(title: str, rows: list[dict], n: int) -> list[str]:
     lines = [f"# {title}"]
     if rows and rows[0].get("transport"):
         lines.append(f"# transport: {rows[0]['transport']}")
-    lines += [f"#{'size':>11} {'count':>11} {'type':>6} {'redop':>6} {'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}",
-              f"#{'(B)':>11} {'(elements)':>11} {'':>6} {'':>6} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8} {'':>7}"]
+    lines += [f"#{'size':>11} {'count':>11} {'type':>6} {'redop':>6} {'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}"
+              f" {'host CPU':>9}",
+              f"#{'(B)':>11} {'(elements)':>11} {'':>6} {'':>6} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8} {'':>7}"
+              f" {'(busy)':>9}"]
     if not rows:
         lines.append("#   (no result: see the FAILED line above)")
     for r in rows:
         lines.append(f" {r['size']:>11} {r['size'] // 4:>11} {'float':>6} {'sum':>6} {r['time'] * 1e6:>10.1f} "
-                     f"{r['size'] / r['time'] / 1e9:>8.3f} {r['busbw']:>8.3f} {r['wrong']:>7}")
+                     f"{r['size'] / r['time'] / 1e9:>8.3f} {r['busbw']:>8.3f} {r['wrong']:>7}"
+                     f" {'' if r.get('cpu') is None else format(r['cpu'], '.0%'):>9}")
     return lines
 
 
@@ -353,6 +381,10 @@ def main() -> int:
     print(f"# yardsticks (this host, same run): one loopback TCP stream {gbs(yard.get('tcp1'))}, memcpy "
           f"{gbs(yard.get('memcpy'))}, float32 add {gbs(yard.get('add'))}; dev-cluster link (iperf3 node2->node1) "
           f"{gbs(link)}, the ring's pattern (node i -> i+1, all {args.nodes} links at once) {gbs(link_ring)} per link")
+    if CPU_BUSY:
+        print("# host CPU busy (all " + str(os.cpu_count()) + " cores, shared by every node) while iperf3 ran: " +
+              ", ".join(f"{k} {v:.0%}" for k, v in CPU_BUSY.items() if v is not None) +
+              "; a link whose iperf3 keeps the cores busy is bounded by CPU, not by the wire")
     for kind, rows in results.items():
         print()
         for line in nccl_table(f"{kind}: dev cluster, {args.nodes} nodes x {args.per_node} rank(s) = {n} ranks, "
