@@ -56,6 +56,18 @@ def run_as_main(script: str, args: list[str]) -> tuple[int, str | None]:
         sys.stderr.flush()
 
 
+def not_on_this_node(cwd: str, script: str, host: str) -> str | None:
+    """Why this node cannot run the job where it was submitted (the submit directory or the script
+    is missing here: typically a node-local path such as /tmp), or None."""
+    hint = ("submit from a directory every node sees (a shared file system; /tmp and /dev/shm are "
+            "private to each node)")
+    if not os.path.isdir(cwd):
+        return f"the job's working directory {cwd} (where it was submitted) does not exist on {host}: {hint}"
+    if not os.path.isfile(script):
+        return f"the script {script} does not exist on {host}: {hint}"
+    return None
+
+
 class RunScript:
     """Run ``script`` with ``args`` in ``cwd`` as ``__main__`` on every rank."""
 
@@ -104,16 +116,21 @@ class RunScript:
         watch_torch()                  # a torch process group in the script gets the hang report too
         if topo.rank == 0:
             write_json(folder / f"{_job_id()}_requeues.json", {"count": preempt.requeue_count()})
-        os.chdir(self.cwd)
-        register_torch_backend_on_import()
-        try:
-            code, error = run_as_main(self.script, self.args)
-            preempt.finished()
-        except Preempted as exc:
-            status.update(exit_code=0, error=None, preempted=str(exc) or "Preempted", ended=time.time())
-            _write_status(folder, topo.rank, status)
-            _requeue_when_all_stopped(session, topo)
-            return 0
+        error = not_on_this_node(self.cwd, self.script, topo.host)
+        if error is not None:          # before chdir, so the message, not a traceback, reaches the log
+            print(f"hpcring: rank {topo.rank}: {error}", file=sys.stderr, flush=True)
+            code = 2
+        else:
+            os.chdir(self.cwd)
+            register_torch_backend_on_import()
+            try:
+                code, error = run_as_main(self.script, self.args)
+                preempt.finished()
+            except Preempted as exc:
+                status.update(exit_code=0, error=None, preempted=str(exc) or "Preempted", ended=time.time())
+                _write_status(folder, topo.rank, status)
+                _requeue_when_all_stopped(session, topo)
+                return 0
         status.update(exit_code=code, error=error, ended=time.time())
         _write_status(folder, topo.rank, status)
         if code == 0 and topo.rank == 0:

@@ -24,7 +24,7 @@ from hpcring.ranks import rank_ranges
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.job import RunScript
-from hpcring.outcome import hang_headline as outcome_hang_headline, read_statuses, summarize
+from hpcring.outcome import hang_headline as outcome_hang_headline, rank_failure, read_statuses, summarize
 from hpcring.render import render_script
 from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
 
@@ -226,12 +226,13 @@ def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
                               hint="checkpoint on the warning to be requeued: see docs/preemption.md")
     if hang:         # the watchdog's diagnosis says more than "every rank exited with 1"
         parts.append(f"collective failure: {hang[0]} (report: {hang[1]})")
-    elif (casualty := first_casualty(rec)) is not None:
+    elif not oc.failed and (casualty := first_casualty(rec)) is not None:
+        # only when no rank recorded its own failure: after one does, hpcring's teardown kills
+        # the step, and srun's "Killed" lines are that consequence, not the cause
         parts.append(casualty)
     if oc.failed:  # the first failure in full; the others by rank and host (often the same cause)
         s = oc.failed[0]
-        parts.append(f"rank {s['rank']} on {s.get('host', '?')} "
-                     + (s.get("error") or f"exited with code {s.get('exit_code')}"))
+        parts.append(rank_failure(s))
         others = [f"{o['rank']} ({o.get('host', '?')})" for o in oc.failed[1:]]
         if others:
             parts.append(f"also failed: ranks {', '.join(others)}")

@@ -48,7 +48,7 @@ def test_failing_rank_named_and_exit_code(local_env):
     r = hpcring("submit", str(HELLO), "--nodes", "2", "--tasks-per-node", "2", "--wait",
                 env=dict(local_env, HELLO_FAIL_RANK="1"))
     assert r.returncode == 3, r.stderr
-    assert "rank 1 on local0 exited with code 3" in r.stderr
+    assert "rank 1 on local0: exited with code 3" in r.stderr
 
 
 def test_cancel_stops_running_job(local_env, tmp_path):

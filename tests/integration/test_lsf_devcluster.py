@@ -118,7 +118,7 @@ def test_failing_rank_named(env):
     r = hpcring("submit", str(HELLO), "--site", "devcluster-lsf", "--nodes", "3", "--tasks-per-node", "2",
                 "--wait", env=dict(env, HELLO_FAIL_RANK="3"))
     assert r.returncode == 3, r.stderr
-    assert "rank 3 on node2 exited with code 3" in r.stderr, r.stderr
+    assert "rank 3 on node2: exited with code 3" in r.stderr, r.stderr
     assert bjobs_stat(job_id_of(r), env) == "EXIT"
 
 

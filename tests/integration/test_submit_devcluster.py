@@ -74,9 +74,21 @@ def test_failing_rank_named(env):
     r = hpcring("submit", str(HELLO), "--nodes", "3", "--tasks-per-node", "2", "--site", "devcluster", "--wait",
                 env=dict(env, HELLO_FAIL_RANK="1"))
     assert r.returncode != 0
-    assert "rank 1 on node1 exited with code 3" in r.stderr, r.stderr
+    assert "rank 1 on node1: exited with code 3" in r.stderr, r.stderr
     st = hpcring("status", job_id_of(r), env=env)
     assert "FAILED" in st.stdout and "rank 1 on node1" in st.stdout
+
+
+def test_submit_from_a_node_local_directory_is_named(env, tmp_path):
+    """/tmp is private to each dev-cluster node (as on most clusters): a job submitted from there
+    fails at once on every rank with the directory and the node named, not a chdir traceback."""
+    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env)
+    r = subprocess.run([sys.executable, "-m", "hpcring", "submit", str(HELLO), "--nodes", "2", "--site", "devcluster",
+                        "--wait"], capture_output=True, text=True, env=e, timeout=300, stdin=subprocess.DEVNULL,
+                       cwd=str(tmp_path))
+    assert r.returncode != 0
+    assert f"the job's working directory {tmp_path} (where it was submitted) does not exist on node" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr.split("error: job")[-1] and "killed first" not in r.stderr, r.stderr
 
 
 def test_cancel_sleeping_job(env, tmp_path):

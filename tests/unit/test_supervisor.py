@@ -133,6 +133,30 @@ def test_timeout_is_not_blamed_on_a_collective(tmp_path, state_dir):
     assert "collective failure: allreduce#9: rank 0 exited" in str(err)
 
 
+def test_srun_kills_are_not_blamed_when_a_rank_reported_its_own_failure(tmp_path, state_dir):
+    """hpcring's teardown kills the step after a rank records its failure: srun's "Killed" lines
+    are then the consequence; with no rank's own record they are the diagnosis."""
+    from hpcring import submit
+    rec = JobRecord("7", "slurm", "s", str(tmp_path), 3, "train", "t.py", 0.0, "c1")
+    (tmp_path / "7_0_log.err").write_text("srun: error: node1: task 0: Killed\n")
+    own = {"rank": 2, "host": "node3", "exit_code": 2, "error": "the script /x/t.py does not exist on node3"}
+    err = str(submit.describe_failure(rec, submit.Outcome(JobState("FAILED", "FAILED", 1), [own], [0, 1])))
+    assert "rank 2 on node3: the script /x/t.py does not exist on node3" in err and "killed" not in err, err
+    err = str(submit.describe_failure(rec, submit.Outcome(JobState("FAILED", "FAILED", 1), [], [0, 1, 2])))
+    assert "rank 0 (node1) was killed first (srun: Killed)" in err, err
+
+
+def test_a_submit_directory_missing_on_the_node_is_named(tmp_path):
+    from hpcring.job import not_on_this_node
+    script = tmp_path / "t.py"
+    script.write_text("")
+    assert not_on_this_node(str(tmp_path), str(script), "n1") is None
+    msg = not_on_this_node(str(tmp_path / "gone"), str(script), "n1")
+    assert f"working directory {tmp_path / 'gone'}" in msg and "does not exist on n1" in msg and "shared" in msg
+    msg = not_on_this_node(str(tmp_path), str(tmp_path / "u.py"), "n1")
+    assert f"the script {tmp_path / 'u.py'} does not exist on n1" in msg
+
+
 # ---- job records -----------------------------------------------------------------------------
 
 def test_records_of_different_schedulers_do_not_collide(state_dir):
