@@ -21,12 +21,12 @@ from hpcring.bootstrap import auth
 from hpcring.config.jobspec import JobSpec
 from hpcring.config.site import Site
 from hpcring.ranks import rank_ranges
-from hpcring.errors import JobFailedError, SchedulerError, UsageError
+from hpcring.errors import HpcringError, JobFailedError, SchedulerError, UsageError
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.job import RunScript
 from hpcring.outcome import hang_headline as outcome_hang_headline, rank_failure, read_statuses, summarize
 from hpcring.render import render_script
-from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
+from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record, recent_records
 
 RANK_COMMAND = "{python} -u -m submitit.core._submit {folder}"
 
@@ -83,6 +83,18 @@ def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
 
 def record(job_id: str) -> JobRecord:
     return load_record(job_id)
+
+
+def recent(limit: int = 10) -> list[tuple[JobRecord, JobState | None, str | None]]:
+    """The newest ``limit`` jobs with their states: (record, state, None), or (record, None, why)
+    when the scheduler could not say (its commands missing or failing)."""
+    out = []
+    for rec in recent_records(limit):
+        try:
+            out.append((rec, job_state(rec), None))
+        except HpcringError as exc:
+            out.append((rec, None, exc.message))
+    return out
 
 
 def job_state(rec: JobRecord) -> JobState:

@@ -69,6 +69,30 @@ def test_status_of_unknown_job(state_dir):
     assert r.exit_code == 1 and "job 424242" in r.stderr
 
 
+def test_status_without_a_job_lists_the_newest(tmp_path, state_dir):
+    """`hpcring status` alone: the newest jobs first with their states; a scheduler that cannot
+    answer gives '?' and its reason on that line instead of failing the listing."""
+    import json
+    import time
+    from hpcring.schedulers.base import new_record
+    assert "no jobs submitted" in run("status").stdout
+    for i, state in enumerate(["COMPLETED", "FAILED", "RUNNING"]):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / f"{i}_local.json").write_text(json.dumps({"state": state, "pid": 0 if state != "RUNNING" else 1}))
+        new_record(str(i), "local", "local", str(folder), 2, f"job{i}", f"/x/job{i}.py")
+        time.sleep(0.01)
+    new_record("77", "slurm", "dev", str(tmp_path), 4, "remote", "/x/r.py", cluster="dev")
+    r = run("status", env={"PATH": str(tmp_path)})              # no sacct/squeue on PATH
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:3] == ["JOB", "STATE", "RANKS"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["slurm-dev-77", "local-2", "local-1", "local-0"]
+    assert lines[1].split()[1] == "?" and "sacct" in lines[1]
+    assert [ln.split()[1] for ln in lines[2:]] == ["RUNNING", "FAILED", "COMPLETED"]
+    assert len(run("status", "-n", "2").stdout.splitlines()) == 3
+
+
 def test_dry_run_prints_script_submits_nothing(tmp_path, state_dir):
     script = tmp_path / "t.py"
     script.write_text("")

@@ -78,8 +78,12 @@ def render(req: JobRequest):
 
 
 @command(app, help="Show a job's state (from sacct, bjobs or the local backend) and its ranks.")
-def status(job_id: str = typer.Argument(...)):
+def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record name; none: list the newest jobs."),
+           last: int = typer.Option(10, "--last", "-n", min=1, help="How many jobs to list without JOB_ID.")):
     from hpcring import submit as lib
+    if job_id is None:
+        output.jobs_table(lib.recent(last))
+        return
     rec = lib.record(job_id)
     st = lib.job_state(rec)
     output.status(rec, st, lib.outcome(rec, st) if st.finished else None, lib.requeues(rec))

@@ -34,11 +34,25 @@ def status(rec, st, oc, requeues: int = 0) -> None:
           f"nodes {st.nodelist or '-'}  requeued {requeues}")
     print(f"  folder {rec.folder}")
     if oc is not None:
+        from hpcring.outcome import rank_failure
         for s in oc.failed:
-            print(f"  rank {s['rank']} on {s.get('host', '?')}: "
-                  + (s.get("error") or f"exit code {s.get('exit_code')}"))
+            print(f"  {rank_failure(s)}")
         if oc.missing:
             print(f"  ranks without a result: {', '.join(map(str, oc.missing))}")
+
+
+def jobs_table(rows) -> None:
+    """``hpcring status`` without a job: one line per job, newest first."""
+    import time
+    if not rows:
+        print("no jobs submitted through hpcring from this account yet")
+        return
+    print(f"{'JOB':<24} {'STATE':<11} {'RANKS':>5}  {'SUBMITTED':<16} {'NAME':<20} SCRIPT")
+    for rec, st, why in rows:
+        state = st.state if st is not None else "?"
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.submitted_at))
+        print(f"{rec.key:<24} {state:<11} {rec.ntasks:>5}  {when:<16} {rec.name:<20} {rec.script}"
+              + (f"  ({why})" if why else ""))
 
 
 def sites_table(rows) -> None:

@@ -106,6 +106,17 @@ def load_record(ref: str) -> JobRecord:
     return _read(found[0])
 
 
+def recent_records(limit: int) -> list[JobRecord]:
+    """The ``limit`` most recently submitted jobs' records, newest first (unreadable ones skipped)."""
+    recs = []
+    for path in state_dir().glob("*.json"):
+        try:
+            recs.append(_read(path))
+        except (OSError, ValueError, TypeError):
+            continue
+    return sorted(recs, key=lambda r: r.submitted_at, reverse=True)[:max(0, limit)]
+
+
 def _read(path: Path) -> JobRecord:
     return JobRecord(**json.loads(path.read_text()))
 
