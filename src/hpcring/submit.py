@@ -105,12 +105,20 @@ def job_state(rec: JobRecord) -> JobState:
     return st
 
 
-def cancel(rec: JobRecord) -> None:
+def cancel(rec: JobRecord) -> JobState | None:
+    """Cancel the job; returns its state instead when it had already ended (nothing to cancel)."""
     mod = schedulers.get(rec.scheduler)
+    try:
+        st = job_state(rec)
+    except HpcringError:
+        st = None                  # the scheduler cannot say: ask it to cancel anyway
+    if st is not None and st.finished:
+        return st
     if rec.scheduler == "local":
         mod.cancel(rec.job_id, Path(rec.folder))
     else:
         mod.cancel(rec.job_id)
+    return None
 
 
 # ---- logs ---------------------------------------------------------------------------------

@@ -93,6 +93,15 @@ def test_status_without_a_job_lists_the_newest(tmp_path, state_dir):
     assert len(run("status", "-n", "2").stdout.splitlines()) == 3
 
 
+def test_cancel_of_an_ended_job_says_so(tmp_path, state_dir):
+    import json
+    from hpcring.schedulers.base import new_record
+    (tmp_path / "5_local.json").write_text(json.dumps({"state": "COMPLETED", "pid": 0}))
+    new_record("5", "local", "local", str(tmp_path), 2, "j", "/x/j.py")
+    r = run("cancel", "5")
+    assert r.exit_code == 0 and "job 5 has already ended (COMPLETED): nothing to cancel" in r.stderr, r.output
+
+
 def test_dry_run_prints_script_submits_nothing(tmp_path, state_dir):
     script = tmp_path / "t.py"
     script.write_text("")

@@ -108,8 +108,11 @@ def logs(job_id: str = typer.Argument(...),
 def cancel(job_id: str = typer.Argument(...)):
     from hpcring import submit as lib
     rec = lib.record(job_id)
-    lib.cancel(rec)
-    output.info(f"cancel requested for job {job_id}")
+    ended = lib.cancel(rec)
+    if ended is not None:
+        output.info(f"job {job_id} has already ended ({ended.state}): nothing to cancel")
+    else:
+        output.info(f"cancel requested for job {job_id}")
 
 
 @command(sites_app, "list", help="List known site configs (user dirs shadow bundled ones).")
