@@ -26,7 +26,7 @@ from typing import Mapping
 
 from hpcring.bootstrap import auth, launchers, lsf_slots
 from hpcring.config.jobspec import JobSpec, resolve_job
-from hpcring.config.schema import Launcher
+from hpcring.config.schema import Fabric, Launcher
 from hpcring.config.site import Site
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.outcome import hang_headline, rank_failure, read_statuses, summarize
@@ -37,18 +37,28 @@ from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords
 _PLAIN_LAUNCHER = {"slurm": "srun", "lsf": "blaunch"}
 
 
+def for_allocation(site: Site, alloc: launchers.Allocation) -> Site:
+    """``site`` as used inside ``alloc``. A site of another scheduler (the ``local`` default inside
+    salloc or bsub -Is, when no site names this cluster) describes another machine: its launcher
+    becomes the allocation's plain one (srun, blaunch) and its fabric the automatic interface
+    choice (the local site pins ``lo``, which links no two nodes)."""
+    if site.config.scheduler == alloc.scheduler:
+        return site
+    cfg = site.config.model_copy(update={"launcher": Launcher(kind=_PLAIN_LAUNCHER[alloc.scheduler]),
+                                         "fabric": Fabric(kind="tcp")})
+    return replace(site, config=cfg)
+
+
 def launch_words(alloc: launchers.Allocation, site: Site, job: JobSpec, nodes: int, per_node: int,
                  rank_cmd: list[str], run_dir: Path) -> tuple[LaunchWords, dict[str, str]]:
     """The scheduler's launcher line for ``nodes x per_node`` ranks in ``alloc``, and the variables
     the ranks need besides (LSF: the host file, written into ``run_dir``).
 
     A site of another scheduler (the default ``local`` site inside salloc or bsub -Is) gets that
-    allocation's plain launcher: srun, or blaunch.
+    allocation's plain launcher: srun, or blaunch (:func:`for_allocation`).
     """
     from hpcring.schedulers import get
-    cfg = site.config
-    if cfg.scheduler != alloc.scheduler:
-        cfg = cfg.model_copy(update={"launcher": Launcher(kind=_PLAIN_LAUNCHER[alloc.scheduler])})
+    cfg = for_allocation(site, alloc).config
     req = LaunchRequest(nodes=nodes, tasks_per_node=per_node, command=tuple(rank_cmd),
                         cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, size_step=True)
     extra: dict[str, str] = {}
@@ -72,6 +82,8 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
         raise UsageError("nothing to run: give a command after --, e.g. hpcring run -- python train.py")
     drop = site.config.scheduler == "lsf" and site.config.lsf.drop_launch_node
     alloc = launchers.allocation(env_in, lsf_drop_launch_node=drop)
+    if alloc is not None:
+        site = for_allocation(site, alloc)
     nodes = nodes or (alloc.num_nodes if alloc else None) or 1
     if alloc and alloc.num_nodes and nodes > alloc.num_nodes:
         raise UsageError(f"--nodes {nodes} but this allocation has {alloc.num_nodes} node(s) ({alloc.source})")

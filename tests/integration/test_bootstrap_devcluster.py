@@ -53,6 +53,21 @@ def test_salloc_hpcring_run(tmp_path):
     assert all(line.startswith("[") for line in r.stdout.splitlines())   # rank-tagged
 
 
+@pytest.mark.parametrize("site_env", [{}, {"HPCRING_SITE": "local"}])
+def test_salloc_hpcring_run_without_a_site(site_env):
+    """No --site inside salloc: the cluster's name (SLURM_CLUSTER_NAME=devcluster) picks its site;
+    the local site named explicitly gives way to srun and the automatic interface choice (its lo
+    links no two nodes)."""
+    r = subprocess.run(["salloc", "-N", "2", "--time=5", PY, "-m", "hpcring", "run", "--", PY,
+                        str(ROOT / "examples/whoami.py")],
+                       capture_output=True, text=True, timeout=240, env=dict(ENV, **site_env), cwd="/srv/hpcring",
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = topos(r.stdout)
+    assert sorted(x["host"] for x in recs) == ["node1", "node2"]
+    assert all(x["interface"] == "eth0" for x in recs), recs
+
+
 def test_hpcring_run_names_first_failing_rank():
     r = subprocess.run(["salloc", "-N", "2", "--time=5", PY, "-m", "hpcring", "run", "--site", "devcluster",
                         "--", PY, "-c", "import os,sys,time; r=int(os.environ['RANK']); time.sleep(0.5*r); sys.exit(7 if r==1 else 0)"],

@@ -163,6 +163,30 @@ def test_local_site_in_an_allocation_gets_the_plain_launcher(tmp_path):
     assert words.argv[:2] == ["blaunch", "-u"] and Path(extra["HPCRING_LSF_HOSTFILE"]).read_text() == "h1\nh2\n"
 
 
+def test_local_site_in_an_allocation_chooses_the_interface_itself():
+    """The local site pins lo (one machine); inside a multi-node allocation that links nothing, so
+    its fabric gives way to the automatic choice, and its launcher to the allocation's."""
+    site = load_site("local", {})
+    job = resolve_job(site, "t.py", [], {}, environ={})
+    assert job_env(site, job).get("HPCRING_IFNAME") == "=lo"
+    alloc = launchers.allocation({"SLURM_JOB_ID": "1", "SLURM_NNODES": "3"})
+    used = run_alloc.for_allocation(site, alloc)
+    assert used.config.launcher.kind == "srun" and used.config.fabric.data_interfaces == []
+    assert "HPCRING_IFNAME" not in job_env(used, resolve_job(used, "t.py", [], {}, environ={}))
+    dev = load_site("devcluster", {})
+    assert run_alloc.for_allocation(dev, alloc) is dev          # the cluster's own site is kept
+
+
+def test_the_slurm_cluster_names_the_default_site():
+    from hpcring.config.site import allocation_site, resolve_site_ref
+    assert allocation_site({"SLURM_CLUSTER_NAME": "devcluster"}) == "devcluster"
+    assert allocation_site({"SLURM_CLUSTER_NAME": "nosuchcluster"}) is None and allocation_site({}) is None
+    assert resolve_site_ref(None, {"SLURM_CLUSTER_NAME": "devcluster"})[0].stem == "devcluster"
+    assert resolve_site_ref(None, {"SLURM_CLUSTER_NAME": "nosuchcluster"})[0].stem == "local"
+    assert resolve_site_ref(None, {"SLURM_CLUSTER_NAME": "devcluster", "HPCRING_SITE": "local"})[0].stem == "local"
+    assert resolve_site_ref("slurm-tcp", {"SLURM_CLUSTER_NAME": "devcluster"})[0].stem == "slurm-tcp"
+
+
 # -- the allocation's size comes from the tables ------------------------------------------------
 
 @pytest.mark.parametrize("env,expected", [

@@ -4,7 +4,9 @@ Lookup order for ``--site NAME|PATH`` (or ``HPCRING_SITE`` when the flag is abse
   1. a path to a YAML file,
   2. ``$HPCRING_SITE_DIRS`` (colon-separated) and ``~/.config/hpcring/sites/NAME.yaml``,
   3. the bundled configs (``site_configs/`` in the repository, inside the installed package).
-With neither flag nor variable, the ``local`` site is used.
+With neither flag nor variable: inside a Slurm allocation whose cluster (``SLURM_CLUSTER_NAME``)
+has a site config of that name, that site (so ``hpcring run`` in ``salloc`` gets the cluster's
+fabric and launcher); otherwise the ``local`` site.
 """
 from __future__ import annotations
 
@@ -55,10 +57,19 @@ def available_sites(environ: Mapping[str, str] | None = None) -> list[tuple[str,
     return sorted(found.values())
 
 
+def allocation_site(environ: Mapping[str, str]) -> str | None:
+    """The site named like the Slurm cluster this process runs in (``SLURM_CLUSTER_NAME``), when a
+    site config of that name exists; else None. (LSF puts no cluster name in a job's environment.)"""
+    name = environ.get("SLURM_CLUSTER_NAME", "").strip()
+    if not name or os.sep in name:
+        return None
+    return name if any((d / f"{name}.yaml").is_file() for _, d in search_dirs(environ)) else None
+
+
 def resolve_site_ref(ref: str | None, environ: Mapping[str, str] | None = None) -> tuple[Path, str]:
     """Turn a --site value (or HPCRING_SITE, or the default) into (path, origin)."""
     env = os.environ if environ is None else environ
-    ref = ref or env.get("HPCRING_SITE") or DEFAULT_SITE
+    ref = ref or env.get("HPCRING_SITE") or allocation_site(env) or DEFAULT_SITE
     p = Path(ref).expanduser()
     if p.suffix in (".yaml", ".yml") or os.sep in ref:
         if not p.is_file():
