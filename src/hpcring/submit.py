@@ -255,9 +255,9 @@ def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
         parts.append(rank_failure(s))
         others = [f"{o['rank']} ({o.get('host', '?')})" for o in oc.failed[1:]]
         if others:
-            parts.append(f"also failed: ranks {', '.join(others)}")
+            parts.append(f"also failed: rank{'s' if len(others) > 1 else ''} {', '.join(others)}")
     if oc.missing and oc.state.state != "COMPLETED":
-        parts.append(f"ranks {rank_ranges(oc.missing)} did not finish")
+        parts.append(f"rank{'s' if len(oc.missing) > 1 else ''} {rank_ranges(oc.missing)} did not finish")
     code = oc.failed[0]["exit_code"] if oc.failed else (oc.state.exit_code or 1)
     msg = f"job {rec.job_id} ({rec.name}) {oc.state.state}" + (": " + "; ".join(parts) if parts else "")
     return JobFailedError(msg, exit_code=code,
