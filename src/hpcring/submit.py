@@ -21,7 +21,7 @@ from hpcring.bootstrap import auth
 from hpcring.config.jobspec import JobSpec
 from hpcring.config.site import Site
 from hpcring.ranks import rank_ranges
-from hpcring.errors import HpcringError, JobFailedError, SchedulerError, UsageError
+from hpcring.errors import HpcringError, JobFailedError, JobNotFoundError, SchedulerError, UsageError
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.job import RunScript
 from hpcring.outcome import hang_headline as outcome_hang_headline, rank_failure, read_statuses, summarize
@@ -83,6 +83,15 @@ def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
 
 def record(job_id: str) -> JobRecord:
     return load_record(job_id)
+
+
+def newest() -> JobRecord:
+    """The most recently submitted job's record."""
+    recs = recent_records(1)
+    if not recs:
+        raise JobNotFoundError("no job was submitted through hpcring from this account yet",
+                               hint="submit one with `hpcring submit SCRIPT`, or pass a job id")
+    return recs[0]
 
 
 def recent(limit: int = 10) -> list[tuple[JobRecord, JobState | None, str | None]]:

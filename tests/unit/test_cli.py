@@ -102,6 +102,22 @@ def test_cancel_of_an_ended_job_says_so(tmp_path, state_dir):
     assert r.exit_code == 0 and "job 5 has already ended (COMPLETED): nothing to cancel" in r.stderr, r.output
 
 
+def test_logs_without_a_job_shows_the_newest(tmp_path, state_dir):
+    import time
+    from hpcring.schedulers.base import new_record
+    r = run("logs")
+    assert r.exit_code == 1 and "no job was submitted" in r.stderr
+    for jid in ("3", "4"):
+        folder = tmp_path / jid
+        folder.mkdir()
+        (folder / f"{jid}_0_log.out").write_text(f"output of job {jid}\n")
+        new_record(jid, "local", "local", str(folder), 1, f"j{jid}", "/x/j.py")
+        time.sleep(0.01)
+    r = run("logs")
+    assert r.exit_code == 0 and "[0]<stdout>:output of job 4" in r.stdout and "job 3" not in r.stdout, r.output
+    assert "job 4 [local-4] (j4), the newest" in r.stderr
+
+
 def test_dry_run_prints_script_submits_nothing(tmp_path, state_dir):
     script = tmp_path / "t.py"
     script.write_text("")

@@ -50,6 +50,8 @@ def submit(req: JobRequest,
                 f"logs in {rec.folder}")
     if wait:
         _wait(rec)
+    else:
+        output.info(f"follow it with `hpcring logs -f {rec.job_id}`; its state: `hpcring status {rec.job_id}`")
 
 
 def _wait(rec) -> None:
@@ -90,12 +92,14 @@ def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record
 
 
 @command(app, help="Print a job's output, tagged by rank.")
-def logs(job_id: str = typer.Argument(...),
+def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record name (default: the newest job)."),
          rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Only this rank."),
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
          raw: bool = typer.Option(False, "--raw", help="Keep submitit's own log lines.")):
     from hpcring import submit as lib
-    rec = lib.record(job_id)
+    rec = lib.record(job_id) if job_id is not None else lib.newest()
+    if job_id is None:
+        output.info(f"job {rec.job_id} [{rec.key}] ({rec.name}), the newest")
     if follow:
         lib.follow(rec, on_state=lambda st: None, rank=rank,
                    on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
