@@ -4,6 +4,8 @@ with the physical yardsticks measured in the same run. One command prints everyt
     python benchmarks/compare_devcluster.py                 # all of it (about 10 minutes on 2 cores)
     python benchmarks/compare_devcluster.py --quick         # fewer iterations
     python benchmarks/compare_devcluster.py --skip onehost  # parts: ring,mpi,gloo,link,onehost,yard
+    python benchmarks/compare_devcluster.py --skip ring,mpi,gloo,link --one-host-sizes 16M,64M,256M
+                                                            # a multi-core host without the dev cluster
 
 Needs the dev cluster up (`hpcring devcluster up`), Open MPI + mpi4py, CPU torch and iperf3.
 
@@ -39,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
 SIZES = [4 << 10, 1 << 20, 16 << 20, 64 << 20]
-ITERS = {4 << 10: 200, 1 << 20: 20, 16 << 20: 5, 64 << 20: 3}
+ITERS = {4 << 10: 200, 1 << 20: 20, 16 << 20: 5, 64 << 20: 3, 256 << 20: 3}
 SHARED = Path("/srv/hpcring")
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_btl_tcp_if_include": "eth0", "OMPI_MCA_oob_tcp_if_include": "eth0",
@@ -244,7 +246,7 @@ def iperf_ring(nodes: int) -> float | None:
     return iperf_pairs([(i, i % nodes + 1) for i in range(1, nodes + 1)], label="pattern") if nodes >= 2 else None
 
 
-ONE_HOST_SIZES = [16 << 20, 64 << 20]
+ONE_HOST_SIZES = [16 << 20, 64 << 20]       # --one-host-sizes
 
 
 def one_host(args) -> dict[int, dict[str, list[dict]]]:
@@ -253,13 +255,13 @@ def one_host(args) -> dict[int, dict[str, list[dict]]]:
     out: dict[int, dict[str, list[dict]]] = {}
     for n in args.one_host_ranks:
         local = [sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(n), "--"]
-        res = {"hpcring ring": _run(f"ring, 1 host x {n}", local + worker_argv("ring", args, ONE_HOST_SIZES, False), env)}
+        res = {"hpcring ring": _run(f"ring, 1 host x {n}", local + worker_argv("ring", args, args.one_host_sizes, False), env)}
         if shutil.which("mpirun"):
             menv = dict(env, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                         OMPI_MCA_mpi_yield_when_idle="1")
             res["Open MPI (mpi4py)"] = _run(f"mpi, 1 host x {n}", ["mpirun", "--oversubscribe", "-np", str(n)]
-                                            + worker_argv("mpi", args, ONE_HOST_SIZES, False), menv)
-        res["torch gloo"] = _run(f"gloo, 1 host x {n}", local + worker_argv("gloo", args, ONE_HOST_SIZES, False), env)
+                                            + worker_argv("mpi", args, args.one_host_sizes, False), menv)
+        res["torch gloo"] = _run(f"gloo, 1 host x {n}", local + worker_argv("gloo", args, args.one_host_sizes, False), env)
         out[n] = res
     return out
 
@@ -345,6 +347,9 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: ring,mpi,gloo,link,onehost,yard")
     ap.add_argument("--one-host-ranks", default="2,4,8", type=lambda t: [int(x) for x in t.split(",") if x],
                     help="rank counts for the one-host comparison")
+    ap.add_argument("--one-host-sizes", default=ONE_HOST_SIZES,
+                    type=lambda t: [int(float(x[:-1]) * (1 << 20)) if x[-1:] in "Mm" else int(x) for x in t.split(",") if x],
+                    help="sizes for the one-host comparison, e.g. 16M,64M,256M (default 16M,64M)")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--worker", choices=["ring", "mpi", "gloo"], help=argparse.SUPPRESS)
     ap.add_argument("--sizes", default=None, help=argparse.SUPPRESS)
@@ -423,7 +428,7 @@ def main() -> int:
     checks.append(verdict("dev cluster 4 KiB latency Open MPI time / ring time (>= 1: ring no worse)",
                           ratio(at(results, mpi, 4 << 10, "time"), at(results, ring, 4 << 10, "time")), 1.0))
     for n1, h in hosts1.items():          # the 16-core target (>= 1.5x gloo everywhere), for the record
-        for s in ONE_HOST_SIZES:
+        for s in args.one_host_sizes:
             checks.append(verdict(f"1 host x {n1} ranks @ {s >> 20} MiB ring/gloo (16-core target)",
                                   ratio(at(h, ring, s), at(h, gloo, s)), 1.5))
             checks.append(verdict(f"1 host x {n1} ranks @ {s >> 20} MiB ring/Open MPI (info)",
@@ -435,7 +440,7 @@ def main() -> int:
     if yard.get("tcp1") or yard.get("memcpy"):
         print("# ring busbw against the yardsticks: " + ", ".join(
             f"{n1} ranks @ {s >> 20} MiB {at(h, ring, s) / yard['memcpy']:.0%} of memcpy"
-            for n1, h in hosts1.items() for s in ONE_HOST_SIZES if at(h, ring, s) and yard.get("memcpy")))
+            for n1, h in hosts1.items() for s in args.one_host_sizes if at(h, ring, s) and yard.get("memcpy")))
     rows = results.get(ring, [])
     if missed and rows:
         print()
