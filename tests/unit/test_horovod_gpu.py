@@ -59,6 +59,7 @@ def test_horovod_api_on_cuda_tensors_runs_on_nccl():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_TIMEOUT="60")
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))   # keep extra wheels
+    env = dict(os.environ, PYTHONPATH=path, HPCRING_TIMEOUT="60")
     p = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "OK horovod gpu" in p.stdout, p.stdout + p.stderr
