@@ -15,6 +15,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hpcring.diagnostics import stacks, stacks_probe
@@ -196,6 +197,30 @@ def test_where_names_the_hpcring_call_a_thread_is_in():
         srv.close()
         t.join(10)
         client.close()
+
+
+def allreduce_alone(comm) -> None:
+    comm.allreduce(np.ones(4, np.float32), timeout=5.0)      # the other rank never joins
+
+
+def test_where_names_a_communicator_collective_not_its_wrapper():
+    """Communicator.allreduce is generated (sync/async twins): a thread blocked in it must read
+    "in allreduce", as users wrote it, not the wrapper's own name."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import helpers_ring as H
+    g = H.ThreadGroup(2, timeout=30)
+    t = threading.Thread(target=lambda: pytest.raises(Exception, allreduce_alone, g.comms[0]), daemon=True)
+    t.start()
+    seen = []
+    try:
+        line = _line_of(allreduce_alone, "comm.allreduce")
+        _wait_until(lambda: seen.append(where(t)) or seen[-1] == f"in allreduce at {HERE}:{line} (allreduce_alone)",
+                    timeout=4.0)
+    except AssertionError:
+        raise AssertionError(f"last seen: {seen[-3:]}") from None
+    finally:
+        t.join(30)                 # the collective times out first: a running one cannot be closed
+        g.close()
 
 
 def main_blocked_in_c(started: threading.Event, release: threading.Lock) -> None:

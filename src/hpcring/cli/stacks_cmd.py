@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Optional
 
 import typer
 
@@ -21,7 +22,7 @@ def register(app: typer.Typer) -> None:
                   "the same main-thread stack share one line. Slurm: one probe per node through "
                   "`srun --overlap`; local backend: this machine. Uses py-spy when installed, else the "
                   "ranks' SIGUSR2 stack dump hook. Also saved to <job folder>/diag/stacks-<time>.txt.")
-    def stacks(job_id: str = typer.Argument(..., help="Job id (Slurm or local backend)."),
+    def stacks(job_id: Optional[str] = typer.Argument(None, help="Job id (Slurm or local backend; default: the newest job)."),
                full: bool = typer.Option(False, "--full", help="Also print each distinct stack once."),
                as_json: bool = typer.Option(False, "--json", help="Print the groups and problems as JSON."),
                method: str = typer.Option("auto", "--method",
@@ -30,6 +31,11 @@ def register(app: typer.Typer) -> None:
         from hpcring.cli import output
         from hpcring.diagnostics import stacks_collect as sc
 
+        if job_id is None:
+            from hpcring.submit import newest
+            rec = newest()
+            job_id = rec.key
+            output.info(f"job {rec.job_id} [{rec.key}] ({rec.name}), the newest")
         report = sc.collect(job_id, method=method, timeout=timeout)
         groups = report.groups()
         text = sc.render(report, groups, full=True)

@@ -61,6 +61,9 @@ def _twins(impl: Callable) -> tuple[Callable, Callable]:
                            (async_, f"{name}_async", f"Like :meth:`{name}`, returning a :class:`Handle` at once; "
                                                      "the arrays must not be touched until it is done.")):
         fn.__name__ = fn.__qualname__ = fname
+        # stacks and hang reports read the frame's code name: "in allreduce", not "in sync"
+        fn.__code__ = fn.__code__.replace(co_name=fname, **({"co_qualname": f"Communicator.{fname}"}
+                                                            if hasattr(fn.__code__, "co_qualname") else {}))
         fn.__doc__ = doc
         fn.__signature__ = public if fn is sync else public.replace(return_annotation=Handle)
     return sync, async_

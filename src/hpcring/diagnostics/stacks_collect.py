@@ -64,6 +64,8 @@ def collect(job_id: str, *, method: str = "auto", timeout: float = 60.0) -> Stac
     if method not in stacks_probe.METHODS:
         raise UsageError(f"--method {method!r}: choose one of {', '.join(stacks_probe.METHODS)}")
     rec = _record(job_id)
+    if rec is not None:
+        job_id = rec.job_id            # a record name (slurm-devcluster-38) names the scheduler's id
     scheduler = rec.scheduler if rec else "slurm"
     report = StackReport(job_id, scheduler, folder=Path(rec.folder) if rec else None,
                          ntasks=rec.ntasks if rec else None)
