@@ -1,8 +1,10 @@
 """`hpcring submit` on the real Slurm dev cluster (hpcring devcluster up)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,15 +81,20 @@ def test_failing_rank_named(env):
     assert "FAILED" in st.stdout and "rank 1 on node1" in st.stdout
 
 
-def test_submit_from_a_node_local_directory_is_named(env, tmp_path):
+def test_submit_from_a_node_local_directory_is_named(env):
     """/tmp is private to each dev-cluster node (as on most clusters): a job submitted from there
-    fails at once on every rank with the directory and the node named, not a chdir traceback."""
+    fails at once on every rank with the directory and the node named, not a chdir traceback.
+    (Not pytest's tmp_path: scripts/test.sh puts that on the shared /srv/hpcring.)"""
+    here = Path(tempfile.mkdtemp(prefix="hpcring-node-local-", dir="/tmp"))
     e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env)
-    r = subprocess.run([sys.executable, "-m", "hpcring", "submit", str(HELLO), "--nodes", "2", "--site", "devcluster",
-                        "--wait"], capture_output=True, text=True, env=e, timeout=300, stdin=subprocess.DEVNULL,
-                       cwd=str(tmp_path))
+    try:
+        r = subprocess.run([sys.executable, "-m", "hpcring", "submit", str(HELLO), "--nodes", "2", "--site",
+                            "devcluster", "--wait"], capture_output=True, text=True, env=e, timeout=300,
+                           stdin=subprocess.DEVNULL, cwd=str(here))
+    finally:
+        shutil.rmtree(here, ignore_errors=True)
     assert r.returncode != 0
-    assert f"the job's working directory {tmp_path} (where it was submitted) does not exist on node" in r.stderr, r.stderr
+    assert f"the job's working directory {here} (where it was submitted) does not exist on node" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr.split("error: job")[-1] and "killed first" not in r.stderr, r.stderr
 
 
