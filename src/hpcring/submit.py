@@ -55,6 +55,26 @@ def preview(site: Site, job: JobSpec, template: str | None = None) -> str:
     return render_script(site, job, command, folder, template, python=_python(site))
 
 
+NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/user")   # private to each node on most clusters
+
+
+def node_local_warnings(site: Site, job: JobSpec, cwd: str | None = None) -> list[str]:
+    """Why the ranks may not find the job's working directory or script: they lie under a folder
+    that is private to each node on most clusters. Empty for the local backend (one machine). A
+    warning, not an error: a site may share such a folder, and the ranks name what they miss."""
+    if site.config.scheduler == "local":
+        return []
+    out = []
+    for what, path in (("working directory", cwd or os.getcwd()), ("script", str(Path(job.script).resolve()))):
+        for d in NODE_LOCAL_DIRS:
+            if path == d or path.startswith(d + "/"):
+                out.append(f"the job's {what} {path} is under {d}, which is private to each node on most "
+                           f"clusters: if the nodes do not see it, every rank fails at start (submit from a "
+                           f"shared file system)")
+                break
+    return out
+
+
 def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
     """Submit through submitit; returns the record saved for status/logs/cancel."""
     script = _check_script(job)

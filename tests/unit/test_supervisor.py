@@ -157,6 +157,20 @@ def test_a_submit_directory_missing_on_the_node_is_named(tmp_path):
     assert f"the script {tmp_path / 'u.py'} does not exist on n1" in msg
 
 
+def test_node_local_paths_are_warned_about_before_submitting(tmp_path):
+    from hpcring import submit
+    from hpcring.config.jobspec import resolve_job
+    from hpcring.config.site import load_site
+    dev, local = load_site("devcluster", {}), load_site("local", {})
+    job = resolve_job(dev, "/tmp/x/train.py", [], {}, environ={})
+    ws = submit.node_local_warnings(dev, job, cwd="/tmp/x")
+    assert len(ws) == 2 and "working directory /tmp/x is under /tmp" in ws[0] and "script /tmp/x/train.py" in ws[1]
+    shared = resolve_job(dev, "/srv/hpcring/t.py", [], {}, environ={})
+    assert submit.node_local_warnings(dev, shared, cwd="/srv/hpcring") == []
+    assert submit.node_local_warnings(dev, shared, cwd="/tmpfoo") == []          # a prefix, not the folder
+    assert submit.node_local_warnings(local, resolve_job(local, "/tmp/x/t.py", [], {}, environ={}), cwd="/tmp/x") == []
+
+
 # ---- job records -----------------------------------------------------------------------------
 
 def test_records_of_different_schedulers_do_not_collide(state_dir):
