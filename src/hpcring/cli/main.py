@@ -45,11 +45,12 @@ def submit(req: JobRequest,
     if dry_run:
         sys.stdout.write(lib.preview(s, job, req.template))
         return
-    for warning in lib.node_local_warnings(s, job):
-        output.info(f"warning: {warning}")
+    warnings = lib.node_local_warnings(s, job)
     rec = lib.submit(s, job, req.template)
     output.info(f"Submitted job {rec.job_id} [{rec.key}] ({job.ntasks} ranks on {job.nodes} node(s), site {s.name}); "
                 f"logs in {rec.folder}")
+    for warning in warnings:           # after the "Submitted job" line: scripts read the id from the first line
+        output.info(f"warning: {warning}")
     if wait:
         _wait(rec)
     else:
