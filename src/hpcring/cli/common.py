@@ -14,7 +14,17 @@ from hpcring.cli import output
 from hpcring.config.envvars import check_environ
 from hpcring.errors import HpcringError
 
-SiteOpt = typer.Option(None, "--site", "-s", help="Site name or path to a site YAML (default: $HPCRING_SITE, else local).")
+SITE_HELP = ("Site name or path to a site YAML (default: $HPCRING_SITE, else the site named like the Slurm "
+             "cluster you are in, else local).")
+SiteOpt = typer.Option(None, "--site", "-s", help=SITE_HELP)
+
+
+def newest_job():
+    """The newest job's record, for commands whose JOB argument was left out (said on stderr)."""
+    from hpcring.submit import newest
+    rec = newest()
+    output.info(f"job {rec.job_id} [{rec.key}] ({rec.name}), the newest")
+    return rec
 
 
 def exit_for(exc: HpcringError) -> typer.Exit:

@@ -14,6 +14,7 @@ from typing import List, Optional
 
 import typer
 
+from hpcring.cli.common import SITE_HELP
 from hpcring.config.envvars import MAX_CPUS_PER_TASK, MAX_GPUS_PER_NODE, MAX_NODES, MAX_TASKS_PER_NODE
 
 _KW = inspect.Parameter.KEYWORD_ONLY
@@ -56,8 +57,7 @@ class JobRequest:
 
 # name -> (annotation, typer option); the order is the order in --help
 _OPTIONS = {
-    "site": (Optional[str], typer.Option(None, "--site", "-s", help="Site name or path to a site YAML "
-                                                                     "(default: $HPCRING_SITE, else local).")),
+    "site": (Optional[str], typer.Option(None, "--site", "-s", help=SITE_HELP)),
     "nodes": (Optional[int], typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES, help="Number of nodes.")),
     "tasks_per_node": (Optional[int], typer.Option(None, "--tasks-per-node", min=1, max=MAX_TASKS_PER_NODE,
                                                    help="Ranks per node (default: one per GPU, else 1).")),

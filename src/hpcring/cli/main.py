@@ -12,7 +12,7 @@ from typing import List, Optional
 import typer
 
 from hpcring.cli import output
-from hpcring.cli.common import command
+from hpcring.cli.common import command, newest_job
 from hpcring.cli.jobopts import JobRequest, job_options
 from hpcring.errors import HpcringError
 
@@ -100,9 +100,7 @@ def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record n
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
          raw: bool = typer.Option(False, "--raw", help="Keep submitit's own log lines.")):
     from hpcring import submit as lib
-    rec = lib.record(job_id) if job_id is not None else lib.newest()
-    if job_id is None:
-        output.info(f"job {rec.job_id} [{rec.key}] ({rec.name}), the newest")
+    rec = lib.record(job_id) if job_id is not None else newest_job()
     if follow:
         lib.follow(rec, on_state=lambda st: None, rank=rank,
                    on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))

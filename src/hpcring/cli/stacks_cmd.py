@@ -15,7 +15,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    from hpcring.cli.common import command
+    from hpcring.cli.common import command, newest_job
 
     @command(app, "stacks",
              help="Show the Python stack of every rank of a running (possibly hung) job, grouped: ranks with "
@@ -32,10 +32,7 @@ def register(app: typer.Typer) -> None:
         from hpcring.diagnostics import stacks_collect as sc
 
         if job_id is None:
-            from hpcring.submit import newest
-            rec = newest()
-            job_id = rec.key
-            output.info(f"job {rec.job_id} [{rec.key}] ({rec.name}), the newest")
+            job_id = newest_job().key
         report = sc.collect(job_id, method=method, timeout=timeout)
         groups = report.groups()
         text = sc.render(report, groups, full=True)

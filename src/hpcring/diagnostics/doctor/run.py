@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from hpcring.bootstrap import netif
-from hpcring.bootstrap.store import StoreTimeoutError, json_value, load_secret
+from hpcring.bootstrap.store import StoreTimeoutError, from_json, json_value, load_secret
 from hpcring.errors import BootstrapError, UsageError
 from hpcring.netio import recv_exact
 from hpcring.ranks import each_on_host
@@ -90,7 +90,7 @@ class _DoctorRank:
             self.store.set(self._key("conn", self.rank), json_value(self._probe_all(facts)))
             # Rank 0 starts the bandwidth chain only once every rank has finished probing, so no
             # probe competes with a transfer for the CPU.
-            conn = [json.loads(v) for v in self._gather("conn")] if self.rank == 0 else None
+            conn = [from_json(v) for v in self._gather("conn")] if self.rank == 0 else None
             if self.size > 1:
                 self._measure_link(facts, "bw", after=self.rank - 1 if self.rank else None)
             links = self._recheck(facts) if self.size > 1 else []
@@ -122,7 +122,7 @@ class _DoctorRank:
         each instead of everything rank 0 evaluates)."""
         self.store.set(self._key("facts", self.rank), json_value(mine))
         if self.rank == 0:
-            facts = [json.loads(v) for v in self._gather("facts")]
+            facts = [from_json(v) for v in self._gather("facts")]
             self.store.set(f"{self.prefix}/facts", json_value([{k: f[k] for k in ("rank", "host", "listen")} for f in facts]))
             return facts
         return self._get(f"{self.prefix}/facts", "rank 0 to publish everyone's facts")
@@ -170,7 +170,7 @@ class _DoctorRank:
         one transfer disturbed by another process does not name a link. Rank 0 returns the links."""
         links = None
         if self.rank == 0:
-            links = [json.loads(v) for v in self._gather("bw")]
+            links = [from_json(v) for v in self._gather("bw")]
             suspects = sorted(lk["src"] for lk, _, _ in slow_links(facts, links)[0])
             self.store.set(f"{self.prefix}/recheck", json_value(suspects))
         else:
@@ -179,7 +179,7 @@ class _DoctorRank:
             i = suspects.index(self.rank)
             self._measure_link(facts, "bw2", after=suspects[i - 1] if i else None)
         if self.rank == 0 and suspects:
-            for new in (json.loads(v) for v in self._gather("bw2", suspects)):
+            for new in (from_json(v) for v in self._gather("bw2", suspects)):
                 old = links[new["src"]]
                 if not new.get("error") and new["rate"] > old.get("rate", 0):
                     links[new["src"]] = {**old, **new, "error": None}
@@ -226,7 +226,7 @@ class _DoctorRank:
     def _get(self, key: str, waiting_for: str):
         """The JSON value of ``key``; raises rank 0's error when it published one there."""
         try:
-            value = json.loads(self.store.get(key, timeout=self._left()))
+            value = from_json(self.store.get(key, timeout=self._left()))
         except StoreTimeoutError as e:
             raise BootstrapError(f"hpcring doctor on rank {self.rank} ({self.topo.host}): timed out after "
                                  f"{self.opts.timeout:g}s waiting for {waiting_for} (key {key!r})",
