@@ -21,7 +21,6 @@ from pathlib import Path
 
 from hpcring.diagnostics.jobdir import job_id as _job_id
 from hpcring.errors import HpcringError, Preempted
-from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.fsutil import write_json
 from hpcring.outcome import bootstrap_failure
 
@@ -133,8 +132,6 @@ class RunScript:
                 return 0
         status.update(exit_code=code, error=error, ended=time.time())
         _write_status(folder, topo.rank, status)
-        if code == 0 and topo.rank == 0:
-            delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))   # COMPLETED: never requeued
         if code != 0:
             # mpi4py's rule: a failure on one rank ends the job (Slurm's --kill-on-bad-exit does it
             # for srun; blaunch would wait for peers stuck on this rank, or that never started).

@@ -61,6 +61,11 @@ class Session:
         self.watchdog = None
         self.default_backend: str | None = None   # init(backend=...): what "auto" means here
 
+    @property
+    def secret(self) -> bytes:
+        """The job secret, as read once at bootstrap (never read from its file again)."""
+        return self._secret
+
     def start_watchdog(self):
         """Start the hang watchdog (:mod:`hpcring.diagnostics.watchdog`) and the signal dumps
         (SIGRTMIN+7 from the main thread: flight records; SIGRTMIN+6: stacks) unless HPCRING_WATCHDOG=0.
@@ -130,13 +135,12 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
             _SESSION.start_watchdog()
         if _SESSION is None:
             from hpcring.bootstrap.init import init_bootstrap
-            from hpcring.bootstrap.store import load_secret
             envvars.check_environ()   # every bad HPCRING_* value at once, before meeting anyone
             t = envvars.get("HPCRING_INIT_TIMEOUT") if timeout is None else envvars.check_number(
                 "init() timeout", timeout, lo=0, lo_open=True, hi=envvars.MAX_TIMEOUT)
             topo, store = init_bootstrap(timeout=t, interface=interface,
                                          verify=verify or envvars.get("HPCRING_VERIFY"))
-            _SESSION = Session(topo, store, load_secret())
+            _SESSION = Session(topo, store, store.secret)   # read once, at bootstrap
             atexit.register(_release, _SESSION)
             if watchdog:
                 _SESSION.start_watchdog()

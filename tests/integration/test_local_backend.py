@@ -80,3 +80,16 @@ def test_time_limit_enforced(local_env, tmp_path):
     sleeper.write_text("import time\ntime.sleep(300)\n")
     r = hpcring("submit", str(sleeper), "--time", "1", "--wait", env=dict(local_env), timeout=150)
     assert r.returncode != 0 and "TIMEOUT" in r.stderr
+
+
+def test_secret_outlives_the_first_rank_to_finish(local_env):
+    """Rank 0 ends at once; the others, still running seconds later, find the job's secret (a
+    rank's exit used to delete it: 'cannot read secret file' on the slower ranks)."""
+    r = hpcring("submit", str(ROOT / "tests" / "data" / "secret_skew.py"), "--nodes", "2",
+                "--tasks-per-node", "2", "--wait", env=dict(local_env, SKEW_S="3"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(l.split("SKEW rank ")[1].split()[0] for l in r.stdout.splitlines() if "SKEW rank" in l) \
+        == ["1", "2", "3"]
+    assert "gone while the job runs" not in r.stdout
+    secrets = list(Path(local_env["HPCRING_JOB_DIR"]).rglob("*.key"))
+    assert secrets == [], secrets          # the job's end (not a rank's) removed it

@@ -109,12 +109,26 @@ def load_secret(environ: Mapping[str, str] | None = None) -> bytes:
              "when launching by hand, create one with hpcring.bootstrap.auth.new_secret_file(folder)")
 
 
+def _missing_hint(path: Path) -> str:
+    """Why a job's secret file is missing, told from what is still there."""
+    if path.parent.is_dir():
+        # The folder is visible here, so it is shared: the file itself was removed. hpcring removes
+        # it only once the scheduler reports the job over (status, --wait, cancel, the local
+        # backend's end), so this run outlived its job or was started again by hand.
+        return (f"the job's folder {path.parent} is here but its secret is gone: hpcring deletes it "
+                "when the job has ended (as the scheduler reports it); a run started after that, or "
+                "by hand, needs a new job (`hpcring submit`) or HPCRING_SECRET_FILE pointing at a "
+                "live secret")
+    return (f"the folder {path.parent} does not exist on this host: the job folder must be on a "
+            "file system every node can read (set HPCRING_JOB_DIR or the site's job_dir to one)")
+
+
 def _read_secret_file(path: Path) -> bytes:
     try:
         st = path.stat()
     except OSError as e:
         raise BootstrapError(f"cannot read secret file {path} (HPCRING_SECRET_FILE): {e.strerror}",
-                             hint="the job folder must be on a file system every node can read") from e
+                             hint=_missing_hint(path)) from e
     if st.st_mode & 0o077:
         raise BootstrapError(
             f"secret file {path} is readable by group or others (mode {stat.filemode(st.st_mode)}); "

@@ -44,6 +44,12 @@ class StoreClient:
     key and what to check.
     """
 
+    @property
+    def secret(self) -> bytes:
+        """The job secret this client authenticated with: what the rank's later listeners and
+        connections use, so that a rank reads the secret file once (it may be gone later)."""
+        return self._secret
+
     def __init__(self, host: str, port: int, secret: bytes, timeout: float = 60.0, *,
                  max_frame: int = DEFAULT_MAX_FRAME, connect_retry: bool = True) -> None:
         if not secret:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from hpcring.bootstrap import netif
-from hpcring.bootstrap.store import StoreTimeoutError, from_json, json_value, load_secret
+from hpcring.bootstrap.store import StoreTimeoutError, from_json, json_value
 from hpcring.errors import BootstrapError, UsageError
 from hpcring.netio import recv_exact
 from hpcring.ranks import each_on_host
@@ -255,7 +255,7 @@ def run_doctor(session=None, options: Options | None = None, environ: Mapping[st
         import hpcring
         session = hpcring.init(timeout=opts.timeout)
     env = os.environ if environ is None else environ
-    return _DoctorRank(session.topology, session.store, load_secret(env), opts, env, emit).run()
+    return _DoctorRank(session.topology, session.store, session.secret, opts, env, emit).run()
 
 
 def ensure_secret_when_alone(environ: dict | None = None) -> bool:
