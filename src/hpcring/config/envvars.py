@@ -123,6 +123,9 @@ VARS: tuple[Var, ...] = (
        "calls the same op, dtype, count and root (costs a small allreduce)"),
     _v("HPCRING_MPI_ABORT_ON_TIMEOUT", "bool", True, "MPI backend: abort the job when a collective "
        "misses its deadline (MPI cannot cancel one)"),
+    _v("HPCRING_MPI_CHECK_SIGNATURES", "bool", True, "MPI backend: agree on every collective's op, "
+       "count, dtype and root (one small allreduce) before handing it to MPI, so a mismatch is named "
+       "instead of corrupting MPI's memory"),
     _v("HPCRING_WATCHDOG", "bool", True, "start the hang watchdog (flight records, stacks, report)"),
     _v("HPCRING_TORCH_WATCH", "bool", True, "give torch's own process groups (gloo, NCCL) hpcring's "
        "deadline and hang report (hpcring.diagnostics.torch_watch)"),
