@@ -221,3 +221,51 @@ def test_dead_interface_routes_nowhere(cluster_status: dict, nnodes: int) -> Non
         bad = exec_in(f"node{i}", [sys.executable, "-c", CONNECT, f"10.98.0.{j}", "6818"])
         assert good.stdout.strip() == "OK", f"node{i} -> node{j} over eth0: {good.stdout}{good.stderr}"
         assert bad.stdout.startswith("FAIL"), f"node{i} -> node{j} over dead0 did not fail: {bad.stdout}{bad.stderr}"
+
+
+_LOOKUPS = r"""
+import json, socket, sys, time
+out = []
+for kind, what in json.loads(sys.argv[1]):
+    t = time.monotonic()
+    try:
+        if kind == "rev":
+            got = socket.getnameinfo((what, 0), socket.NI_NAMEREQD)[0]
+        else:
+            got = socket.getaddrinfo(what, None, socket.AF_INET)[0][4][0]
+    except OSError as e:
+        got = "ERR " + str(e)
+    out.append([kind, what, got, time.monotonic() - t])
+print(json.dumps(out))
+"""
+
+
+def test_every_address_resolves_at_once_and_unknown_names_fail_at_once(cluster_status: dict, nnodes: int) -> None:
+    """Forward and reverse lookups of every address the dev cluster creates (nodes, the machine's
+    bridge end, the dead0 fault addresses) answer from every node and from the machine well under
+    a second; an unknown name fails at once inside a node (it used to wait 10 s on a nameserver
+    no namespace can reach, and torch's rendezvous waited with it)."""
+    import json
+
+    from hpcring.devcluster import names as n
+    want = {n.node_addr(i): n.node_name(i) for i in range(1, nnodes + 1)}
+    want[n.BRIDGE_ADDR] = n.BRIDGE_HOSTNAME
+    if cluster_status.get("dead_interface", True):
+        want.update({n.dead_addr(i): n.dead_name(i) for i in range(1, nnodes + 1)})
+    queries = [["rev", a] for a in want] + [["fwd", name] for name in want.values()]
+    bound = 2.0                       # generous for a loaded 2-core host; the stall was 10 s
+    places = [("the machine", [sys.executable, "-c", _LOOKUPS])]
+    places += [(f"node{i}", ["python3", "-c", _LOOKUPS]) for i in range(1, nnodes + 1)]
+    for where, argv in places:
+        q = queries + ([["fwd", "no-such-host-hpcring.invalid"]] if where != "the machine" else [])
+        argv = argv + [json.dumps(q)]
+        r = run(argv, timeout=60, check=False) if where == "the machine" else exec_in(where, argv, timeout=60)
+        assert r.returncode == 0, r.stderr
+        for kind, what, got, took in json.loads(r.stdout):
+            assert took < bound, f"{where}: {kind} lookup of {what} took {took:.1f} s ({got})"
+            if what == "no-such-host-hpcring.invalid":
+                assert got.startswith("ERR"), got
+            elif kind == "rev":
+                assert got == want[what], (where, what, got)
+            else:
+                assert {v: k for k, v in want.items()}[what] == got, (where, what, got)

@@ -138,6 +138,8 @@ def _up_locked(nodes: int, dead_interface: bool, actions: list[str], shares: lis
         if network.ensure_node_ns(i):
             actions.append(f"created mount/UTS namespaces of {n.node_name(i)}")
             renewed.add(i)
+        if network.ensure_resolver(i):
+            actions.append(f"bound the node resolver into {n.node_name(i)}")
         for path in network.ensure_shares(i, [p for p in shares if os.path.exists(p)]):
             actions.append(f"shared {path} with {n.node_name(i)}")
 

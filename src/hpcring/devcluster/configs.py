@@ -93,7 +93,17 @@ FLUSH PRIVILEGES;
 
 
 def hosts_block(nodes: int) -> str:
+    """Every address the dev cluster creates, with a name: the nodes, the machine's end of the
+    bridge and the fault-injection addresses. torch (c10d) and MPI look up the peer of every
+    connection; an address without a line here went to DNS, which no node can reach."""
     lines = [n.HOSTS_BEGIN]
     lines += [f"{n.node_addr(i)}\t{n.node_name(i)}" for i in range(1, nodes + 1)]
+    lines.append(f"{n.BRIDGE_ADDR}\t{n.BRIDGE_HOSTNAME}")
+    lines += [f"{n.dead_addr(i)}\t{n.dead_name(i)}" for i in range(1, nodes + 1)]
     lines.append(n.HOSTS_END)
     return "\n".join(lines) + "\n"
+
+
+def resolv_conf() -> str:
+    return (f"{n.RESOLV_MARKER} (bound over /etc/resolv.conf inside each node by `hpcring devcluster up`)\n"
+            "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")

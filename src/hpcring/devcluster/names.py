@@ -19,6 +19,7 @@ BRIDGE_ADDR = "10.99.0.254"
 PREFIX_LEN = 24
 NODE_IFACE = "eth0"  # the node's interface on the bridge, inside its namespace
 DEAD_IFACE = "dead0"  # an interface that is up but routes nowhere, inside the namespace
+BRIDGE_HOSTNAME = "devcluster-host"  # the machine's name on the bridge (where salloc/hpcring run start)
 
 SLURMCTLD_PORT = 6817
 SLURMD_PORT = 6818
@@ -57,6 +58,12 @@ HOSTS_FILE = Path("/etc/hosts")
 HOSTS_BEGIN = "# BEGIN hpcring-devcluster (managed by `hpcring devcluster`; removed by `down`)"
 HOSTS_END = "# END hpcring-devcluster"
 
+# The nodes' resolver: a server on the node's own loopback, where nothing listens, so a name that
+# is not in /etc/hosts fails at once (the machine's nameserver cannot be reached from a namespace:
+# every such lookup used to wait 10 s for EAI_AGAIN).
+RESOLV_CONF = STATE_DIR / "resolv.conf"
+RESOLV_MARKER = "# hpcring dev cluster node resolver"
+
 SLURMCTLD_PID_FILE = RUN_DIR / "slurmctld.pid"
 SLURMDBD_PID_FILE = RUN_DIR / "slurmdbd.pid"
 SLURMCTLD_LOG = LOG_DIR / "slurmctld.log"
@@ -81,6 +88,11 @@ def node_addr(i: int) -> str:
 
 def dead_addr(i: int) -> str:
     return f"10.98.0.{i}"
+
+
+def dead_name(i: int) -> str:
+    """The host name of node i's dead0 address (so a reverse lookup of it answers at once)."""
+    return f"{node_name(i)}-{DEAD_IFACE}"
 
 
 def netns_name(i: int) -> str:

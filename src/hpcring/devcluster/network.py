@@ -306,6 +306,20 @@ def ensure_node_ns(i: int) -> bool:
     return True
 
 
+def ensure_resolver(i: int) -> bool:
+    """Bind the dev cluster's resolv.conf over /etc/resolv.conf in node i's mount namespace (True
+    when it was bound now). Idempotent, and done in place: slurmd keeps running."""
+    from . import configs
+    n.RESOLV_CONF.write_text(configs.resolv_conf())
+    if not os.path.exists("/etc/resolv.conf"):
+        return False          # glibc then asks 127.0.0.1 by itself: the same prompt failure
+    script = (f"grep -qF '{n.RESOLV_MARKER}' /etc/resolv.conf || "
+              f"{{ mount --bind '{n.RESOLV_CONF}' /etc/resolv.conf && echo bound; }}")
+    proc = run(["nsenter", f"--mount={n.mnt_ns_file(i)}", "--", "sh", "-c", script],
+               what=f"binding the node resolver into {n.node_name(i)}")
+    return "bound" in proc.stdout.split()
+
+
 def ensure_shares(i: int, paths: list[str]) -> list[str]:
     """Make each machine path under /tmp visible at the same path inside node i; returns those added.
 
