@@ -1,6 +1,6 @@
 """A training loop that survives preemption: checkpoints every step, stops on the scheduler's warning.
 
-Usage: preempt_train.py OUT_DIR [--steps N] [--sleep S] [--ignore-warning]
+Usage: preempt_train.py OUT_DIR [--steps N] [--sleep S] [--ignore-warning] [--self-requeue N]
 Each step all-reduces a gradient that depends on the step and the rank and folds it into the
 weights; rank 0 saves (step, weights) atomically after every step (an unannounced requeue such as
 `scontrol requeue` resumes from there) and on the warning. The final weights in OUT_DIR/result.json
@@ -30,6 +30,10 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--ignore-warning", action="store_true", help="never check: run into the time limit")
+    p.add_argument("--self-requeue", type=int, default=0,
+                   help="rank 0 runs `scontrol requeue $SLURM_JOB_ID` a few steps into each of the first N "
+                        "runs and returns 0 at once, as Lightning's auto-requeue does (the others are "
+                        "mid-collective when it leaves)")
     a = p.parse_args()
     comm = hpcring.init().communicator()
     rank = comm.rank
@@ -46,6 +50,11 @@ def main():
                 save(ckpt, step, w)
             print(f"PREEMPT_TRAIN rank={rank} checkpointed step={step}", flush=True)
             raise hpcring.Preempted(f"stopped at step {step}")
+        if rank == 0 and hpcring.requeue_count() < a.self_requeue and step >= 3 * (hpcring.requeue_count() + 1):
+            import subprocess
+            print(f"PREEMPT_TRAIN rank=0 self-requeue at step={step}", flush=True)
+            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=30)
+            return 0
         g = np.arange(8, dtype=np.float32) * (rank + 1) + step
         w = 0.5 * w + comm.allreduce(g).astype(np.float64)
         step += 1

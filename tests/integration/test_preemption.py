@@ -140,6 +140,21 @@ def test_slurm_scontrol_requeue_resumes_from_the_checkpoint():
     assert all("start step=0 " not in line for line in resumed), resumed   # it resumed, it did not restart
 
 
+@pytest.mark.devcluster
+def test_slurm_job_that_requeues_itself_resumes_twice_and_finishes():
+    """Rank 0 runs `scontrol requeue` and returns 0 (Lightning's auto-requeue does this): the
+    job's secret must survive the run's end, the peers it left mid-collective must not report a
+    collective failure or cancel the requeued job, and the job resumes twice and finishes."""
+    if not _cluster_up():
+        pytest.skip("dev cluster is not up (hpcring devcluster up)")
+    res = submit("devcluster", 14, 0.3, "5", script_args=("--self-requeue", "2"))
+    check_resumed(res, 14)
+    assert res["result"]["requeues"] == 2, res["result"]
+    assert "requeues=2" in res["out"], res["out"][-3000:]
+    assert "cannot read secret file" not in res["out"]
+    assert "COLLECTIVE FAILURE" not in res["out"] and "ending the job" not in res["out"], res["out"][-3000:]
+
+
 @slow
 @pytest.mark.devcluster
 def test_slurm_time_limit_checkpoint_requeue_resume():

@@ -168,6 +168,10 @@ class Watchdog:
         the report, or None when none came. Used by collectives that do not go through a
         Communicator (torch's own process groups: :mod:`hpcring.diagnostics.torch_watch`)."""
         trig = {"rank": self.rank, "host": self.host, "error": error, "op": op, "time": time.time()}
+        from hpcring.schedulers import run_ending
+        ending = run_ending(os.environ)    # one query, from the rank that saw the failure first
+        if ending:
+            trig["ending"] = ending
         try:
             client = self._action_client()
             if client.add("diag/ntrigger", 1) == 1:
@@ -209,6 +213,14 @@ class Watchdog:
             if self._handled:
                 return
             self._handled = True
+        if trig.get("ending"):
+            # The scheduler stopped the peers (a requeue, a cancel, the time limit): no report, no
+            # scancel (that would cancel the requeued job), no failure record; it ends this rank too.
+            print(f"hpcring: rank {self.rank} ({self.host}): {trig['ending']}: a peer left "
+                  f"{_op_name(trig.get('op'))}because of it, not a collective failure; exiting",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(128 + 15)
         snap = self.snapshot()
         folder = self.dump(f"collective failure first seen on rank {trig.get('rank')}: {trig.get('error')}")
         report = None
@@ -298,6 +310,12 @@ class Watchdog:
             client.add("diag/nexit", 1)
         except Exception:  # noqa: BLE001 - exiting anyway; the store may be gone
             pass
+
+
+def _op_name(op: dict | None) -> str:
+    if not op:
+        return ""
+    return f"{op.get('op', 'a collective')}#{op.get('seq', '?')} "
 
 
 def _publish(report: Report, folder: str | None) -> None:

@@ -1,6 +1,7 @@
 """One small module per scheduler; ``get(name)`` returns it."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import ModuleType
 
 from hpcring.errors import ConfigError
@@ -20,3 +21,20 @@ def get(name: str) -> ModuleType:
     else:
         raise ConfigError(f"unknown scheduler {name!r}")
     return mod
+
+
+def run_ending(environ: Mapping[str, str]) -> str | None:
+    """Inside a job: why the scheduler is ending this run (requeue, cancel, time limit), or None
+    while it runs, or when nothing can tell (no scheduler, or it does not answer). A rank asks
+    before it reports a collective failure: a peer that the scheduler stopped is not one."""
+    from hpcring.errors import HpcringError
+    try:
+        if environ.get("SLURM_JOB_ID"):
+            from hpcring.schedulers import slurm
+            count = environ.get("SLURM_RESTART_COUNT", "0")
+            return slurm.run_ending(environ["SLURM_JOB_ID"], int(count) if count.isdigit() else 0)
+        if environ.get("LSB_JOBID"):
+            return get("lsf").run_ending(environ["LSB_JOBID"])
+    except HpcringError:
+        return None
+    return None

@@ -316,3 +316,13 @@ def explain_refusal(stderr: str) -> str | None:
     if "ptile" in s or "span" in s or "slots" in s:
         return "fewer hosts/slots exist than requested: see `bhosts`"
     return None
+
+
+def run_ending(job_id: str) -> str | None:
+    """Why LSF is ending this run of the job (``brequeue``, ``bkill``, the run limit), or None
+    while bjobs says RUN. Raises SchedulerError when bjobs cannot be asked."""
+    r = _run(["bjobs", "-o", BJOBS_FORMAT, "-noheader", str(job_id)])
+    info = parse_bjobs(r.stdout).get(str(job_id))
+    if info is None:
+        raise SchedulerError(f"bjobs {job_id}: {(r.stderr or r.stdout).strip()}")
+    return None if info["stat"] == "RUN" else f"LSF is ending job {job_id} (state {info['stat']})"

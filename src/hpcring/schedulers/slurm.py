@@ -119,3 +119,20 @@ def explain_refusal(stderr: str) -> str | None:
     return None
 
 
+
+
+def run_ending(job_id: str, restart_count: int) -> str | None:
+    """Why Slurm is ending this run of the job (``scontrol requeue``, cancel, time limit, a node
+    failure), or None while the run is RUNNING as far as Slurm knows. ``restart_count`` is this
+    run's SLURM_RESTART_COUNT: a job already restarted past it belongs to a later run.
+    Raises SchedulerError when slurmctld cannot be asked."""
+    r = _run(["scontrol", "-o", "show", "job", str(job_id)])
+    if r.returncode != 0:
+        raise SchedulerError(f"scontrol show job {job_id}: {r.stderr.strip()}")
+    fields = dict(w.split("=", 1) for w in r.stdout.split() if "=" in w)
+    st, restarts = fields.get("JobState", "UNKNOWN"), fields.get("Restarts", "0")
+    if restarts.isdigit() and int(restarts) > restart_count:
+        return f"Slurm requeued job {job_id} (restart {restarts}; state {st})"
+    if st != "RUNNING":
+        return f"Slurm is ending job {job_id} (state {st})"
+    return None

@@ -1,0 +1,89 @@
+"""A run that the scheduler ends (requeue, cancel, time limit) is not a collective failure: the
+first rank to see a peer leave asks the scheduler once; when it says the run is over, no rank
+reports, writes a failure or cancels the (requeued) job. The scheduler is a fake `scontrol` /
+`bjobs` on PATH that answers as Slurm 22.05 and LSF do."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from hpcring import schedulers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def fake_scontrol(tmp_path: Path, state: str, restarts: int, rc: int = 0) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    f = bin_dir / "scontrol"
+    f.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        [ {rc} -ne 0 ] && {{ echo "slurm_load_jobs error: Invalid job id specified" >&2; exit {rc}; }}
+        echo "JobId=$4 JobName=x UserId=root(0) JobState={state} Reason=None Requeue=1 Restarts={restarts} BatchFlag=1"
+        """))
+    f.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("state,restarts,mine,ending", [
+    ("RUNNING", 0, "0", None),
+    ("RUNNING", 2, "2", None),
+    ("COMPLETING", 1, "0", "requeued"),      # scontrol requeue: this run is over
+    ("PENDING", 1, "0", "requeued"),
+    ("COMPLETING", 0, "0", "state COMPLETING"),   # scancel, time limit
+    ("CANCELLED", 0, "", "state CANCELLED"),
+])
+def test_slurm_run_ending(tmp_path, monkeypatch, state, restarts, mine, ending):
+    monkeypatch.setenv("PATH", fake_scontrol(tmp_path, state, restarts)["PATH"])
+    env = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": mine}
+    got = schedulers.run_ending(env)
+    if ending is None:
+        assert got is None
+    else:
+        assert ending in got and "42" in got
+
+
+def test_unknown_when_the_scheduler_cannot_answer(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", fake_scontrol(tmp_path, "RUNNING", 0, rc=1)["PATH"])
+    assert schedulers.run_ending({"SLURM_JOB_ID": "42"}) is None      # report as before
+    assert schedulers.run_ending({}) is None                          # no scheduler at all
+
+
+_RANKS = r"""
+import os, sys, threading, time, types
+from hpcring.bootstrap.store import StoreServer
+from hpcring.diagnostics.watchdog import Watchdog
+from hpcring.diagnostics.recorder import FlightRecorder
+SECRET = b"w" * 32
+HOSTS = ("nodeA", "nodeB", "nodeC")
+with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+    dogs = []
+    for r in range(3):
+        topo = types.SimpleNamespace(rank=r, size=3, host=HOSTS[r], hosts=HOSTS, interface="eth0")
+        dogs.append(Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=3.0, abort=True).start())
+    rec = FlightRecorder(1, 3, "ring", capacity=8).queue("barrier", "float32", 0, None, 5.0, site="t.py:1")
+    dogs[1].trigger("barrier#7 on rank 1: rank 0 (nodeA) exited without joining it", rec.to_dict())
+    time.sleep(20)
+print("NOT EXITED")
+"""
+
+
+@pytest.mark.parametrize("state,restarts,quiet", [("COMPLETING", 1, True), ("RUNNING", 0, False)])
+def test_peers_of_a_requeued_run_exit_quietly(tmp_path, state, restarts, quiet):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_JOB_DIR=str(tmp_path), HPCRING_JOB_ID="77",
+               SLURM_JOB_ID="77", SLURM_RESTART_COUNT="0", HPCRING_END_JOB="0",
+               **fake_scontrol(tmp_path, state, restarts))
+    r = subprocess.run([sys.executable, "-c", _RANKS], capture_output=True, text=True, timeout=90, env=env)
+    if quiet:
+        assert r.returncode == 143, r.stderr
+        assert "Slurm requeued job 77" in r.stderr and "not a collective failure" in r.stderr, r.stderr
+        assert "COLLECTIVE FAILURE" not in r.stderr
+        assert not (tmp_path / "77" / "diag" / "hang-report.json").exists()
+    else:                                   # a running job: the report as before
+        assert "COLLECTIVE FAILURE" in r.stderr, r.stderr
+        assert "not a collective failure" not in r.stderr
