@@ -29,6 +29,7 @@ def test_wheel_renders_from_installed_package(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HPCRING_SITE_DIRS")}
     work = tmp_path / "elsewhere"
     work.mkdir()
+    (work / "train.py").write_text("print('hi')\n")     # render refuses a script that does not exist
     r = subprocess.run([str(venv / "bin" / "hpcring"), "render", "train.py", "--site", "devcluster", "--nodes", "3"],
                        capture_output=True, text=True, cwd=work, env=env, timeout=120)
     assert r.returncode == 0, r.stderr

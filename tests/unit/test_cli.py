@@ -22,7 +22,9 @@ def test_render_devcluster(tmp_path):
 
 
 def test_verbose_shows_sources(tmp_path):
-    r = run("render", "t.py", "--site", "devcluster", "--nodes", "2", "-v", env={"HPCRING_TIME": "00:05:00"})
+    script = tmp_path / "t.py"          # render refuses a script that does not exist
+    script.write_text("print('hi')\n")
+    r = run("render", str(script), "--site", "devcluster", "--nodes", "2", "-v", env={"HPCRING_TIME": "00:05:00"})
     assert r.exit_code == 0, r.output
     assert "<- cli" in r.stderr and "<- env HPCRING_TIME" in r.stderr and "<- site devcluster" in r.stderr
 

@@ -3,16 +3,26 @@
 The library raises one family of exceptions (:class:`hpcring.errors.HpcringError`, each with its
 exit code); here, and only here, they become ``error: ...`` on stderr and that exit code.
 Nothing else is caught: a bug shows its traceback.
+
+Every parameter of every command is also made strict here (:func:`strict_params`, applied by
+:class:`StrictCommand` and, for sub-apps registered without :func:`command`, :class:`StrictGroup`):
+typer reads numbers as Python does, so ``--nodes 1_0`` was 10 nodes and ``--stepfactor nan`` a
+number. A flag added later gets the same rules without doing anything.
 """
 from __future__ import annotations
 
 import functools
+from typing import get_args
 
 import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from hpcring.cli import output
-from hpcring.config.envvars import check_environ
+from hpcring.config.envvars import (check_environ, check_text, parse_float_text, parse_int_text,
+                                    shown)
 from hpcring.errors import HpcringError
+
+INT_MAX = 2**63 - 1     # an int flag without a declared max still fits every C and numpy integer
 
 SITE_HELP = ("Site name or path to a site YAML (default: $HPCRING_SITE, else the site named like the Slurm "
              "cluster you are in, else local).")
@@ -33,8 +43,90 @@ def exit_for(exc: HpcringError) -> typer.Exit:
     return typer.Exit(exc.exit_code)
 
 
+def _strict_value(param, text: str):
+    """Check one raw command-line value of ``param`` before typer converts it; raises
+    typer.BadParameter (usage error, exit 2, naming the flag) for a value typer would accept but
+    hpcring must not."""
+    desc = param.type_descriptor
+    kind = desc.annotation
+    info = desc.parameter_info
+    try:
+        if kind is int:
+            lo = 0 if info.min is None else info.min            # no hpcring count or index is negative
+            hi = INT_MAX if info.max is None else info.max
+            hint = f"a whole number from {lo} to {hi}, ASCII digits only"
+            value = parse_int_text(text)
+            if not lo <= value <= hi:
+                raise ValueError("out of range")
+        elif kind is float:
+            hint = "a finite number such as 2, 0.5 or 1e-3"
+            parse_float_text(text)          # bounds: typer's own min/max checks follow
+        else:
+            hint = "text without line breaks, tabs or other control characters, at most 4096 characters"
+            check_text(text)
+    except ValueError as exc:
+        raise typer.BadParameter(f"{shown(text)}: {exc}\n  hint: give {hint}") from None
+
+
+def _is_checked(param) -> bool:
+    """Numbers everywhere; text only in options (arguments after ``--`` are the user's command
+    and script arguments, passed on as given; job ids and paths are checked where they are used)."""
+    desc = getattr(param, "type_descriptor", None)
+    if desc is None or getattr(param, "is_flag", False):
+        return False
+    if desc.annotation in (int, float):
+        return True
+    is_text = desc.annotation is str or get_args(desc.annotation) == (str,)
+    return is_text and isinstance(param, TyperOption)
+
+
+def strict_params(cmd):
+    """Make every int, float and text option of ``cmd`` strict (see the module doc); idempotent."""
+    for param in getattr(cmd, "params", ()):
+        if getattr(param, "_hpcring_strict", False) or not _is_checked(param):
+            continue
+        convert = param.process_value
+
+        def process_value(ctx, value, _param=param, _convert=convert):
+            # raw text from the command line (a tuple for repeatable options); defaults are not text
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(item, str):
+                    try:
+                        _strict_value(_param, item)
+                    except typer.BadParameter as exc:
+                        exc.ctx, exc.param = ctx, _param
+                        raise
+            return _convert(ctx, value)
+
+        param.process_value = process_value
+        param._hpcring_strict = True
+    for sub in (getattr(cmd, "commands", None) or {}).values():
+        strict_params(sub)
+    return cmd
+
+
+class StrictCommand(TyperCommand):
+    """A typer command whose parameters are strict (:func:`strict_params`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        strict_params(self)
+
+
+class StrictGroup(TyperGroup):
+    """The root group: makes every command below it strict, sub-apps registered without
+    :func:`command` (``hpcring devcluster``) included."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        strict_params(self)
+
+
 def command(target: typer.Typer, *args, **kwargs):
-    """Register a command on ``target`` whose HpcringError becomes :func:`exit_for`'s exit."""
+    """Register a command on ``target`` whose HpcringError becomes :func:`exit_for`'s exit and
+    whose parameters are strict (:class:`StrictCommand`)."""
+    kwargs.setdefault("cls", StrictCommand)
+
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(*a, **kw):

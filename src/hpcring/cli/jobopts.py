@@ -51,8 +51,31 @@ class JobRequest:
         from hpcring.config.site import load_site
         site = load_site(self.site)
         cli = {k: getattr(self, k) for k in self.SPEC_FIELDS}
-        return site, resolve_job(site, self.script, list(self.args), cli, sched_args=list(self.sched_arg),
-                                 exclusive=self.exclusive)
+        job = resolve_job(site, self.script, list(self.args), cli, sched_args=list(self.sched_arg),
+                          exclusive=self.exclusive)
+        check_script(self.script)      # render and --dry-run too: a preview of a job that cannot run misleads
+        return site, job
+
+
+def check_script(script: str) -> None:
+    """SCRIPT names a readable file; else a UsageError saying what it is instead."""
+    import os
+    from pathlib import Path
+
+    from hpcring.config.envvars import check_text, shown
+    from hpcring.errors import UsageError
+    hint = "pass the path of the Python script each rank runs"
+    try:
+        check_text(script)
+        path = Path(script)
+        if path.is_dir():
+            raise UsageError(f"script {shown(script)} is a directory, not a Python script", hint=hint)
+        if not path.is_file():
+            raise UsageError(f"script {shown(script)} does not exist (cwd {os.getcwd()})", hint=hint)
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"script {shown(script)} is not readable", hint="check its permissions")
+    except (ValueError, OSError) as exc:          # control characters, a name too long for the OS
+        raise UsageError(f"script {shown(script)}: {exc}", hint=hint) from None
 
 
 # name -> (annotation, typer option); the order is the order in --help

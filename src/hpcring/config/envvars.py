@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -31,6 +32,17 @@ MAX_GPUS_PER_NODE = 64
 MAX_CPUS_PER_TASK = 4096
 MAX_RANKS = MAX_NODES * 8
 
+# Longest text value: PATH_MAX for paths, the same for user-set text (partition, account, site
+# dirs...); what hpcring itself exports (HPCRING_SESSION, node lists) is bounded by the kernel.
+MAX_TEXT = 4096
+
+# Numbers as people type them, ASCII only: Python's int()/float() also take "1_0" (10), "١٢"
+# (Arabic-Indic digits), "nan" and "infinity", none of which is a sane job size or deadline.
+_INT_TEXT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+_FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
+_MAX_NUMBER_TEXT = 64     # characters; longer is a typo or an attack, never a value in bounds
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -47,6 +59,11 @@ class Var:
     choices: tuple[str, ...] = ()
     set_by: str = "user"       # "user" or "hpcring" (exported by job scripts / the local backend)
 
+    @property
+    def max_len(self) -> int | None:
+        """Longest accepted text (None: only the kernel's own limit on an environment string)."""
+        return MAX_TEXT if self.set_by == "user" or self.kind == "path" else None
+
     def allowed(self) -> str:
         if self.kind == "bool":
             return "one of 1/true/yes/on or 0/false/no/off"
@@ -57,7 +74,9 @@ class Var:
             lo = "" if self.lo is None else (f" > {_num(self.lo)}" if self.lo_open else f" >= {_num(self.lo)}")
             hi = "" if self.hi is None else f" <= {_num(self.hi)}"
             return what + (lo + ("," if lo and hi else "") + hi)
-        return "text"
+        if self.kind == "time":
+            return "a Slurm time limit"
+        return "text without control characters" + (f", at most {self.max_len} characters" if self.max_len else "")
 
 
 def _num(x: float) -> str:
@@ -224,10 +243,50 @@ def _parse(name: str, raw: str) -> Any:
         return _convert(var, text)
     except ValueError as exc:
         why = str(exc)
-        raise UsageError(f"environment variable {name}={raw!r}: {why}; expected {var.allowed()} "
+        raise UsageError(f"environment variable {name}={shown(raw)}: {why}; expected {var.allowed()} "
                          f"({var.meaning})",
                          hint=f"fix or unset {name} (`unset {name}` uses the default"
                               + (f" {var.default!r})" if var.default is not None else ")")) from None
+
+
+def parse_int_text(text: str) -> int:
+    """A whole number written with ASCII digits and an optional sign; ValueError otherwise."""
+    if len(text) > _MAX_NUMBER_TEXT:
+        raise ValueError(f"too long ({len(text)} characters)")
+    if not _INT_TEXT.fullmatch(text):
+        raise ValueError("not a whole number" + _why_not_number(text))
+    return int(text, 10)
+
+
+def parse_float_text(text: str) -> float:
+    """A finite decimal number (``1``, ``0.5``, ``1e-3``); ValueError for nan, inf, ``1_0``, ``1e400``."""
+    if len(text) > _MAX_NUMBER_TEXT:
+        raise ValueError(f"too long ({len(text)} characters)")
+    if not _FLOAT_TEXT.fullmatch(text):
+        raise ValueError("not finite" if text.strip("+-").lower() in ("nan", "inf", "infinity")
+                         else "not a number" + _why_not_number(text))
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("out of range (overflows to infinity)")
+    return value
+
+
+def _why_not_number(text: str) -> str:
+    if "_" in text:
+        return " (no underscores)"
+    if not text.isascii():
+        return " (ASCII digits only)"
+    return ""
+
+
+def check_text(text: str, max_len: int | None = MAX_TEXT) -> str:
+    """Text for a name or path: no control characters (they break job scripts and logs), bounded."""
+    bad = _CONTROL.search(text)
+    if bad:
+        raise ValueError(f"contains a control character ({bad.group()!r} at position {bad.start()})")
+    if max_len is not None and len(text) > max_len:
+        raise ValueError(f"too long ({len(text)} characters, at most {max_len})")
+    return text
 
 
 def _convert(var: Var, text: str) -> Any:
@@ -243,24 +302,27 @@ def _convert(var: Var, text: str) -> Any:
             raise ValueError("not a known value")
         return text.lower()
     if var.kind == "int":
-        try:
-            value = int(text, 10)
-        except ValueError:
-            raise ValueError("not a whole number") from None
+        value = parse_int_text(text)
         _check_bounds(var, value)
         return value
     if var.kind == "float":
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError("not a number") from None
-        if not math.isfinite(value):
-            raise ValueError("not finite")
+        value = parse_float_text(text)
         _check_bounds(var, value)
         return value
-    if "\x00" in text:
-        raise ValueError("contains a NUL byte")
+    check_text(text, var.max_len)
+    if var.kind == "time":
+        from hpcring.config.slurmtime import time_to_minutes   # standard library only
+        time_to_minutes(text)
     return text
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error about a 5000-character value must
+    still be one readable line."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(str(value))} characters)"
 
 
 def _check_bounds(var: Var, value: float) -> None:
@@ -279,7 +341,7 @@ def check_environ(environ: Mapping[str, str] | None = None) -> None:
     env = os.environ if environ is None else environ
     problems = []
     for v in VARS:
-        if v.kind in ("str", "path", "time") or not (env.get(v.name) or "").strip():
+        if not (env.get(v.name) or "").strip():
             continue
         try:
             _parse(v.name, env[v.name])
@@ -290,6 +352,9 @@ def check_environ(environ: Mapping[str, str] | None = None) -> None:
     if problems:
         raise UsageError("bad environment variables:\n" + "\n".join(f"  - {p.message}" for p in problems),
                          hint="fix or unset each (see docs/environment.md)")
+
+
+_OWN_REASONS = ("not a number", "not a whole number", "not finite", "out of range", "too long")
 
 
 def check_number(what: str, value: Any, *, lo: float | None = None, hi: float | None = None,
@@ -303,16 +368,19 @@ def check_number(what: str, value: Any, *, lo: float | None = None, hi: float | 
     try:
         if isinstance(value, bool):
             raise ValueError("not a number")
-        number = int(value) if integer else float(value)
+        if isinstance(value, str):     # text from a file or a flag: the same rules as the environment
+            number = parse_int_text(value.strip()) if integer else parse_float_text(value.strip())
+        else:
+            number = int(value) if integer else float(value)
         if integer and number != value and not isinstance(value, str):
             raise ValueError("not a whole number")
         if not integer and not math.isfinite(number):
             raise ValueError("not finite")
         _check_bounds(var, number)
     except (TypeError, ValueError, OverflowError) as exc:
-        why = str(exc) if isinstance(exc, ValueError) and str(exc) in (
-            "not a number", "not a whole number", "not finite", "out of range") else "not a number"
-        raise UsageError(f"{what} must be {var.allowed()}, got {value!r} ({why})",
+        # our own reasons pass through; Python's ("invalid literal for int()...") do not
+        why = str(exc) if isinstance(exc, ValueError) and str(exc).startswith(_OWN_REASONS) else "not a number"
+        raise UsageError(f"{what} must be {var.allowed()}, got {shown(value)} ({why})",
                          hint=hint or f"pass {what} within those bounds") from None
     return number
 
