@@ -12,14 +12,15 @@ from typing import List, Optional
 import typer
 
 from hpcring.cli import output
-from hpcring.cli.common import command, newest_job
+from hpcring.cli.common import StrictGroup, command, newest_job
 from hpcring.cli.jobopts import JobRequest, job_options
 from hpcring.errors import HpcringError
 
 # The library is imported inside each command: `hpcring --help` and `hpcring hostlist` must not
 # pay for submitit, pydantic or numpy.
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+# StrictGroup: every flag of every command below, sub-apps included, is read strictly (cli/common.py)
+app = typer.Typer(cls=StrictGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="From one GPU to many on Slurm and LSF: submit, bootstrap, collectives.")
 sites_app = typer.Typer(no_args_is_help=True, help="Site configs: list, show, validate.")
 app.add_typer(sites_app, name="sites")
