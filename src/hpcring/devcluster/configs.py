@@ -96,10 +96,15 @@ def hosts_block(nodes: int) -> str:
     """Every address the dev cluster creates, with a name: the nodes, the machine's end of the
     bridge and the fault-injection addresses. torch (c10d) and MPI look up the peer of every
     connection; an address without a line here went to DNS, which no node can reach."""
+    named = [(n.node_addr(i), n.node_name(i)) for i in range(1, nodes + 1)]
+    named.append((n.BRIDGE_ADDR, n.BRIDGE_HOSTNAME))
+    named += [(n.dead_addr(i), n.dead_name(i)) for i in range(1, nodes + 1)]
     lines = [n.HOSTS_BEGIN]
-    lines += [f"{n.node_addr(i)}\t{n.node_name(i)}" for i in range(1, nodes + 1)]
-    lines.append(f"{n.BRIDGE_ADDR}\t{n.BRIDGE_HOSTNAME}")
-    lines += [f"{n.dead_addr(i)}\t{n.dead_name(i)}" for i in range(1, nodes + 1)]
+    lines += [f"{addr}\t{name}" for addr, name in named]
+    # A dual-stack listener (torch's TCPStore) sees IPv4 clients as ::ffff:a.b.c.d, and glibc's
+    # files backend does not map those back to the IPv4 line. After the IPv4 lines, so forward
+    # lookups keep answering the IPv4 address first.
+    lines += [f"::ffff:{addr}\t{name}" for addr, name in named]
     lines.append(n.HOSTS_END)
     return "\n".join(lines) + "\n"
 
