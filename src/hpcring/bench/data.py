@@ -7,6 +7,7 @@ from typing import Callable
 
 import numpy as np
 
+from hpcring.config.envvars import shown
 from hpcring.errors import UsageError
 
 
@@ -23,7 +24,7 @@ ENV_TABLE = "HPCRING_BENCH_TABLE"   # set by the standalone parent: rank 0 write
 def normalize_dtype(name: str) -> str:
     name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        raise UsageError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+        raise UsageError(f"unknown --dtype {shown(name)}; choose one of {', '.join(DTYPES)}")
     return name
 
 

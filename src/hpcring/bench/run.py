@@ -12,10 +12,10 @@ from typing import Callable
 
 import numpy as np
 
-from hpcring.errors import UsageError
+from hpcring.errors import HpcringError, UsageError
 from hpcring.bench.data import DTYPES, ENV_TABLE
 from hpcring.bench.cases import REDUCING, busbw_factor, counts_for, device_module, make_case, memory_label
-from hpcring.bench.options import BenchOptions, require_matplotlib, size_list
+from hpcring.bench.options import BUFFERS_PER_RANK, BenchOptions, require_matplotlib, size_list
 from hpcring.bench.table import Row, avg_busbw, format_footer, format_header, format_row, make_row
 
 
@@ -142,27 +142,43 @@ def run_as_rank(opts: BenchOptions) -> int:
             emit(line)
     else:
         emit = None
+    failed = None
     try:
         rows = run_bench(comm, opts, emit)
         if rank == 0:
             emit(format_footer(rows))
-            result = result_dict(opts, rows, n, hosts)
-            if opts.json:
-                with open(opts.json, "w") as fh:
-                    json.dump(result, fh, indent=1)
-                emit(f"# wrote {opts.json}")
-            if opts.plot:
-                write_plot(opts.plot, result)
-                emit(f"# wrote {opts.plot}")
-        comm.barrier()
+            failed = _write_results(opts, result_dict(opts, rows, n, hosts), emit)
+        comm.barrier()        # rank 0 reaches it even when writing failed: no one is left waiting
     finally:
         if sink:
             sink.close()
+    if failed is not None:
+        raise failed
     wrong = sum(r.wrong for r in rows)
     if wrong and rank == 0:
         print(f"hpcring bench: {wrong} wrong element(s): {opts.collective} {opts.dtype} {opts.op} "
               f"is broken on backend {opts.backend}", file=sys.stderr, flush=True)
     return 1 if wrong else 0
+
+
+def _write_results(opts: BenchOptions, result: dict, emit) -> HpcringError | None:
+    """Rank 0 writes --json/--plot; the error to raise after the final barrier, or None. (The
+    paths were checked before the run; a disk can still fill up or a folder vanish meanwhile.)"""
+    for what, path, write in (("--json", opts.json, _write_json), ("--plot", opts.plot, write_plot)):
+        if not path:
+            continue
+        try:
+            write(path, result)
+        except OSError as exc:
+            return HpcringError(f"bench {what}: cannot write {path}: {exc.strerror or exc}",
+                                hint=f"the table above is complete; rerun with {what} in a writable folder")
+        emit(f"# wrote {path}")
+    return None
+
+
+def _write_json(path: str, result: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
 
 
 def to_argv(opts: BenchOptions) -> list[str]:
@@ -180,15 +196,40 @@ def to_argv(opts: BenchOptions) -> list[str]:
     return argv
 
 
+MAX_LOCAL_RANKS = 256     # standalone: every rank is a process on this machine
+
+
+def check_host_memory(opts: BenchOptions, ranks: int, meminfo: str = "/proc/meminfo") -> None:
+    """Standalone, host buffers: refuse sizes this machine cannot hold before starting any rank
+    (else the ranks allocate until the kernel's OOM killer picks one)."""
+    if opts.backend == "nccl" or opts.memory == "device":
+        return                    # device memory: the GPU's own allocator reports it
+    need = ranks * BUFFERS_PER_RANK * opts.maxbytes
+    try:
+        with open(meminfo) as fh:
+            avail = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return
+    if need > avail:
+        gib = 1 << 30
+        raise UsageError(f"--maxbytes {opts.maxbytes} needs about {need / gib:.1f} GiB on this machine "
+                         f"({ranks} ranks x {BUFFERS_PER_RANK} buffers), but only {avail / gib:.1f} GiB is available",
+                         hint="lower --maxbytes or --ranks")
+
+
 def spawn_local(opts: BenchOptions, ranks: int, nodes: int = 1, out=None) -> int:
     """Standalone: start ``ranks`` local ranks (``nodes`` virtual nodes) through hpcring.allocation and
     print rank 0's table as it is written (untagged). Returns the ranks' exit code."""
     from hpcring.config.site import load_site
-    from hpcring.errors import HpcringError
     from hpcring import allocation
+    from hpcring.diagnostics import jobdir
     opts.check()
     if ranks < 1 or nodes < 1 or ranks % nodes:
         raise UsageError(f"--ranks {ranks} must be a positive multiple of --nodes {nodes}")
+    if ranks > MAX_LOCAL_RANKS:
+        raise UsageError(f"--ranks {ranks}: standalone bench starts every rank on this machine (at most "
+                         f"{MAX_LOCAL_RANKS})", hint="benchmark more ranks inside a job: hpcring run -N N -- hpcring bench")
+    check_host_memory(opts, ranks)
     out = out or sys.stdout
     tmp = tempfile.mkdtemp(prefix="hpcring-bench-")
     table = os.path.join(tmp, "table.txt")
@@ -223,6 +264,8 @@ def spawn_local(opts: BenchOptions, ranks: int, nodes: int = 1, out=None) -> int
         th.join(timeout=5)
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
+        # the ranks' job folder (<HPCRING_JOB_DIR>/run<pid>) stays only when it holds a report
+        jobdir.remove_if_empty(jobdir.job_folder({**env, "HPCRING_JOB_ID": allocation._local_job_id()}))
     return code
 
 

@@ -18,9 +18,13 @@ def register(app: typer.Typer) -> None:
     def bench(collective: str = typer.Option("allreduce", "--collective", "-c",
                                              help="allreduce, allgather, broadcast, reduce_scatter or alltoall."),
               backend: str = typer.Option("auto", "--backend", "-B", help="auto, ring, mpi or nccl."),
-              minbytes: str = typer.Option("8", "--minbytes", "-b", help="Smallest size (bytes; K/M/G suffixes)."),
-              maxbytes: str = typer.Option("64M", "--maxbytes", "-e", help="Largest size (bytes; K/M/G suffixes)."),
-              factor: float = typer.Option(2.0, "--stepfactor", "-f", help="Multiply the size by this each step."),
+              minbytes: str = typer.Option("8", "--minbytes", "-b", help="Smallest size (bytes; K/M/G suffixes; at most 8G)."),
+              maxbytes: str = typer.Option("64M", "--maxbytes", "-e",
+                                           help="Largest size (bytes; K/M/G suffixes; at most 8G, and standalone "
+                                                "what this machine's memory holds)."),
+              factor: float = typer.Option(2.0, "--stepfactor", "-f",
+                                           help="Multiply the size by this each step (> 1, at most 1024; at most "
+                                                "256 sizes)."),
               dtype: str = typer.Option("float32", "--dtype", "-d",
                                         help="float32, float64, float16, bfloat16, int32, int64, uint8."),
               op: str = typer.Option("sum", "--op", "-o", help="sum, prod, min, max or avg (reducing collectives)."),
@@ -36,14 +40,14 @@ def register(app: typer.Typer) -> None:
               json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here (rank 0)."),
               plot: Optional[str] = typer.Option(None, "--plot", help="Write busbw vs size as PNG (needs matplotlib)."),
               ranks: Optional[int] = typer.Option(None, "--ranks", "-n", min=1, max=MAX_RANKS,
-                                                  help="Standalone only: local ranks to start (default 2)."),
+                                                  help="Standalone only: local ranks to start (default 2, at most 256)."),
               nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES,
                                                   help="Standalone only: virtual local nodes (default 1).")):
         import sys
 
         from hpcring.bench import BenchOptions, bench_main, parse_size
-        opts = BenchOptions(collective=collective, backend=backend, minbytes=parse_size(minbytes),
-                            maxbytes=parse_size(maxbytes), factor=factor, dtype=dtype, op=op, root=root,
+        opts = BenchOptions(collective=collective, backend=backend, minbytes=parse_size(minbytes, "--minbytes"),
+                            maxbytes=parse_size(maxbytes, "--maxbytes"), factor=factor, dtype=dtype, op=op, root=root,
                             iters=iters, warmup=warmup, seed=seed, timeout=timeout, json=json_path, plot=plot,
                             memory=memory)
         sys.exit(bench_main(opts, ranks, nodes))

@@ -16,6 +16,7 @@ import typer
 
 def register(app: typer.Typer) -> None:
     from hpcring.cli.common import command, newest_job
+    from hpcring.config.envvars import MAX_TIMEOUT
 
     @command(app, "stacks",
              help="Show the Python stack of every rank of a running (possibly hung) job, grouped: ranks with "
@@ -27,7 +28,8 @@ def register(app: typer.Typer) -> None:
                as_json: bool = typer.Option(False, "--json", help="Print the groups and problems as JSON."),
                method: str = typer.Option("auto", "--method",
                                           help="auto (py-spy if installed, else the signal hook), py-spy or signal."),
-               timeout: float = typer.Option(60.0, "--timeout", help="Deadline for the whole collection (s).")):
+               timeout: float = typer.Option(60.0, "--timeout", min=0.001, max=MAX_TIMEOUT,
+                                             help="Deadline for the whole collection (s).")):
         from hpcring.cli import output
         from hpcring.diagnostics import stacks_collect as sc
 

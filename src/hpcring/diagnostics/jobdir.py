@@ -40,3 +40,13 @@ def diag_dir(environ: Mapping[str, str] | None = None, *, create: bool = True) -
     if create:
         path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Remove a job folder and its ``diag/`` when neither holds anything (a run that never hung
+    leaves nothing behind); a folder with a report in it stays. Never raises."""
+    for path in (folder / "diag", folder):
+        try:
+            path.rmdir()          # only succeeds when empty
+        except OSError:
+            pass

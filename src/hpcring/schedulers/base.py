@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpcring.errors import JobNotFoundError, SchedulerError, UsageError
+from hpcring.errors import HpcringError, JobNotFoundError, SchedulerError, UsageError
 from hpcring.fsutil import write_json
 
 # States normalized across schedulers (Slurm's names; LSF and local map onto them).
@@ -74,11 +75,44 @@ class JobRecord:
 
 
 def state_dir() -> Path:
-    base = os.environ.get("HPCRING_STATE_DIR") or os.path.join(
-        os.environ.get("XDG_STATE_HOME", os.path.expanduser("~/.local/state")), "hpcring")
+    """``<HPCRING_STATE_DIR or ~/.local/state/hpcring>/jobs``, created; an unusable one (a file,
+    /dev/null, no permission) is an error naming where it came from."""
+    env = os.environ.get("HPCRING_STATE_DIR")
+    base = env or os.path.join(os.environ.get("XDG_STATE_HOME", os.path.expanduser("~/.local/state")), "hpcring")
     p = Path(base) / "jobs"
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        if not p.is_dir():
+            raise NotADirectoryError(f"{p} is not a directory")
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        if env:
+            raise UsageError(f"HPCRING_STATE_DIR={env!r} cannot hold job records ({p}: {why})",
+                             hint="point HPCRING_STATE_DIR at a writable folder, or unset it") from None
+        raise HpcringError(f"cannot keep job records in {p}: {why}",
+                           hint="make it writable, or set HPCRING_STATE_DIR to a writable folder") from None
     return p
+
+
+# A job id or record name: Slurm 38 or 38_2 (array task), LSF 1234, local-38, slurm-devcluster-38.
+# Anything else (a path, a glob such as '*', a 5000-character string) never names a record, and
+# must not reach the filesystem as part of a file name.
+_JOB_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*", re.ASCII)
+MAX_JOB_REF = 200
+
+
+def check_job_ref(ref: str) -> str:
+    """``ref`` if it can be a job id or record name; UsageError otherwise."""
+    from hpcring.config.envvars import shown
+    ref = str(ref)
+    why = ("empty" if not ref else f"too long ({len(ref)} characters, at most {MAX_JOB_REF})"
+           if len(ref) > MAX_JOB_REF else None if _JOB_REF.fullmatch(ref) else
+           "only letters, digits, '.', '_' and '-' (not first) can appear in one")
+    if why:
+        raise UsageError(f"{shown(ref)} is not a job id or record name: {why}",
+                         hint="pass the id `hpcring submit` printed (38, or its record name local-38); "
+                              "`hpcring status` lists the newest jobs")
+    return ref
 
 
 def save_record(rec: JobRecord) -> None:
@@ -88,11 +122,11 @@ def save_record(rec: JobRecord) -> None:
 def load_record(ref: str) -> JobRecord:
     """The record named ``ref``: a full key (``slurm-devcluster-38``) or a plain id (``38``) when
     only one scheduler/cluster has a job with that id."""
+    ref = check_job_ref(ref)
     d = state_dir()
-    ref = str(ref)
     exact = d / f"{ref}.json"
     if "-" in ref and exact.is_file():
-        return _read(exact)
+        return _read_checked(exact)
     found = sorted(p for p in d.glob(f"*-{ref}.json") if p.stem.rsplit("-", 1)[-1] == ref)
     if exact.is_file():              # a record written before keys existed
         found.append(exact)
@@ -103,7 +137,16 @@ def load_record(ref: str) -> JobRecord:
     if not found:
         raise JobNotFoundError(f"job {ref} was not submitted through hpcring from this account "
                                f"(no record {ref} in {d})", hint="check the id with `squeue --me` or `bjobs`")
-    return _read(found[0])
+    return _read_checked(found[0])
+
+
+def _read_checked(path: Path) -> JobRecord:
+    """:func:`_read`, with a damaged or unreadable record as an error naming the file."""
+    try:
+        return _read(path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise HpcringError(f"job record {path} cannot be read: {exc}",
+                           hint="it was damaged or written by another version; delete it to forget the job") from None
 
 
 def recent_records(limit: int) -> list[JobRecord]:
