@@ -2,6 +2,12 @@
 
     python tests/mpi_worker.py ops    every op x dtype x size vs numpy; results identical on all ranks
     python tests/mpi_worker.py skip   the last rank skips the second allreduce (deadline test)
+    python tests/mpi_worker.py mismatch|different
+                                      the last rank all-reduces half the count / calls a barrier
+                                      instead of the second allreduce (signature check test)
+    python tests/mpi_worker.py cost BYTES CALLS
+                                      time per allreduce of BYTES with the signature check off
+                                      and on (alternating rounds), ``COST`` lines from rank 0
 
 Prints ``RESULT rank=<r> ok=<n checks>`` (or ``FAIL ...`` lines and exit 1) and, in skip mode,
 ``CAUGHT rank=<r> elapsed=<s> msg=<error>``.
@@ -156,6 +162,49 @@ def run_skip(comm: Communicator, deadline: float) -> int:
     os._exit(1)
 
 
+def run_mismatch(comm: Communicator, mode: str) -> int:
+    rank, size = comm.rank, comm.size
+    comm.allreduce(np.ones(1000, np.float32))
+    t0 = time.monotonic()
+    try:
+        if rank == size - 1 and mode == "mismatch":
+            comm.allreduce(np.ones(500, np.float32))
+        elif rank == size - 1:
+            comm.barrier()
+        else:
+            comm.allreduce(np.ones(1000, np.float32))
+    except CollectiveError as e:
+        print(f"CAUGHT rank={rank} elapsed={time.monotonic() - t0:.3f} msg={str(e).splitlines()[0]}", flush=True)
+        return 0
+    print(f"NOERROR rank={rank}", flush=True)
+    return 1
+
+
+def run_cost(comm: Communicator, nbytes: int, calls: int) -> int:
+    """Median per-call time over rounds, the check off and on in alternating rounds (so load
+    changes on a shared machine hit both alike)."""
+    x = np.ones(max(1, nbytes // 4), np.float32)
+    out = np.empty_like(x)
+    be = comm.backend
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(3):
+        comm.allreduce(x, out=out)
+    for rnd in range(10):
+        for check in (False, True):
+            be.check = check
+            be.barrier(30.0)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                be.allreduce(x, out, "float32", "sum", 30.0)
+            times[check].append((time.perf_counter() - t0) / calls)
+    if comm.rank == 0:
+        off, on = float(np.median(times[False])), float(np.median(times[True]))
+        print(f"COST bytes={x.nbytes} calls={calls} off_us={off * 1e6:.1f} on_us={on * 1e6:.1f} "
+              f"delta_us={(on - off) * 1e6:.1f} min_off_us={min(times[False]) * 1e6:.1f} "
+              f"min_on_us={min(times[True]) * 1e6:.1f}", flush=True)
+    return 0
+
+
 def main() -> int:
     mode = sys.argv[1]
     backend = MpiBackend.create(None, timeout=30.0)
@@ -166,6 +215,10 @@ def main() -> int:
         return rc
     if mode == "skip":
         return run_skip(comm, float(sys.argv[2]) if len(sys.argv) > 2 else 1.5)
+    if mode in ("mismatch", "different"):
+        return run_mismatch(comm, mode)
+    if mode == "cost":
+        return run_cost(comm, int(sys.argv[2]), int(sys.argv[3]))
     raise SystemExit(f"unknown mode {mode}")
 
 

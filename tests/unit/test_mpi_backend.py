@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hpcring.collectives.backends import DTYPES, OPS
-from hpcring.collectives.mpi import from_float32, reduce_plan, to_float32
+from hpcring.collectives.mpi import from_float32, mismatch_message, reduce_plan, signature, to_float32
 from hpcring.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,6 +79,21 @@ def test_bfloat16_round_trip_and_rounding():
     assert np.array_equal(dst, h)
 
 
+def test_mismatch_message_names_the_first_other_rank_in_the_rings_words():
+    a = signature("allreduce", 5, 65536, "float32", "sum")
+    b = signature("allreduce", 5, 32768, "float32", "sum")
+    table = np.stack([a, b, a])
+    assert mismatch_message(np.stack([a, a, a]), 0) is None
+    assert mismatch_message(table, 0, ("node1", "node2", "node3")) == (
+        "allreduce#5 mismatched collective: rank 1 (node2) called allreduce#5(count=32768, dtype=float32, "
+        "op=sum, root=-1) but this rank (0) called allreduce#5(count=65536, dtype=float32, op=sum, root=-1)")
+    assert mismatch_message(table, 1).startswith("allreduce#5 mismatched collective: rank 0 called allreduce#5(count=65536")
+    bar = signature("barrier", 5)
+    assert "rank 2 called barrier#5(count=0, dtype=none, op=none, root=-1)" in mismatch_message(np.stack([a, a, bar]), 0)
+    assert "root=2" in mismatch_message(np.stack([signature("broadcast", 1, 4, "uint8", root=2),
+                                                  signature("broadcast", 1, 4, "uint8", root=0)]), 1)
+
+
 # -- under mpirun -------------------------------------------------------------------------------
 @needs_mpi
 @pytest.mark.mpi
@@ -114,3 +129,29 @@ def test_skipped_collective_aborts_the_job_by_default():
     assert elapsed < 15, elapsed                                                  # promptly, not at the straggler's leisure
     assert "hpcring: CollectiveError: allreduce#2(count=1000" in r.stderr
     assert "CAUGHT" not in r.stdout and "SKIPPED" not in r.stdout
+
+
+@needs_mpi
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", ["mismatch", "different"])
+def test_mismatched_call_is_named_on_every_rank_before_mpi_sees_it(mode):
+    """Without the signature check Open MPI truncates (small counts), corrupts its heap (large
+    ones) or hangs: here every rank raises at once, in the ring's words, naming the odd rank."""
+    r, _ = mpirun(3, mode)
+    caught = {int(c[0]): (float(c[1]), c[2]) for c in re.findall(r"CAUGHT rank=(\d+) elapsed=([\d.]+) msg=(.*)", r.stdout)}
+    assert sorted(caught) == [0, 1, 2] and r.returncode == 0, r.stdout + r.stderr[-3000:]
+    victim = "allreduce#2(count=500, dtype=float32" if mode == "mismatch" else "barrier#2(count=0"
+    for rank in (0, 1):
+        elapsed, msg = caught[rank]
+        assert msg.startswith(f"allreduce#2 mismatched collective: rank 2 called {victim}"), msg
+        assert msg.endswith(f"but this rank ({rank}) called allreduce#2(count=1000, dtype=float32, op=sum, root=-1)")
+        assert elapsed < 5.0                 # at once, not at the 30 s deadline
+    assert caught[2][1].startswith(f"{victim.split('(')[0]} mismatched collective: rank 0 called allreduce#2(count=1000")
+
+
+@needs_mpi
+@pytest.mark.mpi
+def test_signature_check_can_be_turned_off():
+    r, _ = mpirun(3, "mismatch", env_extra={"HPCRING_MPI_CHECK_SIGNATURES": "0", "HPCRING_MPI_ABORT_ON_TIMEOUT": "0"},
+                  timeout=60)
+    assert "mismatched collective" not in r.stdout + r.stderr

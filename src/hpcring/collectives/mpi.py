@@ -28,6 +28,17 @@ as accurate as the ring backend (one rounding instead of one per combination). `
 followed by a division by the world size (in float32 for the 2-byte types). min/max of NaN follow
 the MPI library (Open MPI's ``MPI_MIN``/``MAX`` do not promise NaN propagation, unlike the ring).
 
+Signature check (``HPCRING_MPI_CHECK_SIGNATURES``, default on): before a call is handed to MPI,
+every rank's (op, count, dtype, reduction, root, sequence number) is agreed on with one small
+``Iallreduce`` of the signature and its negation under ``MPI_MAX`` (max of -s = -min of s: one call
+gives both extremes). Open MPI does not check that ranks pass matching arguments: a rank
+all-reducing another count corrupts its heap (``double free or corruption``, SIGABRT) and another
+collective at the same point hangs until the deadline. With the check, every rank raises at once
+``allreduce#5 mismatched collective: rank 1 (node2) called allreduce#5(count=32768, ...) but this
+rank (0) called allreduce#5(count=65536, ...)``, the ring's wording (after an ``Iallgather`` of the
+signatures, on that failure path only). Cost: one 96-byte allreduce per call (docs/collectives.md);
+a barrier is the check alone.
+
 The backend works on a duplicate of ``MPI_COMM_WORLD`` (``Comm.Idup``, polled against the
 creation deadline) whose rank and size must equal the hpcring Topology's.
 """
@@ -49,6 +60,11 @@ ABORT_CODE = 124
 POLL_MIN = 50e-6
 POLL_MAX = 1e-3
 ABORT_ENV = "HPCRING_MPI_ABORT_ON_TIMEOUT"
+CHECK_ENV = "HPCRING_MPI_CHECK_SIGNATURES"
+
+# signature: (kind, count, dtype, reduction, root, seq) as int64; -1 = none
+KINDS = ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier")
+SIG_LEN = 6
 
 UPCAST_DTYPES = ("float16", "bfloat16")
 
@@ -84,6 +100,39 @@ def abort_default() -> bool:
     """HPCRING_MPI_ABORT_ON_TIMEOUT (0/false/no/off disable), default on."""
     from hpcring.config.envvars import get
     return get(ABORT_ENV)
+
+
+def check_default() -> bool:
+    """HPCRING_MPI_CHECK_SIGNATURES (0/false/no/off disable), default on."""
+    from hpcring.config.envvars import get
+    return get(CHECK_ENV)
+
+
+def signature(kind: str, seq: int, count: int = 0, dtype: str | None = None, op: str | None = None,
+              root: int | None = None) -> np.ndarray:
+    """The call's signature as int64 (see :data:`KINDS`)."""
+    return np.array([KINDS.index(kind), count, DTYPES.index(dtype) if dtype in DTYPES else -1,
+                     OPS.index(op) if op in OPS else -1, -1 if root is None else root, seq], np.int64)
+
+
+def describe_signature(sig) -> str:
+    """``allreduce#5(count=.., dtype=.., op=.., root=..)`` as the ring's mismatch message has it."""
+    kind, count, dtype, op, root, seq = (int(v) for v in sig)
+    name = KINDS[kind] if 0 <= kind < len(KINDS) else f"op{kind}"
+    return (f"{name}#{seq}(count={count}, dtype={DTYPES[dtype] if 0 <= dtype < len(DTYPES) else 'none'}, "
+            f"op={OPS[op] if 0 <= op < len(OPS) else 'none'}, root={root})")
+
+
+def mismatch_message(table, rank: int, hosts=None) -> str | None:
+    """The ring's wording for the first rank whose signature (a row of ``table``) differs from
+    ``rank``'s; None when all agree."""
+    mine = tuple(int(v) for v in table[rank])
+    for r, row in enumerate(table):
+        if tuple(int(v) for v in row) != mine:
+            host = f" ({hosts[r]})" if hosts and r < len(hosts) else ""
+            return (f"{KINDS[mine[0]]}#{mine[5]} mismatched collective: rank {r}{host} called "
+                    f"{describe_signature(row)} but this rank ({rank}) called {describe_signature(mine)}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,11 +267,13 @@ class MpiBackend(LibraryBackend):
     device = "cpu"
 
     def __init__(self, comm, *, hosts=None, abort_on_timeout: bool | None = None,
-                 abort_code: int = ABORT_CODE, mpi=None) -> None:
+                 abort_code: int = ABORT_CODE, mpi=None, check: bool | None = None) -> None:
         self._MPI = mpi if mpi is not None else _import_mpi()
         self._comm = comm
         self._init_state(comm.Get_rank(), comm.Get_size(), hosts)
         self.abort_on_timeout = abort_default() if abort_on_timeout is None else bool(abort_on_timeout)
+        self.check = (check_default() if check is None else bool(check)) and self._size > 1
+        self._sig = np.empty(2 * SIG_LEN, np.int64)       # reused: (signature, -signature)
         self.abort_code = int(abort_code)
         self._stuck: list = []            # requests (and their buffers) of calls that timed out
 
@@ -313,8 +364,27 @@ class MpiBackend(LibraryBackend):
         raise CollectiveError(msg, hint="MPI cannot cancel a started collective: this communicator is dead; "
                                         "find the missing rank (hpcring stacks) and restart the job")
 
-    def _run(self, name, seq, desc, timeout, start, keep):
-        t0 = time.monotonic()
+    def _agree(self, sig: np.ndarray, name: str, seq: int, desc, timeout: float, t0: float) -> None:
+        """The signature check (module docstring): raises the named mismatch on every rank."""
+        buf = self._sig
+        buf[:SIG_LEN] = sig
+        np.negative(sig, out=buf[SIG_LEN:])
+        MPI = self._MPI
+        self._start_wait(name, seq, desc, timeout, t0, (buf,),
+                         lambda: self._comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], MPI.MAX))
+        if np.array_equal(buf[:SIG_LEN], -buf[SIG_LEN:]):
+            return
+        # every rank saw the difference (same allreduce result): all gather the signatures
+        table = np.empty((self._size, SIG_LEN), np.int64)
+        mine = sig.copy()
+        self._start_wait(name, seq, desc, timeout, t0, (mine, table),
+                         lambda: self._comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T]))
+        msg = mismatch_message(table, self._rank, self._hosts) or f"{name}#{seq} mismatched collective"
+        self._error = msg
+        raise CollectiveError(msg, hint="every rank must call the same collectives in the same order with "
+                                        f"the same sizes, dtypes and roots (checked before MPI: {CHECK_ENV})")
+
+    def _start_wait(self, name, seq, desc, timeout, t0, keep, start) -> None:
         try:
             req = start()
         except self._MPI.Exception as e:
@@ -322,6 +392,12 @@ class MpiBackend(LibraryBackend):
             self._error = msg
             raise CollectiveError(msg) from None
         self._wait(req, name, seq, desc, timeout, t0, keep)
+
+    def _run(self, name, seq, desc, timeout, start, keep, sig=None):
+        t0 = time.monotonic()
+        if sig is not None and self.check:
+            self._agree(sig, name, seq, desc, timeout, t0)
+        self._start_wait(name, seq, desc, timeout, t0, keep, start)
 
     @staticmethod
     def _bytes(buf: np.ndarray) -> np.ndarray:
@@ -341,7 +417,8 @@ class MpiBackend(LibraryBackend):
         if _widened(dtype, view):
             work = _to_wire(sendbuf, dtype, view)
             self._run("allreduce", seq, desc, timeout,
-                      lambda: self._comm.Iallreduce(MPI.IN_PLACE, [work, mtype], mop), (work,))
+                      lambda: self._comm.Iallreduce(MPI.IN_PLACE, [work, mtype], mop), (work,),
+                      signature("allreduce", seq, n, dtype, op))
             if op == "avg":
                 work /= np.float32(self._size)
             _from_wire(work, recvbuf, dtype)
@@ -352,7 +429,7 @@ class MpiBackend(LibraryBackend):
         else:
             s = sendbuf.view(view)
             start = lambda: self._comm.Iallreduce([s, mtype], [r, mtype], mop)  # noqa: E731
-        self._run("allreduce", seq, desc, timeout, start, (sendbuf, recvbuf))
+        self._run("allreduce", seq, desc, timeout, start, (sendbuf, recvbuf), signature("allreduce", seq, n, dtype, op))
         if op == "avg":
             recvbuf /= recvbuf.dtype.type(self._size)
 
@@ -363,7 +440,8 @@ class MpiBackend(LibraryBackend):
         if _same_memory(sendbuf, recvbuf):
             s = s.copy()
         B = self._MPI.BYTE
-        self._run("allgather", seq, desc, timeout, lambda: self._comm.Iallgather([s, B], [r, B]), (s, r))
+        self._run("allgather", seq, desc, timeout, lambda: self._comm.Iallgather([s, B], [r, B]), (s, r),
+                  signature("allgather", seq, sendbuf.size, dtype))
 
     def reduce_scatter(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
         view, mtype, mop = self._reduce_args(dtype, op)
@@ -384,7 +462,8 @@ class MpiBackend(LibraryBackend):
                 s = s.copy()
             r = recvbuf.view(view)
         self._run("reduce_scatter", seq, desc, timeout,
-                  lambda: self._comm.Ireduce_scatter([s, mtype], [r, mtype], counts, mop), (s, r))
+                  lambda: self._comm.Ireduce_scatter([s, mtype], [r, mtype], counts, mop), (s, r),
+                  signature("reduce_scatter", seq, n, dtype, op))
         if op == "avg":
             r /= r.dtype.type(self._size)
         if widened:
@@ -397,7 +476,8 @@ class MpiBackend(LibraryBackend):
         desc = self._desc(buf.size, dtype, root=root)
         b = self._bytes(buf)
         B = self._MPI.BYTE
-        self._run("broadcast", seq, desc, timeout, lambda: self._comm.Ibcast([b, B], root), (b,))
+        self._run("broadcast", seq, desc, timeout, lambda: self._comm.Ibcast([b, B], root), (b,),
+                  signature("broadcast", seq, buf.size, dtype, root=root))
 
     def alltoall(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
         if sendbuf.size % self._size:
@@ -408,11 +488,16 @@ class MpiBackend(LibraryBackend):
         if _same_memory(sendbuf, recvbuf):
             s = s.copy()                  # MPI_IN_PLACE for Ialltoall is not reliable in every MPI
         B = self._MPI.BYTE
-        self._run("alltoall", seq, desc, timeout, lambda: self._comm.Ialltoall([s, B], [r, B]), (s, r))
+        self._run("alltoall", seq, desc, timeout, lambda: self._comm.Ialltoall([s, B], [r, B]), (s, r),
+                  signature("alltoall", seq, sendbuf.size, dtype))
 
     def barrier(self, timeout: float) -> None:
         seq = self._begin("barrier")
+        if self.check:          # the check's allreduce needs every rank's input: it is a barrier
+            self._agree(signature("barrier", seq), "barrier", seq, "", timeout, time.monotonic())
+            return
         self._run("barrier", seq, "", timeout, lambda: self._comm.Ibarrier(), ())
 
 
-__all__ = ["MpiBackend", "ABORT_CODE", "reduce_plan", "to_float32", "from_float32", "abort_default"]
+__all__ = ["MpiBackend", "ABORT_CODE", "reduce_plan", "to_float32", "from_float32", "abort_default", "check_default",
+           "signature", "mismatch_message"]
