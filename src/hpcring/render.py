@@ -8,7 +8,9 @@ the line that starts the ranks with ``{{ launch_command(logs=...) }}``: the sche
 """
 from __future__ import annotations
 
+import re
 import shlex
+import sys
 from pathlib import Path
 
 import jinja2
@@ -19,7 +21,7 @@ from hpcring.config.jobspec import JobSpec, check_text
 from hpcring.config.site import Site
 from hpcring.errors import TemplateError
 from hpcring.resources import templates_dir
-from hpcring.schedulers.launch_words import LaunchRequest, Shell
+from hpcring.schedulers.launch_words import LaunchRequest, Shell, quote_path
 
 SCHEDULER_TEMPLATES = {"slurm": "slurm.sh.j2", "lsf": "lsf.sh.j2", "local": "local.sh.j2"}
 
@@ -58,6 +60,35 @@ def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = No
     return build(site.config, req).script()
 
 
+# scheduler flags that set the job's warning signal: the last one wins, so a user's flag silently
+# replaces the site's (and hpcring's own time-limit warning with it)
+_SIGNAL_FLAGS = {
+    "slurm": [(re.compile(r"--signal(?:=|\s+)(\S+)"), "slurm.signal", lambda c: c.slurm.signal)],
+    "lsf": [(re.compile(r"-wa\s*(\S+)"), "lsf.warning_signal", lambda c: c.lsf.warning_signal),
+            (re.compile(r"-wt\s*(\S+)"), "lsf.warning_time", lambda c: c.lsf.warning_time)],
+}
+
+
+def _bare(spec: str) -> str:
+    return re.sub(r"\bSIG", "", spec.strip("'\""))
+
+
+def signal_overrides(site: Site, job: JobSpec) -> list[str]:
+    """Warnings for scheduler arguments that replace the site's warning signal (or its time)."""
+    out = []
+    own = len(site.config.sched_args)
+    for i, arg in enumerate(job.sched_args):
+        for pattern, key, value in _SIGNAL_FLAGS.get(site.config.scheduler, []):
+            m = pattern.fullmatch(arg.strip())
+            site_value = value(site.config)
+            if m and site_value is not None and _bare(m.group(1)) != _bare(str(site_value)):
+                source = f"site sched_args {arg!r}" if i < own else f"--sched-arg {arg!r}"
+                out.append(f"{source} replaces the site's {key} {str(site_value)!r} with {m.group(1)!r}: the "
+                           f"scheduler keeps the last one, so hpcring's time-limit and preemption warning "
+                           f"changes with it; drop the flag, or change {key} in {site.path}")
+    return out
+
+
 def template_path(site: Site, override: str | Path | None = None) -> Path:
     if override:
         p = Path(override).expanduser()
@@ -74,7 +105,8 @@ def template_path(site: Site, override: str | Path | None = None) -> Path:
 
 def render_script(site: Site, job: JobSpec, command: str, folder: str,
                   template: str | Path | None = None, python: str | None = None) -> str:
-    """Render the job script. Pure: reads templates, touches nothing else.
+    """Render the job script. Pure: reads templates, touches nothing else (a scheduler argument that
+    replaces the site's warning signal is named on stderr).
 
     Values reach the script shell-quoted (``shquote``); a line break would still end a comment or
     an ``#SBATCH`` line, so every text value is checked for control characters first.
@@ -87,6 +119,7 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
     jenv = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, autoescape=False)
     jenv.filters["shquote"] = lambda v: shlex.quote(str(v))
+    jenv.filters["shquote_path"] = lambda v: quote_path(str(v))   # keeps a leading ~ expandable
     jenv.globals["launch_command"] = lambda logs=None: launch_command(site, job, command, logs)
     try:
         text = jenv.get_template(path.name).render(
@@ -98,4 +131,6 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
         where = f"{path}:{line}" if line else str(path)
         raise TemplateError(f"template {where}: {exc}",
                             hint="every variable a template uses must be defined (StrictUndefined)") from None
+    for warning in signal_overrides(site, job):   # render and submit alike; stderr keeps stdout the script
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     return text

@@ -17,4 +17,4 @@ export HPCRING_SITE=local
 export HPCRING_TIMEOUT=120
 
 exec /usr/bin/python3 -m hpcring.schedulers.local_run --nodes 2 --tasks-per-node 1 \
-  --folder /jobs/%j -- /usr/bin/python3 -u -m submitit.core._submit /jobs/%j
+  --folder /jobs/%j -- '/usr/bin/python3 -u -m submitit.core._submit /jobs/%j'

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from hpcring.config.schema import minutes_to_lsf, minutes_to_slurm, time_to_minutes
+from hpcring.config.schema import control_character, minutes_to_lsf, minutes_to_slurm, shown, time_to_minutes
 from hpcring.config import envvars
 from hpcring.config.site import Site
 from hpcring.errors import UsageError
@@ -37,15 +37,14 @@ _INTS = {"nodes": (1, envvars.MAX_NODES), "tasks_per_node": (1, envvars.MAX_TASK
 # text fields that end up in a job script: quoted there, but a line break or a control character
 # would still start a new script line (or an #SBATCH line), so they are refused here
 _TEXTS = ("partition", "account", "qos", "constraint", "name", "job_dir")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_text(what: str, value: str, where: str) -> str:
     """Refuse a value with a line break or another control character (it would reach a job script)."""
-    m = _CONTROL.search(value)
-    if m:
-        raise UsageError(f"{where}: {what} {value!r} contains the control character {m.group()!r} "
-                         f"at position {m.start()}",
+    bad = control_character(value)
+    if bad:
+        raise UsageError(f"{where}: {what} {shown(value)} contains the control character {bad[1]!r} "
+                         f"at position {bad[0]}",
                          hint=f"use a {what} without line breaks, tabs or control characters")
     if not value.strip():
         raise UsageError(f"{where}: {what} is empty", hint=f"give a non-empty {what} or leave it out")

@@ -7,9 +7,12 @@ live in ``site.py`` so every problem is reported at once, each with its key path
 from __future__ import annotations
 
 import re
-from typing import Literal
+import signal
+import unicodedata
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from hpcring.config import envvars
 from hpcring.config.envvars import DEFAULT_TIMEOUT, MAX_TIMEOUT
@@ -26,8 +29,76 @@ def minutes_to_lsf(mins: int) -> str:
     return f"{hours}:{minutes:02d}"
 
 
+MAX_TEXT = 4096          # characters in one site value; longer is a mistake (or an attack)
+MAX_CPUS_PER_NODE = 65_536
+MAX_GID_INDEX = 255      # GID tables hold far fewer entries
+# characters a terminal or a shell line would act on: C0/C1 controls (line breaks, ESC of ANSI
+# sequences), Unicode line/paragraph separators and bidi overrides (text that reads other than it runs)
+_INVISIBLE = {"\u2028", "\u2029"} | {chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr`` of a value for a message, cut short (a value may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
+
+
+def control_character(text: str) -> tuple[int, str] | None:
+    """(position, character) of the first control character in ``text``, None if it has none."""
+    for i, ch in enumerate(text):
+        if ch in _INVISIBLE or unicodedata.category(ch) == "Cc":
+            return i, ch
+    return None
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be a site value (it reaches job scripts and terminals), None if it can."""
+    bad = control_character(text)
+    if bad:
+        i, ch = bad
+        what = "a line break" if ch in "\n\r\u2028\u2029\x85" else "an escape" if ch == "\x1b" else "a control character"
+        return (f"contains {what} ({ch!r}) at position {i}; values reach job scripts and terminals: "
+                "write one line without control characters (a list takes one item per line)")
+    if len(text) > MAX_TEXT:
+        return f"is {len(text)} characters long; at most {MAX_TEXT}"
+    return None
+
+
+def _strings(value: Any, sub: tuple = ()):
+    """(position below the field, text) of every string in a validated field value, dict keys included;
+    sub-models check their own fields."""
+    if isinstance(value, str):
+        yield sub, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _strings(item, sub + (i,))
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            yield from _strings(k, sub + (k,))
+            yield from _strings(item, sub + (k,))
+
+
+def _signal_name(name: str) -> bool:
+    """A signal's name as Slurm and LSF take it: USR2 or SIGUSR2."""
+    base = name[3:] if name.startswith("SIG") else name
+    return base.isalnum() and base.isupper() and hasattr(signal, "SIG" + base) \
+        and isinstance(getattr(signal, "SIG" + base), signal.Signals)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a YAML true is no number, 1 no boolean, "4" no count; every field, present and future
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _plain_text(cls, v):
+        """Every string of every field: one line, printable, bounded (a line break in any value that
+        reaches a job script starts a new command; ESC sequences rewrite the user's terminal)."""
+        for sub, text in _strings(v):
+            why = text_problem(text)
+            if why:
+                raise PydanticCustomError("site_text", "{why}", {"why": why, "sub": sub})
+        return v
 
 
 class Partition(_Strict):
@@ -36,7 +107,7 @@ class Partition(_Strict):
     max_time: str | None = None
     max_nodes: int | None = Field(default=None, ge=1, le=envvars.MAX_NODES)
     gpus_per_node: int | None = Field(default=None, ge=0, le=envvars.MAX_GPUS_PER_NODE)
-    cpus_per_node: int | None = Field(default=None, ge=1)
+    cpus_per_node: int | None = Field(default=None, ge=1, le=MAX_CPUS_PER_NODE)
     qos: str | None = None
 
     @field_validator("max_time")
@@ -69,7 +140,10 @@ class Launcher(_Strict):
 
     kind: Literal["srun", "mpirun", "jsrun", "blaunch", "local"]
     mpi: Literal["pmix", "pmi2", "none"] | None = None  # srun --mpi=...
-    args: list[str] = []
+    args: list[str] = []   # each one word of the launcher line (quoted there)
+
+
+_IFNAME = re.compile(r"[A-Za-z0-9_.:@-]{1,15}")   # Linux interface names: at most 15 characters
 
 
 class Fabric(_Strict):
@@ -83,7 +157,7 @@ class Fabric(_Strict):
     data_interfaces: list[str] = []
     bootstrap_interfaces: list[str] = []
     hcas: list[str] = []  # "mlx5_0:1" (device:port)
-    gid_index: int | None = Field(default=None, ge=0)
+    gid_index: int | None = Field(default=None, ge=0, le=MAX_GID_INDEX)
     # hpcring ring striping: TCP streams per peer and I/O threads per pass (HPCRING_RING_STREAMS /
     # HPCRING_RING_THREADS; None keeps the measured defaults, see collectives/ring.py)
     ring_streams: int | None = Field(default=None, ge=1, le=16)
@@ -95,7 +169,22 @@ class Fabric(_Strict):
     def _hcas(cls, v):
         for h in v:
             if not re.fullmatch(r"[A-Za-z0-9_.-]+(:\d+)?", h):
-                raise ValueError(f"HCA {h!r} is not of the form device[:port], e.g. mlx5_0:1")
+                raise ValueError(f"HCA {shown(h)} is not of the form device[:port], e.g. mlx5_0:1")
+        return v
+
+    @field_validator("data_interfaces", "bootstrap_interfaces")
+    @classmethod
+    def _interfaces(cls, v):
+        # NCCL syntax per entry: a prefix, =exact; ^ (exclude) on the first entry covers the list
+        for i, spec in enumerate(v):
+            name = spec[1:] if i == 0 and spec.startswith("^") else spec
+            name = name[1:] if name.startswith("=") else name
+            if not _IFNAME.fullmatch(name):
+                raise PydanticCustomError(
+                    "site_interface", "{why}",
+                    {"why": f"{shown(spec)} is not an interface entry: an interface name (or prefix) of up to 15 "
+                            "letters, digits, '_', '.', ':', '@' or '-', written 'ib' (prefix), '=ib0' "
+                            "(exact) or, on the first entry only, '^docker' (exclude)", "sub": (i,)})
         return v
 
 
@@ -104,7 +193,22 @@ class LsfOptions(_Strict):
     nnodes: bool = False            # request whole nodes with -nnodes (CSM sites)
     gpu_mode: Literal["exclusive_process", "shared"] = "exclusive_process"
     warning_signal: str | None = "USR2"
-    warning_time: str | None = "5"   # minutes before the limit (-wt)
+    warning_time: str | None = "5"   # minutes before the limit (-wt): [hours:]minutes, quoted
+
+    @field_validator("warning_signal")
+    @classmethod
+    def _warning_signal(cls, v):
+        if v is not None and not _signal_name(v):
+            raise ValueError(f"{shown(v)} is not a signal name; LSF's -wa takes one such as USR2 or SIGUSR2")
+        return v
+
+    @field_validator("warning_time")
+    @classmethod
+    def _warning_time(cls, v):
+        m = v is not None and re.fullmatch(r"(?:(\d{1,4}):)?(\d{1,5})", v)
+        if v is not None and (not m or (m.group(1) and int(m.group(2)) > 59)):
+            raise ValueError(f"{shown(v)} is not a warning time; LSF's -wt takes [hours:]minutes, e.g. \"5\" or \"1:30\"")
+        return v
 
 
 class SlurmOptions(_Strict):
@@ -112,6 +216,28 @@ class SlurmOptions(_Strict):
     gres_name: str = "gpu"
     signal: str | None = "USR2@90"  # preemption/timeout warning: USR1 is avoided (NCCL may use it)
     requeue: bool = True
+
+    @field_validator("gres_name")
+    @classmethod
+    def _gres(cls, v):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+(:[A-Za-z0-9_.-]+)?", v):
+            raise ValueError(f"gres name {shown(v)} is not of the form name[:type], e.g. gpu or gpu:a100")
+        return v
+
+    @field_validator("signal")
+    @classmethod
+    def _signal(cls, v):
+        # sbatch --signal=[{R|B}:]<sig_num>[@sig_time]; Slurm keeps sig_time in 16 bits
+        if v is None:
+            return v
+        m = re.fullmatch(r"(?:([RB]{1,2}):)?([A-Za-z0-9]+)(?:@(\d{1,5}))?", v)
+        sig = m and m.group(2)
+        ok_sig = sig and (_signal_name(sig) or (sig.isdigit() and 1 <= int(sig) <= 64))
+        if not m or not ok_sig or (m.group(3) and int(m.group(3)) > 65535) or \
+                (m.group(1) and len(set(m.group(1))) != len(m.group(1))):
+            raise ValueError(f"{shown(v)} is not a Slurm signal spec; write [R:|B:]SIGNAL[@SECONDS] with a "
+                             "signal name or number and 0-65535 seconds, e.g. USR2@90")
+        return v
 
 
 class SiteConfig(_Strict):
@@ -125,14 +251,14 @@ class SiteConfig(_Strict):
     constraint: str | None = None
     job_dir: str = "~/hpcring-jobs"   # must be on a filesystem every node sees
     gpus_per_node: int = Field(default=0, ge=0, le=envvars.MAX_GPUS_PER_NODE)
-    cpus_per_node: int | None = Field(default=None, ge=1)
+    cpus_per_node: int | None = Field(default=None, ge=1, le=MAX_CPUS_PER_NODE)
     partitions: dict[str, Partition] = {}
     defaults: Defaults = Defaults()
     launcher: Launcher
     fabric: Fabric = Fabric(kind="tcp")
     setup: list[str] = []               # shell lines before launch: modules, conda, env
     env: dict[str, str] = {}            # extra env for every rank (wins over derived fabric env)
-    python: str | None = None           # interpreter on the compute nodes (default: the submitting one)
+    python: str | None = None           # interpreter path on the compute nodes (default: the submitting one)
     template: str | None = None         # own job-script template, relative to the site file
     timeout: float = Field(default=DEFAULT_TIMEOUT, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False)  # per-collective deadline, s
     slurm: SlurmOptions = SlurmOptions()
@@ -143,7 +269,7 @@ class SiteConfig(_Strict):
     @classmethod
     def _name(cls, v):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v):
-            raise ValueError(f"site name {v!r} may use letters, digits, '_', '.' and '-' only")
+            raise ValueError(f"site name {shown(v)} may use letters, digits, '_', '.' and '-' only")
         return v
 
     @field_validator("env")
@@ -151,5 +277,17 @@ class SiteConfig(_Strict):
     def _env(cls, v):
         for k in v:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-                raise ValueError(f"{k!r} is not a valid environment variable name")
+                raise ValueError(f"{shown(k)} is not a valid environment variable name")
+        return v
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, v):
+        # one word (quoted in job scripts); refused outright where a shell would act on it, so no
+        # script that writes it, a user's own template included, can run something else
+        bad = sorted(set(v) & set(" \t$`\"'\\;&|<>()*?[]{}!#"))
+        if not v or bad:
+            raise ValueError(f"python is the interpreter's path, e.g. /opt/conda/bin/python; "
+                             f"{'it is empty' if not v else 'it contains ' + ' '.join(repr(c) for c in bad)} "
+                             "(for a wrapper command, point python at a script that runs it)")
         return v

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ValidationError
 
-from hpcring.config.schema import SiteConfig, time_to_minutes
+from hpcring.config.schema import SiteConfig, shown, text_problem, time_to_minutes
 from hpcring.config.yamlpos import line_of, load_with_lines
 from hpcring.errors import ConfigError, SiteNotFoundError
 from hpcring.resources import site_configs_dir
@@ -106,7 +106,7 @@ def parse_site_file(path: Path) -> SiteConfig:
         problems += [_describe(err, path, lines) for err in exc.errors()]
         cfg = _validate_pruned(data, exc)  # so cross-field rules still get reported in the same run
     if cfg is not None:
-        problems += [f"{_where(path, lines, loc)}: {msg}" for loc, msg in cross_checks(cfg)]
+        problems += [f"{_where(path, lines, loc)}: {msg}" for loc, msg in cross_checks(cfg) + file_checks(cfg, path)]
     if problems:
         raise ConfigError(f"site config {path} has {len(problems)} problem(s):", problems,
                           hint="fix each listed key; `hpcring sites validate` re-checks")
@@ -136,12 +136,14 @@ def _validate_pruned(data: dict, exc: ValidationError) -> SiteConfig | None:
 
 def _where(path: Path, lines: dict, loc: tuple) -> str:
     line = line_of(lines, loc)
-    key = ".".join(str(p) for p in loc) or "(top level)"
+    # a key is shown as written unless it is itself the problem (escapes, line breaks, megabytes)
+    key = ".".join(shown(p) if isinstance(p, str) and text_problem(p) else str(p) for p in loc) or "(top level)"
     return f"{path}:{line} {key}" if line else f"{path} {key}"
 
 
 def _describe(err: dict[str, Any], path: Path, lines: dict) -> str:
-    loc = tuple(err["loc"])
+    # a check over a whole list or mapping says which item (ctx "sub") for the item's own line
+    loc = tuple(err["loc"]) + tuple((err.get("ctx") or {}).get("sub", ()))
     if err["type"] == "extra_forbidden":
         parent, key = loc[:-1], str(loc[-1])
         model = _model_at(SiteConfig, parent)
@@ -152,8 +154,13 @@ def _describe(err: dict[str, Any], path: Path, lines: dict) -> str:
     if err["type"] == "missing":
         return f"{_where(path, lines, loc)}: required key is missing"
     got = err.get("input")
-    got_s = f" (got {got!r})" if got is not None and not isinstance(got, (dict, list)) else ""
-    return f"{_where(path, lines, loc)}: {err['msg']}{got_s}"
+    got_s = f" (got {shown(got)})" if got is not None and not isinstance(got, (dict, list)) else ""
+    msg = err["msg"].removeprefix("Value error, ")   # pydantic's prefix for a validator's own message
+    if err["type"] == "string_type" and isinstance(got, (bool, int, float)):
+        got_s += "; quote it if it is text"
+    elif err["type"] in ("int_type", "float_type") and isinstance(got, bool):
+        got_s += "; YAML reads true/false/yes/no/on/off as booleans: write a number"
+    return f"{_where(path, lines, loc)}: {msg}{got_s}"
 
 
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
@@ -174,6 +181,17 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
         else:
             return None
     return cur if isinstance(cur, type) and issubclass(cur, BaseModel) else None
+
+
+def file_checks(cfg: SiteConfig, path: Path) -> list[tuple[tuple, str]]:
+    """What the site file names next to itself: its own template must exist (else every submit fails)."""
+    out: list[tuple[tuple, str]] = []
+    if cfg.template:
+        t = (path.parent / cfg.template).expanduser()
+        if not t.is_file():
+            out.append((("template",), f"template {t} does not exist (a template is relative to the "
+                        "site file); point at an existing .j2 file or remove the key"))
+    return out
 
 
 def cross_checks(cfg: SiteConfig) -> list[tuple[tuple, str]]:
@@ -209,6 +227,10 @@ def cross_checks(cfg: SiteConfig) -> list[tuple[tuple, str]]:
                 and pname == cfg.defaults.partition:
             out.append((("defaults", "time"), f"default time {cfg.defaults.time} exceeds partition "
                         f"{pname!r} max_time {part.max_time}"))
+    if (cfg.lsf.warning_signal is None) != (cfg.lsf.warning_time is None):
+        out.append((("lsf", "warning_time" if cfg.lsf.warning_time is None else "warning_signal"),
+                    "LSF's warning needs both warning_signal (-wa) and warning_time (-wt); set both, "
+                    "or both to null for no warning"))
     if cfg.scheduler == "local" and cfg.partitions:
         out.append((("partitions",), "the local scheduler has no partitions"))
     return out

@@ -83,6 +83,20 @@ def _script_word(word: str) -> str:
     return m.group(1) + shlex.quote(m.group(2)) if m else shlex.quote(word)
 
 
+def quote_path(path: str) -> str:
+    """``shlex.quote`` that keeps a leading ``~`` or ``~user`` unquoted, so the shell still expands it."""
+    m = re.fullmatch(r"(~[A-Za-z0-9_.-]*)(/.*)?", path, re.S)
+    if not m:
+        return shlex.quote(path)
+    return m.group(1) + (shlex.quote(m.group(2)) if m.group(2) else "")
+
+
+def submitit_command(python: str, folder: str, module: str = "submitit.core._submit") -> str:
+    """What every rank runs, as job-script text: ``python -u -m MODULE FOLDER``, each word quoted
+    (a job folder may hold spaces and quotes; submitit's own executors leave ``python`` bare)."""
+    return f"{quote_path(python)} -u -m {module} {shlex.quote(folder)}"
+
+
 def remote_shell(words: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     """Words for a launcher that joins its arguments and runs them through a shell on each host
     (blaunch): one more level of quoting, so each still arrives as one argument."""

@@ -24,6 +24,7 @@ from hpcring.errors import SchedulerError
 from hpcring.fsutil import write_json
 from hpcring.render import render_script
 from hpcring.schedulers.base import JobState, state_dir
+from hpcring.schedulers.launch_words import submitit_command
 
 COMMAND = "local"
 
@@ -75,7 +76,7 @@ class Executor(core.PicklingExecutor):
 
     @property
     def _submitit_command_str(self) -> str:
-        return f"{self.python} -u -m submitit.core._submit {self.folder}"
+        return submitit_command(self.python, str(self.folder))
 
     def _num_tasks(self) -> int:
         return self._job.ntasks

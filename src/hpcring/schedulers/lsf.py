@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from hpcring.config.site import Site, load_site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
 from hpcring.schedulers.base import JobState, run_command, state_dir
-from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, remote_shell
+from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, remote_shell, submitit_command
 
 COMMAND = "bsub"
 BJOBS_FORMAT = "jobid stat exit_code exec_host"
@@ -235,7 +234,7 @@ class LsfExecutor(core.PicklingExecutor):
 
 def rank_command(python: str, folder: str) -> str:
     """What every rank runs: hpcring's LSF task entry (per-rank logs), then submitit's."""
-    return f"{python} -u -m hpcring.schedulers.lsf_task {shlex.quote(folder)}"
+    return submitit_command(python, folder, module="hpcring.schedulers.lsf_task")
 
 
 # ------------------------------------------------------------------------------ hpcring hooks

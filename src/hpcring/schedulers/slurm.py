@@ -15,7 +15,7 @@ from hpcring.config.site import Site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
 from hpcring.schedulers.base import JobState, run_command
-from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell
+from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, submitit_command
 
 COMMAND = "sbatch"
 
@@ -29,6 +29,10 @@ class Executor(submitit.SlurmExecutor):
         self.parameters["time"] = job.time_min  # submitit's timeout bookkeeping (requeues)
         self.parameters["nodes"] = job.nodes
         self.parameters["ntasks_per_node"] = job.tasks_per_node
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return submitit_command(self.python, str(self.folder))   # submitit's leaves python unquoted
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         return render_script(self._site, self._job, command, str(self.folder), self._template)
