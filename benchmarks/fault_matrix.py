@@ -8,7 +8,8 @@ Faults (tests/fault_worker.py; the victim is rank 1, on node2 on the dev cluster
   kill       the victim SIGKILLs itself inside an allreduce
   exit       the victim exits 0 before the collective
   different  the victim calls barrier where the others call allreduce
-  mismatch   the victim all-reduces half the count
+  mismatch   the victim all-reduces half the count (on MPI too: the signature check names it)
+  late       the victim sits in its data loader before its first collective (the ring connects there)
   cut        node2's link goes down while every rank loops over 16 MiB allreduces (dev cluster)
   slow       node2's link drops to 1 Mbit/s (tc tbf) during the same loop (dev cluster)
   never      the victim never reaches hpcring.init()
@@ -49,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "fault_worker.py"
-FAULTS = ["stop", "kill", "exit", "different", "mismatch", "cut", "slow", "never"]
+FAULTS = ["stop", "kill", "exit", "different", "mismatch", "late", "cut", "slow", "never"]
 LINK_FAULTS = {"cut", "slow"}
 VICTIM = 1
 SIZE = 3

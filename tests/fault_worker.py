@@ -6,6 +6,7 @@ barrier instead), mismatch (VICTIM uses another count), dtype (VICTIM uses float
 SIGKILLs itself inside the collective's time window), sleep (VICTIM sleeps in load_batch), exit
 (VICTIM exits normally before the collective), stop (VICTIM SIGSTOPs itself: a frozen rank, as
 one stuck in the kernel, in swap or on a hung GPU), never (VICTIM never reaches hpcring.init()),
+late (VICTIM sits in its data loader before its very first collective, the one that connects),
 cut/slow (no fault here: the test cuts or slows a link while every rank loops over large
 allreduces).
 Every rank prints `FAULT_WORKER rank=R phase=P t=T` lines (flushed) so tests can time events.
@@ -53,6 +54,9 @@ def main():
         say(a.victim, "fault")
         load_batch(3600)             # stuck before init (a hung import, file system or module load)
     s = hpcring.init()
+    if a.scenario == "late" and launcher_rank() == a.victim:
+        say(a.victim, "fault")
+        load_batch(3600)             # the others' first collective (allreduce#1) waits for it
     comm = s.communicator(a.backend)
     rank = comm.rank
     x = np.ones(a.count, np.float32)

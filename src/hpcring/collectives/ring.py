@@ -49,12 +49,13 @@ from hpcring.bootstrap import auth
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend
 from hpcring.bootstrap.store import StoreTimeoutError
 from hpcring.config import envvars
-from hpcring.errors import BootstrapError, CollectiveError, UsageError
+from hpcring.errors import BootstrapError, CollectiveError, HpcringError, UsageError
 
 log = logging.getLogger("hpcring.collectives.ring")
 
 try:
     from hpcring import _native
+    _N = _native.Comm          # unbound methods: _call passes the (possibly just connected) Comm
 except ImportError as e:  # pragma: no cover - only without a built extension
     _native = None
     _IMPORT_ERROR = e
@@ -146,6 +147,19 @@ def _advertised_host(topology) -> str:
         hint="run hpcring.init() (it picks and verifies an interface) or set Topology.address")
 
 
+class _Missing(Exception):
+    """Peers that did not connect (or publish an address) by the setup's deadline."""
+
+    def __init__(self, missing: list[int]) -> None:
+        super().__init__(missing)
+        self.missing = missing
+
+
+def _who(ranks: list[int], hosts) -> str:
+    return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)} "
+            f"({', '.join(sorted({hosts[r] for r in ranks}))})")
+
+
 def _translate(e: Exception) -> CollectiveError:
     msg = str(e)
     if "mismatched collective" in msg or "out of step" in msg:
@@ -158,22 +172,47 @@ def _translate(e: Exception) -> CollectiveError:
     return CollectiveError(msg, hint=hint)
 
 
+class _Pending:
+    """What a communicator created with ``lazy=True`` needs to connect on its first collective:
+    the listener (accepting from higher ranks from creation on, so a peer that is already in its
+    first collective can finish its side) and the settings of :meth:`RingBackend.create`."""
+
+    def __init__(self, **kw) -> None:
+        self.__dict__.update(kw)
+        self.fds: list[list[int | None]] = [[None] * self.streams for _ in range(self.size)]
+        self.socks: list[socket.socket] = []
+        self.accept_err: list[BaseException] = []
+        self.stop = threading.Event()
+        self.acceptor: threading.Thread | None = None
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.acceptor is not None:
+            self.acceptor.join(2.0)
+        self.lsock.close()
+        for s in self.socks:
+            s.close()
+
+
 class RingBackend(Backend):
     """Compiled ring/recursive-doubling collectives over TCP (host memory)."""
 
     name = "ring"
     device = "cpu"
 
-    def __init__(self, comm, hosts: tuple[str, ...]) -> None:
-        self._comm = comm
+    def __init__(self, comm, hosts: tuple[str, ...], pending: _Pending | None = None) -> None:
+        self._native_comm = comm
         self.hosts = tuple(hosts)
+        self._pending = pending
+        self._setup_error: str | None = None
+        self._setup_lock = threading.Lock()
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def create(cls, topology, store, secret: bytes | str, timeout: float | None = None, *,
                prefix: str = "hpcring/ring", conns_per_peer: int | None = None,
                sockbuf: int | None = None, rd_threshold: int | None = None,
-               threads: int | None = None, shm: bool | None = None) -> "RingBackend":
+               threads: int | None = None, shm: bool | None = None, lazy: bool = False) -> "RingBackend":
         """Exchange addresses through ``store`` and build the authenticated full mesh.
 
         ``timeout`` bounds the whole setup and is the default deadline of every collective
@@ -184,6 +223,12 @@ class RingBackend(Backend):
         HPCRING_RING_STREAMS / HPCRING_RING_THREADS or 1). ``shm``: shared memory between the
         ranks of a host (None: env HPCRING_RING_SHM or on). Raises BootstrapError when peers cannot
         be reached or authenticated in time.
+
+        ``lazy=True`` (what :meth:`Communicator.create` asks for) only listens and publishes the
+        address here; the mesh is built by the first collective, under that collective's deadline,
+        and a peer that does not come is reported like one late to any later collective
+        (``allreduce#1: ... never joined``, a CollectiveError the watchdog diagnoses) instead of a
+        bootstrap error at another deadline.
         """
         if _native is None:
             raise BootstrapError(f"hpcring._native is not built: {_IMPORT_ERROR}",
@@ -211,74 +256,147 @@ class RingBackend(Backend):
             comm = _native.Comm(0, 1, [None], list(hosts), timeout)
             return cls(comm, hosts)
 
-        deadline = time.monotonic() + timeout
         gen = store.add(f"{prefix}/gen/{rank}", 1)
         base = f"{prefix}/{gen}"
         lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        fds: list[list[int | None]] = [[None] * conns_per_peer for _ in range(size)]
-        socks: list[socket.socket] = []
         try:
             lsock.bind((topology.address or "0.0.0.0", 0))
             lsock.listen(max(16, size * conns_per_peer))
             port = lsock.getsockname()[1]
-            store.set(f"{base}/addr/{rank}", f"{_advertised_host(topology)}:{port}".encode())
-
-            accept_err: list[BaseException] = []
-            acceptor = threading.Thread(
-                target=cls._accept_all, name=f"hpcring-ring-accept:{rank}", daemon=True,
-                args=(lsock, secret, f"{base}/{rank}".encode(), rank, size, conns_per_peer,
-                      deadline, fds, socks, accept_err, hosts))
-            acceptor.start()
+            address = _advertised_host(topology)
+        except BaseException:
+            lsock.close()
+            raise
+        p = _Pending(rank=rank, size=size, hosts=hosts, store=store, secret=secret, base=base, lsock=lsock,
+                     streams=conns_per_peer, threads=threads, timeout=timeout, sockbuf=sockbuf,
+                     rd_threshold=rd_threshold, shm=shm)
+        p.acceptor = threading.Thread(target=cls._accept_all, name=f"hpcring-ring-accept:{rank}", daemon=True,
+                                      args=(p, f"{base}/{rank}".encode()))
+        p.acceptor.start()
+        try:
+            store.set(f"{base}/addr/{rank}", f"{address}:{port}".encode())
+        except BaseException:
+            p.close()
+            raise
+        be = cls(None, hosts, p)
+        if not lazy:
             try:
-                for peer in range(rank):
-                    text = store.get(f"{base}/addr/{peer}", timeout=max(0.1, deadline - time.monotonic())).decode()
-                    host, _, p = text.rpartition(":")
-                    for k in range(conns_per_peer):
-                        s = cls._connect(host, int(p), deadline, peer, hosts[peer])
-                        socks.append(s)
-                        try:
-                            s.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
-                            _auth_connector(s, secret, f"{base}/{peer}".encode(), rank, k)
-                        except (OSError, ConnectionError) as e:
-                            raise BootstrapError(
-                                f"ring setup: rank {peer} ({hosts[peer]}) at {host}:{p} refused rank "
-                                f"{rank}: {e}",
-                                hint="all ranks must use the same per-job secret") from None
-                        fds[peer][k] = s.fileno()
-            finally:
-                acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
-            if accept_err:
-                raise accept_err[0]
-            missing = [p for p in range(size) if p != rank and any(f is None for f in fds[p])]
-            if missing:
+                be._connect_mesh(time.monotonic() + timeout)
+            except _Missing as e:
                 raise BootstrapError(
                     f"ring setup: rank {rank} got no authenticated connection from rank(s) "
-                    f"{', '.join(f'{p} ({hosts[p]})' for p in missing)} within {timeout:.1f} s",
-                    hint="those ranks did not start, crashed, or cannot reach this host's address")
-            comm = _native.Comm(rank, size, [None if p == rank else fds[p] for p in range(size)],
-                                list(hosts), timeout, sockbuf)
+                    f"{', '.join(f'{m} ({hosts[m]})' for m in e.missing)} within {timeout:.1f} s",
+                    hint="those ranks did not start, crashed, or cannot reach this host's address") from None
+        return be
+
+    # -- the mesh (at creation, or on the first collective when lazy) ------------------------
+    def _connect_mesh(self, deadline: float) -> None:
+        """Connect to every lower rank, wait for every higher one, then build the native Comm.
+        Raises :class:`_Missing` naming the peers that did not come by ``deadline``, BootstrapError
+        for any other setup failure; the pending state is released either way."""
+        p = self._pending
+        rank, size, hosts = p.rank, p.size, p.hosts
+        try:
+            self._connect_lower(p, deadline)
+            while p.acceptor.is_alive() and not p.accept_err and time.monotonic() < deadline:
+                if all(all(f is not None for f in p.fds[q]) for q in range(rank + 1, size)):
+                    break
+                p.acceptor.join(min(0.05, max(0.0, deadline - time.monotonic())))
+            p.stop.set()
+            p.acceptor.join(2.0)
+            if p.accept_err:
+                raise p.accept_err[0]
+            missing = [q for q in range(size) if q != rank and any(f is None for f in p.fds[q])]
+            if missing:
+                raise _Missing(missing)
+            comm = _native.Comm(rank, size, [None if q == rank else p.fds[q] for q in range(size)],
+                                list(hosts), p.timeout, p.sockbuf)
         except BaseException:
-            for s in socks:
-                s.close()
+            p.close()
+            self._pending = None
             raise
-        finally:
-            lsock.close()
-        for s in socks:          # the Comm owns the descriptors now
+        p.lsock.close()
+        for s in p.socks:          # the Comm owns the descriptors now
             s.detach()
-        if rd_threshold is not None:
-            comm.rd_threshold = int(rd_threshold)
-        comm.threads = threads
+        self._pending = None
+        if p.rd_threshold is not None:
+            comm.rd_threshold = int(p.rd_threshold)
+        comm.threads = p.threads
         for var, attr in (("HPCRING_RING_STRIPE_MIN", "stripe_min"), ("HPCRING_TWOLEVEL_MIN", "twolevel_min"),
                           ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max")):
             if envvars.get(var) is not None:           # unset: the measured defaults in native/
                 setattr(comm, attr, envvars.get(var))
-        if shm:
+        if p.shm:
             try:
-                cls._attach_shm(comm, store, secret, base, rank, hosts, deadline)
+                self._attach_shm(comm, p.store, p.secret, p.base, rank, hosts, deadline)
             except BaseException:
                 comm.close()
                 raise
-        return cls(comm, hosts)
+        self._native_comm = comm
+
+    def _connect_lower(self, p: _Pending, deadline: float) -> None:
+        """Connect to every lower rank as its address appears (in any order: one late peer must
+        not keep this rank from the others, or they would name this rank missing too)."""
+        todo = list(range(p.rank))
+        delay = 0.002
+        while todo:
+            for peer in list(todo):
+                text = p.store.check(f"{p.base}/addr/{peer}")
+                if text is None:
+                    continue
+                host, _, port = text.decode().rpartition(":")
+                for k in range(p.streams):
+                    s = self._connect(host, int(port), deadline, peer, p.hosts[peer])
+                    p.socks.append(s)
+                    try:
+                        s.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+                        _auth_connector(s, p.secret, f"{p.base}/{peer}".encode(), p.rank, k)
+                    except (OSError, ConnectionError) as e:
+                        raise BootstrapError(
+                            f"ring setup: rank {peer} ({p.hosts[peer]}) at {host}:{port} refused rank "
+                            f"{p.rank}: {e}", hint="all ranks must use the same per-job secret") from None
+                    p.fds[peer][k] = s.fileno()
+                todo.remove(peer)
+            if not todo:
+                return
+            if time.monotonic() >= deadline:
+                raise _Missing(todo)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(0.1, delay * 2)
+
+    def _ensure(self, name: str, timeout: float) -> float:
+        """Connect on the first collective (lazy); returns the time left of ``timeout`` for the
+        collective itself. A peer that never connects is that collective's missing rank."""
+        if self._native_comm is not None:
+            return timeout
+        with self._setup_lock:
+            if self._native_comm is not None:
+                return timeout
+            if self._setup_error is not None:
+                raise CollectiveError(self._setup_error)
+            t0 = time.monotonic()
+            p = self._pending
+            try:
+                self._connect_mesh(t0 + timeout)
+            except _Missing as e:
+                self._setup_error = (
+                    f"{name}#1 never joined by {_who(e.missing, p.hosts)}: no ring connection from "
+                    f"{'it' if len(e.missing) == 1 else 'them'} within the {timeout:g} s deadline "
+                    f"(rank {p.rank} waited)")
+                raise CollectiveError(self._setup_error, hint="that rank is late to its first collective, "
+                                      "hung or dead: look at its log (hpcring stacks JOB)") from None
+            except (HpcringError, OSError, _native.NativeError) as e:
+                self._setup_error = f"{name}#1 ring setup failed on rank {p.rank}: {getattr(e, 'message', e)}"
+                raise CollectiveError(self._setup_error, hint=getattr(e, "hint", None)) from None
+            return max(0.001, timeout - (time.monotonic() - t0))
+
+    @property
+    def _comm(self):
+        """The native communicator; a lazy one connects here (collectively, with the default
+        deadline) when something needs it before the first collective."""
+        if self._native_comm is None:
+            self._ensure("setup", self._pending.timeout if self._pending else 1.0)
+        return self._native_comm
 
     @staticmethod
     def _attach_shm(comm, store, secret: bytes, base: str, rank: int, hosts: tuple[str, ...],
@@ -329,46 +447,45 @@ class RingBackend(Backend):
                 delay = min(0.5, delay * 2)
 
     @staticmethod
-    def _accept_all(lsock, secret, ctx, rank, size, nconn, deadline, fds, socks, errs, hosts) -> None:
-        want = (size - 1 - rank) * nconn
+    def _accept_all(p: _Pending, ctx: bytes) -> None:
+        want = (p.size - 1 - p.rank) * p.streams
         got = 0
         try:
-            while got < want:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                lsock.settimeout(min(left, 1.0))
+            while got < want and not p.stop.is_set():
+                p.lsock.settimeout(0.2)        # short: the first collective stops it (p.stop)
                 try:
-                    s, addr = lsock.accept()
+                    s, addr = p.lsock.accept()
                 except socket.timeout:
                     continue
+                except OSError:
+                    return                     # closed under us
                 try:
-                    s.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
-                    peer, k = _auth_listener(s, secret, ctx, size, nconn)
-                    if peer <= rank or fds[peer][k] is not None:
+                    s.settimeout(HANDSHAKE_TIMEOUT)
+                    peer, k = _auth_listener(s, p.secret, ctx, p.size, p.streams)
+                    if peer <= p.rank or p.fds[peer][k] is not None:
                         raise ConnectionError(f"unexpected connection from rank {peer} conn {k}")
                 except (OSError, ConnectionError) as e:
-                    log.warning("ring rank %d: refused connection from %s:%s: %s", rank, addr[0], addr[1], e)
+                    log.warning("ring rank %d: refused connection from %s:%s: %s", p.rank, addr[0], addr[1], e)
                     s.close()
                     continue
-                socks.append(s)
-                fds[peer][k] = s.fileno()
+                p.socks.append(s)
+                p.fds[peer][k] = s.fileno()
                 got += 1
         except BaseException as e:  # pragma: no cover - unexpected
-            errs.append(e)
+            p.accept_err.append(e)
 
     # -- Backend ------------------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return self._comm.rank
+        return self._native_comm.rank if self._native_comm is not None else self._pending.rank
 
     @property
     def size(self) -> int:
-        return self._comm.size
+        return self._native_comm.size if self._native_comm is not None else self._pending.size
 
     @property
     def error(self) -> str | None:
-        return self._comm.error
+        return self._native_comm.error if self._native_comm is not None else self._setup_error
 
     def describe(self) -> str:
         """The transport in use, for benchmark tables."""
@@ -387,9 +504,10 @@ class RingBackend(Backend):
     def rd_threshold(self, value: int) -> None:
         self._comm.rd_threshold = int(value)
 
-    def _call(self, fn, *args):
+    def _call(self, name, fn, *args):
+        args = (*args[:-1], self._ensure(name, args[-1]))       # the last argument is the deadline
         try:
-            fn(*args)
+            fn(self._native_comm, *args)
         except _native.NativeError as e:
             raise _translate(e) from None
         except ValueError as e:
@@ -398,24 +516,28 @@ class RingBackend(Backend):
     def allreduce(self, sendbuf, recvbuf, dtype, op, timeout):
         if op == "avg" and dtype not in FLOAT_DTYPES:
             raise UsageError(f"op 'avg' needs a floating-point dtype, got {dtype}")
-        self._call(self._comm.allreduce, sendbuf, recvbuf, DTYPE_CODES[dtype], OP_CODES[op], timeout)
+        self._call("allreduce", _N.allreduce, sendbuf, recvbuf, DTYPE_CODES[dtype], OP_CODES[op], timeout)
 
     def allgather(self, sendbuf, recvbuf, dtype, timeout):
-        self._call(self._comm.allgather, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
+        self._call("allgather", _N.allgather, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
 
     def reduce_scatter(self, sendbuf, recvbuf, dtype, op, timeout):
         if op == "avg" and dtype not in FLOAT_DTYPES:
             raise UsageError(f"op 'avg' needs a floating-point dtype, got {dtype}")
-        self._call(self._comm.reduce_scatter, sendbuf, recvbuf, DTYPE_CODES[dtype], OP_CODES[op], timeout)
+        self._call("reduce_scatter", _N.reduce_scatter, sendbuf, recvbuf, DTYPE_CODES[dtype], OP_CODES[op], timeout)
 
     def broadcast(self, buf, root, dtype, timeout):
-        self._call(self._comm.broadcast, buf, DTYPE_CODES[dtype], root, timeout)
+        self._call("broadcast", _N.broadcast, buf, DTYPE_CODES[dtype], root, timeout)
 
     def alltoall(self, sendbuf, recvbuf, dtype, timeout):
-        self._call(self._comm.alltoall, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
+        self._call("alltoall", _N.alltoall, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
 
     def barrier(self, timeout):
-        self._call(self._comm.barrier, timeout)
+        self._call("barrier", _N.barrier, timeout)
 
     def close(self) -> None:
-        self._comm.close()
+        if self._native_comm is not None:
+            self._native_comm.close()
+        elif self._pending is not None:
+            self._pending.close()
+            self._pending = None
