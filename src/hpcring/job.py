@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import logging
 import os
 import runpy
 import socket
@@ -25,10 +26,6 @@ from hpcring.fsutil import write_json
 from hpcring.outcome import bootstrap_failure
 
 READY_WAIT_S = 60.0   # rank 0 waits this long for every rank to stop before it requeues
-
-
-class RankFailed(HpcringError):
-    """The user's script failed on this rank (non-zero exit or an exception)."""
 
 
 def run_as_main(script: str, args: list[str]) -> tuple[int, str | None]:
@@ -46,13 +43,47 @@ def run_as_main(script: str, args: list[str]) -> tuple[int, str | None]:
         print(exc.code, file=sys.stderr)
         return 1, None
     except BaseException as exc:  # the traceback goes to this rank's stderr log
-        traceback.print_exc()
+        print_user_traceback(exc)
         from hpcring.diagnostics.torch_watch import on_error
         on_error(exc)                  # a torch collective failed: the job-wide report first
         return 1, f"{type(exc).__name__}: {exc}"
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+_WRAPPER_FILES = {__file__, runpy.__file__, "<frozen runpy>"}
+
+
+def print_user_traceback(exc: BaseException, file=None) -> None:
+    """The traceback as if the user had run ``python script.py``: the frames of run_as_main and
+    runpy that lead into the script are left out (chained exceptions keep theirs)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in _WRAPPER_FILES:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr if file is None else file)
+
+
+class _NoSignalBypassLog(logging.Filter):
+    """submitit logs every SIGTERM/SIGCONT it ignores (a requeue, a teardown, a cancel: several
+    per rank); the rank's log is the user's output, and the ignore itself is what matters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Bypassing signal")
+
+
+def _exit_rank(code: int, why: str) -> None:
+    """End this rank with the script's own exit code and no traceback of ours: the script's was
+    printed already. submitit gets its error result first, so ``Job.result()`` still raises."""
+    try:
+        import submitit
+        from submitit.core.utils import cloudpickle_dump
+        cloudpickle_dump(("error", why), submitit.JobEnvironment().paths.result_pickle)
+    except Exception:  # noqa: BLE001 - not under submitit, or no folder: the exit code says it
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)   # not an Exception: submitit's handler lets it through without a log line
 
 
 def not_on_this_node(cwd: str, script: str, host: str) -> str | None:
@@ -91,6 +122,7 @@ class RunScript:
         status = {"rank": None, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                   "exit_code": None, "error": None}
         folder = _job_folder()
+        logging.getLogger("submitit").addFilter(_NoSignalBypassLog())
         from hpcring import preempt
         os.environ[preempt.REQUEUE_VAR] = str(self.requeues)
         preempt.install(folder / f"{_job_id()}_preempt.json")   # the warning is the script's to act on
@@ -137,7 +169,7 @@ class RunScript:
             # for srun; blaunch would wait for peers stuck on this rank, or that never started).
             from hpcring.diagnostics import teardown
             teardown.end_job(topo.rank, f"rank {topo.rank} on {topo.host}: {error or f'exited with code {code}'}")
-            raise RankFailed(f"rank {topo.rank} on {topo.host}: {self.script} {error or f'exited with code {code}'}")
+            _exit_rank(code, f"rank {topo.rank} on {topo.host}: {self.script} {error or f'exited with code {code}'}")
         return 0
 
 

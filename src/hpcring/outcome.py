@@ -55,10 +55,13 @@ def bootstrap_failure(exc: BaseException, *, first_line: bool = False) -> dict:
     return {"rank": t.rank, "host": t.hosts[t.rank], "exit_code": 1, "error": error, "ended": time.time()}
 
 
-def hang_headline(diag: Path) -> tuple[str, Path] | None:
-    """(headline, text report) of the watchdog's report in the job's ``diag`` folder, if any."""
+def hang_headline(diag: Path, since: float | None = None) -> tuple[str, Path] | None:
+    """(headline, text report) of the watchdog's report in the job's ``diag`` folder, if any;
+    with ``since`` (a file mtime), only a report written at or after it."""
     path = Path(diag) / "hang-report.json"
     try:
+        if since is not None and path.stat().st_mtime < since:
+            return None
         return json.loads(path.read_text())["headline"], path.with_suffix(".txt")
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -52,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     apply_framework_env(topo, gpus)
     from hpcring.session import handoff_env
     os.environ.update(handoff_env(session))
-    from hpcring.diagnostics.torch_watch import child_env
+    from hpcring.diagnostics.torch_watch import SITE_DIR, child_env
     os.environ.update(child_env())     # a torch process group in CMD gets hpcring's hang report
+    path = os.environ.get("PYTHONPATH", "")
+    if SITE_DIR not in path.split(os.pathsep):   # the watch is off: the site still registers the backend
+        os.environ["PYTHONPATH"] = SITE_DIR + (os.pathsep + path if path else "")
     from hpcring.schedulers.supervisor import start
     parent = os.getppid()
     try:

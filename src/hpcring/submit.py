@@ -153,6 +153,12 @@ def cancel(rec: JobRecord) -> JobState | None:
 # ---- logs ---------------------------------------------------------------------------------
 
 _NOISE = ("submitit INFO",)
+# Slurm's own messages are not the ranks' output: srun's land in rank 0's log (the batch script's
+# --error is %j_0_log.err, as submitit expects), slurmstepd's ("slurmstepd-node1: error: *** STEP
+# 5.0 ON node1 CANCELLED ...") in the log of a rank on that node.
+_SRUN_LINE = "srun: "
+_STEPD_LINE = "slurmstepd"
+LAUNCHER = "slurm"     # the tag of those lines: [slurm]<stderr>:srun: ...
 
 
 def log_files(rec: JobRecord, rank: int | None = None) -> list[tuple[int, str, Path]]:
@@ -165,7 +171,8 @@ def log_files(rec: JobRecord, rank: int | None = None) -> list[tuple[int, str, P
 
 
 class LogTail:
-    """Incremental reader of every rank's log files; yields whole lines tagged by rank."""
+    """Incremental reader of every rank's log files; yields whole lines tagged by rank (or
+    ``LAUNCHER`` for Slurm's own lines)."""
 
     def __init__(self, rec: JobRecord, rank: int | None = None, raw: bool = False) -> None:
         self.files = log_files(rec, rank)
@@ -191,10 +198,13 @@ class LogTail:
                 text = line.decode(errors="replace")
                 if not self.raw and text.startswith(_NOISE):
                     continue
+                if stream == "stderr" and (text.startswith(_STEPD_LINE) or (r == 0 and text.startswith(_SRUN_LINE))):
+                    yield LAUNCHER, stream, text
+                    continue
                 yield r, stream, text
 
 
-def tag(rank: int, stream: str, line: str) -> str:
+def tag(rank: int | str, stream: str, line: str) -> str:
     """mpirun --tag-output style: ``[rank]<stdout>:line``."""
     return f"[{rank}]<{stream}>:{line}"
 
@@ -210,6 +220,13 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.state.state == "COMPLETED" and not self.failed and not self.missing
+
+    @property
+    def exit_code(self) -> int | None:
+        """The first failing rank's own code (what --wait exits with); the scheduler's otherwise.
+        The scheduler's is often hpcring's teardown, not the script: on Slurm the failing rank
+        ends the step with SIGKILL, which sacct reports as 9."""
+        return self.failed[0]["exit_code"] if self.failed else self.state.exit_code
 
 
 def rank_statuses(rec: JobRecord) -> dict[int, dict]:
@@ -240,8 +257,28 @@ def first_casualty(rec: JobRecord) -> str | None:
 
 
 def hang_headline(rec: JobRecord) -> tuple[str, Path] | None:
-    """(headline, report path) of the job's hang report (``<folder>/diag/hang-report.json``)."""
-    return outcome_hang_headline(Path(rec.folder) / "diag")
+    """(headline, report path) of the hang report (``<folder>/diag/hang-report.json``) of the
+    job's latest run: a requeued job keeps its folder, and a report older than the run's start
+    (rank 0's requeue count, written at each start) belongs to an earlier run."""
+    return outcome_hang_headline(Path(rec.folder) / "diag", since=run_started(rec))
+
+
+def run_started(rec: JobRecord) -> float | None:
+    """When the job's latest run started (the mtime of rank 0's requeue count), or was queued
+    again (the scheduler's ``queued_at``: a requeued job cancelled before it ran again has no
+    newer start), or None."""
+    times = []
+    try:
+        times.append((Path(rec.folder) / f"{rec.job_id}_requeues.json").stat().st_mtime)
+    except OSError:
+        pass
+    queued_at = getattr(schedulers.get(rec.scheduler), "queued_at", None)
+    if queued_at is not None:
+        try:
+            times.append(queued_at(rec.job_id))
+        except HpcringError:
+            pass
+    return max((t for t in times if t is not None), default=None)
 
 
 def requeues(rec: JobRecord) -> int:
@@ -270,9 +307,10 @@ def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
         told = (f" after the {warned['signal']} warning at {time.strftime('%H:%M:%S', time.localtime(warned['at']))};"
                 " the script did not stop (check hpcring.preempted(comm) and raise hpcring.Preempted)"
                 if warned else "")
+        hint = ("the local backend neither warns nor requeues: raise --time (or HPCRING_TIME)"
+                if rec.scheduler == "local" else "checkpoint on the warning to be requeued: see docs/preemption.md")
         return JobFailedError(f"job {rec.job_id} ({rec.name}) {oc.state.state}: the job {why}{told}",
-                              exit_code=oc.state.exit_code or 1,
-                              hint="checkpoint on the warning to be requeued: see docs/preemption.md")
+                              exit_code=oc.state.exit_code or 1, hint=hint)
     if hang:         # the watchdog's diagnosis says more than "every rank exited with 1"
         parts.append(f"collective failure: {hang[0]} (report: {hang[1]})")
     elif not oc.failed and (casualty := first_casualty(rec)) is not None:
@@ -287,7 +325,7 @@ def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
             parts.append(f"also failed: rank{'s' if len(others) > 1 else ''} {', '.join(others)}")
     if oc.missing and oc.state.state != "COMPLETED":
         parts.append(f"rank{'s' if len(oc.missing) > 1 else ''} {rank_ranges(oc.missing)} did not finish")
-    code = oc.failed[0]["exit_code"] if oc.failed else (oc.state.exit_code or 1)
+    code = oc.exit_code or 1
     msg = f"job {rec.job_id} ({rec.name}) {oc.state.state}" + (": " + "; ".join(parts) if parts else "")
     return JobFailedError(msg, exit_code=code,
                           hint=f"see `hpcring logs {rec.job_id}" + (f" --rank {oc.failed[0]['rank']}`" if oc.failed else "`"))
@@ -296,18 +334,25 @@ def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
 def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callable[[int, str, str], None],
            poll_s: float = 1.0, rank: int | None = None) -> Outcome:
     """Stream tagged output and state changes until the job ends; return its outcome."""
+    # Lines are read before the state: each state line then goes where it happened. A job seen
+    # RUNNING ran while it wrote them (its state first); seen in any other state (ended, requeued),
+    # it wrote them before it got there (its state after them).
     tail = LogTail(rec, rank)
     last = None
     while True:
+        lines = list(tail.poll())
         st = job_state(rec)
-        if st.state != last:
-            on_state(st)
-            last = st.state
-        for item in tail.poll():
-            on_line(*item)
         if st.finished:
             time.sleep(0.3)  # let the last bytes land on shared storage
-            for item in tail.poll(final=True):
+            for item in lines + list(tail.poll(final=True)):
                 on_line(*item)
+            on_state(st)
             return outcome(rec, st)
+        changed, last = st.state != last, st.state
+        if changed and st.state == "RUNNING":
+            on_state(st)
+        for item in lines:
+            on_line(*item)
+        if changed and st.state != "RUNNING":
+            on_state(st)
         time.sleep(poll_s)

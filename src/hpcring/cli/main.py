@@ -103,8 +103,10 @@ def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record n
     from hpcring import submit as lib
     rec = lib.record(job_id) if job_id is not None else newest_job()
     if follow:
-        lib.follow(rec, on_state=lambda st: None, rank=rank,
-                   on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+        oc = lib.follow(rec, on_state=lambda st: None, rank=rank,
+                        on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+        if not oc.ok:      # as `submit --wait`: the verdict, and the failing rank's exit code
+            raise lib.describe_failure(rec, oc)
         return
     for r, stream, line in lib.LogTail(rec, rank, raw=raw).poll(final=True):
         output.line(lib.tag(r, stream, line))

@@ -28,8 +28,9 @@ def sources(site, job) -> None:
 
 
 def status(rec, st, oc, requeues: int = 0) -> None:
+    code = oc.exit_code if oc is not None else st.exit_code    # a running job has none
     print(f"job {rec.job_id}  {st.state}" + (f" ({st.raw})" if st.raw and st.raw != st.state else "")
-          + (f"  exit {st.exit_code}" if st.exit_code is not None else ""))
+          + (f"  exit {code}" if code is not None else ""))
     print(f"  record {rec.key}  name {rec.name}  scheduler {rec.scheduler}  ranks {rec.ntasks}  "
           f"nodes {st.nodelist or '-'}  requeued {requeues}")
     print(f"  folder {rec.folder}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import submitit
@@ -14,7 +15,7 @@ from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
-from hpcring.schedulers.base import JobState, run_command
+from hpcring.schedulers.base import TERMINAL, JobState, run_command
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, submitit_command
 
 COMMAND = "sbatch"
@@ -75,6 +76,20 @@ def _normalize(raw: str) -> str:
     return word.rstrip("+")
 
 
+def exit_code(state: str, field: str) -> int | None:
+    """sacct's ``ExitCode`` (``code:signal``) in the shell's convention (a signal N is 128 + N);
+    None while the job runs (sacct says 0:0 then) and for a ``0:0`` of a job that did not
+    complete (TIMEOUT, CANCELLED, a requeue): no exit code to show there, not a success."""
+    if state not in TERMINAL:
+        return None
+    code, _, sig = field.partition(":")
+    if not code.isdigit():
+        return None
+    if sig.isdigit() and int(sig):
+        return 128 + int(sig)
+    return int(code) if int(code) or state == "COMPLETED" else None
+
+
 def state(job_id: str) -> JobState:
     """sacct first (it knows finished jobs); squeue while accounting has not caught up."""
     r = _run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "JobID,State,ExitCode,NodeList"])
@@ -82,8 +97,8 @@ def state(job_id: str) -> JobState:
         for line in r.stdout.splitlines():
             parts = line.split("|")
             if len(parts) >= 4 and parts[0] == str(job_id):
-                code = parts[2].split(":")[0]
-                return JobState(_normalize(parts[1]), parts[1], int(code) if code.isdigit() else None, parts[3])
+                st = _normalize(parts[1])
+                return JobState(st, parts[1], exit_code(st, parts[2]), parts[3])
     q = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%N"])
     if q.returncode == 0 and q.stdout.strip():
         st, _, nodes = q.stdout.strip().splitlines()[0].partition("|")
@@ -91,6 +106,24 @@ def state(job_id: str) -> JobState:
     if "Invalid job id" in q.stderr or q.returncode == 0:
         return JobState("UNKNOWN", (r.stderr or q.stderr).strip())
     raise SchedulerError(f"could not read the state of job {job_id}: {(r.stderr or q.stderr).strip()}")
+
+
+def queued_at(job_id: str) -> float | None:
+    """When the job was last queued, in seconds since the epoch: sacct's Submit, which a requeue
+    resets (its Start is None when the job is cancelled before the requeued run begins). Whatever
+    the job folder holds from before then belongs to an earlier run."""
+    try:
+        r = _run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "JobID,Submit"])
+    except SchedulerError:
+        return None
+    for line in r.stdout.splitlines():
+        jid, _, submit = line.partition("|")
+        if jid == str(job_id):
+            try:
+                return time.mktime(time.strptime(submit.strip(), "%Y-%m-%dT%H:%M:%S"))
+            except ValueError:
+                return None
+    return None
 
 
 def cluster_name(site: Site) -> str:

@@ -1,7 +1,8 @@
 """Run by the Python of ``hpcring run``'s CMD at start (rank_exec puts this folder first on
-PYTHONPATH): watch the torch process group the script may create
-(:func:`hpcring.diagnostics.torch_watch.install`), then run the ``sitecustomize`` this file
-shadows, if any. A Python without hpcring just skips the watch."""
+PYTHONPATH): register the ``hpcring`` torch.distributed backend once the script imports torch,
+as ``hpcring submit`` does (:func:`hpcring.job.register_torch_backend_on_import`), watch the torch
+process group the script may create (:func:`hpcring.diagnostics.torch_watch.install`), then run
+the ``sitecustomize`` this file shadows, if any. A Python without hpcring just skips both."""
 import importlib.machinery
 import importlib.util
 import os
@@ -9,6 +10,8 @@ import sys
 
 try:
     if os.environ.get("HPCRING_SESSION"):
+        from hpcring.job import register_torch_backend_on_import
+        register_torch_backend_on_import()
         from hpcring.diagnostics import torch_watch
         torch_watch.install()
 except ImportError:  # CMD's Python is not the one hpcring is installed in: nothing to watch with

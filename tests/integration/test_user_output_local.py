@@ -1,0 +1,116 @@
+"""A failing job on the local backend as the user sees it from `hpcring submit --wait`: the
+script's traceback once per failing rank with only the script's frames, no submitit log lines,
+one verdict, and the rank's own exit code (from --wait and from `hpcring status`); `hpcring run`
+registers the `hpcring` torch backend as `submit` does."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAIL_ONE = """import os, sys, time
+def inner():
+    raise ValueError("boom on rank " + os.environ["RANK"])
+def outer():
+    inner()
+if os.environ["RANK"] == "1":
+    outer() if sys.argv[1] == "raise" else sys.exit(3)
+time.sleep(60)
+"""
+FAIL_ALL = """def f():
+    raise RuntimeError("every rank")
+f()
+"""
+
+
+def hpcring(*args, env=None, cwd=None, timeout=120):
+    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True,
+                          env=e, timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
+
+
+@pytest.fixture
+def local_env(tmp_path):
+    # a short grace: the healthy rank is stopped 1 s after the failure (SIGTERM, which submitit logs)
+    return {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
+            "HPCRING_LOCAL_GRACE_S": "1"}
+
+
+def no_internals(out: str) -> None:
+    for word in ("submitit", "RankFailed", "runpy", "hpcring/job.py", "site-packages"):
+        assert word not in out, f"{word!r} in the output:\n{out}"
+
+
+def verdicts(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
+
+
+def test_an_exception_on_one_rank_shows_its_traceback_once(local_env, tmp_path):
+    script = tmp_path / "fail_one.py"
+    script.write_text(FAIL_ONE)
+    r = hpcring("submit", str(script), "--nodes", "2", "--wait", "--", "raise", env=local_env)
+    assert r.returncode == 1, r.stderr
+    out = r.stdout
+    no_internals(out)
+    assert out.count("Traceback (most recent call last):") == 1, out
+    frames = [ln for ln in out.splitlines() if "File " in ln]
+    assert [f.rsplit(", in ", 1)[1] for f in frames] == ["<module>", "outer", "inner"], out
+    assert all(f.startswith("[1]<stderr>:") and str(script) in f for f in frames), out
+    assert out.count("ValueError: boom on rank 1") == 1
+    assert verdicts(r.stderr) == [f"error: job {_job(r)} (fail_one) FAILED: rank 1 on local1: "
+                                  "ValueError: boom on rank 1; rank 0 did not finish"], r.stderr
+
+
+def test_sys_exit_3_is_exit_code_3_everywhere_without_a_traceback(local_env, tmp_path):
+    script = tmp_path / "fail_one.py"
+    script.write_text(FAIL_ONE)
+    r = hpcring("submit", str(script), "--nodes", "2", "--wait", "--", "exit", env=local_env)
+    assert r.returncode == 3, r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    no_internals(r.stdout)
+    assert len(verdicts(r.stderr)) == 1 and "rank 1 on local1: exited with code 3" in r.stderr
+    lines = r.stderr.splitlines()        # the end state comes after the job's output, before the verdict
+    assert lines[-3:-1] == [f"job {_job(r)}: FAILED", verdicts(r.stderr)[0]], r.stderr
+    st = hpcring("status", _job(r), env=local_env)
+    assert st.returncode == 0 and st.stdout.splitlines()[0] == f"job {_job(r)}  FAILED  exit 3", st.stdout
+    logs = hpcring("logs", _job(r), "--follow", env=local_env)
+    assert logs.returncode == 3 and len(verdicts(logs.stderr)) == 1, logs.stderr
+
+
+def test_an_exception_on_every_rank_shows_each_ranks_traceback_once(local_env, tmp_path):
+    script = tmp_path / "fail_all.py"
+    script.write_text(FAIL_ALL)
+    r = hpcring("submit", str(script), "--nodes", "2", "--wait", env=local_env)
+    assert r.returncode == 1, r.stderr
+    no_internals(r.stdout)
+    for rank in (0, 1):
+        mine = [ln for ln in r.stdout.splitlines() if ln.startswith(f"[{rank}]<stderr>:")]
+        assert sum("Traceback (most recent call last):" in ln for ln in mine) == 1, r.stdout
+        assert [ln.rsplit(", in ", 1)[1] for ln in mine if "File " in ln] == ["<module>", "f"], r.stdout
+    assert len(verdicts(r.stderr)) == 1 and "RuntimeError: every rank" in verdicts(r.stderr)[0]
+
+
+def test_run_registers_the_hpcring_torch_backend(tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "ddp.py"
+    script.write_text("import torch, torch.distributed as dist\n"
+                      "dist.init_process_group('hpcring')\n"
+                      "t = torch.ones(2) * (dist.get_rank() + 1)\n"
+                      "dist.all_reduce(t)\n"
+                      "print('SUM', t.tolist())\n"
+                      "dist.destroy_process_group()\n")
+    for env in ({}, {"HPCRING_TORCH_WATCH": "0"}):     # the watch off: still registered
+        r = hpcring("run", "--nodes", "1", "--tasks-per-node", "2", "--", sys.executable, str(script),
+                    env=env, cwd=str(tmp_path))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert sorted(ln.split(":", 1)[0] for ln in r.stdout.splitlines() if "SUM [3.0, 3.0]" in ln) == \
+            ["[0]<stdout>", "[1]<stdout>"], r.stdout
+
+
+def _job(r) -> str:
+    return r.stderr.split("Submitted job ")[1].split()[0]
