@@ -421,3 +421,74 @@ def test_lsf_blaunch_line_survives_the_remote_shell(tmp_path):
     remote_words = shlex.split(" ".join(local_words[3:]))                          # blaunch's shell
     assert remote_words[-1] == str(folder / "%j") and remote_words[-2] == "hpcring.schedulers.lsf_task"
     assert "#BSUB -J 'my run'" in r.output
+
+
+# ------------------------------------------------------------------------------ issue 19.5: ids, state, bench
+
+@pytest.mark.parametrize("ref", ["38", "38_2", "local-38", "slurm-devcluster-38", "lsf-c.x-1234"])
+def test_job_ids_that_can_name_a_record(ref):
+    from hpcring.schedulers.base import check_job_ref
+    assert check_job_ref(ref) == ref
+
+
+@pytest.mark.parametrize("ref", ["", "*", "*-38", "38/..", "../38", "-38", "a b", "j\u00f6b", "1" * 201])
+def test_job_ids_that_never_reach_the_filesystem(ref, state_dir):
+    from hpcring.schedulers.base import load_record
+    state_dir.joinpath("jobs").mkdir(parents=True)
+    (state_dir / "jobs" / "local-38.json").write_text("{}")      # '*' must not match it
+    with pytest.raises(UsageError, match="not a job id"):
+        load_record(ref)
+
+
+def test_damaged_job_record_is_an_error_naming_the_file(state_dir):
+    from hpcring.schedulers.base import load_record
+    (state_dir / "jobs").mkdir(parents=True)
+    path = state_dir / "jobs" / "local-7.json"
+    for text in ("{bad", '{"job_id": "7"}', "[]"):
+        path.write_text(text)
+        with pytest.raises(HpcringError, match="local-7.json cannot be read") as exc:
+            load_record("7")
+        assert "hint:" in str(exc.value)
+
+
+@pytest.mark.parametrize("value", ["/dev/null", "/proc/version"])
+def test_state_dir_that_cannot_hold_records(value, monkeypatch):
+    from hpcring.schedulers.base import state_dir
+    monkeypatch.setenv("HPCRING_STATE_DIR", value)
+    with pytest.raises(UsageError, match="HPCRING_STATE_DIR") as exc:
+        state_dir()
+    assert exc.value.exit_code == 2
+
+
+def test_bench_size_bounds():
+    from hpcring.bench import options as bo
+    assert bo.parse_size("8G") == bo.MAX_BYTES and bo.parse_size("64MiB") == 64 << 20
+    for text in ("8G1", "9G", "1e400", "nan", "1_0", "\uff18", "-1", "1" * 100, ""):
+        with pytest.raises(UsageError, match="--maxbytes"):
+            bo.parse_size(text, "--maxbytes")
+    with pytest.raises(UsageError, match="256 sizes"):
+        bo.size_list(8, 64 << 20, 1.0000001)
+    for factor in (float("nan"), float("inf"), 0.5, 1e6):
+        with pytest.raises(UsageError, match="--stepfactor"):
+            bo.size_list(8, 64, factor)
+    assert bo.size_list(8, 8, 1) == [8]          # one size needs no step
+
+
+def test_bench_refuses_sizes_this_machine_cannot_hold(tmp_path):
+    from hpcring.bench import BenchOptions
+    from hpcring.bench.run import check_host_memory
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 4194304 kB\nMemAvailable: 1048576 kB\n")    # 1 GiB available
+    check_host_memory(BenchOptions(maxbytes=64 << 20), 2, str(meminfo))        # 384 MiB: fine
+    with pytest.raises(UsageError, match="1.0 GiB is available"):
+        check_host_memory(BenchOptions(maxbytes=256 << 20), 2, str(meminfo))   # 1.5 GiB
+    check_host_memory(BenchOptions(maxbytes=256 << 20, backend="nccl"), 2, str(meminfo))  # GPU memory
+
+
+def test_bench_output_paths_are_checked_before_any_rank(tmp_path):
+    from hpcring.bench import BenchOptions
+    for path, word in ((tmp_path / "no" / "x.json", "does not exist"), (tmp_path, "is a folder")):
+        with pytest.raises(UsageError, match=word):
+            BenchOptions(json=str(path)).check()
+    with pytest.raises(UsageError, match="unknown --backend"):
+        BenchOptions(backend="gloo").check()
