@@ -492,3 +492,31 @@ def test_bench_output_paths_are_checked_before_any_rank(tmp_path):
             BenchOptions(json=str(path)).check()
     with pytest.raises(UsageError, match="unknown --backend"):
         BenchOptions(backend="gloo").check()
+
+
+def test_bench_plot_format_is_checked_before_the_run(tmp_path, monkeypatch):
+    """A --plot suffix matplotlib cannot write used to fail on rank 0 after the whole run."""
+    import types
+    from hpcring.bench.options import check_plot_format
+    canvas = types.SimpleNamespace(get_supported_filetypes=lambda: {"png": "PNG", "pdf": "PDF"})
+    fake = types.ModuleType("matplotlib.figure")
+    fake.Figure = lambda: types.SimpleNamespace(canvas=canvas)
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", fake)
+    check_plot_format(str(tmp_path / "bw.pdf"))
+    check_plot_format(str(tmp_path / "bw"))
+    with pytest.raises(UsageError, match=r"cannot write \.docx") as exc:
+        check_plot_format(str(tmp_path / "bw.docx"))
+    assert ".png" in str(exc.value)
+
+
+def test_bench_host_memory_check_follows_where_buffers_live(monkeypatch):
+    from hpcring.bench import BenchOptions
+    from hpcring.bench.run import _buffers_on_host
+    assert _buffers_on_host(BenchOptions(backend="nccl", memory="host"))
+    assert not _buffers_on_host(BenchOptions(backend="nccl"))
+    assert _buffers_on_host(BenchOptions(backend="ring"))
+    monkeypatch.setenv("HPCRING_BACKEND", "nccl")
+    assert not _buffers_on_host(BenchOptions())
+    monkeypatch.setenv("HPCRING_BACKEND", "ring")
+    assert _buffers_on_host(BenchOptions())

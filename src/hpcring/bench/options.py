@@ -127,7 +127,18 @@ class BenchOptions:
         if self.plot:
             check_output_path(self.plot, "--plot")
             require_matplotlib()
+            check_plot_format(self.plot)
         return self
+
+
+def check_plot_format(path: str) -> None:
+    """matplotlib can write ``path``'s suffix (none: PNG), checked before the run, not after it."""
+    from matplotlib.figure import Figure
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = Path(path).suffix[1:].lower()
+    if suffix and suffix not in formats:
+        raise UsageError(f"--plot {shown(path)}: matplotlib cannot write .{suffix} files",
+                         hint=f"use one of {', '.join('.' + f for f in sorted(formats))}")
 
 
 def require_matplotlib() -> None:

@@ -169,7 +169,7 @@ def _write_results(opts: BenchOptions, result: dict, emit) -> HpcringError | Non
             continue
         try:
             write(path, result)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:      # ValueError: a --plot format matplotlib lacks
             return HpcringError(f"bench {what}: cannot write {path}: {exc.strerror or exc}",
                                 hint=f"the table above is complete; rerun with {what} in a writable folder")
         emit(f"# wrote {path}")
@@ -199,10 +199,24 @@ def to_argv(opts: BenchOptions) -> list[str]:
 MAX_LOCAL_RANKS = 256     # standalone: every rank is a process on this machine
 
 
+def _buffers_on_host(opts: BenchOptions) -> bool:
+    """Do the ranks' buffers live in host memory (numpy), as ``auto`` will decide?"""
+    if opts.memory != "auto":
+        return opts.memory == "host"
+    backend = opts.backend
+    if backend == "auto":
+        from hpcring.config.envvars import get
+        backend = get("HPCRING_BACKEND")
+        if backend is None:
+            from hpcring.collectives.nccl_lib import gpu_available
+            backend = "nccl" if gpu_available() else "ring"
+    return backend != "nccl"
+
+
 def check_host_memory(opts: BenchOptions, ranks: int, meminfo: str = "/proc/meminfo") -> None:
     """Standalone, host buffers: refuse sizes this machine cannot hold before starting any rank
     (else the ranks allocate until the kernel's OOM killer picks one)."""
-    if opts.backend == "nccl" or opts.memory == "device":
+    if not _buffers_on_host(opts):
         return                    # device memory: the GPU's own allocator reports it
     need = ranks * BUFFERS_PER_RANK * opts.maxbytes
     try:

@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from hpcring.cli import output
-from hpcring.config.envvars import (check_environ, check_text, parse_float_text, parse_int_text,
+from hpcring.config.envvars import (MAX_TEXT, check_environ, check_text, parse_float_text, parse_int_text,
                                     shown)
 from hpcring.errors import HpcringError
 
@@ -62,7 +62,7 @@ def _strict_value(param, text: str):
             hint = "a finite number such as 2, 0.5 or 1e-3"
             parse_float_text(text)          # bounds: typer's own min/max checks follow
         else:
-            hint = "text without line breaks, tabs or other control characters, at most 4096 characters"
+            hint = f"text without line breaks, tabs or other control characters, at most {MAX_TEXT} characters"
             check_text(text)
     except ValueError as exc:
         raise typer.BadParameter(f"{shown(text)}: {exc}\n  hint: give {hint}") from None
