@@ -192,6 +192,7 @@ class Tripwire:
 
     def __enter__(self):
         self.started.clear()
+        self._environ = dict(os.environ)     # a command may set variables (doctor's own secret)
         self._mp = pytest.MonkeyPatch()
         for mod, name in self.targets:
             self._mp.setattr(mod, name, self._trip(f"{mod.__name__}.{name}"))
@@ -202,6 +203,9 @@ class Tripwire:
 
     def __exit__(self, *exc):
         self._mp.undo()
+        if os.environ != self._environ:
+            os.environ.clear()
+            os.environ.update(self._environ)
 
 
 TRIPWIRE = Tripwire()
