@@ -1,7 +1,10 @@
 """A representative subset of the fault matrix (benchmarks/fault_matrix.py runs all of it and prints
 the table): a frozen rank (SIGSTOP) ends the whole job -- local backend, Slurm dev cluster with the
 ring and MPI backends, LSF emulation -- with the victim named, every rank gone and the job out of
-the queue within deadline + 30 s, FAILED; and nothing outlives ``hpcring run`` or a local cancel."""
+the queue within deadline + 30 s, FAILED; a different count or collective on MPI is named at once
+(the signature check) and leaves every node usable; a rank late to its very first collective is
+"never joined" at the deadline, like any later one; and nothing outlives ``hpcring run`` or a local
+cancel."""
 from __future__ import annotations
 
 import importlib.util
@@ -63,6 +66,54 @@ def test_lsf_frozen_rank_ends_the_job():
     res = fault_matrix.run_one("lsf", "ring", "stop", DEADLINE)
     check(res)
     assert "ending the job: bkill" in fault_matrix._rank_logs(res.folder)
+
+
+@shared
+def test_local_rank_late_to_the_first_collective_is_never_joined_at_the_deadline():
+    """The ring connects on the first collective: a peer late to it is that collective's missing
+    rank (the watchdog's report, at the deadline), not a bootstrap error at another one."""
+    res = fault_matrix.run_one("local", "ring", "late", DEADLINE)
+    check(res)
+    assert res.headline == "allreduce#1: rank 1 (local0) never joined", res.headline
+    assert DEADLINE - 0.5 <= res.dt(res.report_at) <= DEADLINE + 4, res.dt(res.report_at)   # deadline + grace at most
+    report = next(res.folder.glob("**/diag/hang-report.txt")).read_text()
+    assert "missing   : rank 1 (local0): never joined: last completed #0, now in load_batch" in report, report
+
+
+@mpi
+@shared
+@pytest.mark.parametrize("fault,what", [("mismatch", "called it with different arguments"),
+                                        ("different", "called a different collective")])
+def test_mpirun_mismatch_is_named_at_once(fault, what):
+    """Open MPI does not check arguments (a different count corrupted its heap: SIGABRT, no
+    report); the signature check names the rank on every rank before MPI sees the call."""
+    res = fault_matrix.run_one("local", "mpi", fault, DEADLINE)
+    check(res)
+    assert res.headline == f"allreduce#4: rank 1 ({os.uname().nodename}) {what}", res.headline
+    assert res.dt(res.report_at) < 3.0, res.dt(res.report_at)         # not at the deadline
+    assert "double free" not in res.out and "corruption" not in res.out, res.out[-3000:]
+
+
+def _nodes_usable() -> list[str]:
+    """Nodes of the dev cluster that are drained, draining or down (with Slurm's reason)."""
+    r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True, timeout=30)
+    return [ln for ln in r.stdout.splitlines() if any(w in ln.split()[1] for w in ("drain", "down", "fail"))]
+
+
+@mpi
+@pytest.mark.devcluster
+@pytest.mark.parametrize("fault", ["different", "mismatch"])
+def test_slurm_mpi_mismatch_is_named_and_leaves_every_node_usable(fault):
+    if not _cluster_up():
+        pytest.skip("dev cluster is not up (hpcring devcluster up)")
+    bad = _nodes_usable()
+    if bad:
+        pytest.skip(f"dev cluster nodes not usable before the test: {bad}")
+    res = fault_matrix.run_one("slurm", "mpi", fault, DEADLINE)
+    check(res)
+    assert "rank 1 (node2) called" in res.headline, res.headline
+    assert res.dt(res.report_at) < 3.0, res.dt(res.report_at)
+    assert _nodes_usable() == []                    # no "Kill task failed" drain
 
 
 def test_sigkill_of_hpcring_run_leaves_no_rank_and_no_secret(tmp_path):

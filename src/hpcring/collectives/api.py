@@ -104,7 +104,7 @@ class Communicator:
             from hpcring.collectives.nccl import NcclBackend as impl
         else:
             raise UsageError(f"unknown backend {backend!r}; choose one of ring, mpi, nccl")
-        if backend == "ring":           # the mesh is built by the first collective, under its deadline
+        if backend in ("ring", "mpi"):  # they meet in the first collective, under its deadline
             backend_options.setdefault("lazy", True)
         be = impl.create(topology, store, secret, timeout, **backend_options)
         return cls(be, timeout=timeout, watchdog=watchdog)

@@ -280,12 +280,22 @@ class MpiBackend(LibraryBackend):
     # -- creation -------------------------------------------------------------------------
     @classmethod
     def create(cls, topology=None, store=None, secret=None, timeout: float | None = None, *,
-               abort_on_timeout: bool | None = None, abort_code: int = ABORT_CODE) -> "MpiBackend":
+               abort_on_timeout: bool | None = None, abort_code: int = ABORT_CODE,
+               lazy: bool = False) -> "MpiBackend":
         """Duplicate MPI_COMM_WORLD (collective: every rank must call) after checking that MPI's
         rank and size are the Topology's. With ``store``, every rank first meets there (bounded by
         the deadline): MPI_Init under PMIx waits for a missing rank without any deadline, the
-        store names it. ``secret`` is unused (MPI meets by itself)."""
+        store names it. ``secret`` is unused (MPI meets by itself).
+
+        ``lazy=True`` (with ``store`` and ``topology``; what :meth:`Communicator.create` asks for):
+        the meeting, MPI_Init and the duplicate happen in the first collective, under its deadline,
+        so a rank late to it is that collective's "never joined" in the watchdog's report, as for
+        any later collective (and as on the ring)."""
         from hpcring.config.envvars import collective_timeout
+        if lazy and store is not None and topology is not None:
+            be = cls.__new__(cls)
+            be._init_lazy(topology, store, abort_on_timeout, abort_code)
+            return be
         if store is not None and topology is not None:
             # ranks start seconds apart on a busy machine: the bootstrap's deadline, not a collective's
             from hpcring.config import envvars
@@ -316,12 +326,44 @@ class MpiBackend(LibraryBackend):
         comm.Set_name("hpcring")
         return cls(comm, hosts=hosts, abort_on_timeout=abort_on_timeout, abort_code=abort_code, mpi=MPI)
 
+    def _init_lazy(self, topology, store, abort_on_timeout, abort_code) -> None:
+        self._MPI = None                  # importing mpi4py.MPI runs MPI_Init: not before the meeting
+        self._comm = None
+        self._init_state(topology.rank, topology.size, topology.hosts)
+        self._pending = (topology, store)
+        self.abort_on_timeout = abort_default() if abort_on_timeout is None else bool(abort_on_timeout)
+        self.abort_code = int(abort_code)
+        self._stuck = []
+        self.check = check_default() and self._size > 1
+        self._sig = np.empty(2 * SIG_LEN, np.int64)
+
+    def _start(self, name: str, timeout: float) -> tuple[int, float]:
+        """The sequence number of the call and its time left, after the lazy setup (if due)."""
+        seq = self._begin(name)
+        if self._comm is not None:
+            return seq, timeout
+        topology, store = self._pending
+        t0 = time.monotonic()
+        try:
+            _all_arrived(store, topology, timeout)
+        except CollectiveError as e:
+            self._error = f"{name}#{seq} never joined: {e.message}"
+            raise CollectiveError(self._error, hint=e.hint) from None
+        try:
+            made = type(self).create(topology, None, None, timeout, abort_on_timeout=self.abort_on_timeout,
+                                     abort_code=self.abort_code)
+        except CollectiveError as e:
+            self._error = f"{name}#{seq}: {e.message}"
+            raise
+        self._MPI, self._comm, self._pending = made._MPI, made._comm, None
+        return seq, max(0.001, timeout - (time.monotonic() - t0))
+
     # -- Backend properties ---------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._error is None and self._comm is not self._MPI.COMM_WORLD:
+        if self._comm is not None and self._error is None and self._comm is not self._MPI.COMM_WORLD:
             try:
                 self._comm.Free()
             except Exception:  # noqa: BLE001 - finalized already, nothing to release
@@ -409,8 +451,9 @@ class MpiBackend(LibraryBackend):
 
     # -- collectives ----------------------------------------------------------------------
     def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+        reduce_plan(dtype, op)                     # argument errors before a sequence number is used
+        seq, timeout = self._start("allreduce", timeout)
         view, mtype, mop = self._reduce_args(dtype, op)
-        seq = self._begin("allreduce")
         n = recvbuf.size
         desc = self._desc(n, dtype, op)
         MPI = self._MPI
@@ -434,7 +477,7 @@ class MpiBackend(LibraryBackend):
             recvbuf /= recvbuf.dtype.type(self._size)
 
     def allgather(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
-        seq = self._begin("allgather")
+        seq, timeout = self._start("allgather", timeout)
         desc = self._desc(sendbuf.size, dtype)
         s, r = self._bytes(sendbuf), self._bytes(recvbuf)
         if _same_memory(sendbuf, recvbuf):
@@ -444,8 +487,9 @@ class MpiBackend(LibraryBackend):
                   signature("allgather", seq, sendbuf.size, dtype))
 
     def reduce_scatter(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
+        reduce_plan(dtype, op)
+        seq, timeout = self._start("reduce_scatter", timeout)
         view, mtype, mop = self._reduce_args(dtype, op)
-        seq = self._begin("reduce_scatter")
         n = sendbuf.size
         counts = chunk_counts(n, self._size)
         desc = self._desc(n, dtype, op)
@@ -472,7 +516,7 @@ class MpiBackend(LibraryBackend):
     def broadcast(self, buf, root: int, dtype: str, timeout: float) -> None:
         if not (0 <= root < self._size):
             raise UsageError(f"broadcast: root {root} out of range for {self._size} ranks")
-        seq = self._begin("broadcast")
+        seq, timeout = self._start("broadcast", timeout)
         desc = self._desc(buf.size, dtype, root=root)
         b = self._bytes(buf)
         B = self._MPI.BYTE
@@ -482,7 +526,7 @@ class MpiBackend(LibraryBackend):
     def alltoall(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
         if sendbuf.size % self._size:
             raise UsageError(f"alltoall: {sendbuf.size} elements cannot be split into {self._size} equal blocks")
-        seq = self._begin("alltoall")
+        seq, timeout = self._start("alltoall", timeout)
         desc = self._desc(sendbuf.size, dtype)
         s, r = self._bytes(sendbuf), self._bytes(recvbuf)
         if _same_memory(sendbuf, recvbuf):
@@ -492,7 +536,7 @@ class MpiBackend(LibraryBackend):
                   signature("alltoall", seq, sendbuf.size, dtype))
 
     def barrier(self, timeout: float) -> None:
-        seq = self._begin("barrier")
+        seq, timeout = self._start("barrier", timeout)
         if self.check:          # the check's allreduce needs every rank's input: it is a barrier
             self._agree(signature("barrier", seq), "barrier", seq, "", timeout, time.monotonic())
             return
