@@ -64,12 +64,13 @@ def print_user_traceback(exc: BaseException, file=None) -> None:
     traceback.print_exception(type(exc), exc, tb, file=sys.stderr if file is None else file)
 
 
-class _NoSignalBypassLog(logging.Filter):
+class _QuietSubmititSignals(logging.Filter):
     """submitit logs every SIGTERM/SIGCONT it ignores (a requeue, a teardown, a cancel: several
-    per rank); the rank's log is the user's output, and the ignore itself is what matters."""
+    per rank) and, on rank 0, the warning signal hpcring hands it to requeue (hpcring says so
+    itself); the rank's log is the user's output."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Bypassing signal")
+        return not str(record.msg).startswith(("Bypassing signal", "Caught signal"))
 
 
 def _exit_rank(code: int, why: str) -> None:
@@ -122,7 +123,7 @@ class RunScript:
         status = {"rank": None, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                   "exit_code": None, "error": None}
         folder = _job_folder()
-        logging.getLogger("submitit").addFilter(_NoSignalBypassLog())
+        logging.getLogger("submitit").addFilter(_QuietSubmititSignals())
         from hpcring import preempt
         os.environ[preempt.REQUEUE_VAR] = str(self.requeues)
         preempt.install(folder / f"{_job_id()}_preempt.json")   # the warning is the script's to act on
