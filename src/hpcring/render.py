@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
@@ -77,16 +78,76 @@ def signal_overrides(site: Site, job: JobSpec) -> list[str]:
     """Warnings for scheduler arguments that replace the site's warning signal (or its time)."""
     out = []
     own = len(site.config.sched_args)
+    plan = slurm_warning(site, job) if site.config.scheduler == "slurm" else None
+    if plan is not None and plan.forward:
+        flags = [a for a in job.sched_args if a not in plan.sched_args]
+        return [f"{', '.join(map(repr, flags))} and the site's slurm.signal {site.config.slurm.signal!r}: Slurm "
+                f"keeps one --signal per job, so it warns the job script (--signal={plan.directive}) and the "
+                f"script hands every rank {' and '.join(plan.forward)} (hpcring's warning is "
+                f"{plan.listen}; a script's own handler, such as Lightning's requeue, gets its own signal)"]
     for i, arg in enumerate(job.sched_args):
         for pattern, key, value in _SIGNAL_FLAGS.get(site.config.scheduler, []):
             m = pattern.fullmatch(arg.strip())
             site_value = value(site.config)
+            if plan is not None and m and arg not in plan.sched_args:
+                continue                     # the same signal, merged into one directive
             if m and site_value is not None and _bare(m.group(1)) != _bare(str(site_value)):
                 source = f"site sched_args {arg!r}" if i < own else f"--sched-arg {arg!r}"
                 out.append(f"{source} replaces the site's {key} {str(site_value)!r} with {m.group(1)!r}: the "
                            f"scheduler keeps the last one, so hpcring's time-limit and preemption warning "
                            f"changes with it; drop the flag, or change {key} in {site.path}")
     return out
+
+
+@dataclass(frozen=True)
+class SlurmWarning:
+    """How a Slurm job gets its warning signals (``--signal``). Slurm keeps one ``--signal`` per
+    job; when a user's ``--sched-arg=--signal=...`` (Lightning's ``SIGUSR1@90``) names another
+    signal than the site's (hpcring's, USR2), both are wanted: Slurm then warns the batch shell
+    (``B:``) at the earlier of the two times, and the job script hands every rank each signal."""
+    directive: str | None            # the one --signal value rendered, or None
+    forward: tuple[str, ...] = ()    # signals the batch shell sends every rank (empty: Slurm does)
+    listen: str = "USR2"             # the signal hpcring's ranks take as their warning
+    sched_args: tuple[str, ...] = () # the job's scheduler flags, less a --signal merged here
+
+
+_SLURM_SIGNAL = re.compile(r"--signal(?:=|\s+)(\S+)")
+
+
+def _signal_spec(spec: str) -> tuple[str, str, int] | None:
+    """``[R:|B:]SIG[@SECONDS]`` -> (flag, bare signal name, seconds); Slurm's default time is 60."""
+    flag, _, rest = spec.strip("'\"").rpartition(":")
+    sig, _, secs = rest.partition("@")
+    sig = re.sub(r"^SIG", "", sig.upper())
+    if sig.isdigit():
+        import signal as _signal
+        try:
+            sig = _signal.Signals(int(sig)).name.removeprefix("SIG")
+        except ValueError:
+            return None
+    if not sig or (secs and not secs.isdigit()):
+        return None
+    return flag, sig, int(secs) if secs else 60
+
+
+def slurm_warning(site: Site, job: JobSpec) -> SlurmWarning:
+    site_spec = _signal_spec(site.config.slurm.signal) if site.config.slurm.signal else None
+    listen = site_spec[1] if site_spec else "USR2"
+    own = [(i, a) for i, a in enumerate(job.sched_args) if _SLURM_SIGNAL.fullmatch(a.strip())]
+    if site_spec is None or site_spec[0] or not own:
+        return SlurmWarning(site.config.slurm.signal, (), listen, tuple(job.sched_args))
+    i, arg = own[-1]                         # Slurm keeps the last --signal
+    user = _signal_spec(_SLURM_SIGNAL.fullmatch(arg.strip()).group(1))
+    if user is None or user[0]:              # unreadable, or the user's own B:/R: choice: theirs
+        return SlurmWarning(site.config.slurm.signal, (), listen, tuple(job.sched_args))
+    rest = tuple(a for j, a in enumerate(job.sched_args) if (j, a) not in own)
+    signals = tuple(dict.fromkeys([user[1], site_spec[1]]))
+    secs = max(user[2], site_spec[2])
+    if len(signals) == 1:                    # the same signal: one directive, the earlier time
+        return SlurmWarning(f"{signals[0]}@{secs}", (), listen, rest)
+    # hpcring's own first: its handler only takes note, while the script's (Lightning's) may start
+    # a child (`scontrol requeue`) that a later signal of the step would kill
+    return SlurmWarning(f"B:{signals[0]}@{secs}", (site_spec[1], user[1]), listen, rest)
 
 
 def template_path(site: Site, override: str | Path | None = None) -> Path:
@@ -121,6 +182,7 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
     jenv.filters["shquote"] = lambda v: shlex.quote(str(v))
     jenv.filters["shquote_path"] = lambda v: quote_path(str(v))   # keeps a leading ~ expandable
     jenv.globals["launch_command"] = lambda logs=None: launch_command(site, job, command, logs)
+    jenv.globals["slurm_warning"] = lambda: slurm_warning(site, job)
     try:
         text = jenv.get_template(path.name).render(
             site=site.config, site_path=site.path.name if site.origin == "bundled" else str(site.path),

@@ -34,6 +34,7 @@ export HPCRING_SITE=slurm-infiniband
 export HPCRING_TIMEOUT=300
 export HPCRING_GPUS_PER_NODE=4
 
+export SUBMITIT_PREEMPT_SIGNAL=USR2
 # One task per rank; each writes its own log (%t = rank), as submitit expects. A rank that exits
 # non-zero (the watchdog after a diagnosed failure, a crash) ends the step: no rank, frozen or
 # waiting on a dead peer, holds the allocation.

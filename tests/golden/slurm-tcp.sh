@@ -23,6 +23,7 @@ export SUBMITIT_EXECUTOR=slurm
 export HPCRING_SITE=slurm-tcp
 export HPCRING_TIMEOUT=300
 
+export SUBMITIT_PREEMPT_SIGNAL=USR2
 # One task per rank; each writes its own log (%t = rank), as submitit expects. A rank that exits
 # non-zero (the watchdog after a diagnosed failure, a crash) ends the step: no rank, frozen or
 # waiting on a dead peer, holds the allocation.

@@ -155,6 +155,64 @@ def test_slurm_job_that_requeues_itself_resumes_twice_and_finishes():
     assert "COLLECTIVE FAILURE" not in res["out"] and "ending the job" not in res["out"], res["out"][-3000:]
 
 
+LIGHTNING = ROOT / "tests" / "lightning_requeue.py"
+
+
+def _warn_batch_twice(job, folder):
+    """Stand-in for Slurm's --signal timer (its resolution is a minute): the batch shell gets the
+    job's warning signal, as Slurm sends it (B:), once a run is training, in two runs."""
+    warned = 0
+    deadline = time.time() + 300
+    while warned < 2 and time.time() < deadline:
+        logs = "".join(p.read_text(errors="replace") for p in folder.glob("*/*_0_log.out"))
+        if logs.count("LREQ rank=0 start") > warned:
+            time.sleep(3)
+            subprocess.run(["scancel", "--batch", "--signal=USR1", job], timeout=30)
+            warned += 1
+        time.sleep(0.5)
+
+
+@pytest.mark.devcluster
+def test_lightning_auto_requeue_and_the_hpcring_warning_from_one_job():
+    """Lightning's documented `--signal=SIGUSR1@90` beside the site's USR2@60: Slurm keeps one
+    --signal, so hpcring's job script takes the warning in the batch shell and hands every rank
+    both signals. Lightning saves and requeues on USR1 (twice), hpcring notes its USR2 warning,
+    and the job resumes from Lightning's checkpoint and finishes."""
+    if not _cluster_up():
+        pytest.skip("dev cluster is not up (hpcring devcluster up)")
+    folder = Path("/srv/hpcring/pytest-preempt") / uuid.uuid4().hex[:8]
+    (folder / "out").mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_STATE_DIR=str(folder / "state"),
+               HPCRING_JOB_DIR=str(folder))
+    cmd = [sys.executable, "-m", "hpcring", "submit", str(LIGHTNING), "--site", "devcluster", "--nodes", "2",
+           "--time", "5", "--sched-arg=--signal=SIGUSR1@90", "--wait", "--", str(folder / "out")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         stdin=subprocess.DEVNULL, cwd=str(ROOT))
+    first = ""
+    while "Submitted job " not in first and p.poll() is None:     # the signal note comes first
+        first += p.stdout.readline()
+    assert "Slurm keeps one --signal per job" in first, first
+    job = first.split("Submitted job ")[1].split()[0]
+    stop = threading.Event()
+    threading.Thread(target=_release_when_requeued, args=(job, stop), daemon=True).start()
+    threading.Thread(target=_warn_batch_twice, args=(job, folder), daemon=True).start()
+    try:
+        out, _ = p.communicate(timeout=400)
+    finally:
+        stop.set()
+        if p.poll() is None:
+            p.kill()
+            subprocess.run(["scancel", job], timeout=30)
+    out = first + out
+    assert p.returncode == 0, out[-4000:]
+    result = json.loads((folder / "out" / "result.json").read_text())
+    assert result == {"steps": 60, "restarts": 2}, result
+    assert out.count("Handling auto-requeue signal") >= 2, out[-4000:]
+    assert "restarts=2" in out and "start step=0 restarts=2" not in out, out[-4000:]   # it resumed
+    assert list(folder.glob("*/*_preempt.json")), "hpcring's own warning was not delivered"
+    assert "COLLECTIVE FAILURE" not in out and "cannot read secret file" not in out
+
+
 @slow
 @pytest.mark.devcluster
 def test_slurm_time_limit_checkpoint_requeue_resume():

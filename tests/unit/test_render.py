@@ -69,3 +69,50 @@ def test_site_own_template_relative_to_site_file(tmp_path):
     site = load_site(str(tmp_path / "s.yaml"))
     job = resolve_job(site, "x.py", [], {"nodes": 3}, environ={})
     assert render_script(site, job, "CMD", "/f") == "#!/bin/bash\n# own 3\nCMD\n"
+
+
+def _signals(sched_args):
+    site = load_site("devcluster", {})       # slurm.signal USR2@60
+    job = resolve_job(site, "train.py", [], {"nodes": 2, "name": "sig"}, environ={}, sched_args=sched_args)
+    return render_script(site, job, COMMAND, "/jobs/%j", python="/usr/bin/python3")
+
+
+def test_a_second_warning_signal_is_forwarded_by_the_batch_shell(capsys):
+    """Lightning's --signal=SIGUSR1@90 beside the site's USR2@60: one B: directive at the earlier
+    time, a trap that hands the ranks hpcring's signal first, then the script's; srun in the
+    background so that the trap runs while it does; srun's own exit code is the job's."""
+    import subprocess
+    text = _signals(["--signal=SIGUSR1@90", "--comment=x"])
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH --signal")]
+    assert directives == ["#SBATCH --signal=B:USR1@90"]
+    assert "#SBATCH --comment=x" in text
+    assert 'for s in USR2 USR1; do scancel --signal="$s" "$SLURM_JOB_ID"; done' in text
+    assert "trap hpcring_warn USR1" in text and "export SUBMITIT_PREEMPT_SIGNAL=USR2" in text
+    assert "Slurm keeps one --signal per job" in capsys.readouterr().err
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+@pytest.mark.parametrize("args,directive", [
+    ([], "#SBATCH --signal=USR2@60"),                               # the site's alone: Slurm delivers
+    (["--signal=USR2@120"], "#SBATCH --signal=USR2@120"),            # the same signal: the earlier time
+    (["--signal=B:USR1@90"], "#SBATCH --signal=B:USR1@90"),          # the user's own B: choice is kept
+])
+def test_one_signal_needs_no_forwarding(args, directive):
+    text = _signals(args)
+    assert [line for line in text.splitlines() if line.startswith("#SBATCH --signal")][-1] == directive
+    assert "hpcring_warn" not in text and " &\n" not in text
+
+
+def test_the_forwarding_loop_keeps_the_launchers_exit_code():
+    """The wait loop of the forwarding script: a trapped signal interrupts `wait`, the loop waits
+    again, and the job exits with the launcher's own code (here a stand-in for srun)."""
+    import subprocess
+    text = _signals(["--signal=SIGUSR1@90"])
+    loop = text[text.index("hpcring_launch=$!"):]
+    script = ("trap 'echo trapped' USR1\n(sleep 1; exit 7) &\n" + loop)
+    p = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    import time
+    time.sleep(0.3)
+    p.send_signal(10)                 # SIGUSR1 while the launcher runs
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 7 and "trapped" in out
