@@ -269,7 +269,8 @@ def run_world(size, ranks=None, timeout=20.0, bw_seconds=0.1):
         topo = Topology(rank=rank, size=size, local_rank=rank % 2, local_size=2, node_rank=rank // 2,
                         num_nodes=(size + 1) // 2, hosts=hosts, launcher="local", job_id="t",
                         interface="lo", address="127.0.0.1")
-        session = SimpleNamespace(topology=topo, store=StoreClient("127.0.0.1", server.port, SECRET.encode(), 30))
+        store = StoreClient("127.0.0.1", server.port, SECRET.encode(), 30)
+        session = SimpleNamespace(topology=topo, store=store, secret=store.secret)
         try:
             out[rank] = d.run_doctor(session, d.Options(timeout=timeout, bw_seconds=bw_seconds), env)
         except Exception as e:   # noqa: BLE001 - the test inspects it
