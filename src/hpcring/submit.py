@@ -331,9 +331,53 @@ def describe_failure(rec: JobRecord, oc: Outcome) -> JobFailedError:
                           hint=f"see `hpcring logs {rec.job_id}" + (f" --rank {oc.failed[0]['rank']}`" if oc.failed else "`"))
 
 
+class SameTracebackOnce:
+    """Passes lines on to ``emit``, except a traceback that another rank already showed word for
+    word: that one becomes a single line naming the rank and the exception. A failure on every
+    rank is then read once, not once per rank."""
+
+    HEADER = "Traceback (most recent call last):"
+
+    def __init__(self, emit: Callable[[int | str, str, str], None]) -> None:
+        self.emit = emit
+        self.shown: dict[str, int | str] = {}        # traceback text -> the rank that showed it
+        self.open: dict[tuple, list[str]] = {}       # (rank, stream) -> a traceback being read
+
+    def __call__(self, rank: int | str, stream: str, line: str) -> None:
+        key = (rank, stream)
+        block = self.open.get(key)
+        if block is None:
+            if line == self.HEADER:
+                self.open[key] = [line]
+            else:
+                self.emit(rank, stream, line)
+            return
+        block.append(line)
+        if line and not line[0].isspace():           # the exception line ends the traceback
+            self._close(key)
+
+    def flush(self) -> None:
+        """Show what is left of tracebacks cut short (a rank killed while printing)."""
+        for key in list(self.open):
+            self._close(key, complete=False)
+
+    def _close(self, key: tuple, complete: bool = True) -> None:
+        block = self.open.pop(key)
+        first = self.shown.setdefault("\n".join(block), key[0]) if complete else key[0]
+        if first != key[0]:
+            self.emit(key[0], key[1], f"Traceback: the same as rank {first}'s ({block[-1]})")
+            return
+        for line in block:
+            self.emit(key[0], key[1], line)
+
+
 def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callable[[int, str, str], None],
-           poll_s: float = 1.0, rank: int | None = None) -> Outcome:
-    """Stream tagged output and state changes until the job ends; return its outcome."""
+           poll_s: float = 1.0, rank: int | None = None, tracebacks_once: bool = False) -> Outcome:
+    """Stream tagged output and state changes until the job ends; return its outcome.
+    ``tracebacks_once``: a traceback that another rank showed already is one line
+    (:class:`SameTracebackOnce`)."""
+    sink = SameTracebackOnce(on_line) if tracebacks_once else None
+    on_line = sink or on_line
     # Lines are read before the state: each state line then goes where it happened. A job seen
     # RUNNING ran while it wrote them (its state first); seen in any other state (ended, requeued),
     # it wrote them before it got there (its state after them).
@@ -346,6 +390,8 @@ def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callab
             time.sleep(0.3)  # let the last bytes land on shared storage
             for item in lines + list(tail.poll(final=True)):
                 on_line(*item)
+            if sink is not None:
+                sink.flush()
             on_state(st)
             return outcome(rec, st)
         changed, last = st.state != last, st.state

@@ -23,12 +23,14 @@ def cli(*args, env=None):
     return CliRunner().invoke(app, list(args), env=env or {})
 
 
-def fake_sacct(tmp_path, line: str) -> dict:
-    """PATH with a `sacct` printing ``line`` (its fields as the caller asks for them) for any job."""
+def fake_sacct(tmp_path, line: str, squeue: str = "") -> dict:
+    """PATH with a `sacct` printing ``line`` (its fields as the caller asks for them) for any job,
+    and a `squeue` printing ``squeue`` (%T|%N; nothing: the job is not in squeue)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "sacct").write_text(f"#!/bin/sh\necho '{line}'\n")
-    (bin_dir / "sacct").chmod(0o755)
+    for name, out in (("sacct", line), ("squeue", squeue)):
+        (bin_dir / name).write_text(f"#!/bin/sh\nprintf '%s' '{out}'\n")
+        (bin_dir / name).chmod(0o755)
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
@@ -41,6 +43,16 @@ def test_slurm_exit_code_from_sacct(tmp_path, monkeypatch, state, field, code):
         monkeypatch.setenv(k, v)
     st = slurm.state("41")
     assert (st.state, st.exit_code) == (state.split()[0], code)
+
+
+def test_slurm_state_of_a_live_job_is_squeues(tmp_path, monkeypatch):
+    """Accounting lags: sacct still says PENDING while the ranks run; squeue knows."""
+    for k, v in fake_sacct(tmp_path, "44|PENDING|0:0|None assigned", squeue="RUNNING|node[1-2]").items():
+        monkeypatch.setenv(k, v)
+    assert slurm.state("44") == JobState("RUNNING", "RUNNING", None, "node[1-2]")
+    for k, v in fake_sacct(tmp_path, "44|FAILED|3:0|node[1-2]", squeue="COMPLETING|node[1-2]").items():
+        monkeypatch.setenv(k, v)
+    assert slurm.state("44") == JobState("FAILED", "FAILED", 3, "node[1-2]")     # over: sacct's word
 
 
 def test_status_shows_the_failing_ranks_exit_code_not_the_teardowns(tmp_path, state_dir):
@@ -140,6 +152,31 @@ def test_follow_prints_the_end_state_after_the_last_output(tmp_path, state_dir, 
     submit.follow(rec, on_state=lambda st: events.append(st.state), on_line=lambda *x: events.append(x[2]),
                   poll_s=0.01)
     assert events == ["RUNNING", "last words", "FAILED"]
+
+
+def test_a_traceback_every_rank_printed_is_shown_once():
+    tb = ["Traceback (most recent call last):", '  File "/x/t.py", line 3, in <module>', "    f()",
+          "RuntimeError: every rank"]
+    out = []
+    sink = submit.SameTracebackOnce(lambda r, s, line: out.append(submit.tag(r, s, line)))
+    for rank in (0, 1):
+        sink(rank, "stdout", "step 1")
+        for line in tb:
+            sink(rank, "stderr", line)
+    sink(2, "stderr", tb[0])
+    sink(2, "stderr", tb[1])
+    sink(2, "stderr", "    g()")
+    sink(2, "stderr", "RuntimeError: rank 2's own")     # not the same: shown in full
+    sink(0, "stderr", tb[0])                            # rank 0 again: its own repeat is shown
+    for line in tb[1:]:
+        sink(0, "stderr", line)
+    sink(3, "stderr", tb[0])                            # cut short by a kill: shown at the end
+    sink.flush()
+    assert out == (["[0]<stdout>:step 1"] + [f"[0]<stderr>:{ln}" for ln in tb]
+                   + ["[1]<stdout>:step 1",
+                      "[1]<stderr>:Traceback: the same as rank 0's (RuntimeError: every rank)"]
+                   + [f"[2]<stderr>:{ln}" for ln in tb[:2] + ["    g()", "RuntimeError: rank 2's own"]]
+                   + [f"[0]<stderr>:{ln}" for ln in tb] + [f"[3]<stderr>:{tb[0]}"])
 
 
 def _failed_local_job(tmp_path, job_id="7"):

@@ -61,7 +61,7 @@ def submit(req: JobRequest,
 def _wait(rec) -> None:
     from hpcring import submit as lib
     try:
-        oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"),
+        oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"), tracebacks_once=True,
                         on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
     except KeyboardInterrupt:
         # Ctrl-C stops following, not the job (as with sbatch then squeue): say so, and how to stop it.
@@ -103,7 +103,7 @@ def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record n
     from hpcring import submit as lib
     rec = lib.record(job_id) if job_id is not None else newest_job()
     if follow:
-        oc = lib.follow(rec, on_state=lambda st: None, rank=rank,
+        oc = lib.follow(rec, on_state=lambda st: None, rank=rank, tracebacks_once=True,
                         on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
         if not oc.ok:      # as `submit --wait`: the verdict, and the failing rank's exit code
             raise lib.describe_failure(rec, oc)

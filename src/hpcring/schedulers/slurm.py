@@ -91,18 +91,25 @@ def exit_code(state: str, field: str) -> int | None:
 
 
 def state(job_id: str) -> JobState:
-    """sacct first (it knows finished jobs); squeue while accounting has not caught up."""
+    """sacct for a finished job (squeue forgets it after MinJobAge); squeue for a live one, since
+    accounting lags behind (sacct says PENDING for a while after the ranks started)."""
     r = _run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "JobID,State,ExitCode,NodeList"])
+    acct = None
     if r.returncode == 0:
         for line in r.stdout.splitlines():
             parts = line.split("|")
             if len(parts) >= 4 and parts[0] == str(job_id):
                 st = _normalize(parts[1])
-                return JobState(st, parts[1], exit_code(st, parts[2]), parts[3])
+                acct = JobState(st, parts[1], exit_code(st, parts[2]), parts[3])
+                break
+    if acct is not None and acct.finished:
+        return acct
     q = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T|%N"])
     if q.returncode == 0 and q.stdout.strip():
         st, _, nodes = q.stdout.strip().splitlines()[0].partition("|")
         return JobState(_normalize(st), st, None, nodes)
+    if acct is not None:
+        return acct
     if "Invalid job id" in q.stderr or q.returncode == 0:
         return JobState("UNKNOWN", (r.stderr or q.stderr).strip())
     raise SchedulerError(f"could not read the state of job {job_id}: {(r.stderr or q.stderr).strip()}")
