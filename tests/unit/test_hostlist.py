@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from hpcring.bootstrap.hostlist import MAX_RANGE, compress, expand
+from hpcring.bootstrap.hostlist import MAX_DIGITS, MAX_RANGE, compress, expand
 from hpcring.cli.hostlist_cmd import app
 from hpcring.errors import HostlistError
 
@@ -211,3 +211,36 @@ def test_cli_errors_go_to_stderr_with_exit_1():
     assert out.stderr.startswith("error: invalid hostlist: '[' is never closed")
     out = runner.invoke(app, ["compress", "a b"])
     assert out.exit_code == 1 and out.stderr.startswith("error: cannot compress")
+
+
+# ------------------------------------------------------------------------------------ long numbers
+
+@pytest.mark.parametrize("expr", ["n[1-" + "9" * 5000 + "]", "n" + "9" * 5000, "n[" + "0" * 4999 + "1]"],
+                         ids=["range", "suffix", "padding"])
+def test_numbers_too_long_to_convert_are_hostlist_errors(expr):
+    # int() refuses more than 4300 digits with a ValueError: the length is checked first
+    with pytest.raises(HostlistError, match=f"number of 5000 digits.*at most {MAX_DIGITS}") as info:
+        expand(expr)
+    assert len(info.value.message) < 400          # the expression is shown around the caret, not whole
+
+
+def test_zero_padding_is_kept_up_to_a_host_names_length():
+    # scontrol 22.05 keeps any padding (n[000...01-2] with 100 zeros gives 2 hosts of 101 digits)
+    assert expand("n[" + "0" * (MAX_DIGITS - 1) + "1-2]") == ["n" + f"{i:0{MAX_DIGITS}d}" for i in (1, 2)]
+    with pytest.raises(HostlistError, match=f"number of {MAX_DIGITS + 1} digits"):
+        expand("n[" + "0" * MAX_DIGITS + "1]")
+
+
+def test_caret_points_into_a_long_expression():
+    expr = "x" * 300 + ",n[1-2-3]," + "y" * 300
+    with pytest.raises(HostlistError) as info:
+        expand(expr)
+    _, shown, caret = info.value.message.splitlines()
+    assert shown.startswith("  ...") and shown.endswith("...") and len(shown) < 120
+    at = len(caret) - 1                        # the second '-' of 1-2-3
+    assert shown[at - 3:at + 2] == "1-2-3" and shown[at] == "-"
+
+
+def test_compress_refuses_a_number_too_long_to_convert():
+    with pytest.raises(HostlistError, match="number of 5000 digits"):
+        compress(["n" + "9" * 5000])

@@ -36,9 +36,11 @@ Deliberately stricter than Slurm (Slurm accepts these and returns surprising hos
 -----------------------------------------------------------------------------------
 ``n[1`` (22.05 gives ``n]``), ``a]b`` (a host named ``a]b``), ``n[ 1-2]`` (gives ``n01 n02``),
 ``n[1, 2]`` (``n1 n02``: a space inside brackets counts as a padding digit),
-``n[+1]`` (``n01``), ``n[1-]`` (``n1``), numbers >= 2**64 (Slurm clamps them), a bad range in a
-non-last group of a three-group token (22.05 silently returns no hosts). Newlines, carriage
-returns, vertical tabs and form feeds are separators here; Slurm would put them into a host name.
+``n[+1]`` (``n01``), ``n[1-]`` (``n1``), numbers >= 2**64 (Slurm clamps them), numbers written
+with more than ``MAX_DIGITS`` digits (Slurm keeps any zero padding; no host name is that long), a
+bad range in a non-last group of a three-group token (22.05 silently returns no hosts). Newlines,
+carriage returns, vertical tabs and form feeds are separators here; Slurm would put them into a
+host name.
 """
 from __future__ import annotations
 
@@ -49,12 +51,16 @@ from dataclasses import dataclass
 
 from hpcring.errors import HostlistError
 
-__all__ = ["expand", "compress", "MAX_RANGE", "MAX_PREFIX_COUNT", "DEFAULT_MAX_HOSTS"]
+__all__ = ["expand", "compress", "MAX_RANGE", "MAX_PREFIX_COUNT", "MAX_DIGITS", "DEFAULT_MAX_HOSTS"]
 
 MAX_RANGE = 65536          # Slurm's MAX_RANGE: hosts in one LO-HI range
 MAX_PREFIX_COUNT = 65536   # Slurm's MAX_PREFIX_CNT: hosts of one group that is not the last
 DEFAULT_MAX_HOSTS = 1 << 20
 _MAX_NUMBER = 2**64 - 1    # Slurm parses with strtoul; larger numbers are clamped, so refuse them
+# Digits of one number as written, zero padding included: a Linux host name has at most 64
+# characters (HOST_NAME_MAX). Checked before int(), which refuses more than 4300 digits.
+MAX_DIGITS = 64
+_SHOWN = 100               # characters of a long expression shown around the caret
 
 SEPARATORS = frozenset(", \t\n\r\v\f")
 _WHITESPACE = frozenset(" \t\n\r\v\f")
@@ -86,7 +92,25 @@ def _error(expr: str, pos: int, what: str) -> HostlistError:
     # Control whitespace would shift the caret; show it as spaces (same length).
     shown = "".join(" " if c in _WHITESPACE else c for c in expr)
     pos = max(0, min(pos, len(expr)))
+    if len(shown) > _SHOWN:     # a window around the caret, not thousands of characters
+        start = max(0, min(pos - _SHOWN // 2, len(shown) - _SHOWN))
+        head = "..." if start else ""
+        tail = "..." if start + _SHOWN < len(shown) else ""
+        shown, pos = head + shown[start:start + _SHOWN] + tail, pos - start + len(head)
     return HostlistError(f"invalid hostlist: {what}\n  {shown}\n  {' ' * pos}^", hint=_HINT)
+
+
+def _cut(text: str, keep: int = 40) -> str:
+    """``text`` quoted, its middle elided when long (messages stay short)."""
+    return repr(text if len(text) <= keep else text[:keep // 2] + "..." + text[-keep // 2:])
+
+
+def _too_long(digits: str, where: str) -> str | None:
+    """Why ``digits`` (part of ``where``) is not a number a host name can hold, or None."""
+    if len(digits) > MAX_DIGITS:
+        return (f"number of {len(digits)} digits in {_cut(where)}; at most {MAX_DIGITS} "
+                "(no host name is that long)")
+    return None
 
 
 # ---------------------------------------------------------------------------------------- expand
@@ -191,6 +215,9 @@ def _parse_range(expr: str, pos: int, item: str) -> list[str]:
     if len(parts) == 2 and not parts[1]:
         raise _error(expr, pos + len(item), f"range {item!r} has no end")
     lo_text = parts[0]
+    for k, part in enumerate(parts):
+        if why := _too_long(part, item):
+            raise _error(expr, pos + (len(parts[0]) + 1 if k else 0), why)
     lo = int(lo_text)
     hi = int(parts[1]) if len(parts) == 2 else lo
     if max(lo, hi) > _MAX_NUMBER:
@@ -207,6 +234,8 @@ def _parse_range(expr: str, pos: int, item: str) -> list[str]:
 def _check_plain_host(expr: str, pos: int, host: str) -> None:
     """Refuse a bracket-free host whose numeric suffix Slurm would clamp."""
     digits = _TRAILING_DIGITS.search(host).group(1)
+    if why := _too_long(digits, host):
+        raise _error(expr, pos + len(host) - len(digits), why)
     if digits and int(digits) > _MAX_NUMBER:
         raise _error(expr, pos + len(host) - len(digits),
                      f"numeric suffix of {host!r} does not fit in 64 bits (Slurm would change it)")
@@ -279,6 +308,8 @@ def _split_host(host: str) -> tuple[str, str]:
         raise HostlistError(f"cannot compress host {host!r}: it contains {bad!r}, which a hostlist "
                             "expression cannot express")
     digits = _TRAILING_DIGITS.search(host).group(1)
+    if why := _too_long(digits, host):
+        raise HostlistError(f"cannot compress host: {why}")
     if digits and int(digits) > _MAX_NUMBER:
         raise HostlistError(f"cannot compress host {host!r}: its number does not fit in 64 bits")
     return host[: len(host) - len(digits)], digits
