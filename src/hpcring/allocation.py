@@ -28,6 +28,7 @@ from hpcring.bootstrap import auth, launchers, lsf_slots
 from hpcring.config.jobspec import JobSpec, resolve_job
 from hpcring.config.schema import Fabric, Launcher
 from hpcring.config.site import Site
+from hpcring.diagnostics import jobdir
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.outcome import hang_headline, rank_failure, read_statuses, summarize
 from hpcring.render import job_env
@@ -99,6 +100,7 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     env.update({k: v for k, v in job_env(site, job).items() if k not in env_in})
     env["HPCRING_SECRET_FILE"] = str(secret)
     rank_cmd = [sys.executable, "-m", "hpcring.rank_exec", "--status-dir", str(run_dir / "status"), "--", *cmd]
+    diag = jobdir.diag_dir({**env, "HPCRING_JOB_ID": _local_job_id()} if alloc is None else env, create=False)
     try:
         if alloc is None:
             procs = _start_local(rank_cmd, env, nodes, per_node)
@@ -109,12 +111,12 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
                 raise SchedulerError(f"`{argv[0]}` is not on PATH inside this {alloc.scheduler} allocation",
                                      hint="load the scheduler's module, or check the site's launcher")
             procs = [supervisor.start(argv, {**env, **extra})]
-        from hpcring.diagnostics.jobdir import diag_dir
-        diag = diag_dir({**env, "HPCRING_JOB_ID": _local_job_id()} if alloc is None else env, create=False)
         codes = _wait_all(procs, diag)
         return _verdict(run_dir / "status", nodes * per_node, codes, cmd, diag)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+        if alloc is None:     # run<pid> is this run's alone: kept only when it holds a report
+            jobdir.remove_if_empty(diag.parent)
 
 
 def _local_job_id() -> str:

@@ -520,3 +520,23 @@ def test_bench_host_memory_check_follows_where_buffers_live(monkeypatch):
     assert not _buffers_on_host(BenchOptions())
     monkeypatch.setenv("HPCRING_BACKEND", "ring")
     assert _buffers_on_host(BenchOptions())
+
+
+# ------------------------------------------------------------------------------ issue 19.5: leftovers, bounds
+
+@pytest.mark.parametrize("report", [False, True], ids=["empty", "with-report"])
+def test_local_run_leaves_its_job_folder_only_with_a_report(tmp_path, report):
+    """``hpcring run`` outside an allocation: a rank that made ``<HPCRING_JOB_DIR>/run<pid>/diag``
+    (torch's watch, the watchdog) and wrote nothing leaves no empty folder; a report stays."""
+    from hpcring import allocation
+    from hpcring.config.site import load_site
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    code = ("from hpcring.diagnostics import jobdir; d = jobdir.diag_dir()"
+            + ("; (d / 'hang-report.txt').write_text('x')" if report else ""))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPCRING_")}
+    env["HPCRING_JOB_DIR"] = str(jobs)
+    assert allocation.run([sys.executable, "-c", code], load_site("local"), 1, 1, environ=env) == 0
+    left = sorted(str(p.relative_to(jobs)) for p in jobs.rglob("*"))
+    run = f"run{os.getpid()}"
+    assert left == ([run, f"{run}/diag", f"{run}/diag/hang-report.txt"] if report else [])

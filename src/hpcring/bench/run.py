@@ -236,7 +236,6 @@ def spawn_local(opts: BenchOptions, ranks: int, nodes: int = 1, out=None) -> int
     print rank 0's table as it is written (untagged). Returns the ranks' exit code."""
     from hpcring.config.site import load_site
     from hpcring import allocation
-    from hpcring.diagnostics import jobdir
     opts.check()
     if ranks < 1 or nodes < 1 or ranks % nodes:
         raise UsageError(f"--ranks {ranks} must be a positive multiple of --nodes {nodes}")
@@ -278,8 +277,6 @@ def spawn_local(opts: BenchOptions, ranks: int, nodes: int = 1, out=None) -> int
         th.join(timeout=5)
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
-        # the ranks' job folder (<HPCRING_JOB_DIR>/run<pid>) stays only when it holds a report
-        jobdir.remove_if_empty(jobdir.job_folder({**env, "HPCRING_JOB_ID": allocation._local_job_id()}))
     return code
 
 
