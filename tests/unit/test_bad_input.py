@@ -540,3 +540,21 @@ def test_local_run_leaves_its_job_folder_only_with_a_report(tmp_path, report):
     left = sorted(str(p.relative_to(jobs)) for p in jobs.rglob("*"))
     run = f"run{os.getpid()}"
     assert left == ([run, f"{run}/diag", f"{run}/diag/hang-report.txt"] if report else [])
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--timeout", "1e300"], ["--timeout", "604800"]),
+    (["--timeout", "0"], ["--timeout"]),
+    (["--json", "{tmp}/no/such/folder/r.json"], ["--json", "does not exist"]),
+    (["--json", "{tmp}"], ["--json", "is a folder"]),
+], ids=["huge-timeout", "zero-timeout", "json-folder-missing", "json-is-a-folder"])
+def test_doctor_refuses_bad_flags_before_anything_starts(tmp_path, monkeypatch, args, words):
+    """--timeout has declared bounds (1e300 used to fail inside init() naming "init() timeout") and
+    --json is checked up front (it used to fail on rank 0 after every check had run)."""
+    import hpcring
+    started = []
+    monkeypatch.setattr(hpcring, "init", lambda *a, **kw: started.append("init") or pytest.fail("init() ran"))
+    r = cli(["doctor", *(a.format(tmp=tmp_path) for a in args)],
+            env={"HPCRING_SECRET": None, "HPCRING_SECRET_FILE": None})   # doctor alone sets its own secret
+    assert_clean_failure(r, *words, code=2)
+    assert "init()" not in r.output and not started

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcring.config.envvars import check_text, shown
+from hpcring.config.envvars import shown
 from hpcring.errors import UsageError
+from hpcring.fsutil import check_output_path
 from hpcring.bench.data import is_float, normalize_dtype
 from hpcring.bench.cases import COLLECTIVES, MEMORIES, REDUCING
 
@@ -69,24 +69,6 @@ def size_list(minbytes: int, maxbytes: int, factor: float) -> list[int]:
             break
         s = s * factor
     return out
-
-
-def check_output_path(path: str, what: str) -> None:
-    """``path`` can be written (its folder exists and is writable; it is not a folder), checked
-    before any rank starts: a bad --json used to fail on rank 0 after the whole run."""
-    hint = f"give {what} a file in an existing, writable folder"
-    try:
-        check_text(path)
-        target = Path(path)
-        folder = target.parent
-        if target.is_dir():
-            raise UsageError(f"{what} {shown(path)} is a folder, not a file", hint=hint)
-        if not folder.is_dir():
-            raise UsageError(f"{what} {shown(path)}: folder {shown(str(folder))} does not exist", hint=hint)
-        if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-            raise UsageError(f"{what} {shown(path)} is not writable", hint=hint)
-    except (ValueError, OSError) as exc:       # control characters, a name too long for the OS
-        raise UsageError(f"{what} {shown(path)}: {exc}", hint=hint) from None
 
 
 @dataclass
