@@ -164,7 +164,8 @@ LAUNCHER = "slurm"     # the tag of those lines: [slurm]<stderr>:srun: ...
 def log_files(rec: JobRecord, rank: int | None = None) -> list[tuple[int, str, Path]]:
     ranks = range(rec.ntasks) if rank is None else [rank]
     if rank is not None and not 0 <= rank < rec.ntasks:
-        raise UsageError(f"--rank {rank} is out of range: job {rec.job_id} has ranks 0-{rec.ntasks - 1}")
+        raise UsageError(f"--rank {rank} is out of range: job {rec.job_id} has ranks 0-{rec.ntasks - 1}",
+                         hint=f"pass a rank from 0 to {rec.ntasks - 1}, or drop --rank for every rank")
     folder = Path(rec.folder)
     return [(r, s, folder / f"{rec.job_id}_{r}_log.{ext}") for r in ranks for s, ext in
             (("stdout", "out"), ("stderr", "err"))]

@@ -558,3 +558,16 @@ def test_doctor_refuses_bad_flags_before_anything_starts(tmp_path, monkeypatch, 
             env={"HPCRING_SECRET": None, "HPCRING_SECRET_FILE": None})   # doctor alone sets its own secret
     assert_clean_failure(r, *words, code=2)
     assert "init()" not in r.output and not started
+
+
+@pytest.mark.parametrize("follow", [[], ["--follow"]], ids=["logs", "logs-follow"])
+def test_logs_rank_beyond_the_job_is_a_usage_error(tmp_path, state_dir, follow):
+    from hpcring.schedulers.base import new_record
+    new_record("7", "local", "local", str(tmp_path), 2, "x", "x.py")
+    env = {"HPCRING_STATE_DIR": str(state_dir)}
+    for rank in ("2", "799999"):
+        r = cli(["logs", "7", "--rank", rank, *follow], env=env)
+        assert_clean_failure(r, f"--rank {rank}", "ranks 0-1", "hint: pass a rank from 0 to 1", code=2)
+    r = cli(["logs", "7", "--rank", "800000", *follow], env=env)      # beyond any job: the flag's bound
+    assert_clean_failure(r, "--rank", "799999", code=2)
+    assert cli(["logs", "7", "--rank", "1"], env=env).exit_code == 0

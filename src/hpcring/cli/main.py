@@ -14,6 +14,7 @@ import typer
 from hpcring.cli import output
 from hpcring.cli.common import StrictGroup, command, newest_job
 from hpcring.cli.jobopts import JobRequest, job_options
+from hpcring.config.envvars import MAX_RANKS
 from hpcring.errors import HpcringError
 
 # The library is imported inside each command: `hpcring --help` and `hpcring hostlist` must not
@@ -97,7 +98,8 @@ def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record
 
 @command(app, help="Print a job's output, tagged by rank.")
 def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record name (default: the newest job)."),
-         rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Only this rank."),
+         rank: Optional[int] = typer.Option(None, "--rank", "-r", min=0, max=MAX_RANKS - 1,
+                                            help="Only this rank (0 to the job's size - 1)."),
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
          raw: bool = typer.Option(False, "--raw", help="Keep submitit's own log lines.")):
     from hpcring import submit as lib
