@@ -135,8 +135,11 @@ class RunScript:
             # A rank that never started (or hangs before init) would hold the job: end it all
             # (a launcher that waits for every task, as blaunch does, would wait to the time limit).
             from hpcring.diagnostics import teardown
+            # The message names what, where and what to do; a traceback of hpcring's frames would
+            # only bury it (the rank's own script never ran).
+            print(f"hpcring: rank {status['rank']} on {status['host']}: {exc}", file=sys.stderr, flush=True)
             teardown.end_job(status["rank"], status["error"].splitlines()[0])
-            raise
+            _exit_rank(exc.exit_code or 1, f"{type(exc).__name__}: {exc.message}")
         topo = session.topology
         apply_framework_env(topo, self.gpus_per_node)
         status.update(rank=topo.rank, size=topo.size, local_rank=topo.local_rank, host=topo.host,

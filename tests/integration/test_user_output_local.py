@@ -87,7 +87,9 @@ def test_an_exception_on_every_rank_shows_the_traceback_once(local_env, tmp_path
     rank's as one line naming it; `hpcring logs` keeps each rank's in full."""
     script = tmp_path / "fail_all.py"
     script.write_text(FAIL_ALL)
-    r = hpcring("submit", str(script), "--nodes", "2", "--wait", env=local_env)
+    # every rank fails by itself: a grace long enough that a loaded machine's slower rank is not
+    # stopped (by the first one's failure) before it gets there
+    r = hpcring("submit", str(script), "--nodes", "2", "--wait", env=dict(local_env, HPCRING_LOCAL_GRACE_S="30"))
     assert r.returncode == 1, r.stderr
     no_internals(r.stdout)
     assert r.stdout.count("Traceback (most recent call last):") == 1, r.stdout
@@ -119,3 +121,18 @@ def test_run_registers_the_hpcring_torch_backend(tmp_path):
 
 def _job(r) -> str:
     return r.stderr.split("Submitted job ")[1].split()[0]
+
+
+def test_a_bootstrap_failure_is_one_message_per_rank_without_a_traceback(local_env, tmp_path):
+    """hpcring.init() fails on every rank (a deadline nobody can meet): each rank says what and
+    what to do, once, with no traceback of hpcring's or submitit's frames; the job fails with 1."""
+    script = tmp_path / "never.py"
+    script.write_text("print('the script ran')\n")
+    r = hpcring("submit", str(script), "--nodes", "2", "--wait", cwd=tmp_path,
+                env=dict(local_env, HPCRING_INIT_TIMEOUT="0.000001"))
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "Traceback" not in out and "submitit ERROR" not in out, out
+    assert "the script ran" not in out
+    for rank in (0, 1):
+        assert sum(1 for l in r.stdout.splitlines() if l.startswith(f"[{rank}]<stderr>:hpcring: rank {rank}")) == 1, out
