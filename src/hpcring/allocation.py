@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Mapping
 
 from hpcring.bootstrap import auth, launchers, lsf_slots
-from hpcring.config.jobspec import JobSpec, resolve_job
+from hpcring.config.jobspec import JobSpec, check_local_ranks, resolve_job
 from hpcring.config.schema import Fabric, Launcher
 from hpcring.config.site import Site
 from hpcring.diagnostics import jobdir
@@ -90,6 +90,9 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
         raise UsageError(f"--nodes {nodes} but this allocation has {alloc.num_nodes} node(s) ({alloc.source})")
     if per_node is None:  # one rank per GPU, as submit does
         per_node = max(1, site.config.gpus_per_node)
+    if alloc is None:
+        check_local_ranks(nodes, per_node, hint="lower --nodes or --tasks-per-node, or run inside an allocation "
+                                                "(salloc, bsub -Is) to start the ranks on its nodes")
     base = Path(os.path.expanduser(site.config.job_dir)) if alloc else Path(tempfile.gettempdir())
     run_dir = base / f"hpcring-run-{os.getpid()}-{secrets.token_hex(3)}"
     run_dir.mkdir(parents=True, exist_ok=True)

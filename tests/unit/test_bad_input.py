@@ -571,3 +571,35 @@ def test_logs_rank_beyond_the_job_is_a_usage_error(tmp_path, state_dir, follow):
     r = cli(["logs", "7", "--rank", "800000", *follow], env=env)      # beyond any job: the flag's bound
     assert_clean_failure(r, "--rank", "799999", code=2)
     assert cli(["logs", "7", "--rank", "1"], env=env).exit_code == 0
+
+
+NO_ALLOCATION = {"SLURM_JOB_ID": None, "SLURM_JOBID": None, "LSB_JOBID": None}
+
+
+@pytest.mark.parametrize("argv,ranks", [(["-N", "100000", "--tasks-per-node", "1024"], 102400000),
+                                        (["-N", "257"], 257), (["--tasks-per-node", "257"], 257)])
+def test_local_run_refuses_more_ranks_than_the_local_backend_starts(tmp_path, monkeypatch, argv, ranks):
+    """Outside an allocation every rank is a process on this machine: a typo used to fork them all."""
+    from hpcring import allocation
+    from hpcring.config.envvars import MAX_LOCAL_RANKS
+    monkeypatch.setattr(allocation, "_start_local", lambda *a, **kw: pytest.fail("ranks started"))
+    monkeypatch.setattr(allocation.tempfile, "gettempdir", lambda: str(tmp_path))
+    r = cli(["run", *argv, "--", "true"], env=NO_ALLOCATION)
+    assert_clean_failure(r, f"is {ranks} ranks", f"at most {MAX_LOCAL_RANKS}", "hint:", "allocation", code=2)
+    assert not list(tmp_path.iterdir())                 # no run folder, no secret
+
+
+@pytest.mark.parametrize("argv,env", [(["-N", "100000", "--tasks-per-node", "64"], {}),
+                                      (["-N", "300"], {}), ([], {"HPCRING_NODES": "300"})],
+                         ids=["huge", "300-nodes", "300-nodes-from-env"])
+@pytest.mark.parametrize("cmd", [["submit"], ["submit", "--dry-run"]])
+def test_local_site_refuses_more_ranks_than_the_local_backend_starts(tmp_path, monkeypatch, cmd, argv, env):
+    from hpcring import submit as lib
+    monkeypatch.setattr(lib, "submit", lambda *a, **kw: pytest.fail("submitted"))
+    jobs, state = tmp_path / "jobs", tmp_path / "state"
+    r = cli([*cmd, "--site", "local", *argv, HELLO],
+            env={"HPCRING_JOB_DIR": str(jobs), "HPCRING_STATE_DIR": str(state), **env})
+    assert_clean_failure(r, "ranks", "local backend", "at most 256", "hint:", code=2)
+    if env:
+        assert "env HPCRING_NODES" in r.output                          # where the count came from
+    assert not jobs.exists() and not list(state.rglob("*.json"))

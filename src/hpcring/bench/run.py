@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from hpcring.config.envvars import MAX_LOCAL_RANKS
 from hpcring.errors import HpcringError, UsageError
 from hpcring.bench.data import DTYPES, ENV_TABLE
 from hpcring.bench.cases import REDUCING, busbw_factor, counts_for, device_module, make_case, memory_label
@@ -194,9 +195,6 @@ def to_argv(opts: BenchOptions) -> list[str]:
     if opts.plot:
         argv += ["--plot", os.path.abspath(opts.plot)]
     return argv
-
-
-MAX_LOCAL_RANKS = 256     # standalone: every rank is a process on this machine
 
 
 def _buffers_on_host(opts: BenchOptions) -> bool:

@@ -8,7 +8,7 @@ import typer
 
 def register(app: typer.Typer) -> None:
     from hpcring.cli.common import command
-    from hpcring.config.envvars import MAX_NODES, MAX_RANKS, MAX_TIMEOUT
+    from hpcring.config.envvars import MAX_LOCAL_RANKS, MAX_NODES, MAX_RANKS, MAX_TIMEOUT
 
     @command(app, "bench",
              help="Benchmark a collective like nccl-tests (size, count, type, redop, root, time, algbw, busbw, "
@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
               json_path: Optional[str] = typer.Option(None, "--json", help="Write the results as JSON here (rank 0)."),
               plot: Optional[str] = typer.Option(None, "--plot", help="Write busbw vs size as PNG (needs matplotlib)."),
               ranks: Optional[int] = typer.Option(None, "--ranks", "-n", min=1, max=MAX_RANKS,
-                                                  help="Standalone only: local ranks to start (default 2, at most 256)."),
+                                                  help=f"Standalone only: local ranks to start (default 2, at most {MAX_LOCAL_RANKS})."),
               nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES,
                                                   help="Standalone only: virtual local nodes (default 1).")):
         import sys

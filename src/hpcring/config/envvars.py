@@ -31,6 +31,8 @@ MAX_TASKS_PER_NODE = 1024
 MAX_GPUS_PER_NODE = 64
 MAX_CPUS_PER_TASK = 4096
 MAX_RANKS = MAX_NODES * 8
+# The local backend (no scheduler) starts every rank as a process on this machine.
+MAX_LOCAL_RANKS = 256
 
 # Longest text value: PATH_MAX for paths, the same for user-set text (partition, account, site
 # dirs...); what hpcring itself exports (HPCRING_SESSION, node lists) is bounded by the kernel.

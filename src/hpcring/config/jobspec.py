@@ -187,9 +187,24 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
     return spec
 
 
+def check_local_ranks(nodes: int, per_node: int, hint: str, where: str = "") -> None:
+    """Refuse more ranks than the local backend starts on one machine (``hpcring run`` outside an
+    allocation, ``submit`` to a local site): a typo must not fork 10^8 processes."""
+    if nodes * per_node > envvars.MAX_LOCAL_RANKS:
+        raise UsageError(f"--nodes {nodes} x --tasks-per-node {per_node} is {nodes * per_node} ranks{where}; the "
+                         f"local backend starts every rank on this machine, at most {envvars.MAX_LOCAL_RANKS}",
+                         hint=hint)
+
+
 def check_limits(site: Site, spec: JobSpec) -> None:
     """Refuse, before the scheduler does, what the site config says cannot run."""
     c = site.config
+    if c.scheduler == "local":
+        check_local_ranks(spec.nodes, spec.tasks_per_node,
+                          hint=f"lower --nodes or --tasks-per-node, or submit to a cluster site (site {site.path} "
+                               "has no scheduler)",
+                          where=f" (nodes: {spec.sources.get('nodes')}, tasks per node: "
+                                f"{spec.sources.get('tasks_per_node')})")
     if spec.partition and c.partitions and spec.partition not in c.partitions:
         raise UsageError(f"partition {spec.partition!r} ({spec.sources['partition']}) is not defined in site "
                          f"{c.name!r} ({site.path}); partitions there: {', '.join(sorted(c.partitions))}")
