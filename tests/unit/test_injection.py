@@ -247,8 +247,10 @@ def test_job_dir_with_spaces_and_quotes_runs_on_the_dev_cluster(tmp_path_factory
 # -- issue 19, part 4: a scheduler argument that replaces the site's warning signal is named ----------
 
 @pytest.mark.parametrize("site_name,args,named", [
-    ("devcluster", ["--signal=SIGUSR1@60"], ["slurm.signal 'USR2@60' with 'SIGUSR1@60'"]),
-    ("devcluster", ["--signal USR1@30"], ["slurm.signal 'USR2@60' with 'USR1@30'"]),
+    # Slurm: another signal is merged (both reach the ranks) and said so, not a replacement
+    ("devcluster", ["--signal=SIGUSR1@60"], []),
+    ("devcluster", ["--signal USR1@30"], []),
+    ("devcluster", ["--signal=B:USR1@30"], ["slurm.signal 'USR2@60' with 'B:USR1@30'"]),  # theirs, kept
     ("devcluster-lsf", ["-wa USR1", "-wt 10"], ["lsf.warning_signal 'USR2' with 'USR1'",
                                                 "lsf.warning_time '1' with '10'"]),
     ("devcluster", ["--signal=SIGUSR2@60", "--comment=x"], []),     # the same signal: nothing to say
@@ -261,5 +263,7 @@ def test_a_flag_replacing_the_site_signal_is_warned_about(capsys, site_name, arg
     render_script(site, job, "CMD", "/jobs/%j")
     err = capsys.readouterr().err
     assert err.count("warning: --sched-arg") == len(named), err
+    merged = site_name == "devcluster" and "USR1" in args[0] and "B:" not in args[0]
+    assert ("Slurm keeps one --signal per job" in err) == merged, err
     for text in named:
         assert text in err and str(site.path) in err, err
