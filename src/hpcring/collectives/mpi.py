@@ -65,6 +65,9 @@ CHECK_ENV = "HPCRING_MPI_CHECK_SIGNATURES"
 # signature: (kind, count, dtype, reduction, root, seq) as int64; -1 = none
 KINDS = ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier")
 SIG_LEN = 6
+# The check's allreduce is polled without sleeping for its first 1 ms: ranks in step finish it in
+# that time, and a sleeping poll would add its latency to every call (measured, docs/collectives.md).
+CHECK_SPIN_S = 1e-3
 
 UPCAST_DTYPES = ("float16", "bfloat16")
 
@@ -373,13 +376,17 @@ class MpiBackend(LibraryBackend):
     def _where(self) -> str:
         return f"rank {self._rank} ({self._host(os.uname().nodename)})"
 
-    def _wait(self, req, name: str, seq: int, desc: str, timeout: float, t0: float, keep) -> None:
+    def _wait(self, req, name: str, seq: int, desc: str, timeout: float, t0: float, keep,
+              spin: float = 0.0) -> None:
         MPI = self._MPI
         deadline = t0 + timeout
         delay = POLL_MIN
+        spin_end = time.monotonic() + spin
         try:
             while not req.Test():
                 now = time.monotonic()
+                if now < spin_end:
+                    continue
                 if now >= deadline:
                     self._timed_out(req, name, seq, desc, timeout, now - t0, keep)
                 time.sleep(min(delay, max(deadline - now, 0.0)))
@@ -413,7 +420,7 @@ class MpiBackend(LibraryBackend):
         np.negative(sig, out=buf[SIG_LEN:])
         MPI = self._MPI
         self._start_wait(name, seq, desc, timeout, t0, (buf,),
-                         lambda: self._comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], MPI.MAX))
+                         lambda: self._comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], MPI.MAX), CHECK_SPIN_S)
         if np.array_equal(buf[:SIG_LEN], -buf[SIG_LEN:]):
             return
         # every rank saw the difference (same allreduce result): all gather the signatures
@@ -426,14 +433,14 @@ class MpiBackend(LibraryBackend):
         raise CollectiveError(msg, hint="every rank must call the same collectives in the same order with "
                                         f"the same sizes, dtypes and roots (checked before MPI: {CHECK_ENV})")
 
-    def _start_wait(self, name, seq, desc, timeout, t0, keep, start) -> None:
+    def _start_wait(self, name, seq, desc, timeout, t0, keep, start, spin: float = 0.0) -> None:
         try:
             req = start()
         except self._MPI.Exception as e:
             msg = f"{name}#{seq}{desc} failed to start on {self._where()}: {e.Get_error_string()}"
             self._error = msg
             raise CollectiveError(msg) from None
-        self._wait(req, name, seq, desc, timeout, t0, keep)
+        self._wait(req, name, seq, desc, timeout, t0, keep, spin)
 
     def _run(self, name, seq, desc, timeout, start, keep, sig=None):
         t0 = time.monotonic()
