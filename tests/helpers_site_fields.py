@@ -5,7 +5,6 @@ test_injection.py) cover a new field the day it is added.
 from __future__ import annotations
 
 import copy
-import json
 import re
 import types
 import typing
@@ -204,7 +203,3 @@ def write_site(tmp: Path, scheduler: str, field: Field, raw: str, name: str = "s
         text = text.replace(f"{token}:", f"? {raw}\n{indent}:")
     p.write_text(text.replace(token, raw))
     return p, want
-
-
-def quoted_json(value) -> str:
-    return json.dumps(value)
