@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -26,9 +25,9 @@ from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.job import RunScript
 from hpcring.outcome import hang_headline as outcome_hang_headline, rank_failure, read_statuses, summarize
 from hpcring.render import render_script
+from hpcring.schedulers.launch_words import submitit_command
 from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record, recent_records
 
-RANK_COMMAND = "{python} -u -m submitit.core._submit {folder}"
 
 
 def job_root(job: JobSpec) -> Path:
@@ -51,7 +50,7 @@ def preview(site: Site, job: JobSpec, template: str | None = None) -> str:
     """The exact script `submit` would hand to the scheduler (job id still a placeholder)."""
     folder = str(job_root(job) / "%j")
     own = getattr(schedulers.get(site.config.scheduler), "rank_command", None)  # LSF: per-rank log entry
-    command = own(_python(site), folder) if own else RANK_COMMAND.format(python=_python(site), folder=shlex.quote(folder))
+    command = own(_python(site), folder) if own else submitit_command(_python(site), folder)  # as the executors do
     return render_script(site, job, command, folder, template, python=_python(site))
 
 
