@@ -113,7 +113,35 @@ def test_slurm_mpi_mismatch_is_named_and_leaves_every_node_usable(fault):
     check(res)
     assert "rank 1 (node2) called" in res.headline, res.headline
     assert res.dt(res.report_at) < 3.0, res.dt(res.report_at)
+    # every rank ends itself: the reporter no longer sits in a scancel of its own step until
+    # slurmstepd's KillWait SIGKILL (5 s here: ->gone was report + 5.0 s in every run before)
+    assert res.dt(res.gone_at) - res.dt(res.report_at) < 3.0, (res.dt(res.report_at), res.dt(res.gone_at))
     assert _nodes_usable() == []                    # no "Kill task failed" drain
+
+
+def test_slurm_teardown_starts_the_kill_without_waiting_for_it(tmp_path, monkeypatch):
+    """The reporter's scancel runs in a session of its own and is not waited for; the Comment
+    goes first and is waited for (a finished job's Comment cannot be set)."""
+    from hpcring.diagnostics import teardown
+    log = tmp_path / "calls"
+    for name, body in (("scontrol", f'echo "scontrol $*" >> {log}'),
+                       ("scancel", f'echo "scancel $* sid=$(ps -o sid= -p $$) pid=$$" >> {log}; exec sleep 30')):
+        f = tmp_path / name
+        f.write_text(f"#!/bin/sh\n{body}\n")
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    t0 = time.monotonic()
+    teardown.end_job(0, "allreduce#4: rank 1 (node2) unreachable", {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"})
+    assert time.monotonic() - t0 < 3.0                       # the 30 s scancel was not waited for
+    deadline = time.monotonic() + 10
+    while "scancel" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("scontrol update JobId=7 Comment=hpcring: allreduce#4"), lines
+    assert lines[1].startswith("scancel --signal=KILL 7.0"), lines
+    sid, pid = (int(w.split("=")[1]) for w in lines[1].split()[-2:])
+    assert sid == pid != os.getsid(0)                          # its own session
+    os.kill(pid, signal.SIGKILL)                               # the fake we started
 
 
 def test_sigkill_of_hpcring_run_leaves_no_rank_and_no_secret(tmp_path):

@@ -15,6 +15,13 @@ ranks is asked to end them all:
 On Slurm the report's headline also goes into the job's Comment (``scontrol show job``,
 ``squeue -o %k``) before the step is killed. The calls are bounded and never raise: the report
 and the stacks are written before them.
+
+On Slurm the kill is started, not waited for, in a session of its own: run from inside the step it ends,
+``scancel`` kills its own caller, and while the step is already being torn down (another rank's
+exit 1 and ``--kill-on-bad-exit``) it did not return at all: the reporting rank sat in it until
+slurmstepd's KillWait escalation SIGKILLed it (5 s on the dev cluster, 30 s by default), the last
+rank to go in every Slurm run of the fault matrix. Now the reporter leaves at once and every rank
+has ended itself before Slurm's kill escalates; ``scancel`` still reaches frozen ranks.
 """
 from __future__ import annotations
 
@@ -57,11 +64,15 @@ def end_job(rank: int, headline: str = "", environ: Mapping[str, str] | None = N
     if argv is None or not wanted:
         return
     print(f"hpcring: rank {rank}: ending the job: {' '.join(argv)}", file=sys.stderr, flush=True)
-    for cmd in (annotate_argv(headline, environ) if headline else None, argv):
+    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    annotate = annotate_argv(headline, environ) if headline else None
+    for cmd in (annotate, argv):
         if cmd is None:
             continue
         try:
-            subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           timeout=TIMEOUT_S, check=False)
+            if cmd is argv and argv[0] == "scancel":   # not waited for (module doc); no descriptor inherited
+                subprocess.Popen(cmd, start_new_session=True, close_fds=True, **quiet)
+            else:                  # the Comment first: Slurm refuses to update a finished job; bkill only asks
+                subprocess.run(cmd, timeout=TIMEOUT_S, check=False, **quiet)
         except (OSError, subprocess.SubprocessError) as exc:   # the launcher's own kill still applies
             print(f"hpcring: rank {rank}: could not run {cmd[0]}: {exc}", file=sys.stderr, flush=True)
