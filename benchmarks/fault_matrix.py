@@ -29,8 +29,9 @@ environment). Per run (HPCRING_TIMEOUT = --deadline, HPCRING_DIAG_GRACE 3 s):
             bjobs showing DONE/EXIT)
   state     sacct's state (local: the local backend's; mpirun: its exit code)
 
-A row passes when the victim is named, ->gone and ->squeue are within deadline + 30 s and the
-state is FAILED. The exit status is the number of failing rows. The fault matrix in the test suite
+A row passes when the victim is named, ->gone and ->squeue are within deadline + 30 s, the
+state is FAILED and, on the dev cluster, no node is left drained or down (a step slurmd could not
+kill drains its node "Kill task failed" and blocks later jobs). The exit status is the number of failing rows. The fault matrix in the test suite
 (tests/integration/test_fault_matrix.py) runs a subset of these rows through the same code.
 """
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Result:
     job: str = ""
     out: str = ""
     folder: Path | None = None
+    bad_nodes: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
     def dt(self, t: float | None) -> float | None:
@@ -86,7 +88,7 @@ class Result:
 
     def ok(self, deadline: float) -> bool:
         limit = deadline + 30
-        return (self.named and self.state == "FAILED" and self.dt(self.gone_at) is not None
+        return (self.named and self.state == "FAILED" and not self.bad_nodes and self.dt(self.gone_at) is not None
                 and self.dt(self.gone_at) <= limit and self.dt(self.queue_at) is not None
                 and self.dt(self.queue_at) <= limit)
 
@@ -176,6 +178,13 @@ def _squeue_gone(job: str, timeout: float = 300) -> float | None:
     return None
 
 
+def unusable_nodes() -> list[str]:
+    """Dev cluster nodes drained, draining, down or failed, with Slurm's reason."""
+    r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True, timeout=30)
+    return [ln for ln in r.stdout.splitlines() if len(ln.split()) > 1
+            and any(w in ln.split()[1] for w in ("drain", "down", "fail"))]
+
+
 def _sacct(job: str) -> str:
     state = "?"
     for _ in range(30):
@@ -255,6 +264,9 @@ def run_one(where: str, backend: str, fault: str, deadline: float = 6.0) -> Resu
     if where == "slurm" and res.job:
         res.queue_at = _squeue_gone(res.job)
         res.state = _sacct(res.job)
+        res.bad_nodes = unusable_nodes()
+        if res.bad_nodes:
+            res.notes.append(f"nodes not usable: {'; '.join(res.bad_nodes)}")
     elif where == "local" and res.job:
         res.queue_at, res.state = _local_final(folder, res.job)
     elif where == "lsf" and res.job:

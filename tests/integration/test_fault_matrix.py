@@ -94,19 +94,13 @@ def test_mpirun_mismatch_is_named_at_once(fault, what):
     assert "double free" not in res.out and "corruption" not in res.out, res.out[-3000:]
 
 
-def _nodes_usable() -> list[str]:
-    """Nodes of the dev cluster that are drained, draining or down (with Slurm's reason)."""
-    r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True, timeout=30)
-    return [ln for ln in r.stdout.splitlines() if any(w in ln.split()[1] for w in ("drain", "down", "fail"))]
-
-
 @mpi
 @pytest.mark.devcluster
 @pytest.mark.parametrize("fault", ["different", "mismatch"])
 def test_slurm_mpi_mismatch_is_named_and_leaves_every_node_usable(fault):
     if not _cluster_up():
         pytest.skip("dev cluster is not up (hpcring devcluster up)")
-    bad = _nodes_usable()
+    bad = fault_matrix.unusable_nodes()
     if bad:
         pytest.skip(f"dev cluster nodes not usable before the test: {bad}")
     res = fault_matrix.run_one("slurm", "mpi", fault, DEADLINE)
@@ -116,7 +110,7 @@ def test_slurm_mpi_mismatch_is_named_and_leaves_every_node_usable(fault):
     # every rank ends itself: the reporter no longer sits in a scancel of its own step until
     # slurmstepd's KillWait SIGKILL (5 s here: ->gone was report + 5.0 s in every run before)
     assert res.dt(res.gone_at) - res.dt(res.report_at) < 3.0, (res.dt(res.report_at), res.dt(res.gone_at))
-    assert _nodes_usable() == []                    # no "Kill task failed" drain
+    assert fault_matrix.unusable_nodes() == []      # no "Kill task failed" drain
 
 
 def test_slurm_teardown_starts_the_kill_without_waiting_for_it(tmp_path, monkeypatch):
