@@ -316,13 +316,13 @@ def expect_usage(fn, *words):
 
 def mode_bad():
     R = dist.ReduceOp
-    expect_usage(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=R.BAND, group=HP), "BAND", "not supported")
+    expect_usage(lambda: dist.all_reduce(torch.ones(4), op=R.BAND, group=HP), "BAND", "needs an integer or bool")
     expect_usage(lambda: dist.all_reduce(torch.ones(4), op=R.BXOR, group=HP), "BXOR")
     expect_usage(lambda: dist.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0), group=HP)
                  if hasattr(dist, "_make_nccl_premul_sum") else (_ for _ in ()).throw(UsageError("PREMUL_SUM")),
                  "PREMUL_SUM")
-    expect_usage(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int8), group=HP), "cannot reduce", "int8")
-    expect_usage(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=R.AVG, group=HP), "AVG", "floating")
+    expect_usage(lambda: dist.all_reduce(torch.ones(4, dtype=torch.uint16), group=HP), "cannot reduce", "uint16")
+    expect_usage(lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool), op=R.AVG, group=HP), "AVG", "bool")
     expect_usage(lambda: dist.all_gather([torch.empty(4)] * (SIZE + 1), torch.ones(4), group=HP),
                  f"list of {SIZE} tensors")
     expect_usage(lambda: dist.all_gather([torch.empty(3)] * SIZE, torch.ones(4), group=HP), "tensor 0 of the list")

@@ -9,7 +9,7 @@ import torch.distributed as dist  # noqa: E402
 
 import hpcring.session  # noqa: E402
 from hpcring.distributed import _create, _seconds  # noqa: E402
-from hpcring.distributed.process_group import _reduce_op  # noqa: E402
+from hpcring.distributed.process_group import _reduction  # noqa: E402
 from hpcring.errors import UsageError  # noqa: E402
 
 R = dist.ReduceOp
@@ -56,35 +56,44 @@ def test_default_torch_timeout_leaves_hpcring_deadline_explicit_one_is_used():
 
 
 @pytest.mark.parametrize("op,dtype,words", [
-    (R.BAND, torch.int32, "ReduceOp.BAND is not supported"),
-    (R.BOR, torch.int64, "ReduceOp.BOR"),
-    (R.BXOR, torch.uint8, "ReduceOp.BXOR"),
-    (R.SUM, torch.int8, "cannot reduce torch.int8"),
+    (R.BAND, torch.float32, "ReduceOp.BAND needs an integer or bool tensor"),
+    (R.BOR, torch.bfloat16, "ReduceOp.BOR"),
+    (R.BXOR, torch.float64, "ReduceOp.BXOR"),
+    (R.SUM, torch.uint16, "cannot reduce torch.uint16"),
     (R.SUM, torch.complex64, "cannot reduce torch.complex64"),
-    (R.AVG, torch.int64, "AVG needs a floating-point tensor"),
+    (R.AVG, torch.bool, "AVG cannot average bool"),
 ])
 def test_unsupported_reductions_are_refused(op, dtype, words):
     with pytest.raises(UsageError, match=words):
-        _reduce_op(op, "all_reduce", dtype)
+        _reduction(op, "all_reduce", dtype, 2)
 
 
 def test_premul_sum_is_refused():
     op = dist._make_nccl_premul_sum(2.0)
     with pytest.raises(UsageError, match="PREMUL_SUM is not supported"):
-        _reduce_op(op, "all_reduce", torch.float32)
+        _reduction(op, "all_reduce", torch.float32, 2)
 
 
 def test_supported_reductions_map_to_hpcring_ops():
-    got = [_reduce_op(op, "x", torch.float32) for op in (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG)]
+    got = [_reduction(op, "x", torch.float32, 2).op for op in (R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG)]
     assert got == ["sum", "prod", "min", "max", "avg"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Work completion: host (from the worker thread) vs stream-ordered (device collectives)
+# Work completion: host (from a completion thread) vs stream-ordered (device collectives)
 # ---------------------------------------------------------------------------------------------
 from hpcring.collectives.engine import Handle  # noqa: E402
 from hpcring.distributed.work import chain, cuda_devices, last  # noqa: E402
 from hpcring.errors import CollectiveError  # noqa: E402
+
+
+def _settled(w, timeout=10.0):
+    """``w`` once its future is done: host completions run on a completion thread of their own."""
+    import time
+    end = time.monotonic() + timeout
+    while not w.get_future().done() and time.monotonic() < end:
+        time.sleep(0.001)
+    return w
 
 
 def _handles(n, stream=False):
@@ -101,7 +110,7 @@ def test_host_work_finishes_when_the_last_handle_completes():
     hs[0]._set(1)
     assert not w.is_completed()
     hs[1]._set(2)
-    assert w.is_completed() and w.is_success() and calls == ["finish"]
+    assert _settled(w).is_completed() and w.is_success() and calls == ["finish"]
     assert w.get_future().value() == ["out"]
 
 
@@ -110,7 +119,7 @@ def test_host_work_carries_the_first_error():
     w = chain(hs, lambda: ["out"])
     hs[0]._set(error=CollectiveError("allreduce#0 timed out"))
     hs[1]._set(2)
-    assert w.is_completed() and not w.is_success()
+    assert _settled(w).is_completed() and not w.is_success()
     assert "allreduce#0" in str(w.exception())
     with pytest.raises(CollectiveError):
         w.wait()

@@ -7,16 +7,17 @@
 
 Each gradient bucket is divided by the world size and summed in place by
 ``Communicator.allreduce_async`` (DDP's own default does the same, so results match it); the
-future completes from hpcring's worker thread (host backends) or is stream-ordered on the
-bucket's CUDA stream (NCCL, see work.py), and the allreduce has hpcring's deadline, flight record
-and hang report.
+future completes on a completion thread once hpcring's worker has finished (host backends:
+never on the worker, so a ``then()`` callback may issue collectives, see work.py) or is
+stream-ordered on the bucket's CUDA stream (NCCL, see work.py), and the allreduce has hpcring's
+deadline, flight record and hang report.
 """
 # no `from __future__ import annotations`: DDP compares the hook's annotations with the real types
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from hpcring.distributed.work import stream_ordered
+from hpcring.distributed.work import COMPLETER, stream_ordered
 
 
 def _communicator(state, device_type: str):
@@ -49,7 +50,8 @@ def allreduce_hook(state, bucket: dist.GradBucket) -> Future[torch.Tensor]:
             fut.set_exception(err)
         else:
             fut.set_result(buf)
-    handle.add_done_callback(done)
+    # completed off the worker thread: a then() callback may issue and wait on a collective
+    handle.add_done_callback(lambda h: COMPLETER.submit(lambda: done(h)))
     return fut
 
 

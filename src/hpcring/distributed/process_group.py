@@ -2,12 +2,15 @@
 
 Every op validates its tensors in the calling thread (a clear ``UsageError`` before anything is
 sent, so a bad call never hangs), then queues one or more ``Communicator.*_async`` calls and
-returns a :class:`~hpcring.distributed.work.HpcringWork`: its future completes from the
-communicator's worker thread (``Handle.add_done_callback``), or, for CUDA tensors on NCCL, is
-stream-ordered like torch's NCCL works (see work.py). The caller never blocks, and every
+returns a :class:`~hpcring.distributed.work.HpcringWork`: its future completes once the
+communicator's worker thread is done (``Handle.add_done_callback``, on a completion thread),
+or, for CUDA tensors on NCCL, is stream-ordered like torch's NCCL works (see work.py). The caller never blocks, and every
 collective carries hpcring's deadline, flight record, watchdog and hang report. Ops with no hpcring collective behind them
 are composed of ones that exist (reduce = allreduce, gather = allgather, scatter = broadcast,
-uneven all_to_all = padded alltoall); send/recv are refused (hpcring has no point-to-point).
+uneven all_to_all = padded alltoall; reductions hpcring has no kernel for: int8/int16 on an int32
+copy, bool as uint8, AVG on integers as NCCL's sum-then-truncate, BAND/BOR/BXOR on integers as an
+allgather and a fold, see :func:`_reduction`); send/recv are refused (hpcring has no point-to-point).
+The ops run eagerly under torch.compile (a graph break, see the note at the end of the class).
 
 Which communicator: CUDA tensors go to the session's default communicator (``backend="auto"``:
 NCCL when a GPU is visible, see :func:`hpcring.session.auto_backend`), CPU tensors to a host
@@ -16,6 +19,8 @@ on the first CPU op, collectively like every op).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
@@ -23,37 +28,96 @@ from torch.distributed import ReduceOp
 from hpcring.distributed import work
 from hpcring.errors import UsageError
 
-# torch reduce op -> hpcring op. BAND/BOR/BXOR and PREMUL_SUM have no hpcring kernel.
-_OPS = {ReduceOp.RedOpType.SUM: "sum", ReduceOp.RedOpType.PRODUCT: "prod", ReduceOp.RedOpType.MIN: "min",
-        ReduceOp.RedOpType.MAX: "max", ReduceOp.RedOpType.AVG: "avg"}
-# dtypes hpcring reduces; the others move as raw bytes in ops that do not reduce.
+_K = ReduceOp.RedOpType
+# torch reduce op -> hpcring op (hpcring's kernels); PREMUL_SUM has none and is refused.
+_OPS = {_K.SUM: "sum", _K.PRODUCT: "prod", _K.MIN: "min", _K.MAX: "max", _K.AVG: "avg"}
+# BAND/BOR/BXOR on integers: an allgather and a fold here (hpcring has no bitwise kernels)
+_FOLDS = {_K.BAND: torch.bitwise_and, _K.BOR: torch.bitwise_or, _K.BXOR: torch.bitwise_xor}
+# dtypes hpcring's kernels reduce; the others move as raw bytes in ops that do not reduce.
 _REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
+# dtypes the process group reduces: hpcring's, and int8/int16 (on an int32 copy) and bool (as uint8)
+_TORCH_REDUCE_DTYPES = (*_REDUCE_DTYPES, torch.int8, torch.int16, torch.bool)
 _DEVICES = ("cpu", "cuda")
 BACKEND_NAME = "hpcring"
 
 
-def _reduce_op(opts_op, what: str, dtype: torch.dtype) -> str:
+class _Reduction:
+    """How one torch reduction runs on hpcring: ``op`` (an hpcring op) on ``encode(t)``, then
+    ``decode`` writes the result back in ``t``'s dtype; or, with ``fold``, an allgather and a
+    local fold in rank order (BAND/BOR/BXOR on integers).
+
+    ``wide``: the dtype hpcring reduces in (None: the tensor's own; int32 for int8/int16, whose
+    results wrap back into their type; uint8 for bool, a view when ``view``); ``avg``: divide
+    the sum by this many ranks, truncating towards zero, in the tensor's type (AVG on integers,
+    as NCCL's ncclAvg does); ``bit``: keep the lowest bit (BXOR on bool as a uint8 sum)."""
+
+    def __init__(self, op: str | None, wide: torch.dtype | None = None, *, view: bool = False, avg: int = 0,
+                 bit: bool = False, fold=None) -> None:
+        self.op, self.wide, self.view, self.avg, self.bit, self.fold = op, wide, view, avg, bit, fold
+
+    @property
+    def native(self) -> bool:
+        """hpcring's own op on the tensor itself: no conversion, no post-processing."""
+        return self.wide is None and not (self.avg or self.bit or self.fold)
+
+    def encode(self, buf: torch.Tensor) -> torch.Tensor:
+        if self.wide is None:
+            return buf
+        return buf.view(self.wide) if self.view else buf.to(self.wide)
+
+    def decode(self, wide: torch.Tensor, buf: torch.Tensor) -> None:
+        r = wide
+        if self.bit:
+            r = r & 1
+        if self.avg:
+            r = torch.div(r.to(buf.dtype), self.avg, rounding_mode="trunc")
+        if r is not wide or not (self.wide is None or self.view):
+            buf.copy_(r)
+
+
+def _reduction(opts_op, what: str, dtype: torch.dtype, size: int) -> _Reduction:
+    """The plan for ``opts_op`` on ``dtype`` over ``size`` ranks, or a UsageError (sent nothing).
+
+    Integers: SUM/PRODUCT wrap around in the tensor's type; AVG is the SUM divided by the world
+    size, truncated towards zero (NCCL's ncclAvg); BAND/BOR/BXOR as gloo. bool: SUM and MAX are
+    a logical or, PRODUCT and MIN a logical and (as NCCL and gloo), BXOR a parity; AVG on bool
+    is refused (as NCCL). Bitwise ops on floating-point tensors are refused (as gloo)."""
     kind = getattr(opts_op, "op", opts_op)
-    op = _OPS.get(kind)
-    if op is None:
-        name = getattr(kind, "name", str(kind))
+    name = getattr(kind, "name", str(kind))
+    if kind not in _OPS and kind not in _FOLDS:
         raise UsageError(f"hpcring backend: {what} with ReduceOp.{name} is not supported",
-                         hint="supported: SUM, PRODUCT, MIN, MAX, AVG (AVG for floating-point tensors); "
+                         hint="supported: SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR; "
                               "for PREMUL_SUM scale the tensor first and use SUM")
-    if dtype not in _REDUCE_DTYPES:
+    if dtype not in _TORCH_REDUCE_DTYPES:
         raise UsageError(f"hpcring backend: {what} cannot reduce {dtype}",
-                         hint="supported: " + ", ".join(str(d).replace("torch.", "") for d in _REDUCE_DTYPES)
-                              + "; convert first (t.float())")
-    if op == "avg" and not dtype.is_floating_point:
-        raise UsageError(f"hpcring backend: {what} with ReduceOp.AVG needs a floating-point tensor, got {dtype}",
-                         hint="use SUM and divide, or convert to float")
-    return op
+                         hint="supported: " + ", ".join(str(d).replace("torch.", "") for d in _TORCH_REDUCE_DTYPES)
+                              + "; convert first (t.float(), torch.view_as_real(t))")
+    if dtype.is_floating_point:
+        if kind in _FOLDS:
+            raise UsageError(f"hpcring backend: {what} with ReduceOp.{name} needs an integer or bool tensor, "
+                             f"got {dtype}")
+        return _Reduction(_OPS[kind])
+    if dtype == torch.bool:
+        if kind == _K.AVG:
+            raise UsageError(f"hpcring backend: {what} with ReduceOp.AVG cannot average bool tensors",
+                             hint="as NCCL: use MAX (any) or MIN (all), or convert to an integer or float")
+        if kind == _K.BXOR:
+            return _Reduction("sum", torch.uint8, bit=True)
+        return _Reduction("max" if kind in (_K.SUM, _K.MAX, _K.BOR) else "min", torch.uint8, view=True)
+    if kind in _FOLDS:
+        return _Reduction(None, fold=_FOLDS[kind])
+    wide = torch.int32 if dtype in (torch.int8, torch.int16) else None
+    if kind == _K.AVG:
+        return _Reduction("sum", wide, avg=size)
+    return _Reduction(_OPS[kind], wide)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when hpcring has its dtype, else its bytes (bool, int8, int16, complex, ...):
-    ops that only move data need no dtype."""
-    return t if t.dtype in _REDUCE_DTYPES else t.view(torch.uint8)
+    """``t`` itself when hpcring has its dtype, else its bytes (bool, int8, int16, complex, ...;
+    a 0-dim tensor as one element): ops that only move data need no dtype."""
+    if t.dtype in _REDUCE_DTYPES:
+        return t
+    return (t if t.dim() else t.reshape(1)).view(torch.uint8)
 
 
 class ProcessGroupHpcring(dist.ProcessGroup):
@@ -111,26 +175,57 @@ class ProcessGroupHpcring(dist.ProcessGroup):
     def _t(self):
         return {"timeout": self._timeout}
 
+    def _reduce_async(self, comm, buf: torch.Tensor, red: _Reduction):
+        """Queue the reduction of ``buf`` (contiguous) over the ranks: (handle, fin); once the
+        handle is done, ``fin()`` leaves the result in ``buf``."""
+        if red.fold is not None:
+            flat = torch.empty((self.size(), buf.numel()), dtype=buf.dtype, device=buf.device)
+            h = comm.allgather_async(_bytes(buf), out=_bytes(flat), **self._t())
+
+            def fold():
+                acc = flat[0]
+                for r in range(1, self.size()):
+                    acc = red.fold(acc, flat[r])
+                buf.copy_(acc.view(buf.shape))
+            return h, fold
+        wide = red.encode(buf)
+        h = comm.allreduce_async(wide, red.op, out=wide, **self._t())
+        return h, lambda: red.decode(wide, buf)
+
+    def _reduce_scatter_via_allreduce(self, comm, flat: torch.Tensor, out: torch.Tensor, red: _Reduction):
+        """reduce_scatter for a reduction hpcring has no kernel for: reduce all of ``flat`` (a
+        scratch copy, contiguous), keep this rank's block."""
+        n = out.numel()
+        h, fin = self._reduce_async(comm, flat, red)
+
+        def finish():
+            fin()
+            out.copy_(flat[self.rank() * n:(self.rank() + 1) * n].view(out.shape))
+            return [out]
+        return work.chain([h], finish)
+
     # -- allreduce ------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         t = _one(tensors, "all_reduce")
-        op = _reduce_op(_opt(opts, "reduceOp", ReduceOp.SUM), "all_reduce", t.dtype)
+        red = _reduction(_opt(opts, "reduceOp", ReduceOp.SUM), "all_reduce", t.dtype, self.size())
         comm = self._comm([t], "all_reduce")
         buf = t if t.is_contiguous() else t.contiguous()
-        h = comm.allreduce_async(buf, op, out=buf, **self._t())
-        return work.chain([h], lambda: _copy_back(t, buf) or [t])
+        h, fin = self._reduce_async(comm, buf, red)
+        return work.chain([h], lambda: fin() or _copy_back(t, buf) or [t])
 
     def allreduce_coalesced(self, tensors, opts=None):
         tensors = list(tensors)
         if not tensors:
             return work.done_work([])
         op = _opt(opts, "reduceOp", ReduceOp.SUM)
-        for t in tensors:
-            _reduce_op(op, "all_reduce_coalesced", t.dtype)
+        reds = [_reduction(op, "all_reduce_coalesced", t.dtype, self.size()) for t in tensors]
         comm = self._comm(tensors, "all_reduce_coalesced")
         bufs = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        h = comm.allreduce_grouped_async(bufs, _reduce_op(op, "all_reduce_coalesced", tensors[0].dtype),
-                                         inplace=True, **self._t())
+        if not all(r.native for r in reds):           # one reduction per tensor, queued in order
+            started = [self._reduce_async(comm, b, r) for b, r in zip(bufs, reds)]
+            return work.chain([h for h, _ in started], lambda: [fin() or _copy_back(t, b) or t
+                                                               for (_, fin), t, b in zip(started, tensors, bufs)])
+        h = comm.allreduce_grouped_async(bufs, reds[0].op, inplace=True, **self._t())
         return work.chain([h], lambda: [_copy_back(t, b) or t for t, b in zip(tensors, bufs)])
 
     # -- allgather ------------------------------------------------------------------------
@@ -181,17 +276,23 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         out = _one(output_tensors, "reduce_scatter")
         ins = _one(input_tensors, "reduce_scatter input")
         _same_list(ins, out, self.size(), "reduce_scatter")
-        op = _reduce_op(_opt(opts, "reduceOp", ReduceOp.SUM), "reduce_scatter", out.dtype)
+        red = _reduction(_opt(opts, "reduceOp", ReduceOp.SUM), "reduce_scatter", out.dtype, self.size())
         comm = self._comm([out, *ins], "reduce_scatter")
         flat = torch.cat([i.reshape(-1) for i in ins])
+        if not red.native:
+            return self._reduce_scatter_via_allreduce(comm, flat, out, red)
+        op = red.op
         buf = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         h = comm.reduce_scatter_async(flat, op, out=buf, **self._t())
         return work.chain([h], lambda: _copy_back(out, buf) or [out])
 
     def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
         _check_pair(input, output, self.size(), "reduce_scatter_tensor")
-        op = _reduce_op(_opt(opts, "reduceOp", ReduceOp.SUM), "reduce_scatter_tensor", output.dtype)
+        red = _reduction(_opt(opts, "reduceOp", ReduceOp.SUM), "reduce_scatter_tensor", output.dtype, self.size())
         comm = self._comm([output, input], "reduce_scatter_tensor")
+        if not red.native:
+            return self._reduce_scatter_via_allreduce(comm, input.reshape(-1).clone(), output, red)
+        op = red.op
         buf = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         h = comm.reduce_scatter_async(input.contiguous().reshape(-1), op, out=buf, **self._t())
         return work.chain([h], lambda: _copy_back(output, buf) or [output])
@@ -225,7 +326,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         n = self.size()
         _same_dtype([output, input], "all_to_all_single")
         comm = self._comm([output, input], "all_to_all_single")
-        row = input[0].numel() if input.dim() else 1       # splits count rows (dim 0)
+        row = math.prod(input.shape[1:]) if input.dim() else 1   # splits count rows (dim 0); 0 rows too
         in_splits = _splits(input_split_sizes, input, n, "input")
         out_splits = _splits(output_split_sizes, output, n, "output")
 
@@ -275,13 +376,14 @@ class ProcessGroupHpcring(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         """All ranks reduce (one allreduce into a scratch copy); only the root's tensor changes."""
         t = _one(tensors, "reduce")
-        op = _reduce_op(_opt(opts, "reduceOp", ReduceOp.SUM), "reduce", t.dtype)
+        red = _reduction(_opt(opts, "reduceOp", ReduceOp.SUM), "reduce", t.dtype, self.size())
         root = _opt(opts, "rootRank", 0)
         comm = self._comm([t], "reduce")
         scratch = t.contiguous().clone()
-        h = comm.allreduce_async(scratch, op, out=scratch, **self._t())
+        h, fin = self._reduce_async(comm, scratch, red)
 
         def finish():
+            fin()
             if self.rank() == root:
                 t.copy_(scratch)
             return [t]
@@ -331,6 +433,17 @@ class ProcessGroupHpcring(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag=0):
         raise _no_p2p("recv (any source)")
+
+
+# torch.compile: dynamo would trace into these Python methods (DDP's forward broadcasts buffers)
+# and fail on the process group, an opaque object to it; run them eagerly, as gloo's C++ ops run.
+for _name in ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "all_gather_single",
+              "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single_coalesced",
+              "broadcast", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+              "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "alltoall", "alltoall_base",
+              "all_to_all_single", "barrier", "reduce", "gather", "scatter"):
+    setattr(ProcessGroupHpcring, _name, torch.compiler.disable(getattr(ProcessGroupHpcring, _name)))
+del _name
 
 
 def _no_p2p(op: str) -> UsageError:

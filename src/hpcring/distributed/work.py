@@ -3,7 +3,7 @@
 Two completions, chosen per op from what the communicator did:
 
 * **host**: the collectives run on the communicator's worker thread (ring, MPI, staged buffers);
-  the op's future completes from that thread (``Handle.add_done_callback``) and ``wait()``
+  the op's future completes after them, on a completion thread (below), and ``wait()``
   blocks the host until then;
 * **stream-ordered**: every collective of the op was enqueued on torch's current CUDA stream
   (the NCCL backend; each handle carries a ``cuda_event``). The op's copy-outs are enqueued on
@@ -13,10 +13,17 @@ Two completions, chosen per op from what the communicator did:
   host never blocks. A failure found later by the poller (deadline, NCCL async error) goes
   through the watchdog, which ends the job with a report, as an NCCL async error does in torch;
   ``is_completed()`` and ``exception()`` read the handles.
+
+Host completions (``finish()`` and ``set_result``, which runs torch's ``then()`` callbacks
+inline) never run on a communicator's worker thread: a callback may issue a collective and
+wait for it (PowerSGD's DDP hook does), and that collective runs on the worker thread. They
+run on :data:`COMPLETER`'s threads instead (see :class:`Completer`).
 """
 from __future__ import annotations
 
+import collections
 import datetime
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -63,6 +70,65 @@ class HpcringWork(dist.Work):
         return self._future
 
 
+class Completer:
+    """Threads that run completions off the communicators' worker threads.
+
+    A completion that finds no idle thread starts one, so a completion whose callback blocks
+    on a later completion (a collective issued and waited on inside ``Future.then``) never waits
+    for itself: the later one runs on another thread, and every wait stays bounded by the
+    collectives' own deadlines. Completions start in submission order; idle threads exit after
+    ``IDLE_S`` (in steady state one or two threads serve them all)."""
+
+    IDLE_S = 10.0
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._idle = 0
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._queue.append(fn)
+            if self._idle >= len(self._queue):
+                self._cv.notify()
+                return
+        try:
+            threading.Thread(target=self._run, name="hpcring-torch-completion", daemon=True).start()
+        except RuntimeError:            # interpreter shutdown: no new threads; complete here
+            self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    return
+                fn = self._queue.popleft()
+            _call(fn)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._idle += 1
+                    woke = self._cv.wait(self.IDLE_S)
+                    self._idle -= 1
+                    if not woke and not self._queue:
+                        return
+                fn = self._queue.popleft()
+            _call(fn)
+
+
+def _call(fn) -> None:
+    try:
+        fn()
+    except BaseException:  # noqa: BLE001 - a completion's bug must not end a completion thread
+        import logging
+        logging.getLogger("hpcring.distributed").exception("completion raised")
+
+
+COMPLETER = Completer()
+
+
 def done_work(result) -> HpcringWork:
     f = Future()
     f.set_result(result)
@@ -97,7 +163,7 @@ def chain(handles: list, finish: Callable[[], object]) -> HpcringWork:
             fut.set_result(finish())
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
             fut.set_exception(e)
-    handles[-1].add_done_callback(on_done)
+    handles[-1].add_done_callback(lambda last_: COMPLETER.submit(lambda: on_done(last_)))
     return HpcringWork(fut)
 
 
