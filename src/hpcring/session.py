@@ -102,6 +102,14 @@ class Session:
                                                        watchdog=self.watchdog, **options)
         return self._comms[backend]
 
+    def group(self, ranks):
+        """A group of ``ranks`` (global ranks; see :mod:`hpcring.collectives.groups`): a
+        GroupSession whose ``communicator(backend, timeout=)`` runs collectives among the members
+        only, or None on a rank that is not a member. Every member must create the same groups in
+        the same order; the other ranks may call too (they get None and take no part)."""
+        from hpcring.collectives.groups import group_session
+        return group_session(self, ranks)
+
     def use(self, backend: str, *, timeout: float | None = None):
         """Create ``backend``'s communicator (collectively) and make it the default: what
         ``"auto"`` and the session's own collectives (``session.allreduce``) mean from now on."""

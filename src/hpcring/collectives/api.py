@@ -75,14 +75,20 @@ def _twins(impl: Callable) -> tuple[Callable, Callable]:
 class Communicator:
     """Collectives over a :class:`~hpcring.collectives.backends.Backend`."""
 
-    def __init__(self, backend: Backend, *, timeout: float | None = None, watchdog=None) -> None:
+    def __init__(self, backend: Backend, *, timeout: float | None = None, watchdog=None,
+                 members=None, group: str | None = None) -> None:
         from hpcring.config.envvars import collective_timeout
         self.backend = backend
+        # a group's communicator (hpcring.collectives.groups): the global rank of each member, and
+        # the group's name in flight records and reports; None for the job's own communicators
+        self.members = tuple(members) if members is not None else None
+        self.group = group
         self.timeout = collective_timeout(timeout)
         if self.timeout <= 0:
             raise UsageError(f"timeout must be > 0, got {timeout}")
         self._worker = Worker(f"hpcring-comm:{backend.rank}")
-        self.recorder = FlightRecorder(backend.rank, backend.size, backend.name)
+        self.recorder = FlightRecorder(backend.rank, backend.size, backend.name, group=group,
+                                       members=self.members)
         self.watchdog = watchdog
         if watchdog is not None:
             watchdog.register(self)
@@ -91,11 +97,13 @@ class Communicator:
 
     @classmethod
     def create(cls, topology, store, secret: bytes | str, *, timeout: float | None = None,
-               backend: str = "ring", watchdog=None, **backend_options) -> "Communicator":
+               backend: str = "ring", watchdog=None, members=None, group: str | None = None,
+               **backend_options) -> "Communicator":
         """Communicator for ``topology`` on ``backend`` ("ring": address exchange through
         ``store``; "mpi": MPI_COMM_WORLD via mpi4py; "nccl": unique id through ``store``).
         ``watchdog`` (:class:`hpcring.diagnostics.watchdog.Watchdog`) turns failures into a
-        job-wide report."""
+        job-wide report. ``members`` / ``group``: see :mod:`hpcring.collectives.groups`
+        (``topology`` is then the group's sub-topology)."""
         if backend == "ring":
             from hpcring.collectives.ring import RingBackend as impl
         elif backend == "mpi":
@@ -107,7 +115,7 @@ class Communicator:
         if backend in ("ring", "mpi"):  # they meet in the first collective, under its deadline
             backend_options.setdefault("lazy", True)
         be = impl.create(topology, store, secret, timeout, **backend_options)
-        return cls(be, timeout=timeout, watchdog=watchdog)
+        return cls(be, timeout=timeout, watchdog=watchdog, members=members, group=group)
 
     @property
     def rank(self) -> int:
@@ -119,7 +127,11 @@ class Communicator:
 
     @property
     def error(self) -> str | None:
-        return self.backend.error
+        """The backend's sticky error; a group's names global ranks."""
+        if self.members is None:
+            return self.backend.error
+        from hpcring.collectives.groups import globalize
+        return globalize(self.backend.error, self.members)
 
     def close(self) -> None:
         if self._ordered is not None:
@@ -167,6 +179,9 @@ class Communicator:
     def _failed(self, rec: Record, e: BaseException) -> BaseException:
         """Record a failed collective; a CollectiveError goes through the watchdog (which may end
         the process) and comes back with the job-wide report."""
+        if self.members is not None and type(e) is CollectiveError:
+            from hpcring.collectives.groups import globalize
+            e = CollectiveError(globalize(e.message, self.members), hint=e.hint)
         FlightRecorder.finish(rec, e)
         if isinstance(e, CollectiveError) and self.watchdog is not None:
             return self.watchdog.on_failure(self, rec, e)
@@ -213,7 +228,7 @@ class Communicator:
         elif self._worker.pending:
             self._worker.submit("synchronize", lambda: None).wait(timeout)
         if self.backend.error is not None:
-            raise CollectiveError(self.backend.error)
+            raise CollectiveError(self.error)
 
     def _precheck(self, rec: Record) -> None:
         """HPCRING_CHECK_COLLECTIVES=1: every rank's (op, dtype, count, root) through a 40-byte

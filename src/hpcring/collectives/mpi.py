@@ -195,7 +195,7 @@ def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.size > 0 and b.size > 0 and np.shares_memory(a, b))
 
 
-def _all_arrived(store, topology, timeout: float) -> None:
+def _all_arrived(store, topology, timeout: float, key: str = "hpcring/mpi/arrived") -> None:
     """Every rank of ``topology`` reached MPI setup within ``timeout`` s, else CollectiveError
     naming the ranks (and hosts) that did not.
 
@@ -203,7 +203,6 @@ def _all_arrived(store, topology, timeout: float) -> None:
     once, and no rank needs the store afterwards -- rank 0 serves it from a thread, which
     MPI_Init (holding the GIL until every rank has called it) would starve."""
     from hpcring.errors import HpcringError
-    key = "hpcring/mpi/arrived"
     store.set(f"{key}/{topology.rank}", b"1")
     if store.add(key, 1) >= topology.size:
         store.set(f"{key}/all", b"1")
@@ -284,7 +283,7 @@ class MpiBackend(LibraryBackend):
     @classmethod
     def create(cls, topology=None, store=None, secret=None, timeout: float | None = None, *,
                abort_on_timeout: bool | None = None, abort_code: int = ABORT_CODE,
-               lazy: bool = False) -> "MpiBackend":
+               lazy: bool = False, group_ranks=None, prefix: str = "hpcring/mpi") -> "MpiBackend":
         """Duplicate MPI_COMM_WORLD (collective: every rank must call) after checking that MPI's
         rank and size are the Topology's. With ``store``, every rank first meets there (bounded by
         the deadline): MPI_Init under PMIx waits for a missing rank without any deadline, the
@@ -293,21 +292,31 @@ class MpiBackend(LibraryBackend):
         ``lazy=True`` (with ``store`` and ``topology``; what :meth:`Communicator.create` asks for):
         the meeting, MPI_Init and the duplicate happen in the first collective, under its deadline,
         so a rank late to it is that collective's "never joined" in the watchdog's report, as for
-        any later collective (and as on the ring)."""
+        any later collective (and as on the ring).
+
+        ``group_ranks`` (global ranks, sorted; ``topology`` is then the group's sub-topology, see
+        hpcring.collectives.groups): a communicator of those ranks only, made with
+        ``MPI_Comm_create_group`` (collective over the members alone); the meeting uses the
+        group's keys under ``prefix``. A lazy group initializes MPI (if not done yet) in its first
+        collective before the meeting: MPI_Init waits for every rank of the job, without a deadline."""
         from hpcring.config.envvars import collective_timeout
         if lazy and store is not None and topology is not None:
             be = cls.__new__(cls)
             be._init_lazy(topology, store, abort_on_timeout, abort_code)
+            be._group = (tuple(group_ranks) if group_ranks is not None else None, prefix)
             return be
         if store is not None and topology is not None:
             # ranks start seconds apart on a busy machine: the bootstrap's deadline, not a collective's
             from hpcring.config import envvars
-            _all_arrived(store, topology, max(collective_timeout(timeout), envvars.get("HPCRING_INIT_TIMEOUT")))
+            _all_arrived(store, topology, max(collective_timeout(timeout), envvars.get("HPCRING_INIT_TIMEOUT")),
+                         f"{prefix}/arrived")
         MPI = _import_mpi()
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
         world = MPI.COMM_WORLD
         rank, size = world.Get_rank(), world.Get_size()
+        if group_ranks is not None:
+            return cls._create_group(MPI, world, topology, group_ranks, abort_on_timeout, abort_code)
         if topology is not None and (rank != topology.rank or size != topology.size):
             raise CollectiveError(
                 f"MPI says this process is rank {rank} of {size}, but the hpcring topology says rank "
@@ -329,6 +338,24 @@ class MpiBackend(LibraryBackend):
         comm.Set_name("hpcring")
         return cls(comm, hosts=hosts, abort_on_timeout=abort_on_timeout, abort_code=abort_code, mpi=MPI)
 
+    @classmethod
+    def _create_group(cls, MPI, world, topology, members, abort_on_timeout, abort_code) -> "MpiBackend":
+        """A communicator of ``members`` (global ranks) only: MPI_Comm_create_group, collective
+        over the members."""
+        members = [int(m) for m in members]
+        rank = world.Get_rank()
+        if rank not in members or (topology is not None and members.index(rank) != topology.rank):
+            raise CollectiveError(f"MPI rank {rank} is not rank {getattr(topology, 'rank', '?')} of the group "
+                                  f"of ranks {members}", hint="every member must create the group")
+        grp = world.Get_group().Incl(members)
+        try:
+            comm = world.Create_group(grp)
+        finally:
+            grp.Free()
+        comm.Set_name("hpcring-group")
+        hosts = topology.hosts if topology is not None else None
+        return cls(comm, hosts=hosts, abort_on_timeout=abort_on_timeout, abort_code=abort_code, mpi=MPI)
+
     def _init_lazy(self, topology, store, abort_on_timeout, abort_code) -> None:
         self._MPI = None                  # importing mpi4py.MPI runs MPI_Init: not before the meeting
         self._comm = None
@@ -346,15 +373,23 @@ class MpiBackend(LibraryBackend):
         if self._comm is not None:
             return seq, timeout
         topology, store = self._pending
+        members, prefix = getattr(self, "_group", (None, "hpcring/mpi"))
         t0 = time.monotonic()
+        if members is not None:
+            # MPI_Init first (collective over the whole job, it holds the GIL while it waits): a
+            # group's meeting in the store would otherwise wait on rank 0, whose store thread
+            # starves while rank 0 sits in MPI_Init for its own group (seen at 4 ranks, 2 groups)
+            MPI = _import_mpi()
+            if not MPI.Is_initialized():
+                MPI.Init_thread(MPI.THREAD_MULTIPLE)
         try:
-            _all_arrived(store, topology, timeout)
+            _all_arrived(store, topology, timeout, f"{prefix}/arrived")
         except CollectiveError as e:
             self._error = f"{name}#{seq} never joined: {e.message}"
             raise CollectiveError(self._error, hint=e.hint) from None
         try:
             made = type(self).create(topology, None, None, timeout, abort_on_timeout=self.abort_on_timeout,
-                                     abort_code=self.abort_code)
+                                     abort_code=self.abort_code, group_ranks=members)
         except CollectiveError as e:
             self._error = f"{name}#{seq}: {e.message}"
             raise

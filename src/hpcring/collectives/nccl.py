@@ -114,7 +114,10 @@ class NcclBackend(LibraryBackend):
 
     # -- creation -------------------------------------------------------------------------
     @classmethod
-    def create(cls, topology, store, secret=None, timeout: float | None = None) -> "NcclBackend":
+    def create(cls, topology, store, secret=None, timeout: float | None = None, *,
+               prefix: str = "nccl") -> "NcclBackend":
+        """One NCCL communicator over ``topology``: rank 0's unique id through ``store`` under
+        ``prefix`` (a group's own keys: hpcring.collectives.groups)."""
         from hpcring.config.envvars import collective_timeout
         cupy, nccl = _import_cupy()
         ngpus = gpu_count()
@@ -125,7 +128,9 @@ class NcclBackend(LibraryBackend):
         t = collective_timeout(timeout)
         device_id = topology.local_rank % ngpus
         cupy.cuda.Device(device_id).use()
-        gen = store.add(f"nccl/gen/{topology.rank}", 1)
+        gen = store.add(f"{prefix}/gen/{topology.rank}", 1)
+        if prefix != "nccl":          # a group: its own keys (the GPU check reads nccl/<gen>/gpu/*)
+            gen = f"{prefix.removeprefix('nccl/')}/{gen}"
         _check_one_gpu_per_rank(topology, store, gen, cupy, device_id, t)
         key = f"nccl/{gen}/uid"
         if topology.rank == 0:

@@ -93,7 +93,7 @@ class Record:
     slotted class: one is made per collective, so construction must cost well under a microsecond."""
 
     __slots__ = ("seq", "op", "dtype", "count", "root", "backend", "timeout", "_site", "state", "t_queued",
-                 "t_started", "t_ended", "error")
+                 "t_started", "t_ended", "error", "group")
     FIELDS = ("seq", "op", "dtype", "count", "root", "backend", "timeout", "site", "state", "t_queued",
               "t_started", "t_ended", "error")
 
@@ -103,6 +103,7 @@ class Record:
         self.backend, self.timeout, self._site, self.state = backend, timeout, site, state
         self.t_queued = time.time()
         self.t_started = self.t_ended = self.error = None
+        self.group = None             # a group's (recorder's) name and members; None: the job's
 
     @property
     def site(self) -> str:
@@ -110,7 +111,10 @@ class Record:
         return self._site if isinstance(self._site, str) else _format_site(self._site)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.FIELDS}
+        d = {k: getattr(self, k) for k in self.FIELDS}
+        if self.group is not None:    # (name, members): reports diagnose it among its members
+            d["group"], d["members"] = self.group[0], list(self.group[1])
+        return d
 
     def __repr__(self) -> str:
         return f"Record({self.op}#{self.seq} {self.dtype} count={self.count} {self.state})"
@@ -119,8 +123,12 @@ class Record:
 class FlightRecorder:
     """Bounded, thread-safe history of one communicator's collectives."""
 
-    def __init__(self, rank: int, size: int, backend: str, capacity: int | None = None) -> None:
+    def __init__(self, rank: int, size: int, backend: str, capacity: int | None = None, *,
+                 group: str | None = None, members=None) -> None:
+        """``group`` / ``members``: a sub-communicator's name and global ranks (``rank`` and
+        ``size`` are then the group's); its records carry both."""
         self.rank, self.size, self.backend = rank, size, backend
+        self.group = None if group is None else (group, tuple(members or ()))
         self._records: deque[Record] = deque(maxlen=capacity or default_capacity())
         self._lock = threading.Lock()
         self._seq = 0
@@ -132,6 +140,8 @@ class FlightRecorder:
             self._seq += 1
             rec = Record(self._seq, op, dtype, count, root, self.backend, timeout,
                          site if site is not None else _caller(2))
+            if self.group is not None:
+                rec.group = self.group
             self._records.append(rec)
         return rec
 
@@ -177,6 +187,7 @@ class FlightRecorder:
         """Write every record (oldest first) as JSON to ``path`` (atomically) and return it."""
         path = Path(path)
         data = {"rank": self.rank, "size": self.size, "backend": self.backend, "pid": os.getpid(),
+                **({"group": self.group[0], "members": list(self.group[1])} if self.group else {}),
                 "host": os.uname().nodename, "dumped": time.time(), **(extra or {}),
                 "records": [r.to_dict() for r in self.records()]}
         write_json(path, data, indent=1)

@@ -108,7 +108,8 @@ def describe_op(op: dict) -> str:
         parts.append(f"root={op['root']}")
     parts.append(f"backend={op.get('backend')}")
     parts.append(f"deadline={op.get('timeout', 0):g} s")
-    return f"{op.get('op')}#{op.get('seq')}({', '.join(parts)}) called at {op.get('site', '?')}"
+    group = f" in {op['group']}" if op.get("group") else ""
+    return f"{op.get('op')}#{op.get('seq')}({', '.join(parts)}){group} called at {op.get('site', '?')}"
 
 
 def _sig(rec: dict) -> tuple:
@@ -156,6 +157,16 @@ def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[in
     """One diagnosis from the ranks' snapshots (see the module doc for the rules)."""
     exits, trigger = exits or {}, trigger or {}
     hosts = list(hosts) if len(hosts) == size else [f"rank{r}" for r in range(size)]
+    # A group's collective (hpcring.collectives.groups) is diagnosed among its members, on its own
+    # records (its sequence numbers are its own); the job's on the records of no group.
+    group = (trigger.get("op") or {}).get("group")
+    ranks = list(range(size))
+    if group is not None:
+        ranks = [r for r in (trigger["op"].get("members") or ranks) if 0 <= r < size]
+    snaps = {r: {**s, "records": [rec for rec in s.get("records", []) if rec.get("group") == group],
+                 "last_done": (s.get("last_done_groups") or {}).get(group, 0) if group is not None
+                 else s.get("last_done", 0)}
+             for r, s in snaps.items() if r in ranks}
     seq = stuck_seq(snaps, trigger)
     at = {r: _at(s, seq) for r, s in snaps.items()} if seq is not None else {}
     present = [rec for rec in at.values() if rec is not None]
@@ -167,7 +178,7 @@ def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[in
     seen_gone = {ln["peer"] for ln in links if ln["gone"]}
     cats: dict[str, list[int]] = {c: [] for c in CATEGORIES}
     details: dict[int, str] = {}
-    for r in range(size):
+    for r in ranks:
         snap = snaps.get(r)
         if snap is None and not side_channel:
             continue                     # one rank's own view: say nothing about the others
@@ -204,7 +215,7 @@ def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[in
             cats["joined"].append(r)
 
     stalled = []
-    everyone_joined = len(cats["joined"]) == size    # else stalls are the consequence, not the cause
+    everyone_joined = len(cats["joined"]) == len(ranks)    # else stalls are the consequence, not the cause
     for ln in links:
         if everyone_joined and ln["timed_out"]:
             stalled.append({**ln, "from_host": hosts[ln["from"]], "to_host": hosts[ln["to"]], "interface": interface})
@@ -216,6 +227,7 @@ def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[in
     op = dict(ref) if ref else None
     if op is not None:
         op["seq"] = seq
+        op.pop("members", None)       # the group's name says it (and the categories list the members)
     return Report(op, headline, cats, details, stalled, slow, where, trigger, hosts, side_channel=side_channel)
 
 
@@ -230,6 +242,8 @@ def _slow(snaps, at, joined, ref) -> list[dict]:
 
 def _headline(cats, stalled, slow, ref, seq, hosts) -> str:
     name = f"{ref.get('op')}#{seq}" if ref else f"collective #{seq}"
+    if ref and ref.get("group"):
+        name += f" ({ref['group']})"
     for cat, text in (("dead", "died"), ("unreachable", "unreachable"), ("exited", "exited without joining it"),
                       ("mismatch", "called it with different arguments"),
                       ("different", "called a different collective"), ("missing", "never joined")):

@@ -123,15 +123,22 @@ class Watchdog:
     def snapshot(self, error: str | None = None) -> dict:
         """This rank's view: records of every communicator, the first backend error, the main
         thread's location (safe to call from any thread)."""
-        records, last_done, err = [], 0, error
+        records, last_done, err, by_group = [], 0, error, {}
         for comm in self._comms:
             rec = comm.recorder
             records += [r.to_dict() for r in rec.records(16)]
-            last_done = max(last_done, rec.last_done())
-            err = err or comm.backend.error
-        return {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
+            done = rec.last_done()
+            if rec.group is None:
+                last_done = max(last_done, done)
+            else:                     # a group's sequence numbers are its own (report.diagnose)
+                by_group[rec.group[0]] = max(by_group.get(rec.group[0], 0), done)
+            err = err or getattr(comm, "error", None) or comm.backend.error
+        snap = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
                 "records": records, "last_done": last_done, "error": err,
                 "where": self.where()}
+        if by_group:
+            snap["last_done_groups"] = by_group
+        return snap
 
     def dump(self, reason: str) -> str | None:
         """Flight records and all threads' stacks to ``<job folder>/diag``; returns the folder

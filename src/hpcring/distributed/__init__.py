@@ -31,15 +31,22 @@ def _seconds(timeout) -> float | None:
 
 
 def _create(opts, _backend_options=None) -> ProcessGroupHpcring:
-    """torch's creator (extended API): the group's ranks must be the whole hpcring job."""
+    """torch's creator (extended API), called on the members of a group only (torch gives the
+    other ranks GroupMember.NON_GROUP_MEMBER). A group of every rank shares the session's
+    communicators; a subset gets its own (hpcring.collectives.groups: connections among the
+    members only, its own sequence numbers, records and reports naming global ranks)."""
     from hpcring.session import current, init
     session = current() or init()
     size, rank = int(opts.group_size), int(opts.group_rank)
     members = list(opts.global_ranks_in_group or range(size))
     if members != list(range(session.size)):
-        raise UsageError(f"hpcring backend: a group of ranks {members} (of {session.size}) is not supported; "
-                         "hpcring groups span the whole job",
-                         hint="create subgroups with another backend: dist.new_group(ranks, backend='gloo')")
+        group = session.group(members)
+        if group is None or list(group.members) != members or (rank, size) != (group.rank, group.size):
+            raise UsageError(f"hpcring backend: torch asks for rank {rank} of {size} in a group of ranks "
+                             f"{members}, but this process is rank {session.rank} of the hpcring job "
+                             f"({session.size} ranks)",
+                             hint="create groups with dist.new_group(ranks) on every rank of the job")
+        return ProcessGroupHpcring(group, rank, size, timeout=_seconds(opts.timeout))
     if (rank, size) != (session.rank, session.size):
         raise UsageError(f"hpcring backend: torch says rank {rank} of {size}, but the hpcring session on "
                          f"{session.host} is rank {session.rank} of {session.size}",
