@@ -113,6 +113,24 @@ def test_slurm_mpi_mismatch_is_named_and_leaves_every_node_usable(fault):
     assert fault_matrix.unusable_nodes() == []      # no "Kill task failed" drain
 
 
+def test_a_rank_still_finishing_the_previous_collective_does_not_hide_the_failed_one():
+    """Dev cluster, 3x2 ring, count mismatch at #4 (1 of 4 runs): rank 3 was still receiving the
+    end of allreduce#3 when the others had failed #4; the report said "allreduce#3: failed (no
+    rank is missing or mismatched)". The failed collective is the stuck one."""
+    from hpcring.diagnostics import report
+
+    def rec(seq, state, count=65536):
+        return {"seq": seq, "op": "allreduce", "dtype": "float32", "count": count, "root": None,
+                "backend": "ring", "timeout": 8.0, "site": "w.py:1", "state": state}
+    done = [rec(1, "done"), rec(2, "done")]
+    snaps = {0: {"records": done + [rec(3, "done"), rec(4, "failed")], "last_done": 3},
+             1: {"records": done + [rec(3, "done"), rec(4, "failed", 32768)], "last_done": 3},
+             2: {"records": done + [rec(3, "started")], "last_done": 2, "where": "in allreduce at w.py:1"}}
+    out = report.diagnose(3, ["n1", "n2", "n3"], snaps, {}, {"rank": 0, "op": rec(4, "failed")})
+    assert out.headline == "allreduce#4: rank 1 (n2) called it with different arguments", out.headline
+    assert out.details[2].startswith("never joined: still in allreduce#3"), out.details
+
+
 def test_slurm_teardown_starts_the_kill_without_waiting_for_it(tmp_path, monkeypatch):
     """The reporter's scancel runs in a session of its own and is not waited for; the Comment
     goes first and is waited for (a finished job's Comment cannot be set)."""

@@ -124,11 +124,15 @@ def _at(snap: dict, seq: int) -> dict | None:
 
 
 def stuck_seq(snaps: dict[int, dict], trigger: dict) -> int | None:
-    """Sequence number of the oldest collective in flight or failed on any answering rank."""
-    seqs = [rec["seq"] for s in snaps.values() for rec in s.get("records", [])
-            if rec.get("state") in ("queued", "started", "failed")]
-    if seqs:
-        return min(seqs)
+    """Sequence number of the oldest collective that failed on any answering rank, else of the
+    oldest one in flight. A failed one wins: a rank can still be finishing collective #3 (its
+    last chunks in flight) while the others, done with #3, fail #4 (seen on the dev cluster: a
+    count mismatch at #4 reported as "allreduce#3: failed")."""
+    recs = [rec for s in snaps.values() for rec in s.get("records", [])]
+    for states in (("failed",), ("queued", "started")):
+        seqs = [rec["seq"] for rec in recs if rec.get("state") in states]
+        if seqs:
+            return min(seqs)
     return (trigger.get("op") or {}).get("seq")
 
 
@@ -199,7 +203,10 @@ def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[in
         rec = at.get(r)
         if rec is None:
             cats["missing"].append(r)
-            details[r] = f"never joined: last completed #{snap.get('last_done', 0)}"
+            behind = [x for x in snap.get("records", []) if x.get("state") in ("queued", "started")
+                      and seq is not None and (x.get("seq") or 0) < seq]
+            details[r] = (f"never joined: still in {behind[0].get('op')}#{behind[0].get('seq')}" if behind
+                          else f"never joined: last completed #{snap.get('last_done', 0)}")
             if snap.get("where"):
                 details[r] += f", now {snap['where']}"
         elif ref_sig is not None and _sig(rec) != ref_sig:
