@@ -53,7 +53,8 @@ def main():
         if rank == 0 and hpcring.requeue_count() < a.self_requeue and step >= 3 * (hpcring.requeue_count() + 1):
             import subprocess
             print(f"PREEMPT_TRAIN rank=0 self-requeue at step={step}", flush=True)
-            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=30)
+            # not checked: Slurm may end this step, scontrol included, before scontrol returns
+            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], timeout=30)
             return 0
         g = np.arange(8, dtype=np.float32) * (rank + 1) + step
         w = 0.5 * w + comm.allreduce(g).astype(np.float64)

@@ -87,3 +87,20 @@ def test_peers_of_a_requeued_run_exit_quietly(tmp_path, state, restarts, quiet):
     else:                                   # a running job: the report as before
         assert "COLLECTIVE FAILURE" in r.stderr, r.stderr
         assert "not a collective failure" not in r.stderr
+
+
+def test_teardown_leaves_a_run_the_scheduler_ends_alone(tmp_path, monkeypatch, capsys):
+    """A rank that fails while Slurm requeues the job does not scancel its step: the next run's
+    step has the same id (JOB.0), and a late kill would end that run."""
+    from hpcring.diagnostics import teardown
+    monkeypatch.setenv("PATH", fake_scontrol(tmp_path, "COMPLETING", 1)["PATH"])
+    import types
+    ran = []
+    fake = types.SimpleNamespace(Popen=lambda *a, **k: ran.append(a), run=lambda *a, **k: ran.append(a),
+                                 DEVNULL=subprocess.DEVNULL, SubprocessError=subprocess.SubprocessError)
+    monkeypatch.setattr(teardown, "subprocess", fake)     # teardown's own calls only, not the query's
+    teardown.end_job(0, "x", {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"})
+    assert ran == [] and "Slurm requeued job 9" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", fake_scontrol(tmp_path, "RUNNING", 0)["PATH"])
+    teardown.end_job(0, "x", {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"})
+    assert [a[0][0] for a in ran] == ["scontrol", "scancel"]     # a running job: annotated and ended

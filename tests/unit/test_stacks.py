@@ -312,8 +312,8 @@ RANK_SCRIPT = textwrap.dedent("""
     if os.environ.get("FORK_WORKER") and os.fork() == 0:
         time.sleep(60)          # a forked data-loader worker: same environment, same rank
     def stuck_in_c():
+        print("ready", flush=True)   # from inside: a dump right after "ready" finds it here
         time.sleep(60)
-    print("ready", flush=True)
     stuck_in_c()
 """)
 

@@ -63,6 +63,11 @@ def end_job(rank: int, headline: str = "", environ: Mapping[str, str] | None = N
         wanted = True
     if argv is None or not wanted:
         return
+    from hpcring.schedulers import run_ending
+    ending = run_ending(os.environ if environ is None else environ)
+    if ending:                     # a requeue's step has the same id: a late kill would hit the next run
+        print(f"hpcring: rank {rank}: {ending}: nothing to end", file=sys.stderr, flush=True)
+        return
     print(f"hpcring: rank {rank}: ending the job: {' '.join(argv)}", file=sys.stderr, flush=True)
     quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     annotate = annotate_argv(headline, environ) if headline else None
