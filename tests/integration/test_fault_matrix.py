@@ -136,8 +136,8 @@ def test_slurm_teardown_starts_the_kill_without_waiting_for_it(tmp_path, monkeyp
     goes first and is waited for (a finished job's Comment cannot be set)."""
     from hpcring.diagnostics import teardown
     log = tmp_path / "calls"
-    for name, body in (("scontrol", f'echo "scontrol $*" >> {log}'),
-                       ("scancel", f'echo "scancel $* sid=$(ps -o sid= -p $$) pid=$$" >> {log}; exec sleep 30')):
+    for name, body in (("scontrol", f'echo "scontrol $*" >> {log}; echo "JobId=7 JobState=RUNNING Restarts=0"'),
+                       ("scancel", f'echo "scancel $* sid=$(ps -o sid= -p $$ | tr -d " ") pid=$$" >> {log}; exec sleep 30')):
         f = tmp_path / name
         f.write_text(f"#!/bin/sh\n{body}\n")
         f.chmod(0o755)
@@ -148,7 +148,7 @@ def test_slurm_teardown_starts_the_kill_without_waiting_for_it(tmp_path, monkeyp
     deadline = time.monotonic() + 10
     while "scancel" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
         time.sleep(0.05)
-    lines = log.read_text().splitlines()
+    lines = [ln for ln in log.read_text().splitlines() if not ln.startswith("scontrol -o show job")]
     assert lines[0].startswith("scontrol update JobId=7 Comment=hpcring: allreduce#4"), lines
     assert lines[1].startswith("scancel --signal=KILL 7.0"), lines
     sid, pid = (int(w.split("=")[1]) for w in lines[1].split()[-2:])
