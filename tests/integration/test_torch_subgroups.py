@@ -28,7 +28,7 @@ def run_job(tmp_path, *args, ranks, env=None, timeout=300):
                           text=True, timeout=timeout, cwd=tmp_path, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("ranks", [4, 3])
+@pytest.mark.parametrize("ranks", [4, 3, 2])
 def test_new_group_new_subgroups_and_2d_mesh_match_gloo(tmp_path, ranks):
     p = run_job(tmp_path, "groups", ranks=ranks)
     out = p.stdout + p.stderr
