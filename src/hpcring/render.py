@@ -19,6 +19,7 @@ import jinja2
 from hpcring import __version__
 from hpcring.config.fabric import bootstrap_spec, fabric_env
 from hpcring.config.jobspec import JobSpec, check_text
+from hpcring.config.schema import slurm_signal_spec
 from hpcring.config.site import Site
 from hpcring.errors import TemplateError
 from hpcring.resources import templates_dir
@@ -115,19 +116,7 @@ _SLURM_SIGNAL = re.compile(r"--signal(?:=|\s+)(\S+)")
 
 
 def _signal_spec(spec: str) -> tuple[str, str, int] | None:
-    """``[R:|B:]SIG[@SECONDS]`` -> (flag, bare signal name, seconds); Slurm's default time is 60."""
-    flag, _, rest = spec.strip("'\"").rpartition(":")
-    sig, _, secs = rest.partition("@")
-    sig = re.sub(r"^SIG", "", sig.upper())
-    if sig.isdigit():
-        import signal as _signal
-        try:
-            sig = _signal.Signals(int(sig)).name.removeprefix("SIG")
-        except ValueError:
-            return None
-    if not sig or (secs and not secs.isdigit()):
-        return None
-    return flag, sig, int(secs) if secs else 60
+    return slurm_signal_spec(spec.strip("'\""))
 
 
 def slurm_warning(site: Site, job: JobSpec) -> SlurmWarning:

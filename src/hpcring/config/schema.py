@@ -78,6 +78,26 @@ def _strings(value: Any, sub: tuple = ()):
             yield from _strings(item, sub + (k,))
 
 
+def slurm_signal_spec(spec: str) -> tuple[str, str, int] | None:
+    """sbatch's ``--signal=[{R|B}:]<sig_num>[@sig_time]`` as (flags, bare signal name such as
+    USR2, seconds: Slurm's default 60 when left out), or None when Slurm would not take it (it
+    keeps sig_time in 16 bits)."""
+    m = re.fullmatch(r"(?:([RB]{1,2}):)?([A-Za-z0-9]+)(?:@(\d{1,5}))?", spec)
+    if not m or (m.group(1) and len(set(m.group(1))) != len(m.group(1))):
+        return None
+    sig, secs = m.group(2), int(m.group(3)) if m.group(3) else 60
+    if sig.isdigit():
+        if not 1 <= int(sig) <= 64:
+            return None
+        try:
+            sig = signal.Signals(int(sig)).name
+        except ValueError:             # a real-time signal: Slurm takes its number
+            return m.group(1) or "", sig, secs
+    elif not _signal_name(sig):
+        return None
+    return (m.group(1) or "", sig.upper().removeprefix("SIG"), secs) if secs <= 65535 else None
+
+
 def _signal_name(name: str) -> bool:
     """A signal's name as Slurm and LSF take it: USR2 or SIGUSR2."""
     base = name[3:] if name.startswith("SIG") else name
@@ -227,14 +247,7 @@ class SlurmOptions(_Strict):
     @field_validator("signal")
     @classmethod
     def _signal(cls, v):
-        # sbatch --signal=[{R|B}:]<sig_num>[@sig_time]; Slurm keeps sig_time in 16 bits
-        if v is None:
-            return v
-        m = re.fullmatch(r"(?:([RB]{1,2}):)?([A-Za-z0-9]+)(?:@(\d{1,5}))?", v)
-        sig = m and m.group(2)
-        ok_sig = sig and (_signal_name(sig) or (sig.isdigit() and 1 <= int(sig) <= 64))
-        if not m or not ok_sig or (m.group(3) and int(m.group(3)) > 65535) or \
-                (m.group(1) and len(set(m.group(1))) != len(m.group(1))):
+        if v is not None and slurm_signal_spec(v) is None:
             raise ValueError(f"{shown(v)} is not a Slurm signal spec; write [R:|B:]SIGNAL[@SECONDS] with a "
                              "signal name or number and 0-65535 seconds, e.g. USR2@90")
         return v
