@@ -107,12 +107,16 @@ def test_every_op_dtype_size_matches_numpy(nranks):
     assert all(int(ok) > 450 and failed == "0" for _, ok, failed in results), results
 
 
+# mpirun forwards each rank's output as it arrives: two ranks' lines can end up on one line
+_CAUGHT = r"CAUGHT rank=(\d+) elapsed=([\d.]+) msg=(.*?)(?=CAUGHT rank=|\n|$)"
+
+
 @needs_mpi
 @pytest.mark.mpi
 def test_skipped_collective_raises_collective_error_within_deadline():
     deadline = 1.5
     r, _ = mpirun(3, "skip", str(deadline), env_extra={"HPCRING_MPI_ABORT_ON_TIMEOUT": "0"})
-    caught = re.findall(r"CAUGHT rank=(\d+) elapsed=([\d.]+) msg=(.*)", r.stdout)
+    caught = re.findall(_CAUGHT, r.stdout)
     assert sorted(int(c[0]) for c in caught) == [0, 1], r.stdout + r.stderr[-3000:]
     for _, elapsed, msg in caught:
         assert deadline - 0.01 <= float(elapsed) < deadline + 3.0   # slack for a loaded 2-core host
@@ -138,7 +142,7 @@ def test_mismatched_call_is_named_on_every_rank_before_mpi_sees_it(mode):
     """Without the signature check Open MPI truncates (small counts), corrupts its heap (large
     ones) or hangs: here every rank raises at once, in the ring's words, naming the odd rank."""
     r, _ = mpirun(3, mode)
-    caught = {int(c[0]): (float(c[1]), c[2]) for c in re.findall(r"CAUGHT rank=(\d+) elapsed=([\d.]+) msg=(.*)", r.stdout)}
+    caught = {int(c[0]): (float(c[1]), c[2]) for c in re.findall(_CAUGHT, r.stdout)}
     assert sorted(caught) == [0, 1, 2] and r.returncode == 0, r.stdout + r.stderr[-3000:]
     victim = "allreduce#2(count=500, dtype=float32" if mode == "mismatch" else "barrier#2(count=0"
     for rank in (0, 1):

@@ -38,12 +38,6 @@ def test_whole_job_group_is_created_with_the_session(session):
     assert (pg.rank(), pg.size(), pg.getBackendName()) == (1, 4, "hpcring")
 
 
-def test_subgroup_is_refused_naming_its_ranks(session):
-    with pytest.raises(UsageError, match=r"group of ranks \[0, 1\] \(of 4\) is not supported") as e:
-        _create(opts(1, 2, [0, 1]))
-    assert "backend='gloo'" in e.value.hint
-
-
 def test_rank_disagreeing_with_the_session_is_refused(session):
     with pytest.raises(UsageError, match="torch says rank 2 of 4, but the hpcring session on nodeB is rank 1 of 4"):
         _create(opts(2, 4))

@@ -208,6 +208,8 @@ class Watchdog:
                 if not self._closing:
                     self._lost = str(e)
                 return
+            if self._closing:          # this rank exited normally: its exit record speaks for it
+                return
             try:
                 trig = json.loads(value)
             except ValueError:
