@@ -104,3 +104,17 @@ def test_teardown_leaves_a_run_the_scheduler_ends_alone(tmp_path, monkeypatch, c
     monkeypatch.setenv("PATH", fake_scontrol(tmp_path, "RUNNING", 0)["PATH"])
     teardown.end_job(0, "x", {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"})
     assert [a[0][0] for a in ran] == ["scontrol", "scancel"]     # a running job: annotated and ended
+
+
+def test_a_controller_that_does_not_answer_costs_seconds_not_the_message_timeout(tmp_path, monkeypatch):
+    """A node cut off from slurmctld: scontrol would wait Slurm's MessageTimeout and more; the
+    question is given up after RUN_ENDING_TIMEOUT and the report goes on as before."""
+    import time
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nsleep 60\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    t = time.monotonic()
+    assert schedulers.run_ending({"SLURM_JOB_ID": "42"}) is None
+    assert time.monotonic() - t < schedulers.RUN_ENDING_TIMEOUT + 2

@@ -23,7 +23,12 @@ def get(name: str) -> ModuleType:
     return mod
 
 
-def run_ending(environ: Mapping[str, str]) -> str | None:
+# A rank asks on its way to a report: a node cut off from the controller must not wait out the
+# scheduler's own message timeout (10 s and more) before it says what it saw.
+RUN_ENDING_TIMEOUT = 3.0
+
+
+def run_ending(environ: Mapping[str, str], timeout: float = RUN_ENDING_TIMEOUT) -> str | None:
     """Inside a job: why the scheduler is ending this run (requeue, cancel, time limit), or None
     while it runs, or when nothing can tell (no scheduler, or it does not answer). A rank asks
     before it reports a collective failure: a peer that the scheduler stopped is not one."""
@@ -32,9 +37,9 @@ def run_ending(environ: Mapping[str, str]) -> str | None:
         if environ.get("SLURM_JOB_ID"):
             from hpcring.schedulers import slurm
             count = environ.get("SLURM_RESTART_COUNT", "0")
-            return slurm.run_ending(environ["SLURM_JOB_ID"], int(count) if count.isdigit() else 0)
+            return slurm.run_ending(environ["SLURM_JOB_ID"], int(count) if count.isdigit() else 0, timeout)
         if environ.get("LSB_JOBID"):
-            return get("lsf").run_ending(environ["LSB_JOBID"])
+            return get("lsf").run_ending(environ["LSB_JOBID"], timeout)
     except HpcringError:
         return None
     return None

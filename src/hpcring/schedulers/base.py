@@ -27,15 +27,16 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 COMMAND_TIMEOUT = 30.0         # seconds a scheduler command (sacct, bjobs, scancel, ...) may take
 
 
-def run_command(cmd: list[str], *, missing_hint: str, slow_hint: str) -> subprocess.CompletedProcess:
+def run_command(cmd: list[str], *, missing_hint: str, slow_hint: str,
+                timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
     """Run a scheduler query/control command (output captured, no stdin, COMMAND_TIMEOUT). A
     command not on PATH or not answering is a SchedulerError with the scheduler's own hint."""
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, stdin=subprocess.DEVNULL)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise SchedulerError(f"`{cmd[0]}` is not on PATH", hint=missing_hint) from None
     except subprocess.TimeoutExpired:
-        raise SchedulerError(f"`{' '.join(cmd)}` did not answer within {COMMAND_TIMEOUT:.0f} s",
+        raise SchedulerError(f"`{' '.join(cmd)}` did not answer within {timeout:g} s",
                              hint=slow_hint) from None
 
 

@@ -33,7 +33,7 @@ from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site, load_site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
-from hpcring.schedulers.base import JobState, run_command, state_dir
+from hpcring.schedulers.base import COMMAND_TIMEOUT, JobState, run_command, state_dir
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, remote_shell, submitit_command
 
 COMMAND = "bsub"
@@ -272,8 +272,8 @@ def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, 
     return LsfExecutor(folder, site=site, job=job, template=template, python=python)
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return run_command(cmd, missing_hint="run on the cluster's login node (source profile.lsf)",
+def _run(cmd: list[str], timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
+    return run_command(cmd, timeout=timeout, missing_hint="run on the cluster's login node (source profile.lsf)",
                        slow_hint="is mbatchd up? try `bjobs` and `bhosts`")
 
 
@@ -317,10 +317,10 @@ def explain_refusal(stderr: str) -> str | None:
     return None
 
 
-def run_ending(job_id: str) -> str | None:
+def run_ending(job_id: str, timeout: float = COMMAND_TIMEOUT) -> str | None:
     """Why LSF is ending this run of the job (``brequeue``, ``bkill``, the run limit), or None
     while bjobs says RUN. Raises SchedulerError when bjobs cannot be asked."""
-    r = _run(["bjobs", "-o", BJOBS_FORMAT, "-noheader", str(job_id)])
+    r = _run(["bjobs", "-o", BJOBS_FORMAT, "-noheader", str(job_id)], timeout)
     info = parse_bjobs(r.stdout).get(str(job_id))
     if info is None:
         raise SchedulerError(f"bjobs {job_id}: {(r.stderr or r.stdout).strip()}")

@@ -15,7 +15,7 @@ from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
-from hpcring.schedulers.base import TERMINAL, JobState, run_command
+from hpcring.schedulers.base import COMMAND_TIMEOUT, TERMINAL, JobState, run_command
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, submitit_command
 
 COMMAND = "sbatch"
@@ -66,8 +66,8 @@ def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, 
     return Executor(folder, site, job, template, python)
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return run_command(cmd, missing_hint="run on the cluster's login node",
+def _run(cmd: list[str], timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
+    return run_command(cmd, timeout=timeout, missing_hint="run on the cluster's login node",
                        slow_hint="is slurmctld (or slurmdbd) up? try `sinfo`")
 
 
@@ -165,12 +165,12 @@ def explain_refusal(stderr: str) -> str | None:
 
 
 
-def run_ending(job_id: str, restart_count: int) -> str | None:
+def run_ending(job_id: str, restart_count: int, timeout: float = COMMAND_TIMEOUT) -> str | None:
     """Why Slurm is ending this run of the job (``scontrol requeue``, cancel, time limit, a node
     failure), or None while the run is RUNNING as far as Slurm knows. ``restart_count`` is this
     run's SLURM_RESTART_COUNT: a job already restarted past it belongs to a later run.
     Raises SchedulerError when slurmctld cannot be asked."""
-    r = _run(["scontrol", "-o", "show", "job", str(job_id)])
+    r = _run(["scontrol", "-o", "show", "job", str(job_id)], timeout)
     if r.returncode != 0:
         raise SchedulerError(f"scontrol show job {job_id}: {r.stderr.strip()}")
     fields = dict(w.split("=", 1) for w in r.stdout.split() if "=" in w)
