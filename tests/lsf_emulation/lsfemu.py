@@ -472,6 +472,12 @@ def _run(job: dict) -> bool:
         if kill_at and now >= kill_at:
             _killpg(proc.pid, signal.SIGKILL)
         time.sleep(0.2)
+    # A brequeue that came just before the job's own exit (rank 0 requeues, then exits) still
+    # requeues it, as mbatchd would: the loop above may not have polled it yet.
+    if kill_at is None:
+        reqs = _pending_requests(job["id"])
+        if "requeue" in reqs and "kill" not in reqs:
+            requeued, reason = True, "TERM_REQUEUE_OWNER"
     # the whole process group goes with the job (blaunch tasks included)
     _killpg(proc.pid, signal.SIGKILL)
     rc = proc.returncode

@@ -23,8 +23,9 @@ def get(name: str) -> ModuleType:
     return mod
 
 
-# A rank asks on its way to a report: a node cut off from the controller must not wait out the
-# scheduler's own message timeout (10 s and more) before it says what it saw.
+# A rank asks on its way to a report: a node cut off from slurmctld must not wait out scontrol's
+# message timeout (10 s and more) before it says what it saw. (LSF keeps the command bound: the
+# emulation's bjobs is a Python program that a loaded host starts slowly.)
 RUN_ENDING_TIMEOUT = 3.0
 
 
@@ -39,7 +40,7 @@ def run_ending(environ: Mapping[str, str], timeout: float = RUN_ENDING_TIMEOUT) 
             count = environ.get("SLURM_RESTART_COUNT", "0")
             return slurm.run_ending(environ["SLURM_JOB_ID"], int(count) if count.isdigit() else 0, timeout)
         if environ.get("LSB_JOBID"):
-            return get("lsf").run_ending(environ["LSB_JOBID"], timeout)
+            return get("lsf").run_ending(environ["LSB_JOBID"])   # bjobs: its own, longer bound
     except HpcringError:
         return None
     return None
