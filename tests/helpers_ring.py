@@ -130,20 +130,26 @@ def spawn_ranks(size, target, *args, timeout=30.0, secrets=None, wait=120.0, hos
                  for r in range(size)]
         for p in procs:
             p.start()
-        out = {}
-        deadline = time.monotonic() + wait
-        while len(out) < size and time.monotonic() < deadline:
-            try:
-                rank, status, value, secs = q.get(timeout=0.5)
-                out[rank] = (status, value, secs)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                if all(not p.is_alive() for p in procs) and q.empty():
-                    break
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        return collect(q, procs, size, wait)
+
+
+def collect(q, procs, size: int, wait: float) -> dict:
+    """{rank: the rest of its (rank, ...) message} from ``q`` until every rank reported, all
+    died, or ``wait`` s passed; then every process is joined (killed past 5 s)."""
+    out = {}
+    deadline = time.monotonic() + wait
+    while len(out) < size and time.monotonic() < deadline:
+        try:
+            rank, *rest = q.get(timeout=0.5)
+            out[rank] = tuple(rest)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            if all(not p.is_alive() for p in procs) and q.empty():
+                break
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from hpcring.collectives.groups import check_members, globalize, subtopology
 from hpcring.errors import UsageError
-from helpers_ring import SECRET, topology
+from helpers_ring import SECRET, collect, topology
 
 
 HOSTS4 = ("node0", "node0", "node1", "node1")
@@ -32,29 +32,14 @@ def spawn_sessions(size, target, *args, hosts=None, wait=240.0):
     """target(session, *args) in ``size`` spawned ranks (a Session over the real store, ring over
     loopback); returns {rank: (status, value)}."""
     import multiprocessing as mp
-    import time
     from hpcring.bootstrap.store import StoreServer
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    out = {}
     with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
         procs = [ctx.Process(target=_child, args=(r, size, server.port, hosts, target, args, q)) for r in range(size)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + wait
-        while len(out) < size and time.monotonic() < deadline:
-            try:
-                rank, status, value = q.get(timeout=0.5)
-                out[rank] = (status, value)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                if all(not p.is_alive() for p in procs) and q.empty():
-                    break
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return out
+        return collect(q, procs, size, wait)
 
 
 def _sockets() -> int:
