@@ -5,15 +5,17 @@ import hmac
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from hpcring.bootstrap import auth
-from hpcring.bootstrap.store_wire import (DEFAULT_MAX_FRAME, F64, HEADER, I64, MAC_LEN, MAX_GET_TIMEOUT,
-                                          OP_ADD, OP_CHECK, OP_DELETE, OP_GET, OP_PING, OP_SET,
+from hpcring.bootstrap.store_wire import (COUNT, DEFAULT_MAX_FRAME, F64, HEADER, I64, KEYLEN, MAC_LEN,
+                                          MAX_GET_TIMEOUT, MGET_VALUES, OP_ADD, OP_CHECK, OP_DELETE,
+                                          OP_GET, OP_MCHECK, OP_MGET, OP_MSET, OP_PING, OP_SET,
                                           SECRET_HINT, ST_ERROR, ST_OK, ST_TIMEOUT, _DIR_TO_CLIENT,
                                           _DIR_TO_SERVER, StoreAuthError, StoreTimeoutError,
-                                          encode_frame, encode_request, frame_mac, session_key)
+                                          decode_indices, decode_values, encode_frame, encode_items,
+                                          encode_keys, encode_request, frame_mac, session_key)
 from hpcring.errors import BootstrapError
 from hpcring.netio import recv_exact, time_left
 
@@ -144,21 +146,29 @@ class StoreClient:
 
     # -- one round trip ---------------------------------------------------------------------
     def _call(self, op: int, key: str, args: bytes, wait: float) -> tuple[int, bytes]:
-        body = encode_request(op, key, args)
-        if len(body) > self.max_frame:
-            raise BootstrapError(f"value for key {key!r} is {len(body)} bytes, over the store's "
-                                 f"frame cap of {self.max_frame}", hint="the store is for small metadata")
+        return self._pipeline([(op, key, args)], wait, key)[0]
+
+    def _pipeline(self, requests: list[tuple[int, str, bytes]], wait: float, key: str) -> list[tuple[int, bytes]]:
+        """Send every request, then read every reply: one round trip however many there are.
+        ``key`` names the request in errors (a batch's keys are summarised by the caller)."""
+        bodies = [encode_request(op, k, args) for op, k, args in requests]
+        for body in bodies:
+            if len(body) > self.max_frame:
+                raise BootstrapError(f"request for key {key!r} is {len(body)} bytes, over the store's "
+                                     f"frame cap of {self.max_frame}", hint="the store is for small metadata")
         with self._lock:
             sock = self._sock
             if sock is None:
                 raise BootstrapError(f"store client for {self.address} is closed (key {key!r})")
-            frame = encode_frame(self._key, _DIR_TO_SERVER, self._send_seq, body)
-            self._send_seq += 1
+            frames = []
+            for body in bodies:
+                frames.append(encode_frame(self._key, _DIR_TO_SERVER, self._send_seq, body))
+                self._send_seq += 1
             # The server answers a blocked GET at its own deadline; the slack covers the round trip.
             sock.settimeout(wait + 5.0)
             try:
-                sock.sendall(frame)
-                return self._read_reply(sock, key)
+                sock.sendall(b"".join(frames))
+                replies = [self._read_reply(sock) for _ in bodies]
             except (EOFError, ConnectionError) as e:
                 self._sock = None
                 sock.close()
@@ -178,8 +188,13 @@ class StoreClient:
                 sock.close()
                 raise BootstrapError(f"talking to the rendezvous store at {self.address} failed for "
                                      f"key {key!r}: {e}", hint="check rank 0 and the network path") from e
+        for status, payload in replies:   # every reply is read first: the stream stays in step
+            if status == ST_ERROR:
+                raise BootstrapError(f"store at {self.address} refused the request on key {key!r}: "
+                                     f"{payload.decode('utf-8', 'replace')}")
+        return replies
 
-    def _read_reply(self, sock: socket.socket, key: str) -> tuple[int, bytes]:
+    def _read_reply(self, sock: socket.socket) -> tuple[int, bytes]:
         head = recv_exact(sock, HEADER.size + MAC_LEN)
         (length,) = HEADER.unpack_from(head, 0)
         if length > self.max_frame or length < 1:
@@ -188,11 +203,7 @@ class StoreClient:
         if not hmac.compare_digest(head[HEADER.size:], frame_mac(self._key, _DIR_TO_CLIENT, self._recv_seq, body)):
             raise ConnectionAbortedError("reply frame has a bad MAC")
         self._recv_seq += 1
-        status = body[0]
-        if status == ST_ERROR:
-            raise BootstrapError(f"store at {self.address} refused the request on key {key!r}: "
-                                 f"{body[1:].decode('utf-8', 'replace')}")
-        return status, body[1:]
+        return body[0], body[1:]
 
     # -- API --------------------------------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
@@ -219,21 +230,130 @@ class StoreClient:
 
     def gather(self, keys: Iterable[str], timeout: float | None = None) -> list[bytes]:
         """The values of ``keys`` in order, blocking until all exist; one deadline covers them all.
+        One round trip (:meth:`multi_get`).
 
         On timeout raises :class:`StoreTimeoutError` whose ``missing`` lists every key still absent
         (not only the first), so callers can name all the ranks that did not arrive.
         """
+        return self.multi_get(keys, timeout)
+
+    # -- batched ----------------------------------------------------------------------------
+    def multi_set(self, items: Mapping[str, bytes] | Iterable[tuple[str, bytes]]) -> None:
+        """Store every ``(key, value)`` and wake the ranks blocked on them, in one round trip."""
+        items = self._items(items)
+        self._pipeline([(OP_MSET, "", args) for args in self._item_batches(items)], self.timeout,
+                       self._label([k for k, _ in items]))
+
+    def multi_get(self, keys: Iterable[str], timeout: float | None = None, *, values: bool = True) -> list[bytes]:
+        """The values of ``keys`` in order, blocking until all exist, in one round trip (the
+        server parks the request); one deadline covers them all. Raises
+        :class:`StoreTimeoutError` whose ``missing`` lists every key absent at the deadline.
+        ``values=False``: only wait (the reply carries no values; returns ``[]``)."""
         keys = list(keys)
-        deadline = time.monotonic() + (self.timeout if timeout is None else _seconds("store wait timeout", timeout))
-        values: list[bytes] = []
-        for i, key in enumerate(keys):
-            try:
-                values.append(self.get(key, timeout=time_left(deadline)))
-            except StoreTimeoutError as e:
-                missing = [key] + [k for k in keys[i + 1:] if self.check(k) is None]
-                raise StoreTimeoutError(f"{e.message}; {len(missing)} of {len(keys)} keys still missing",
-                                        hint=e.hint, missing=missing) from None
+        wait = self.timeout if timeout is None else self._wait_arg(timeout, "store multi_get timeout")
+        return self._mget(keys, wait, time.monotonic() + wait, values, [])
+
+    def multi_check(self, keys: Iterable[str]) -> list[bytes | None]:
+        """The value of each key, or None where it does not exist; never blocks on the keys."""
+        keys = list(keys)
+        out: list[bytes | None] = []
+        for chunk in self._key_batches(keys):
+            _, payload = self._call(OP_MCHECK, "", encode_keys(chunk), self.timeout)
+            out += self._values(payload, len(chunk))
+        return out
+
+    def exchange(self, publish: Mapping[str, bytes] | Iterable[tuple[str, bytes]], keys: Iterable[str],
+                 timeout: float | None = None) -> list[bytes]:
+        """Publish ``publish`` and read ``keys`` (waiting until all exist), in one round trip: the
+        MSET and the MGET travel together and the server answers them in order. A rendezvous
+        ("my address; everyone's addresses") in one call. Errors as :meth:`multi_get`."""
+        items, keys = self._items(publish), list(keys)
+        wait = self.timeout if timeout is None else self._wait_arg(timeout, "store exchange timeout")
+        deadline = time.monotonic() + wait
+        pre = [(OP_MSET, "", args) for args in self._item_batches(items)] if items else []
+        return self._mget(keys, wait, deadline, True, pre)
+
+    def _wait_arg(self, timeout, what: str) -> float:
+        negative = isinstance(timeout, (int, float)) and timeout < 0   # a deadline already passed
+        return _seconds(what, 0.0 if negative else timeout)
+
+    @staticmethod
+    def _items(items) -> list[tuple[str, bytes]]:
+        items = list(items.items() if isinstance(items, Mapping) else items)
+        for key, value in items:
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise TypeError(f"store values are bytes, not {type(value).__name__} (key {key!r})")
+        return [(k, bytes(v)) for k, v in items]
+
+    @staticmethod
+    def _label(keys: list[str]) -> str:
+        return keys[0] if len(keys) == 1 else f"{keys[0]} (and {len(keys) - 1} more)" if keys else "(none)"
+
+    def _budget(self) -> int:
+        return self.max_frame - 64   # room for the request header and the MGET's fixed fields
+
+    def _key_batches(self, keys: list[str]) -> list[list[str]]:
+        """``keys`` split so that each request fits the frame cap (almost always one batch)."""
+        out, cur, size = [], [], COUNT.size
+        for k in keys:
+            n = KEYLEN.size + len(k.encode("utf-8"))
+            if cur and size + n > self._budget():
+                out.append(cur)
+                cur, size = [], COUNT.size
+            cur.append(k)
+            size += n
+        return out + [cur] if cur or not out else out
+
+    def _item_batches(self, items: list[tuple[str, bytes]]) -> list[bytes]:
+        out, cur, size = [], [], COUNT.size
+        for k, v in items:
+            n = KEYLEN.size + len(k.encode("utf-8")) + COUNT.size + len(v)
+            if cur and size + n > self._budget():
+                out.append(encode_items(cur))
+                cur, size = [], COUNT.size
+            cur.append((k, v))
+            size += n
+        return out + [encode_items(cur)] if cur or not out else out
+
+    def _values(self, payload: bytes, n: int) -> list[bytes | None]:
+        try:
+            values = decode_values(payload)
+        except ValueError as e:
+            raise BootstrapError(f"store at {self.address} sent a malformed value list: {e}") from None
+        if len(values) != n:
+            raise BootstrapError(f"store at {self.address} answered {len(values)} values for {n} keys")
         return values
+
+    def _mget(self, keys: list[str], wait: float, deadline: float, values: bool,
+              pre: list[tuple[int, str, bytes]]) -> list[bytes]:
+        """MGET ``keys`` (after the pipelined requests ``pre``); batches beyond the frame cap are
+        asked one after the other, each with what is left of ``deadline``."""
+        flags = bytes([MGET_VALUES if values else 0])
+        out: list[bytes] = []
+        batches = self._key_batches(keys) if keys else []
+        for i, chunk in enumerate(batches):
+            left = wait if i == 0 else time_left(deadline)
+            reqs = (pre if i == 0 else []) + [(OP_MGET, "", F64.pack(left) + flags + encode_keys(chunk))]
+            status, payload = self._pipeline(reqs, left, self._label(chunk))[-1]
+            if status == ST_TIMEOUT:
+                try:
+                    missing = [chunk[j] for j in decode_indices(payload)]
+                except (ValueError, IndexError) as e:
+                    raise BootstrapError(f"store at {self.address} sent a malformed timeout reply: {e}") from None
+                later = [k for batch in batches[i + 1:] for k in batch]
+                if later:   # name every absent key, as the one-key-at-a-time gather did
+                    missing += [k for k, v in zip(later, self.multi_check(later)) if v is None]
+                raise StoreTimeoutError(
+                    f"timed out after {wait:.1f}s waiting for key {missing[0]!r} in the rendezvous "
+                    f"store at {self.address}; {len(missing)} of {len(keys)} keys still missing",
+                    hint="some rank did not reach this point: check that every rank started (scheduler "
+                         "log), that all ranks use the same job id and world size, and the logs of the "
+                         "rank that should have published this key", missing=missing)
+            if values:
+                out += self._values(payload, len(chunk))
+        if not batches and pre:
+            self._pipeline(pre, wait, "(publish)")
+        return out
 
     def check(self, key: str) -> bytes | None:
         """The value of ``key`` if present, else None (never blocks on the key)."""
@@ -250,10 +370,8 @@ class StoreClient:
         return I64.unpack(payload)[0]
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:
-        """Block until every key exists; one deadline covers them all."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else _seconds("store wait timeout", timeout))
-        for key in keys:
-            self.get(key, timeout=time_left(deadline))
+        """Block until every key exists; one deadline covers them all (one round trip)."""
+        self.multi_get(keys, timeout, values=False)
 
     def barrier(self, name: str, size: int, timeout: float | None = None) -> None:
         """Return once ``size`` participants have entered barrier ``name`` (one use per name)."""

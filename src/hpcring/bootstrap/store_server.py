@@ -1,7 +1,15 @@
-"""The rendezvous store's server: one selector thread in rank 0 (see store_wire for the protocol)."""
+"""The rendezvous store's server: one selector thread in rank 0 (see store_wire for the protocol).
+
+Scale (issue 21): one thread and one epoll loop serve every connection (no thread per client);
+a blocking GET/MGET on keys not yet set is parked in a *wait group* (all requests for the same
+key list share one, so 8192 ranks reading the same N keys cost O(N) bookkeeping, not O(N^2)),
+and answered when the last key arrives or at its deadline by the timer heap. The process's soft
+RLIMIT_NOFILE is raised to what the job needs (:func:`ensure_fd_limit`).
+"""
 from __future__ import annotations
 
 import atexit
+import collections
 import heapq
 import hmac
 import itertools
@@ -15,10 +23,11 @@ import time
 from hpcring.bootstrap import auth
 from hpcring.bootstrap.store_wire import (ACCEPT_BACKOFF, DEFAULT_MAX_FRAME, F64, FD_RESERVE, FRAME_TIMEOUT,
                                           HANDSHAKE_TIMEOUT, HEADER, I64, KEYLEN, MAC_LEN,
-                                          MAX_GET_TIMEOUT, OP_ADD, OP_CHECK, OP_DELETE, OP_GET,
-                                          OP_PING, OP_SET, ST_ERROR, ST_MISSING, ST_OK, ST_TIMEOUT,
-                                          _DIR_TO_CLIENT, _DIR_TO_SERVER, encode_frame, frame_mac,
-                                          session_key)
+                                          MAX_GET_TIMEOUT, MGET_VALUES, OP_ADD, OP_CHECK, OP_DELETE,
+                                          OP_GET, OP_MCHECK, OP_MGET, OP_MSET, OP_PING, OP_SET,
+                                          ST_ERROR, ST_MISSING, ST_OK, ST_TIMEOUT, _DIR_TO_CLIENT,
+                                          _DIR_TO_SERVER, decode_items, decode_keys, encode_indices,
+                                          encode_frame, encode_values, frame_mac, session_key)
 from hpcring.errors import BootstrapError
 
 log = logging.getLogger("hpcring.bootstrap.store")
@@ -57,9 +66,70 @@ def _fd_limit() -> int:
         return 1024
 
 
+CONNECTIONS_PER_RANK = 3   # init's client, the watchdog's listener and its action client
+
+
+def fd_need(clients: int) -> int:
+    """Descriptors a store serving ``clients`` connections needs in its process (one per
+    connection, plus the reserve for the rest of rank 0)."""
+    return clients + FD_RESERVE + 16
+
+
+def ensure_fd_limit(clients: int, *, ranks: int | None = None, strict: bool = True) -> int:
+    """Raise this process's soft RLIMIT_NOFILE so that ``clients`` store connections fit; returns
+    the soft limit now in force. The soft limit is only raised (never lowered), and only as far
+    as needed, capped by the hard limit. When the hard limit is too low, raises BootstrapError
+    (``strict``) or logs a warning naming the limit, the job size and what to do.
+    """
+    need = fd_need(clients)
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1024
+    inf = resource.RLIM_INFINITY
+    if soft == inf or soft >= need:
+        return soft if soft != inf else 1 << 20
+    target = need if hard == inf else min(need, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        log.info("store: raised the soft descriptor limit (RLIMIT_NOFILE) from %d to %d for %d "
+                 "connections", soft, target, clients)
+        soft = target
+    except (OSError, ValueError) as e:
+        log.warning("store: could not raise RLIMIT_NOFILE from %d to %d: %s", soft, target, e)
+    if soft >= need:
+        return soft
+    who = f"a job of {ranks} ranks ({CONNECTIONS_PER_RANK} store connections each: {clients})" \
+        if ranks is not None else f"{clients} store connections"
+    msg = (f"rank 0's descriptor limit is too low for the rendezvous store: RLIMIT_NOFILE is "
+           f"{soft} (soft) / {'unlimited' if hard == inf else hard} (hard), {who} needs about {need}")
+    hint = (f"raise the limit before starting the ranks: `ulimit -n {need}` in the job script (up "
+            f"to the hard limit), or ask the site to raise the hard limit (/etc/security/limits.conf "
+            f"nofile, or the scheduler's propagated limits, e.g. Slurm's PropagateResourceLimits)")
+    if strict:
+        raise BootstrapError(msg, hint=hint)
+    log.warning("store: %s; ranks beyond that will wait and may time out. %s", msg, hint)
+    return soft
+
+
+class _Group:
+    """Parked requests for one key list (a GET's key, or an MGET's flags and key list): they
+    share the bookkeeping of which keys are still missing and the reply built once they exist."""
+
+    __slots__ = ("gid", "keys", "missing", "members", "single", "values", "timeout_reply")
+
+    def __init__(self, gid: bytes, keys: list[str], missing: set[str], single: bool, values: bool) -> None:
+        self.gid, self.keys, self.missing = gid, keys, missing
+        self.members: dict[_Conn, None] = {}
+        self.single, self.values = single, values
+        self.timeout_reply: tuple[int, bytes] | None = None   # (data version, payload) cache
+
+
 class _Conn:
     __slots__ = ("sock", "peer", "ready", "inbuf", "outbuf", "ns", "key", "recv_seq", "send_seq",
-                 "hello_deadline", "pending", "closed", "want_write", "frame_deadline", "hello")
+                 "hello_deadline", "pending", "wait_deadline", "closed", "want_write", "frame_deadline",
+                 "hello")
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
@@ -72,7 +142,8 @@ class _Conn:
         self.recv_seq = 0
         self.send_seq = 0
         self.hello_deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-        self.pending: tuple[str, float] | None = None   # (key, deadline) of a blocked GET
+        self.pending: _Group | None = None   # the wait group of a parked GET/MGET
+        self.wait_deadline = 0.0
         self.closed = False
         self.want_write = False
         self.frame_deadline: float | None = None   # set while a frame is partly received
@@ -87,6 +158,10 @@ class StoreServer:
     oversized length closes the connection with a log line naming the peer, before parsing.
     ``stats`` counts what happened (for tests and diagnostics).
 
+    ``clients``: connections the job will open (ranks x :data:`CONNECTIONS_PER_RANK`); the soft
+    descriptor limit is raised for them (:func:`ensure_fd_limit`; ``ranks`` names the job size in
+    its error) and the listen backlog sized for them.
+
     Flood resistance: at most ``max_connections`` open connections (default: what the descriptor
     limit allows, less a reserve); when full, or when accept() fails with EMFILE/ENFILE/ENOBUFS,
     the oldest connection still in its handshake is dropped to make room and accepting pauses with
@@ -97,9 +172,13 @@ class StoreServer:
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0, *, secret: bytes,
                  max_frame: int = DEFAULT_MAX_FRAME, backlog: int = 1024,
-                 max_connections: int | None = None, frame_timeout: float = FRAME_TIMEOUT) -> None:
+                 max_connections: int | None = None, frame_timeout: float = FRAME_TIMEOUT,
+                 clients: int | None = None, ranks: int | None = None) -> None:
         if not secret:
             raise BootstrapError("StoreServer needs a non-empty per-job secret")
+        if clients:
+            ensure_fd_limit(clients, ranks=ranks)
+            backlog = max(backlog, min(clients, 65535))   # the kernel caps it at somaxconn
         self._secret = bytes(secret)
         self.max_frame = max_frame
         self.max_connections = max(8, max_connections or _fd_limit() - FD_RESERVE)
@@ -121,12 +200,16 @@ class StoreServer:
         self.host = host
         self.port = self._lsock.getsockname()[1]
         self._data: dict[str, bytes] = {}
-        self._waiters: dict[str, list[_Conn]] = {}
+        self._version = 0                               # bumped by every change of _data
+        self._groups: dict[bytes, _Group] = {}          # parked requests by key list
+        self._waiters: dict[str, dict[_Group, None]] = {}   # missing key -> groups waiting for it
+        self._reply_cache: dict[bytes, tuple[int, bytes]] = {}   # MGET key list -> (version, payload)
+        self._runnable: collections.deque[_Conn] = collections.deque()   # answered, frames may be queued
         self._timers: list[tuple[float, int, _Conn]] = []   # (deadline, tie, conn) for hellos and GETs
         self._tie = itertools.count()
         self.stats = {"connections": 0, "authenticated": 0, "rejected_handshake": 0,
                       "rejected_frame": 0, "frames": 0, "evicted": 0, "accept_errors": 0,
-                      "slow_frame": 0, "bad_request": 0}
+                      "slow_frame": 0, "bad_request": 0, "peak_connections": 0, "parked": 0}
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -173,8 +256,10 @@ class StoreServer:
             while not self._stopping:
                 for sel_key, events in self._sel.select(self._next_timeout()):
                     self._dispatch(sel_key, events)
+                    self._run_queued()
                 now = time.monotonic()
                 self._expire(now)
+                self._run_queued()
                 if self._accept_paused_until is not None and now >= self._accept_paused_until:
                     self._resume_accept()
         except Exception:   # a bug here would silently hang every rank; make it loud
@@ -197,6 +282,14 @@ class StoreServer:
             if events & selectors.EVENT_READ and not conn.closed:
                 self._on_readable(conn)
 
+    def _run_queued(self) -> None:
+        """Serve the frames queued behind requests that were just answered (iteratively: a woken
+        client's next SET may wake others; recursion could run arbitrarily deep)."""
+        while self._runnable:
+            conn = self._runnable.popleft()
+            if not conn.closed and conn.pending is None:
+                self._process(conn)
+
     def _next_timeout(self) -> float:
         now = time.monotonic()
         t = 1.0
@@ -217,12 +310,14 @@ class StoreServer:
                 self._drop(conn, f"a frame was not completed within {self.frame_timeout:g}s "
                                  f"({len(conn.inbuf)} bytes of it received; slow or stalled peer)",
                            counter="slow_frame")
-            elif conn.pending is not None and conn.pending[1] == deadline:
-                key = conn.pending[0]
-                conn.pending = None
-                self._remove_waiter(key, conn)
-                self._reply(conn, ST_TIMEOUT)
-                self._process(conn)   # the client may have queued nothing else, but be uniform
+            elif conn.pending is not None and conn.wait_deadline == deadline:
+                group = conn.pending
+                self._leave(conn)
+                if group.single:
+                    self._reply(conn, ST_TIMEOUT)
+                else:
+                    self._reply(conn, ST_TIMEOUT, self._missing_reply(group))
+                self._runnable.append(conn)   # the client may have queued nothing else, but be uniform
 
     def _shutdown(self) -> None:
         for sel_key in list(self._sel.get_map().values()):
@@ -263,6 +358,8 @@ class StoreServer:
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
             self.stats["connections"] += 1
             self._conns[conn] = None
+            if len(self._conns) > self.stats["peak_connections"]:
+                self.stats["peak_connections"] = len(self._conns)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             heapq.heappush(self._timers, (conn.hello_deadline, next(self._tie), conn))
             self._send_raw(conn, conn.hello)
@@ -304,8 +401,7 @@ class StoreServer:
         self._conns.pop(conn, None)
         conn.closed = True
         if conn.pending is not None:
-            self._remove_waiter(conn.pending[0], conn)
-            conn.pending = None
+            self._leave(conn)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -415,27 +511,76 @@ class StoreServer:
             log.exception("store %s: op %d from %s failed", self.address, op, conn.peer)
             self._drop(conn, f"internal error on op {op}: {type(e).__name__}")
 
-    def _op_set(self, conn: _Conn, key: str, value: bytes) -> None:
+    def _store(self, key: str, value: bytes) -> None:
         self._data[key] = value
+        self._version += 1
+
+    def _op_set(self, conn: _Conn, key: str, value: bytes) -> None:
+        self._store(key, value)
         # Waiters first: once the setter has its answer it may exit, and on rank 0 that ends the
         # server thread too; the waiters' replies must already be in their socket buffers by then.
-        self._wake_waiters(key)
+        self._wake(key)
         self._reply(conn, ST_OK)
 
-    def _op_get(self, conn: _Conn, key: str, args: bytes) -> None:
-        (timeout,) = F64.unpack(args)
+    def _op_mset(self, conn: _Conn, key: str, args: bytes) -> None:
+        items = decode_items(args)
+        for k, v in items:
+            self._store(k, v)
+        for k, _ in items:
+            self._wake(k)   # before replying, as in _op_set
+        self._reply(conn, ST_OK)
+
+    @staticmethod
+    def _timeout_arg(args: bytes, what: str) -> float:
+        (timeout,) = F64.unpack_from(args, 0)
         if not (0.0 <= timeout <= MAX_GET_TIMEOUT):   # also false for NaN
-            raise ValueError(f"GET timeout {timeout!r} must be finite, >= 0 and <= {MAX_GET_TIMEOUT:g}s")
+            raise ValueError(f"{what} timeout {timeout!r} must be finite, >= 0 and <= {MAX_GET_TIMEOUT:g}s")
+        return timeout
+
+    def _op_get(self, conn: _Conn, key: str, args: bytes) -> None:
+        if len(args) != F64.size:
+            raise ValueError(f"GET takes an 8-byte timeout, not {len(args)} bytes")
+        timeout = self._timeout_arg(args, "GET")
         if key in self._data:
             self._reply(conn, ST_OK, self._data[key])
             return
         if timeout <= 0:
             self._reply(conn, ST_TIMEOUT)
             return
-        deadline = time.monotonic() + timeout
-        conn.pending = (key, deadline)
-        self._waiters.setdefault(key, []).append(conn)
-        heapq.heappush(self._timers, (deadline, next(self._tie), conn))
+        gid = b"G" + key.encode("utf-8")
+        group = self._groups.get(gid) or self._new_group(gid, [key], {key}, single=True, values=True)
+        self._park(conn, group, timeout)
+
+    def _op_mget(self, conn: _Conn, key: str, args: bytes) -> None:
+        if len(args) < F64.size + 1:
+            raise ValueError("MGET takes a timeout, flags and a key list")
+        timeout = self._timeout_arg(args, "MGET")
+        gid = b"M" + args[F64.size:]   # flags + key list: requests for the same keys share a group
+        group = self._groups.get(gid)
+        if group is None:
+            cached = self._reply_cache.get(gid)
+            if cached is not None and cached[0] == self._version:
+                self._reply(conn, ST_OK, cached[1])
+                return
+            keys = decode_keys(args, F64.size + 1)
+            data = self._data
+            missing = [i for i, k in enumerate(keys) if k not in data]
+            if not missing:
+                self._reply(conn, ST_OK, self._values_reply(gid, keys, bool(args[F64.size] & MGET_VALUES)))
+            elif timeout <= 0:
+                self._reply(conn, ST_TIMEOUT, encode_indices(missing))
+            else:
+                group = self._new_group(gid, keys, {keys[i] for i in missing}, single=False,
+                                        values=bool(args[F64.size] & MGET_VALUES))
+                self._park(conn, group, timeout)
+        elif timeout <= 0:
+            self._reply(conn, ST_TIMEOUT, self._missing_reply(group))
+        else:
+            self._park(conn, group, timeout)
+
+    def _op_mcheck(self, conn: _Conn, key: str, args: bytes) -> None:
+        data = self._data
+        self._reply(conn, ST_OK, self._check_size(encode_values([data.get(k) for k in decode_keys(args)])))
 
     def _op_add(self, conn: _Conn, key: str, args: bytes) -> None:
         (n,) = I64.unpack(args)
@@ -447,8 +592,8 @@ class StoreServer:
             return
         if not -(1 << 63) <= value < (1 << 63):
             raise ValueError(f"counter {key!r} would overflow 64 bits")
-        self._data[key] = str(value).encode("ascii")
-        self._wake_waiters(key)   # before replying, as in _op_set
+        self._store(key, str(value).encode("ascii"))
+        self._wake(key)   # before replying, as in _op_set
         self._reply(conn, ST_OK, I64.pack(value))
 
     def _op_check(self, conn: _Conn, key: str, args: bytes) -> None:
@@ -459,32 +604,108 @@ class StoreServer:
 
     def _op_delete(self, conn: _Conn, key: str, args: bytes) -> None:
         existed = self._data.pop(key, None) is not None
+        self._version += 1
         self._reply(conn, ST_OK if existed else ST_MISSING)
 
     def _op_ping(self, conn: _Conn, key: str, args: bytes) -> None:
         self._reply(conn, ST_OK, args)
 
     _HANDLERS = {OP_SET: _op_set, OP_GET: _op_get, OP_ADD: _op_add, OP_CHECK: _op_check,
-                 OP_DELETE: _op_delete, OP_PING: _op_ping}
+                 OP_DELETE: _op_delete, OP_PING: _op_ping, OP_MSET: _op_mset, OP_MGET: _op_mget,
+                 OP_MCHECK: _op_mcheck}
 
-    def _wake_waiters(self, key: str) -> None:
-        waiters = self._waiters.pop(key, None)
-        if not waiters:
+    # -- parked requests --------------------------------------------------------------------
+    def _check_size(self, payload: bytes) -> bytes:
+        if len(payload) + 1 > self.max_frame:
+            raise ValueError(f"the reply would be {len(payload)} bytes, over the frame cap of "
+                             f"{self.max_frame}: read these keys in smaller batches")
+        return payload
+
+    def _values_reply(self, gid: bytes, keys: list[str], values: bool) -> bytes:
+        """An MGET's OK payload (every key exists), cached until the data changes."""
+        if not values:
+            return b""
+        data = self._data
+        payload = self._check_size(encode_values([data[k] for k in keys]))
+        if len(self._reply_cache) >= 64:
+            self._reply_cache.clear()
+        self._reply_cache[gid] = (self._version, payload)
+        return payload
+
+    def _missing_reply(self, group: _Group) -> bytes:
+        """An MGET's TIMEOUT payload: the indices of the keys still missing (cached per version)."""
+        if group.timeout_reply is None or group.timeout_reply[0] != self._version:
+            data = self._data
+            group.timeout_reply = (self._version,
+                                   encode_indices([i for i, k in enumerate(group.keys) if k not in data]))
+        return group.timeout_reply[1]
+
+    def _new_group(self, gid: bytes, keys: list[str], missing: set[str], *, single: bool, values: bool) -> _Group:
+        group = _Group(gid, keys, missing, single, values)
+        self._groups[gid] = group
+        for k in missing:
+            self._waiters.setdefault(k, {})[group] = None
+        return group
+
+    def _park(self, conn: _Conn, group: _Group, timeout: float) -> None:
+        conn.pending = group
+        conn.wait_deadline = time.monotonic() + timeout
+        group.members[conn] = None
+        self.stats["parked"] += 1
+        heapq.heappush(self._timers, (conn.wait_deadline, next(self._tie), conn))
+
+    def _leave(self, conn: _Conn) -> None:
+        """Take ``conn`` out of its wait group (deadline reached, or dropped)."""
+        group, conn.pending = conn.pending, None
+        group.members.pop(conn, None)
+        if not group.members:
+            self._forget(group)
+
+    def _forget(self, group: _Group) -> None:
+        """A group nobody waits for any more: unhook it from its missing keys."""
+        if self._groups.get(group.gid) is group:
+            del self._groups[group.gid]
+        for k in group.missing:
+            waiting = self._waiters.get(k)
+            if waiting is not None:
+                waiting.pop(group, None)
+                if not waiting:
+                    del self._waiters[k]
+
+    def _wake(self, key: str) -> None:
+        groups = self._waiters.pop(key, None)
+        if not groups:
             return
-        value = self._data[key]
-        for conn in waiters:
-            if conn.closed or conn.pending is None or conn.pending[0] != key:
+        for group in groups:
+            group.missing.discard(key)
+            if not group.missing:
+                self._complete(group)
+
+    def _complete(self, group: _Group) -> None:
+        """Every key of ``group`` arrived: answer all its members with one payload."""
+        data = self._data
+        again = {k for k in group.keys if k not in data}   # deleted after it arrived
+        if again:
+            group.missing = again
+            for k in again:
+                self._waiters.setdefault(k, {})[group] = None
+            return
+        if self._groups.get(group.gid) is group:
+            del self._groups[group.gid]
+        try:
+            if group.single:
+                status, payload = ST_OK, data[group.keys[0]]
+            else:
+                status, payload = ST_OK, self._values_reply(group.gid, group.keys, group.values)
+        except ValueError as e:
+            status, payload = ST_ERROR, str(e).encode()
+        members, group.members = group.members, {}
+        for conn in members:
+            if conn.closed or conn.pending is not group:
                 continue
             conn.pending = None
-            self._reply(conn, ST_OK, value)
-            self._process(conn)
-
-    def _remove_waiter(self, key: str, conn: _Conn) -> None:
-        lst = self._waiters.get(key)
-        if lst and conn in lst:
-            lst.remove(conn)
-            if not lst:
-                del self._waiters[key]
+            self._reply(conn, status, payload)
+            self._runnable.append(conn)
 
     # -- output -----------------------------------------------------------------------------
     def _reply(self, conn: _Conn, status: int, payload: bytes = b"") -> None:

@@ -11,6 +11,14 @@ Wire protocol (version 1, all integers big-endian):
   and the MAC before it looks at a single byte of the body.
 * request body: ``u8 op | u16 key length | key (UTF-8) | op arguments``;
   reply body: ``u8 status | payload``.
+* batched operations (key field empty): ``MSET`` args are an item list ``u32 n | n x (u16 klen |
+  key | u32 vlen | value)``; ``MGET`` args are ``f64 timeout | u8 flags | key list`` with a key list
+  ``u32 n | n x (u16 klen | key)``, answered once every key exists (``ST_OK`` + a value list
+  ``u32 n | n x u32 length | the values, concatenated``; no values unless ``flags & MGET_VALUES``)
+  or at the deadline (``ST_TIMEOUT`` + ``u32 m | m x u32 index`` of the keys still missing);
+  ``MCHECK`` args are a key list, answered at once with a value list in which an absent key has the
+  length ``ABSENT``. A client may send several frames before reading the replies (pipelining);
+  the server answers them in order, so "publish mine, read everyone's" is one round trip.
 
 Because every connection has fresh nonces and numbered frames, a frame captured on one
 connection is worthless on another (and cannot be replayed or reordered within one). No pickle:
@@ -44,6 +52,10 @@ ACCEPT_BACKOFF = (0.05, 1.0)           # pause accepting after EMFILE & co.: fir
 FD_RESERVE = 32                        # descriptors left for the rest of rank 0 (logs, ring, ...)
 
 OP_SET, OP_GET, OP_ADD, OP_CHECK, OP_DELETE, OP_PING = 1, 2, 3, 4, 5, 6
+OP_MSET, OP_MGET, OP_MCHECK = 7, 8, 9
+MGET_VALUES = 1                        # MGET flag: reply with the values (else only "all exist")
+ABSENT = 0xFFFFFFFF                    # a value list's length for a key that does not exist
+COUNT = struct.Struct(">I")
 ST_OK, ST_TIMEOUT, ST_ERROR, ST_MISSING = 0, 1, 2, 3
 
 _DIR_TO_SERVER = b"C"
@@ -82,7 +94,9 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 
 def frame_mac(session_key: bytes, direction: bytes, seq: int, body: bytes) -> bytes:
     """MAC of one frame; exposed so tests can forge frames byte by byte."""
-    return _mac(session_key, direction, SEQ.pack(seq), body)
+    h = hmac.new(session_key, direction + SEQ.pack(seq), hashlib.sha256)
+    h.update(body)   # no copy of a large body (a batched read's reply is the whole job's values)
+    return h.digest()
 
 
 def encode_frame(session_key: bytes, direction: bytes, seq: int, body: bytes) -> bytes:
@@ -90,10 +104,115 @@ def encode_frame(session_key: bytes, direction: bytes, seq: int, body: bytes) ->
 
 
 def encode_request(op: int, key: str, args: bytes = b"") -> bytes:
+    kb = _key_bytes(key)
+    return bytes([op]) + KEYLEN.pack(len(kb)) + kb + args
+
+
+def _key_bytes(key: str) -> bytes:
     kb = key.encode("utf-8")
     if len(kb) > 0xFFFF:
         raise BootstrapError(f"store key too long ({len(kb)} bytes): {key[:60]!r}...")
-    return bytes([op]) + KEYLEN.pack(len(kb)) + kb + args
+    return kb
+
+
+def encode_keys(keys: list[str]) -> bytes:
+    """A key list: ``u32 n | n x (u16 klen | key)``."""
+    parts = [COUNT.pack(len(keys))]
+    for key in keys:
+        kb = _key_bytes(key)
+        parts += (KEYLEN.pack(len(kb)), kb)
+    return b"".join(parts)
+
+
+def decode_keys(buf, offset: int = 0) -> list[str]:
+    """The keys of a key list that fills ``buf[offset:]`` exactly; ValueError if malformed."""
+    mv = memoryview(buf)
+    (n,) = COUNT.unpack_from(mv, offset)
+    pos, end = offset + COUNT.size, len(mv)
+    if n > (end - pos) // KEYLEN.size:
+        raise ValueError(f"key list claims {n} keys in {end - pos} bytes")
+    keys = []
+    for _ in range(n):
+        (klen,) = KEYLEN.unpack_from(mv, pos)
+        pos += KEYLEN.size
+        if pos + klen > end:
+            raise ValueError("key length runs past the frame")
+        keys.append(str(mv[pos:pos + klen], "utf-8"))
+        pos += klen
+    if pos != end:
+        raise ValueError(f"{end - pos} bytes after the key list")
+    return keys
+
+
+def encode_items(items: list[tuple[str, bytes]]) -> bytes:
+    """An item list: ``u32 n | n x (u16 klen | key | u32 vlen | value)``."""
+    parts = [COUNT.pack(len(items))]
+    for key, value in items:
+        kb = _key_bytes(key)
+        parts += (KEYLEN.pack(len(kb)), kb, COUNT.pack(len(value)), value)
+    return b"".join(parts)
+
+
+def decode_items(buf) -> list[tuple[str, bytes]]:
+    """The (key, value) pairs of an item list that fills ``buf`` exactly; ValueError if malformed."""
+    mv = memoryview(buf)
+    (n,) = COUNT.unpack_from(mv, 0)
+    pos, end = COUNT.size, len(mv)
+    if n > (end - pos) // (KEYLEN.size + COUNT.size):
+        raise ValueError(f"item list claims {n} items in {end - pos} bytes")
+    items = []
+    for _ in range(n):
+        (klen,) = KEYLEN.unpack_from(mv, pos)
+        pos += KEYLEN.size
+        key = str(mv[pos:pos + klen], "utf-8")
+        pos += klen
+        (vlen,) = COUNT.unpack_from(mv, pos)
+        pos += COUNT.size
+        if pos + vlen > end:
+            raise ValueError("value length runs past the frame")
+        items.append((key, bytes(mv[pos:pos + vlen])))
+        pos += vlen
+    if pos != end:
+        raise ValueError(f"{end - pos} bytes after the item list")
+    return items
+
+
+def encode_values(values: list[bytes | None]) -> bytes:
+    """A value list: ``u32 n | n x u32 length (ABSENT for None) | the values, concatenated``."""
+    lens = [ABSENT if v is None else len(v) for v in values]
+    return b"".join([struct.pack(f">I{len(lens)}I", len(lens), *lens), *(v for v in values if v)])
+
+
+def decode_values(buf) -> list[bytes | None]:
+    """The values of a value list (None for an absent key); ValueError if malformed."""
+    try:
+        (n,) = COUNT.unpack_from(buf, 0)
+        if n > (len(buf) - COUNT.size) // COUNT.size:
+            raise ValueError(f"value list claims {n} values in {len(buf)} bytes")
+        lens = struct.unpack_from(f">{n}I", buf, COUNT.size)
+    except struct.error as e:
+        raise ValueError(f"malformed value list: {e}") from None
+    pos, out = COUNT.size * (n + 1), []
+    for length in lens:
+        if length == ABSENT:
+            out.append(None)
+        else:
+            out.append(buf[pos:pos + length])
+            pos += length
+    if pos != len(buf):
+        raise ValueError(f"value list lengths add up to {pos} bytes, the frame has {len(buf)}")
+    return out
+
+
+def encode_indices(indices: list[int]) -> bytes:
+    return struct.pack(f">I{len(indices)}I", len(indices), *indices)
+
+
+def decode_indices(buf) -> list[int]:
+    (n,) = COUNT.unpack_from(buf, 0)
+    if len(buf) != COUNT.size * (n + 1):
+        raise ValueError(f"index list of {n} in {len(buf)} bytes")
+    return list(struct.unpack_from(f">{n}I", buf, COUNT.size))
 
 
 def session_key(secret: bytes, ns: bytes, nc: bytes) -> bytes:
