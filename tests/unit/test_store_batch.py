@@ -353,3 +353,10 @@ def test_a_hard_limit_too_low_is_a_clear_error():
     assert out.startswith("ERROR")
     for words in ("RLIMIT_NOFILE", "512", "1024 ranks", "ulimit -n"):
         assert words in out, (words, out)
+
+
+def test_a_hard_limit_that_fits_the_rendezvous_but_not_the_watchdog_warns():
+    out, err = _fd_child(256, 2048, 3 * 1024)
+    word, soft, cap = out.split()
+    assert word == "OK" and int(soft) == 2048 and int(cap) == 2048 - st.FD_RESERVE
+    assert "RLIMIT_NOFILE" in err and "1024 ranks" in err and "ulimit -n" in err

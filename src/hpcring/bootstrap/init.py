@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 from hpcring.bootstrap import launchers, netif
 from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, StoreTimeoutError, load_secret
+from hpcring.bootstrap.store_server import CONNECTIONS_PER_RANK
 from hpcring.bootstrap.topology import Topology
 from hpcring.config import envvars
 from hpcring.errors import BootstrapError
@@ -139,7 +140,7 @@ def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, 
 
 def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: float) -> StoreClient:
     if topo.rank == 0:
-        server = _start_server(ports, secret)
+        server = _start_server(ports, secret, ranks=topo.size)
         client = StoreClient("127.0.0.1", server.port, secret, timeout=max(1.0, time_left(deadline)))
         client.server = server
         return client
@@ -147,11 +148,12 @@ def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: 
                         who=each_on_host([0], topo.hosts))
 
 
-def _start_server(ports: list[int], secret: bytes) -> StoreServer:
+def _start_server(ports: list[int], secret: bytes, ranks: int | None = None) -> StoreServer:
     errors = []
+    clients = ranks * CONNECTIONS_PER_RANK if ranks else None   # sizes RLIMIT_NOFILE and the backlog
     for port in ports:
         try:
-            return StoreServer("0.0.0.0", port, secret=secret)
+            return StoreServer("0.0.0.0", port, secret=secret, clients=clients, ranks=ranks)
         except OSError as e:
             errors.append(f"{port}: {e.strerror}")
     raise BootstrapError(f"rank 0 could not bind the rendezvous store on any of ports {ports}: {errors}",
@@ -214,14 +216,18 @@ def _gather_hosts(client: StoreClient, topo: Topology, deadline: float) -> list[
     """
     known = len(topo.hosts) == topo.size and topo.hosts[topo.rank] not in ("", "?")
     mine = topo.hosts[topo.rank] if known else socket.gethostname()
-    client.set(f"init/host/{topo.rank}", mine.encode())
-    if topo.rank == 0:
-        _publish_hosts(client, topo, deadline)
     try:
-        hosts = json.loads(client.get("init/hosts", timeout=time_left(deadline)))
+        if topo.rank == 0:
+            client.set(_host_key(0), mine.encode())
+            _publish_hosts(client, topo, deadline)
+            hosts = json.loads(client.get("init/hosts", timeout=time_left(deadline)))
+        else:   # publish mine and read everyone's: one round trip
+            hosts = json.loads(client.exchange({_host_key(topo.rank): mine.encode()}, ["init/hosts"],
+                                               timeout=time_left(deadline))[0])
     except StoreTimeoutError as e:   # rank 0 published nothing: it is hung, or started very late
         try:
-            missing = [r for r in range(topo.size) if client.check(_host_key(r)) is None]
+            values = client.multi_check([_host_key(r) for r in range(topo.size)])
+            missing = [r for r, v in enumerate(values) if v is None]
         except BootstrapError:   # the store went away meanwhile: the timeout says enough
             raise e from None
         raise (_missing_ranks_error(topo, missing, e) if missing else e) from None

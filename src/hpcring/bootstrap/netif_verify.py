@@ -59,12 +59,15 @@ def verify_interfaces(client, *, rank: int, size: int, host: str, candidates: Se
              "port": listeners[i].port if listeners else 0,
              "error": listeners[i].error if listeners else None}
             for i, c in enumerate(candidates)]}
-        client.set(f"{prefix}/cand/{rank}", json_value(mine))
-        results = _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix)
-        client.set(f"{prefix}/res/{rank}", json_value(results))
+        results = _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix,
+                               publish={f"{prefix}/cand/{rank}": json_value(mine)})
         if rank == 0:
+            client.set(f"{prefix}/res/{rank}", json_value(results))
             client.set(f"{prefix}/choice", json_value(_decide(client, size, mode, deadline, prefix)))
-        choice = from_json(client.get(f"{prefix}/choice", timeout=time_left(deadline)))
+            choice = from_json(client.get(f"{prefix}/choice", timeout=time_left(deadline)))
+        else:   # publish my results and read rank 0's choice: one round trip
+            choice = from_json(client.exchange({f"{prefix}/res/{rank}": json_value(results)},
+                                               [f"{prefix}/choice"], timeout=time_left(deadline))[0])
     finally:
         for lst in listeners:
             lst.close()
@@ -81,10 +84,12 @@ def _peers(rank: int, size: int, mode: str) -> list[int]:
     return [r for r in range(size) if r != rank]
 
 
-def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix) -> dict[str, list]:
-    """``{peer rank: [error or None per candidate of that peer]}``; all probes run in parallel."""
+def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, prefix, publish) -> dict[str, list]:
+    """``{peer rank: [error or None per candidate of that peer]}``; all probes run in parallel.
+    ``publish`` (this rank's candidates) goes out with the read of the peers': one round trip."""
     peers = _peers(rank, size, mode)
-    cands = {p: from_json(client.get(f"{prefix}/cand/{p}", timeout=time_left(deadline)))["cands"] for p in peers}
+    values = client.exchange(publish, [f"{prefix}/cand/{p}" for p in peers], timeout=time_left(deadline))
+    cands = {p: from_json(v)["cands"] for p, v in zip(peers, values)}
     jobs = [(p, i, c) for p in peers for i, c in enumerate(cands[p])]
     if not jobs:
         return {}
@@ -99,10 +104,12 @@ def _probe_peers(client, rank, size, mode, secret, connect_timeout, deadline, pr
 
 def _decide(client, size: int, mode: str, deadline: float, prefix: str) -> dict:
     """Rank 0: gather every rank's candidates and probe results and choose per rank."""
-    cands = [from_json(client.get(f"{prefix}/cand/{r}", timeout=time_left(deadline))) for r in range(size)]
+    values = client.gather([f"{prefix}/cand/{r}" for r in range(size)] + [f"{prefix}/res/{r}" for r in range(size)],
+                           timeout=time_left(deadline))   # one round trip for the whole job
+    cands = [from_json(v) for v in values[:size]]
     tested: dict[int, list[tuple[int, list]]] = {r: [] for r in range(size)}   # target -> [(tester, errors)]
     for r in range(size):
-        for peer, errs in from_json(client.get(f"{prefix}/res/{r}", timeout=time_left(deadline))).items():
+        for peer, errs in from_json(values[size + r]).items():
             tested[int(peer)].append((r, errs))
     table, failures = [], []
     for r in range(size):

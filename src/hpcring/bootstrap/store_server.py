@@ -75,13 +75,14 @@ def fd_need(clients: int) -> int:
     return clients + FD_RESERVE + 16
 
 
-def ensure_fd_limit(clients: int, *, ranks: int | None = None, strict: bool = True) -> int:
+def ensure_fd_limit(clients: int, *, ranks: int | None = None, required: int | None = None) -> int:
     """Raise this process's soft RLIMIT_NOFILE so that ``clients`` store connections fit; returns
     the soft limit now in force. The soft limit is only raised (never lowered), and only as far
-    as needed, capped by the hard limit. When the hard limit is too low, raises BootstrapError
-    (``strict``) or logs a warning naming the limit, the job size and what to do.
+    as needed, capped by the hard limit. When even ``required`` connections (default: all of
+    them; the job's rendezvous needs one per rank) cannot fit, raises BootstrapError naming the
+    limit, the job size and what to do; when only the later ones (watchdog) cannot, warns so.
     """
-    need = fd_need(clients)
+    need, need_min = fd_need(clients), fd_need(clients if required is None else required)
     try:
         import resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -91,25 +92,28 @@ def ensure_fd_limit(clients: int, *, ranks: int | None = None, strict: bool = Tr
     if soft == inf or soft >= need:
         return soft if soft != inf else 1 << 20
     target = need if hard == inf else min(need, hard)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        log.info("store: raised the soft descriptor limit (RLIMIT_NOFILE) from %d to %d for %d "
-                 "connections", soft, target, clients)
-        soft = target
-    except (OSError, ValueError) as e:
-        log.warning("store: could not raise RLIMIT_NOFILE from %d to %d: %s", soft, target, e)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.info("store: raised the soft descriptor limit (RLIMIT_NOFILE) from %d to %d for %d "
+                     "connections", soft, target, clients)
+            soft = target
+        except (OSError, ValueError) as e:
+            log.warning("store: could not raise RLIMIT_NOFILE from %d to %d: %s", soft, target, e)
     if soft >= need:
         return soft
-    who = f"a job of {ranks} ranks ({CONNECTIONS_PER_RANK} store connections each: {clients})" \
-        if ranks is not None else f"{clients} store connections"
+    who = (f"a job of {ranks} ranks ({CONNECTIONS_PER_RANK} store connections each with the watchdog, "
+           f"{clients} in all)") if ranks is not None else f"{clients} store connections"
     msg = (f"rank 0's descriptor limit is too low for the rendezvous store: RLIMIT_NOFILE is "
-           f"{soft} (soft) / {'unlimited' if hard == inf else hard} (hard), {who} needs about {need}")
+           f"{soft} (soft) / {'unlimited' if hard == inf else hard} (hard); {who} needs about {need}")
     hint = (f"raise the limit before starting the ranks: `ulimit -n {need}` in the job script (up "
-            f"to the hard limit), or ask the site to raise the hard limit (/etc/security/limits.conf "
-            f"nofile, or the scheduler's propagated limits, e.g. Slurm's PropagateResourceLimits)")
-    if strict:
+            f"to the hard limit, `ulimit -Hn`), or ask the site to raise the hard limit "
+            f"(/etc/security/limits.conf nofile, or the limits the scheduler propagates, e.g. "
+            f"Slurm's PropagateResourceLimits)")
+    if soft < need_min:
         raise BootstrapError(msg, hint=hint)
-    log.warning("store: %s; ranks beyond that will wait and may time out. %s", msg, hint)
+    log.warning("store: %s; the rendezvous fits (%d needed), connections beyond the limit will wait "
+                "and may time out. Hint: %s", msg, need_min, hint)
     return soft
 
 
@@ -159,8 +163,9 @@ class StoreServer:
     ``stats`` counts what happened (for tests and diagnostics).
 
     ``clients``: connections the job will open (ranks x :data:`CONNECTIONS_PER_RANK`); the soft
-    descriptor limit is raised for them (:func:`ensure_fd_limit`; ``ranks`` names the job size in
-    its error) and the listen backlog sized for them.
+    descriptor limit is raised for them (:func:`ensure_fd_limit`: an error when not even one per
+    rank of ``ranks`` fits, a warning when only some of the rest do) and the listen backlog is
+    sized for them.
 
     Flood resistance: at most ``max_connections`` open connections (default: what the descriptor
     limit allows, less a reserve); when full, or when accept() fails with EMFILE/ENFILE/ENOBUFS,
@@ -177,7 +182,7 @@ class StoreServer:
         if not secret:
             raise BootstrapError("StoreServer needs a non-empty per-job secret")
         if clients:
-            ensure_fd_limit(clients, ranks=ranks)
+            ensure_fd_limit(clients, ranks=ranks, required=ranks)
             backlog = max(backlog, min(clients, 65535))   # the kernel caps it at somaxconn
         self._secret = bytes(secret)
         self.max_frame = max_frame
