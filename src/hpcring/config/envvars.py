@@ -140,6 +140,8 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_AUTOTUNE_WARMUP_STEPS", "int", 3, "hpcring.torch: steps before autotuning measures", 0, 10_000),
     _v("HPCRING_AUTOTUNE_STEPS_PER_SAMPLE", "int", 5, "hpcring.torch: steps timed per autotuning "
        "sample", 1, 10_000),
+    _v("HPCRING_CACHE_CAPACITY", "int", 1024, "hpcring.torch: response cache slots per process set "
+       "(0: off; every cycle negotiates in full); Horovod's HOROVOD_CACHE_CAPACITY", 0, 1 << 20),
     _v("HPCRING_CHECK_COLLECTIVES", "bool", False, "check before each collective that every rank "
        "calls the same op, dtype, count and root (costs a small allreduce)"),
     _v("HPCRING_MPI_ABORT_ON_TIMEOUT", "bool", True, "MPI backend: abort the job when a collective "

@@ -65,11 +65,16 @@ class Timeline:
             if e.t_queued < t0:
                 self._event(e.name, "queued", e.t_queued, t0, {"kind": e.kind})
         names = [e.name for e in batch]
-        self._event("negotiate", "negotiate", t0, t1, {"tensors": names[:16], "count": len(names)})
+        args = {"tensors": names[:16], "count": len(names)}
+        if batch and getattr(batch[0], "pset", 0):
+            args["process_set"] = batch[0].pset
+        self._event("negotiate", "negotiate", t0, t1, args)
 
     def fused(self, chunk, t0, t1, t2, t3, nbytes: int, backend: str) -> None:
         names = [e.name for e in chunk]
         args = {"tensors": names[:16], "count": len(names), "bytes": nbytes, "backend": backend}
+        if getattr(chunk[0], "pset", 0):       # hpcring.torch process sets other than the global one
+            args["process_set"] = chunk[0].pset
         kind = chunk[0].kind
         self._event(f"pack {kind}", "pack", t0, t1, args)
         self._event(f"{kind} ({len(names)} fused)", "backend", t1, t2, args)
@@ -77,7 +82,10 @@ class Timeline:
 
     def single(self, e, t0: float, t1: float, backend: str) -> None:
         nbytes = e.numel * e.tensor.element_size() if e.tensor is not None else 0
-        self._event(f"{e.kind} {e.name}", "backend", t0, t1, {"bytes": nbytes, "backend": backend})
+        args = {"bytes": nbytes, "backend": backend}
+        if getattr(e, "pset", 0):
+            args["process_set"] = e.pset
+        self._event(f"{e.kind} {e.name}", "backend", t0, t1, args)
 
     def close(self) -> None:
         try:

@@ -9,32 +9,41 @@ import atexit
 import collections
 import os
 
-from hpcring.errors import HpcringError, UsageError
 from hpcring.torch import state
+from hpcring.torch.autograd import allgather, allreduce, alltoall, broadcast, reducescatter
 from hpcring.torch.compression import Compression
+from hpcring.torch.exceptions import (HorovodInternalError, HostsUpdatedInterrupt, InvalidArgumentError,
+                                      JoinedRankError, StallError, TensorMismatchError)
 from hpcring.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                      broadcast_parameters)
-from hpcring.torch.ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
-                               allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
-                               broadcast, broadcast_, broadcast_async, broadcast_async_, global_process_set,
-                               grouped_allgather, grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
-                               grouped_allreduce_async, grouped_allreduce_async_, join, poll, reducescatter,
-                               reducescatter_async, synchronize)
+from hpcring.torch.ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_,
+                               allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_,
+                               broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+                               grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                               grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
+                               join, poll, reducescatter_async, sparse_allreduce_async, synchronize)
 from hpcring.torch.optimizer import DistributedOptimizer
+from hpcring.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hpcring.torch.sync_batch_norm import SyncBatchNorm
 
 
 def init(comm=None, process_sets=None) -> None:
     """Bootstrap this rank (:func:`hpcring.init`), create the communicator and start the engine.
-    Idempotent. ``HPCRING_TIMELINE``, ``HPCRING_AUTOTUNE``, ``HPCRING_FUSION_THRESHOLD`` and
-    ``HPCRING_CYCLE_TIME`` are read here."""
+    ``process_sets``: a list of :class:`ProcessSet` registered now (every rank passes the same
+    list), or ``"dynamic"`` (accepted; :func:`add_process_set` works without it). Idempotent.
+    ``HPCRING_TIMELINE``, ``HPCRING_AUTOTUNE``, ``HPCRING_FUSION_THRESHOLD``, ``HPCRING_CYCLE_TIME``
+    and ``HPCRING_CACHE_CAPACITY`` are read here."""
     if state._engine is not None:
         return
-    if comm is not None or process_sets is not None:
-        raise UsageError("hpcring.torch.init() takes no communicator or process sets",
-                         hint="hpcring.torch always uses the whole job (the global process set)")
+    if comm is not None:
+        raise InvalidArgumentError("hpcring.torch.init() takes no MPI communicator",
+                                   hint="hpcring.torch uses the whole job; use process_sets= for subsets")
+    if process_sets is not None and process_sets != "dynamic" and (
+            isinstance(process_sets, str) or not all(isinstance(p, ProcessSet) for p in process_sets)):
+        raise InvalidArgumentError("init(process_sets=...) takes a list of hvd.ProcessSet or 'dynamic'")
     import hpcring
     from hpcring.config import envvars
+    from hpcring.torch import process_sets as psets
     from hpcring.torch.engine import Engine
     _single_process_secret()
     session = hpcring.init()
@@ -52,6 +61,10 @@ def init(comm=None, process_sets=None) -> None:
         from hpcring.torch.autotune import Autotuner
         eng.autotuner = Autotuner(eng, envvars.get("HPCRING_AUTOTUNE_LOG") or None)
     state.set_state(session, eng)
+    psets.setup_global(c.size, eng)
+    if process_sets not in (None, "dynamic"):
+        for ps in process_sets:
+            psets.add_process_set(ps)
     atexit.register(shutdown)
 
 
@@ -74,6 +87,8 @@ def shutdown() -> None:
     stays (it ends with the process)."""
     eng = state._engine
     if eng is not None:
+        from hpcring.torch import process_sets as psets
+        psets.shutdown_all()
         state.set_state(None, None)
         eng.shutdown()
 
@@ -165,11 +180,10 @@ def rocm_built() -> bool:
 
 
 def start_timeline(file_path, mark_cycles=False) -> None:
-    raise UsageError("hpcring.torch records the timeline from process start only",
+    raise InvalidArgumentError("hpcring.torch records the timeline from process start only",
                      hint="set HPCRING_TIMELINE=PATH (or hpcring submit --timeline) and merge with `hpcring timeline`")
 
 
 stop_timeline = start_timeline
-HorovodInternalError = HpcringError
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "atexit", "collections", "os")]

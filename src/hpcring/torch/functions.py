@@ -7,11 +7,11 @@ import pickle
 
 import torch
 
-from hpcring.errors import UsageError
+from hpcring.torch.exceptions import InvalidArgumentError
 from hpcring.torch import ops
 
 
-def broadcast_parameters(params, root_rank: int = 0) -> None:
+def broadcast_parameters(params, root_rank: int = 0, process_set=ops.global_process_set) -> None:
     """Overwrite ``params`` (a ``state_dict()``, ``named_parameters()`` or list of (name, tensor))
     on every rank with root's values, in place (the broadcasts run fused)."""
     if isinstance(params, dict):
@@ -19,10 +19,10 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
     elif isinstance(params, list) or hasattr(params, "__iter__"):
         items = list(params)
         if any(not isinstance(x, tuple) or len(x) != 2 for x in items):
-            raise UsageError("broadcast_parameters: expected a state_dict or (name, tensor) pairs")
+            raise InvalidArgumentError("broadcast_parameters: expected a state_dict or (name, tensor) pairs")
         items = sorted(items, key=lambda x: x[0])
     else:
-        raise UsageError(f"broadcast_parameters: unsupported type {type(params).__name__}")
+        raise InvalidArgumentError(f"broadcast_parameters: unsupported type {type(params).__name__}")
     handles = []
     for name, p in items:
         if p is None:
@@ -30,15 +30,16 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
         t = p.data if isinstance(p, torch.nn.Parameter) else p
         if not torch.is_tensor(t):
             continue
-        handles.append(ops.broadcast_async_(t, root_rank, name=f"broadcast_parameters.{name}"))
+        handles.append(ops.broadcast_async_(t, root_rank, name=f"broadcast_parameters.{name}",
+                                            process_set=process_set))
     for h in handles:
         ops.synchronize(h)
 
 
-def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=None):
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=ops.global_process_set):
     """Root's ``obj`` (pickled) on every rank."""
-    base = name or ops._name(None, "broadcast_object")
-    if ops.state.engine().rank == root_rank:
+    base = name or ops._name(None, "broadcast_object", ops.engine_for(process_set))
+    if ops.state.session().topology.rank == root_rank:
         payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
         n = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
@@ -47,12 +48,12 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_s
     if payload is None:
         payload = torch.zeros(int(n.item()), dtype=torch.uint8)
     ops.broadcast_(payload, root_rank, name=f"{base}.data", process_set=process_set)
-    return obj if ops.state.engine().rank == root_rank else _loads(payload.numpy().tobytes())
+    return obj if ops.state.session().topology.rank == root_rank else _loads(payload.numpy().tobytes())
 
 
-def allgather_object(obj, name: str | None = None, process_set=None) -> list:
+def allgather_object(obj, name: str | None = None, process_set=ops.global_process_set) -> list:
     """Every rank's ``obj`` (pickled), in rank order."""
-    base = name or ops._name(None, "allgather_object")
+    base = name or ops._name(None, "allgather_object", ops.engine_for(process_set))
     data = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
     sizes = ops.allgather(torch.tensor([data.numel()], dtype=torch.int64), name=f"{base}.sizes",
                           process_set=process_set).tolist()
@@ -71,8 +72,8 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
     state), the whole ``state_dict()`` travels pickled through :func:`broadcast_object` and is
     loaded with ``load_state_dict`` (state tensors move to each parameter's device there)."""
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise UsageError("broadcast_optimizer_state: LBFGS is not supported (as in Horovod)")
-    sd = optimizer.state_dict() if ops.state.engine().rank == root_rank else None
+        raise InvalidArgumentError("broadcast_optimizer_state: LBFGS is not supported (as in Horovod)")
+    sd = optimizer.state_dict() if ops.state.session().topology.rank == root_rank else None
     sd = broadcast_object(_to_cpu(sd), root_rank, name="broadcast_optimizer_state")
     optimizer.load_state_dict(sd)
 

@@ -1,97 +1,93 @@
 """Horovod's PyTorch collectives (``horovod.torch.mpi_ops``) on the hpcring engine.
 
-Every operation is queued on the engine (:mod:`hpcring.torch.engine`) under a name and runs once
-every rank has submitted that name. Without ``name=``, names are ``<op>.noname.<n>`` with a
-per-process counter, so unnamed calls must be made in the same order on every rank (as in
-Horovod). ``*_async`` returns a handle for :func:`synchronize` / :func:`poll`.
+Every operation is queued on its process set's engine (:mod:`hpcring.torch.engine`) under a name
+and runs once every rank of the set has submitted that name. Without ``name=``, names are
+``<op>.noname.<n>`` with a per-process counter, so unnamed calls must be made in the same order on
+every rank (as in Horovod). ``*_async`` returns a handle for :func:`synchronize` / :func:`poll`.
+The differentiable forms of ``allreduce``, ``allgather``, ``broadcast``, ``alltoall`` and
+``reducescatter`` (what ``hpcring.torch`` exports) are in :mod:`hpcring.torch.autograd`.
 """
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import torch
 
-from hpcring.collectives.backends import chunk_counts
-from hpcring.errors import UsageError
 from hpcring.torch import state
 from hpcring.torch.compression import Compression
-from hpcring.torch.engine import Entry, GroupHandle, Handle
+from hpcring.torch.entry import Entry, GroupHandle, Handle
+from hpcring.torch.exceptions import InvalidArgumentError, InvalidTypeError
+from hpcring.torch.executor import check_reducible
+from hpcring.torch.process_sets import engine_for, global_process_set
 
 # Horovod's op constants (same values)
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OPS = {Sum: "sum", Average: "sum", Min: "min", Max: "max", Product: "prod"}
-_counter = itertools.count()
 
 
-def _name(name, op: str) -> str:
-    return name if name is not None else f"{op}.noname.{next(_counter)}"
+def _name(name, op: str, eng=None) -> str:
+    """``name``, or ``<op>.noname.<n>`` counted per process set (its ranks call in one order)."""
+    if name is not None:
+        return name
+    eng = eng or state.engine()
+    return f"{op}.noname.{next(eng.noname)}" if eng.pset_id == 0 else f"{op}.noname.ps{eng.pset_id}.{next(eng.noname)}"
 
 
 def _resolve_op(average, op) -> int:
     if op is not None and average is not None:
-        raise UsageError("allreduce: give either op= or the deprecated average=, not both")
+        raise InvalidArgumentError("allreduce: give either op= or the deprecated average=, not both")
     if op is None:
         op = Sum if average is False else Average
     if op == Adasum:
-        raise UsageError("hpcring.torch does not implement Adasum", hint="use op=hvd.Average (the default)")
+        raise InvalidArgumentError("hpcring.torch does not implement Adasum", hint="use op=hvd.Average (the default)")
     if op not in _OPS:
-        raise UsageError(f"allreduce: unknown op {op!r}; use hvd.Average, Sum, Min, Max or Product")
+        raise InvalidArgumentError(f"allreduce: unknown op {op!r}; use hvd.Average, Sum, Min, Max or Product")
     return op
 
 
-def _check_process_set(process_set) -> None:
-    if process_set is not None and process_set is not global_process_set:
-        raise UsageError("hpcring.torch supports only the global process set",
-                         hint="drop process_set=; process sets are not implemented")
-
-
-class _GlobalProcessSet:
-    process_set_id = 0
-
-    def __repr__(self) -> str:
-        return "ProcessSet(global)"
-
-
-global_process_set = _GlobalProcessSet()
+def _tensor(tensor, what: str) -> torch.Tensor:
+    if not torch.is_tensor(tensor):
+        raise InvalidTypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise InvalidArgumentError(f"{what}: sparse tensors go through hvd.sparse_allreduce_async "
+                                   "(or DistributedOptimizer(sparse_as_dense=True))")
+    return tensor
 
 
 # -- allreduce ----------------------------------------------------------------------------
-def _allreduce_entry(tensor, output, name, op, prescale_factor, postscale_factor) -> Entry:
-    post = float(postscale_factor) / (state.engine().size if op == Average else 1)
+def _allreduce_entry(eng, tensor, output, name, op, prescale_factor, postscale_factor) -> Entry:
+    check_reducible(tensor, _OPS[op], f"allreduce '{name}'")
+    post = float(postscale_factor) / (eng.size if op == Average else 1)
     return Entry(name, "allreduce", tensor, output, op=_OPS[op], pre=float(prescale_factor), post=post)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=None) -> Handle:
-    _check_process_set(process_set)
+                    process_set=global_process_set) -> Handle:
+    eng = engine_for(process_set)
     op = _resolve_op(average, op)
-    t = tensor.detach().contiguous()
-    e = _allreduce_entry(t, torch.empty_like(t), _name(name, "allreduce"), op, prescale_factor, postscale_factor)
-    return state.engine().submit(e)
+    t = _tensor(tensor, "allreduce").detach().contiguous()
+    e = _allreduce_entry(eng, t, torch.empty_like(t), _name(name, "allreduce", eng), op, prescale_factor, postscale_factor)
+    return eng.submit(e)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """The reduced tensor (a new one). ``op`` defaults to Average, as in Horovod."""
     compressed, ctx = compression.compress(tensor)
-    h = allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
-    return compression.decompress(synchronize(h), ctx)
+    out = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor, process_set))
+    return compression.decompress(out, ctx)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=None) -> Handle:
-    _check_process_set(process_set)
+                     process_set=global_process_set) -> Handle:
+    eng = engine_for(process_set)
     op = _resolve_op(average, op)
-    if not tensor.is_contiguous():
-        raise UsageError(f"allreduce_: tensor '{name}' must be contiguous to be reduced in place")
+    if not _tensor(tensor, "allreduce_").is_contiguous():
+        raise InvalidArgumentError(f"allreduce_: tensor '{name}' must be contiguous to be reduced in place")
     t = tensor.detach()
-    return state.engine().submit(_allreduce_entry(t, t, _name(name, "allreduce"), op, prescale_factor,
-                                                  postscale_factor))
+    return eng.submit(_allreduce_entry(eng, t, t, _name(name, "allreduce", eng), op, prescale_factor, postscale_factor))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=None):
+               process_set=global_process_set):
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
@@ -101,14 +97,14 @@ def _group(handles: list[Handle], name: str) -> Handle:
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=None) -> Handle:
-    base = _name(name, "grouped_allreduce")
+                            postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    base = _name(name, "grouped_allreduce", engine_for(process_set))
     return _group([allreduce_async(t, average, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set)
                    for i, t in enumerate(tensors)], base)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     pairs = [compression.compress(t) for t in tensors]
     outs = synchronize(grouped_allreduce_async([c for c, _ in pairs], average, name, op, prescale_factor,
                                                postscale_factor, process_set))
@@ -116,122 +112,205 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=None) -> Handle:
-    base = _name(name, "grouped_allreduce")
+                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    base = _name(name, "grouped_allreduce", engine_for(process_set))
     return _group([allreduce_async_(t, average, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set)
                    for i, t in enumerate(tensors)], base)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=None):
+                       process_set=global_process_set):
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                 process_set))
 
 
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
+    """A sparse tensor reduced as Horovod does: its indices and values allgathered (every rank's
+    entries concatenated, not coalesced), values divided by the set's size for Average."""
+    eng = engine_for(process_set)
+    if not (torch.is_tensor(tensor) and tensor.is_sparse):
+        raise InvalidArgumentError("sparse_allreduce_async: expected a sparse COO tensor")
+    op = _resolve_op(None, op)
+    if op not in (Average, Sum):
+        raise InvalidArgumentError("sparse_allreduce_async: op must be hvd.Average or hvd.Sum")
+    base = _name(name, "sparse_allreduce", eng)
+    t = tensor.detach()
+    hi = allgather_async(t._indices().t().contiguous(), name=f"{base}.indices", process_set=process_set)
+    hv = allgather_async(t._values().contiguous(), name=f"{base}.values", process_set=process_set)
+    size = eng.size
+
+    def finish(parts):
+        indices, values = parts
+        if op == Average:
+            values = values / size
+        return torch.sparse_coo_tensor(indices.t(), values, t.size())
+    return _Deferred(base, [hi, hv], finish)
+
+
+class _Deferred(GroupHandle):
+    """A group handle whose result is computed from its members' results (in the waiter)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, name: str, members: list[Handle], fn) -> None:
+        super().__init__(name, members)
+        self._fn = fn
+
+    def wait(self, timeout: float | None = None):
+        return self._fn(super().wait(timeout))
+
+
 # -- allgather / broadcast / alltoall / reducescatter ---------------------------------------
-def allgather_async(tensor, name=None, process_set=None) -> Handle:
-    _check_process_set(process_set)
-    t = tensor.detach().contiguous()
+def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+    eng = engine_for(process_set)
+    t = _tensor(tensor, "allgather").detach().contiguous()
     if t.dim() == 0:
         t = t.reshape(1)
-    return state.engine().submit(Entry(_name(name, "allgather"), "allgather", t))
+    return eng.submit(Entry(_name(name, "allgather", eng), "allgather", t))
 
 
-def allgather(tensor, name=None, process_set=None):
+def allgather(tensor, name=None, process_set=global_process_set):
     """All ranks' tensors concatenated along the first dimension (which may differ by rank)."""
     return synchronize(allgather_async(tensor, name, process_set))
 
 
-def grouped_allgather_async(tensors, name=None, process_set=None) -> Handle:
-    base = _name(name, "grouped_allgather")
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
+    base = _name(name, "grouped_allgather", engine_for(process_set))
     return _group([allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)], base)
 
 
-def grouped_allgather(tensors, name=None, process_set=None):
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=None) -> Handle:
-    _check_process_set(process_set)
-    _check_root(root_rank)
-    t = tensor.detach().contiguous().clone()
-    return state.engine().submit(Entry(_name(name, "broadcast"), "broadcast", t, t, root=int(root_rank)))
+def _root(eng, process_set, root_rank) -> int:
+    """``root_rank`` (a global rank, as in Horovod) as an index in the set."""
+    try:
+        root = int(root_rank)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"broadcast: root_rank must be an integer, got {root_rank!r}") from None
+    members = eng.controller.members
+    if members is None:
+        if not 0 <= root < eng.size:
+            raise InvalidArgumentError(f"broadcast: root_rank {root} out of range for {eng.size} ranks")
+        return root
+    if root not in members:
+        raise InvalidArgumentError(f"broadcast: root_rank {root} is not a member of {process_set}")
+    return members.index(root)
 
 
-def broadcast(tensor, root_rank, name=None, process_set=None):
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    eng = engine_for(process_set)
+    root = _root(eng, process_set, root_rank)
+    t = _tensor(tensor, "broadcast").detach().contiguous().clone()
+    return eng.submit(Entry(_name(name, "broadcast", eng), "broadcast", t, t, root=root))
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> Handle:
-    _check_process_set(process_set)
-    _check_root(root_rank)
-    if not tensor.is_contiguous():
-        raise UsageError(f"broadcast_: tensor '{name}' must be contiguous to be written in place")
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    eng = engine_for(process_set)
+    root = _root(eng, process_set, root_rank)
+    if not _tensor(tensor, "broadcast_").is_contiguous():
+        raise InvalidArgumentError(f"broadcast_: tensor '{name}' must be contiguous to be written in place")
     t = tensor.detach()
-    return state.engine().submit(Entry(_name(name, "broadcast"), "broadcast", t, t, root=int(root_rank)))
+    return eng.submit(Entry(_name(name, "broadcast", eng), "broadcast", t, t, root=root))
 
 
-def broadcast_(tensor, root_rank, name=None, process_set=None):
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     synchronize(broadcast_async_(tensor, root_rank, name, process_set))
     return tensor
 
 
-def _check_root(root) -> None:
-    n = state.engine().size
-    if not 0 <= int(root) < n:
-        raise UsageError(f"broadcast: root_rank {root} out of range for {n} ranks")
-
-
-def alltoall_async(tensor, splits=None, name=None, process_set=None) -> Handle:
-    _check_process_set(process_set)
-    t = tensor.detach().contiguous()
-    size = state.engine().size
+def _splits(splits, rows: int, size: int) -> list[int]:
     if splits is None:
-        if t.shape[0] % size:
-            raise UsageError(f"alltoall: first dimension {t.shape[0]} is not divisible by {size} ranks",
-                             hint="pass splits= (rows sent to each rank)")
-        sp = [t.shape[0] // size] * size
+        if rows % size:
+            raise InvalidArgumentError(f"alltoall: first dimension {rows} is not divisible by {size} ranks",
+                                       hint="pass splits= (rows sent to each rank)")
+        return [rows // size] * size
+    if torch.is_tensor(splits):
+        if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
+            raise InvalidArgumentError(f"alltoall: splits must be integers, got a {splits.dtype} tensor")
+        sp = splits.reshape(-1).tolist()
     else:
-        sp = [int(s) for s in (splits.tolist() if hasattr(splits, "tolist") else splits)]
-        if len(sp) != size or sum(sp) != t.shape[0] or min(sp) < 0:
-            raise UsageError(f"alltoall: splits {sp} must have {size} non-negative entries summing to "
-                             f"the first dimension {t.shape[0]}")
-    return state.engine().submit(Entry(_name(name, "alltoall"), "alltoall", t, splits=sp))
+        sp = list(splits)
+    if any(isinstance(s, bool) or not isinstance(s, int) and not (hasattr(s, "dtype") and "int" in str(s.dtype))
+           for s in sp):
+        raise InvalidArgumentError(f"alltoall: splits must be integers, got {sp}")
+    sp = [int(s) for s in sp]
+    if len(sp) != size or sum(sp) != rows or min(sp) < 0:
+        raise InvalidArgumentError(f"alltoall: splits {sp} must have {size} non-negative entries summing to "
+                                   f"the first dimension {rows}")
+    return sp
 
 
-def alltoall(tensor, splits=None, name=None, process_set=None):
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
+    eng = engine_for(process_set)
+    t = _tensor(tensor, "alltoall").detach().contiguous()
+    if t.dim() == 0:
+        raise InvalidArgumentError("alltoall needs a tensor with at least one dimension")
+    sp = _splits(splits, t.shape[0], eng.size)
+    return eng.submit(Entry(_name(name, "alltoall", eng), "alltoall", t, splits=sp))
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Rows ``splits[j]`` (default: equal shares) go to rank j. Returns the received rows
     concatenated in rank order; with ``splits`` given, ``(output, received_splits)`` as Horovod."""
     out, got = synchronize(alltoall_async(tensor, splits, name, process_set))
     return out if splits is None else (out, got)
 
 
-def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
-                        postscale_factor=1.0) -> Handle:
-    _check_process_set(process_set)
+def _reducescatter_entry(eng, tensor, name, op, prescale_factor, postscale_factor) -> Entry:
     op = _resolve_op(None, op)
-    t = tensor.detach().contiguous()
+    t = _tensor(tensor, "reducescatter").detach().contiguous()
     if t.dim() == 0:
-        raise UsageError("reducescatter needs a tensor with at least one dimension")
-    post = float(postscale_factor) / (state.engine().size if op == Average else 1)
-    return state.engine().submit(Entry(_name(name, "reducescatter"), "reducescatter", t, op=_OPS[op],
-                                       pre=float(prescale_factor), post=post))
+        raise InvalidArgumentError("reducescatter needs a tensor with at least one dimension")
+    check_reducible(t, _OPS[op], f"reducescatter '{name}'")
+    post = float(postscale_factor) / (eng.size if op == Average else 1)
+    return Entry(_name(name, "reducescatter", eng), "reducescatter", t, op=_OPS[op], pre=float(prescale_factor), post=post)
 
 
-def reducescatter(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0) -> Handle:
+    eng = engine_for(process_set)
+    return eng.submit(_reducescatter_entry(eng, tensor, name, op, prescale_factor, postscale_factor))
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
     """This rank's rows of the reduction: the first dimension split as evenly as possible, the
     first ``dim0 % size`` ranks getting one row more (Horovod's split)."""
-    return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+    compressed, ctx = compression.compress(tensor)
+    out = synchronize(reducescatter_async(compressed, name, op, process_set, prescale_factor, postscale_factor))
+    return compression.decompress(out, ctx)
 
 
-def barrier(process_set=None) -> None:
-    _check_process_set(process_set)
-    synchronize(state.engine().submit(Entry(_name(None, "barrier"), "barrier", None)))
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    base = _name(name, "grouped_reducescatter", engine_for(process_set))
+    return _group([reducescatter_async(t, f"{base}.{i}", op, process_set, prescale_factor, postscale_factor)
+                   for i, t in enumerate(tensors)], base)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    pairs = [compression.compress(t) for t in tensors]
+    outs = synchronize(grouped_reducescatter_async([c for c, _ in pairs], name, op, process_set, prescale_factor,
+                                                   postscale_factor))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+def barrier(process_set=global_process_set) -> None:
+    eng = engine_for(process_set)
+    synchronize(eng.submit(Entry(_name(None, "barrier", eng), "barrier", None)))
 
 
 def join(device=-1) -> int:
     """Block until every rank has joined; meanwhile this rank contributes zeros to the other ranks'
-    allreduces. Returns the rank that joined last."""
+    Sum/Average allreduces (their other operations fail, as in Horovod). Returns the rank that
+    joined last."""
     return synchronize(state.engine().join())
 
 
@@ -242,45 +321,5 @@ def poll(handle: Handle) -> bool:
 def synchronize(handle: Handle):
     """Wait for ``handle`` and return its result."""
     if not isinstance(handle, Handle):
-        raise UsageError(f"synchronize: expected a handle from an *_async call, got {type(handle).__name__}")
+        raise InvalidArgumentError(f"synchronize: expected a handle from an *_async call, got {type(handle).__name__}")
     return handle.wait()
-
-
-# -- executed on the engine thread ------------------------------------------------------------
-def run_single(comm, e: Entry):
-    """Run a non-fusable entry on ``comm`` (engine thread); returns the handle's result."""
-    if e.kind == "barrier":
-        comm.barrier()
-        return None
-    t = e.tensor
-    if e.kind == "allgather":
-        rows = comm.allgather(np.array([t.shape[0]], dtype=np.int64)).reshape(-1).tolist()
-        most = max(rows)
-        padded = t if t.shape[0] == most else torch.cat([t, t.new_zeros((most - t.shape[0], *t.shape[1:]))])
-        g = comm.allgather(padded)
-        return torch.cat([g[r, :rows[r]] for r in range(comm.size)])
-    if e.kind == "alltoall":
-        size, me = comm.size, comm.rank
-        m = comm.allgather(np.array(e.splits, dtype=np.int64)).reshape(size, size)   # m[i, j]: i sends to j
-        most = max(int(m.max()), 1)
-        send = t.new_zeros((size, most, *t.shape[1:]))
-        pos = 0
-        for j, n in enumerate(e.splits):
-            send[j, :n] = t[pos:pos + n]
-            pos += n
-        recv = comm.alltoall(send)
-        got = [int(m[i, me]) for i in range(size)]
-        out = torch.cat([recv[i, :got[i]] for i in range(size)])
-        return out, torch.tensor(got, dtype=torch.int32)
-    if e.kind == "reducescatter":
-        x = t * e.pre if e.pre != 1.0 else t
-        counts = chunk_counts(t.shape[0], comm.size)
-        if len(set(counts)) == 1:
-            out = comm.reduce_scatter(x.contiguous(), op=e.op)
-        else:          # uneven rows: reduce everything, keep this rank's rows
-            start = sum(counts[:comm.rank])
-            out = comm.allreduce(x.contiguous(), op=e.op)[start:start + counts[comm.rank]].clone()
-        if e.post != 1.0:
-            out = out * e.post if out.is_floating_point() else torch.div(out, 1.0 / e.post, rounding_mode="floor")
-        return out
-    raise UsageError(f"hpcring.torch: unknown operation kind {e.kind!r}")

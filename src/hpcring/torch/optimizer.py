@@ -15,37 +15,41 @@ import warnings
 
 import torch
 
-from hpcring.errors import UsageError
+from hpcring.torch.exceptions import InvalidArgumentError, InvalidStateError
 from hpcring.torch import ops
 from hpcring.torch.compression import Compression
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1, op=ops.Average,
-                 gradient_predivide_factor=1.0, num_groups=0, groups=None):
+                 gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
+                 process_set=ops.global_process_set):
         super(self.__class__, self).__init__(params)
         self._compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._engine = ops.engine_for(process_set)
         all_params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
             if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-                raise UsageError("DistributedOptimizer: named_parameters must be (name, parameter) pairs, "
+                raise InvalidArgumentError("DistributedOptimizer: named_parameters must be (name, parameter) pairs, "
                                  "as model.named_parameters() gives")
         else:
             named = [(f"allreduce.noname.{i}", p) for i, p in enumerate(all_params)]
         names = [n for n, _ in named]
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
-            raise UsageError(f"DistributedOptimizer: duplicate parameter names: {', '.join(dups)}")
+            raise InvalidArgumentError(f"DistributedOptimizer: duplicate parameter names: {', '.join(dups)}")
         ids = {id(p) for _, p in named}
         unnamed = [i for i, p in enumerate(all_params) if id(p) not in ids]
         if unnamed:
-            raise UsageError(f"DistributedOptimizer: {len(unnamed)} optimizer parameter(s) are missing from "
+            raise InvalidArgumentError(f"DistributedOptimizer: {len(unnamed)} optimizer parameter(s) are missing from "
                              "named_parameters", hint="pass model.named_parameters() of the model being optimized")
         if op == ops.Adasum:
-            raise UsageError("hpcring.torch does not implement Adasum", hint="use op=hvd.Average")
+            raise InvalidArgumentError("hpcring.torch does not implement Adasum", hint="use op=hvd.Average")
         if backward_passes_per_step < 1:
-            raise UsageError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+            raise InvalidArgumentError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         self._names = {p: n for n, p in named}
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -59,7 +63,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._p_to_group: dict = {}
         self._group_ready: dict = {}
         self._expected: list[str] = []
-        if ops.state.engine().size > 1:
+        if self._engine.size > 1:
             self._make_groups(num_groups, groups)
             self._register_hooks()
             self._expected = self._submission_names()
@@ -69,7 +73,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _make_groups(self, num_groups, groups) -> None:
         if groups is not None:
             if num_groups:
-                raise UsageError("DistributedOptimizer: give num_groups or groups, not both")
+                raise InvalidArgumentError("DistributedOptimizer: give num_groups or groups, not both")
             if isinstance(groups, int):
                 num_groups, groups = groups, None
         plist = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -117,7 +121,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _expect(self) -> None:
         """Tell the engine which names this step will bring, so that its fusion cycle starts as
         soon as the last gradient is queued instead of waiting out the cycle time."""
-        ops.state.engine().expect(self, self._expected)
+        self._engine.expect(self, self._expected)
 
     # -- communication --------------------------------------------------------------------------
     def _factors(self):
@@ -125,18 +129,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
+    def _dense_grad(self, p):
+        """``p.grad``, made dense first when it is sparse and sparse_as_dense is set."""
+        if p.grad.is_sparse and self.sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
     def _allreduce_grad_async(self, p):
-        compressed, ctx = self._compression.compress(p.grad)
+        grad = self._dense_grad(p)
+        if grad.is_sparse:        # Horovod: indices and values allgathered (op Average or Sum)
+            name = self._names[p]
+            self._engine.substitute(self, name, [f"{name}.indices", f"{name}.values"])
+            return ops.sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), (None, None)
+        compressed, ctx = self._compression.compress(grad)
         pre, post = self._factors()
         h = ops.allreduce_async_(compressed if compressed.is_contiguous() else compressed.contiguous(),
-                                 name=self._names[p], op=self.op, prescale_factor=pre, postscale_factor=post)
+                                 name=self._names[p], op=self.op, prescale_factor=pre, postscale_factor=post,
+                                 process_set=self.process_set)
         return h, (compressed, ctx)
 
     def _grouped_allreduce_async(self, group):
+        for p in group:
+            if self._dense_grad(p).is_sparse:
+                raise InvalidArgumentError(f"DistributedOptimizer: parameter '{self._names[p]}' has a sparse "
+                                           "gradient, which grouped allreduces do not take",
+                                           hint="pass sparse_as_dense=True")
         pairs = [self._compression.compress(p.grad) for p in group]
         pre, post = self._factors()
-        h = ops.grouped_allreduce_async_([c for c, _ in pairs], name=self._names[group[0]], op=self.op,
-                                         prescale_factor=pre, postscale_factor=post)
+        h = ops.grouped_allreduce_async_([c if c.is_contiguous() else c.contiguous() for c, _ in pairs],
+                                         name=self._names[group[0]], op=self.op, prescale_factor=pre,
+                                         postscale_factor=post, process_set=self.process_set)
         return h, pairs
 
     def _make_hook(self, p):
@@ -144,7 +166,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 return
             if self._delay[p] <= 0:
-                raise UsageError("DistributedOptimizer: gradients were computed more than backward_passes_per_step "
+                raise InvalidStateError("DistributedOptimizer: gradients were computed more than backward_passes_per_step "
                                  f"({self.backward_passes_per_step}) times before step()",
                                  hint="raise backward_passes_per_step to accumulate gradients locally")
             self._delay[p] -= 1
@@ -199,7 +221,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _finish(self, p, out, compressed, ctx) -> None:
         self._delay[p] = self.backward_passes_per_step
-        if compressed is not p.grad:           # compressed or made contiguous: copy back
+        if compressed is None:                 # a sparse gradient: the gathered sparse tensor
+            p.grad = out
+        elif compressed is not p.grad:           # compressed or made contiguous: copy back
             p.grad.copy_(self._compression.decompress(out, ctx))
 
     @contextlib.contextmanager
@@ -218,14 +242,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.skip_synchronize(): the gradients are reduced twice' worth of waiting")
             self.synchronize()
         self._synchronized = False
-        tuner = ops.state.engine().autotuner
+        tuner = self._engine.autotuner
         if tuner is not None:
             tuner.on_step()
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, *args, **kwargs):
         if any(h is not None for h, _ in self._handles.values()):
-            raise UsageError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+            raise InvalidStateError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
                              "or optimizer.synchronize()", hint="call step() (or synchronize()) first")
         return super(self.__class__, self).zero_grad(*args, **kwargs)
 
@@ -244,11 +268,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          op=ops.Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=None):
     """Wrap ``optimizer`` (any torch optimizer): same class name and behaviour, gradients averaged
-    across ranks before each step. Sparse gradients are not supported (``sparse_as_dense`` is
-    accepted for compatibility; sparse gradients raise)."""
-    ops._check_process_set(process_set)
+    across the ranks of ``process_set`` before each step. Sparse gradients are allgathered as
+    Horovod's sparse allreduce does, or made dense first with ``sparse_as_dense=True``."""
+    ops.engine_for(process_set)
     if gradient_predivide_factor != 1.0 and op != ops.Average:
-        raise UsageError("gradient_predivide_factor needs op=hvd.Average")
+        raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, num_groups, groups)
+               gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)

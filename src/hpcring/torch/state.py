@@ -1,7 +1,7 @@
 """The process-wide hpcring.torch state: session, communicator and engine (set by ``init``)."""
 from __future__ import annotations
 
-from hpcring.errors import UsageError
+from hpcring.torch.exceptions import InvalidArgumentError
 
 _engine = None
 _session = None
@@ -9,13 +9,13 @@ _session = None
 
 def engine():
     if _engine is None:
-        raise UsageError("hpcring.torch is not initialized", hint="call hvd.init() first")
+        raise InvalidArgumentError("hpcring.torch is not initialized", hint="call hvd.init() first")
     return _engine
 
 
 def session():
     if _session is None:
-        raise UsageError("hpcring.torch is not initialized", hint="call hvd.init() first")
+        raise InvalidArgumentError("hpcring.torch is not initialized", hint="call hvd.init() first")
     return _session
 
 
