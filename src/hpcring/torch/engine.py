@@ -277,7 +277,8 @@ class Engine:
 
     # -- execution --------------------------------------------------------------------------
     def _execute(self, ready: list[Entry]) -> None:
-        for chunk in fusion.plan(ready, self.threshold):
+        chunks = fusion.plan(ready, self.threshold)
+        for i, chunk in enumerate(chunks):
             try:
                 with fusion.stream_context(chunk):
                     if chunk[0].kind in FUSABLE:
@@ -285,8 +286,9 @@ class Engine:
                     else:
                         self._run_single(chunk[0])
             except CollectiveError as err:       # the communicator failed: fatal (raised to _loop)
-                for e in chunk:
-                    e.handle._set(error=internal(err))
+                for rest in chunks[i:]:          # this chunk and the ones that cannot run now
+                    for e in rest:
+                        e.handle._set(error=internal(err))
                 raise
             except BaseException as err:  # noqa: BLE001 - this operation fails, the engine goes on
                 for e in chunk:
