@@ -360,3 +360,41 @@ def test_a_hard_limit_that_fits_the_rendezvous_but_not_the_watchdog_warns():
     word, soft, cap = out.split()
     assert word == "OK" and int(soft) == 2048 and int(cap) == 2048 - st.FD_RESERVE
     assert "RLIMIT_NOFILE" in err and "1024 ranks" in err and "ulimit -n" in err
+
+
+# ------------------------------------------------------------------------------ key ranges
+
+def test_every_ranks_key_travels_as_a_key_range():
+    assert st.key_range([f"init/host/{r}" for r in range(4096)]) == ("init/host/", 0)
+    assert st.key_range([f"a{r}" for r in range(3, 20)]) == ("a", 3)
+    assert st.key_range([f"a{r}" for r in range(4)]) is None           # too few to bother
+    assert st.key_range([f"a/{r}" for r in (0, 1, 2, 3, 4, 5, 6, 8)]) is None
+    assert st.key_range([f"r/{r:03d}" for r in range(20)]) is None     # zero-padded past 9
+    assert st.key_range(["x"] * 10) is None
+    assert st.decode_key_range(st.encode_key_range("k/", 5, 3)) == ["k/5", "k/6", "k/7"]
+
+
+def test_a_key_range_request_is_a_few_bytes_and_answers_like_the_list(server):
+    c = client(server)
+    keys = [f"rank/{r}" for r in range(2000)]
+    sizes = []
+    real = c._pipeline
+    c._pipeline = lambda reqs, wait, key: sizes.append(sum(len(a) for _, _, a in reqs)) or real(reqs, wait, key)
+    c.multi_set({k: k.encode() for k in keys[:1999]})
+    with pytest.raises(st.StoreTimeoutError) as ei:
+        c.multi_get(keys, timeout=0.2)
+    assert ei.value.missing == ["rank/1999"]
+    c.set("rank/1999", b"rank/1999")
+    assert c.multi_get(keys) == [k.encode() for k in keys]
+    assert sizes[-1] < 40   # not 2000 keys' worth of bytes
+
+
+def test_malformed_or_huge_key_ranges_are_refused(server):
+    s, key = raw_session(server)
+    flags = bytes([st.MGET_VALUES | st.MGET_RANGE])
+    for seq, rng in enumerate([st.encode_key_range("k/", 0, st.MAX_RANGE + 1),
+                               st.encode_key_range("k/", 0, 5)[:-1],
+                               struct.pack(">H", 2) + b"\xff\xfe" + struct.pack(">II", 0, 3)]):
+        status, _ = raw_request(s, key, seq, st.OP_MGET, struct.pack(">d", 1.0) + flags + rng)
+        assert status == st.ST_ERROR
+    assert parked_state_is_empty(server)

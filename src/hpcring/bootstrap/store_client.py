@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 
 from hpcring.bootstrap import auth
 from hpcring.bootstrap.store_wire import (COUNT, DEFAULT_MAX_FRAME, F64, HEADER, I64, KEYLEN, MAC_LEN,
-                                          MAX_GET_TIMEOUT, MGET_VALUES, OP_ADD, OP_CHECK, OP_DELETE,
+                                          MAX_GET_TIMEOUT, MGET_RANGE, MGET_VALUES, OP_ADD, OP_CHECK, OP_DELETE,
                                           OP_GET, OP_MCHECK, OP_MGET, OP_MSET, OP_PING, OP_SET,
                                           SECRET_HINT, ST_ERROR, ST_OK, ST_TIMEOUT, _DIR_TO_CLIENT,
                                           _DIR_TO_SERVER, StoreAuthError, StoreTimeoutError,
                                           decode_indices, decode_values, encode_frame, encode_items,
-                                          encode_keys, encode_request, frame_mac, session_key)
+                                          encode_key_range, encode_keys, encode_request, frame_mac,
+                                          key_range, session_key)
 from hpcring.errors import BootstrapError
 from hpcring.netio import recv_exact, time_left
 
@@ -328,12 +329,17 @@ class StoreClient:
               pre: list[tuple[int, str, bytes]]) -> list[bytes]:
         """MGET ``keys`` (after the pipelined requests ``pre``); batches beyond the frame cap are
         asked one after the other, each with what is left of ``deadline``."""
-        flags = bytes([MGET_VALUES if values else 0])
+        flag = MGET_VALUES if values else 0
         out: list[bytes] = []
-        batches = self._key_batches(keys) if keys else []
+        rng = key_range(keys)   # "every rank's key": sent as prefix + range, a few bytes
+        batches = [keys] if rng else self._key_batches(keys) if keys else []
         for i, chunk in enumerate(batches):
             left = wait if i == 0 else time_left(deadline)
-            reqs = (pre if i == 0 else []) + [(OP_MGET, "", F64.pack(left) + flags + encode_keys(chunk))]
+            if rng:
+                args = bytes([flag | MGET_RANGE]) + encode_key_range(rng[0], rng[1], len(keys))
+            else:
+                args = bytes([flag]) + encode_keys(chunk)
+            reqs = (pre if i == 0 else []) + [(OP_MGET, "", F64.pack(left) + args)]
             status, payload = self._pipeline(reqs, left, self._label(chunk))[-1]
             if status == ST_TIMEOUT:
                 try:

@@ -23,10 +23,10 @@ import time
 from hpcring.bootstrap import auth
 from hpcring.bootstrap.store_wire import (ACCEPT_BACKOFF, DEFAULT_MAX_FRAME, F64, FD_RESERVE, FRAME_TIMEOUT,
                                           HANDSHAKE_TIMEOUT, HEADER, I64, KEYLEN, MAC_LEN,
-                                          MAX_GET_TIMEOUT, MGET_VALUES, OP_ADD, OP_CHECK, OP_DELETE,
+                                          MAX_GET_TIMEOUT, MGET_RANGE, MGET_VALUES, OP_ADD, OP_CHECK, OP_DELETE,
                                           OP_GET, OP_MCHECK, OP_MGET, OP_MSET, OP_PING, OP_SET,
                                           ST_ERROR, ST_MISSING, ST_OK, ST_TIMEOUT, _DIR_TO_CLIENT,
-                                          _DIR_TO_SERVER, decode_items, decode_keys, encode_indices,
+                                          _DIR_TO_SERVER, decode_items, decode_key_range, decode_keys, encode_indices,
                                           encode_frame, encode_values, frame_mac, session_key)
 from hpcring.errors import BootstrapError
 
@@ -567,7 +567,7 @@ class StoreServer:
             if cached is not None and cached[0] == self._version:
                 self._reply(conn, ST_OK, cached[1])
                 return
-            keys = decode_keys(args, F64.size + 1)
+            keys = (decode_key_range if args[F64.size] & MGET_RANGE else decode_keys)(args, F64.size + 1)
             data = self._data
             missing = [i for i, k in enumerate(keys) if k not in data]
             if not missing:

@@ -17,7 +17,9 @@ Wire protocol (version 1, all integers big-endian):
   ``u32 n | n x u32 length | the values, concatenated``; no values unless ``flags & MGET_VALUES``)
   or at the deadline (``ST_TIMEOUT`` + ``u32 m | m x u32 index`` of the keys still missing);
   ``MCHECK`` args are a key list, answered at once with a value list in which an absent key has the
-  length ``ABSENT``. A client may send several frames before reading the replies (pipelining);
+  length ``ABSENT``. With ``flags & MGET_RANGE`` an MGET's key list is a *key range* ``u16 plen |
+  prefix | u32 start | u32 n``, standing for ``prefix + str(i)`` for i in start..start+n-1 (what
+  "every rank's key" is: the request stays a few bytes however large the job). A client may send several frames before reading the replies (pipelining);
   the server answers them in order, so "publish mine, read everyone's" is one round trip.
 
 Because every connection has fresh nonces and numbered frames, a frame captured on one
@@ -29,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import struct
 from collections.abc import Iterable
 
@@ -54,6 +57,8 @@ FD_RESERVE = 32                        # descriptors left for the rest of rank 0
 OP_SET, OP_GET, OP_ADD, OP_CHECK, OP_DELETE, OP_PING = 1, 2, 3, 4, 5, 6
 OP_MSET, OP_MGET, OP_MCHECK = 7, 8, 9
 MGET_VALUES = 1                        # MGET flag: reply with the values (else only "all exist")
+MGET_RANGE = 2                         # MGET flag: the keys are given as a key range
+MAX_RANGE = 1 << 20                    # the most keys one key range may stand for
 ABSENT = 0xFFFFFFFF                    # a value list's length for a key that does not exist
 COUNT = struct.Struct(">I")
 ST_OK, ST_TIMEOUT, ST_ERROR, ST_MISSING = 0, 1, 2, 3
@@ -142,6 +147,43 @@ def decode_keys(buf, offset: int = 0) -> list[str]:
     if pos != end:
         raise ValueError(f"{end - pos} bytes after the key list")
     return keys
+
+
+def key_range(keys: list[str]) -> tuple[str, int] | None:
+    """``(prefix, start)`` when ``keys`` are ``prefix + str(start + i)`` in order (and more than
+    a handful), else None: such a list travels as a key range."""
+    if len(keys) < 8 or len(keys) > MAX_RANGE:
+        return None
+    m = re.fullmatch(r"(.*?)([1-9][0-9]*|0)", keys[0], re.S)
+    if m is None:
+        return None
+    prefix, start = m.group(1), int(m.group(2))
+    if len(prefix.encode("utf-8")) > 0xFFFF or start + len(keys) > 0xFFFFFFFF:
+        return None
+    for i, key in enumerate(keys):
+        if key != f"{prefix}{start + i}":
+            return None
+    return prefix, start
+
+
+def encode_key_range(prefix: str, start: int, n: int) -> bytes:
+    kb = _key_bytes(prefix)
+    return KEYLEN.pack(len(kb)) + kb + COUNT.pack(start) + COUNT.pack(n)
+
+
+def decode_key_range(buf, offset: int = 0) -> list[str]:
+    """The keys a key range (filling ``buf[offset:]`` exactly) stands for; ValueError if malformed."""
+    mv = memoryview(buf)
+    (plen,) = KEYLEN.unpack_from(mv, offset)
+    pos = offset + KEYLEN.size
+    if pos + plen + 2 * COUNT.size != len(mv):
+        raise ValueError("malformed key range")
+    prefix = str(mv[pos:pos + plen], "utf-8")
+    (start,) = COUNT.unpack_from(mv, pos + plen)
+    (n,) = COUNT.unpack_from(mv, pos + plen + COUNT.size)
+    if n > MAX_RANGE:
+        raise ValueError(f"a key range may stand for at most {MAX_RANGE} keys, not {n}")
+    return [f"{prefix}{i}" for i in range(start, start + n)]
 
 
 def encode_items(items: list[tuple[str, bytes]]) -> bytes:
