@@ -30,6 +30,7 @@ deadline. numpy inputs on a device backend are staged by the backend and waited 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -420,6 +421,85 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         t = self._deadline(timeout)
         return self._run(self._record("barrier", None, 0, None, t), lambda: self.backend.barrier(t), is_async)
+
+    # -- point-to-point ---------------------------------------------------------------------
+    @property
+    def p2p_log(self):
+        """This communicator's point-to-point records (:class:`hpcring.collectives.p2p.P2PLog`)."""
+        log = self.__dict__.get("_p2p_log")
+        if log is None:
+            from hpcring.collectives.p2p import P2PLog
+            log = self.__dict__["_p2p_log"] = P2PLog(self.rank, self.backend.name, self.members)
+        return log
+
+    def _p2p(self, kind: str, x, peer, tag: int, timeout: float | None) -> Handle:
+        from hpcring.collectives import p2p
+        what = "isend" if kind == p2p.SEND else "irecv"
+        peer = p2p.check_peer(peer, self.rank, self.size, what, any_ok=kind == p2p.RECV)
+        tag = p2p.check_tag(tag, what)
+        start = getattr(self.backend, f"p2p_{kind}", None)
+        if start is None:
+            raise UsageError(f"{what}: the {self.backend.name} backend has no point-to-point")
+        dev = self._cuda(x)
+        with active_on(dev):
+            a = adapt(x, None, f"{what} buffer", writable=kind == p2p.RECV, dev=dev)
+            t = self._deadline(timeout)
+            rec = self.p2p_log.queue(kind, peer, tag, a.tag, a.flat.size, t, depth=4)
+            req = start(a.flat.view(np.uint8) if dev is None else a.flat, peer, tag, t, rec)
+        h = Handle(req.name)
+
+        def done(r) -> None:
+            err = r.exception()
+            if err is None:
+                if a.staged:
+                    with active_on(dev):
+                        finish(a, a)
+                h._set(r.source)
+                return
+            # the failure path may wait for the job-wide report: never on a transport thread
+            threading.Thread(target=lambda: h._set(error=self._failed(rec, err)), daemon=True,
+                             name=f"hpcring-p2p-failure:{self.rank}").start()
+        req.add_done_callback(done)
+        return h
+
+    def isend(self, x, dst: int, tag: int = 0, *, timeout: float | None = None) -> Handle:
+        """Send ``x`` to rank ``dst`` (of this communicator) with ``tag``; returns a
+        :class:`Handle` at once (done when the bytes are handed to the transport; ``x`` must not
+        change until then). The receiver must post a receive of the same byte size and tag."""
+        from hpcring.collectives.p2p import SEND
+        return self._p2p(SEND, x, dst, tag, timeout)
+
+    def irecv(self, x, src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> Handle:
+        """Receive into ``x`` (written in place) from rank ``src`` (None: any rank) with ``tag``;
+        the :class:`Handle`'s result is the source rank. Messages of one sender and tag arrive in
+        the order sent."""
+        from hpcring.collectives.p2p import RECV
+        return self._p2p(RECV, x, src, tag, timeout)
+
+    def send(self, x, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """:meth:`isend` and wait."""
+        self._p2p_wait(self.isend(x, dst, tag, timeout=timeout))
+
+    def recv(self, x, src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> int:
+        """:meth:`irecv` and wait; returns the source rank."""
+        return self._p2p_wait(self.irecv(x, src, tag, timeout=timeout))
+
+    def batch_isend_irecv(self, ops: Sequence[tuple]) -> list[Handle]:
+        """Start many sends and receives as one batch: ``ops`` are ``("send", x, peer[, tag])`` or
+        ``("recv", x, peer[, tag])``; their order does not matter (nothing waits for another)."""
+        handles = []
+        for op in ops:
+            kind, x, peer, *rest = op
+            if kind not in ("send", "recv"):
+                raise UsageError(f"batch_isend_irecv: op must be 'send' or 'recv', got {kind!r}")
+            handles.append(self._p2p(kind, x, peer, rest[0] if rest else 0, None))
+        return handles
+
+    @staticmethod
+    def _p2p_wait(h: Handle):
+        # the request's own deadline ends it (hpcring.collectives.p2p.KEEPER), the failure path
+        # (watchdog report) adds its bounded wait
+        return h.wait()
 
     # -- the public methods: a synchronous and an ``*_async`` twin of each implementation ----
     allreduce, allreduce_async = _twins(_allreduce)

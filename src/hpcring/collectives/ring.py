@@ -206,6 +206,8 @@ class RingBackend(Backend):
         self._pending = pending
         self._setup_error: str | None = None
         self._setup_lock = threading.Lock()
+        self._p2p_args: dict | None = None        # what the point-to-point mailbox needs (create)
+        self._mailbox = None
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
@@ -279,6 +281,8 @@ class RingBackend(Backend):
             p.close()
             raise
         be = cls(None, hosts, p)
+        be._p2p_args = dict(rank=rank, size=size, hosts=hosts, store=store, secret=secret, base=base,
+                            address=address, bind=topology.address)
         if not lazy:
             try:
                 be._connect_mesh(time.monotonic() + timeout)
@@ -535,7 +539,30 @@ class RingBackend(Backend):
     def barrier(self, timeout):
         self._call("barrier", _N.barrier, timeout)
 
+    # -- point-to-point (hpcring.collectives.mailbox) --------------------------------------------
+    def _box(self):
+        if self._p2p_args is None:
+            raise UsageError("point-to-point needs a ring communicator made by Communicator.create / "
+                             "RingBackend.create (it meets its peers through the store)")
+        if self._mailbox is None:
+            with self._setup_lock:
+                if self._mailbox is None:
+                    from hpcring.collectives.mailbox import Mailbox
+                    self._mailbox = Mailbox(**self._p2p_args)
+        return self._mailbox
+
+    def p2p_send(self, buf, peer: int, tag: int, timeout: float, record=None):
+        """Send ``buf`` (1-D uint8) to ``peer``; a :class:`~hpcring.collectives.p2p.Request`."""
+        return self._box().send(buf, peer, tag, timeout, record)
+
+    def p2p_recv(self, buf, peer: int | None, tag: int, timeout: float, record=None):
+        """Receive into ``buf`` from ``peer`` (None: any rank); the request's result is the source."""
+        return self._box().recv(buf, peer, tag, timeout, record)
+
     def close(self) -> None:
+        if self._mailbox is not None:
+            self._mailbox.close()
+            self._mailbox = None
         if self._native_comm is not None:
             self._native_comm.close()
         elif self._pending is not None:

@@ -26,6 +26,20 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../h
 _SKIP = (_PKG_DIR, os.path.dirname(threading.__file__) + os.sep + "threading.py",
          "<frozen runpy>", os.path.dirname(os.__file__) + os.sep + "runpy.py")
 
+
+def _torch_dir() -> tuple[str, ...]:
+    """torch's package folder (found without importing torch): a call made through
+    torch.distributed is recorded at the user's line, not inside torch's wrappers."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return ()
+    return tuple(spec.submodule_search_locations or ()) if spec else ()
+
+
+_SKIP = _SKIP + _torch_dir()
+
 QUEUED, STARTED, DONE, FAILED = "queued", "started", "done", "failed"
 
 

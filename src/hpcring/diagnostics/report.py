@@ -72,7 +72,8 @@ class Report:
             lines.append(f"  operation : {describe_op(self.op)}")
         if self.trigger:
             t = self.trigger
-            lines.append(f"  first seen: rank {t.get('rank')} ({t.get('host', '?')}): {t.get('error', '?')}")
+            head, err = f"rank {t.get('rank')} ({t.get('host', '?')})", str(t.get("error", "?"))
+            lines.append(f"  first seen: {err}" if err.startswith(head + " ") else f"  first seen: {head}: {err}")
         for cat in CATEGORIES:
             ranks = self.categories.get(cat) or []
             if not ranks or cat == "joined":
@@ -255,6 +256,8 @@ def _headline(cats, stalled, slow, ref, seq, hosts) -> str:
                       ("mismatch", "called it with different arguments"),
                       ("different", "called a different collective"), ("missing", "never joined")):
         if cats.get(cat):
+            if cat == "missing" and ref and ref.get("op") == "p2p":
+                text = _p2p_missing(ref.get("group") or "", cats[cat])
             return f"{name}: {who(cats[cat], hosts)} {text}"
     if stalled:
         ln = stalled[0]
@@ -263,3 +266,15 @@ def _headline(cats, stalled, slow, ref, seq, hosts) -> str:
     if slow:
         return f"{name}: {who([s['rank'] for s in slow], hosts)} joined late (slow rank)"
     return f"{name}: failed (no rank is missing or mismatched: see the first error)"
+
+
+_CHANNEL = re.compile(r"rank (\d+|any) -> rank (\d+)")
+
+
+def _p2p_missing(channel: str, missing: list[int]) -> str:
+    """A point-to-point message's missing side (hpcring.collectives.p2p names the channel
+    ``rank S -> rank D, tag T``): the sender never sent it, or the receiver never posted it."""
+    m = _CHANNEL.search(channel)
+    if m is None:
+        return "never joined"
+    return "never sent it" if m.group(1) != "any" and int(m.group(1)) in missing else "never received it"

@@ -132,6 +132,11 @@ class Watchdog:
                 last_done = max(last_done, done)
             else:                     # a group's sequence numbers are its own (report.diagnose)
                 by_group[rec.group[0]] = max(by_group.get(rec.group[0], 0), done)
+            p2p = comm.__dict__.get("_p2p_log")    # point-to-point channels: numbered per channel
+            if p2p is not None:
+                records += [r.to_dict() for r in p2p.records(16)]
+                for name, n in p2p.last_done().items():
+                    by_group[name] = max(by_group.get(name, 0), n)
             err = err or getattr(comm, "error", None) or comm.backend.error
         snap = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
                 "records": records, "last_done": last_done, "error": err,

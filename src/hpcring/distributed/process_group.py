@@ -9,7 +9,8 @@ collective carries hpcring's deadline, flight record, watchdog and hang report. 
 are composed of ones that exist (reduce = allreduce, gather = allgather, scatter = broadcast,
 uneven all_to_all = padded alltoall; reductions hpcring has no kernel for: int8/int16 on an int32
 copy, bool as uint8, AVG on integers as NCCL's sum-then-truncate, BAND/BOR/BXOR on integers as an
-allgather and a fold, see :func:`_reduction`); send/recv are refused (hpcring has no point-to-point).
+allgather and a fold, see :func:`_reduction`); send/recv are the communicator's point-to-point
+(hpcring.collectives.mailbox on the ring, MPI_Isend/Irecv on MPI).
 The ops run eagerly under torch.compile (a graph break, see the note at the end of the class).
 
 Which communicator: CUDA tensors go to the session's default communicator (``backend="auto"``:
@@ -424,15 +425,31 @@ class ProcessGroupHpcring(dist.ProcessGroup):
             return [out]
         return work.chain([h], finish)
 
-    # -- refused --------------------------------------------------------------------------
+    # -- point-to-point ---------------------------------------------------------------------
+    # Posted at once, never queued behind a collective (torch's contract: a batch of isend/irecv
+    # cannot deadlock whatever its order); each with hpcring's deadline and a report naming the
+    # pair, tag and size (hpcring.collectives.mailbox). Tensors move as raw bytes: any dtype.
     def send(self, tensors, dst, tag=0):
-        raise _no_p2p("send")
+        t = _one(tensors, "send")
+        comm = self._comm([t], "send")
+        buf = _bytes(t.contiguous())                      # kept alive by the closure until sent
+        h = comm.isend(buf, dst, tag, **self._t())
+        return work.chain([h], lambda: (buf, [t])[1])
 
     def recv(self, tensors, src, tag=0):
-        raise _no_p2p("recv")
+        return self._recv(tensors, src, tag, "recv")
 
     def recv_anysource(self, tensors, tag=0):
-        raise _no_p2p("recv (any source)")
+        return self._recv(tensors, None, tag, "recv (any source)")
+
+    def _recv(self, tensors, src, tag, what: str):
+        t = _one(tensors, what)
+        comm = self._comm([t], what)
+        buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+        h = comm.irecv(_bytes(buf), src, tag, **self._t())
+        w = work.chain([h], lambda: _copy_back(t, buf) or [t])
+        w.source = h
+        return w
 
 
 # torch.compile: dynamo would trace into these Python methods (DDP's forward broadcasts buffers)
@@ -441,15 +458,9 @@ for _name in ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base"
               "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single_coalesced",
               "broadcast", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
               "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "alltoall", "alltoall_base",
-              "all_to_all_single", "barrier", "reduce", "gather", "scatter"):
+              "all_to_all_single", "barrier", "reduce", "gather", "scatter", "send", "recv", "recv_anysource"):
     setattr(ProcessGroupHpcring, _name, torch.compiler.disable(getattr(ProcessGroupHpcring, _name)))
 del _name
-
-
-def _no_p2p(op: str) -> UsageError:
-    return UsageError(f"hpcring backend: {op} is not supported (hpcring has collectives only, no point-to-point)",
-                      hint="use a gloo or nccl group for point-to-point (dist.new_group(backend='gloo')), "
-                           "or a collective (broadcast, all_to_all)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,6 +69,16 @@ class HpcringWork(dist.Work):
     def get_future(self) -> Future:
         return self._future
 
+    def _source_rank(self) -> int:
+        """A receive from any rank (``recv_anysource``): the sender's group rank, once done."""
+        h = getattr(self, "source", None)
+        if h is None:
+            raise RuntimeError("hpcring backend: source_rank() is only defined for a receive from any rank")
+        self._future.wait()
+        return int(h.result())
+
+    source_rank = _source_rank
+
 
 class Completer:
     """Threads that run completions off the communicators' worker threads.
