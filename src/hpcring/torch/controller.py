@@ -13,8 +13,9 @@ every (not joined) rank are ready, in the first active rank's submission order. 
 * while a rank has joined, an operation other than a Sum/Average allreduce fails on the other
   ranks (:class:`JoinedRankError`, as Horovod: "not supported with Join"); the joined rank
   contributes zeros to Sum/Average allreduces;
-* a stall flag from any rank: :mod:`hpcring.torch.stall` names the unmatched operations and the
-  stalled ones fail.
+* a stall flag from any rank: :mod:`hpcring.torch.stall` names the unmatched operations, and
+  every rank fails those of them it has had queued for more than half the deadline (so that the
+  ranks of a rank-dependent branch, whose clocks started a moment apart, fail in the same cycle).
 
 Header: flags (1: stalled), entry count, join cycle (+1; 0 = not joined), fusion threshold, cycle
 time (us) and the number of uncached entries; rank 0's threshold and cycle time hold everywhere
@@ -158,7 +159,9 @@ class Controller:
             out.collectives += 2
             now = time.time()
             for e in batch:
-                if e.name_hash not in decided and e.name in partial and now - e.t_queued > self.timeout:
+                # half the deadline: another rank's stalled operation (flagged a moment earlier)
+                # fails here in the same cycle, an operation queued just now is left to match
+                if e.name_hash not in decided and e.name in partial and now - e.t_queued > self.timeout / 2:
                     out.failed.append((e, err))
 
     def _mismatch(self, e, h: int, entries, active) -> TensorMismatchError:

@@ -1,7 +1,7 @@
 """The stall inspector: operation names queued on some ranks and not on others for longer than
 the deadline (``HPCRING_TIMEOUT``). When any rank flags a stall in a negotiation, every rank of the
 set exchanges its queued names (two allgathers, in the same cycle everywhere) and fails its own
-stalled operations with one message naming each tensor and the ranks that have / lack it; the
+unmatched operations older than half the deadline, with one message naming each tensor and the ranks that have / lack it; the
 engine goes on (Horovod warns, then shuts down; here the stalled operations fail, the rest runs).
 """
 from __future__ import annotations
