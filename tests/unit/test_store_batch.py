@@ -220,15 +220,20 @@ def test_batched_requests_split_at_the_frame_cap():
         srv.close()
 
 
-def test_a_reply_over_the_frame_cap_is_refused_with_advice():
+def test_a_reply_over_the_frame_cap_is_asked_for_in_halves():
     srv = StoreServer("127.0.0.1", 0, secret=SECRET, max_frame=2048)
     try:
-        c = client(srv)
-        c.multi_set({"a": b"x" * 1500})
-        c.multi_set({"b": b"y" * 1500})
-        with pytest.raises(BootstrapError, match="smaller batches"):
-            c.multi_get(["a", "b"], timeout=1)
-        assert c.multi_get(["a"]) == [b"x" * 1500]   # the connection stays in step
+        c = StoreClient("127.0.0.1", srv.port, SECRET, timeout=5, max_frame=2048)
+        big = {f"k{i}": bytes([65 + i]) * 700 for i in range(9)}   # 6.3 kB: four frames' worth
+        c.multi_set(big)   # split by the client into frames under the cap
+        big["edge"] = b"e" * 2040   # fits a SET frame and a GET reply, not an MGET reply
+        c.set("edge", big["edge"])
+        keys = list(big)
+        assert c.multi_get(keys, timeout=1) == list(big.values())
+        assert c.multi_check(keys + ["none"]) == list(big.values()) + [None]
+        assert c.exchange({"mine": b"m"}, keys[:3] + ["mine"], timeout=1) == list(big.values())[:3] + [b"m"]
+        assert c.get("k0") == big["k0"]   # the connection stays in step
+        assert srv.stats["bad_request"] == 0
     finally:
         srv.close()
 

@@ -12,7 +12,7 @@ from hpcring.bootstrap import auth
 from hpcring.bootstrap.store_wire import (COUNT, DEFAULT_MAX_FRAME, F64, HEADER, I64, KEYLEN, MAC_LEN,
                                           MAX_GET_TIMEOUT, MGET_RANGE, MGET_VALUES, OP_ADD, OP_CHECK, OP_DELETE,
                                           OP_GET, OP_MCHECK, OP_MGET, OP_MSET, OP_PING, OP_SET,
-                                          SECRET_HINT, ST_ERROR, ST_OK, ST_TIMEOUT, _DIR_TO_CLIENT,
+                                          SECRET_HINT, ST_ERROR, ST_OK, ST_TIMEOUT, ST_TOOBIG, _DIR_TO_CLIENT,
                                           _DIR_TO_SERVER, StoreAuthError, StoreTimeoutError,
                                           decode_indices, decode_values, encode_frame, encode_items,
                                           encode_key_range, encode_keys, encode_request, frame_mac,
@@ -27,6 +27,10 @@ def _seconds(what: str, value) -> float:
     """A wait in seconds from a caller: finite and in [0, MAX_GET_TIMEOUT], else UsageError."""
     from hpcring.config.envvars import check_number
     return check_number(what, value, lo=0, hi=MAX_GET_TIMEOUT)
+
+
+class _ReplyTooBig(BootstrapError):
+    """The server would not fit a batched read's reply in one frame (ST_TOOBIG): ask in halves."""
 
 
 class _StoreBusy(ConnectionResetError):
@@ -190,6 +194,8 @@ class StoreClient:
                 raise BootstrapError(f"talking to the rendezvous store at {self.address} failed for "
                                      f"key {key!r}: {e}", hint="check rank 0 and the network path") from e
         for status, payload in replies:   # every reply is read first: the stream stays in step
+            if status == ST_TOOBIG:
+                raise _ReplyTooBig(payload.decode("utf-8", "replace"))
             if status == ST_ERROR:
                 raise BootstrapError(f"store at {self.address} refused the request on key {key!r}: "
                                      f"{payload.decode('utf-8', 'replace')}")
@@ -259,9 +265,17 @@ class StoreClient:
         keys = list(keys)
         out: list[bytes | None] = []
         for chunk in self._key_batches(keys):
-            _, payload = self._call(OP_MCHECK, "", encode_keys(chunk), self.timeout)
-            out += self._values(payload, len(chunk))
+            out += self._mcheck(chunk)
         return out
+
+    def _mcheck(self, keys: list[str]) -> list[bytes | None]:
+        try:
+            _, payload = self._call(OP_MCHECK, "", encode_keys(keys), self.timeout)
+        except _ReplyTooBig:
+            if len(keys) == 1:
+                return [self.check(keys[0])]
+            return self._mcheck(keys[:len(keys) // 2]) + self._mcheck(keys[len(keys) // 2:])
+        return self._values(payload, len(keys))
 
     def exchange(self, publish: Mapping[str, bytes] | Iterable[tuple[str, bytes]], keys: Iterable[str],
                  timeout: float | None = None) -> list[bytes]:
@@ -334,13 +348,22 @@ class StoreClient:
         rng = key_range(keys)   # "every rank's key": sent as prefix + range, a few bytes
         batches = [keys] if rng else self._key_batches(keys) if keys else []
         for i, chunk in enumerate(batches):
-            left = wait if i == 0 else time_left(deadline)
+            left = time_left(deadline)
             if rng:
                 args = bytes([flag | MGET_RANGE]) + encode_key_range(rng[0], rng[1], len(keys))
             else:
                 args = bytes([flag]) + encode_keys(chunk)
             reqs = (pre if i == 0 else []) + [(OP_MGET, "", F64.pack(left) + args)]
-            status, payload = self._pipeline(reqs, left, self._label(chunk))[-1]
+            try:
+                status, payload = self._pipeline(reqs, left, self._label(chunk))[-1]
+            except _ReplyTooBig:   # the values pass one frame (``pre`` went through): ask in halves
+                if len(chunk) == 1:
+                    out.append(self.get(chunk[0], timeout=time_left(deadline)))
+                else:
+                    half = len(chunk) // 2
+                    out += self._mget(chunk[:half], wait, deadline, values, [])
+                    out += self._mget(chunk[half:], wait, deadline, values, [])
+                continue
             if status == ST_TIMEOUT:
                 try:
                     missing = [chunk[j] for j in decode_indices(payload)]

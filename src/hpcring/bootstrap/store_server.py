@@ -25,7 +25,7 @@ from hpcring.bootstrap.store_wire import (ACCEPT_BACKOFF, DEFAULT_MAX_FRAME, F64
                                           HANDSHAKE_TIMEOUT, HEADER, I64, KEYLEN, MAC_LEN,
                                           MAX_GET_TIMEOUT, MGET_RANGE, MGET_VALUES, OP_ADD, OP_CHECK, OP_DELETE,
                                           OP_GET, OP_MCHECK, OP_MGET, OP_MSET, OP_PING, OP_SET,
-                                          ST_ERROR, ST_MISSING, ST_OK, ST_TIMEOUT, _DIR_TO_CLIENT,
+                                          ST_ERROR, ST_MISSING, ST_OK, ST_TIMEOUT, ST_TOOBIG, _DIR_TO_CLIENT,
                                           _DIR_TO_SERVER, decode_items, decode_key_range, decode_keys, encode_indices,
                                           encode_frame, encode_values, frame_mac, session_key)
 from hpcring.errors import BootstrapError
@@ -115,6 +115,10 @@ def ensure_fd_limit(clients: int, *, ranks: int | None = None, required: int | N
     log.warning("store: %s; the rendezvous fits (%d needed), connections beyond the limit will wait "
                 "and may time out. Hint: %s", msg, need_min, hint)
     return soft
+
+
+class _TooBig(ValueError):
+    """A batched read's reply would pass the frame cap (answered ST_TOOBIG: ask for fewer keys)."""
 
 
 class _Group:
@@ -509,6 +513,8 @@ class StoreServer:
             return
         try:
             handler(self, conn, key, args)
+        except _TooBig as e:   # a batched read of more than one frame: the client splits it
+            self._reply(conn, ST_TOOBIG, str(e).encode())
         except (struct.error, ValueError, OverflowError) as e:
             self.stats["bad_request"] += 1
             self._reply(conn, ST_ERROR, f"bad arguments for op {op} on key {key!r}: {e}".encode())
@@ -622,7 +628,7 @@ class StoreServer:
     # -- parked requests --------------------------------------------------------------------
     def _check_size(self, payload: bytes) -> bytes:
         if len(payload) + 1 > self.max_frame:
-            raise ValueError(f"the reply would be {len(payload)} bytes, over the frame cap of "
+            raise _TooBig(f"the reply would be {len(payload)} bytes, over the frame cap of "
                              f"{self.max_frame}: read these keys in smaller batches")
         return payload
 
@@ -702,8 +708,8 @@ class StoreServer:
                 status, payload = ST_OK, data[group.keys[0]]
             else:
                 status, payload = ST_OK, self._values_reply(group.gid, group.keys, group.values)
-        except ValueError as e:
-            status, payload = ST_ERROR, str(e).encode()
+        except _TooBig as e:
+            status, payload = ST_TOOBIG, str(e).encode()
         members, group.members = group.members, {}
         for conn in members:
             if conn.closed or conn.pending is not group:

@@ -20,7 +20,9 @@ Wire protocol (version 1, all integers big-endian):
   length ``ABSENT``. With ``flags & MGET_RANGE`` an MGET's key list is a *key range* ``u16 plen |
   prefix | u32 start | u32 n``, standing for ``prefix + str(i)`` for i in start..start+n-1 (what
   "every rank's key" is: the request stays a few bytes however large the job). A client may send several frames before reading the replies (pipelining);
-  the server answers them in order, so "publish mine, read everyone's" is one round trip.
+  the server answers them in order, so "publish mine, read everyone's" is one round trip. A
+  batched read whose reply would pass the frame cap is answered ``ST_TOOBIG``; the client then
+  asks for the keys in halves.
 
 Because every connection has fresh nonces and numbered frames, a frame captured on one
 connection is worthless on another (and cannot be replayed or reordered within one). No pickle:
@@ -61,7 +63,7 @@ MGET_RANGE = 2                         # MGET flag: the keys are given as a key 
 MAX_RANGE = 1 << 20                    # the most keys one key range may stand for
 ABSENT = 0xFFFFFFFF                    # a value list's length for a key that does not exist
 COUNT = struct.Struct(">I")
-ST_OK, ST_TIMEOUT, ST_ERROR, ST_MISSING = 0, 1, 2, 3
+ST_OK, ST_TIMEOUT, ST_ERROR, ST_MISSING, ST_TOOBIG = 0, 1, 2, 3, 4   # TOOBIG: the reply would pass the frame cap
 
 _DIR_TO_SERVER = b"C"
 _DIR_TO_CLIENT = b"S"
