@@ -304,7 +304,10 @@ def _rendezvous(srv, n: int, timeout: float = 30.0):
 
 def test_1024_concurrent_clients_rendezvous_through_one_server_thread():
     n = 1024
-    ensure_fd_limit(2 * n + 64)   # this process holds both ends of every connection
+    try:
+        ensure_fd_limit(2 * n + 64)   # this process holds both ends of every connection
+    except BootstrapError as e:
+        pytest.skip(f"descriptor limit: {e.message}")
     srv = StoreServer("127.0.0.1", 0, secret=SECRET, clients=n)
     try:
         elapsed, errors, done = _rendezvous(srv, n)
