@@ -638,9 +638,10 @@ class StoreServer:
             return b""
         data = self._data
         payload = self._check_size(encode_values([data[k] for k in keys]))
-        if len(self._reply_cache) >= 64:
-            self._reply_cache.clear()
-        self._reply_cache[gid] = (self._version, payload)
+        cache = self._reply_cache
+        if len(cache) >= 64 or sum(len(p) for _, p in cache.values()) + len(payload) > 64 << 20:
+            cache.clear()   # a few recent key lists (the job's all-gathers), at most 64 MiB
+        cache[gid] = (self._version, payload)
         return payload
 
     def _missing_reply(self, group: _Group) -> bytes:
