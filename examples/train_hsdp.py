@@ -69,6 +69,7 @@ def main() -> None:
               f"device {device}, {n} parameters", flush=True)
 
     losses = torch.empty(size, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # torch >= 2.13's name
     t0 = time.perf_counter()
     for step in range(args.steps):
         x, y = (t.to(device) for t in data[step % len(data)])
@@ -77,7 +78,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         if args.steps <= 20 or step % 10 == 0 or step == args.steps - 1:
-            dist.all_gather_into_tensor(losses, loss.detach().reshape(1))
+            gather(losses, loss.detach().reshape(1))
             if rank == 0:
                 print(f"step {step:4d} loss {losses.cpu().double().sum().item() / size:.8f}", flush=True)
     took = time.perf_counter() - t0
