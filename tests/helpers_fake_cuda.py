@@ -473,6 +473,7 @@ class FakeNcclComm:
     def __init__(self, cp, size: int, rank: int, device_id: int):
         self.cp, self.size, self.rank, self.device_id = cp, size, rank, device_id
         self.calls: list[dict] = []
+        self.groups: list[list] = []       # each ended group: [(kind, bytes, peer)]
         self._group: list | None = None
 
     def _call(self, op, stream, **kw):
@@ -538,13 +539,23 @@ class FakeNcclComm:
         self._group.append(("recv", ptr, n, peer))
 
     def _group_end(self):
-        # a mirror peer p sends me its block for rank self.rank == my own block for myself
         sends = {peer: (ptr, n) for kind, ptr, n, peer in self._group if kind == "send"}
-        mine = _mem(*sends[self.rank]).copy()
-        for kind, ptr, n, peer in self._group:
-            if kind == "recv":
-                _mem(ptr, n)[...] = mine
+        recvs = [(ptr, n, peer) for kind, ptr, n, peer in self._group if kind == "recv"]
+        self.groups.append([(kind, n, peer) for kind, _, n, peer in self._group])
         self._group = None
+        if self.rank in sends:
+            # alltoall: a mirror peer p sends me its block for rank self.rank == my own block for myself
+            mine = _mem(*sends[self.rank]).copy()
+            for ptr, n, _ in recvs:
+                _mem(ptr, n)[...] = mine
+            return
+        # point-to-point: mirror peer p sends me what I send to p (else a send of the same size);
+        # a receive nothing in the group matches stays untouched (real NCCL would wait)
+        for ptr, n, peer in recvs:
+            src = sends.get(peer) if sends.get(peer, (0, -1))[1] == n else next(
+                (v for v in sends.values() if v[1] == n), None)
+            if src is not None:
+                _mem(ptr, n)[...] = _mem(*src).copy()
 
     async_error: str | None = None
     aborted = False

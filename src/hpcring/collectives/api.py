@@ -433,21 +433,44 @@ class Communicator:
         return log
 
     def _p2p(self, kind: str, x, peer, tag: int, timeout: float | None) -> Handle:
+        return self._p2p_start([self._p2p_prepare(kind, x, peer, tag, timeout, depth=2)])[0]
+
+    def _p2p_prepare(self, kind: str, x, peer, tag: int, timeout: float | None, depth: int) -> tuple:
+        """Check the arguments (UsageError before anything moves) and record the message:
+        (kind, Arr, peer, tag, deadline, record, CudaContext or None)."""
         from hpcring.collectives import p2p
         what = "isend" if kind == p2p.SEND else "irecv"
+        if kind not in (p2p.SEND, p2p.RECV):
+            raise UsageError(f"batch_isend_irecv: op must be 'send' or 'recv', got {kind!r}")
         peer = p2p.check_peer(peer, self.rank, self.size, what, any_ok=kind == p2p.RECV)
         tag = p2p.check_tag(tag, what)
-        start = getattr(self.backend, f"p2p_{kind}", None)
-        if start is None:
+        if not hasattr(self.backend, "p2p_batch" if self._ordered is not None else f"p2p_{kind}"):
             raise UsageError(f"{what}: the {self.backend.name} backend has no point-to-point")
+        if peer is None and self._ordered is not None:
+            raise UsageError(f"{what}: the {self.backend.name} backend cannot receive from any rank "
+                             "(NCCL has no wildcard receive)", hint="name the source rank")
         dev = self._cuda(x)
         with active_on(dev):
             a = adapt(x, None, f"{what} buffer", writable=kind == p2p.RECV, dev=dev)
-            t = self._deadline(timeout)
-            rec = self.p2p_log.queue(kind, peer, tag, a.tag, a.flat.size, t, depth=4)
-            req = start(a.flat.view(np.uint8) if dev is None else a.flat, peer, tag, t, rec)
-        h = Handle(req.name)
+        t = self._deadline(timeout)
+        rec = self.p2p_log.queue(kind, peer, tag, a.tag, a.flat.size, t, depth=depth)
+        return kind, a, peer, tag, t, rec, dev
 
+    def _p2p_start(self, preps: list) -> list[Handle]:
+        """Start prepared messages: on a host backend each at once (a transport request); on a
+        stream-ordered one (NCCL) all as one group on the caller's stream."""
+        if self._ordered is not None:
+            return self._p2p_ordered(preps)
+        handles = []
+        for kind, a, peer, tag, t, rec, dev in preps:
+            start = getattr(self.backend, f"p2p_{kind}")
+            req = start(a.flat.view(np.uint8), peer, tag, t, rec)
+            h = Handle(req.name)
+            req.add_done_callback(self._p2p_done(h, a, rec, dev))
+            handles.append(h)
+        return handles
+
+    def _p2p_done(self, h: Handle, a, rec, dev):
         def done(r) -> None:
             err = r.exception()
             if err is None:
@@ -459,8 +482,36 @@ class Communicator:
             # the failure path may wait for the job-wide report: never on a transport thread
             threading.Thread(target=lambda: h._set(error=self._failed(rec, err)), daemon=True,
                              name=f"hpcring-p2p-failure:{self.rank}").start()
-        req.add_done_callback(done)
-        return h
+        return done
+
+    def _p2p_ordered(self, preps: list) -> list[Handle]:
+        """NCCL: one group for all of ``preps``, completed like a device collective (its event
+        recorded on the caller's stream; :class:`Completions` keeps the deadline)."""
+        dev = preps[0][6]
+        t = min(p[4] for p in preps)
+        handles = [Handle(f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}")
+                   for kind, _, peer, *_ in preps]
+        with active_on(dev):
+            try:
+                self.backend.p2p_batch([(kind, a.flat, peer) for kind, a, peer, *_ in preps], t,
+                                       seq=preps[0][5].seq)
+            except UsageError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - every message of the group fails with it
+                for h, p in zip(handles, preps):
+                    h._set(error=self._failed(p[5], e) if h is handles[0] else e)
+                return handles
+        pending = self.backend.take_pending()
+        for h, (kind, a, peer, tag, _, rec, _) in zip(handles, preps):
+            if pending is None:
+                FlightRecorder.finish(rec)
+                h._set(peer)
+                continue
+            if dev is not None:
+                pending.event.record(dev.stream)
+            h.cuda_event = pending.event
+            self._ordered.add(rec, pending, h, peer)
+        return handles
 
     def isend(self, x, dst: int, tag: int = 0, *, timeout: float | None = None) -> Handle:
         """Send ``x`` to rank ``dst`` (of this communicator) with ``tag``; returns a
@@ -486,14 +537,13 @@ class Communicator:
 
     def batch_isend_irecv(self, ops: Sequence[tuple]) -> list[Handle]:
         """Start many sends and receives as one batch: ``ops`` are ``("send", x, peer[, tag])`` or
-        ``("recv", x, peer[, tag])``; their order does not matter (nothing waits for another)."""
-        handles = []
+        ``("recv", x, peer[, tag])``; their order does not matter (nothing waits for another;
+        on NCCL they are one group)."""
+        preps = []
         for op in ops:
             kind, x, peer, *rest = op
-            if kind not in ("send", "recv"):
-                raise UsageError(f"batch_isend_irecv: op must be 'send' or 'recv', got {kind!r}")
-            handles.append(self._p2p(kind, x, peer, rest[0] if rest else 0, None))
-        return handles
+            preps.append(self._p2p_prepare(kind, x, peer, rest[0] if rest else 0, None, depth=2))
+        return self._p2p_start(preps) if preps else []
 
     @staticmethod
     def _p2p_wait(h: Handle):

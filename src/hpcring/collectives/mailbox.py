@@ -85,14 +85,14 @@ class Mailbox:
         try:
             self._lsock.bind((bind or "0.0.0.0", 0))
             self._lsock.listen(64)
-            self._lsock.settimeout(0.5)
+            self._lsock.setblocking(False)
             port = self._lsock.getsockname()[1]
             self.store.set(f"{self.base}/addr/{rank}", f"{address}:{port}".encode())
         except BaseException:
             self._lsock.close()
             raise
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"hpcring-p2p-accept:{rank}", daemon=True)
-        self._acceptor.start()
+        self._handshakes: list[threading.Thread] = []
+        ACCEPTOR.register(self._lsock, self._on_accept)
 
     # -- the public side ----------------------------------------------------------------------
     def send(self, buf, dst: int, tag: int, timeout: float, record=None) -> Request:
@@ -134,6 +134,7 @@ class Mailbox:
             self._closed = True
             peers, posted = list(self._peers.values()), list(self._posted)
             self._posted.clear()
+        ACCEPTOR.unregister(self._lsock)
         try:
             self._lsock.close()
         except OSError:
@@ -142,7 +143,7 @@ class Mailbox:
             if p.sends is not None:
                 p.sends.put(None)
             _shutdown(p.out, p.inc)
-        for t in [t for p in peers for t in p.threads] + [self._acceptor]:
+        for t in [t for p in peers for t in p.threads] + self._handshakes:
             if t is not threading.current_thread():
                 t.join(2.0)
         for p in peers:
@@ -199,38 +200,41 @@ class Mailbox:
             raise
         return s
 
-    def _accept_loop(self) -> None:
+    def _on_accept(self, s: socket.socket, addr) -> None:
+        """A new connection (from the shared acceptor): authenticate it on a thread of its own,
+        so a slow or hostile connector delays nobody."""
+        t = threading.Thread(target=self._handshake, args=(s, addr), name=f"hpcring-p2p-auth:{self.rank}", daemon=True)
+        self._handshakes = [x for x in self._handshakes if x.is_alive()] + [t]
+        t.start()
+
+    def _handshake(self, s: socket.socket, addr) -> None:
         ctx = f"{self.base}/{self.rank}".encode()
-        while not self._closed:
-            try:
-                s, addr = self._lsock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            try:
-                s.settimeout(10.0)
-                r, _ = self._auth_listener(s, self.secret, ctx, self.size, 1)
-                if r == self.rank:
-                    raise ConnectionError("a connection from this very rank")
-            except (OSError, ConnectionError) as e:
-                log.warning("p2p rank %d: refused connection from %s:%s: %s", self.rank, addr[0], addr[1], e)
+        try:
+            s.setblocking(True)
+            s.settimeout(10.0)
+            r, _ = self._auth_listener(s, self.secret, ctx, self.size, 1)
+            if r == self.rank:
+                raise ConnectionError("a connection from this very rank")
+        except (OSError, ConnectionError) as e:
+            log.warning("p2p rank %d: refused connection from %s:%s: %s", self.rank, addr[0], addr[1], e)
+            s.close()
+            return
+        with self._lock:
+            if self._closed:
                 s.close()
-                continue
-            with self._lock:
-                p = self._peers.get(r)
-                if p is None:
-                    p = self._peers[r] = _Peer(r)
-                if p.inc is not None:
-                    log.warning("p2p rank %d: refused a second connection from rank %d", self.rank, r)
-                    s.close()
-                    continue
-                p.inc = s
-            s.settimeout(None)
-            t = threading.Thread(target=self._reader, args=(p, s), name=f"hpcring-p2p-read:{self.rank}<{r}",
-                                 daemon=True)
-            p.threads.append(t)
-            t.start()
+                return
+            p = self._peers.get(r)
+            if p is None:
+                p = self._peers[r] = _Peer(r)
+            if p.inc is not None:
+                log.warning("p2p rank %d: refused a second connection from rank %d", self.rank, r)
+                s.close()
+                return
+            p.inc = s
+        s.settimeout(None)
+        t = threading.Thread(target=self._reader, args=(p, s), name=f"hpcring-p2p-read:{self.rank}<{r}", daemon=True)
+        p.threads.append(t)
+        t.start()
 
     def _fail_peer(self, p: _Peer, why: str, hint: str | None = None) -> None:
         """Sticky: fail every request with ``p`` and every later one."""
@@ -348,6 +352,7 @@ class Mailbox:
         if p is not None and req.kind == RECV and p.inc is None:
             req.fail(f"{self._who(req.peer)} never connected {waited}: it has sent nothing to this rank",
                      _CONNECT_HINT)
+            self._fail_peer(p, f"an earlier {req.describe()} timed out")
             return
         if p is not None and req.kind == SEND and p.out is None:
             why = f"no connection to {self._who(req.peer)} {waited}: it never opened point-to-point"
@@ -367,6 +372,58 @@ class Mailbox:
             req.fail(f"not written to the connection {waited} (the receiver does not drain)")
         if p is not None:
             self._fail_peer(p, f"an earlier {req.describe()} timed out")
+
+
+class _Acceptor:
+    """One thread for the whole process accepts on every mailbox's listener (a selector), so a
+    communicator costs a listening socket, not a thread, until a peer connects."""
+
+    def __init__(self) -> None:
+        import selectors
+        self._sel = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel.register(self._wake_r, 1, None)
+
+    def register(self, lsock: socket.socket, on_accept) -> None:
+        with self._lock:
+            self._sel.register(lsock, 1, on_accept)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="hpcring-p2p-acceptor", daemon=True)
+                self._thread.start()
+        self._wake_w.send(b"x")
+
+    def unregister(self, lsock: socket.socket) -> None:
+        with self._lock:
+            try:
+                self._sel.unregister(lsock)
+            except (KeyError, ValueError):
+                pass
+        self._wake_w.send(b"x")
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._sel.get_map() or len(self._sel.get_map()) == 1:
+                    self._thread = None
+                    return
+            for key, _ in self._sel.select(1.0):
+                if key.data is None:
+                    try:
+                        self._wake_r.recv(4096)
+                    except OSError:
+                        pass
+                    continue
+                try:
+                    s, addr = key.fileobj.accept()
+                except OSError:          # nothing after all, or closed meanwhile
+                    continue
+                key.data(s, addr)
+
+
+ACCEPTOR = _Acceptor()
 
 
 def _shutdown(*socks) -> None:

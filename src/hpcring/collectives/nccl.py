@@ -357,6 +357,45 @@ class NcclBackend(LibraryBackend):
                 self._nccl.groupEnd()
         return self._launch("alltoall", seq, desc, timeout, t0, stream, go, (r, rhost))
 
+    # -- point-to-point -----------------------------------------------------------------------
+    @_on_own_device
+    def p2p_batch(self, ops, timeout: float, name: str = "p2p", seq: int = 0) -> Pending | None:
+        """``ops``: ``[(kind, buf, peer)]`` ("send"/"recv", a 1-D byte buffer, the peer rank) as
+        one NCCL group (ncclGroupStart, ncclSend/ncclRecv..., ncclGroupEnd) on the current stream,
+        so their order does not matter; returns the :class:`Pending` of the group. NCCL has no
+        tags and no receive from any rank: peers match in issue order per pair. Host (numpy)
+        buffers are staged and waited for (None)."""
+        if self.version < SENDRECV_MIN_VERSION:
+            raise CollectiveError(f"send/recv need NCCL >= 2.7, this is {format_version(self.version)}")
+        for kind, _, peer in ops:
+            if peer is None:
+                raise UsageError("the nccl backend cannot receive from any rank (NCCL has no wildcard receive)",
+                                 hint="name the source rank, or receive CPU tensors (the ring backend can)")
+        t0 = time.monotonic()
+        stream = self._stream()
+        bufs = [(kind, *self._device(buf, "uint8"), peer) for kind, buf, peer in ops]
+        u8 = NCCL_DTYPE["uint8"]
+        desc = " (" + ", ".join(f"{k} {'to' if k == 'send' else 'from'} rank {p} {d.nbytes} B" for k, d, _, p in bufs) + ")"
+
+        def go():
+            self._nccl.groupStart()
+            try:
+                for kind, d, _, peer in bufs:      # bytes: any dtype moves
+                    (self._comm.send if kind == "send" else self._comm.recv)(self._ptr(d), d.nbytes, u8, peer,
+                                                                             stream.ptr)
+            finally:
+                self._nccl.groupEnd()
+        staged = [(d, h) for kind, d, h, _ in bufs if h is not None]
+        p = self._launch(name, seq, desc, timeout, t0, stream, go)
+        if not staged:
+            return p
+        self._pending = None
+        self.wait(p)
+        for (kind, d, h, _) in bufs:
+            if kind == "recv" and h is not None:
+                h[...] = self._cp.asnumpy(d).reshape(h.shape)
+        return None
+
     @_on_own_device
     def barrier(self, timeout: float) -> None:
         """Blocks the host (a barrier orders processes, not streams) until every rank entered."""

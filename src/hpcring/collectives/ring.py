@@ -283,6 +283,11 @@ class RingBackend(Backend):
         be = cls(None, hosts, p)
         be._p2p_args = dict(rank=rank, size=size, hosts=hosts, store=store, secret=secret, base=base,
                             address=address, bind=topology.address)
+        try:            # point-to-point listens from the start: a send never waits for the receiver to act
+            be._box()
+        except BaseException:
+            p.close()
+            raise
         if not lazy:
             try:
                 be._connect_mesh(time.monotonic() + timeout)

@@ -134,6 +134,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         self._timeout = timeout
         self._comms: dict[str, object] = {}
         self._name = ""
+        self._held: list = []          # NCCL point-to-point messages not started yet (_hold)
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
@@ -151,8 +152,11 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         return f"<ProcessGroupHpcring rank {self.rank()}/{self.size()} comms {sorted(self._comms)}>"
 
     # -- communicators --------------------------------------------------------------------
-    def _comm(self, tensors, what: str):
-        """The communicator for tensors all on one device type (cpu or cuda)."""
+    def _comm(self, tensors, what: str, *, flush: bool = True):
+        """The communicator for tensors all on one device type (cpu or cuda). Held NCCL messages
+        start first (``flush``): every op after them runs after them."""
+        if flush and self._held:
+            self._flush()
         kinds = {t.device.type for t in tensors}
         if len(kinds) != 1 or not kinds <= set(_DEVICES):
             raise UsageError(f"hpcring backend: {what} got tensors on {', '.join(sorted(str(t.device) for t in tensors))}",
@@ -429,10 +433,15 @@ class ProcessGroupHpcring(dist.ProcessGroup):
     # Posted at once, never queued behind a collective (torch's contract: a batch of isend/irecv
     # cannot deadlock whatever its order); each with hpcring's deadline and a report naming the
     # pair, tag and size (hpcring.collectives.mailbox). Tensors move as raw bytes: any dtype.
+    # On NCCL (stream-ordered) a lone ncclSend waits for its receiver on the stream, so messages
+    # are held and started together as one NCCL group when any of them is waited for or another
+    # op comes (torch's batch_isend_irecv gives a Python backend no coalescing hook).
     def send(self, tensors, dst, tag=0):
         t = _one(tensors, "send")
-        comm = self._comm([t], "send")
+        comm = self._comm([t], "send", flush=False)
         buf = _bytes(t.contiguous())                      # kept alive by the closure until sent
+        if _grouped(comm):
+            return self._hold(comm, "send", t, buf, dst, tag, lambda: [t])
         h = comm.isend(buf, dst, tag, **self._t())
         return work.chain([h], lambda: (buf, [t])[1])
 
@@ -444,12 +453,35 @@ class ProcessGroupHpcring(dist.ProcessGroup):
 
     def _recv(self, tensors, src, tag, what: str):
         t = _one(tensors, what)
-        comm = self._comm([t], what)
+        comm = self._comm([t], what, flush=False)
         buf = t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+        if _grouped(comm):
+            if src is None:
+                raise UsageError("hpcring backend: recv from any source is not possible on NCCL (no wildcard "
+                                 "receive)", hint="name the source rank, or receive a CPU tensor")
+            return self._hold(comm, "recv", t, _bytes(buf), src, tag, lambda: _copy_back(t, buf) or [t])
         h = comm.irecv(_bytes(buf), src, tag, **self._t())
         w = work.chain([h], lambda: _copy_back(t, buf) or [t])
         w.source = h
         return w
+
+    def _hold(self, comm, kind: str, t, buf, peer, tag, finish):
+        """Hold a message for the next NCCL group (see above)."""
+        w = work.HeldWork(self._flush)
+        self._held.append((comm, kind, buf, peer, tag, finish, w))
+        return w
+
+    def _flush(self) -> None:
+        """Start the held messages as one group (one per communicator) on the current stream."""
+        held, self._held = self._held, []
+        by_comm: dict[int, list] = {}
+        for item in held:
+            by_comm.setdefault(id(item[0]), []).append(item)
+        for items in by_comm.values():
+            comm = items[0][0]
+            handles = comm.batch_isend_irecv([(kind, buf, peer, tag) for _, kind, buf, peer, tag, _, _ in items])
+            for (_, kind, _, _, _, finish, w), h in zip(items, handles):
+                w.resolve(work.chain([h], finish), h if kind == "recv" else None)
 
 
 # torch.compile: dynamo would trace into these Python methods (DDP's forward broadcasts buffers)
@@ -466,6 +498,11 @@ del _name
 # ---------------------------------------------------------------------------------------------
 # argument checks: all raise UsageError in the calling thread, before anything is sent
 # ---------------------------------------------------------------------------------------------
+def _grouped(comm) -> bool:
+    """Point-to-point on this communicator is held for a group (a stream-ordered backend: NCCL)."""
+    return bool(getattr(comm.backend, "stream_ordered", False))
+
+
 def _opt(opts, name: str, default):
     return default if opts is None else getattr(opts, name, default)
 

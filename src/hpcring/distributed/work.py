@@ -80,6 +80,45 @@ class HpcringWork(dist.Work):
     source_rank = _source_rank
 
 
+class HeldWork(HpcringWork):
+    """A point-to-point op held for an NCCL group (ProcessGroupHpcring._hold): the first question
+    asked of it starts the group (``flush``), then it answers as the real Work."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        super().__init__(Future())
+        self._flush = flush
+        self._real: HpcringWork | None = None
+        self.source = None
+
+    def resolve(self, real: HpcringWork, source=None) -> None:
+        self._real, self.source = real, source
+
+    def _get(self) -> HpcringWork:
+        if self._real is None:
+            self._flush()
+        return self._real
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return self._get().wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._get().is_completed()
+
+    def exception(self):
+        return self._get().exception()
+
+    def get_future(self) -> Future:
+        return self._get().get_future()
+
+    def _source_rank(self) -> int:
+        self._get().wait()
+        if self.source is None:
+            raise RuntimeError("hpcring backend: source_rank() is only defined for a receive")
+        return int(self.source.result())
+
+    source_rank = _source_rank
+
+
 class Completer:
     """Threads that run completions off the communicators' worker threads.
 
