@@ -236,3 +236,61 @@ def test_torch_pg_holds_nccl_messages_and_starts_them_as_one_group():
     pg.send([torch.ones(2)], 1, 0)
     pg.allreduce([torch.ones(2)])                        # another op starts the held one first
     assert comm.calls[1:] == [[("send", 1, 0)], "allreduce"]
+
+
+# ---------------------------------------------------------------------------------------------
+# on a real GPU (scripts/gpu-check.sh tests): a group of one rank; send/recv need 2 GPUs
+# ---------------------------------------------------------------------------------------------
+def _gpus() -> int:
+    from hpcring.collectives import nccl_lib
+    return nccl_lib.gpu_count() if nccl_lib.gpu_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 1, reason="no NVIDIA GPU/cupy")
+def test_nccl_group_of_one_rank_on_gpu():
+    import cupy
+
+    from hpcring.collectives.groups import create_communicator, next_key
+    topo = topology(0, 1)
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+        store = StoreClient("127.0.0.1", srv.port, SECRET)
+        comm = create_communicator(topo, store, SECRET, (0,), next_key((0,)), backend="nccl", timeout=30.0)
+        x = cupy.arange(10, dtype=cupy.float32)
+        assert cupy.allclose(cupy.asarray(comm.allreduce(x)), x)
+        assert comm.group and comm.members == (0,)
+        with pytest.raises(UsageError, match="outside ranks 0-0|itself"):
+            comm.isend(x, 0)
+        comm.close()
+
+
+def _nccl_pair(rank, port, q):
+    try:
+        import cupy
+        store = StoreClient("127.0.0.1", port, SECRET)
+        comm = Communicator.create(topology(rank, 2), store, SECRET, backend="nccl", timeout=60.0)
+        with cupy.cuda.Device(comm.backend.device_id):
+            x = cupy.full(1 << 20, rank + 1, dtype=cupy.float32)
+            y = cupy.zeros(1 << 20, dtype=cupy.float32)
+            hs = comm.batch_isend_irecv([("recv", y, 1 - rank), ("send", x, 1 - rank)])   # receive first
+            comm.synchronize(60)
+            q.put((rank, float(y[0]), float(y[-1]), [h.done() for h in hs]))
+        comm.close()
+    except BaseException as e:  # noqa: BLE001
+        q.put((rank, repr(e), None, None))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="NCCL send/recv need 2 GPUs (NCCL refuses two ranks on one GPU)")
+def test_nccl_send_recv_between_two_gpus():
+    import multiprocessing as mp
+
+    from helpers_ring import collect
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+        procs = [ctx.Process(target=_nccl_pair, args=(r, srv.port, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        out = collect(q, procs, 2, 120)
+    assert out == {0: (2.0, 2.0, [True, True]), 1: (1.0, 1.0, [True, True])}, out
