@@ -48,6 +48,7 @@ from hpcring.collectives.p2p import KEEPER, RECV, SEND, Request, size_text
 log = logging.getLogger("hpcring.collectives.mailbox")
 
 _HEADER = struct.Struct(">qQ")
+INLINE_MAX = 64 << 10      # sends up to this size are written by the caller when nothing is queued
 _CONNECT_HINT = ("that rank has not reached its first send/recv with this rank (a different schedule?), "
                  "or it is hung or dead: look at its log (hpcring stacks JOB)")
 
@@ -61,6 +62,8 @@ class _Peer:
         self.out: socket.socket | None = None
         self.inc: socket.socket | None = None
         self.sends: queue.SimpleQueue | None = None   # created with the sender thread
+        self.lock = threading.Lock()                  # one frame at a time on ``out``
+        self.queued = 0                               # sends queued and not written yet
         self.error: str | None = None
         self.reading: Request | None = None       # the receive the reader is filling
         self.sending: Request | None = None
@@ -102,6 +105,13 @@ class Mailbox:
         peer = self._peer(dst, req)
         if peer is None:
             return req
+        with peer.lock:
+            # a small message with nothing queued before it is written here: no thread hop
+            # (measured: the hop was about half of a 4-byte round trip on 2 busy cores)
+            if req.nbytes <= INLINE_MAX and peer.out is not None and peer.queued == 0 and peer.error is None:
+                self._write(peer, req)
+                return req
+            peer.queued += 1
         KEEPER.watch(req, self._expire)
         peer.sends.put(req)
         return req
@@ -262,29 +272,39 @@ class Mailbox:
             if not self._closed:
                 self._fail_peer(p, f"no point-to-point connection to {self._who(p.rank)}: {e}", _CONNECT_HINT)
             return
-        s.settimeout(None)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        p.out = s
+        with p.lock:
+            p.out = s
         while True:
             req = p.sends.get()
             if req is None or self._closed:
                 return
-            if req.finished or p.error is not None:
-                if not req.finished:
-                    req.fail(p.error)
-                continue
-            p.sending = req
-            req.state = "active"
-            try:
-                s.sendall(_HEADER.pack(req.tag, req.nbytes))
-                if req.nbytes:
-                    s.sendall(req.buf)
-            except OSError as e:
-                p.sending = None
-                self._fail_peer(p, f"the connection to {self._who(p.rank)} broke while sending: {e}")
-                continue
+            with p.lock:
+                p.queued -= 1
+                if req.finished or p.error is not None:
+                    if not req.finished:
+                        req.fail(p.error)
+                    continue
+                self._write(p, req)
+
+    def _write(self, p: _Peer, req: Request) -> None:
+        """Write one frame (``p.lock`` held: frames never interleave, and keep their order),
+        bounded by the request's deadline."""
+        p.sending = req
+        req.state = "active"
+        try:
+            p.out.settimeout(max(0.001, req.deadline - time.monotonic()))
+            p.out.sendall(_HEADER.pack(req.tag, req.nbytes))
+            if req.nbytes:
+                p.out.sendall(req.buf)
+        except OSError as e:
+            why = ("the receiver stopped reading (deadline)" if isinstance(e, socket.timeout)
+                   else f"the connection broke: {e}")
+            self._fail_peer(p, f"sending to {self._who(p.rank)} failed: {why}")   # req too (p.sending)
             p.sending = None
-            req.complete()
+            return
+        p.sending = None
+        req.complete()
 
     def _reader(self, p: _Peer, sock: socket.socket) -> None:
         hdr = bytearray(_HEADER.size)

@@ -212,7 +212,10 @@ def chain(handles: list, finish: Callable[[], object]) -> HpcringWork:
             fut.set_result(finish())
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
             fut.set_exception(e)
-    handles[-1].add_done_callback(lambda last_: COMPLETER.submit(lambda: on_done(last_)))
+    if all(h.done() for h in handles):
+        on_done(handles[-1])           # done already (a small send written inline): no thread hop
+    else:
+        handles[-1].add_done_callback(lambda last_: COMPLETER.submit(lambda: on_done(last_)))
     return HpcringWork(fut)
 
 
