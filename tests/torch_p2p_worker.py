@@ -182,6 +182,8 @@ def mode_hang(victim: int, where: str) -> None:
     receiver = (victim + 1) % SIZE
     group = dist.new_group([min(victim, receiver), max(victim, receiver)]) if where == "group" else None
     dist.barrier()
+    if group is not None and RANK in (victim, receiver):
+        dist.barrier(group=group)    # both members made the group (on MPI that is collective)
     if RANK == receiver:
         buf = torch.empty(1 << 20)   # 4 MiB
         print(f"FAULT recv at {time.time()}", flush=True)

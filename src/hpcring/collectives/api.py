@@ -464,7 +464,10 @@ class Communicator:
         handles = []
         for kind, a, peer, tag, t, rec, dev in preps:
             start = getattr(self.backend, f"p2p_{kind}")
-            req = start(a.flat.view(np.uint8), peer, tag, t, rec)
+            try:
+                req = start(a.flat.view(np.uint8), peer, tag, t, rec)
+            except CollectiveError as e:      # a lazy setup that failed: diagnosed like a collective
+                raise self._failed(rec, e) from None
             h = Handle(req.name)
             req.add_done_callback(self._p2p_done(h, a, rec, dev))
             handles.append(h)
