@@ -64,9 +64,17 @@ def _server_class(kind: str, rev: str):
 
 # ---------------------------------------------------------------------------------- children
 
-def serve(kind: str, rev: str, n: int) -> None:
-    """Child: run a store server, print its port, serve until stdin closes."""
+def serve(kind: str, rev: str, n: int, busy: int = 0) -> None:
+    """Child: run a store server, print its port, serve until stdin closes. ``busy``: threads
+    that run Python code meanwhile (rank 0's training loop holding the GIL)."""
     cls = _server_class(kind, rev)
+
+    def spin():
+        x = 0
+        while True:
+            x = (x * 31 + 7) % 1000003
+    for _ in range(busy):
+        threading.Thread(target=spin, daemon=True).start()
     srv = cls("127.0.0.1", 0, secret=SECRET, clients=n) if kind == "new" else cls("127.0.0.1", 0, secret=SECRET)
     print(srv.port, flush=True)
     sys.stdin.read()
@@ -267,8 +275,9 @@ def _child(args: list[str]) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True, env=env)
 
 
-def run(kind: str, n: int, *, rev: str, procs: int, timeout: float, key_list: bool = False) -> dict:
-    server = _child(["--serve", kind, rev, str(n)])
+def run(kind: str, n: int, *, rev: str, procs: int, timeout: float, key_list: bool = False,
+        busy: int = 0) -> dict:
+    server = _child(["--serve", kind, rev, str(n), str(busy)])
     workers: list[subprocess.Popen] = []
     peak = [0]
     stop = threading.Event()
@@ -354,6 +363,8 @@ def main(argv=None) -> None:
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
     ap.add_argument("--key-list", action="store_true",
                     help="batched runs send the N keys as a list, not as a key range")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="threads running Python code in the server's process (rank 0 training)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per batched row; the fastest is shown")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args(argv)
@@ -362,7 +373,8 @@ def main(argv=None) -> None:
         for kind in ("new", "old"):
             if kind == "old" and n > a.old_max:
                 continue
-            runs = [run(kind, n, rev=a.old_rev, procs=min(a.procs, n), timeout=a.timeout, key_list=a.key_list)
+            runs = [run(kind, n, rev=a.old_rev, procs=min(a.procs, n), timeout=a.timeout, key_list=a.key_list,
+                        busy=a.busy)
                     for _ in range(a.repeat if kind == "new" else 1)]
             r = min(runs, key=lambda x: x.get("rendezvous_s", float("inf")))
             r["kind"] = (f"batched ({'key list' if a.key_list else 'key range'})" if kind == "new"
@@ -385,7 +397,7 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        serve(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--work":
         work(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7]),
              sys.argv[8] == "list")

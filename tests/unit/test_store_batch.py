@@ -406,3 +406,68 @@ def test_malformed_or_huge_key_ranges_are_refused(server):
         status, _ = raw_request(s, key, seq, st.OP_MGET, struct.pack(">d", 1.0) + flags + rng)
         assert status == st.ST_ERROR
     assert parked_state_is_empty(server)
+
+
+# ------------------------------------------------------------------------------ own process
+
+def test_the_store_in_its_own_process_serves_and_refuses_a_taken_port():
+    from hpcring.bootstrap.store_server import StoreServerProcess
+    with StoreServerProcess("127.0.0.1", 0, secret=SECRET, clients=30, ranks=10) as srv:
+        c = StoreClient("127.0.0.1", srv.port, SECRET, timeout=5)
+        c.multi_set({"a": b"1"})
+        assert c.exchange({"b": b"2"}, ["a", "b"], timeout=5) == [b"1", b"2"]
+        with pytest.raises(OSError):
+            StoreServerProcess("127.0.0.1", srv.port, secret=SECRET)
+        with pytest.raises(st.StoreAuthError):
+            StoreClient("127.0.0.1", srv.port, b"another secret", timeout=5)
+        child = srv._proc
+    assert child.returncode == 0
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    from hpcring.bootstrap.store_server import StoreServerProcess
+    srv = StoreServerProcess("127.0.0.1", 0, secret=b"s" * 64)
+    print(srv.port, srv.pid, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_the_store_process_ends_with_rank_0():
+    """Rank 0 killed outright (no atexit): its store process notices and exits, as the thread
+    inside rank 0 used to."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": SRC})
+    port, pid = map(int, parent.stdout.readline().split())
+    StoreClient("127.0.0.1", port, b"s" * 64, timeout=5).set("k", b"v")
+    parent.kill()
+    parent.wait(10)
+    assert wait_for(lambda: not os.path.exists(f"/proc/{pid}") or
+                    open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", timeout=5)
+
+
+def test_the_store_process_reports_a_descriptor_limit_too_low():
+    code = textwrap.dedent("""
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 512))
+        from hpcring.bootstrap.store_server import StoreServerProcess
+        from hpcring.errors import BootstrapError
+        try:
+            StoreServerProcess("127.0.0.1", 0, secret=b"s" * 64, clients=3072, ranks=1024)
+        except BootstrapError as e:
+            print("ERROR", e.message, "HINT", e.hint)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PYTHONPATH": SRC})
+    assert out.stdout.startswith("ERROR") and "RLIMIT_NOFILE" in out.stdout and "ulimit -n" in out.stdout, out
+
+
+def test_rank_0_serves_large_jobs_from_a_store_process_and_small_ones_in_process():
+    from hpcring.bootstrap import init as bi
+    from hpcring.bootstrap.store_server import StoreServerProcess
+    for ranks, kind in ((4, StoreServer), (bi.OWN_PROCESS_MIN_RANKS, StoreServerProcess)):
+        srv = bi._start_server([0], SECRET, ranks=ranks)
+        try:
+            assert type(srv) is kind and srv.port
+        finally:
+            srv.close()

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 from hpcring.bootstrap import launchers, netif
 from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, StoreTimeoutError, load_secret
-from hpcring.bootstrap.store_server import CONNECTIONS_PER_RANK
+from hpcring.bootstrap.store_server import CONNECTIONS_PER_RANK, StoreServerProcess
 from hpcring.bootstrap.topology import Topology
 from hpcring.config import envvars
 from hpcring.errors import BootstrapError
@@ -39,6 +39,7 @@ log = logging.getLogger("hpcring.bootstrap.init")
 
 PORT_TRIES = 8
 STRICT_PORT_ORDER_S = 3.0   # before this, stop a connect round at the first refused port
+OWN_PROCESS_MIN_RANKS = 256  # from this job size on, rank 0 serves the store from a child process
 GATHER_MARGIN_S = 2.0       # rank 0 gives up this much before the others, to tell them who is missing
 last_timings: dict[str, float] = {}   # seconds since init_bootstrap started, for benchmarks
 
@@ -148,11 +149,22 @@ def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: 
                         who=each_on_host([0], topo.hosts))
 
 
-def _start_server(ports: list[int], secret: bytes, ranks: int | None = None) -> StoreServer:
+def _start_server(ports: list[int], secret: bytes, ranks: int | None = None) -> StoreServer | StoreServerProcess:
+    """The store; for jobs of OWN_PROCESS_MIN_RANKS ranks or more in a process of its own (rank 0's
+    threads cannot slow it; it costs a Python start-up, ~0.1-0.4 s, that small jobs do not pay)."""
     errors = []
     clients = ranks * CONNECTIONS_PER_RANK if ranks else None   # sizes RLIMIT_NOFILE and the backlog
+    own_process = (ranks or 0) >= OWN_PROCESS_MIN_RANKS
     for port in ports:
         try:
+            if own_process:
+                try:
+                    return StoreServerProcess("0.0.0.0", port, secret=secret, clients=clients, ranks=ranks)
+                except BootstrapError as e:
+                    if "did not start" not in e.message:
+                        raise
+                    log.warning("%s; serving the store from rank 0's own process instead", e.message)
+                    own_process = False
             return StoreServer("0.0.0.0", port, secret=secret, clients=clients, ranks=ranks)
         except OSError as e:
             errors.append(f"{port}: {e.strerror}")
