@@ -271,6 +271,22 @@ def autograd() -> None:
     x = torch.ones(2 * n, requires_grad=True)
     hvd.reducescatter(x).sum().backward()
     assert x.grad.tolist() == [1.0] * (2 * n), x.grad
+    # the grouped forms
+    xs = [torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)]
+    outs = hvd.grouped_allreduce([x * (r + 1) for x in xs], op=hvd.Sum)
+    sum(o.sum() * 2 for o in outs).backward()
+    assert [x.grad.tolist() for x in xs] == [[2.0 * n * (r + 1)] * 2, [2.0 * n * (r + 1)] * 3], [x.grad for x in xs]
+    xs = [torch.ones(r + 1, requires_grad=True), torch.ones(2, 2, requires_grad=True)]
+    a, b = hvd.grouped_allgather(xs)
+    (a * torch.arange(a.shape[0])).sum().backward(retain_graph=True)
+    b.sum().backward()
+    off = sum(i + 1 for i in range(r))
+    assert xs[0].grad.tolist() == [float(i) for i in range(off, off + r + 1)], xs[0].grad
+    assert xs[1].grad.tolist() == [[1.0, 1.0]] * 2, xs[1].grad
+    xs = [torch.ones(2 * n, requires_grad=True), torch.ones(n, 3, requires_grad=True)]
+    outs = hvd.grouped_reducescatter(xs, op=hvd.Sum)
+    sum(o.sum() for o in outs).backward()
+    assert xs[0].grad.tolist() == [float(n)] * (2 * n) and xs[1].grad.eq(n).all(), [x.grad for x in xs]
 
 
 def sparse() -> None:

@@ -22,7 +22,7 @@ CHECKS = ["mismatch", "args", "stall", "join", "dtypes", "int_arith", "process_s
 
 
 def run_contract(tmp: Path, ranks: int, env=None):
-    e = {**os.environ, "HPCRING_TIMEOUT": "6", "HPCRING_JOB_DIR": str(tmp), **(env or {})}
+    e = {**os.environ, "HPCRING_TIMEOUT": "10", "HPCRING_JOB_DIR": str(tmp), **(env or {})}
     return subprocess.run([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(ranks),
                            "--", sys.executable, WORKER, f"size={ranks}", *CHECKS], env=e, capture_output=True,
                           text=True, timeout=240, cwd=tmp)

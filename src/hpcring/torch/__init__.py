@@ -10,7 +10,8 @@ import collections
 import os
 
 from hpcring.torch import state
-from hpcring.torch.autograd import allgather, allreduce, alltoall, broadcast, reducescatter
+from hpcring.torch.autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
+                                    grouped_reducescatter, reducescatter)
 from hpcring.torch.compression import Compression
 from hpcring.torch.exceptions import (HorovodInternalError, HostsUpdatedInterrupt, InvalidArgumentError,
                                       JoinedRankError, StallError, TensorMismatchError)
@@ -18,9 +19,8 @@ from hpcring.torch.functions import (allgather_object, broadcast_object, broadca
                                      broadcast_parameters)
 from hpcring.torch.ops import (Adasum, Average, Max, Min, Product, Sum, allgather_async, allreduce_,
                                allreduce_async, allreduce_async_, alltoall_async, barrier, broadcast_,
-                               broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
-                               grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                               grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
+                               broadcast_async, broadcast_async_, grouped_allgather_async, grouped_allreduce_,
+                               grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter_async,
                                join, poll, reducescatter_async, sparse_allreduce_async, synchronize)
 from hpcring.torch.optimizer import DistributedOptimizer
 from hpcring.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set

@@ -5,7 +5,8 @@
   gradient's slices);
 * broadcast: the gradient averaged over the set on the root, zeros elsewhere;
 * alltoall: the gradient sent back (alltoall with the received splits);
-* reducescatter: the gradient allgathered (times the set's size for Sum, times the scale factors).
+* reducescatter: the gradient allgathered (times the set's size for Sum, times the scale factors);
+* the grouped forms: the same, grouped.
 
 Used by :mod:`hpcring.torch.ops` only when the input requires a gradient and grad mode is on.
 """
@@ -144,3 +145,84 @@ def reducescatter(tensor, name=None, compression=ops.Compression.none, op=ops.Av
         out = ops.synchronize(ops.reducescatter_async(compressed, name, op, process_set, prescale_factor,
                                                       postscale_factor))
     return compression.decompress(out, ctx)
+
+
+class GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, average, name, op, pre, post, process_set, *tensors):
+        ctx.args = (average, op, pre, post, process_set)
+        return tuple(ops.synchronize(ops.grouped_allreduce_async(list(tensors), average, name, op, pre, post,
+                                                                 process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        average, op, pre, post, process_set = ctx.args
+        outs = ops.synchronize(ops.grouped_allreduce_async([g.contiguous() for g in grads], average, None, op, pre,
+                                                           post, process_set))
+        return (None,) * 6 + tuple(outs)
+
+
+class GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.dims = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.process_set = process_set
+        return tuple(ops.synchronize(ops.grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = ops.synchronize(ops.grouped_allreduce_async([g.contiguous() for g in grads], op=ops.Average,
+                                                              process_set=ctx.process_set))
+        dims = ops.synchronize(ops.allgather_async(torch.tensor([ctx.dims], dtype=torch.int64),
+                                                   process_set=ctx.process_set))
+        r, _ = _pset_rank_size(ctx.process_set)
+        offsets = dims[:r].sum(0).tolist() if r else [0] * len(grads)
+        return (None, None) + tuple(g.narrow(0, int(o), d) for g, o, d in zip(reduced, offsets, ctx.dims))
+
+
+class GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, pre, post, *tensors):
+        ctx.args = (op, process_set, pre, post)
+        return tuple(ops.synchronize(ops.grouped_reducescatter_async(list(tensors), name, op, process_set, pre,
+                                                                     post)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, process_set, pre, post = ctx.args
+        _, size = _pset_rank_size(process_set)
+        scaled = [g * (size if op == ops.Sum else 1) * pre * post for g in grads]
+        return (None,) * 5 + tuple(ops.synchronize(ops.grouped_allgather_async(scaled, process_set=process_set)))
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=ops.Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=ops.global_process_set):
+    """Each tensor reduced (one handle; members fused with other ready tensors). Differentiable."""
+    pairs = [compression.compress(t) for t in tensors]
+    ins = [c for c, _ in pairs]
+    if any(wanted(t) for t in ins):
+        outs = GroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set, *ins)
+    else:
+        outs = ops.synchronize(ops.grouped_allreduce_async(ins, average, name, op, prescale_factor, postscale_factor,
+                                                           process_set))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+def grouped_allgather(tensors, name=None, process_set=ops.global_process_set):
+    """Each tensor allgathered (one handle). Differentiable."""
+    if any(wanted(t) for t in tensors):
+        return list(GroupedAllgather.apply(name, process_set, *tensors))
+    return ops.synchronize(ops.grouped_allgather_async(tensors, name, process_set))
+
+
+def grouped_reducescatter(tensors, name=None, compression=ops.Compression.none, op=ops.Average,
+                          process_set=ops.global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Each tensor reduce-scattered (one handle). Differentiable."""
+    pairs = [compression.compress(t) for t in tensors]
+    ins = [c for c, _ in pairs]
+    if any(wanted(t) for t in ins):
+        outs = GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, *ins)
+    else:
+        outs = ops.synchronize(ops.grouped_reducescatter_async(ins, name, op, process_set, prescale_factor,
+                                                               postscale_factor))
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
