@@ -83,6 +83,15 @@ def inside(fn, timer: Timer, iters: int, rounds: int, sync) -> tuple[float, floa
     return tot[i], lib[i]
 
 
+def general(comm, x) -> None:
+    """The same call down the general path (Communicator.short_path off; absent before issue 23)."""
+    comm.short_path = False
+    try:
+        comm.allreduce(x, out=x)
+    finally:
+        comm.short_path = True
+
+
 def measure(phases: dict, iters: int, rounds: int, sync) -> dict:
     """Median (over rounds) of the mean us per call of each phase; phases interleaved per round."""
     got: dict = {k: [] for k in phases}
@@ -131,6 +140,7 @@ def ring_rank(rank: int, fd: int, args, wfd: int | None) -> None:
     x[...] = 0
     f32, s = DTYPE_CODES["float32"], OP_CODES["sum"]
     phases = {"total": lambda: comm.allreduce(x, out=x),
+              "general": lambda: general(comm, x),
               "backend": lambda: be.allreduce(x, x, "float32", "sum", TIMEOUT),
               "native": lambda: _native.Comm.allreduce(nat, x, x, f32, s, TIMEOUT)}
     sync = lambda: _native.Comm.barrier(nat, TIMEOUT)  # noqa: E731
@@ -190,6 +200,7 @@ def mpi_worker(args) -> None:
     assert (x == 2).all(), "wrong sum"
     x[...] = 0
     phases = {"total": lambda: comm.allreduce(x, out=x),
+              "general": lambda: general(comm, x),
               "backend": lambda: be.allreduce(x, x, "float32", "sum", TIMEOUT),
               "native": lambda: raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)}
     res = measure(phases, args.iters, args.rounds, raw.Barrier)
@@ -261,7 +272,7 @@ def run_nccl(args) -> dict:
     def native():
         nc.allReduce(ptr, ptr, n, ndt, nop, stream.ptr)
 
-    phases = {"total": total, "backend": backend, "native": native}
+    phases = {"total": total, "general": lambda: general(comm, x), "backend": backend, "native": native}
     res = measure(phases, args.iters, args.rounds, trim)
     timer = Timer(nc.allReduce)
     nc.allReduce = timer
@@ -298,16 +309,17 @@ def main() -> int:
         results[name] = fn(args)
     print(f"allreduce {args.bytes} B float32 sum, 2 ranks, in place; us per call, median of {args.rounds} "
           f"rounds x {args.iters}; load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    print("general = the same call with Communicator.short_path off (the general path, same run)")
     print("separate loops: total = Communicator.allreduce, backend = backend.allreduce, native = the library "
           "alone;\nin-call: the total loop with the library call timed where it happens (own = total - "
           "time inside the library = hpcring's own per-call cost)")
-    hdr = (f"{'backend':8} {'total':>8} {'backend':>8} {'native':>8} {'api':>7} {'tot-nat':>8} |"
+    hdr = (f"{'backend':8} {'general':>8} {'total':>8} {'backend':>8} {'native':>8} {'api':>7} {'tot-nat':>8} |"
            f" {'in-call: total':>14} {'library':>8} {'own':>7}")
     if before:
         hdr += f" || {'before: total':>13} {'library':>8} {'own':>7}"
     print(hdr)
     for name, r in results.items():
-        line = (f"{name:8} {r['total']:8.1f} {r['backend']:8.1f} {r['native']:8.1f} "
+        line = (f"{name:8} {r.get('general', float('nan')):8.1f} {r['total']:8.1f} {r['backend']:8.1f} {r['native']:8.1f} "
                 f"{r['total'] - r['backend']:7.1f} {r['total'] - r['native']:8.1f} |"
                 f" {r['in_total']:14.1f} {r['in_native']:8.1f} {r['in_total'] - r['in_native']:7.1f}")
         b = before.get(name)

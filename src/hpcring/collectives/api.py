@@ -30,19 +30,23 @@ deadline. numpy inputs on a device backend are staged by the backend and waited 
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
 
-from hpcring.collectives.arrays import (CudaContext, active_on, adapt, check_op, check_out, fuse, kind_of,
-                                        new_like, store_into, finish)
-from hpcring.collectives.backends import DTYPES, Backend, chunk_counts
+from hpcring.collectives.arrays import (_DT2TAG, CudaContext, active_on, adapt, check_op, check_out, fuse,
+                                        kind_of, new_like, store_into, finish)
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend, chunk_counts
 from hpcring.collectives.engine import Completions, Handle, Worker
 from hpcring.collectives.precheck import precheck_default, precheck_message, signature_code
 from hpcring.diagnostics.recorder import FlightRecorder, Record
 from hpcring.errors import CollectiveError, HpcringError, UsageError
+
+
+_GENERAL = object()      # a short path's answer: "take the general path"
 
 
 def _twins(impl: Callable) -> tuple[Callable, Callable]:
@@ -257,10 +261,24 @@ class Communicator:
         return CudaContext.capture(cp, int(getattr(be, "device_id", 0)), torch_stream=torch_stream)
 
     # -- allreduce --------------------------------------------------------------------------
+    # The short path (issue 23): the common call -- one C-contiguous array of a supported dtype,
+    # out=None or out=x, no dtype= or timeout=, a synchronous call with nothing queued -- runs
+    # the same steps as the general one (same checks, flight record, deadline, precheck,
+    # failure path and result) without the general path's per-call machinery (closures,
+    # nested device contexts, re-validation of the op string, a second completion event).
+    # ``short_path = False`` (class or instance) sends every call the general way.
+    short_path = True
+
     def _allreduce(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
                    dtype: str | None = None, is_async: bool = False):
         """Element-wise ``op`` over all ranks' ``x``; returns ``out`` (a new array when None;
         ``out=x`` for in place). Identical on all ranks."""
+        if (self.short_path and dtype is None and timeout is None and not is_async
+                and (out is None or out is x)):
+            res = (self._allreduce_host(x, op, out is x) if self._ordered is None
+                   else self._allreduce_device(x, op, out is x))
+            if res is not _GENERAL:
+                return res
         dev = self._cuda(x, out)
         with active_on(dev):
             a = adapt(x, dtype, "allreduce input", writable=out is x, dev=dev)
@@ -280,6 +298,82 @@ class Communicator:
                 self.backend.allreduce(a.flat, res.flat, a.tag, op, t)
                 return finish(res, a)
         return self._run(self._record("allreduce", a.tag, a.flat.size, None, t), run, is_async, dev)
+
+    def _short_ops(self) -> dict:
+        """{(op, dtype): True} for the pairs the backend takes (check_op's rules), per communicator."""
+        ok = self.__dict__.get("_ok_ops")
+        if ok is None:
+            ok = self.__dict__["_ok_ops"] = {(o, d): True for o in OPS for d in DTYPES
+                                             if o != "avg" or d in FLOAT_DTYPES}
+        return ok
+
+    def _allreduce_host(self, x, op: str, inplace: bool):
+        """The short path on a host backend (ring, mpi): a numpy array (else _GENERAL)."""
+        if type(x) is not np.ndarray or self._worker.pending:
+            return _GENERAL
+        flags = x.flags
+        tag = _DT2TAG.get(x.dtype)
+        if tag is None or not flags.c_contiguous or (inplace and not flags.writeable):
+            return _GENERAL
+        ok = self.__dict__.get("_ok_ops") or self._short_ops()
+        if (op, tag) not in ok:
+            return _GENERAL                # the general path raises check_op's UsageError
+        flat = x if x.ndim == 1 else x.reshape(-1)
+        if inplace:
+            res, rflat = x, flat
+        else:
+            res = np.empty(x.shape, dtype=x.dtype)
+            rflat = res if res.ndim == 1 else res.reshape(-1)
+        t = self.timeout
+        rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
+        FlightRecorder.start(rec)
+        try:
+            if self.precheck and self.size > 1:
+                self._precheck(rec)
+            self.backend.allreduce(flat, rflat, tag, op, t)
+        except BaseException as e:
+            raise self._failed(rec, e) from None
+        FlightRecorder.finish(rec)
+        return res
+
+    def _allreduce_device(self, x, op: str, inplace: bool):
+        """The short path on a stream-ordered backend (NCCL): a C-contiguous CuPy array on the
+        backend's GPU (else _GENERAL); enqueued on the caller's current CuPy stream there."""
+        be = self.backend
+        cp = getattr(be, "array_module", None) or sys.modules.get("cupy")    # as _cuda finds it
+        if cp is None or type(x) is not cp.ndarray:
+            return _GENERAL
+        tag = _DT2TAG.get(x.dtype)
+        if tag is None or (op, tag) not in (self.__dict__.get("_ok_ops") or self._short_ops()):
+            return _GENERAL
+        dev_id = be.device_id
+        if int(x.device.id) != dev_id or not x.flags.c_contiguous:
+            return _GENERAL                 # the general path explains (UsageError) or copies
+        dev = CudaContext(cp, dev_id, cp.cuda.get_current_stream(dev_id))
+        with dev.active():
+            flat = x if x.ndim == 1 else x.reshape(-1)
+            if inplace:
+                res, rflat = x, flat
+            else:
+                res = cp.empty(x.shape, dtype=x.dtype)
+                rflat = res if res.ndim == 1 else res.reshape(-1)
+            t = self.timeout
+            rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
+            FlightRecorder.start(rec)
+            try:
+                if self.precheck and self.size > 1:
+                    self._precheck(rec)
+                be.allreduce(flat, rflat, tag, op, t)
+            except BaseException as e:
+                raise self._failed(rec, e) from None
+            pending = be.take_pending()
+            if pending is None:
+                FlightRecorder.finish(rec)
+                return res
+            if pending.stream != dev.stream.ptr:   # the backend enqueued elsewhere: order after it
+                pending.event.record(dev.stream)
+            self._ordered.add(rec, pending, None, res)
+        return res
 
     def _allreduce_grouped(self, arrays: Sequence, op: str = "sum", *, timeout: float | None = None,
                            inplace: bool = False, is_async: bool = False):

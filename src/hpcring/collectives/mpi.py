@@ -69,6 +69,10 @@ SIG_LEN = 6
 # The check's allreduce is polled without sleeping for its first 1 ms: ranks in step finish it in
 # that time, and a sleeping poll would add its latency to every call (measured, docs/collectives.md).
 CHECK_SPIN_S = 1e-3
+# The same holds for the collective itself when it is small (its buffers, all together, at most
+# SPIN_BYTES): a 4 KiB allreduce takes ~30 us in MPI, while one sleeping poll cost 0.2-2 ms on the
+# loaded 2-core dev machine (benchmarks/per_call.py). Larger ones sleep between polls at once.
+SPIN_BYTES = 256 << 10
 
 UPCAST_DTYPES = ("float16", "bfloat16")
 
@@ -486,7 +490,8 @@ class MpiBackend(LibraryBackend):
         t0 = time.monotonic()
         if sig is not None and self.check:
             self._agree(sig, name, seq, desc, timeout, t0)
-        self._start_wait(name, seq, desc, timeout, t0, keep, start)
+        small = sum(getattr(b, "nbytes", 0) for b in keep) <= SPIN_BYTES
+        self._start_wait(name, seq, desc, timeout, t0, keep, start, CHECK_SPIN_S if small else 0.0)
 
     @staticmethod
     def _bytes(buf: np.ndarray) -> np.ndarray:

@@ -1,0 +1,237 @@
+"""Issue 23: the short path of Communicator.allreduce (one contiguous array, a supported dtype
+and op, out=None or out=x, the communicator's deadline, a synchronous call) against the general
+path (``short_path = False``): identical results, identical flight records, the same failure
+report (watchdog, sticky error), and the short path really taken. Ring (threads over
+socketpairs) and NCCL (the fake layer of tests/helpers_fake_cuda.py)."""
+from __future__ import annotations
+
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import helpers_fake_cuda as F  # noqa: E402
+from helpers_ring import ThreadGroup  # noqa: E402
+
+from hpcring.collectives import api  # noqa: E402
+from hpcring.collectives import nccl as N  # noqa: E402
+from hpcring.collectives.api import Communicator  # noqa: E402
+from hpcring.collectives.backends import FLOAT_DTYPES, OPS  # noqa: E402
+from hpcring.errors import CollectiveError, UsageError  # noqa: E402
+
+NP = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int32": np.int32,
+      "int64": np.int64, "uint8": np.uint8}
+SAME = ("op", "dtype", "count", "root", "backend", "timeout", "site", "state", "error")
+
+
+def call(comm, x, op, inplace):
+    """One call site for both paths (the record's site is this line)."""
+    return comm.allreduce(x, op, out=x if inplace else None)
+
+
+def fields(rec) -> dict:
+    d = rec.to_dict()
+    return {k: d[k] for k in SAME}
+
+
+class NoGeneral:
+    """Makes the general path's adaptation fail loudly: proves the short path was taken."""
+
+    def __enter__(self):
+        self.real = api.adapt
+
+        def boom(*a, **k):
+            raise AssertionError("the general path ran")
+        api.adapt = boom
+        return self
+
+    def __exit__(self, *exc):
+        api.adapt = self.real
+
+
+def values(tag: str, rank: int, shape) -> np.ndarray:
+    n = int(np.prod(shape))
+    return ((np.arange(n) * 3 + rank) % 7 + 1).astype(NP[tag]).reshape(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# ring
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def group():
+    g = ThreadGroup(2, timeout=20.0)
+    yield g
+    g.close()
+
+
+@pytest.mark.parametrize("tag", list(NP))
+@pytest.mark.parametrize("shape", [(1024,), (16, 8), (3,)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_ring_short_and_general_paths_agree(group, tag, shape, inplace):
+    def phase(short):
+        def run(comm):
+            comm.short_path = short
+            x = values(tag, comm.rank, shape)
+            results = []
+            for op in OPS:
+                if op == "avg" and tag not in FLOAT_DTYPES:
+                    continue
+                y = x.copy()
+                r = call(comm, y, op, inplace)
+                assert (r is y) == inplace and r.shape == shape and r.dtype == y.dtype
+                results.append((op, r.copy(), fields(comm.recorder.records(1)[0])))
+            comm.short_path = True
+            return results
+        return run
+    general = group.run_ok(phase(False))
+    with NoGeneral():
+        short = group.run_ok(phase(True))
+    for g, s in zip(general, short):
+        assert len(g) == len(s)
+        for (op, a, ra), (op2, b, rb) in zip(g, s):
+            assert op == op2
+            np.testing.assert_array_equal(a, b)
+            assert ra == rb and ra["state"] == "done" and ra["dtype"] == tag
+
+
+def test_ring_short_path_refuses_what_the_general_path_refuses(group):
+    comm = group.comms[0]
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(UsageError, match="read-only"):
+        comm.allreduce(ro, out=ro)
+    with pytest.raises(UsageError, match="unsupported op"):
+        comm.allreduce(np.ones(4, np.float32), "xor")
+    with pytest.raises(UsageError, match="avg"):
+        comm.allreduce(np.ones(4, np.int32), "avg")
+    with pytest.raises(UsageError, match="unsupported dtype"):
+        comm.allreduce(np.ones(4, np.complex64))
+    seq = comm.recorder.seq
+    assert seq == comm.recorder.seq                 # refused calls use no sequence number
+
+
+def hang(short: bool, timeout: float = 0.6):
+    """Rank 0 calls allreduce, rank 1 never does: the error, the record and what the watchdog saw."""
+    g = ThreadGroup(2, timeout=timeout)
+    seen = []
+    wd = types.SimpleNamespace(on_failure=lambda comm, rec, e: seen.append((rec.to_dict(), str(e))) or e)
+    comm = g.comms[0]
+    comm.watchdog, comm.short_path = wd, short
+    try:
+        x = np.ones(1000, np.float32)
+        with pytest.raises(CollectiveError) as ei:
+            if short:
+                with NoGeneral():
+                    call(comm, x, "sum", True)
+            else:
+                call(comm, x, "sum", True)
+        with pytest.raises(CollectiveError) as sticky:
+            comm.allreduce(x)                     # the communicator stays failed
+        rec = fields(comm.recorder.records()[0])
+    finally:
+        g.close()
+    mask = lambda s: re.sub(r"\d+\.\d+", "N", s)      # noqa: E731 - waited times differ
+    return mask(str(ei.value)), rec, [(d["op"], d["seq"], d["state"]) for d, _ in seen], mask(str(sticky.value))
+
+
+def test_ring_hang_on_the_short_path_is_reported_as_on_the_general_path():
+    short = hang(True)
+    general = hang(False)
+    assert "allreduce#1" in short[0] and "deadline" in short[0]
+    assert short[1]["state"] == "failed" and short[1]["error"]
+    assert short[2][0] == ("allreduce", 1, "failed")     # the watchdog got the failed record
+    assert short[:3] == general[:3]
+    assert "allreduce#1" in short[3]
+
+
+# ---------------------------------------------------------------------------------------------
+# nccl (fake layer)
+# ---------------------------------------------------------------------------------------------
+GPU = 1
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    cp = F.make_cupy(ngpus=2)
+    torch = F.make_torch(cp)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return types.SimpleNamespace(cp=cp, torch=torch)
+
+
+def nccl_comm(fake, size: int = 2, timeout: float = 5.0):
+    nc = F.FakeNcclComm(fake.cp, size, 0, GPU)
+    be = N.NcclBackend(nc, 0, size, GPU, hosts=("gpu0",) * size, cupy=fake.cp,
+                       nccl=F.make_nccl_module([nc]), version=22000)
+    return Communicator(be, timeout=timeout), nc
+
+
+@pytest.mark.parametrize("tag", ["float32", "float64", "int32", "uint8", "float16"])
+@pytest.mark.parametrize("shape", [(256,), (8, 4)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_nccl_short_and_general_paths_agree(fake, tag, shape, inplace):
+    cp = fake.cp
+    comm, nc = nccl_comm(fake)
+    out = {}
+    for short in (False, True):
+        comm.short_path = short
+        res = []
+        for op in OPS:
+            if op == "avg" and tag not in FLOAT_DTYPES:
+                continue
+            x = cp.device_array(values(tag, 0, shape), device=GPU)
+            stream = cp.cuda.get_current_stream(GPU)
+            ncalls = len(nc.calls)
+            if short:
+                with NoGeneral():
+                    r = call(comm, x, op, inplace)
+            else:
+                r = call(comm, x, op, inplace)
+            comm.synchronize(5)
+            assert (r is x) == inplace and r.shape == shape and r.device.id == GPU
+            new = nc.calls[ncalls:]
+            assert [c["op"] for c in new] == ["allReduce"] and new[0]["stream"] == stream.ptr
+            assert new[0]["device"] == GPU
+            res.append((op, r.get(), fields(comm.recorder.records(1)[0]),
+                        {k: new[0][k] for k in ("count", "dtype", "nccl_op")}))
+        out[short] = res
+    for (op, a, ra, ca), (op2, b, rb, cb) in zip(out[False], out[True]):
+        assert op == op2 and ca == cb and ra == rb and ra["state"] == "done"
+        np.testing.assert_array_equal(a, b)
+    comm.close()
+
+
+def test_nccl_short_path_returns_before_the_gpu_finished_and_keeps_the_deadline(fake):
+    cp = fake.cp
+    comm, nc = nccl_comm(fake, timeout=0.3)
+    seen = []
+    comm.watchdog = types.SimpleNamespace(on_failure=lambda c, rec, e: seen.append(rec.to_dict()) or e)
+    x = cp.device_array(np.ones(64, np.float32), device=GPU)
+    cp.gpu_busy = True                             # the GPU never finishes: a hang
+    with NoGeneral():
+        y = comm.allreduce(x, out=x)               # returns at once, in flight
+    assert y is x and comm.recorder.records()[-1].state == "started"
+    with pytest.raises(CollectiveError, match="allreduce#1.*deadline"):
+        comm.synchronize(10)
+    assert [(d["op"], d["seq"], d["state"]) for d in seen] == [("allreduce", 1, "failed")]
+    with pytest.raises(CollectiveError, match="allreduce#1"):
+        comm.allreduce(x, out=x)                   # sticky
+    cp.gpu_busy = False
+    comm.close()
+
+
+def test_nccl_short_path_leaves_other_calls_to_the_general_path(fake):
+    cp, torch = fake.cp, fake.torch
+    comm, nc = nccl_comm(fake)
+    other = cp.device_array(np.ones(8, np.float32), device=0)      # wrong GPU: explained
+    with pytest.raises(UsageError, match="GPU 0"):
+        comm.allreduce(other)
+    t = torch.cuda_tensor(np.ones(8, np.float32), torch.float32, device_index=GPU)
+    r = comm.allreduce(t)                                         # torch: general path
+    comm.synchronize(5)
+    assert type(r) is type(t)
+    comm.close()
