@@ -150,7 +150,8 @@ class Completions:
     def add(self, rec: Record, pending, handle: Handle | None, result) -> None:
         with self._cv:
             self._items.append((rec, pending, handle, result))
-            self._idle.clear()
+            if self._idle.is_set():     # set only under self._cv (the poller, _fail): no race
+                self._idle.clear()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"hpcring-cuda-poll:{self._comm.rank}",
                                                 daemon=True)

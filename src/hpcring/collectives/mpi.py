@@ -146,6 +146,9 @@ def mismatch_message(table, rank: int, hosts=None) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # dtype/op mapping (pure; unit-tested without MPI)
 # ---------------------------------------------------------------------------------------------
+_PLANS: dict = {}     # (dtype, op) -> reduce_plan's answer, widened, dtype and op codes (allreduce)
+
+
 def reduce_plan(dtype: str, op: str) -> tuple[str, str, str]:
     """(numpy view dtype of the wire buffer, MPI datatype name, MPI op name) for a reduction.
 
@@ -457,19 +460,24 @@ class MpiBackend(LibraryBackend):
         raise CollectiveError(msg, hint="MPI cannot cancel a started collective: this communicator is dead; "
                                         "find the missing rank (hpcring stacks) and restart the job")
 
-    def _agree(self, sig: np.ndarray, name: str, seq: int, desc, timeout: float, t0: float) -> None:
-        """The signature check (module docstring): raises the named mismatch on every rank."""
+    def _agree(self, sig, name: str, seq: int, desc, timeout: float, t0: float) -> None:
+        """The signature check (module docstring): raises the named mismatch on every rank.
+        ``sig``: :func:`signature`'s array, or the same values as a tuple of ints (hot path)."""
         buf = self._sig
-        buf[:SIG_LEN] = sig
-        np.negative(sig, out=buf[SIG_LEN:])
+        if type(sig) is tuple:
+            buf[:] = sig + tuple(-v for v in sig)    # one assignment: cheaper than numpy ops
+        else:
+            buf[:SIG_LEN] = sig
+            np.negative(sig, out=buf[SIG_LEN:])
         MPI = self._MPI
         self._start_wait(name, seq, desc, timeout, t0, (buf,),
                          lambda: self._comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], MPI.MAX), CHECK_SPIN_S)
-        if np.array_equal(buf[:SIG_LEN], -buf[SIG_LEN:]):
+        got = buf.tolist()
+        if got[:SIG_LEN] == [-v for v in got[SIG_LEN:]]:
             return
         # every rank saw the difference (same allreduce result): all gather the signatures
         table = np.empty((self._size, SIG_LEN), np.int64)
-        mine = sig.copy()
+        mine = np.array(sig, np.int64)
         self._start_wait(name, seq, desc, timeout, t0, (mine, table),
                          lambda: self._comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T]))
         msg = mismatch_message(table, self._rank, self._hosts) or f"{name}#{seq} mismatched collective"
@@ -503,17 +511,22 @@ class MpiBackend(LibraryBackend):
 
     # -- collectives ----------------------------------------------------------------------
     def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
-        reduce_plan(dtype, op)                     # argument errors before a sequence number is used
+        plan = _PLANS.get((dtype, op))
+        if plan is None:                           # argument errors before a sequence number is used
+            view, mtype, mop = reduce_plan(dtype, op)
+            plan = _PLANS[dtype, op] = (view, mtype, mop, _widened(dtype, view), DTYPES.index(dtype),
+                                        OPS.index(op))
         seq, timeout = self._start("allreduce", timeout)
-        view, mtype, mop = self._reduce_args(dtype, op)
-        n = recvbuf.size
-        desc = self._desc(n, dtype, op)
+        view, mtype, mop, widened, dcode, ocode = plan
         MPI = self._MPI
-        if _widened(dtype, view):
+        mtype, mop = getattr(MPI, mtype), getattr(MPI, mop)
+        n = recvbuf.size
+        desc = self._lazy_desc(n, dtype, op)
+        sig = (0, n, dcode, ocode, -1, seq)        # signature("allreduce", seq, n, dtype, op)
+        if widened:
             work = _to_wire(sendbuf, dtype, view)
             self._run("allreduce", seq, desc, timeout,
-                      lambda: self._comm.Iallreduce(MPI.IN_PLACE, [work, mtype], mop), (work,),
-                      signature("allreduce", seq, n, dtype, op))
+                      lambda: self._comm.Iallreduce(MPI.IN_PLACE, [work, mtype], mop), (work,), sig)
             if op == "avg":
                 work /= np.float32(self._size)
             _from_wire(work, recvbuf, dtype)
@@ -524,7 +537,7 @@ class MpiBackend(LibraryBackend):
         else:
             s = sendbuf.view(view)
             start = lambda: self._comm.Iallreduce([s, mtype], [r, mtype], mop)  # noqa: E731
-        self._run("allreduce", seq, desc, timeout, start, (sendbuf, recvbuf), signature("allreduce", seq, n, dtype, op))
+        self._run("allreduce", seq, desc, timeout, start, (sendbuf, recvbuf), sig)
         if op == "avg":
             recvbuf /= recvbuf.dtype.type(self._size)
 

@@ -105,6 +105,7 @@ class NcclBackend(LibraryBackend):
         self._cp, self._nccl = cupy, nccl
         self.version = int(version if version is not None else nccl.get_version())
         self._pending: Pending | None = None
+        self._codes: dict = {}          # (dtype, op) -> (ncclDataType_t, ncclRedOp_t, divide after)
 
     def take_pending(self) -> Pending | None:
         """The newest op left in flight since the last call (the Communicator tracks it);
@@ -247,8 +248,11 @@ class NcclBackend(LibraryBackend):
     # -- collectives ----------------------------------------------------------------------
     @_on_own_device
     def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> Pending | None:
-        ndt = nccl_dtype(dtype, self.version, self._nccl)
-        nop, divide = nccl_op(op, dtype, self.version, self._nccl)
+        codes = self._codes.get((dtype, op))
+        if codes is None:           # checked once per (dtype, op): errors before a sequence number
+            codes = self._codes[dtype, op] = (nccl_dtype(dtype, self.version, self._nccl),
+                                              *nccl_op(op, dtype, self.version, self._nccl))
+        ndt, nop, divide = codes
         seq = self._begin("allreduce")
         t0 = time.monotonic()
         desc = self._lazy_desc(recvbuf.size, dtype, op)
@@ -257,7 +261,8 @@ class NcclBackend(LibraryBackend):
         stream = self._stream()
 
         def go():
-            self._comm.allReduce(self._ptr(s), self._ptr(r), r.size, ndt, nop, stream.ptr)
+            ps = self._ptr(s)
+            self._comm.allReduce(ps, ps if r is s else self._ptr(r), r.size, ndt, nop, stream.ptr)
             if divide:
                 self._divide(r, dtype)
         return self._launch("allreduce", seq, desc, timeout, t0, stream, go, (r, rhost))
