@@ -28,9 +28,9 @@ NP = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int3
 SAME = ("op", "dtype", "count", "root", "backend", "timeout", "site", "state", "error")
 
 
-def call(comm, x, op, inplace):
+def call(comm, x, op, inplace, **kw):
     """One call site for both paths (the record's site is this line)."""
-    return comm.allreduce(x, op, out=x if inplace else None)
+    return comm.allreduce(x, op, out=x if inplace else None, **kw)
 
 
 def fields(rec) -> dict:
@@ -111,7 +111,27 @@ def test_ring_short_path_refuses_what_the_general_path_refuses(group):
     with pytest.raises(UsageError, match="unsupported dtype"):
         comm.allreduce(np.ones(4, np.complex64))
     seq = comm.recorder.seq
-    assert seq == comm.recorder.seq                 # refused calls use no sequence number
+    for bad in (0, -1.0, float("nan"), "soon", [1]):
+        with pytest.raises(UsageError, match="timeout"):
+            comm.allreduce(np.ones(4, np.float32), timeout=bad)
+    assert comm.recorder.seq == seq               # refused calls use no sequence number
+
+
+def test_ring_short_path_with_timeout_keeps_that_deadline(group):
+    def phase(short):
+        def run(comm):
+            comm.short_path = short
+            x = np.full(8, comm.rank + 1, np.float32)
+            r = call(comm, x, "sum", True, timeout=7.5)
+            comm.short_path = True
+            return r.copy(), fields(comm.recorder.records(1)[0])
+        return run
+    general = group.run_ok(phase(False))
+    with NoGeneral():
+        short = group.run_ok(phase(True))
+    for (a, ra), (b, rb) in zip(general, short):
+        np.testing.assert_array_equal(a, b)
+        assert ra == rb and ra["timeout"] == 7.5
 
 
 def hang(short: bool, timeout: float = 0.6):

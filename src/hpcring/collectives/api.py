@@ -262,7 +262,7 @@ class Communicator:
 
     # -- allreduce --------------------------------------------------------------------------
     # The short path (issue 23): the common call -- one C-contiguous array of a supported dtype,
-    # out=None or out=x, no dtype= or timeout=, a synchronous call with nothing queued -- runs
+    # out=None or out=x, no dtype=, a synchronous call with nothing queued -- runs
     # the same steps as the general one (same checks, flight record, deadline, precheck,
     # failure path and result) without the general path's per-call machinery (closures,
     # nested device contexts, re-validation of the op string, a second completion event).
@@ -273,12 +273,6 @@ class Communicator:
                    dtype: str | None = None, is_async: bool = False):
         """Element-wise ``op`` over all ranks' ``x``; returns ``out`` (a new array when None;
         ``out=x`` for in place). Identical on all ranks."""
-        if (self.short_path and dtype is None and timeout is None and not is_async
-                and (out is None or out is x)):
-            res = (self._allreduce_host(x, op, out is x) if self._ordered is None
-                   else self._allreduce_device(x, op, out is x))
-            if res is not _GENERAL:
-                return res
         dev = self._cuda(x, out)
         with active_on(dev):
             a = adapt(x, dtype, "allreduce input", writable=out is x, dev=dev)
@@ -307,9 +301,24 @@ class Communicator:
                                              if o != "avg" or d in FLOAT_DTYPES}
         return ok
 
-    def _allreduce_host(self, x, op: str, inplace: bool):
+    def _short_deadline(self, timeout: float | None) -> float:
+        """:meth:`_deadline`, validated once per distinct ``timeout=`` value (the last few kept)."""
+        if timeout is None:
+            return self.timeout
+        if type(timeout) not in (int, float):
+            return self._deadline(timeout)      # validated every time (no odd dict keys)
+        seen = self.__dict__.setdefault("_deadlines", {})
+        t = seen.get(timeout)
+        if t is None:
+            t = self._deadline(timeout)         # raises the general path's UsageError
+            if len(seen) >= 8:
+                seen.clear()
+            seen[timeout] = t
+        return t
+
+    def _allreduce_host(self, x, op: str, inplace: bool, timeout: float | None = None):
         """The short path on a host backend (ring, mpi): a numpy array (else _GENERAL)."""
-        if type(x) is not np.ndarray or self._worker.pending:
+        if type(x) is not np.ndarray or self._worker._pending:     # queued async ops: in order, general
             return _GENERAL
         flags = x.flags
         tag = _DT2TAG.get(x.dtype)
@@ -318,13 +327,13 @@ class Communicator:
         ok = self.__dict__.get("_ok_ops") or self._short_ops()
         if (op, tag) not in ok:
             return _GENERAL                # the general path raises check_op's UsageError
+        t = self._short_deadline(timeout)
         flat = x if x.ndim == 1 else x.reshape(-1)
         if inplace:
             res, rflat = x, flat
         else:
             res = np.empty(x.shape, dtype=x.dtype)
             rflat = res if res.ndim == 1 else res.reshape(-1)
-        t = self.timeout
         rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
         FlightRecorder.start(rec)
         try:
@@ -336,7 +345,7 @@ class Communicator:
         FlightRecorder.finish(rec)
         return res
 
-    def _allreduce_device(self, x, op: str, inplace: bool):
+    def _allreduce_device(self, x, op: str, inplace: bool, timeout: float | None = None):
         """The short path on a stream-ordered backend (NCCL): a C-contiguous CuPy array on the
         backend's GPU (else _GENERAL); enqueued on the caller's current CuPy stream there."""
         be = self.backend
@@ -349,6 +358,7 @@ class Communicator:
         dev_id = be.device_id
         if int(x.device.id) != dev_id or not x.flags.c_contiguous:
             return _GENERAL                 # the general path explains (UsageError) or copies
+        t = self._short_deadline(timeout)
         dev = CudaContext(cp, dev_id, cp.cuda.get_current_stream(dev_id))
         with dev.active():
             flat = x if x.ndim == 1 else x.reshape(-1)
@@ -357,7 +367,6 @@ class Communicator:
             else:
                 res = cp.empty(x.shape, dtype=x.dtype)
                 rflat = res if res.ndim == 1 else res.reshape(-1)
-            t = self.timeout
             rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
             FlightRecorder.start(rec)
             try:
@@ -649,7 +658,20 @@ class Communicator:
         return h.wait()
 
     # -- the public methods: a synchronous and an ``*_async`` twin of each implementation ----
-    allreduce, allreduce_async = _twins(_allreduce)
+    _allreduce_sync, allreduce_async = _twins(_allreduce)
+
+    def allreduce(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
+                  dtype: str | None = None):
+        # the synchronous twin, spelled out: the short path is tried first, without the twin's
+        # argument repacking (same signature and docstring as _twins would give it)
+        if self.short_path and dtype is None and (out is None or out is x):
+            res = (self._allreduce_host(x, op, out is x, timeout) if self._ordered is None
+                   else self._allreduce_device(x, op, out is x, timeout))
+            if res is not _GENERAL:
+                return res
+        return self._allreduce(x, op, out, timeout=timeout, dtype=dtype)
+    allreduce.__doc__ = _allreduce.__doc__
+    del _allreduce_sync
     allreduce_grouped, allreduce_grouped_async = _twins(_allreduce_grouped)
     allgather, allgather_async = _twins(_allgather)
     broadcast, broadcast_async = _twins(_broadcast)

@@ -525,7 +525,16 @@ class RingBackend(Backend):
     def allreduce(self, sendbuf, recvbuf, dtype, op, timeout):
         if op == "avg" and dtype not in FLOAT_DTYPES:
             raise UsageError(f"op 'avg' needs a floating-point dtype, got {dtype}")
-        self._call("allreduce", _N.allreduce, sendbuf, recvbuf, DTYPE_CODES[dtype], OP_CODES[op], timeout)
+        nc = self._native_comm
+        if nc is None:                  # the lazy setup first (_call)
+            self._call("allreduce", _N.allreduce, sendbuf, recvbuf, DTYPE_CODES[dtype], OP_CODES[op], timeout)
+            return
+        try:                            # _call's work without its argument repacking (hot path)
+            _N.allreduce(nc, sendbuf, recvbuf, DTYPE_CODES[dtype], OP_CODES[op], timeout)
+        except _native.NativeError as e:
+            raise _translate(e) from None
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     def allgather(self, sendbuf, recvbuf, dtype, timeout):
         self._call("allgather", _N.allgather, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
