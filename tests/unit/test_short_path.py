@@ -255,3 +255,62 @@ def test_nccl_short_path_leaves_other_calls_to_the_general_path(fake):
     comm.synchronize(5)
     assert type(r) is type(t)
     comm.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# torch CPU tensors on the ring (the numpy view cached per tensor)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tag", ["float32", "float64", "int64", "uint8"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_ring_torch_cpu_tensors_short_and_general_agree(group, tag, inplace):
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, "from_numpy") or getattr(torch, "__file__", None) is None:
+        pytest.skip("needs the real torch")
+
+    def phase(short):
+        def run(comm):
+            comm.short_path = short
+            out = []
+            t = torch.from_numpy(values(tag, comm.rank, (4, 6)))
+            for _ in range(2):                       # the second call hits the cached view
+                y = t.clone()
+                r = call(comm, y, "sum", inplace)
+                assert (r is y) == inplace and type(r) is torch.Tensor and r.shape == (4, 6)
+                out.append((r.numpy().copy(), fields(comm.recorder.records(1)[0])))
+                r2 = call(comm, t, "max", False)     # t itself, twice: cached
+                out.append((r2.numpy().copy(), fields(comm.recorder.records(1)[0])))
+            t.resize_(3)                             # a changed tensor: its view is made again
+            t.copy_(torch.from_numpy(values(tag, comm.rank, (3,))))
+            r3 = call(comm, t, "sum", True)
+            out.append((r3.numpy().copy(), fields(comm.recorder.records(1)[0])))
+            comm.short_path = True
+            return out
+        return run
+    general = group.run_ok(phase(False))
+    with NoGeneral():
+        short = group.run_ok(phase(True))
+    for g, s in zip(general, short):
+        for (a, ra), (b, rb) in zip(g, s):
+            np.testing.assert_array_equal(a, b)
+            assert ra == rb and ra["dtype"] == tag
+    expect = values(tag, 0, (3,)) + values(tag, 1, (3,))
+    np.testing.assert_array_equal(short[0][-1][0], expect)
+
+
+def test_torch_view_cache_lets_tensors_go(group):
+    torch = pytest.importorskip("torch")
+    comm = group.comms[0]
+    views = comm.__dict__.setdefault("_views", {})
+
+    seen = []
+
+    def run(c):
+        t = torch.ones(16)
+        c.allreduce(t, out=t)
+        if c is comm:
+            seen.append(len(views))
+        return float(t[0])
+    assert group.run_ok(run) == [2.0, 2.0] and seen == [1]
+    import gc
+    gc.collect()
+    assert not views                                 # the tensor died: its entry went with it

@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -317,23 +318,31 @@ class Communicator:
         return t
 
     def _allreduce_host(self, x, op: str, inplace: bool, timeout: float | None = None):
-        """The short path on a host backend (ring, mpi): a numpy array (else _GENERAL)."""
-        if type(x) is not np.ndarray or self._worker._pending:     # queued async ops: in order, general
+        """The short path on a host backend (ring, mpi): a numpy array or a CPU torch tensor
+        (else _GENERAL)."""
+        if self._worker._pending:               # queued async ops: in order, the general way
             return _GENERAL
-        flags = x.flags
-        tag = _DT2TAG.get(x.dtype)
+        if type(x) is np.ndarray:
+            host, tensor = x, False
+        else:
+            host, tensor = self._tensor_view(x), True
+            if host is None:
+                return _GENERAL
+        flags = host.flags
+        tag = _DT2TAG.get(host.dtype)
         if tag is None or not flags.c_contiguous or (inplace and not flags.writeable):
             return _GENERAL
         ok = self.__dict__.get("_ok_ops") or self._short_ops()
         if (op, tag) not in ok:
             return _GENERAL                # the general path raises check_op's UsageError
         t = self._short_deadline(timeout)
-        flat = x if x.ndim == 1 else x.reshape(-1)
+        flat = host if host.ndim == 1 else host.reshape(-1)
         if inplace:
             res, rflat = x, flat
         else:
-            res = np.empty(x.shape, dtype=x.dtype)
-            rflat = res if res.ndim == 1 else res.reshape(-1)
+            out = np.empty(x.shape, dtype=host.dtype)
+            rflat = out if out.ndim == 1 else out.reshape(-1)
+            res = sys.modules["torch"].from_numpy(out) if tensor else out
         rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
         FlightRecorder.start(rec)
         try:
@@ -344,6 +353,35 @@ class Communicator:
             raise self._failed(rec, e) from None
         FlightRecorder.finish(rec)
         return res
+
+    _VIEWS_MAX = 64
+
+    def _tensor_view(self, x):
+        """The numpy view of a contiguous CPU torch tensor (as adapt makes it, through DLPack),
+        cached per tensor: reused while the tensor lives at the same address with the same shape
+        and dtype (an entry goes when its tensor dies; at most _VIEWS_MAX are kept). None: not
+        such a tensor (bfloat16, another device, a subclass...): the general path."""
+        torch = sys.modules.get("torch")
+        if torch is None or type(x) is not torch.Tensor or not x.is_contiguous():
+            return None
+        views = self.__dict__.get("_views")
+        if views is None:
+            views = self.__dict__["_views"] = {}
+        key = id(x)
+        e = views.get(key)
+        ptr = x.data_ptr()
+        if e is not None and e[0]() is x and e[1] == ptr and e[2] == x.shape and e[3] is x.dtype:
+            return e[4]
+        if x.device.type != "cpu" or x.dtype is torch.bfloat16:
+            return None
+        try:
+            host = np.from_dlpack(x.detach())
+        except (TypeError, RuntimeError, BufferError):
+            return None
+        if len(views) >= self._VIEWS_MAX:
+            views.clear()
+        views[key] = (weakref.ref(x, lambda _, k=key, v=views: v.pop(k, None)), ptr, x.shape, x.dtype, host)
+        return host
 
     def _allreduce_device(self, x, op: str, inplace: bool, timeout: float | None = None):
         """The short path on a stream-ordered backend (NCCL): a C-contiguous CuPy array on the
