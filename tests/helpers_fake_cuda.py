@@ -20,10 +20,12 @@ libraries do where it matters for correctness:
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import types
 
 import numpy as np
+import pytest
 
 SENTINEL = 0xA5                # fresh device allocations are filled with this byte
 
@@ -569,6 +571,16 @@ class FakeNcclComm:
 
     def destroy(self):
         pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Fake ``cupy`` and ``torch`` in ``sys.modules`` for one test: namespace(cp, torch)."""
+    cp = make_cupy(ngpus=2)
+    torch = make_torch(cp)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    return types.SimpleNamespace(cp=cp, torch=torch)
 
 
 def make_nccl_module(comm_holder: list):

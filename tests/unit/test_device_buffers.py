@@ -36,13 +36,7 @@ STORAGE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, 
 GPU = 1                     # the fake backend's GPU; the calling thread's current device stays 0
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    cp = F.make_cupy(ngpus=2)
-    torch = F.make_torch(cp)
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    return types.SimpleNamespace(cp=cp, torch=torch)
+fake = F.fake_cuda      # the fixture: fake cupy and torch in sys.modules
 
 
 def nccl_comm(fake, size: int = 1):

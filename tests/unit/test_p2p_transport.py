@@ -148,13 +148,7 @@ def test_bad_arguments_are_refused_before_anything_moves(ranks, call, match):
 # ---------------------------------------------------------------------------------------------
 # NCCL: one group per batch (fake NCCL, mirror ranks)
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def fake(monkeypatch):
-    cp = F.make_cupy(ngpus=2)
-    torch = F.make_torch(cp)
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    return types.SimpleNamespace(cp=cp, torch=torch)
+fake = F.fake_cuda      # the fixture: fake cupy and torch in sys.modules
 
 
 def test_nccl_batch_is_one_group_in_any_order_and_completes_on_the_stream(fake):

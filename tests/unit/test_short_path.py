@@ -174,13 +174,7 @@ def test_ring_hang_on_the_short_path_is_reported_as_on_the_general_path():
 GPU = 1
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    cp = F.make_cupy(ngpus=2)
-    torch = F.make_torch(cp)
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    return types.SimpleNamespace(cp=cp, torch=torch)
+fake = F.fake_cuda      # the fixture: fake cupy and torch in sys.modules
 
 
 def nccl_comm(fake, size: int = 2, timeout: float = 5.0):
