@@ -2,12 +2,21 @@
 
     hpcring submit tests/lightning_requeue.py --site devcluster --nodes 2 --sched-arg=--signal=USR1@90 -- OUT
 
-Lightning's own mechanism, untouched: on SIGUSR1 every rank saves the HPC checkpoint
-(OUT/hpc_ckpt_N.ckpt) and rank 0 runs `scontrol requeue`; the restarted job resumes from it by
-itself. Each rank prints its start step; rank 0 writes OUT/result.json at the end.
+Lightning's own mechanism: on SIGUSR1 every rank saves the HPC checkpoint (OUT/hpc_ckpt_N.ckpt)
+and rank 0 runs `scontrol requeue`; the restarted job resumes from it by itself. Each rank prints
+its start step; rank 0 writes OUT/result.json at the end.
+
+One change, and why: Lightning runs its handler (save_checkpoint, with a barrier) wherever the
+signal lands on each rank, and srun hands a forwarded signal to the ranks milliseconds apart, so
+now and then a collective falls between them and one rank's barrier meets another's broadcast
+(hpcring reports it as a mismatched collective; gloo and NCCL would pair them silently; seen once
+in CI). So the handler runs at a step every rank agrees on: the signal only sets a flag, and an
+all_reduce(MAX) of the flag in training_step calls Lightning's own handler on every rank at once
+(docs/preemption.md).
 """
 import json
 import os
+import signal
 import sys
 import time
 
@@ -23,13 +32,26 @@ class Tiny(L.LightningModule):
     def __init__(self):
         super().__init__()
         self.net = nn.Linear(8, 2)
+        self.lightning_handler = None   # Lightning's SIGUSR1 handler, run at an agreed step
+        self.signalled = False
+        self.handled = False
 
     def training_step(self, batch, _idx):
         time.sleep(0.25)            # long enough for the test to signal mid-run
+        if self.lightning_handler is not None and not self.handled:
+            flag = torch.tensor([int(self.signalled)])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if flag.item():         # some rank has the signal: every rank runs the handler now
+                self.handled = True
+                self.lightning_handler(signal.SIGUSR1, None)
         x, y = batch
         return nn.functional.cross_entropy(self.net(x), y)
 
     def on_train_start(self):
+        handler = signal.getsignal(signal.SIGUSR1)      # registered by fit() before this hook
+        if callable(handler):
+            self.lightning_handler = handler
+            signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "signalled", True))
         print(f"LREQ rank={self.global_rank} start step={self.global_step} "
               f"restarts={os.environ.get('SLURM_RESTART_COUNT', '0')}", flush=True)
 
