@@ -33,3 +33,34 @@ def cluster_up() -> bool:
     """The dev cluster answers and has usable nodes (tests marked devcluster skip otherwise)."""
     states = sinfo_states() or ""
     return any(w in states for w in ("idle", "mix", "alloc"))
+
+
+def run_local(worker: str, tmp_path, *args, ranks: int, env=None, timeout: float = 300):
+    """``hpcring run`` of ``worker`` (a Python script) with ``args`` on ``ranks`` local ranks;
+    the CompletedProcess (bounded by ``timeout``)."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    e = {**os.environ, "PYTHONPATH": str(root / "src"), "HPCRING_JOB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+         **(env or {})}
+    return subprocess.run([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(ranks),
+                           "--", sys.executable, "-W", "ignore", worker, *args], env=e, capture_output=True,
+                          text=True, timeout=timeout, cwd=tmp_path, stdin=subprocess.DEVNULL)
+
+
+def run_mpirun(worker: str, tmp_path, *args, ranks: int, timeout: float = 300):
+    """A plain ``mpirun -np ranks`` of ``worker`` (the session picks the MPI backend)."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    extra = {"HPCRING_SECRET": "0123456789abcdef0123456789abcdef", "HPCRING_MASTER_ADDR": "127.0.0.1",
+             "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src"), "OMPI_MCA_mpi_yield_when_idle": "1",
+             "HPCRING_JOB_DIR": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = ["mpirun", "-np", str(ranks), "--allow-run-as-root", "--oversubscribe"]
+    for k in extra:
+        cmd += ["-x", k]
+    return subprocess.run([*cmd, sys.executable, "-W", "ignore", worker, *args], env={**env, **extra},
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path, stdin=subprocess.DEVNULL)

@@ -23,11 +23,8 @@ WORKER = str(ROOT / "tests" / "torch_p2p_worker.py")
 
 
 def run_job(tmp_path, *args, ranks, env=None, timeout=300):
-    e = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HPCRING_JOB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
-         **(env or {})}
-    return subprocess.run([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(ranks),
-                           "--", sys.executable, "-W", "ignore", WORKER, *args], env=e, capture_output=True,
-                          text=True, timeout=timeout, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    from helpers_jobs import run_local
+    return run_local(WORKER, tmp_path, *args, ranks=ranks, env=env, timeout=timeout)
 
 
 def ok_lines(out: str, what: str, ranks: int, backend: str) -> None:
@@ -53,15 +50,8 @@ def test_pipelining_gpipe_and_1f1b_match_gloo(tmp_path, ranks):
                     reason="mpi4py or mpirun is not installed")
 @pytest.mark.parametrize("mode", ["p2p", "pipeline"])
 def test_point_to_point_on_the_mpi_backend_under_plain_mpirun(tmp_path, mode):
-    extra = {"HPCRING_SECRET": "0123456789abcdef0123456789abcdef", "HPCRING_MASTER_ADDR": "127.0.0.1",
-             "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "OMPI_MCA_mpi_yield_when_idle": "1",
-             "HPCRING_JOB_DIR": str(tmp_path)}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = ["mpirun", "-np", "3", "--allow-run-as-root", "--oversubscribe"]
-    for k in extra:
-        cmd += ["-x", k]
-    p = subprocess.run([*cmd, sys.executable, "-W", "ignore", WORKER, mode], env={**env, **extra},
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    from helpers_jobs import run_mpirun
+    p = run_mpirun(WORKER, tmp_path, mode, ranks=3)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     ok_lines(p.stdout, mode, 3, "mpi")
 

@@ -21,11 +21,8 @@ WORKER = str(ROOT / "tests" / "torch_subgroup_worker.py")
 
 
 def run_job(tmp_path, *args, ranks, env=None, timeout=300):
-    e = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HPCRING_JOB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
-         **(env or {})}
-    return subprocess.run([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(ranks),
-                           "--", sys.executable, "-W", "ignore", WORKER, *args], env=e, capture_output=True,
-                          text=True, timeout=timeout, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    from helpers_jobs import run_local
+    return run_local(WORKER, tmp_path, *args, ranks=ranks, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("ranks", [4, 3, 2])
@@ -41,15 +38,8 @@ def test_new_group_new_subgroups_and_2d_mesh_match_gloo(tmp_path, ranks):
                     reason="mpi4py or mpirun is not installed")
 def test_subgroups_on_the_mpi_backend_under_plain_mpirun(tmp_path):
     """The session picks MPI under mpirun: groups are MPI_Comm_create_group communicators."""
-    extra = {"HPCRING_SECRET": "0123456789abcdef0123456789abcdef", "HPCRING_MASTER_ADDR": "127.0.0.1",
-             "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "OMPI_MCA_mpi_yield_when_idle": "1",
-             "HPCRING_JOB_DIR": str(tmp_path)}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = ["mpirun", "-np", "4", "--allow-run-as-root", "--oversubscribe"]
-    for k in extra:
-        cmd += ["-x", k]
-    p = subprocess.run([*cmd, sys.executable, "-W", "ignore", WORKER, "groups"], env={**env, **extra},
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path, stdin=subprocess.DEVNULL)
+    from helpers_jobs import run_mpirun
+    p = run_mpirun(WORKER, tmp_path, "groups", ranks=4)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     for r in range(4):
