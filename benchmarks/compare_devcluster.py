@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
 SIZES = [4 << 10, 1 << 20, 16 << 20, 64 << 20]
 ITERS = {4 << 10: 200, 1 << 20: 20, 16 << 20: 5, 64 << 20: 3, 256 << 20: 3}
-SHARED = Path("/srv/hpcring")
+# the dev cluster's shared folder; elsewhere (a GPU machine, one host) the runs start from the root
+SHARED = Path("/srv/hpcring") if Path("/srv/hpcring").is_dir() else ROOT
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_btl_tcp_if_include": "eth0", "OMPI_MCA_oob_tcp_if_include": "eth0",
            "OMPI_MCA_btl": "tcp,self,vader", "OMPI_MCA_mpi_yield_when_idle": "1"}

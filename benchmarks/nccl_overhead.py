@@ -21,8 +21,10 @@ Needs cupy + nvidia-nccl-cu12 and an NVIDIA GPU: exits 2 with a message otherwis
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +65,10 @@ def main() -> int:
     from cupy.cuda import nccl
 
     import hpcring
+    if not (os.environ.get("HPCRING_SECRET_FILE") or os.environ.get("HPCRING_SECRET")):
+        # started by hand, outside `hpcring run`: a world of one rank still authenticates its store
+        from hpcring.bootstrap.auth import new_secret_file
+        os.environ["HPCRING_SECRET_FILE"] = str(new_secret_file(tempfile.mkdtemp(prefix="hpcring-bench-")))
     session = hpcring.init(backend="nccl")
     comm = session.communicator("nccl")
     raw = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
