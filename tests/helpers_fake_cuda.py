@@ -188,6 +188,9 @@ def make_cupy(ngpus: int = 2):
             return ndarray(self._a[key], self.device.id)
 
         def __setitem__(self, key, value):
+            if isinstance(value, (int, float, np.number)):      # a scalar fill, as CuPy takes it
+                self._a[key] = value
+                return
             if not isinstance(value, ndarray):
                 raise TypeError(f"Unsupported type {type(value)} (fake cupy: no implicit host->device)")
             if value.device.id != self.device.id:

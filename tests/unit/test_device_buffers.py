@@ -293,6 +293,44 @@ def test_the_poller_queries_one_event_per_stream_not_every_op_in_flight(fake):
     comm.close()
 
 
+def test_completed_events_nobody_holds_are_recorded_again(fake):
+    """A synchronous op's event goes back to the backend once complete (creating one per call
+    is a CUDA call); an async op's event stays its handle's (``cuda_event``) and is never reused."""
+    cp = fake.cp
+    comm, nc = nccl_comm(fake, size=2)
+    real = cp.cuda.Event
+    made, records = [], {}
+
+    class Counting(real):
+        def __init__(self, *a, **k):
+            made.append(self)
+            super().__init__(*a, **k)
+
+        def record(self, stream=None):
+            records[id(self)] = records.get(id(self), 0) + 1
+            super().record(stream)
+    cp.cuda.Event = Counting
+    try:
+        x = cp.device_array(np.ones(256, np.float32), device=GPU)
+        for _ in range(40):
+            comm.allreduce(x, out=x)
+            comm.synchronize(5)
+        assert 1 <= len(made) <= 2, len(made)           # not one per call
+        h = comm.allreduce_async(x, out=x)
+        h.wait(5)
+        comm.synchronize(5)
+        held = h.cuda_event
+        before = records[id(held)]
+        for _ in range(10):
+            comm.allreduce(x, out=x)
+            comm.synchronize(5)
+        assert records[id(held)] == before and held not in comm.backend._spare_events
+        np.testing.assert_array_equal(x.get(), np.full(256, 2.0 ** 51, np.float32))
+    finally:
+        cp.cuda.Event = real
+        comm.close()
+
+
 def test_an_op_behind_a_running_one_still_keeps_its_own_deadline(fake):
     cp = fake.cp
     comm, nc = nccl_comm(fake, size=2)

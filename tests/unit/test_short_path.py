@@ -28,9 +28,19 @@ NP = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int3
 SAME = ("op", "dtype", "count", "root", "backend", "timeout", "site", "state", "error")
 
 
-def call(comm, x, op, inplace, **kw):
-    """One call site for both paths (the record's site is this line)."""
-    return comm.allreduce(x, op, out=x if inplace else None, **kw)
+MODES = ["new", "inplace", "out"]
+
+
+def call(comm, x, op, mode, **kw):
+    """One call site for both paths (the record's site is this line). ``mode``: a new result,
+    in place, or into a given ``out=`` of x's type, dtype and shape (filled with a wrong value
+    first). Returns (result, the object it must be or None)."""
+    if mode == "out":
+        out = x.copy()
+        out[...] = 99
+    else:
+        out = x if mode == "inplace" else None
+    return comm.allreduce(x, op, out=out, **kw), out
 
 
 def fields(rec) -> dict:
@@ -70,8 +80,8 @@ def group():
 
 @pytest.mark.parametrize("tag", list(NP))
 @pytest.mark.parametrize("shape", [(1024,), (16, 8), (3,)])
-@pytest.mark.parametrize("inplace", [False, True])
-def test_ring_short_and_general_paths_agree(group, tag, shape, inplace):
+@pytest.mark.parametrize("mode", MODES)
+def test_ring_short_and_general_paths_agree(group, tag, shape, mode):
     def phase(short):
         def run(comm):
             comm.short_path = short
@@ -81,8 +91,9 @@ def test_ring_short_and_general_paths_agree(group, tag, shape, inplace):
                 if op == "avg" and tag not in FLOAT_DTYPES:
                     continue
                 y = x.copy()
-                r = call(comm, y, op, inplace)
-                assert (r is y) == inplace and r.shape == shape and r.dtype == y.dtype
+                r, want = call(comm, y, op, mode)
+                assert (r is want if want is not None else r is not y)
+                assert r.shape == shape and r.dtype == y.dtype
                 results.append((op, r.copy(), fields(comm.recorder.records(1)[0])))
             comm.short_path = True
             return results
@@ -122,7 +133,7 @@ def test_ring_short_path_with_timeout_keeps_that_deadline(group):
         def run(comm):
             comm.short_path = short
             x = np.full(8, comm.rank + 1, np.float32)
-            r = call(comm, x, "sum", True, timeout=7.5)
+            r, _ = call(comm, x, "sum", "inplace", timeout=7.5)
             comm.short_path = True
             return r.copy(), fields(comm.recorder.records(1)[0])
         return run
@@ -146,9 +157,9 @@ def hang(short: bool, timeout: float = 0.6):
         with pytest.raises(CollectiveError) as ei:
             if short:
                 with NoGeneral():
-                    call(comm, x, "sum", True)
+                    call(comm, x, "sum", "inplace")
             else:
-                call(comm, x, "sum", True)
+                call(comm, x, "sum", "inplace")
         with pytest.raises(CollectiveError) as sticky:
             comm.allreduce(x)                     # the communicator stays failed
         rec = fields(comm.recorder.records()[0])
@@ -186,8 +197,8 @@ def nccl_comm(fake, size: int = 2, timeout: float = 5.0):
 
 @pytest.mark.parametrize("tag", ["float32", "float64", "int32", "uint8", "float16"])
 @pytest.mark.parametrize("shape", [(256,), (8, 4)])
-@pytest.mark.parametrize("inplace", [False, True])
-def test_nccl_short_and_general_paths_agree(fake, tag, shape, inplace):
+@pytest.mark.parametrize("mode", MODES)
+def test_nccl_short_and_general_paths_agree(fake, tag, shape, mode):
     cp = fake.cp
     comm, nc = nccl_comm(fake)
     out = {}
@@ -202,11 +213,12 @@ def test_nccl_short_and_general_paths_agree(fake, tag, shape, inplace):
             ncalls = len(nc.calls)
             if short:
                 with NoGeneral():
-                    r = call(comm, x, op, inplace)
+                    r, want = call(comm, x, op, mode)
             else:
-                r = call(comm, x, op, inplace)
+                r, want = call(comm, x, op, mode)
             comm.synchronize(5)
-            assert (r is x) == inplace and r.shape == shape and r.device.id == GPU
+            assert (r is want if want is not None else r is not x)
+            assert r.shape == shape and r.device.id == GPU
             new = nc.calls[ncalls:]
             assert [c["op"] for c in new] == ["allReduce"] and new[0]["stream"] == stream.ptr
             assert new[0]["device"] == GPU
@@ -268,14 +280,14 @@ def test_ring_torch_cpu_tensors_short_and_general_agree(group, tag, inplace):
             t = torch.from_numpy(values(tag, comm.rank, (4, 6)))
             for _ in range(2):                       # the second call hits the cached view
                 y = t.clone()
-                r = call(comm, y, "sum", inplace)
+                r, _ = call(comm, y, "sum", "inplace" if inplace else "new")
                 assert (r is y) == inplace and type(r) is torch.Tensor and r.shape == (4, 6)
                 out.append((r.numpy().copy(), fields(comm.recorder.records(1)[0])))
-                r2 = call(comm, t, "max", False)     # t itself, twice: cached
+                r2, _ = call(comm, t, "max", "new")     # t itself, twice: cached
                 out.append((r2.numpy().copy(), fields(comm.recorder.records(1)[0])))
             t.resize_(3)                             # a changed tensor: its view is made again
             t.copy_(torch.from_numpy(values(tag, comm.rank, (3,))))
-            r3 = call(comm, t, "sum", True)
+            r3, _ = call(comm, t, "sum", "inplace")
             out.append((r3.numpy().copy(), fields(comm.recorder.records(1)[0])))
             comm.short_path = True
             return out

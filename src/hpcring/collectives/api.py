@@ -263,7 +263,7 @@ class Communicator:
 
     # -- allreduce --------------------------------------------------------------------------
     # The short path (issue 23): the common call -- one C-contiguous array of a supported dtype,
-    # out=None or out=x, no dtype=, a synchronous call with nothing queued -- runs
+    # out=None, out=x or an out= of the same type, dtype and shape, no dtype=, a synchronous call with nothing queued -- runs
     # the same steps as the general one (same checks, flight record, deadline, precheck,
     # failure path and result) without the general path's per-call machinery (closures,
     # nested device contexts, re-validation of the op string, a second completion event).
@@ -317,9 +317,10 @@ class Communicator:
             seen[timeout] = t
         return t
 
-    def _allreduce_host(self, x, op: str, inplace: bool, timeout: float | None = None):
+    def _allreduce_host(self, x, op: str, out=None, timeout: float | None = None):
         """The short path on a host backend (ring, mpi): a numpy array or a CPU torch tensor
-        (else _GENERAL)."""
+        (else _GENERAL); ``out`` None, ``x``, or a numpy array of x's dtype and shape."""
+        inplace = out is x
         if self._worker._pending:               # queued async ops: in order, the general way
             return _GENERAL
         if type(x) is np.ndarray:
@@ -339,10 +340,16 @@ class Communicator:
         flat = host if host.ndim == 1 else host.reshape(-1)
         if inplace:
             res, rflat = x, flat
+        elif out is None:
+            res = np.empty(x.shape, dtype=host.dtype)
+            rflat = res if res.ndim == 1 else res.reshape(-1)
+            if tensor:
+                res = sys.modules["torch"].from_numpy(res)
+        elif (type(out) is np.ndarray and not tensor and out.dtype == host.dtype and out.shape == host.shape
+              and out.flags.c_contiguous and out.flags.writeable):
+            res, rflat = out, (out if out.ndim == 1 else out.reshape(-1))
         else:
-            out = np.empty(x.shape, dtype=host.dtype)
-            rflat = out if out.ndim == 1 else out.reshape(-1)
-            res = sys.modules["torch"].from_numpy(out) if tensor else out
+            return _GENERAL                # other out= forms: the general path checks or explains
         rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
         FlightRecorder.start(rec)
         try:
@@ -383,9 +390,11 @@ class Communicator:
         views[key] = (weakref.ref(x, lambda _, k=key, v=views: v.pop(k, None)), ptr, x.shape, x.dtype, host)
         return host
 
-    def _allreduce_device(self, x, op: str, inplace: bool, timeout: float | None = None):
+    def _allreduce_device(self, x, op: str, out=None, timeout: float | None = None):
         """The short path on a stream-ordered backend (NCCL): a C-contiguous CuPy array on the
-        backend's GPU (else _GENERAL); enqueued on the caller's current CuPy stream there."""
+        backend's GPU (else _GENERAL); enqueued on the caller's current CuPy stream there.
+        ``out``: None, ``x``, or a C-contiguous CuPy array of x's dtype and shape on that GPU."""
+        inplace = out is x
         be = self.backend
         cp = getattr(be, "array_module", None) or sys.modules.get("cupy")    # as _cuda finds it
         if cp is None or type(x) is not cp.ndarray:
@@ -396,6 +405,9 @@ class Communicator:
         dev_id = be.device_id
         if int(x.device.id) != dev_id or not x.flags.c_contiguous:
             return _GENERAL                 # the general path explains (UsageError) or copies
+        if not (out is None or inplace or (type(out) is cp.ndarray and out.dtype == x.dtype and out.shape == x.shape
+                                           and out.flags.c_contiguous and int(out.device.id) == dev_id)):
+            return _GENERAL
         t = self._short_deadline(timeout)
         dev = CudaContext(cp, dev_id, cp.cuda.get_current_stream(dev_id))
         with dev.active():
@@ -403,7 +415,7 @@ class Communicator:
             if inplace:
                 res, rflat = x, flat
             else:
-                res = cp.empty(x.shape, dtype=x.dtype)
+                res = cp.empty(x.shape, dtype=x.dtype) if out is None else out
                 rflat = res if res.ndim == 1 else res.reshape(-1)
             rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
             FlightRecorder.start(rec)
@@ -702,9 +714,9 @@ class Communicator:
                   dtype: str | None = None):
         # the synchronous twin, spelled out: the short path is tried first, without the twin's
         # argument repacking (same signature and docstring as _twins would give it)
-        if self.short_path and dtype is None and (out is None or out is x):
-            res = (self._allreduce_host(x, op, out is x, timeout) if self._ordered is None
-                   else self._allreduce_device(x, op, out is x, timeout))
+        if self.short_path and dtype is None:
+            res = (self._allreduce_host(x, op, out, timeout) if self._ordered is None
+                   else self._allreduce_device(x, op, out, timeout))
             if res is not _GENERAL:
                 return res
         return self._allreduce(x, op, out, timeout=timeout, dtype=dtype)

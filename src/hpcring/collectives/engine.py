@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 import threading
 import time
 from typing import Any, Callable
@@ -126,82 +127,108 @@ class Worker:
 class Completions:
     """Device collectives in flight on a stream-ordered backend.
 
-    One thread per communicator polls their completion events (every outstanding one: different
-    streams finish out of order), completes each flight record and handle, and enforces each
-    deadline and NCCL's async error through ``backend.poll`` -- NCCL itself has no timeout. On
-    a failure the communicator is aborted by the backend, the watchdog makes the job-wide report
-    (and normally ends the process), and every outstanding handle gets the error.
+    One thread per communicator polls their completion events, completes each flight record and
+    handle, and enforces each deadline and NCCL's async error through ``backend.poll`` -- NCCL
+    itself has no timeout. On a failure the communicator is aborted by the backend, the watchdog
+    makes the job-wide report (and normally ends the process), and every outstanding handle gets
+    the error.
 
-    Polls every 0.2 ms growing to 2 ms while work is outstanding (a completion is noticed late
-    by at most that: callers that consume results on the stream never wait for it), and sleeps
-    on a condition when nothing is."""
+    Ops on one stream complete in order, so they wait in one FIFO per stream and a round asks
+    only each stream's oldest op (one event query per stream, not per op: a burst of 100 small
+    ops in flight costs the same round as one). Ops behind a running one can only expire; they
+    are checked against their own deadlines every DEADLINE_SCAN seconds (deadlines are seconds
+    long). Polls every 0.2 ms growing to 2 ms while work is outstanding (a completion is noticed
+    late by at most that: callers that consume results on the stream never wait for it), and
+    sleeps on a condition when nothing is. A completed op with no handle gives its event back to
+    the backend (``backend.recycle``) for a later op to record again."""
 
     POLL_MIN, POLL_MAX = 2e-4, 2e-3
+    DEADLINE_SCAN = 0.05
 
     def __init__(self, comm) -> None:
         self._comm = comm
-        self._items: list = []
+        self._queues: dict[Any, deque] = {}     # stream pointer (None: unordered) -> FIFO of items
+        self._count = 0
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._idle = threading.Event()
         self._idle.set()
 
-    def add(self, rec: Record, pending, handle: Handle | None, result) -> None:
+    @property
+    def _items(self) -> list:
+        """Every outstanding item (a snapshot; for stop and failure paths)."""
         with self._cv:
-            self._items.append((rec, pending, handle, result))
+            return [it for q in self._queues.values() for it in q]
+
+    def add(self, rec: Record, pending, handle: Handle | None, result) -> None:
+        stream = getattr(pending, "stream", None)
+        with self._cv:
+            q = self._queues.get(stream)
+            if q is None:
+                q = self._queues[stream] = deque()
+            q.append((rec, pending, handle, result))
+            self._count += 1
             if self._idle.is_set():     # set only under self._cv (the poller, _fail): no race
                 self._idle.clear()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"hpcring-cuda-poll:{self._comm.rank}",
                                                 daemon=True)
                 self._thread.start()
-            if len(self._items) == 1:
+            if self._count == 1:
                 self._cv.notify()
 
     def _loop(self) -> None:
         backend = self._comm.backend
+        recycle = getattr(backend, "recycle", None)
         delay = self.POLL_MIN
+        next_scan = time.monotonic() + self.DEADLINE_SCAN
         while True:
             with self._cv:
-                while not self._items and not self._stopping:
+                while not self._count and not self._stopping:
                     self._idle.set()
                     self._cv.wait()
-                if not self._items:
+                if not self._count:
                     return
-                items = list(self._items)
+                queues = list(self._queues.items())
             now = time.monotonic()
-            finished = []
-            waiting: set = set()        # streams whose oldest op here is still running
-            for item in items:
-                rec, pending, handle, result = item
-                stream = getattr(pending, "stream", None)
-                # ops on one stream complete in order: behind a running one, only the deadline
-                # can change (a long queue of small ops costs one event query per stream)
-                if stream is not None and stream in waiting and now < pending.deadline:
-                    continue
-                try:
-                    done = backend.poll(pending, now)
-                except BaseException as e:  # noqa: BLE001 - CollectiveError: deadline / async error
-                    self._fail(item, e)
-                    return
-                if done:
-                    FlightRecorder.finish(rec)
-                    if handle is not None:
-                        handle._set(result)
-                    finished.append(item)
-                elif stream is not None:
-                    waiting.add(stream)
+            scan = now >= next_scan
+            if scan:
+                next_scan = now + self.DEADLINE_SCAN
+            finished = 0
+            for stream, q in queues:
+                i = 0
+                while i < len(q):           # only this thread removes items: q[i] is stable
+                    item = q[i]
+                    rec, pending, handle, result = item
+                    try:
+                        done = backend.poll(pending, now) if (i == 0 or stream is None) else (
+                            now >= pending.deadline and backend.poll(pending, now))
+                    except BaseException as e:  # noqa: BLE001 - CollectiveError: deadline / async error
+                        self._fail(item, e)
+                        return
+                    if done and (i == 0 or stream is None):
+                        del q[i]            # the head (or an unordered op): deque ends are O(1)
+                        FlightRecorder.finish(rec)
+                        if handle is not None:
+                            handle._set(result)
+                        elif recycle is not None:
+                            recycle(pending)
+                        finished += 1
+                        continue
+                    if stream is not None and not scan:
+                        break               # behind a running op on its stream: only deadlines
+                    i += 1
             if finished:
-                gone = set(map(id, finished))
                 with self._cv:
-                    self._items = [it for it in self._items if id(it) not in gone]
+                    self._count -= finished
             delay = self.POLL_MIN if finished else min(delay * 2, self.POLL_MAX)
             time.sleep(delay)
 
     def _fail(self, item, e: BaseException) -> None:
         with self._cv:
-            items, self._items = self._items, []
+            items = [it for q in self._queues.values() for it in q]
+            self._queues, self._count = {}, 0
         err = self._comm._failed(item[0], e)      # may end the process (watchdog abort mode)
         for rec, _, handle, _ in items:
             if rec is not item[0]:

@@ -106,6 +106,22 @@ class NcclBackend(LibraryBackend):
         self.version = int(version if version is not None else nccl.get_version())
         self._pending: Pending | None = None
         self._codes: dict = {}          # (dtype, op) -> (ncclDataType_t, ncclRedOp_t, divide after)
+        self._spare_events: list = []   # completed events nobody holds, recorded again by later ops
+
+    SPARE_EVENTS = 64
+
+    def _event(self):
+        """A completion event: a spare one when there is (creating one is a CUDA call and a
+        Python object per op; recording a completed event again is what CUDA events are for)."""
+        try:
+            return self._spare_events.pop()
+        except IndexError:
+            return self._cp.cuda.Event(block=False, disable_timing=True)
+
+    def recycle(self, p: Pending) -> None:
+        """Take back the event of ``p``, complete and seen by nobody else (no handle exposes it)."""
+        if len(self._spare_events) < self.SPARE_EVENTS:
+            self._spare_events.append(p.event)
 
     def take_pending(self) -> Pending | None:
         """The newest op left in flight since the last call (the Communicator tracks it);
@@ -217,13 +233,14 @@ class NcclBackend(LibraryBackend):
             fn()
         except Exception as e:  # noqa: BLE001 - NcclError at launch
             raise self._fail(f"{name}#{seq}{desc} failed to start on {self._where()}: {e}", abort=True) from None
-        event = self._cp.cuda.Event(block=False, disable_timing=True)
+        event = self._event()
         event.record(stream)
         p = Pending(event, name, seq, desc, t0, timeout, stream.ptr)
         if host is None or host[1] is None:
             self._pending = p
             return p
         self.wait(p)
+        self.recycle(p)
         dev, out = host
         out[...] = self._cp.asnumpy(dev).reshape(out.shape)
         return None
