@@ -132,6 +132,9 @@ def base_site(scheduler: str) -> dict:
         "lsf": {"drop_launch_node": False, "nnodes": False, "gpu_mode": "shared", "warning_signal": "USR2",
                 "warning_time": "5"},
         "sched_args": ["--comment=base"],
+        # no image: the site's container stays off, so the rendered ranks are the plain ones
+        "container": {"runtime": "apptainer", "mounts": ["/data:/data:ro"],
+                      "workdir": "/work", "flags": ["--writable-tmpfs"]},
     }
     if scheduler == "slurm":
         site["launcher"]["mpi"] = "pmix"

@@ -51,7 +51,7 @@ def for_allocation(site: Site, alloc: launchers.Allocation) -> Site:
 
 
 def launch_words(alloc: launchers.Allocation, site: Site, job: JobSpec, nodes: int, per_node: int,
-                 rank_cmd: list[str], run_dir: Path) -> tuple[LaunchWords, dict[str, str]]:
+                 rank_cmd: list[str], run_dir: Path, container=None) -> tuple[LaunchWords, dict[str, str]]:
     """The scheduler's launcher line for ``nodes x per_node`` ranks in ``alloc``, and the variables
     the ranks need besides (LSF: the host file, written into ``run_dir``).
 
@@ -61,7 +61,8 @@ def launch_words(alloc: launchers.Allocation, site: Site, job: JobSpec, nodes: i
     from hpcring.schedulers import get
     cfg = for_allocation(site, alloc).config
     req = LaunchRequest(nodes=nodes, tasks_per_node=per_node, command=tuple(rank_cmd),
-                        cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, size_step=True)
+                        cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, size_step=True,
+                        container=container)
     extra: dict[str, str] = {}
     if alloc.scheduler == "lsf" and cfg.launcher.kind in ("blaunch", "mpirun"):
         if not alloc.slots:
@@ -76,8 +77,10 @@ def launch_words(alloc: launchers.Allocation, site: Site, job: JobSpec, nodes: i
 
 
 def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
-        environ: Mapping[str, str] | None = None) -> int:
-    """Start the ranks, wait for them, and return 0 or raise JobFailedError naming the first failure."""
+        environ: Mapping[str, str] | None = None, container=None) -> int:
+    """Start the ranks, wait for them, and return 0 or raise JobFailedError naming the first failure.
+    ``container`` (schedulers.container.ContainerRun): every rank, hpcring's rank_exec included,
+    runs in that image, with the run folder (status files, the secret) bound at its own path."""
     env_in = dict(os.environ if environ is None else environ)
     if not cmd:
         raise UsageError("nothing to run: give a command after --, e.g. hpcring run -- python train.py")
@@ -103,12 +106,18 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     env.update({k: v for k, v in job_env(site, job).items() if k not in env_in})
     env["HPCRING_SECRET_FILE"] = str(secret)
     rank_cmd = [sys.executable, "-m", "hpcring.rank_exec", "--status-dir", str(run_dir / "status"), "--", *cmd]
+    if container is not None:   # CMD may name files relative to here: the ranks start here too
+        container = container.with_bind(str(run_dir))
+        if container.workdir is None:
+            container = replace(container.with_bind(os.getcwd()), workdir=os.getcwd())
     diag = jobdir.diag_dir({**env, "HPCRING_JOB_ID": _local_job_id()} if alloc is None else env, create=False)
     try:
         if alloc is None:
-            procs = _start_local(rank_cmd, env, nodes, per_node)
+            pre = LaunchRequest(nodes, per_node, (), gpus_per_node=job.gpus_per_node,
+                                container=container).container_prefix()
+            procs = _start_local([*pre, *rank_cmd], env, nodes, per_node)
         else:
-            words, extra = launch_words(alloc, site, job, nodes, per_node, rank_cmd, run_dir)
+            words, extra = launch_words(alloc, site, job, nodes, per_node, rank_cmd, run_dir, container)
             argv = words.argv
             if shutil.which(argv[0]) is None:
                 raise SchedulerError(f"`{argv[0]}` is not on PATH inside this {alloc.scheduler} allocation",

@@ -47,10 +47,12 @@ def job_env(site: Site, job: JobSpec) -> dict[str, str]:
     return env
 
 
-def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = None) -> str:
+def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = None,
+                   folder: str | None = None) -> str:
     """The job script's launcher line: the site scheduler's ``launch_argv`` for the whole job.
 
-    ``command`` is shell text (submitit's, already quoted); ``logs`` the per-rank log prefix.
+    ``command`` is shell text (submitit's, already quoted); ``logs`` the per-rank log prefix;
+    ``folder`` the job folder (bound into the job's container, if it has one).
     """
     from hpcring.schedulers import get   # lazily: the scheduler modules import this one
     build = getattr(get(site.config.scheduler), "launch_argv", None)
@@ -58,8 +60,24 @@ def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = No
         raise TemplateError(f"launch_command(): the {site.config.scheduler} scheduler has no launcher line",
                             hint="a local-site template runs hpcring.schedulers.local_run instead")
     req = LaunchRequest(nodes=job.nodes, tasks_per_node=job.tasks_per_node, command=Shell(command),
-                        cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, logs=logs)
+                        cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, logs=logs,
+                        container=job_container(job, folder or "/"))
     return build(site.config, req).script()
+
+
+def job_container(job: JobSpec, folder: str):
+    """The job's container with the job folder's parent bound at its own path: the job folder
+    (``%j`` expands later) and the per-job secret file beside it reach every rank unchanged."""
+    return job.container.with_bind(str(Path(folder).parent)) if job.container is not None else None
+
+
+def in_container(site: Site, job: JobSpec, command: str, folder: str) -> str:
+    """``command`` (shell text) inside the job's container: for templates that start ranks
+    without a launcher line (the local backend's)."""
+    req = LaunchRequest(nodes=job.nodes, tasks_per_node=job.tasks_per_node, command=Shell(command),
+                        gpus_per_node=job.gpus_per_node, container=job_container(job, folder))
+    pre = req.container_prefix()
+    return " ".join([*(shlex.quote(w) for w in pre), command]) if pre else command
 
 
 # scheduler flags that set the job's warning signal: the last one wins, so a user's flag silently
@@ -170,8 +188,9 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
                               keep_trailing_newline=True, autoescape=False)
     jenv.filters["shquote"] = lambda v: shlex.quote(str(v))
     jenv.filters["shquote_path"] = lambda v: quote_path(str(v))   # keeps a leading ~ expandable
-    jenv.globals["launch_command"] = lambda logs=None: launch_command(site, job, command, logs)
+    jenv.globals["launch_command"] = lambda logs=None: launch_command(site, job, command, logs, folder)
     jenv.globals["slurm_warning"] = lambda: slurm_warning(site, job)
+    jenv.globals["in_container"] = lambda cmd: in_container(site, job, cmd, folder)
     try:
         text = jenv.get_template(path.name).render(
             site=site.config, site_path=site.path.name if site.origin == "bundled" else str(site.path),

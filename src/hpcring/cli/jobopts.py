@@ -39,6 +39,9 @@ class JobRequest:
     name: Optional[str] = None
     sched_arg: list[str] = field(default_factory=list)
     template: Optional[str] = None
+    container_image: Optional[str] = None
+    container_mounts: list[str] = field(default_factory=list)
+    no_container: Optional[bool] = None
     verbose: bool = False
 
     # the JobSpec fields the CLI can set (resolve_job's ``cli`` mapping)
@@ -54,7 +57,16 @@ class JobRequest:
         job = resolve_job(site, self.script, list(self.args), cli, sched_args=list(self.sched_arg),
                           exclusive=self.exclusive)
         check_script(self.script)      # render and --dry-run too: a preview of a job that cannot run misleads
+        job.container = container_of(site, self.container_image, self.container_mounts, self.no_container)
+        if job.container is not None:
+            job.sources.update(dict(job.container.sources))
         return site, job
+
+
+def container_of(site, image: Optional[str], mounts: list[str], no_container: Optional[bool]):
+    """The job's container (schedulers.container.resolve: CLI > HPCRING_CONTAINER_IMAGE/_MOUNTS > site)."""
+    from hpcring.schedulers.container import resolve
+    return resolve(site.config.container, image, mounts, no_container, site_name=site.name)
 
 
 def check_script(script: str) -> None:
@@ -99,6 +111,11 @@ _OPTIONS = {
     "sched_arg": (Optional[List[str]], typer.Option(None, "--sched-arg",
                                                     help="Extra scheduler flag, passed through (repeatable).")),
     "template": (Optional[str], typer.Option(None, "--template", help="Own job-script template (.j2).")),
+    "container_image": (Optional[str], typer.Option(None, "--container-image",
+                                                    help="Run every rank in this image (the site's container runtime).")),
+    "container_mounts": (Optional[List[str]], typer.Option(None, "--container-mounts",
+                                                           help="SRC[:DST[:OPTS]],... added to the site's mounts.")),
+    "no_container": (Optional[bool], typer.Option(None, "--no-container", help="Run the ranks on the host.")),
     "verbose": (bool, typer.Option(False, "--verbose", "-v", help="Show where each setting came from.")),
 }
 _ARGUMENTS = {

@@ -16,9 +16,17 @@ def register(app: typer.Typer) -> None:
     def run(cmd: List[str] = typer.Argument(..., help="Command for every rank (after --)."),
             nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES, help="Nodes (default: the allocation's, or 1)."),
             tasks_per_node: Optional[int] = typer.Option(None, "--tasks-per-node", min=1, max=MAX_TASKS_PER_NODE, help="Ranks per node."),
-            site: Optional[str] = SiteOpt):
+            site: Optional[str] = SiteOpt,
+            container_image: Optional[str] = typer.Option(None, "--container-image",
+                                                          help="Run every rank in this image (the site's runtime)."),
+            container_mounts: Optional[List[str]] = typer.Option(None, "--container-mounts",
+                                                                 help="SRC[:DST[:OPTS]],... added to the site's mounts."),
+            no_container: Optional[bool] = typer.Option(None, "--no-container", help="Run the ranks on the host.")):
         import sys
 
         from hpcring.config.site import load_site
         from hpcring import allocation
-        sys.exit(allocation.run(cmd, load_site(site), nodes, tasks_per_node))
+        from hpcring.cli.jobopts import container_of
+        s = load_site(site)
+        box = container_of(s, container_image, list(container_mounts or []), no_container)
+        sys.exit(allocation.run(cmd, s, nodes, tasks_per_node, container=box))

@@ -185,6 +185,12 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_QOS", "str", None, "quality of service (--qos)"),
     _v("HPCRING_CONSTRAINT", "str", None, "node features (--constraint)"),
     _v("HPCRING_JOB_NAME", "str", None, "job name (--name; default the script's name)"),
+    _v("HPCRING_CONTAINER_IMAGE", "str", None, "image every rank runs in, with the site's container "
+       "runtime (--container-image; docs/containers.md)"),
+    _v("HPCRING_CONTAINER_MOUNTS", "str", None, "SRC[:DST[:OPTS]],... bound into the container besides "
+       "the site's mounts (--container-mounts)"),
+    _v("HPCRING_NO_CONTAINER", "bool", False, "run the ranks on the host even if the site names an "
+       "image (--no-container)"),
     # -- set by hpcring for each rank (users do not set these) --
     _v("HPCRING_LAUNCHER", "str", None, "`local` for ranks of the local backend", set_by="hpcring"),
     _v("HPCRING_RANK", "int", None, "local backend: this rank", 0, MAX_RANKS, set_by="hpcring"),

@@ -71,6 +71,7 @@ class JobSpec:
     sched_args: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # per-job additions (e.g. HPCRING_SECRET_FILE)
+    container: Any = None   # schedulers.container.ContainerRun: the image the ranks start in, or None
 
     @property
     def ntasks(self) -> int:
@@ -184,6 +185,10 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
                    job_dir=values["job_dir"], timeout=values["timeout"],
                    sched_args=list(site.config.sched_args) + list(sched_args or []), sources=sources)
     check_limits(site, spec)
+    # the image from HPCRING_CONTAINER_IMAGE or the site (JobRequest.resolve puts the flags on top);
+    # imported here: the container words live beside the launcher's, in schedulers/
+    from hpcring.schedulers.container import resolve as container_of
+    spec.container = container_of(site.config.container, environ=env, site_name=site.name)
     return spec
 
 

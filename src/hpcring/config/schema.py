@@ -253,6 +253,54 @@ class SlurmOptions(_Strict):
         return v
 
 
+class Container(_Strict):
+    """The image every rank starts in (docs/containers.md); ``--container-image`` and
+    ``--container-mounts`` override, ``--no-container`` turns it off for one job."""
+
+    runtime: Literal["pyxis", "apptainer", "singularity", "charliecloud", "podman"]
+    image: str | None = None        # None: only with --container-image (else ranks run on the host)
+    mounts: list[str] = []          # SRC[:DST[:OPTIONS]], absolute paths; the job folder is added
+    workdir: str | None = None      # the ranks' working directory inside the image
+    flags: list[str] = []           # extra runtime options, one word each (quoted on the line)
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v):
+        from hpcring.schedulers.container import image_problem   # standard library only
+        why = v is not None and image_problem(v)
+        if why:
+            raise ValueError(f"image {why}")
+        return v
+
+    @field_validator("mounts")
+    @classmethod
+    def _mounts(cls, v):
+        from hpcring.schedulers.container import mount_problem
+        for i, m in enumerate(v):
+            why = mount_problem(m)
+            if why:
+                raise PydanticCustomError("site_mount", "{why}", {"why": f"mount {why}", "sub": (i,)})
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v):
+        if v is not None and (not v.startswith("/") or any(c.isspace() or c in ",:" for c in v)):
+            raise ValueError(f"workdir {shown(v)} is not an absolute path without spaces, ',' or ':'")
+        return v
+
+    @field_validator("flags")
+    @classmethod
+    def _flags(cls, v):
+        for i, f in enumerate(v):
+            if not f.startswith("-") or any(c.isspace() for c in f):
+                raise PydanticCustomError(
+                    "site_flag", "{why}",
+                    {"why": f"flag {shown(f)} is not one option word starting with '-' (e.g. --writable-tmpfs; "
+                            "an option and its value as one word: --env=A=1)", "sub": (i,)})
+        return v
+
+
 class SiteConfig(_Strict):
     """One cluster, as its admins describe it."""
 
@@ -277,6 +325,7 @@ class SiteConfig(_Strict):
     slurm: SlurmOptions = SlurmOptions()
     lsf: LsfOptions = LsfOptions()
     sched_args: list[str] = []          # extra scheduler flags for every job
+    container: Container | None = None  # ranks inside an image (docs/containers.md)
 
     @field_validator("name")
     @classmethod

@@ -233,4 +233,16 @@ def cross_checks(cfg: SiteConfig) -> list[tuple[tuple, str]]:
                     "or both to null for no warning"))
     if cfg.scheduler == "local" and cfg.partitions:
         out.append((("partitions",), "the local scheduler has no partitions"))
+    if cfg.container and cfg.container.runtime == "pyxis" and lau.kind != "srun":
+        out.append((("container", "runtime"), "pyxis is a plugin of Slurm's srun; launcher "
+                    f"{lau.kind!r} cannot use it: pick apptainer, charliecloud or podman"))
+    # flags that start the rank with an empty environment: the secret file's name, the launcher's
+    # rank variables and the fabric's NCCL/Gloo/UCX settings would never reach it
+    clearing = {"apptainer": ("--cleanenv", "-e", "--containall", "-C"), "charliecloud": ("--unset-env",)}
+    for i, f in enumerate(cfg.container.flags if cfg.container else []):
+        bad = clearing.get({"singularity": "apptainer"}.get(cfg.container.runtime, cfg.container.runtime), ())
+        if f.split("=", 1)[0] in bad:
+            out.append((("container", "flags", i), f"{f} starts every rank with an empty environment: "
+                        "HPCRING_SECRET_FILE, the launcher's rank variables and the fabric's NCCL_*/GLOO_*/UCX_* "
+                        "would not reach it; remove it (docs/containers.md)"))
     return out

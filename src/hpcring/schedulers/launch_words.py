@@ -46,14 +46,29 @@ class LaunchRequest:
     logs: str | None = None
     size_step: bool = False
     hostfile: str = HOSTFILE
+    container: object = None   # schedulers.container.ContainerRun: every rank inside that image
 
     @property
     def ntasks(self) -> int:
         return self.nodes * self.tasks_per_node
 
     def command_words(self) -> tuple[str, ...]:
-        """The command's argv (shell text split the way the batch shell splits it)."""
-        return tuple(shlex.split(self.command)) if isinstance(self.command, Shell) else tuple(self.command)
+        """The command's argv (shell text split the way the batch shell splits it), inside the
+        container's runtime prefix when there is one."""
+        words = tuple(shlex.split(self.command)) if isinstance(self.command, Shell) else tuple(self.command)
+        return self.container_prefix() + words
+
+    def container_prefix(self) -> tuple[str, ...]:
+        from hpcring.schedulers.container import prefix
+        return prefix(self.container, gpus=self.gpus_per_node > 0)
+
+    def launched(self) -> tuple[tuple[str, ...], ...]:
+        """What the launcher starts on each rank, as lines: the container's runtime prefix (if any,
+        on a line of its own), then the command (pyxis instead adds srun options:
+        :func:`schedulers.container.srun_options`)."""
+        pre = self.container_prefix()
+        cmd = (self.command,) if isinstance(self.command, Shell) else tuple(self.command)
+        return ((pre, cmd) if pre else (cmd,))
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from hpcring.config.site import Site, load_site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
 from hpcring.schedulers.base import COMMAND_TIMEOUT, JobState, run_command, state_dir
-from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, remote_shell, submitit_command
+from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, remote_shell, submitit_command
 
 COMMAND = "bsub"
 BJOBS_FORMAT = "jobid stat exit_code exec_host"
@@ -249,20 +249,20 @@ def launch_argv(site: SiteConfig, req: LaunchRequest) -> LaunchWords:
     (lsf_task writes them from HPCRING_LOG_PATTERN), so ``req.logs`` is not used.
     """
     lau = site.launcher
-    args, cmd = lau.args, (req.command,) if isinstance(req.command, Shell) else req.command_words()
+    args, cmd = lau.args, req.launched()   # the command, after the container's prefix if any
     if lau.kind == "jsrun":
         head = ("jsrun", "-n", str(req.ntasks), "-r", str(req.tasks_per_node), "-a", "1",
                 "-c", str(req.cpus_per_task), "-g", "1" if req.gpus_per_node else "0",
                 "-b", f"packed:{req.cpus_per_task}")
     elif lau.kind == "blaunch":
         head = ("blaunch", "-u", req.hostfile)
-        args, cmd = remote_shell(args), remote_shell(req.command_words())
+        args, cmd = remote_shell(args), (remote_shell(req.command_words()),)
     elif lau.kind == "mpirun":
         head = ("mpirun", "-np", str(req.ntasks), "--hostfile", req.hostfile,
                 "--map-by", f"ppr:{req.tasks_per_node}:node")
     else:   # the site schema refuses other kinds for LSF; a programming error if reached
         raise SchedulerError(f"launcher kind {lau.kind!r} does not run under LSF")
-    return LaunchWords((head, *((a,) for a in args), cmd))
+    return LaunchWords((head, *((a,) for a in args), *cmd))
 
 
 def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, python: str) -> LsfExecutor:

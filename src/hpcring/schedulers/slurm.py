@@ -16,6 +16,7 @@ from hpcring.config.site import Site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
 from hpcring.schedulers.base import COMMAND_TIMEOUT, TERMINAL, JobState, run_command
+from hpcring.schedulers.container import srun_options
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, submitit_command
 
 COMMAND = "sbatch"
@@ -55,7 +56,10 @@ def launch_argv(site: SiteConfig, req: LaunchRequest) -> LaunchWords:
     if lau.mpi:
         lines.append((f"--mpi={lau.mpi}",))
     lines += [(a,) for a in lau.args]
-    lines.append((req.command,) if isinstance(req.command, Shell) else req.command_words())
+    pyxis = srun_options(req.container)
+    if pyxis:
+        lines.append(pyxis)
+    lines += req.launched()
     return LaunchWords(tuple(lines))
 
 
