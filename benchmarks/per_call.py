@@ -251,6 +251,7 @@ def run_nccl(args) -> dict:
     from hpcring.collectives import nccl as N
     from hpcring.collectives.api import Communicator
     gpu = 1
+    cp.cuda.Device(gpu).use()           # as NcclBackend.create leaves a rank's thread
     nc = F.FakeNcclComm(cp, 2, 0, gpu)
     be = N.NcclBackend(nc, 0, 2, gpu, hosts=("gpu0",) * 2, cupy=cp, nccl=F.make_nccl_module([nc]),
                        version=22000)

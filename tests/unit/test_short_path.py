@@ -189,6 +189,7 @@ fake = F.fake_cuda      # the fixture: fake cupy and torch in sys.modules
 
 
 def nccl_comm(fake, size: int = 2, timeout: float = 5.0):
+    fake.cp.cuda.Device(GPU).use()              # as NcclBackend.create leaves the rank's thread
     nc = F.FakeNcclComm(fake.cp, size, 0, GPU)
     be = N.NcclBackend(nc, 0, size, GPU, hosts=("gpu0",) * size, cupy=fake.cp,
                        nccl=F.make_nccl_module([nc]), version=22000)
@@ -247,6 +248,22 @@ def test_nccl_short_path_returns_before_the_gpu_finished_and_keeps_the_deadline(
     with pytest.raises(CollectiveError, match="allreduce#1"):
         comm.allreduce(x, out=x)                   # sticky
     cp.gpu_busy = False
+    comm.close()
+
+
+def test_nccl_short_path_is_not_taken_with_another_gpu_current(fake):
+    """The short path does not switch GPUs: with another device current (a thread that uses
+    several), the general path runs the call on the backend's GPU and gives the same result."""
+    cp = fake.cp
+    comm, nc = nccl_comm(fake)
+    x = cp.device_array(values("float32", 0, (64,)), device=GPU)
+    cp.cuda.Device(0).use()
+    with pytest.raises(AssertionError, match="general path ran"), NoGeneral():
+        comm.allreduce(x, out=x)
+    r = comm.allreduce(x)
+    comm.synchronize(5)
+    assert nc.calls[-1]["device"] == GPU and cp.cuda.runtime.getDevice() == 0
+    np.testing.assert_array_equal(r.get(), values("float32", 0, (64,)) * 2)
     comm.close()
 
 

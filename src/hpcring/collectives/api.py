@@ -397,41 +397,34 @@ class Communicator:
         inplace = out is x
         be = self.backend
         cp = getattr(be, "array_module", None) or sys.modules.get("cupy")    # as _cuda finds it
-        if cp is None or type(x) is not cp.ndarray:
+        if cp is None or type(x) is not cp.ndarray or not hasattr(be, "allreduce_enqueue"):
             return _GENERAL
         tag = _DT2TAG.get(x.dtype)
         if tag is None or (op, tag) not in (self.__dict__.get("_ok_ops") or self._short_ops()):
             return _GENERAL
         dev_id = be.device_id
-        if int(x.device.id) != dev_id or not x.flags.c_contiguous:
-            return _GENERAL                 # the general path explains (UsageError) or copies
+        if int(x.device.id) != dev_id or not x.flags.c_contiguous or cp.cuda.runtime.getDevice() != dev_id:
+            return _GENERAL                 # the general path explains (UsageError), copies or switches GPU
         if not (out is None or inplace or (type(out) is cp.ndarray and out.dtype == x.dtype and out.shape == x.shape
                                            and out.flags.c_contiguous and int(out.device.id) == dev_id)):
             return _GENERAL
         t = self._short_deadline(timeout)
-        dev = CudaContext(cp, dev_id, cp.cuda.get_current_stream(dev_id))
-        with dev.active():
-            flat = x if x.ndim == 1 else x.reshape(-1)
-            if inplace:
-                res, rflat = x, flat
-            else:
-                res = cp.empty(x.shape, dtype=x.dtype) if out is None else out
-                rflat = res if res.ndim == 1 else res.reshape(-1)
-            rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
-            FlightRecorder.start(rec)
-            try:
-                if self.precheck and self.size > 1:
-                    self._precheck(rec)
-                be.allreduce(flat, rflat, tag, op, t)
-            except BaseException as e:
-                raise self._failed(rec, e) from None
-            pending = be.take_pending()
-            if pending is None:
-                FlightRecorder.finish(rec)
-                return res
-            if pending.stream != dev.stream.ptr:   # the backend enqueued elsewhere: order after it
-                pending.event.record(dev.stream)
-            self._ordered.add(rec, pending, None, res)
+        stream = cp.cuda.get_current_stream(dev_id)
+        flat = x if x.ndim == 1 else x.reshape(-1)
+        if inplace:
+            res, rflat = x, flat
+        else:
+            res = cp.empty(x.shape, dtype=x.dtype) if out is None else out
+            rflat = res if res.ndim == 1 else res.reshape(-1)
+        rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
+        FlightRecorder.start(rec)
+        try:
+            if self.precheck and self.size > 1:
+                self._precheck(rec)
+            pending = be.allreduce_enqueue(flat, rflat, tag, op, t, stream)
+        except BaseException as e:
+            raise self._failed(rec, e) from None
+        self._ordered.add(rec, pending, None, res)
         return res
 
     def _allreduce_grouped(self, arrays: Sequence, op: str = "sum", *, timeout: float | None = None,

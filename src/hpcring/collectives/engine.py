@@ -137,10 +137,13 @@ class Completions:
     only each stream's oldest op (one event query per stream, not per op: a burst of 100 small
     ops in flight costs the same round as one). Ops behind a running one can only expire; they
     are checked against their own deadlines every DEADLINE_SCAN seconds (deadlines are seconds
-    long). Polls every 0.2 ms growing to 2 ms while work is outstanding (a completion is noticed
-    late by at most that: callers that consume results on the stream never wait for it), and
-    sleeps on a condition when nothing is. A completed op with no handle gives its event back to
-    the backend (``backend.recycle``) for a later op to record again."""
+    long). Polls every 0.2 ms growing to 2 ms while ops someone may wait for are outstanding (a
+    handle, or a ``drain``/``synchronize`` in progress: a completion is noticed late by at most
+    that), every 2 ms while only synchronous ops are (nobody waits on them: callers consume
+    their results on the stream; polling them sooner only takes the GIL from the caller that is
+    enqueueing the next ones), and sleeps on a condition when nothing is. A completed op with no
+    handle gives its event back to the backend (``backend.recycle``) for a later op to record
+    again."""
 
     POLL_MIN, POLL_MAX = 2e-4, 2e-3
     DEADLINE_SCAN = 0.05
@@ -149,6 +152,8 @@ class Completions:
         self._comm = comm
         self._queues: dict[Any, deque] = {}     # stream pointer (None: unordered) -> FIFO of items
         self._count = 0
+        self._held = 0                          # outstanding items with a handle
+        self._draining = 0                      # drain() calls waiting
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -169,6 +174,10 @@ class Completions:
                 q = self._queues[stream] = deque()
             q.append((rec, pending, handle, result))
             self._count += 1
+            if handle is not None:
+                self._held += 1
+                if self._held == 1 and self._count > 1:
+                    self._cv.notify()   # the poller may be in a lazy wait: someone waits now
             if self._idle.is_set():     # set only under self._cv (the poller, _fail): no race
                 self._idle.clear()
             if self._thread is None:
@@ -195,7 +204,7 @@ class Completions:
             scan = now >= next_scan
             if scan:
                 next_scan = now + self.DEADLINE_SCAN
-            finished = 0
+            finished = held = 0
             for stream, q in queues:
                 i = 0
                 while i < len(q):           # only this thread removes items: q[i] is stable
@@ -212,6 +221,7 @@ class Completions:
                         FlightRecorder.finish(rec)
                         if handle is not None:
                             handle._set(result)
+                            held += 1
                         elif recycle is not None:
                             recycle(pending)
                         finished += 1
@@ -219,16 +229,18 @@ class Completions:
                     if stream is not None and not scan:
                         break               # behind a running op on its stream: only deadlines
                     i += 1
-            if finished:
-                with self._cv:
-                    self._count -= finished
-            delay = self.POLL_MIN if finished else min(delay * 2, self.POLL_MAX)
-            time.sleep(delay)
+            with self._cv:
+                self._count -= finished
+                self._held -= held
+                eager = self._held or self._draining
+                delay = self.POLL_MAX if not eager else self.POLL_MIN if finished else min(delay * 2, self.POLL_MAX)
+                if self._count:
+                    self._cv.wait(delay)    # drain() and a first handle cut it short
 
     def _fail(self, item, e: BaseException) -> None:
         with self._cv:
             items = [it for q in self._queues.values() for it in q]
-            self._queues, self._count = {}, 0
+            self._queues, self._count, self._held = {}, 0, 0
         err = self._comm._failed(item[0], e)      # may end the process (watchdog abort mode)
         for rec, _, handle, _ in items:
             if rec is not item[0]:
@@ -242,7 +254,17 @@ class Completions:
     def drain(self, timeout: float | None = None) -> None:
         """Block until nothing is outstanding (each item keeps its own deadline; ``timeout``
         bounds this wait too)."""
-        if not self._idle.wait(timeout):
+        if self._idle.is_set():
+            return
+        with self._cv:
+            self._draining += 1
+            self._cv.notify_all()       # the poller goes eager at once
+        try:
+            idle = self._idle.wait(timeout)
+        finally:
+            with self._cv:
+                self._draining -= 1
+        if not idle:
             raise CollectiveError(f"device collectives still in flight after {timeout:g} s",
                                   hint="each keeps its own deadline; wait again or raise it")
 

@@ -108,7 +108,7 @@ class NcclBackend(LibraryBackend):
         self._codes: dict = {}          # (dtype, op) -> (ncclDataType_t, ncclRedOp_t, divide after)
         self._spare_events: list = []   # completed events nobody holds, recorded again by later ops
 
-    SPARE_EVENTS = 64
+    SPARE_EVENTS = 256
 
     def _event(self):
         """A completion event: a spare one when there is (creating one is a CUDA call and a
@@ -283,6 +283,30 @@ class NcclBackend(LibraryBackend):
             if divide:
                 self._divide(r, dtype)
         return self._launch("allreduce", seq, desc, timeout, t0, stream, go, (r, rhost))
+
+    def allreduce_enqueue(self, s, r, dtype: str, op: str, timeout: float, stream) -> Pending:
+        """The short path's allreduce: ``s``/``r`` are C-contiguous CuPy arrays on this GPU,
+        which is current, and ``stream`` is its current stream (the caller checked all three).
+        Enqueues and returns the op's :class:`Pending`, with the same checks, sequence number
+        and errors as :meth:`allreduce`, without its wrappers and closures."""
+        codes = self._codes.get((dtype, op))
+        if codes is None:
+            codes = self._codes[dtype, op] = (nccl_dtype(dtype, self.version, self._nccl),
+                                              *nccl_op(op, dtype, self.version, self._nccl))
+        ndt, nop, divide = codes
+        seq = self._begin("allreduce")
+        t0 = time.monotonic()
+        sp = s.data.ptr
+        try:
+            self._comm.allReduce(sp, sp if r is s else r.data.ptr, r.size, ndt, nop, stream.ptr)
+            if divide:                  # avg before NCCL 2.10: a division kernel after it
+                self._divide(r, dtype)
+        except Exception as e:  # noqa: BLE001 - NcclError at launch
+            raise self._fail(f"allreduce#{seq}{self._lazy_desc(r.size, dtype, op)} failed to start on "
+                             f"{self._where()}: {e}", abort=True) from None
+        event = self._event()
+        event.record(stream)
+        return Pending(event, "allreduce", seq, self._lazy_desc(r.size, dtype, op), t0, timeout, stream.ptr)
 
     def _divide(self, arr, dtype: str) -> None:
         if dtype == "bfloat16":        # uint16 storage: divide in float32, round to nearest even
