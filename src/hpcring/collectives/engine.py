@@ -143,10 +143,13 @@ class Completions:
     their results on the stream; polling them sooner only takes the GIL from the caller that is
     enqueueing the next ones), and sleeps on a condition when nothing is. A completed op with no
     handle gives its event back to the backend (``backend.recycle``) for a later op to record
-    again."""
+    again. When the queue empties the poller lingers LINGER seconds polling at 2 ms before it
+    sleeps: a stream of small ops that each finish before the next is enqueued would otherwise
+    wake it once per op (a GIL hand-over each)."""
 
     POLL_MIN, POLL_MAX = 2e-4, 2e-3
     DEADLINE_SCAN = 0.05
+    LINGER = 0.05
 
     def __init__(self, comm) -> None:
         self._comm = comm
@@ -154,6 +157,7 @@ class Completions:
         self._count = 0
         self._held = 0                          # outstanding items with a handle
         self._draining = 0                      # drain() calls waiting
+        self._sleeping = False                  # the poller waits for a notify (not lingering)
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -176,7 +180,7 @@ class Completions:
             self._count += 1
             if handle is not None:
                 self._held += 1
-                if self._held == 1 and self._count > 1:
+                if self._held == 1:
                     self._cv.notify()   # the poller may be in a lazy wait: someone waits now
             if self._idle.is_set():     # set only under self._cv (the poller, _fail): no race
                 self._idle.clear()
@@ -184,7 +188,7 @@ class Completions:
                 self._thread = threading.Thread(target=self._loop, name=f"hpcring-cuda-poll:{self._comm.rank}",
                                                 daemon=True)
                 self._thread.start()
-            if self._count == 1:
+            if self._sleeping:          # lingering, it finds the op on its next round
                 self._cv.notify()
 
     def _loop(self) -> None:
@@ -194,9 +198,17 @@ class Completions:
         next_scan = time.monotonic() + self.DEADLINE_SCAN
         while True:
             with self._cv:
-                while not self._count and not self._stopping:
+                if not self._count:
                     self._idle.set()
-                    self._cv.wait()
+                    # linger a while before sleeping: back-to-back small ops empty the queue
+                    # between two calls, and a notify per op would wake this thread per op
+                    quiet = time.monotonic() + self.LINGER
+                    while not self._count and not self._stopping and time.monotonic() < quiet:
+                        self._cv.wait(self.POLL_MAX)
+                    self._sleeping = True
+                    while not self._count and not self._stopping:
+                        self._cv.wait()
+                    self._sleeping = False
                 if not self._count:
                     return
                 queues = list(self._queues.items())
