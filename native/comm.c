@@ -74,18 +74,24 @@ int hr_op_begin(hr_op_t *op, hr_comm_t *c, int kind, int dtype, int redop, uint6
 }
 
 int hr_op_fail(hr_op_t *op, const char *fmt, ...) {
-    hr_comm_t *c = op->c;
+    char msg[HR_ERRLEN];
     va_list ap;
     int n;
+    if (op->c->failed) return HR_ERR;
+    n = snprintf(msg, sizeof(msg), "%s#%u ", op->name, (unsigned)op->hdr.seq);
+    va_start(ap, fmt);
+    vsnprintf(msg + n, sizeof(msg) - (size_t)n, fmt, ap);
+    va_end(ap);
+    return hr_comm_fail(op->c, msg);
+}
+
+int hr_comm_fail(hr_comm_t *c, const char *msg) {
     pthread_mutex_lock(&c->errlock);
     if (c->failed) {
         pthread_mutex_unlock(&c->errlock);
         return HR_ERR;
     }
-    n = snprintf(c->err, sizeof(c->err), "%s#%u ", op->name, (unsigned)op->hdr.seq);
-    va_start(ap, fmt);
-    vsnprintf(c->err + n, sizeof(c->err) - (size_t)n, fmt, ap);
-    va_end(ap);
+    snprintf(c->err, sizeof(c->err), "%s", msg);
     __atomic_store_n(&c->failed, 1, __ATOMIC_RELEASE);
     if (c->shm.base) /* tells local peers this rank failed on its own (it did not die) */
         __atomic_store_n(&hr_shm_cell(&c->shm, c->shm.lrank)->failed, 1, __ATOMIC_RELEASE);

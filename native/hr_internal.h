@@ -1,7 +1,7 @@
 /* hr_internal.h -- shared types of the hpcring native collectives.
  *
- * A communicator (hr_comm_t) owns one connected, already-authenticated TCP stream per peer
- * (connection setup and authentication happen in Python, see collectives/ring.py). Every
+ * A communicator (hr_comm_t) owns connected, already-authenticated TCP streams to the peers its
+ * algorithms use (connection setup and authentication happen in Python, see collectives/ring.py). Every
  * collective is called by all ranks in the same order with matching arguments; the byte stream
  * between two ranks carries no framing except a 24-byte header (hr_hdr_t) at the start of each
  * collective's first message to a peer, which lets the receiver detect mismatched calls
@@ -119,6 +119,8 @@ int hr_op_begin(hr_op_t *op, hr_comm_t *c, int kind, int dtype, int redop, uint6
                 int root, double timeout);
 /* Record the first error of the communicator (printf-style), abort all connections. */
 int hr_op_fail(hr_op_t *op, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The same without an op (a connection the Python side could not open, module.c abort). */
+int hr_comm_fail(hr_comm_t *c, const char *msg);
 /* Record a transport failure with peer, host and progress in the message. is_recv selects
  * "recv from" / "send to"; why is e.g. "timed out after 30.0 s" or "failed: recv(): ...". */
 int hr_op_fail_peer(hr_op_t *op, int is_recv, int peer, const char *why);
@@ -197,7 +199,7 @@ int hr_broadcast_tree(hr_op_t *op, void *buf, size_t count, int dtype, int root)
 int hr_broadcast_pipeline(hr_comm_t *c, void *buf, size_t count, int dtype, int root,
                           double timeout);
 int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
-                double timeout);
+                double timeout, int d0, int d1);
 int hr_barrier(hr_comm_t *c, double timeout);
 
 /* Create a communicator over already-connected sockets (see transport_tcp.h for fds). hosts is

@@ -1,14 +1,18 @@
 /* module.c -- CPython binding: hpcring._native.
  *
  *   Comm(rank, size, fds, hosts, timeout, sockbuf=0)
- *     fds: sequence of `size` entries, each None (self), an int fd, or a sequence of int fds
- *     (several connections per peer; all entries the same length). On success the Comm owns and
+ *     fds: sequence of `size` entries, each None (self, or a peer not connected), an int fd, or a
+ *     sequence of int fds (several connections per peer; all entries the same length, -1 for
+ *     a connection not opened). On success the Comm owns and
  *     eventually closes the descriptors; if the constructor raises, the caller still owns them.
  *   Comm.allreduce(sendbuf, recvbuf, dtype, op, timeout=0.0)
  *   Comm.allgather(sendbuf, recvbuf, dtype, timeout=0.0)
  *   Comm.reduce_scatter(sendbuf, recvbuf, dtype, op, timeout=0.0)
  *   Comm.broadcast(buf, dtype, root, timeout=0.0)
- *   Comm.alltoall(sendbuf, recvbuf, dtype, timeout=0.0)
+ *   Comm.alltoall(sendbuf, recvbuf, dtype, timeout=0.0, first=1, last=size/2+1): distances
+ *     [first, last) only (alltoall.c; a window of one collective when first > 1)
+ *   Comm.set_peer(peer, fds), drop_peer(peer), peers(), descriptors: connections on demand;
+ *   Comm.abort(message): that message becomes the sticky error, every connection is shut
  *   Comm.barrier(timeout=0.0)
  *   Comm.close(); attributes rank, size, seq, failed, error, timeout; settable rd_threshold,
  *   streams (<= connections per peer), threads, stripe_min (see ring_pass.c)
@@ -157,10 +161,6 @@ static int Comm_init(CommObject *self, PyObject *args, PyObject *kw) {
             }
         }
         if (PyErr_Occurred()) goto cleanup;
-        if (i != rank && fds[i * nconn] < 0) {
-            PyErr_Format(PyExc_ValueError, "no connection to rank %d", i);
-            goto cleanup;
-        }
     }
     if (!(hosts = PyMem_Malloc(sizeof(char *) * (size_t)size))) {
         PyErr_NoMemory();
@@ -322,14 +322,24 @@ cleanup:
 }
 
 static PyObject *Comm_alltoall(CommObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "timeout", NULL};
+    static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "timeout", "first", "last", NULL};
     Py_buffer s = {0}, r = {0};
-    int dtype, rc = HR_ERR;
+    int dtype, rc = HR_ERR, d0 = 1, d1 = -1;
     double timeout = 0.0;
     size_t count;
     PyObject *ret = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*i|d", kwlist, &s, &r, &dtype, &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*i|dii", kwlist, &s, &r, &dtype, &timeout,
+                                     &d0, &d1))
         return NULL;
+    if (d1 < 0) d1 = self->c.size / 2 + 1;
+    if (d0 < 1 || d1 < d0) {
+        PyErr_Format(PyExc_ValueError, "alltoall distances [%d, %d) out of range", d0, d1);
+        goto cleanup;
+    }
+    if (d0 > 1 && s.buf == r.buf) {
+        PyErr_SetString(PyExc_ValueError, "a later alltoall window cannot run in place");
+        goto cleanup;
+    }
     if (check_open(self) || check_dtype_op(dtype, 0, 0) || check_len(&s, dtype, "sendbuf"))
         goto cleanup;
     count = (size_t)s.len / hr_dtype_size(dtype);
@@ -342,7 +352,7 @@ static PyObject *Comm_alltoall(CommObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "alltoall buffers overlap partially");
         goto cleanup;
     }
-    RUN_LOCKED(self, rc, hr_alltoall(&self->c, s.buf, r.buf, count, dtype, timeout));
+    RUN_LOCKED(self, rc, hr_alltoall(&self->c, s.buf, r.buf, count, dtype, timeout, d0, d1));
     if (rc != HR_OK) raise_native(self);
     else ret = Py_NewRef(Py_None);
 cleanup:
@@ -426,6 +436,84 @@ cleanup:
     PyMem_Free(lr);
     PyMem_Free(col);
     return ret;
+}
+
+/* Connections on demand (collectives/ring.py): set_peer(peer, fds) hands the Comm a peer's
+ * authenticated connections (it owns them on success), drop_peer(peer) closes them, peers()
+ * lists the connected ranks. Between collectives only (the lock says so otherwise). */
+static PyObject *Comm_set_peer(CommObject *self, PyObject *args) {
+    int peer, n, k, fds[HR_MAX_STREAMS], rc;
+    PyObject *seq, *fast;
+    char err[256];
+    if (!PyArg_ParseTuple(args, "iO", &peer, &seq) || check_open(self)) return NULL;
+    if (!(fast = PySequence_Fast(seq, "fds must be a sequence of ints"))) return NULL;
+    n = (int)PySequence_Fast_GET_SIZE(fast);
+    if (n < 1 || n > HR_MAX_STREAMS) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "give 1..%d fds, got %d", HR_MAX_STREAMS, n);
+        return NULL;
+    }
+    for (k = 0; k < n; k++) {
+        PyObject *x = PySequence_Fast_GET_ITEM(fast, k);
+        fds[k] = x == Py_None ? -1 : (int)PyLong_AsLong(x);
+    }
+    Py_DECREF(fast);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot add a connection: a collective is running");
+        return NULL;
+    }
+    rc = hr_tcp_set(&self->c.tcp, peer, fds, n, err, sizeof(err));
+    PyThread_release_lock(self->lock);
+    if (rc != 0) {
+        PyErr_SetString(PyExc_ValueError, err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Comm_drop_peer(CommObject *self, PyObject *args) {
+    int peer;
+    if (!PyArg_ParseTuple(args, "i", &peer) || check_open(self)) return NULL;
+    if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot drop a connection: a collective is running");
+        return NULL;
+    }
+    hr_tcp_drop(&self->c.tcp, peer);
+    PyThread_release_lock(self->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Comm_peers(CommObject *self, PyObject *unused) {
+    PyObject *out;
+    int p;
+    (void)unused;
+    if (check_open(self) || !(out = PyList_New(0))) return NULL;
+    for (p = 0; p < self->c.size; p++) {
+        PyObject *x;
+        if (hr_tcp_fd(&self->c.tcp, p) < 0) continue;
+        if (!(x = PyLong_FromLong(p)) || PyList_Append(out, x) < 0) {
+            Py_XDECREF(x);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(x);
+    }
+    return out;
+}
+
+/* abort(message): make message the sticky error and shut every connection, as a failing
+ * collective does (the Python side failed to open a connection an op needs). */
+static PyObject *Comm_abort(CommObject *self, PyObject *args) {
+    const char *msg;
+    if (!PyArg_ParseTuple(args, "s", &msg) || check_open(self)) return NULL;
+    hr_comm_fail(&self->c, msg);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Comm_get_descriptors(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromLong(self->open ? hr_tcp_count(&self->c.tcp) : 0);
 }
 
 static PyObject *Comm_get_error(CommObject *self, void *unused) {
@@ -561,6 +649,7 @@ static int Comm_set_tlm(CommObject *self, PyObject *v, void *unused) {
 }
 
 static PyGetSetDef Comm_getset[] = {
+    {"descriptors", (getter)Comm_get_descriptors, NULL, "TCP connections held (all streams)", NULL},
     {"twolevel_min", (getter)Comm_get_tlm, (setter)Comm_set_tlm,
      "bytes from which allreduce/reduce_scatter across hosts run two-level", NULL},
     {"shm", (getter)Comm_get_shm, NULL,
@@ -593,6 +682,10 @@ static PyMethodDef Comm_methods[] = {
     {"barrier", (PyCFunction)(void (*)(void))Comm_barrier, METH_VARARGS | METH_KEYWORDS, NULL},
     {"close", (PyCFunction)Comm_close, METH_NOARGS, NULL},
     {"shm_attach", (PyCFunction)Comm_shm_attach, METH_VARARGS, NULL},
+    {"set_peer", (PyCFunction)Comm_set_peer, METH_VARARGS, "set_peer(peer, fds)"},
+    {"drop_peer", (PyCFunction)Comm_drop_peer, METH_VARARGS, "drop_peer(peer)"},
+    {"peers", (PyCFunction)Comm_peers, METH_NOARGS, "connected peer ranks"},
+    {"abort", (PyCFunction)Comm_abort, METH_VARARGS, "abort(message): sticky error, shut all"},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject CommType = {

@@ -17,9 +17,26 @@
 
 double hr_now(void);
 
+/* Non-blocking, TCP_NODELAY, and the buffer sizes when asked; 0 or -1 with err set. */
+static int setup_fd(int fd, int sockbuf, char *err, size_t errlen) {
+    int fl, one = 1;
+    if ((fl = fcntl(fd, F_GETFL)) < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
+        snprintf(err, errlen, "fcntl(O_NONBLOCK) on fd %d: %s", fd, strerror(errno));
+        return -1;
+    }
+    /* Not fatal: a socketpair (tests) has no TCP level. */
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (sockbuf > 0 && (setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sockbuf, sizeof(sockbuf)) < 0 ||
+                        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sockbuf, sizeof(sockbuf)) < 0)) {
+        snprintf(err, errlen, "setsockopt(SO_SNDBUF/SO_RCVBUF=%d): %s", sockbuf, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
 int hr_tcp_init(hr_tcp_t *t, int rank, int size, const int *fds, int nconn, int sockbuf,
                 char *err, size_t errlen) {
-    int i, one = 1;
+    int i;
     size_t n = (size_t)size * (size_t)nconn;
 
     memset(t, 0, sizeof(*t));
@@ -32,29 +49,52 @@ int hr_tcp_init(hr_tcp_t *t, int rank, int size, const int *fds, int nconn, int 
     t->rank = rank;
     t->size = size;
     t->nconn = nconn;
-    for (i = 0; i < (int)n; i++) {
-        int fd = t->fds[i], fl;
-        if (fd < 0) continue;
-        if ((fl = fcntl(fd, F_GETFL)) < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
-            snprintf(err, errlen, "fcntl(O_NONBLOCK) on fd %d: %s", fd, strerror(errno));
-            goto fail;
-        }
-        /* Not fatal: a socketpair (tests) has no TCP level. */
-        (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        if (sockbuf > 0) {
-            if (setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sockbuf, sizeof(sockbuf)) < 0 ||
-                setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sockbuf, sizeof(sockbuf)) < 0) {
-                snprintf(err, errlen, "setsockopt(SO_SNDBUF/SO_RCVBUF=%d): %s", sockbuf,
-                         strerror(errno));
-                goto fail;
-            }
-        }
-    }
+    t->sockbuf = sockbuf;
+    for (i = 0; i < (int)n; i++)
+        if (t->fds[i] >= 0 && setup_fd(t->fds[i], sockbuf, err, errlen) != 0) goto fail;
     return 0;
 fail:
     free(t->fds); /* the caller still owns the descriptors */
     t->fds = NULL;
     return -1;
+}
+
+int hr_tcp_set(hr_tcp_t *t, int peer, const int *fds, int n, char *err, size_t errlen) {
+    int k;
+    if (!t->fds || peer < 0 || peer >= t->size || peer == t->rank || n < 1 || n > t->nconn) {
+        snprintf(err, errlen, "bad peer %d or connection count %d (at most %d)", peer, n,
+                 t->nconn);
+        return -1;
+    }
+    if (t->fds[peer * t->nconn] >= 0) {
+        snprintf(err, errlen, "rank %d is already connected", peer);
+        return -1;
+    }
+    if (fds[0] < 0) {
+        snprintf(err, errlen, "connection 0 to rank %d is missing", peer);
+        return -1;
+    }
+    for (k = 0; k < n; k++)
+        if (fds[k] >= 0 && setup_fd(fds[k], t->sockbuf, err, errlen) != 0) return -1;
+    for (k = 0; k < n; k++) t->fds[peer * t->nconn + k] = fds[k];
+    return 0;
+}
+
+void hr_tcp_drop(hr_tcp_t *t, int peer) {
+    int k;
+    if (!t->fds || peer < 0 || peer >= t->size) return;
+    for (k = 0; k < t->nconn; k++) {
+        int *fd = &t->fds[peer * t->nconn + k];
+        if (*fd >= 0) close(*fd);
+        *fd = -1;
+    }
+}
+
+int hr_tcp_count(const hr_tcp_t *t) {
+    int i, n = 0;
+    if (!t->fds) return 0;
+    for (i = 0; i < t->size * t->nconn; i++) n += t->fds[i] >= 0;
+    return n;
 }
 
 void hr_tcp_close(hr_tcp_t *t) {
@@ -89,7 +129,10 @@ ssize_t hr_tcp_iok(hr_tcp_t *t, int peer, int k, struct iovec *iov, int iovcnt, 
     int fd = hr_tcp_fdk(t, peer, k);
 
     if (fd < 0) {
-        snprintf(err, errlen, "no connection");
+        /* on-demand connections (collectives/ring.py) open every peer an algorithm uses
+         * before the call: reaching this is a bug, reported instead of a hang */
+        snprintf(err, errlen, "failed: no connection to that rank (not in this rank's "
+                 "connection set)");
         return -1;
     }
     memset(&m, 0, sizeof(m));

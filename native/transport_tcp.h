@@ -1,7 +1,9 @@
 /* transport_tcp.h -- the small transport interface the collectives are written against.
  *
  * A transport holds, for each peer rank, nconn connected stream sockets (connected and
- * authenticated by the caller; the transport takes ownership and closes them). Sockets are put
+ * authenticated by the caller; the transport takes ownership and closes them); a peer that no
+ * algorithm of this rank uses has none (-1), and connections can be added and dropped between
+ * collectives. Sockets are put
  * in non-blocking mode with TCP_NODELAY; SO_SNDBUF/SO_RCVBUF are set only when asked (setting them
  * disables Linux buffer autotuning, which is usually the better choice on loopback and LANs).
  *
@@ -19,7 +21,8 @@
 
 typedef struct hr_tcp {
     int rank, size, nconn;
-    int *fds;                   /* fds[peer * nconn + k]; -1 for self and for absent peers */
+    int *fds;                   /* fds[peer * nconn + k]; -1 for self and for peers not connected */
+    int sockbuf;                /* applied to connections added later too */
 } hr_tcp_t;
 
 #define HR_TCP_READ 1
@@ -30,6 +33,13 @@ typedef struct hr_tcp {
  * naming the failing system call in err. On failure nothing is owned. */
 int hr_tcp_init(hr_tcp_t *t, int rank, int size, const int *fds, int nconn, int sockbuf,
                 char *err, size_t errlen);
+
+/* Connections on demand (collectives/ring.py): take ownership of n (<= nconn) fds to peer, which
+ * must have none yet (fds[0] >= 0; later ones may be -1); hr_tcp_drop closes a peer's. */
+int hr_tcp_set(hr_tcp_t *t, int peer, const int *fds, int n, char *err, size_t errlen);
+void hr_tcp_drop(hr_tcp_t *t, int peer);
+/* Open descriptors held. */
+int hr_tcp_count(const hr_tcp_t *t);
 
 /* Close every socket; t may be partially initialised. Idempotent. */
 void hr_tcp_close(hr_tcp_t *t);

@@ -6,22 +6,24 @@ Connection setup (all Python; the C library receives connected, authenticated de
    rank creates has generation n on every rank, so keys of different communicators never clash.
 2. Address exchange: each rank listens on its ``Topology.address`` (or 0.0.0.0), publishes
    ``host:port`` under ``{prefix}/{gen}/addr/{rank}`` and reads everybody else's.
-3. Full mesh: rank i connects to every j < i and accepts from every j > i (in a thread, so the
-   two happen at once). Each connection is authenticated with the job secret before anything is
-   parsed (mutual HMAC-SHA256 challenge-response, :func:`_auth_listener` / :func:`_auth_connector`):
-
-   * listener -> connector: ``b"HRR1" + Nl`` (32 random bytes);
-   * connector -> listener, fixed 76 bytes: ``Nc + HMAC(secret, "hpcring-ring-v1 connect" + ctx +
-     Nl + Nc + i + k) + i + k`` (u32 rank i, u32 connection index k); the listener reads exactly
-     76 bytes and checks the MAC before it looks at i or k;
-   * listener -> connector: ``HMAC(secret, "hpcring-ring-v1 accept" + ctx + Nl + Nc + i + k + j)``.
+3. Connections on demand: a rank connects only to the peers its algorithms use
+   (:func:`static_peers`: ring neighbours, the power-of-two distances of the binomial tree and
+   the dissemination barrier, its recursive-doubling partners, the ranks of its host when they
+   share memory, its two-level ring neighbours), about 2 log2 n + ranks per host, not n - 1. The
+   set is symmetric (q is in p's iff p is in q's), so both sides of a pair know it: the higher
+   rank connects, the lower accepts (its listener stays open for the communicator's life, on the
+   process's shared acceptor). Alltoall, the one collective that needs every peer, opens the
+   others in windows of distances under its deadline and closes them again within the budget
+   (:meth:`RingBackend.alltoall`, HPCRING_RING_MAX_CONNECTIONS). Each connection is
+   authenticated with the job secret before anything is parsed (mutual HMAC-SHA256
+   challenge-response, :func:`_auth_listener` / :func:`_auth_connector`):
 
    ``ctx`` is the store prefix, the generation and the listener's rank, so a proof for one
    communicator or rank is worthless for another. A connection that fails authentication is
    closed and logged; the listener keeps waiting for the real peer until the deadline.
 
-Striping: with ``streams`` k > 1 every peer pair gets k such connections (connection index k in
-the handshake) and the native ring passes stripe each chunk over them, driven by ``threads`` I/O
+Striping: with ``streams`` k > 1 the ring neighbours get k such connections (connection index
+k in the handshake; the other peers carry latency-bound algorithms on connection 0 only) and the native ring passes stripe each chunk over them, driven by ``threads`` I/O
 threads (native/ring_pass.c). Both come from the arguments, else HPCRING_RING_STREAMS /
 HPCRING_RING_THREADS (a site sets them with ``fabric.ring_streams`` / ``fabric.ring_threads``),
 else the measured defaults below; every rank must use the same values.
@@ -31,8 +33,8 @@ segment (native/transport_shm.h) through which their collectives run (all of the
 the two-level allreduce / reduce-scatter across nodes). The name is derived from the job secret,
 the generation and the host; the node's first rank creates it (O_EXCL, mode 0600), the others map
 it, and every rank unlinks the name as soon as all have mapped it (or on any setup failure), so
-no segment outlives the job whatever kills it. The TCP mesh stays: it is the liveness signal
-(EOF = the peer died) and carries barrier and alltoall.
+no segment outlives the job whatever kills it. The ranks of a host stay connected over TCP: the
+connection is the liveness signal (EOF = the peer died).
 
 Payload bytes after the handshake are not MACed (same trust model as Gloo and NCCL: peers are
 authenticated, the network path is trusted).
@@ -172,25 +174,196 @@ def _translate(e: Exception) -> CollectiveError:
     return CollectiveError(msg, hint=hint)
 
 
-class _Pending:
-    """What a communicator created with ``lazy=True`` needs to connect on its first collective:
-    the listener (accepting from higher ranks from creation on, so a peer that is already in its
-    first collective can finish its side) and the settings of :meth:`RingBackend.create`."""
+class HostLayout:
+    """The ranks of each host, computed once (O(n)); what :func:`node_layout` says of one rank."""
+
+    def __init__(self, hosts) -> None:
+        self.per_node: dict[str, list[int]] = {}
+        for r, h in enumerate(hosts):
+            self.per_node.setdefault(h, []).append(r)
+        self.nodes = list(self.per_node.values())
+        self.node_of = {h: i for i, h in enumerate(self.per_node)}
+        self.hosts = hosts
+        self.uniform = len({len(v) for v in self.nodes}) == 1
+
+    def local(self, rank: int) -> list[int]:
+        return self.per_node[self.hosts[rank]]
+
+    def column_neighbours(self, rank: int) -> tuple[int, ...]:
+        """The two-level ring's neighbours of ``rank`` (same local index, next/previous host)."""
+        if not self.uniform or len(self.nodes) < 2:
+            return ()
+        i = self.node_of[self.hosts[rank]]
+        li = self.nodes[i].index(rank)
+        return (self.nodes[(i + 1) % len(self.nodes)][li], self.nodes[(i - 1) % len(self.nodes)][li])
+
+
+def static_peers(rank: int, size: int, hosts, shm: bool, streams: int = 1,
+                 layout: HostLayout | None = None) -> dict[int, int]:
+    """The peers ``rank``'s collectives other than alltoall use -> connections to each (``streams``
+    for the ring passes' neighbours, 1 for the latency-bound algorithms). Symmetric: q is in
+    rank's set iff rank is in q's, with the same count, so both sides of a pair agree without a
+    word. Must follow native/: allreduce_ring / allgather_ring / reduce_scatter_ring /
+    broadcast_pipeline (r +- 1), broadcast_tree (any root: r +- 2^i), barrier (r +- 2^i),
+    allreduce_rd (fold r^1 below 2 rem, partners v ^ 2^i), shared memory (the host's ranks: the
+    liveness signal) and allreduce_shm's two-level ring (column neighbours)."""
+    out: dict[int, int] = {}
+
+    def add(q: int, k: int = 1) -> None:
+        q %= size
+        if q != rank:
+            out[q] = max(out.get(q, 0), k)
+
+    if size < 2:
+        return out
+    add(rank + 1, streams)
+    add(rank - 1, streams)
+    d = 2
+    while d < size:
+        add(rank + d)
+        add(rank - d)
+        d *= 2
+    p = 1
+    while p * 2 <= size:
+        p *= 2
+    rem = size - p
+    if rank < 2 * rem and rank % 2 == 0:
+        add(rank + 1)                      # folds into its odd partner and sits out
+    else:
+        v = rank // 2 if rank < 2 * rem else rank - rem
+        if rank < 2 * rem:
+            add(rank - 1)
+        m = 1
+        while m < p:
+            pv = v ^ m
+            add(pv * 2 + 1 if pv < rem else pv + rem)
+            m *= 2
+    if shm:
+        layout = layout or HostLayout(hosts)
+        local = layout.local(rank)
+        if len(local) > 1:        # shared memory: every host of a uniform job has >= 2 ranks
+            for q in local:
+                add(q)
+            for q in layout.column_neighbours(rank):
+                add(q, streams)
+    return out
+
+
+class _Links:
+    """A communicator's connections: its listener (open for the communicator's life, served by
+    the process's shared acceptor, each handshake on a short thread of its own) and what it needs
+    to open connections on demand, plus the settings of :meth:`RingBackend.create` the first
+    collective needs when it was created ``lazy``."""
 
     def __init__(self, **kw) -> None:
         self.__dict__.update(kw)
-        self.fds: list[list[int | None]] = [[None] * self.streams for _ in range(self.size)]
-        self.socks: list[socket.socket] = []
-        self.accept_err: list[BaseException] = []
-        self.stop = threading.Event()
-        self.acceptor: threading.Thread | None = None
+        self.addrs: dict[int, tuple[str, int]] = {}
+        self.inbox: dict[tuple[int, int], list[socket.socket]] = {}   # accepted, not yet taken
+        self.cond = threading.Condition()
+        self.closed = False
+        self.handshakes: list[threading.Thread] = []
+
+    def start(self) -> None:
+        from hpcring.collectives.mailbox import ACCEPTOR
+        self.lsock.setblocking(False)
+        ACCEPTOR.register(self.lsock, self._on_accept)
+
+    def _on_accept(self, s: socket.socket, addr) -> None:
+        t = threading.Thread(target=self._handshake, args=(s, addr), daemon=True,
+                             name=f"hpcring-ring-auth:{self.rank}")
+        self.handshakes = [x for x in self.handshakes if x.is_alive()] + [t]
+        t.start()
+
+    def _handshake(self, s: socket.socket, addr) -> None:
+        try:
+            s.setblocking(True)
+            s.settimeout(HANDSHAKE_TIMEOUT)
+            peer, k = _auth_listener(s, self.secret, f"{self.base}/{self.rank}".encode(), self.size,
+                                     self.streams)
+            if peer <= self.rank:              # the higher rank of a pair connects
+                raise ConnectionError(f"unexpected connection from lower rank {peer}")
+        except (OSError, ConnectionError) as e:
+            log.warning("ring rank %d: refused connection from %s:%s: %s", self.rank, addr[0], addr[1], e)
+            s.close()
+            return
+        with self.cond:
+            q = self.inbox.setdefault((peer, k), [])
+            if self.closed or len(q) >= 2:     # a peer opens a pair's connection once per use
+                log.warning("ring rank %d: refused a surplus connection from rank %d", self.rank, peer)
+                s.close()
+                return
+            q.append(s)
+            self.cond.notify_all()
+
+    def connect(self, need: dict[int, int], deadline: float) -> dict[int, list[socket.socket]]:
+        """Open ``need`` (peer -> connections) by ``deadline``: connect to the lower peers as their
+        addresses appear (in any order: one late peer must not keep this rank from the others,
+        or they would name this rank missing too), take the higher peers' from the acceptor.
+        Raises :class:`_Missing` naming the peers that did not come; sockets opened are closed
+        on any failure."""
+        got: dict[int, list[socket.socket]] = {}
+        try:
+            self._connect_lower({q: k for q, k in need.items() if q < self.rank}, deadline, got)
+            higher = {q: k for q, k in need.items() if q > self.rank}
+            with self.cond:
+                while True:
+                    for q, k in list(higher.items()):
+                        if all(self.inbox.get((q, j)) for j in range(k)):
+                            got[q] = [self.inbox[(q, j)].pop(0) for j in range(k)]
+                            del higher[q]
+                    left = deadline - time.monotonic()
+                    if not higher or left <= 0:
+                        break
+                    self.cond.wait(min(left, 1.0))
+            if higher:
+                raise _Missing(sorted(higher))
+        except BaseException:
+            for socks in got.values():
+                for s in socks:
+                    s.close()
+            raise
+        return got
+
+    def _connect_lower(self, need: dict[int, int], deadline: float, got: dict) -> None:
+        todo = [q for q in sorted(need) if q not in self.addrs]
+        delay = 0.002
+        while todo:               # one round trip per poll for all addresses still missing
+            for q, text in zip(list(todo), self.store.multi_check([f"{self.base}/addr/{q}" for q in todo])):
+                if text is not None:
+                    host, _, port = text.decode().rpartition(":")
+                    self.addrs[q] = (host, int(port))
+                    todo.remove(q)
+            if not todo:
+                break
+            if time.monotonic() >= deadline:
+                raise _Missing(todo)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(0.1, delay * 2)
+        for q in sorted(need):
+            host, port = self.addrs[q]
+            got[q] = socks = []
+            for k in range(need[q]):
+                s = RingBackend._connect(host, port, deadline, q, self.hosts[q])
+                socks.append(s)
+                try:
+                    s.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+                    _auth_connector(s, self.secret, f"{self.base}/{q}".encode(), self.rank, k)
+                except socket.timeout:          # accepted by its kernel, never answered: stalled
+                    raise _Missing([q]) from None
+                except (OSError, ConnectionError) as e:
+                    raise BootstrapError(
+                        f"ring setup: rank {q} ({self.hosts[q]}) at {host}:{port} refused rank "
+                        f"{self.rank}: {e}", hint="all ranks must use the same per-job secret") from None
 
     def close(self) -> None:
-        self.stop.set()
-        if self.acceptor is not None:
-            self.acceptor.join(2.0)
+        from hpcring.collectives.mailbox import ACCEPTOR
+        ACCEPTOR.unregister(self.lsock)
         self.lsock.close()
-        for s in self.socks:
+        with self.cond:
+            self.closed = True
+            socks = [s for q in self.inbox.values() for s in q]
+            self.inbox.clear()
+        for s in socks:
             s.close()
 
 
@@ -200,10 +373,14 @@ class RingBackend(Backend):
     name = "ring"
     device = "cpu"
 
-    def __init__(self, comm, hosts: tuple[str, ...], pending: _Pending | None = None) -> None:
+    def __init__(self, comm, hosts: tuple[str, ...], links: _Links | None = None) -> None:
         self._native_comm = comm
         self.hosts = tuple(hosts)
-        self._pending = pending
+        self._links = links                       # None: comm came with every connection it needs
+        self._static: dict[int, int] = {}         # peer -> connections the algorithms always use
+        self._extra: dict[int, int] = {}          # alltoall's other peers -> window that last used them
+        self._windows = 0                         # alltoall windows run (the same on every rank)
+        self._plan: tuple[int, bool] | None = None   # (distances per window, keep all), once
         self._setup_error: str | None = None
         self._setup_lock = threading.Lock()
         self._p2p_args: dict | None = None        # what the point-to-point mailbox needs (create)
@@ -214,8 +391,11 @@ class RingBackend(Backend):
     def create(cls, topology, store, secret: bytes | str, timeout: float | None = None, *,
                prefix: str = "hpcring/ring", conns_per_peer: int | None = None,
                sockbuf: int | None = None, rd_threshold: int | None = None,
-               threads: int | None = None, shm: bool | None = None, lazy: bool = False) -> "RingBackend":
-        """Exchange addresses through ``store`` and build the authenticated full mesh.
+               threads: int | None = None, shm: bool | None = None, lazy: bool = False,
+               max_connections: int | None = None) -> "RingBackend":
+        """Exchange addresses through ``store`` and open the authenticated connections the
+        algorithms use (:func:`static_peers`; alltoall opens the rest on demand, keeping at most
+        ``max_connections``, None: env HPCRING_RING_MAX_CONNECTIONS).
 
         ``timeout`` bounds the whole setup and is the default deadline of every collective
         (None: HPCRING_TIMEOUT or 300 s). ``sockbuf`` sets SO_SNDBUF/SO_RCVBUF (None: env
@@ -227,7 +407,7 @@ class RingBackend(Backend):
         be reached or authenticated in time.
 
         ``lazy=True`` (what :meth:`Communicator.create` asks for) only listens and publishes the
-        address here; the mesh is built by the first collective, under that collective's deadline,
+        address here; the connections are opened by the first collective, under that collective's deadline,
         and a peer that does not come is reported like one late to any later collective
         (``allreduce#1: ... never joined``, a CollectiveError the watchdog diagnoses) instead of a
         bootstrap error at another deadline.
@@ -250,6 +430,8 @@ class RingBackend(Backend):
             threads = envvars.get("HPCRING_RING_THREADS")
         if shm is None:
             shm = envvars.get("HPCRING_RING_SHM")
+        if max_connections is None:
+            max_connections = envvars.get("HPCRING_RING_MAX_CONNECTIONS")
         if not (1 <= conns_per_peer <= MAX_STREAMS and 1 <= threads <= MAX_STREAMS):
             raise UsageError(f"ring streams ({conns_per_peer}) and threads ({threads}) must be 1..{MAX_STREAMS}")
         rank, size = topology.rank, topology.size
@@ -269,13 +451,11 @@ class RingBackend(Backend):
         except BaseException:
             lsock.close()
             raise
-        p = _Pending(rank=rank, size=size, hosts=hosts, store=store, secret=secret, base=base, lsock=lsock,
-                     streams=conns_per_peer, threads=threads, timeout=timeout, sockbuf=sockbuf,
-                     rd_threshold=rd_threshold, shm=shm)
-        p.acceptor = threading.Thread(target=cls._accept_all, name=f"hpcring-ring-accept:{rank}", daemon=True,
-                                      args=(p, f"{base}/{rank}".encode()))
-        p.acceptor.start()
+        p = _Links(rank=rank, size=size, hosts=hosts, store=store, secret=secret, base=base, lsock=lsock,
+                   streams=conns_per_peer, threads=threads, timeout=timeout, sockbuf=sockbuf,
+                   rd_threshold=rd_threshold, shm=shm, budget=max_connections)
         try:
+            p.start()
             store.set(f"{base}/addr/{rank}", f"{address}:{port}".encode())
         except BaseException:
             p.close()
@@ -290,7 +470,7 @@ class RingBackend(Backend):
             raise
         if not lazy:
             try:
-                be._connect_mesh(time.monotonic() + timeout)
+                be._connect_static(time.monotonic() + timeout)
             except _Missing as e:
                 raise BootstrapError(
                     f"ring setup: rank {rank} got no authenticated connection from rank(s) "
@@ -298,36 +478,35 @@ class RingBackend(Backend):
                     hint="those ranks did not start, crashed, or cannot reach this host's address") from None
         return be
 
-    # -- the mesh (at creation, or on the first collective when lazy) ------------------------
-    def _connect_mesh(self, deadline: float) -> None:
-        """Connect to every lower rank, wait for every higher one, then build the native Comm.
-        Raises :class:`_Missing` naming the peers that did not come by ``deadline``, BootstrapError
-        for any other setup failure; the pending state is released either way."""
-        p = self._pending
+    # -- connections (at creation, or on the first collective when lazy; alltoall's on demand) ---
+    def _connect_static(self, deadline: float) -> None:
+        """Open the connections the algorithms use, then build the native Comm (the other
+        peers' entries empty). Raises :class:`_Missing` naming the peers that did not come by
+        ``deadline``, BootstrapError for any other setup failure; the listener is closed on
+        failure."""
+        p = self._links
         rank, size, hosts = p.rank, p.size, p.hosts
+        need = static_peers(rank, size, hosts, p.shm, p.streams)
         try:
-            self._connect_lower(p, deadline)
-            while p.acceptor.is_alive() and not p.accept_err and time.monotonic() < deadline:
-                if all(all(f is not None for f in p.fds[q]) for q in range(rank + 1, size)):
-                    break
-                p.acceptor.join(min(0.05, max(0.0, deadline - time.monotonic())))
-            p.stop.set()
-            p.acceptor.join(2.0)
-            if p.accept_err:
-                raise p.accept_err[0]
-            missing = [q for q in range(size) if q != rank and any(f is None for f in p.fds[q])]
-            if missing:
-                raise _Missing(missing)
-            comm = _native.Comm(rank, size, [None if q == rank else p.fds[q] for q in range(size)],
-                                list(hosts), p.timeout, p.sockbuf)
+            socks = p.connect(need, deadline)
+            fds: list = [None] * size
+            for q, ss in socks.items():
+                fds[q] = [s.fileno() for s in ss] + [-1] * (p.streams - len(ss))
+            try:
+                comm = _native.Comm(rank, size, fds, list(hosts), p.timeout, p.sockbuf)
+            except BaseException:
+                for ss in socks.values():
+                    for s in ss:
+                        s.close()
+                raise
         except BaseException:
             p.close()
-            self._pending = None
+            self._links = None
             raise
-        p.lsock.close()
-        for s in p.socks:          # the Comm owns the descriptors now
-            s.detach()
-        self._pending = None
+        for ss in socks.values():          # the Comm owns the descriptors now
+            for s in ss:
+                s.detach()
+        self._static = need
         if p.rd_threshold is not None:
             comm.rd_threshold = int(p.rd_threshold)
         comm.threads = p.threads
@@ -340,38 +519,10 @@ class RingBackend(Backend):
                 self._attach_shm(comm, p.store, p.secret, p.base, rank, hosts, deadline)
             except BaseException:
                 comm.close()
+                p.close()
+                self._links = None
                 raise
         self._native_comm = comm
-
-    def _connect_lower(self, p: _Pending, deadline: float) -> None:
-        """Connect to every lower rank as its address appears (in any order: one late peer must
-        not keep this rank from the others, or they would name this rank missing too)."""
-        todo = list(range(p.rank))
-        delay = 0.002
-        while todo:
-            for peer in list(todo):
-                text = p.store.check(f"{p.base}/addr/{peer}")
-                if text is None:
-                    continue
-                host, _, port = text.decode().rpartition(":")
-                for k in range(p.streams):
-                    s = self._connect(host, int(port), deadline, peer, p.hosts[peer])
-                    p.socks.append(s)
-                    try:
-                        s.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
-                        _auth_connector(s, p.secret, f"{p.base}/{peer}".encode(), p.rank, k)
-                    except (OSError, ConnectionError) as e:
-                        raise BootstrapError(
-                            f"ring setup: rank {peer} ({p.hosts[peer]}) at {host}:{port} refused rank "
-                            f"{p.rank}: {e}", hint="all ranks must use the same per-job secret") from None
-                    p.fds[peer][k] = s.fileno()
-                todo.remove(peer)
-            if not todo:
-                return
-            if time.monotonic() >= deadline:
-                raise _Missing(todo)
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(0.1, delay * 2)
 
     def _ensure(self, name: str, timeout: float) -> float:
         """Connect on the first collective (lazy); returns the time left of ``timeout`` for the
@@ -384,9 +535,9 @@ class RingBackend(Backend):
             if self._setup_error is not None:
                 raise CollectiveError(self._setup_error)
             t0 = time.monotonic()
-            p = self._pending
+            p = self._links
             try:
-                self._connect_mesh(t0 + timeout)
+                self._connect_static(t0 + timeout)
             except _Missing as e:
                 self._setup_error = (
                     f"{name}#1 never joined by {_who(e.missing, p.hosts)}: no ring connection from "
@@ -404,7 +555,7 @@ class RingBackend(Backend):
         """The native communicator; a lazy one connects here (collectively, with the default
         deadline) when something needs it before the first collective."""
         if self._native_comm is None:
-            self._ensure("setup", self._pending.timeout if self._pending else 1.0)
+            self._ensure("setup", self._links.timeout if self._links else 1.0)
         return self._native_comm
 
     @staticmethod
@@ -455,42 +606,14 @@ class RingBackend(Backend):
                 time.sleep(delay)
                 delay = min(0.5, delay * 2)
 
-    @staticmethod
-    def _accept_all(p: _Pending, ctx: bytes) -> None:
-        want = (p.size - 1 - p.rank) * p.streams
-        got = 0
-        try:
-            while got < want and not p.stop.is_set():
-                p.lsock.settimeout(0.2)        # short: the first collective stops it (p.stop)
-                try:
-                    s, addr = p.lsock.accept()
-                except socket.timeout:
-                    continue
-                except OSError:
-                    return                     # closed under us
-                try:
-                    s.settimeout(HANDSHAKE_TIMEOUT)
-                    peer, k = _auth_listener(s, p.secret, ctx, p.size, p.streams)
-                    if peer <= p.rank or p.fds[peer][k] is not None:
-                        raise ConnectionError(f"unexpected connection from rank {peer} conn {k}")
-                except (OSError, ConnectionError) as e:
-                    log.warning("ring rank %d: refused connection from %s:%s: %s", p.rank, addr[0], addr[1], e)
-                    s.close()
-                    continue
-                p.socks.append(s)
-                p.fds[peer][k] = s.fileno()
-                got += 1
-        except BaseException as e:  # pragma: no cover - unexpected
-            p.accept_err.append(e)
-
     # -- Backend ------------------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return self._native_comm.rank if self._native_comm is not None else self._pending.rank
+        return self._native_comm.rank if self._native_comm is not None else self._links.rank
 
     @property
     def size(self) -> int:
-        return self._native_comm.size if self._native_comm is not None else self._pending.size
+        return self._native_comm.size if self._native_comm is not None else self._links.size
 
     @property
     def error(self) -> str | None:
@@ -503,7 +626,19 @@ class RingBackend(Backend):
             f"shared memory ({shm[0]} ranks on this host)" + (
                 "" if shm[1] == 1 else f", two-level allreduce over {shm[1]} hosts" if shm[1] else
                 ", hosts differ in rank count: tcp across hosts"))
-        return f"ring: {where}; {self._comm.streams} stream(s)/peer, {self._comm.threads} I/O thread(s)"
+        c = self.connections()
+        return (f"ring: {where}; {self._comm.streams} stream(s)/peer, {self._comm.threads} I/O thread(s); "
+                f"{c['descriptors']} connection(s) to {len(c['peers'])} of {self.size - 1} peers")
+
+    def connections(self) -> dict:
+        """This rank's TCP connections to its peers now: ``peers`` (sorted ranks connected),
+        ``descriptors`` (connections, all streams: the descriptors the Comm holds), ``static``
+        (peers the algorithms always use), ``extra`` (alltoall's peers kept open), ``budget``
+        (HPCRING_RING_MAX_CONNECTIONS; None for a communicator built on given descriptors).
+        The listener is one more descriptor while the communicator is open."""
+        c = self._comm
+        return {"peers": c.peers(), "descriptors": c.descriptors, "static": len(self._static),
+                "extra": len(self._extra), "budget": self._links.budget if self._links else None}
 
     @property
     def rd_threshold(self) -> int:
@@ -548,7 +683,70 @@ class RingBackend(Backend):
         self._call("broadcast", _N.broadcast, buf, DTYPE_CODES[dtype], root, timeout)
 
     def alltoall(self, sendbuf, recvbuf, dtype, timeout):
-        self._call("alltoall", _N.alltoall, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
+        timeout = self._ensure("alltoall", timeout)
+        nc = self._native_comm
+        if self._links is None or nc.failed or (nc.shm is not None and nc.shm[1] == 1):
+            # every connection given (tests), already failed (C reports it), or one host's memory
+            self._call("alltoall", _N.alltoall, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
+            return
+        deadline = time.monotonic() + timeout
+        width, keep_all = self._alltoall_plan()
+        n, r = self.size, self.rank
+        last = n // 2 + 1
+        if width < last - 1:
+            sendbuf = bytes(memoryview(sendbuf))  # later windows read it after earlier ones wrote (in place)
+        for d0 in range(1, last, width):
+            d1 = min(last, d0 + width)
+            need = {(r + s * d) % n for d in range(d0, d1) for s in (1, -1)} - {r}
+            extra = need - self._static.keys()
+            if not keep_all:       # symmetric: q drops r exactly when r drops q (same windows)
+                for q in [q for q in self._extra if q not in extra]:
+                    nc.drop_peer(q)
+                    del self._extra[q]
+            missing = {q: 1 for q in extra if q not in self._extra}
+            if missing:
+                self._open(nc, missing, deadline, f"alltoall#{nc.seq + (d0 == 1)}")
+            for q in extra:
+                self._extra[q] = self._windows
+            self._windows += 1
+            self._call("alltoall", lambda c, *a: _N.alltoall(c, *a, d0, d1), sendbuf, recvbuf,
+                       DTYPE_CODES[dtype], max(0.001, deadline - time.monotonic()))
+
+    def _alltoall_plan(self) -> tuple[int, bool]:
+        """(distances per alltoall window, whether every connection fits the budget), the same on
+        every rank: the budget less the largest static set of any rank (each window needs 2
+        connections per distance)."""
+        if self._plan is None:
+            p, n = self._links, self.size
+            lay = HostLayout(p.hosts)
+            most = max(sum(static_peers(q, n, p.hosts, p.shm, p.streams, lay).values()) for q in range(n))
+            room = max(2, p.budget - most)
+            if room >= n - 1:
+                self._plan = (n // 2, True)
+            else:
+                self._plan = (max(1, room // 2), False)
+        return self._plan
+
+    def _open(self, nc, need: dict[int, int], deadline: float, name: str) -> None:
+        """Connect ``need`` for the collective about to run; a peer that does not come fails the
+        communicator (sticky, every connection shut so its other peers stop too) naming it."""
+        p = self._links
+        try:
+            socks = p.connect(need, deadline)
+        except _Missing as e:
+            msg = (f"{name} never joined by {_who(e.missing, p.hosts)}: no ring connection "
+                   f"{'with it' if len(e.missing) == 1 else 'with them'} within the deadline (rank {p.rank} waited)")
+            nc.abort(msg)
+            raise CollectiveError(msg, hint="that rank is late, hung or dead: look at its log "
+                                  "(hpcring stacks JOB)") from None
+        except (HpcringError, OSError) as e:
+            msg = f"{name} connecting on rank {p.rank} failed: {getattr(e, 'message', e)}"
+            nc.abort(msg)
+            raise CollectiveError(msg, hint=getattr(e, "hint", None)) from None
+        for q, ss in socks.items():
+            nc.set_peer(q, [s.fileno() for s in ss])
+            for s in ss:
+                s.detach()
 
     def barrier(self, timeout):
         self._call("barrier", _N.barrier, timeout)
@@ -579,6 +777,6 @@ class RingBackend(Backend):
             self._mailbox = None
         if self._native_comm is not None:
             self._native_comm.close()
-        elif self._pending is not None:
-            self._pending.close()
-            self._pending = None
+        if self._links is not None:
+            self._links.close()
+            self._links = None
