@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from hpcring.diagnostics.jobdir import job_id as _job_id
+from hpcring.diagnostics.jobdir import array_task, job_id as _job_id
 from hpcring.errors import HpcringError, Preempted
 from hpcring.fsutil import write_json
 from hpcring.outcome import bootstrap_failure
@@ -102,17 +102,20 @@ def not_on_this_node(cwd: str, script: str, host: str) -> str | None:
 class RunScript:
     """Run ``script`` with ``args`` in ``cwd`` as ``__main__`` on every rank."""
 
-    def __init__(self, script: str, args: list[str], cwd: str, gpus_per_node: int = 0, requeues: int = 0) -> None:
+    def __init__(self, script: str, args: list[str], cwd: str, gpus_per_node: int = 0, requeues: int = 0,
+                 sweep: dict[str, list[str]] | None = None) -> None:
         self.script = script
         self.args = list(args)
         self.cwd = cwd
         self.gpus_per_node = gpus_per_node
         self.requeues = requeues
+        self.sweep = dict(sweep or {})     # array task -> its --sweep values as script arguments
 
     def __submitit_checkpoint__(self):
         """submitit's checkpoint hook (rank 0, on requeue): the same script, one more requeue."""
         from submitit.core.utils import DelayedSubmission
-        return DelayedSubmission(RunScript(self.script, self.args, self.cwd, self.gpus_per_node, self.requeues + 1))
+        return DelayedSubmission(RunScript(self.script, self.args, self.cwd, self.gpus_per_node, self.requeues + 1,
+                                           getattr(self, "sweep", None)))
 
     checkpoint = __submitit_checkpoint__   # submitit's signal handler looks for this name first
 
@@ -123,6 +126,9 @@ class RunScript:
         status = {"rank": None, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                   "exit_code": None, "error": None}
         folder = _job_folder()
+        task = array_task()
+        if task is not None:           # one variable for every scheduler (LSF's index is 1-based)
+            os.environ["HPCRING_ARRAY_TASK"] = task
         logging.getLogger("submitit").addFilter(_QuietSubmititSignals())
         from hpcring import preempt
         os.environ[preempt.REQUEUE_VAR] = str(self.requeues)
@@ -159,7 +165,7 @@ class RunScript:
             os.chdir(self.cwd)
             register_torch_backend_on_import()
             try:
-                code, error = run_as_main(self.script, self.args)
+                code, error = run_as_main(self.script, self.args + getattr(self, "sweep", {}).get(task or "", []))
                 preempt.finished()
             except Preempted as exc:
                 status.update(exit_code=0, error=None, preempted=str(exc) or "Preempted", ended=time.time())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -25,8 +24,9 @@ from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.job import RunScript
 from hpcring.outcome import hang_headline as outcome_hang_headline, rank_failure, read_statuses, summarize
 from hpcring.render import render_script
-from hpcring.schedulers.launch_words import submitit_command
-from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record, recent_records
+from hpcring.config.arrays import sweep_args
+from hpcring.fsutil import write_json
+from hpcring.schedulers.base import JobRecord, JobState, TERMINAL, load_record, new_record, recent_records
 
 
 
@@ -49,8 +49,7 @@ def _python(site: Site) -> str:
 def preview(site: Site, job: JobSpec, template: str | None = None) -> str:
     """The exact script `submit` would hand to the scheduler (job id still a placeholder)."""
     folder = str(job_root(job) / "%j")
-    own = getattr(schedulers.get(site.config.scheduler), "rank_command", None)  # LSF: per-rank log entry
-    command = own(_python(site), folder) if own else submitit_command(_python(site), folder)  # as the executors do
+    command = schedulers.get(site.config.scheduler).rank_command(_python(site), folder)   # as the executors do
     return render_script(site, job, command, folder, template, python=_python(site))
 
 
@@ -86,18 +85,42 @@ def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
     job.env.setdefault("HPCRING_SECRET_FILE", str(auth.new_job_secret(root)))
     mod = schedulers.get(site.config.scheduler)
     ex = mod.make_executor(site, job, root / "%j", template, _python(site))
-    fn = RunScript(str(script), job.args, os.getcwd(), job.gpus_per_node)
+    sweep = ({str(i): sweep_args(v) for i, v in zip(job.array.indices, job.sweep)} if job.sweep else None)
+    fn = RunScript(str(script), job.args, os.getcwd(), job.gpus_per_node, sweep=sweep)
     try:
         sjob = ex.submit(fn)
     except FailedJobError as exc:
         text = str(exc).strip()
-        explain = getattr(mod, "explain_refusal", lambda s: None)(text)
         raise SchedulerError(f"{mod.COMMAND} refused the job: {text}",
-                             hint=explain or "see the scheduler's message above") from None
+                             hint=mod.explain_refusal(text) or "see the scheduler's message above") from None
     folder = str(root / str(sjob.job_id))
-    cluster = getattr(mod, "cluster_name", lambda s: s.name)(site)
-    return new_record(str(sjob.job_id), site.config.scheduler, str(site.path), folder, job.ntasks,
-                      job.name, str(script), cluster, job.env["HPCRING_SECRET_FILE"])
+    array = {} if job.array is None else {"array": list(job.array.indices), "array_limit": job.array.limit,
+                                          "sweep": job.sweep}
+    rec = new_record(str(sjob.job_id), site.config.scheduler, str(site.path), folder, job.ntasks,
+                     job.name, str(script), mod.cluster_name(site), job.env["HPCRING_SECRET_FILE"], **array)
+    if job.array is not None:
+        _start_tasks(mod, rec)
+    return rec
+
+
+def _start_tasks(mod, rec: JobRecord) -> None:
+    """Give every array task its folder and submitit's pickle (the ranks look for
+    ``<id>_<task>/<id>_<task>_submitted.pkl``), record which task has which values, then let the
+    scheduler start them (Slurm's array was submitted held: it opens its --output in these folders)."""
+    pickle = Path(rec.folder) / f"{rec.job_id}_submitted.pkl"
+    write_json(Path(rec.folder) / "array.json", {"tasks": rec.array, "limit": rec.array_limit,
+                                                 "sweep": rec.sweep})
+    for task in rec.tasks():
+        folder = Path(task.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / f"{task.job_id}_submitted.pkl"
+        if not target.exists():
+            try:
+                os.link(pickle, target)
+            except OSError:            # a file system without hard links
+                import shutil
+                shutil.copyfile(pickle, target)
+    mod.release(rec)
 
 
 def record(job_id: str) -> JobRecord:
@@ -115,26 +138,100 @@ def newest() -> JobRecord:
 
 def recent(limit: int = 10) -> list[tuple[JobRecord, JobState | None, str | None]]:
     """The newest ``limit`` jobs with their states: (record, state, None), or (record, None, why)
-    when the scheduler could not say (its commands missing or failing)."""
+    when the scheduler could not say (its commands missing or failing). One query per scheduler
+    for all of them (an array's state is :func:`array_state` of its tasks')."""
+    recs = recent_records(limit)
+    known, why = job_states(recs)
     out = []
-    for rec in recent_records(limit):
-        try:
-            out.append((rec, job_state(rec), None))
-        except HpcringError as exc:
-            out.append((rec, None, exc.message))
+    for rec in recs:
+        if rec.job_id in why:
+            out.append((rec, None, why[rec.job_id]))
+        elif rec.array is not None:
+            out.append((rec, array_state({t.job_id: known[t.job_id] for t in rec.tasks()}), None))
+        else:
+            out.append((rec, known[rec.job_id], None))
     return out
 
 
+def job_states(recs: list[JobRecord]) -> tuple[dict[str, JobState], dict[str, str]]:
+    """(states by job id, why a scheduler could not say, by job id) of ``recs``, array tasks
+    included: ONE ``states`` call per scheduler for all of them."""
+    by_sched: dict[str, list[JobRecord]] = {}
+    for rec in recs:
+        by_sched.setdefault(rec.scheduler, []).extend(rec.tasks() if rec.array is not None else [rec])
+    known: dict[str, JobState] = {}
+    why: dict[str, str] = {}
+    parents = {t.job_id: r.job_id for r in recs if r.array is not None for t in r.tasks()}
+    for name, group in by_sched.items():
+        try:
+            known.update(schedulers.get(name).states(group))
+        except HpcringError as exc:
+            for r in group:
+                why[parents.get(r.job_id, r.job_id)] = exc.message
+    for rec in recs:               # over for good (a requeued job is not): its secret goes; an array's
+        if rec.parent:             # tasks share one, kept until the last task has ended
+            continue
+        ones = rec.tasks() if rec.array is not None else [rec]
+        if all(o.job_id in known and known[o.job_id].finished for o in ones):
+            delete_secret_file(rec.secret_file)
+    return known, why
+
+
 def job_state(rec: JobRecord) -> JobState:
-    mod = schedulers.get(rec.scheduler)
-    st = mod.state(rec.job_id, Path(rec.folder)) if rec.scheduler == "local" else mod.state(rec.job_id)
-    if st.finished:      # over for good (a requeued job is PENDING/REQUEUED, not finished)
-        delete_secret_file(rec.secret_file)
-    return st
+    """One job's state (an array's: :func:`array_state`); raises when the scheduler cannot say."""
+    known, why = job_states([rec])
+    if rec.job_id in why:
+        raise SchedulerError(why[rec.job_id])
+    if rec.array is not None:
+        return array_state({t.job_id: known[t.job_id] for t in rec.tasks()})
+    return known[rec.job_id]
+
+
+_ORDER = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "RUNNING", "SUSPENDED", "PENDING")
+
+
+def summary(states: dict[str, JobState]) -> str:
+    """``4 COMPLETED, 2 RUNNING, 10 PENDING``: one part per state, finished ones first."""
+    counts: dict[str, int] = {}
+    for st in states.values():
+        counts[st.state] = counts.get(st.state, 0) + 1
+    keys = sorted(counts, key=lambda k: (_ORDER.index(k) if k in _ORDER else len(_ORDER), k))
+    return ", ".join(f"{counts[k]} {k}" for k in keys)
+
+
+def array_state(states: dict[str, JobState]) -> JobState:
+    """An array as one state: RUNNING/PENDING while a task is, else COMPLETED when every task did,
+    else the first other ending (FAILED, CANCELLED, ...); ``raw`` is :func:`summary`; the exit
+    code is the first failing task's."""
+    words = [st.state for st in states.values()]
+    if any(w not in TERMINAL for w in words):
+        word = "RUNNING" if any(w == "RUNNING" for w in words) else next(w for w in words if w not in TERMINAL)
+    else:
+        word = next((w for w in words if w != "COMPLETED"), "COMPLETED")
+    code = next((st.exit_code for st in states.values() if st.state != "COMPLETED" and st.exit_code), None)
+    return JobState(word, summary(states), code if word in TERMINAL else None,
+                    ",".join(dict.fromkeys(st.nodelist for st in states.values() if st.nodelist)))
+
+
+def wait_array(rec: JobRecord, on_change: Callable[[JobState], None], poll_s: float = 1.0) -> JobState:
+    """Until every task of the array has ended: one query per round, rounds further apart
+    (x1.5, at most STATE_POLL_MAX_S) while nothing changes; ``on_change`` gets each new summary."""
+    last, interval = None, poll_s
+    while True:
+        st = job_state(rec)
+        if st.raw != last:
+            on_change(st)
+            last, interval = st.raw, poll_s
+        else:
+            interval = min(interval * 1.5, max(poll_s, STATE_POLL_MAX_S))
+        if st.finished:
+            return st
+        time.sleep(interval)
 
 
 def cancel(rec: JobRecord) -> JobState | None:
-    """Cancel the job; returns its state instead when it had already ended (nothing to cancel)."""
+    """Cancel the job (an array: every task; a task record: that task); returns its state instead
+    when it had already ended (nothing to cancel)."""
     mod = schedulers.get(rec.scheduler)
     try:
         st = job_state(rec)
@@ -142,10 +239,7 @@ def cancel(rec: JobRecord) -> JobState | None:
         st = None                  # the scheduler cannot say: ask it to cancel anyway
     if st is not None and st.finished:
         return st
-    if rec.scheduler == "local":
-        mod.cancel(rec.job_id, Path(rec.folder))
-    else:
-        mod.cancel(rec.job_id)
+    mod.cancel(rec)
     return None
 
 
@@ -238,22 +332,9 @@ def outcome(rec: JobRecord, st: JobState) -> Outcome:
     return Outcome(st, oc.failed, oc.missing)
 
 
-_SRUN_CASUALTY = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Terminated|Segmentation fault|Aborted)")
-
-
 def first_casualty(rec: JobRecord) -> str | None:
-    """The first rank srun reported killed by a signal (its own line in rank 0's stderr log),
-    e.g. "rank 3 (node2) was killed (srun: Killed)"; None when srun reported none."""
-    path = Path(rec.folder) / f"{rec.job_id}_0_log.err"
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    m = _SRUN_CASUALTY.search(text)
-    if not m:
-        return None
-    node, ranks, how = m.groups()
-    return f"rank{'s' if ',' in ranks or '-' in ranks else ''} {ranks} ({node}) {'was' if ranks.isdigit() else 'were'} killed first (srun: {how})"
+    """The launcher's own word on the first rank killed by a signal (srun's), or None."""
+    return schedulers.get(rec.scheduler).first_casualty(rec)
 
 
 def hang_headline(rec: JobRecord) -> tuple[str, Path] | None:
@@ -272,12 +353,10 @@ def run_started(rec: JobRecord) -> float | None:
         times.append((Path(rec.folder) / f"{rec.job_id}_requeues.json").stat().st_mtime)
     except OSError:
         pass
-    queued_at = getattr(schedulers.get(rec.scheduler), "queued_at", None)
-    if queued_at is not None:
-        try:
-            times.append(queued_at(rec.job_id))
-        except HpcringError:
-            pass
+    try:
+        times.append(schedulers.get(rec.scheduler).queued_at(rec))
+    except HpcringError:
+        pass
     return max((t for t in times if t is not None), default=None)
 
 
@@ -371,11 +450,19 @@ class SameTracebackOnce:
             self.emit(key[0], key[1], line)
 
 
+STATE_POLL_MAX_S = 4.0   # follow's longest wait between two scheduler queries while nothing changes
+
+
 def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callable[[int, str, str], None],
            poll_s: float = 1.0, rank: int | None = None, tracebacks_once: bool = False) -> Outcome:
     """Stream tagged output and state changes until the job ends; return its outcome.
     ``tracebacks_once``: a traceback that another rank showed already is one line
-    (:class:`SameTracebackOnce`)."""
+    (:class:`SameTracebackOnce`). The logs are read every ``poll_s``; the scheduler is asked
+    less often while the state stays the same (x1.5 each time, at most STATE_POLL_MAX_S)."""
+    if rec.array is not None:
+        raise UsageError(f"job {rec.job_id} is an array of {len(rec.array)} tasks: follow one task",
+                         hint=f"`hpcring logs -f {rec.job_id}_{rec.array[0]}`; `hpcring status {rec.job_id}` "
+                              "summarises them all")
     sink = SameTracebackOnce(on_line) if tracebacks_once else None
     on_line = sink or on_line
     # Lines are read before the state: each state line then goes where it happened. A job seen
@@ -383,9 +470,17 @@ def follow(rec: JobRecord, on_state: Callable[[JobState], None], on_line: Callab
     # it wrote them before it got there (its state after them).
     tail = LogTail(rec, rank)
     last = None
+    interval, next_query, st = poll_s, 0.0, None
     while True:
         lines = list(tail.poll())
+        if time.monotonic() < next_query and st is not None:
+            for item in lines:
+                on_line(*item)
+            time.sleep(poll_s)
+            continue
         st = job_state(rec)
+        interval = poll_s if st.state != last else min(interval * 1.5, max(poll_s, STATE_POLL_MAX_S))
+        next_query = time.monotonic() + interval
         if st.finished:
             time.sleep(0.3)  # let the last bytes land on shared storage
             for item in lines + list(tail.poll(final=True)):

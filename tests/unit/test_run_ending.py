@@ -98,7 +98,8 @@ def test_teardown_leaves_a_run_the_scheduler_ends_alone(tmp_path, monkeypatch, c
     ran = []
     fake = types.SimpleNamespace(Popen=lambda *a, **k: ran.append(a), run=lambda *a, **k: ran.append(a),
                                  DEVNULL=subprocess.DEVNULL, SubprocessError=subprocess.SubprocessError)
-    monkeypatch.setattr(teardown, "subprocess", fake)     # teardown's own calls only, not the query's
+    import hpcring.schedulers as schedulers
+    monkeypatch.setattr(schedulers, "subprocess", fake)   # the teardown's own calls only, not the query's
     teardown.end_job(0, "x", {"SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "0"})
     assert ran == [] and "Slurm requeued job 9" in capsys.readouterr().err
     monkeypatch.setenv("PATH", fake_scontrol(tmp_path, "RUNNING", 0)["PATH"])

@@ -198,11 +198,13 @@ def test_secret_removal_is_quiet(tmp_path):
 # ---- teardown --------------------------------------------------------------------------------
 
 def test_teardown_asks_the_launcher_to_end_the_job():
-    assert teardown.end_job_argv({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"}) == ["scancel", "--signal=KILL", "5.0"]
-    assert teardown.end_job_argv({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "batch"}) is None
-    assert teardown.end_job_argv({"LSB_JOBID": "12"}) == ["bkill", "12"]
-    assert teardown.end_job_argv({"HPCRING_LAUNCHER": "local"}) is None   # the supervisor does it
-    assert teardown.annotate_argv("allreduce#4: rank 1 (node2)\n unreachable", {"SLURM_JOB_ID": "5"}) == \
+    from hpcring import schedulers       # the scheduler modules own the commands; teardown runs them
+    assert schedulers.end_job_argv({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0"}) == ["scancel", "--signal=KILL", "5.0"]
+    assert schedulers.end_job_argv({"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "batch"}) is None
+    assert schedulers.end_job_argv({"LSB_JOBID": "12"}) == ["bkill", "12"]
+    assert schedulers.end_job_argv({"LSB_JOBID": "12", "LSB_JOBINDEX": "3"}) == ["bkill", "12[3]"]   # array task 2
+    assert schedulers.end_job_argv({"HPCRING_LAUNCHER": "local"}) is None   # the supervisor does it
+    assert schedulers.annotate_argv("allreduce#4: rank 1 (node2)\n unreachable", {"SLURM_JOB_ID": "5"}) == \
         ["scontrol", "update", "JobId=5", "Comment=hpcring: allreduce#4: rank 1 (node2) unreachable"]
 
 

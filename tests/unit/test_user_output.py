@@ -25,7 +25,7 @@ def cli(*args, env=None):
 
 def fake_sacct(tmp_path, line: str, squeue: str = "") -> dict:
     """PATH with a `sacct` printing ``line`` (its fields as the caller asks for them) for any job,
-    and a `squeue` printing ``squeue`` (%T|%N; nothing: the job is not in squeue)."""
+    and a `squeue` printing ``squeue`` (%i|%T|%N; nothing: the job is not in squeue)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, out in (("sacct", line), ("squeue", squeue)):
@@ -47,10 +47,10 @@ def test_slurm_exit_code_from_sacct(tmp_path, monkeypatch, state, field, code):
 
 def test_slurm_state_of_a_live_job_is_squeues(tmp_path, monkeypatch):
     """Accounting lags: sacct still says PENDING while the ranks run; squeue knows."""
-    for k, v in fake_sacct(tmp_path, "44|PENDING|0:0|None assigned", squeue="RUNNING|node[1-2]").items():
+    for k, v in fake_sacct(tmp_path, "44|PENDING|0:0|None assigned", squeue="44|RUNNING|node[1-2]").items():
         monkeypatch.setenv(k, v)
     assert slurm.state("44") == JobState("RUNNING", "RUNNING", None, "node[1-2]")
-    for k, v in fake_sacct(tmp_path, "44|FAILED|3:0|node[1-2]", squeue="COMPLETING|node[1-2]").items():
+    for k, v in fake_sacct(tmp_path, "44|FAILED|3:0|node[1-2]", squeue="44|COMPLETING|node[1-2]").items():
         monkeypatch.setenv(k, v)
     assert slurm.state("44") == JobState("FAILED", "FAILED", 3, "node[1-2]")     # over: sacct's word
 

@@ -43,6 +43,10 @@ class JobRequest:
     container_mounts: list[str] = field(default_factory=list)
     no_container: Optional[bool] = None
     verbose: bool = False
+    array: Optional[str] = None          # config/arrays.py: indices, sweeps, dependencies
+    sweep: list[str] = field(default_factory=list)
+    dependency: Optional[str] = None
+    after: list[str] = field(default_factory=list)
 
     # the JobSpec fields the CLI can set (resolve_job's ``cli`` mapping)
     SPEC_FIELDS = ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "time", "partition",
@@ -55,7 +59,8 @@ class JobRequest:
         site = load_site(self.site)
         cli = {k: getattr(self, k) for k in self.SPEC_FIELDS}
         job = resolve_job(site, self.script, list(self.args), cli, sched_args=list(self.sched_arg),
-                          exclusive=self.exclusive)
+                          exclusive=self.exclusive, array=self.array, sweep=list(self.sweep),
+                          dependency=self.dependency, after=list(self.after))
         check_script(self.script)      # render and --dry-run too: a preview of a job that cannot run misleads
         job.container = container_of(site, self.container_image, self.container_mounts, self.no_container)
         if job.container is not None:
@@ -117,6 +122,14 @@ _OPTIONS = {
                                                            help="SRC[:DST[:OPTS]],... added to the site's mounts.")),
     "no_container": (Optional[bool], typer.Option(None, "--no-container", help="Run the ranks on the host.")),
     "verbose": (bool, typer.Option(False, "--verbose", "-v", help="Show where each setting came from.")),
+    "array": (Optional[str], typer.Option(None, "--array", "-a",
+                                          help="A job array: indices 0-15, 0-15:2, 1,3,8, each with %N to run at "
+                                               "most N at once; every task is the whole job (HPCRING_ARRAY_TASK).")),
+    "sweep": (Optional[List[str]], typer.Option(None, "--sweep", help="NAME=V1,V2: one array task per combination of "
+                                                "all --sweep values, passed as --NAME VALUE (repeatable).")),
+    "dependency": (Optional[str], typer.Option(None, "--dependency", "-d",
+                                               help="Start after other jobs: afterok|afterany|afternotok|after:JOB[:JOB].")),
+    "after": (Optional[List[str]], typer.Option(None, "--after", help="Start after JOB completed (afterok; repeatable).")),
 }
 _ARGUMENTS = {
     "script": (str, typer.Argument(..., help="Python script each rank runs.")),
@@ -141,7 +154,8 @@ def job_options(fn):
         bound.update({k: kwargs.pop(k) for k in list(kwargs) if k in names})
         values = {k: v for k, v in bound.items() if v is not None}
         req = JobRequest(**{**values, "args": list(bound.get("args") or []),
-                            "sched_arg": list(bound.get("sched_arg") or [])})
+                            "sched_arg": list(bound.get("sched_arg") or []),
+                            "sweep": list(bound.get("sweep") or []), "after": list(bound.get("after") or [])})
         return fn(req=req, **kwargs)
     wrapper.__signature__ = sig.replace(parameters=added[:2] + [p.replace(kind=_KW) for p in own] + added[2:])
     wrapper.__annotations__ = {**{n: a for n, (a, _) in {**_ARGUMENTS, **_OPTIONS}.items()},

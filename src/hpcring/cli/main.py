@@ -50,7 +50,8 @@ def submit(req: JobRequest,
     warnings = lib.node_local_warnings(s, job)
     rec = lib.submit(s, job, req.template)
     output.info(f"Submitted job {rec.job_id} [{rec.key}] ({job.ntasks} ranks on {job.nodes} node(s), site {s.name}); "
-                f"logs in {rec.folder}")
+                f"logs in {rec.folder}" + (f"; an array of {len(rec.array)} tasks, each the whole job: "
+                                           f"{rec.job_id}_{rec.array[0]} ..." if rec.array is not None else ""))
     for warning in warnings:           # after the "Submitted job" line: scripts read the id from the first line
         output.info(f"warning: {warning}")
     if wait:
@@ -61,6 +62,13 @@ def submit(req: JobRequest,
 
 def _wait(rec) -> None:
     from hpcring import submit as lib
+    if rec.array is not None:
+        st = lib.wait_array(rec, on_change=lambda st: output.info(f"job {rec.job_id}: {st.raw}"))
+        if st.state != "COMPLETED":
+            raise lib.JobFailedError(f"array job {rec.job_id} ({rec.name}) {st.state}: {st.raw}",
+                                     exit_code=st.exit_code or 1, hint=f"`hpcring status {rec.job_id}` names each task")
+        output.info(f"job {rec.job_id} COMPLETED: {len(rec.array)} tasks")
+        return
     try:
         oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"), tracebacks_once=True,
                         on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
@@ -84,7 +92,8 @@ def render(req: JobRequest):
     sys.stdout.write(lib.preview(s, job, req.template))
 
 
-@command(app, help="Show a job's state (from sacct, bjobs or the local backend) and its ranks.")
+@command(app, help="Show a job's state (from sacct, bjobs or the local backend) and its ranks; an array's "
+                   "tasks summarised by state (JOB) or one task (JOB_TASK).")
 def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record name; none: list the newest jobs."),
            last: int = typer.Option(10, "--last", "-n", min=1, help="How many jobs to list without JOB_ID.")):
     from hpcring import submit as lib
@@ -92,6 +101,12 @@ def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record
         output.jobs_table(lib.recent(last))
         return
     rec = lib.record(job_id)
+    if rec.array is not None:          # one line per state, then one per task
+        states, why = lib.job_states([rec])
+        if why:
+            raise lib.SchedulerError(why[rec.job_id])
+        output.array_status(rec, lib.array_state(states), states)
+        return
     st = lib.job_state(rec)
     output.status(rec, st, lib.outcome(rec, st) if st.finished else None, lib.requeues(rec))
 
@@ -110,11 +125,12 @@ def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record n
         if not oc.ok:      # as `submit --wait`: the verdict, and the failing rank's exit code
             raise lib.describe_failure(rec, oc)
         return
-    for r, stream, line in lib.LogTail(rec, rank, raw=raw).poll(final=True):
-        output.line(lib.tag(r, stream, line))
+    for one in rec.tasks() if rec.array is not None else [rec]:    # an array: every task, task by task
+        for r, stream, line in lib.LogTail(one, rank, raw=raw).poll(final=True):
+            output.line(lib.tag(r if one is rec else f"{one.task_index}:{r}", stream, line))
 
 
-@command(app, help="Cancel a job.")
+@command(app, help="Cancel a job (JOB: every task of an array; JOB_TASK: one task).")
 def cancel(job_id: str = typer.Argument(...)):
     from hpcring import submit as lib
     rec = lib.record(job_id)

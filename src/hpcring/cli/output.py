@@ -42,6 +42,21 @@ def status(rec, st, oc, requeues: int = 0) -> None:
             print(f"  ranks without a result: {', '.join(map(str, oc.missing))}")
 
 
+def array_status(rec, st, states) -> None:
+    """An array: its state, one line per state (``4 COMPLETED, 2 RUNNING``), then each task, its
+    state and its --sweep values."""
+    print(f"job {rec.job_id}  {st.state}  array of {len(rec.array)} tasks"
+          + (f" (at most {rec.array_limit} at once)" if rec.array_limit else "")
+          + (f"  exit {st.exit_code}" if st.exit_code is not None else ""))
+    print(f"  {st.raw}")
+    print(f"  record {rec.key}  name {rec.name}  scheduler {rec.scheduler}  ranks {rec.ntasks} per task")
+    for i, task in enumerate(rec.tasks()):
+        one = states[task.job_id]
+        values = " ".join(f"{k}={v}" for k, v in (rec.sweep[i] if rec.sweep else {}).items())
+        print(f"  {task.job_id:<14} {one.state:<10}" + (f" exit {one.exit_code}" if one.exit_code is not None else "")
+              + (f"  {values}" if values else ""))
+
+
 def jobs_table(rows) -> None:
     """``hpcring status`` without a job: one line per job, newest first."""
     import time
@@ -53,7 +68,7 @@ def jobs_table(rows) -> None:
         state = st.state if st is not None else "?"
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.submitted_at))
         print(f"{rec.key:<24} {state:<11} {rec.ntasks:>5}  {when:<16} {rec.name:<20} {rec.script}"
-              + (f"  ({why})" if why else ""))
+              + (f"  ({why})" if why else "") + (f"  [array: {st.raw}]" if rec.array is not None and st else ""))
 
 
 def sites_table(rows) -> None:

@@ -161,6 +161,9 @@ VARS: tuple[Var, ...] = (
        "the process, `raise` raises CollectiveError", choices=("abort", "raise")),
     _v("HPCRING_FLIGHT_RECORDS", "int", 2048, "collectives kept in each rank's flight recorder",
        16, 1 << 24),
+    _v("HPCRING_LOCAL_AFTER_TIMEOUT_S", "float", 86400.0, "local backend: how long a job submitted with "
+       "--dependency/--after waits for the jobs it depends on, seconds (then it fails)", 0, 10 * 365 * 86400,
+       lo_open=True),
     _v("HPCRING_LOCAL_GRACE_S", "float", 10.0, "local backend and `hpcring run`: once a rank failed, "
        "seconds before the others are stopped (1 s once a hang report is written)", 0, 3600),
     _v("HPCRING_END_JOB", "bool", True, "after a diagnosed collective failure the reporting rank asks "
@@ -209,6 +212,8 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_NODELIST", "str", None, "local backend: the virtual node list", set_by="hpcring"),
     _v("HPCRING_HOSTNAME", "str", None, "local backend: this rank's virtual host", set_by="hpcring"),
     _v("HPCRING_JOB_ID", "str", None, "local backend: the job id", set_by="hpcring"),
+    _v("HPCRING_ARRAY_TASK", "int", None, "an array job's task index on every rank (0-based on every "
+       "scheduler; `submit --array/--sweep`)", 0, 999_999, set_by="hpcring"),
     _v("HPCRING_LOCAL_JOB_ID", "str", None, "local backend supervisor: the job id", set_by="hpcring"),
     _v("HPCRING_TIME_LIMIT_S", "float", 0.0, "local backend supervisor: time limit, seconds (0: none)",
        0, 10 * 365 * 86400, set_by="hpcring"),

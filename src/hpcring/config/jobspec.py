@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from hpcring.config.arrays import ArraySpec, Dependency, parse_array, parse_dependency, parse_sweep
 from hpcring.config.schema import control_character, minutes_to_lsf, minutes_to_slurm, shown, time_to_minutes
 from hpcring.config import envvars
 from hpcring.config.site import Site
@@ -72,6 +73,9 @@ class JobSpec:
     sources: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # per-job additions (e.g. HPCRING_SECRET_FILE)
     container: Any = None   # schedulers.container.ContainerRun: the image the ranks start in, or None
+    array: ArraySpec | None = None       # --array / --sweep: each task a whole job (config/arrays.py)
+    sweep: list[dict] | None = None      # per task index: the values passed as --NAME VALUE
+    dependency: Dependency | None = None
 
     @property
     def ntasks(self) -> int:
@@ -133,7 +137,9 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
                 cli: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None,
                 sched_args: list[str] | None = None,
-                exclusive: bool | None = None) -> JobSpec:
+                exclusive: bool | None = None,
+                array: str | None = None, sweep: list[str] | None = None,
+                dependency: str | None = None, after: list[str] | None = None) -> JobSpec:
     """Merge CLI values, HPCRING_* variables, the site config and defaults into a JobSpec.
 
     ``cli`` maps field names to values, None meaning "not given". Raises UsageError for bad values
@@ -184,6 +190,13 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
                    constraint=values["constraint"], exclusive=values["exclusive"], name=values["name"],
                    job_dir=values["job_dir"], timeout=values["timeout"],
                    sched_args=list(site.config.sched_args) + list(sched_args or []), sources=sources)
+    combos = parse_sweep(list(sweep)) if sweep else None
+    if combos is not None or array is not None:
+        spec.array = (parse_array(array, tasks=len(combos) if combos else None) if array is not None
+                      else ArraySpec(tuple(range(len(combos)))))
+        spec.sweep = combos
+        spec.sources["array"] = "cli"
+    spec.dependency = parse_dependency(dependency, after)
     check_limits(site, spec)
     # the image from HPCRING_CONTAINER_IMAGE or the site (JobRequest.resolve puts the flags on top);
     # imported here: the container words live beside the launcher's, in schedulers/

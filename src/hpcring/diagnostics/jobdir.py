@@ -17,12 +17,28 @@ JOB_ID_VARS = ("SLURM_JOB_ID", "LSB_JOBID", "SUBMITIT_LOCAL_JOB_ID", "HPCRING_JO
 
 
 def job_id(environ: Mapping[str, str] | None = None) -> str:
-    """The scheduler's job id (Slurm, LSF, the local backend), else "0"."""
+    """The scheduler's job id (Slurm, LSF, the local backend), else "0"; an array task's is
+    ``<array id>_<task>`` (hpcring's 0-based task, also on LSF), as its folder and records are named."""
     env = os.environ if environ is None else environ
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    if env.get("LSB_JOBID") and env.get("LSB_JOBINDEX", "0") not in ("", "0"):
+        return f"{env['LSB_JOBID']}_{array_task(env)}"
     for var in JOB_ID_VARS:
         if env.get(var):
             return env[var]
     return "0"
+
+
+def array_task(environ: Mapping[str, str] | None = None) -> str | None:
+    """This array task's index (hpcring's, 0-based: LSF's LSB_JOBINDEX less one), or None."""
+    env = os.environ if environ is None else environ
+    if env.get("HPCRING_ARRAY_TASK"):
+        return env["HPCRING_ARRAY_TASK"]
+    if env.get("SLURM_ARRAY_TASK_ID"):
+        return env["SLURM_ARRAY_TASK_ID"]
+    index = env.get("LSB_JOBINDEX", "0")
+    return str(int(index) - 1) if index.isdigit() and int(index) > 0 else None
 
 
 def job_folder(environ: Mapping[str, str] | None = None) -> Path:

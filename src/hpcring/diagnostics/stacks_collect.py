@@ -1,10 +1,9 @@
 """Login side of ``hpcring stacks JOB``: collect every rank's Python stack of a running job, group them.
 
 ``collect(job_id, method="auto", timeout=60) -> StackReport``
-    Slurm: checks the job with ``squeue`` (not found / not running are errors), then runs
-    ``srun --jobid=JOB --overlap -N<nodes> --ntasks-per-node=1 <python> -m
-    hpcring.diagnostics.stacks_probe JOB`` under ``timeout`` and reads what each node's probe
-    printed (:mod:`hpcring.diagnostics.stacks_probe`). Local backend: the probe runs in this
+    Slurm: the scheduler module runs ``<python> -m hpcring.diagnostics.stacks_probe JOB`` once
+    per node of the running job (``slurm.run_on_nodes``: an ``srun --overlap`` step; a job not
+    running is an error) under ``timeout``, and this reads what each node's probe printed (:mod:`hpcring.diagnostics.stacks_probe`). Local backend: the probe runs in this
     process. LSF: refused with a message (Slurm and local only). Raises HpcringError subclasses
     that say what failed, where, and what to do; a rank that could not be dumped is not an error
     but a line in ``StackReport.problems``.
@@ -17,8 +16,6 @@
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,8 +25,6 @@ from hpcring.diagnostics import stacks_probe
 from hpcring.diagnostics.stacks import Group, format_thread, group, group_line
 from hpcring.errors import HpcringError, JobNotFoundError, SchedulerError, UsageError
 
-_SQUEUE_TIMEOUT = 30.0
-_GRACE_S = 10.0   # srun's own start and teardown on top of the probes' deadline
 
 
 @dataclass
@@ -78,9 +73,7 @@ def collect(job_id: str, *, method: str = "auto", timeout: float = 60.0) -> Stac
         results, problems = _collect_local(rec, method, timeout)
         where = "this machine"
     elif scheduler == "slurm":
-        nodes, nodelist = _slurm_running(job_id)
-        results, problems = _collect_slurm(job_id, nodes, _python(rec), method, timeout)
-        where = nodelist
+        results, problems, where = _collect_slurm(job_id, _python(rec), method, timeout)
     else:
         raise HpcringError(f"job {job_id}: unknown scheduler {scheduler!r} in its record")
     report.problems.extend(problems)
@@ -107,7 +100,8 @@ def _record(job_id: str):
     try:
         return load_record(job_id)
     except JobNotFoundError:
-        if shutil.which("squeue") is None:
+        from hpcring.schedulers import slurm
+        if not slurm.available():
             raise
         return None
 
@@ -123,52 +117,16 @@ def _python(rec) -> str:
     return sys.executable
 
 
-def _slurm_running(job_id: str) -> tuple[int, str]:
-    """(node count, nodelist) of a RUNNING Slurm job; raises when it is not running."""
-    try:
-        r = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%D|%N"], capture_output=True, text=True,
-                           timeout=_SQUEUE_TIMEOUT, stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise SchedulerError("`squeue` is not on PATH", hint="run on the cluster's login node") from None
-    except subprocess.TimeoutExpired:
-        raise SchedulerError(f"`squeue -j {job_id}` did not answer within {_SQUEUE_TIMEOUT:.0f} s",
-                             hint="is slurmctld up? try `sinfo`") from None
-    line = r.stdout.strip().splitlines()[0] if r.stdout.strip() else ""
-    if r.returncode != 0 and "Invalid job id" not in r.stderr:
-        raise SchedulerError(f"squeue -j {job_id} failed: {r.stderr.strip()}")
-    if not line:
-        raise JobNotFoundError(f"job {job_id} is not in squeue: it has finished or never existed",
-                               hint=f"`hpcring status {job_id}` or `sacct -j {job_id}` for finished jobs")
-    state, _, rest = line.partition("|")
-    count, _, nodelist = rest.partition("|")
-    if state != "RUNNING":
-        raise HpcringError(f"job {job_id} is {state}, not RUNNING: there are no rank processes to look at",
-                           hint="wait until it runs (`squeue -j " + job_id + "`)" if state == "PENDING" else None)
-    return int(count), nodelist
-
-
-def probe_command(job_id: str, nodes: int, python: str, method: str, timeout: float) -> list[str]:
-    """The srun step that runs one probe per node of the job (the probes get ``timeout``)."""
-    return ["srun", f"--jobid={job_id}", "--overlap", f"-N{nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-            "--job-name=hpcring-stacks", "--kill-on-bad-exit=0", "--quiet",
-            python, "-m", "hpcring.diagnostics.stacks_probe", job_id, "--scheduler", "slurm",
+def probe_command(job_id: str, python: str, method: str, timeout: float) -> list[str]:
+    """What runs on every node of the job: the probe, which gets ``timeout`` seconds."""
+    return [python, "-m", "hpcring.diagnostics.stacks_probe", job_id, "--scheduler", "slurm",
             "--method", method, "--timeout", f"{timeout:g}"]
 
 
-def _collect_slurm(job_id: str, nodes: int, python: str, method: str,
-                   timeout: float) -> tuple[list[dict], list[str]]:
-    probe_s = max(5.0, timeout - _GRACE_S)
-    cmd = probe_command(job_id, nodes, python, method, probe_s)
-    if shutil.which("timeout"):
-        cmd = ["timeout", "-k", "5", f"{timeout:g}", *cmd]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 15,
-                           stdin=subprocess.DEVNULL)
-        out, err, code = r.stdout, r.stderr, r.returncode
-    except FileNotFoundError:
-        raise SchedulerError("`srun` is not on PATH", hint="run on the cluster's login node") from None
-    except subprocess.TimeoutExpired as exc:
-        out, err, code = _text(exc.stdout), _text(exc.stderr), 124
+def _collect_slurm(job_id: str, python: str, method: str, timeout: float) -> tuple[list[dict], list[str], str]:
+    from hpcring.schedulers import slurm
+    probe_s = max(5.0, timeout - slurm.PROBE_GRACE_S)
+    out, err, code, nodelist = slurm.run_on_nodes(job_id, probe_command(job_id, python, method, probe_s), timeout)
     results, problems = stacks_probe.read_emitted(out)
     if code == 124:
         problems.append(f"srun did not finish within {timeout:g} s (nodes not answering?)"
@@ -177,16 +135,15 @@ def _collect_slurm(job_id: str, nodes: int, python: str, method: str,
         problems.append(f"srun exited with {code}: {_tail(err)}")
     if not results:
         raise SchedulerError(f"the stack probe step of job {job_id} produced no result "
-                             f"({' '.join(cmd[cmd.index('srun'):cmd.index('srun') + 3])} ...): "
-                             + (_tail(err) or f"exit code {code}, no output"),
+                             f"(srun --jobid={job_id} --overlap ...): " + (_tail(err) or f"exit code {code}, no output"),
                              hint="the probe needs `srun --overlap` (Slurm >= 20.11) and hpcring importable "
                                   f"by {python} on the compute nodes")
-    return results, problems
+    return results, problems, nodelist
 
 
 def _collect_local(rec, method: str, timeout: float) -> tuple[list[dict], list[str]]:
     from hpcring.schedulers import local
-    st = local.state(rec.job_id, Path(rec.folder))
+    st = local.states([rec])[rec.job_id]
     if st.state != "RUNNING":
         raise HpcringError(f"local job {rec.job_id} is {st.state}, not RUNNING: there are no rank processes "
                            "to look at", hint=f"`hpcring status {rec.job_id}`")
@@ -215,10 +172,6 @@ def _folder_from_live_files(report: StackReport) -> Path | None:
             if p.parent.name == "diag":
                 return p.parent.parent
     return None
-
-
-def _text(data) -> str:
-    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
 
 
 def _tail(text: str, lines: int = 5) -> str:

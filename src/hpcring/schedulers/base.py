@@ -1,10 +1,10 @@
-"""What every scheduler module provides, and the job registry the CLI reads.
+"""The interface every scheduler implements, and the job registry the CLI reads.
 
-A scheduler module (slurm.py, lsf.py, local.py) fills a few hooks, submitit-style:
-  ``make_executor(site, job, folder, template)`` -> a submitit executor whose submission file is
-  our rendered template; ``state(job_id)`` -> JobState; ``cancel(job_id)``; ``COMMAND``, the
-  submission command name (for error messages); Slurm and LSF also ``launch_argv(site, request)``,
-  the line that starts the ranks (launch_words.py), used by job scripts and ``hpcring run``.
+:class:`Scheduler` is what ``schedulers.get(name)`` returns (slurm.py, lsf.py, local.py; each module
+satisfies it with module-level functions, submitit-style: one module per scheduler). Everything
+that runs a scheduler command (sbatch, srun, scancel, squeue, sacct, scontrol, bsub, bjobs, bkill,
+blaunch, jsrun) or reads its output is behind it; callers outside ``schedulers/`` only get
+JobStates, words and texts back.
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import os
 import re
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any, Mapping, Protocol, Sequence
 
 from hpcring.errors import HpcringError, JobNotFoundError, SchedulerError, UsageError
 from hpcring.fsutil import write_json
@@ -64,6 +65,24 @@ class JobRecord:
     submitted_at: float
     cluster: str = ""          # Slurm's ClusterName, LSF's cluster, or the site's name
     secret_file: str = ""      # the job's rendezvous secret, deleted once the job has ended
+    array: list[int] | None = None   # an array job: its task indices (hpcring's, 0-based); else None
+    array_limit: int | None = None   # at most this many tasks run at once (``%N``)
+    sweep: list[dict] | None = None  # per array task, in ``array`` order: {name: value} (``--sweep``)
+    parent: str = ""           # an array task's record: the array's job id (its own is PARENT_TASK)
+
+    def task(self, index: int) -> "JobRecord":
+        """The record of array task ``index``: id ``<id>_<index>``, folder ``<root>/<id>_<index>``
+        (each task is a whole job with its own folder, logs and status records)."""
+        tid = f"{self.job_id}_{index}"
+        return replace(self, job_id=tid, folder=str(Path(self.folder).parent / tid), array=None,
+                       array_limit=None, sweep=None, parent=self.job_id)
+
+    def tasks(self) -> list["JobRecord"]:
+        return [self.task(i) for i in self.array or ()]
+
+    @property
+    def task_index(self) -> int | None:
+        return int(self.job_id.rsplit("_", 1)[1]) if self.parent else None
 
     @property
     def key(self) -> str:
@@ -73,6 +92,36 @@ class JobRecord:
         does not."""
         return "-".join(p for p in (self.scheduler, self.cluster if self.scheduler != "local" else "",
                                     self.job_id) if p)
+
+
+class Scheduler(Protocol):
+    """What one scheduler provides (module-level functions of slurm.py, lsf.py, local.py).
+
+    Job side: ``make_executor`` (a submitit executor whose submission file is hpcring's rendered
+    template), ``rank_command`` (what each rank runs), ``states`` (the states of many jobs from ONE
+    query: sacct, bjobs or the local state files; follow loops back off between calls),
+    ``cancel`` (an array's id: every task; ``JOB_TASK``: one), ``release`` (start an array
+    submitted held), ``queued_at``, ``cluster_name``, ``explain_refusal`` (a hint for a refused
+    submission), ``first_casualty`` (the launcher's own "rank N was killed" line),
+    ``run_on_nodes`` (a command once per node of a running job: ``hpcring stacks``' probe). Rank side, from the job's environment:
+    ``end_job_argv``/``annotate_argv`` (end every rank after a diagnosed failure; put the headline
+    in the scheduler's record), ``run_ending``. Slurm and LSF also have ``launch_argv``
+    (launch_words.py), the launcher line of job scripts and ``hpcring run``.
+    """
+    COMMAND: str               # the submission command's name, for messages
+
+    def make_executor(self, site: Any, job: Any, folder: Path, template: str | None, python: str) -> Any: ...
+    def rank_command(self, python: str, folder: str) -> str: ...
+    def states(self, recs: Sequence["JobRecord"]) -> dict[str, JobState]: ...
+    def cancel(self, rec: "JobRecord") -> None: ...
+    def queued_at(self, rec: "JobRecord") -> float | None: ...
+    def cluster_name(self, site: Any) -> str: ...
+    def explain_refusal(self, text: str) -> str | None: ...
+    def first_casualty(self, rec: "JobRecord") -> str | None: ...
+    def release(self, rec: "JobRecord") -> None: ...
+    def run_on_nodes(self, job_id: str, command: list[str], timeout: float) -> tuple[str, str, int, str]: ...
+    def end_job_argv(self, environ: Mapping[str, str]) -> list[str] | None: ...
+    def annotate_argv(self, headline: str, environ: Mapping[str, str]) -> list[str] | None: ...
 
 
 def state_dir() -> Path:
@@ -122,8 +171,36 @@ def save_record(rec: JobRecord) -> None:
 
 def load_record(ref: str) -> JobRecord:
     """The record named ``ref``: a full key (``slurm-devcluster-38``) or a plain id (``38``) when
-    only one scheduler/cluster has a job with that id."""
+    only one scheduler/cluster has a job with that id; ``38_2`` (or ``slurm-devcluster-38_2``) is
+    task 2 of array job 38."""
     ref = check_job_ref(ref)
+    try:
+        return _load_record(ref)
+    except JobNotFoundError:
+        head, sep, index = ref.rpartition("_")
+        if not (sep and index.isdigit() and head):
+            raise
+        try:
+            rec = _load_record(head)
+        except JobNotFoundError:
+            raise JobNotFoundError(f"job {ref} was not submitted through hpcring from this account (no record "
+                                   f"{ref} or {head} in {state_dir()})",
+                                   hint="check the id with `hpcring status`") from None
+        if rec.array is None or int(index) not in rec.array:
+            what = (f"its tasks are {format_indices(rec.array)}" if rec.array is not None
+                    else "it is not an array job")
+            raise UsageError(f"job {head} has no array task {int(index)}: {what}",
+                             hint=f"`hpcring status {head}` lists its tasks") from None
+        return rec.task(int(index))
+
+
+def format_indices(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    from hpcring.ranks import rank_ranges
+    return rank_ranges(list(indices))
+
+
+def _load_record(ref: str) -> JobRecord:
     d = state_dir()
     exact = d / f"{ref}.json"
     if "-" in ref and exact.is_file():
@@ -166,8 +243,10 @@ def _read(path: Path) -> JobRecord:
 
 
 def new_record(job_id: str, scheduler: str, site: str, folder: str, ntasks: int, name: str,
-               script: str, cluster: str = "", secret_file: str = "") -> JobRecord:
+               script: str, cluster: str = "", secret_file: str = "", **array: Any) -> JobRecord:
+    """Write and return a new record; ``array``: its ``array``, ``array_limit`` and ``sweep``."""
     rec = JobRecord(job_id=job_id, scheduler=scheduler, site=site, folder=folder, ntasks=ntasks,
-                    name=name, script=script, submitted_at=time.time(), cluster=cluster, secret_file=secret_file)
+                    name=name, script=script, submitted_at=time.time(), cluster=cluster, secret_file=secret_file,
+                    **array)
     save_record(rec)
     return rec

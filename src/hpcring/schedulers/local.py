@@ -3,7 +3,9 @@
 Submission renders ``templates/local.sh.j2`` and starts it detached (its own session), so
 ``submit`` returns at once as with sbatch; the script runs ``local_run``, the supervisor that
 starts nodes x tasks_per_node ranks with an allocation's per-rank environment and records the
-job's state in ``<folder>/<jobid>_local.json``.
+job's state in ``<folder>/<jobid>_local.json``. An array (each task the whole job, folder
+``<root>/<id>_<task>``) or a job with a dependency is started by ``local_queue`` instead, which
+waits for the dependency and runs at most ``%N`` tasks at once.
 """
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ from pathlib import Path
 
 from submitit.core import core
 
+from collections.abc import Mapping, Sequence
+
+from hpcring.config.envvars import MAX_LOCAL_RANKS
 from hpcring.config.jobspec import JobSpec
 from hpcring.config.site import Site
-from hpcring.errors import SchedulerError
+from hpcring.errors import JobNotFoundError, SchedulerError, UsageError
 from hpcring.fsutil import write_json
 from hpcring.render import render_script
-from hpcring.schedulers.base import JobState, state_dir
+from hpcring.schedulers.base import JobRecord, JobState, load_record, state_dir
 from hpcring.schedulers.launch_words import submitit_command
 
 COMMAND = "local"
@@ -86,7 +91,7 @@ class Executor(core.PicklingExecutor):
 
     def _make_submission_command(self, submission_file_path: Path) -> list[str]:
         return [sys.executable, "-m", "hpcring.schedulers.local", "spawn", str(submission_file_path),
-                str(self.folder), str(self._job.time_min * 60)]
+                str(self.folder), str(self._job.time_min * 60), *queue_args(self._job)]
 
     @staticmethod
     def _get_job_id_from_submission_command(string) -> str:
@@ -98,7 +103,31 @@ class Executor(core.PicklingExecutor):
 
 
 def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, python: str) -> Executor:
+    queue_args(job)                    # a dependency on a job that is not local: refused before anything starts
     return Executor(folder, site, job, template, python)
+
+
+def queue_args(job: JobSpec) -> list[str]:
+    """local_queue's options for an array or a dependency (none for a plain job): the tasks, how
+    many at once (``%N``, else as many as MAX_LOCAL_RANKS allows), each dependency's state file."""
+    out: list[str] = []
+    if job.array is not None:
+        fit = max(1, MAX_LOCAL_RANKS // job.ntasks)
+        out += ["--tasks", ",".join(map(str, job.array.indices)),
+                "--parallel", str(min(job.array.limit or fit, fit, len(job.array.indices)))]
+    if job.dependency is not None:
+        for dep in job.dependency.jobs:
+            try:
+                rec = load_record(dep)
+            except JobNotFoundError:
+                raise UsageError(f"--dependency/--after: job {dep} is not a job of the local backend",
+                                 hint="a local job can wait only for other local jobs (`hpcring status` lists them)") from None
+            if rec.scheduler != "local" or rec.array is not None:
+                raise UsageError(f"--dependency/--after: job {dep} is a {rec.scheduler} "
+                                 f"{'array' if rec.array is not None else 'job'}; a local job waits for local "
+                                 "jobs and array tasks (JOB_TASK)", hint="name a local job or one task of a local array")
+            out += ["--after", f"{job.dependency.kind}:{dep}:{state_file(Path(rec.folder), rec.job_id)}"]
+    return out
 
 
 def _next_job_id() -> str:
@@ -114,9 +143,13 @@ def _next_job_id() -> str:
     return str(n)
 
 
-def spawn(script: str, folder: str, time_limit_s: str) -> str:
-    """Start the rendered script detached; return the job id (printed like sbatch does)."""
+def spawn(script: str, folder: str, time_limit_s: str, queue: list[str] | None = None) -> str:
+    """Start the rendered script detached (through local_queue for an array or a dependency);
+    return the job id (printed like sbatch does)."""
     job_id = _next_job_id()
+    if queue:
+        from hpcring.schedulers import local_queue
+        return local_queue.start(job_id, script, folder, time_limit_s, queue)
     real = Path(folder.replace("%j", job_id))
     real.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HPCRING_LOCAL_JOB_ID=job_id, HPCRING_TIME_LIMIT_S=time_limit_s)
@@ -148,23 +181,78 @@ def state(job_id: str, folder: Path | None) -> JobState:
     if data is None:
         return JobState("UNKNOWN", "no local state file")
     st = data.get("state", "UNKNOWN")
-    if st in ("PENDING", "RUNNING") and not _alive(int(data.get("pid", 0))):
+    if st in ("PENDING", "RUNNING") and data.get("pid") and not _alive(int(data["pid"])):
         # supervisor gone without writing a final state: killed from outside
         return JobState("FAILED", "supervisor vanished", data.get("exit_code"))
     return JobState(st, data.get("reason") or st, data.get("exit_code"), data.get("nodes", ""))
 
 
+def states(recs: Sequence[JobRecord]) -> dict[str, JobState]:
+    """From each job's state file (no scheduler to ask)."""
+    return {r.job_id: state(r.job_id, Path(r.folder)) for r in recs}
+
+
+def rank_command(python: str, folder: str) -> str:
+    return submitit_command(python, folder)
+
+
+def release(rec: JobRecord) -> None:
+    """Nothing held: local_queue starts each task once its pickle is there."""
+
+
+def queued_at(rec: JobRecord) -> float | None:
+    return None
+
+
+def cluster_name(site: Site) -> str:
+    return site.name
+
+
+def explain_refusal(text: str) -> str | None:
+    return None
+
+
+def first_casualty(rec: JobRecord) -> str | None:
+    """The supervisor records each rank's own exit; it writes no launcher line to read."""
+    return None
+
+
+def end_job_argv(environ: Mapping[str, str]) -> list[str] | None:
+    return None                # the supervisor ends the ranks itself
+
+
+def annotate_argv(headline: str, environ: Mapping[str, str]) -> list[str] | None:
+    return None
+
+
+def run_on_nodes(job_id: str, command: list[str], timeout: float) -> tuple[str, str, int, str]:
+    raise SchedulerError("the local backend's ranks are on this machine: probe them here")
+
+
 CANCEL_WAIT_S = 8.0   # the supervisor's own stop (SIGTERM, then SIGKILL after 3 s) fits in this
 
 
-def cancel(job_id: str, folder: Path | None) -> None:
-    """SIGTERM to the job's process group (the supervisor stops its ranks and records CANCELLED);
+def cancel(rec: JobRecord | str, folder: Path | None = None) -> None:
+    """Cancel a job (every task of an array); see :func:`cancel_one`."""
+    if isinstance(rec, JobRecord):
+        for one in rec.tasks() if rec.array is not None else [rec]:
+            cancel_one(one.job_id, Path(one.folder))
+    else:
+        cancel_one(rec, folder)
+
+
+def cancel_one(job_id: str, folder: Path | None) -> None:
+    """A task not started yet (no process group) is only marked CANCELLED; otherwise SIGTERM to the job's process group (the supervisor stops its ranks and records CANCELLED);
     whatever is still alive after CANCEL_WAIT_S -- a supervisor that is gone or stuck, ranks that
     ignore SIGTERM as submitit's do -- gets SIGKILL, and the state file says CANCELLED."""
     data = read_state(folder, job_id) if folder else None
     if data is None:
         raise SchedulerError(f"local job {job_id}: no state file under {folder}")
     if data.get("state") not in ("PENDING", "RUNNING"):
+        return
+    if not data.get("pgid"):          # queued in local_queue: it reads this before starting the task
+        data.update(state="CANCELLED", ended=time.time(), reason="cancelled before it started")
+        write_json(state_file(folder, job_id), data)
         return
     pgid = int(data["pgid"])
     if not _signal_group(pgid, signal.SIGTERM):
@@ -203,8 +291,9 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-if __name__ == "__main__":  # submission command: python -m hpcring.schedulers.local spawn SCRIPT FOLDER LIMIT
-    if len(sys.argv) != 5 or sys.argv[1] != "spawn":
-        print("usage: python -m hpcring.schedulers.local spawn SCRIPT FOLDER TIME_LIMIT_S", file=sys.stderr)
+if __name__ == "__main__":  # submission command: python -m hpcring.schedulers.local spawn SCRIPT FOLDER LIMIT [QUEUE...]
+    if len(sys.argv) < 5 or sys.argv[1] != "spawn":
+        print("usage: python -m hpcring.schedulers.local spawn SCRIPT FOLDER TIME_LIMIT_S [local_queue options]",
+              file=sys.stderr)
         sys.exit(2)
-    print(f"Submitted local job {spawn(sys.argv[2], sys.argv[3], sys.argv[4])}")
+    print(f"Submitted local job {spawn(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])}")

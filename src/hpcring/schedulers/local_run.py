@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                     procs.append(start(["bash", "-c", "exec " + " ".join(cmd)], env, stdout=out, stderr=err))
         ended = sup.wait()
     finally:
-        delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))   # the job has ended: no requeue locally
+        if not os.environ.get("HPCRING_ARRAY_TASK"):   # an array's tasks share it: local_queue deletes it
+            delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))   # the job has ended: no requeue locally
     hang = hang_headline(folder / "diag") if ended.state == "FAILED" else None
     st.update(state=ended.state, ended=time.time(), exit_code=ended.exit_code, rank_exit_codes=ended.codes,
               first_failed_rank=ended.first_failed, stopped_ranks=ended.killed,

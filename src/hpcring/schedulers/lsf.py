@@ -1,7 +1,6 @@
 """LSF: a submitit executor that submits hpcring's rendered bsub script, states from bjobs.
 
-The hooks of schedulers/base.py (``make_executor``, ``state``, ``cancel``, ``COMMAND``,
-``explain_refusal``) plus a submitit plugin registered through the ``submitit`` entry points
+The interface of schedulers/base.py (:class:`~hpcring.schedulers.base.Scheduler`) plus a submitit plugin registered through the ``submitit`` entry points
 (``executor`` = :class:`LsfExecutor`, ``job_environment`` = :class:`LsfJobEnvironment`):
 
 * submission: ``bsub < script`` (bsub parses ``#BSUB`` lines from stdin; ``bsub script`` would not
@@ -19,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping, Sequence
 import re
 import shutil
 import subprocess
@@ -33,7 +33,7 @@ from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site, load_site
 from hpcring.errors import SchedulerError
 from hpcring.render import render_script
-from hpcring.schedulers.base import COMMAND_TIMEOUT, JobState, run_command, state_dir
+from hpcring.schedulers.base import COMMAND_TIMEOUT, JobRecord, JobState, run_command, state_dir
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, remote_shell, submitit_command
 
 COMMAND = "bsub"
@@ -124,6 +124,12 @@ class LsfJobEnvironment(job_environment.JobEnvironment):
 
     _env = {"job_id": "LSB_JOBID"}
 
+    @property
+    def job_id(self) -> str:
+        """``<LSB_JOBID>_<task>`` for an array task (0-based, as its folder is named), else LSB_JOBID."""
+        from hpcring.diagnostics.jobdir import job_id
+        return job_id()
+
     def activated(self) -> bool:
         executor = os.environ.get("SUBMITIT_EXECUTOR", "")
         return executor == "lsf" or (not executor and "LSB_JOBID" in os.environ)
@@ -162,7 +168,7 @@ class LsfJobEnvironment(job_environment.JobEnvironment):
         return max(0, self._topology().local_rank)
 
     def _requeue(self, countdown: int) -> None:
-        jid = self.job_id
+        jid = _lsf_id(self.job_id)
         subprocess.check_call(["brequeue", jid], timeout=60)
         logger.get_logger().info(f"Requeued job {jid} ({countdown} remaining timeouts)")
 
@@ -277,28 +283,94 @@ def _run(cmd: list[str], timeout: float = COMMAND_TIMEOUT) -> subprocess.Complet
                        slow_hint="is mbatchd up? try `bjobs` and `bhosts`")
 
 
+def _lsf_id(job_id: str) -> str:
+    """hpcring's id -> LSF's: array task ``12_0`` is ``12[1]`` (LSF's indices start at 1)."""
+    head, sep, task = job_id.partition("_")
+    return f"{head}[{int(task) + 1}]" if sep else head
+
+
+def _hpcring_id(lsf_id: str) -> str:
+    head, sep, index = lsf_id.partition("[")
+    return f"{head}_{int(index.rstrip(']')) - 1}" if sep and index.rstrip("]").isdigit() else lsf_id
+
+
+def states(recs: Sequence[JobRecord]) -> dict[str, JobState]:
+    """The states of ``recs`` from ONE bjobs for all of them (bjobs keeps finished jobs for
+    CLEAN_PERIOD, 1 h by default)."""
+    wanted = list(dict.fromkeys(r.job_id for r in recs))
+    if not wanted:
+        return {}
+    r = _run(["bjobs", "-o", BJOBS_FORMAT, "-noheader", *(_lsf_id(j) for j in wanted)])
+    found = {_hpcring_id(k): v for k, v in parse_bjobs(r.stdout).items()}
+    out = {}
+    for job_id in wanted:
+        info = found.get(job_id)
+        if info is None:
+            if "not found" in r.stderr or found:
+                out[job_id] = JobState("UNKNOWN", r.stderr.strip())
+                continue
+            raise SchedulerError(f"could not read the state of job {job_id}: {(r.stderr or r.stdout).strip()}")
+        st = info["State"]
+        if st == "FAILED" and (_cancel_marker(job_id).exists() or _cancel_marker(job_id.split("_")[0]).exists()):
+            st = "CANCELLED"
+        code = info["exit_code"]
+        exit_code = int(code) if code.isdigit() else (0 if info["stat"] == "DONE" else None)
+        out[job_id] = JobState(st, info["stat"], exit_code, info["nodes"])
+    return out
+
+
 def state(job_id: str) -> JobState:
-    """The job's state from bjobs (which keeps finished jobs for CLEAN_PERIOD, 1 h by default)."""
-    r = _run(["bjobs", "-o", BJOBS_FORMAT, "-noheader", str(job_id)])
-    info = parse_bjobs(r.stdout).get(str(job_id))
-    if info is None:
-        if "not found" in r.stderr:
-            return JobState("UNKNOWN", r.stderr.strip())
-        raise SchedulerError(f"could not read the state of job {job_id}: {(r.stderr or r.stdout).strip()}")
-    st = info["State"]
-    if st == "FAILED" and _cancel_marker(str(job_id)).exists():
-        st = "CANCELLED"
-    code = info["exit_code"]
-    exit_code = int(code) if code.isdigit() else (0 if info["stat"] == "DONE" else None)
-    return JobState(st, info["stat"], exit_code, info["nodes"])
+    """One job's state (:func:`states`)."""
+    return states([JobRecord(str(job_id), "lsf", "", "", 0, "", "", 0.0)])[str(job_id)]
 
 
-def cancel(job_id: str) -> None:
-    _cancel_marker(str(job_id)).touch()
-    r = _run(["bkill", str(job_id)])
+def cancel(rec: JobRecord | str) -> None:
+    """bkill the job (an array's id: every task; ``12_0``: one task)."""
+    job_id = rec.job_id if isinstance(rec, JobRecord) else str(rec)
+    _cancel_marker(job_id).touch()
+    r = _run(["bkill", _lsf_id(job_id)])
     if r.returncode != 0 and "already finished" not in r.stderr:
-        _cancel_marker(str(job_id)).unlink(missing_ok=True)
+        _cancel_marker(job_id).unlink(missing_ok=True)
         raise SchedulerError(f"bkill {job_id} failed: {(r.stderr or r.stdout).strip()}")
+
+
+def release(rec: JobRecord) -> None:
+    """Nothing to release: LSF arrays are not submitted held (lsf_task makes the task folders)."""
+
+
+def queued_at(rec: JobRecord) -> float | None:
+    """Not asked of LSF: a requeued job's folder is told apart by rank 0's requeue count alone."""
+    return None
+
+
+def cluster_name(site: Site) -> str:
+    return site.name
+
+
+def first_casualty(rec: JobRecord) -> str | None:
+    """blaunch, jsrun and mpirun write no line that hpcring reads as a casualty."""
+    return None
+
+
+def end_job_argv(environ: Mapping[str, str]) -> list[str] | None:
+    """bkill the whole job: blaunch waits for every task, so one frozen task would hold the job
+    until its run limit."""
+    return ["bkill", _lsf_id(_environment_job_id(environ))] if environ.get("LSB_JOBID") else None
+
+
+def _environment_job_id(environ: Mapping[str, str]) -> str:
+    from hpcring.diagnostics.jobdir import job_id
+    return job_id(environ)
+
+
+def annotate_argv(headline: str, environ: Mapping[str, str]) -> list[str] | None:
+    return None                # LSF has no comment field hpcring writes
+
+
+def run_on_nodes(job_id: str, command: list[str], timeout: float) -> tuple[str, str, int, str]:
+    raise SchedulerError(f"job {job_id} is an LSF job; running a probe on its nodes is supported on Slurm "
+                         "and the local backend only",
+                         hint="on a node of the job: `py-spy dump --pid PID`")
 
 
 def explain_refusal(stderr: str) -> str | None:
