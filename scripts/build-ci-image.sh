@@ -10,7 +10,9 @@ exec </dev/null
 dir=${1:-${HPCRING_CI_IMAGE:-/var/cache/hpcring-ci-image}}
 mirror=${HPCRING_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 limit=${HPCRING_CI_IMAGE_TIMEOUT:-600}
-if [[ -x "$dir/usr/bin/python3" && -f "$dir/.hpcring-image-ok" ]]; then
+# bump when the recipe changes, so that a cached image of an older recipe is rebuilt
+version=2
+if [[ -x "$dir/usr/bin/python3" && "$(cat "$dir/.hpcring-image-ok" 2>/dev/null)" == "$version" ]]; then
     echo "build-ci-image.sh: $dir is built"
     exit 0
 fi
@@ -38,7 +40,10 @@ timeout --kill-after=10 "$limit" debootstrap --variant=minbase --include=python3
 # smaller image, nothing the ranks need: package caches, docs, locales
 rm -rf "$dir.tmp"/var/cache/apt/archives/*.deb "$dir.tmp"/var/lib/apt/lists/* \
        "$dir.tmp"/usr/share/doc "$dir.tmp"/usr/share/man "$dir.tmp"/usr/share/locale
-touch "$dir.tmp/.hpcring-image-ok"
+# ch-run binds the host's /etc/hosts and /etc/resolv.conf only onto files the image has: without
+# them the ranks cannot resolve the other nodes' names
+touch "$dir.tmp/etc/hosts" "$dir.tmp/etc/resolv.conf"
+echo "$version" > "$dir.tmp/.hpcring-image-ok"
 rm -rf "$dir"
 mv "$dir.tmp" "$dir"
 echo "build-ci-image.sh: built $dir in $(( $(date +%s) - start )) s ($(du -sh "$dir" | cut -f1))"

@@ -22,6 +22,8 @@ PACKAGES=(
     procps           # ps, pkill for diagnostics
     python3-venv     # virtual environments for tests
     util-linux       # nsenter, unshare, mount
+    charliecloud-runtime  # ch-run: ranks inside an image (tests/integration/test_container_devcluster.py)
+    debootstrap      # builds that image (scripts/build-ci-image.sh)
 )
 
 if [[ $(id -u) -ne 0 ]]; then
