@@ -4,8 +4,8 @@ A group is the same backend created over a *sub-topology* (rank = index among th
 size = number of members, hosts = the members' hosts), under store keys unique to the group, so
 it has its own connections, sequence numbers, flight records and deadlines:
 
-* ring: a full mesh among the members only (members - 1 peers per rank and stream), shared
-  memory among the members that share a host;
+* ring: connections among the members only, to the peers its algorithms use (ring.static_peers),
+  shared memory among the members that share a host;
 * mpi: ``MPI_Comm_create_group`` on the world communicator, collective over the members only;
 * nccl: a new unique id through the store, under the group's keys.
 
