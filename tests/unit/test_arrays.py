@@ -233,9 +233,9 @@ def test_status_summarises_an_array_in_one_line_per_state(state_dir, tmp_path, m
 
     def answers(cmd):
         if cmd[0] == "sacct":         # sacct shows tasks not started yet as one line: 38_[6-15%4]
-            return ("38_0|COMPLETED|0:0|node1\n38_1|COMPLETED|0:0|node1\n38_2|COMPLETED|0:0|node2\n"
-                    "38_3|FAILED|3:0|node2\n38_4|RUNNING|0:0|node1\n38_5|RUNNING|0:0|node3\n"
-                    "38_[6-15%4]|PENDING|0:0|None assigned\n")
+            return ("38_0|COMPLETED|0:0|node1\n38_1|COMPLETED|0:0|node1\n38_[5-15%4]|PENDING|0:0|None assigned\n"
+                    "38_2|COMPLETED|0:0|node2\n38_3|FAILED|3:0|node2\n38_4|RUNNING|0:0|node1\n"
+                    "38_5|RUNNING|0:0|node3\n")   # a started task keeps its place in the bracket a while
         return "38_4|RUNNING|node1\n38_5|RUNNING|node3\n" + "".join(f"38_{i}|PENDING|\n" for i in range(6, 16))
     rec = Recorder(answers)
     from hpcring.schedulers import slurm

@@ -139,8 +139,12 @@ def states(recs: Sequence[JobRecord]) -> dict[str, JobState]:
             parts = line.split("|")
             if len(parts) >= 4:
                 st = _normalize(parts[1])
-                for jid in _job_ids(parts[0]):
-                    acct.setdefault(jid, JobState(st, parts[1], exit_code(st, parts[2]), parts[3]))
+                one = JobState(st, parts[1], exit_code(st, parts[2]), parts[3])
+                if "[" not in parts[0]:
+                    acct[parts[0]] = one
+                else:              # 38_[1-2%1] still lists a task that has its own line once it started
+                    for jid in _job_ids(parts[0]):
+                        acct.setdefault(jid, one)
     live = [j for j in wanted if not (j in acct and acct[j].finished)]
     queue: dict[str, JobState] = {}
     q = None

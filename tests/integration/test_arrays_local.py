@@ -1,0 +1,91 @@
+"""Job arrays and dependencies on the local backend: bounded parallel tasks, each the whole job with
+HPCRING_ARRAY_TASK and its sweep values; `cancel JOB_TASK` of a queued task; `--after` waits for
+the other job's outcome (issue 24, items 2 and 5)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "array_worker.py"
+HELLO = ROOT / "examples" / "hello.py"
+
+
+def hpcring(*args, env, timeout=180):
+    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env)
+    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
+                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
+
+
+def env_for(tmp_path, **more):
+    return {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
+            "HPCRING_SITE": "local", **more}
+
+
+def job_id_of(r) -> str:
+    return r.stderr.split("Submitted job ")[1].split()[0]
+
+
+def local_state(tmp_path, job: str) -> dict:
+    return json.loads((tmp_path / "jobs" / job / f"{job}_local.json").read_text())
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (got := pred()):
+            return got
+        time.sleep(0.3)
+    raise AssertionError(f"{what}: not within {timeout:g} s")
+
+
+def test_a_local_sweep_runs_at_most_n_tasks_at_once(tmp_path):
+    env = env_for(tmp_path, ARRAY_WORKER_SLEEP_S="1.5")
+    r = hpcring("submit", str(WORKER), "--tasks-per-node", "2", "--sweep", "lr=1,2", "--sweep", "bs=8,16",
+                "--array", "%2", "--wait", env=env)
+    assert r.returncode == 0, r.stderr
+    job = job_id_of(r)
+    assert "job %s COMPLETED: 4 tasks" % job in r.stderr
+    spans = [(local_state(tmp_path, f"{job}_{i}")["started"], local_state(tmp_path, f"{job}_{i}")["ended"])
+             for i in range(4)]
+    for t, _ in spans:                 # at no task's start were more than 2 tasks running
+        assert sum(1 for s, e in spans if s <= t < e) <= 2, spans
+    out = hpcring("logs", f"{job}_2", env=env).stdout
+    lines = [json.loads(l.split("ARRAY ", 1)[1]) for l in out.splitlines() if "ARRAY " in l]
+    assert sorted((x["task"], x["rank"], tuple(x["args"])) for x in lines) == \
+        [("2", 0, ("--lr", "2", "--bs", "8")), ("2", 1, ("--lr", "2", "--bs", "8"))]
+    st = hpcring("status", job, env=env)
+    assert "  4 COMPLETED\n" in st.stdout and "lr=2 bs=16" in st.stdout, st.stdout
+
+
+def test_cancel_one_queued_task(tmp_path):
+    env = env_for(tmp_path, ARRAY_WORKER_SLEEP_S="3")
+    r = hpcring("submit", str(WORKER), "--array", "0-2%1", env=env)
+    assert r.returncode == 0, r.stderr
+    job = job_id_of(r)
+    c = hpcring("cancel", f"{job}_2", env=env)
+    assert c.returncode == 0 and f"cancel requested for job {job}_2" in c.stderr, c.stderr
+    st = wait_for(lambda: (s := hpcring("status", job, env=env).stdout) and "PENDING" not in s
+                  and "RUNNING" not in s and s, 60, "array over")
+    assert "  2 COMPLETED, 1 CANCELLED\n" in st, st
+    assert not list((tmp_path / "jobs" / f"{job}_2").glob("*_log.out"))     # it never ran
+    again = hpcring("cancel", f"{job}_2", env=env)
+    assert "has already ended (CANCELLED)" in again.stderr
+
+
+def test_after_waits_for_the_outcome(tmp_path):
+    env = env_for(tmp_path)
+    a = hpcring("submit", str(HELLO), "--nodes", "1", env=dict(env, HELLO_FAIL_RANK="0"))
+    first = job_id_of(a)
+    ok = hpcring("submit", str(WORKER), "--after", first, "--wait", env=env)          # afterok: never met
+    assert ok.returncode != 0 and "CANCELLED" in ok.stderr, ok.stderr
+    second = job_id_of(ok)
+    assert f"can never be met: job {first} ended FAILED" in local_state(tmp_path, second)["reason"]
+    anyway = hpcring("submit", str(WORKER), "--dependency", f"afterany:{first}", "--wait", env=env)
+    assert anyway.returncode == 0, anyway.stderr
+    third = job_id_of(anyway)
+    assert local_state(tmp_path, third)["started"] >= local_state(tmp_path, first)["ended"]
