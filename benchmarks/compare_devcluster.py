@@ -349,8 +349,9 @@ def main() -> int:
     ap.add_argument("--one-host-ranks", default="2,4,8", type=lambda t: [int(x) for x in t.split(",") if x],
                     help="rank counts for the one-host comparison")
     ap.add_argument("--one-host-sizes", default=ONE_HOST_SIZES,
-                    type=lambda t: [int(float(x[:-1]) * (1 << 20)) if x[-1:] in "Mm" else int(x) for x in t.split(",") if x],
-                    help="sizes for the one-host comparison, e.g. 16M,64M,256M (default 16M,64M)")
+                    type=lambda t: [int(float(x[:-1]) * (1 << {"K": 10, "M": 20}[x[-1].upper()])) if x[-1:] in "KkMm"
+                                    else int(x) for x in t.split(",") if x],
+                    help="sizes for the one-host comparison, e.g. 4K,16M,64M,256M (default 16M,64M)")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--worker", choices=["ring", "mpi", "gloo"], help=argparse.SUPPRESS)
     ap.add_argument("--sizes", default=None, help=argparse.SUPPRESS)

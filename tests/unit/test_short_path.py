@@ -232,6 +232,86 @@ def test_nccl_short_and_general_paths_agree(fake, tag, shape, mode):
     comm.close()
 
 
+def other_call(comm, kind, x, op, mode):
+    """allgather / broadcast / reduce_scatter through their public synchronous methods; mode
+    "out" passes an out= of the result's shape filled with a wrong value first."""
+    if kind == "broadcast":
+        return comm.broadcast(x, 1), x
+    shape = (comm.size, *x.shape) if kind == "allgather" else (x.shape[0] // comm.size, *x.shape[1:])
+    out = None
+    if mode == "out":
+        out = fake_empty(x, shape)
+        out[...] = 99
+    if kind == "allgather":
+        return comm.allgather(x, out=out), out
+    return comm.reduce_scatter(x, op, out=out), out
+
+
+def fake_empty(x, shape):
+    cp = sys.modules["cupy"]
+    with cp.cuda.Device(x.device.id):
+        return cp.empty(shape, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("kind", ["allgather", "broadcast", "reduce_scatter"])
+@pytest.mark.parametrize("tag", ["float32", "int64", "uint8", "float16"])
+@pytest.mark.parametrize("mode", ["new", "out"])
+def test_nccl_other_collectives_short_and_general_paths_agree(fake, kind, tag, mode):
+    """The short path of allgather, broadcast and reduce_scatter: same results, flight records
+    and NCCL calls (count, dtype, op, root, the caller's stream) as the general path."""
+    if kind == "broadcast" and mode == "out":
+        pytest.skip("broadcast is in place")
+    cp = fake.cp
+    comm, nc = nccl_comm(fake)
+    got = {}
+    for short in (False, True):
+        comm.short_path = short
+        res = []
+        for op in (OPS if kind == "reduce_scatter" else [None]):
+            if op == "avg" and tag not in FLOAT_DTYPES:
+                continue
+            x = cp.device_array(values(tag, 0, (8, 3)), device=GPU)
+            stream = cp.cuda.get_current_stream(GPU)
+            ncalls = len(nc.calls)
+            if short:
+                with NoGeneral():
+                    r, want = other_call(comm, kind, x, op, mode)
+            else:
+                r, want = other_call(comm, kind, x, op, mode)
+            comm.synchronize(5)
+            assert r is want if want is not None else (r is not x or kind == "broadcast")
+            new = nc.calls[ncalls:]
+            assert len(new) == 1 and new[0]["stream"] == stream.ptr and new[0]["device"] == GPU
+            res.append((op, r.shape, r.get(), fields(comm.recorder.records(1)[0]),
+                        {k: v for k, v in new[0].items() if k in ("op", "count", "dtype", "nccl_op", "root")}))
+        got[short] = res
+    assert len(got[False]) == len(got[True]) > 0
+    for a, b in zip(got[False], got[True]):
+        assert a[0] == b[0] and a[1] == b[1] and a[3] == b[3] and a[4] == b[4] and a[3]["state"] == "done"
+        np.testing.assert_array_equal(a[2], b[2])
+    comm.close()
+
+
+def test_nccl_other_collectives_leave_odd_calls_to_the_general_path(fake):
+    cp = fake.cp
+    comm, nc = nccl_comm(fake)
+    odd = cp.device_array(values("float32", 0, (7,)), device=GPU)      # 7 rows over 2 ranks
+    with pytest.raises(AssertionError, match="general path ran"), NoGeneral():
+        comm.reduce_scatter(odd)
+    r = comm.reduce_scatter(odd)                                       # uneven chunks: general
+    comm.synchronize(5)
+    assert r.shape == (4,)
+    x = cp.device_array(values("float32", 0, (4,)), device=GPU)
+    with pytest.raises(UsageError, match="root 5"):
+        comm.broadcast(x, 5)
+    with pytest.raises(AssertionError, match="general path ran"), NoGeneral():
+        comm.allgather(x, out=fake_empty(x, (8,)))                     # another out shape: general
+    r = comm.allgather(x, out=fake_empty(x, (8,)))
+    comm.synchronize(5)
+    assert r.shape == (8,)
+    comm.close()
+
+
 def test_nccl_short_path_returns_before_the_gpu_finished_and_keeps_the_deadline(fake):
     cp = fake.cp
     comm, nc = nccl_comm(fake, timeout=0.3)

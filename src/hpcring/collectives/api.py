@@ -390,38 +390,53 @@ class Communicator:
         views[key] = (weakref.ref(x, lambda _, k=key, v=views: v.pop(k, None)), ptr, x.shape, x.dtype, host)
         return host
 
-    def _allreduce_device(self, x, op: str, out=None, timeout: float | None = None):
-        """The short path on a stream-ordered backend (NCCL): a C-contiguous CuPy array on the
-        backend's GPU (else _GENERAL); enqueued on the caller's current CuPy stream there.
-        ``out``: None, ``x``, or a C-contiguous CuPy array of x's dtype and shape on that GPU."""
-        inplace = out is x
+    def _short_device(self, kind: str, x, op: str | None, out, root: int | None, timeout: float | None):
+        """The short path on a stream-ordered backend (NCCL) for allreduce, allgather, broadcast
+        and reduce_scatter (first dimension divisible by the size): a C-contiguous CuPy array on
+        the backend's GPU, that GPU current (else _GENERAL); enqueued on the caller's current
+        CuPy stream there. ``out``: None, or a C-contiguous CuPy array of the result's dtype and
+        shape on that GPU; ``x`` itself for allreduce in place (broadcast is always in place)."""
         be = self.backend
         cp = getattr(be, "array_module", None) or sys.modules.get("cupy")    # as _cuda finds it
-        if cp is None or type(x) is not cp.ndarray or not hasattr(be, "allreduce_enqueue"):
+        if cp is None or type(x) is not cp.ndarray or not hasattr(be, "enqueue"):
             return _GENERAL
         tag = _DT2TAG.get(x.dtype)
-        if tag is None or (op, tag) not in (self.__dict__.get("_ok_ops") or self._short_ops()):
+        if tag is None or (op is not None and (op, tag) not in (self.__dict__.get("_ok_ops") or self._short_ops())):
             return _GENERAL
         dev_id = be.device_id
         if int(x.device.id) != dev_id or not x.flags.c_contiguous or cp.cuda.runtime.getDevice() != dev_id:
             return _GENERAL                 # the general path explains (UsageError), copies or switches GPU
-        if not (out is None or inplace or (type(out) is cp.ndarray and out.dtype == x.dtype and out.shape == x.shape
-                                           and out.flags.c_contiguous and int(out.device.id) == dev_id)):
+        if kind == "allreduce":
+            shape = x.shape
+        elif kind == "allgather":
+            shape = (self.size, *x.shape)
+        elif kind == "reduce_scatter":
+            if not x.ndim or x.shape[0] % self.size:
+                return _GENERAL             # uneven chunks: the general path's own way
+            shape = (x.shape[0] // self.size, *x.shape[1:])
+        else:                               # broadcast: in place
+            shape = None
+        inplace = out is x
+        if inplace and kind != "allreduce":
+            return _GENERAL
+        if not (out is None or inplace or (shape is not None and type(out) is cp.ndarray and out.dtype == x.dtype
+                                           and out.shape == shape and out.flags.c_contiguous
+                                           and int(out.device.id) == dev_id)):
             return _GENERAL
         t = self._short_deadline(timeout)
         stream = cp.cuda.get_current_stream(dev_id)
         flat = x if x.ndim == 1 else x.reshape(-1)
-        if inplace:
+        if inplace or shape is None:
             res, rflat = x, flat
         else:
-            res = cp.empty(x.shape, dtype=x.dtype) if out is None else out
+            res = cp.empty(shape, dtype=x.dtype) if out is None else out
             rflat = res if res.ndim == 1 else res.reshape(-1)
-        rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
+        rec = self.recorder.queue(kind, tag, flat.size, root, t)
         FlightRecorder.start(rec)
         try:
             if self.precheck and self.size > 1:
                 self._precheck(rec)
-            pending = be.allreduce_enqueue(flat, rflat, tag, op, t, stream)
+            pending = be.enqueue(kind, flat, rflat, tag, op, root, t, stream)
         except BaseException as e:
             raise self._failed(rec, e) from None
         self._ordered.add(rec, pending, None, res)
@@ -709,16 +724,45 @@ class Communicator:
         # argument repacking (same signature and docstring as _twins would give it)
         if self.short_path and dtype is None:
             res = (self._allreduce_host(x, op, out, timeout) if self._ordered is None
-                   else self._allreduce_device(x, op, out, timeout))
+                   else self._short_device("allreduce", x, op, out, None, timeout))
             if res is not _GENERAL:
                 return res
         return self._allreduce(x, op, out, timeout=timeout, dtype=dtype)
     allreduce.__doc__ = _allreduce.__doc__
     del _allreduce_sync
     allreduce_grouped, allreduce_grouped_async = _twins(_allreduce_grouped)
-    allgather, allgather_async = _twins(_allgather)
-    broadcast, broadcast_async = _twins(_broadcast)
-    reduce_scatter, reduce_scatter_async = _twins(_reduce_scatter)
+    _allgather_sync, allgather_async = _twins(_allgather)
+    _broadcast_sync, broadcast_async = _twins(_broadcast)
+    _reduce_scatter_sync, reduce_scatter_async = _twins(_reduce_scatter)
+    del _allgather_sync, _broadcast_sync, _reduce_scatter_sync
+
+    # the synchronous twins of allgather, broadcast and reduce_scatter, spelled out like
+    # allreduce's: on a stream-ordered backend the short path is tried first
+    def allgather(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
+        if self.short_path and dtype is None and self._ordered is not None:
+            res = self._short_device("allgather", x, None, out, None, timeout)
+            if res is not _GENERAL:
+                return res
+        return self._allgather(x, out, timeout=timeout, dtype=dtype)
+    allgather.__doc__ = _allgather.__doc__
+
+    def broadcast(self, x, root: int = 0, *, timeout: float | None = None, dtype: str | None = None):
+        if (self.short_path and dtype is None and self._ordered is not None and type(root) is int
+                and 0 <= root < self.size):
+            res = self._short_device("broadcast", x, None, None, root, timeout)
+            if res is not _GENERAL:
+                return res
+        return self._broadcast(x, root, timeout=timeout, dtype=dtype)
+    broadcast.__doc__ = _broadcast.__doc__
+
+    def reduce_scatter(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
+                       dtype: str | None = None):
+        if self.short_path and dtype is None and self._ordered is not None:
+            res = self._short_device("reduce_scatter", x, op, out, None, timeout)
+            if res is not _GENERAL:
+                return res
+        return self._reduce_scatter(x, op, out, timeout=timeout, dtype=dtype)
+    reduce_scatter.__doc__ = _reduce_scatter.__doc__
     alltoall, alltoall_async = _twins(_alltoall)
     barrier, barrier_async = _twins(_barrier)
 

@@ -53,6 +53,7 @@ from hpcring.collectives.nccl_lib import (NCCL_DTYPE, NCCL_OP, SENDRECV_MIN_VERS
 from hpcring.errors import CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.nccl")
+_U8 = NCCL_DTYPE["uint8"]          # byte-wise ops (allgather, broadcast) move bytes of any dtype
 
 def _on_own_device(fn):
     """Run a collective with the backend's GPU current: the calling thread may have another
@@ -284,29 +285,41 @@ class NcclBackend(LibraryBackend):
                 self._divide(r, dtype)
         return self._launch("allreduce", seq, desc, timeout, t0, stream, go, (r, rhost))
 
-    def allreduce_enqueue(self, s, r, dtype: str, op: str, timeout: float, stream) -> Pending:
-        """The short path's allreduce: ``s``/``r`` are C-contiguous CuPy arrays on this GPU,
-        which is current, and ``stream`` is its current stream (the caller checked all three).
-        Enqueues and returns the op's :class:`Pending`, with the same checks, sequence number
-        and errors as :meth:`allreduce`, without its wrappers and closures."""
-        codes = self._codes.get((dtype, op))
-        if codes is None:
-            codes = self._codes[dtype, op] = (nccl_dtype(dtype, self.version, self._nccl),
-                                              *nccl_op(op, dtype, self.version, self._nccl))
-        ndt, nop, divide = codes
-        seq = self._begin("allreduce")
+    def enqueue(self, kind: str, s, r, dtype: str, op: str | None, root: int | None, timeout: float,
+                stream) -> Pending:
+        """The short path's collectives: ``kind`` is allreduce, allgather, broadcast (in place,
+        ``r is s``) or reduce_scatter with equal chunks; ``s``/``r`` are C-contiguous CuPy arrays
+        on this GPU, which is current, and ``stream`` is its current stream (the caller checked
+        all of it, and ``root``'s range). Enqueues and returns the op's :class:`Pending`, with
+        the same checks, sequence number and errors as the general methods, without their
+        wrappers and closures."""
+        divide = False
+        if op is not None:
+            codes = self._codes.get((dtype, op))
+            if codes is None:       # checked once per (dtype, op): errors before a sequence number
+                codes = self._codes[dtype, op] = (nccl_dtype(dtype, self.version, self._nccl),
+                                                  *nccl_op(op, dtype, self.version, self._nccl))
+            ndt, nop, divide = codes
+        seq = self._begin(kind)
         t0 = time.monotonic()
         sp = s.data.ptr
         try:
-            self._comm.allReduce(sp, sp if r is s else r.data.ptr, r.size, ndt, nop, stream.ptr)
+            if kind == "allreduce":
+                self._comm.allReduce(sp, sp if r is s else r.data.ptr, r.size, ndt, nop, stream.ptr)
+            elif kind == "allgather":
+                self._comm.allGather(sp, r.data.ptr, s.size * ITEMSIZE[dtype], _U8, stream.ptr)
+            elif kind == "broadcast":
+                self._comm.broadcast(sp, sp, s.size * ITEMSIZE[dtype], _U8, root, stream.ptr)
+            else:
+                self._comm.reduceScatter(sp, r.data.ptr, r.size, ndt, nop, stream.ptr)
             if divide:                  # avg before NCCL 2.10: a division kernel after it
                 self._divide(r, dtype)
         except Exception as e:  # noqa: BLE001 - NcclError at launch
-            raise self._fail(f"allreduce#{seq}{self._lazy_desc(r.size, dtype, op)} failed to start on "
+            raise self._fail(f"{kind}#{seq}{self._lazy_desc(s.size, dtype, op, root)} failed to start on "
                              f"{self._where()}: {e}", abort=True) from None
         event = self._event()
         event.record(stream)
-        return Pending(event, "allreduce", seq, self._lazy_desc(r.size, dtype, op), t0, timeout, stream.ptr)
+        return Pending(event, kind, seq, self._lazy_desc(s.size, dtype, op, root), t0, timeout, stream.ptr)
 
     def _divide(self, arr, dtype: str) -> None:
         if dtype == "bfloat16":        # uint16 storage: divide in float32, round to nearest even
