@@ -128,3 +128,22 @@ def test_a_frozen_rank_inside_the_image_is_named(image):
     report = json.loads((res["folder"] / "jobs" / res["job"] / "diag" / "hang-report.json").read_text())
     assert "rank 1 (node2) unreachable" in report["headline"], report["headline"]
     assert "collective failure:" in out and "rank 1 (node2)" in out, out[-4000:]
+
+
+def test_hpcring_run_in_an_allocation_starts_every_rank_in_the_image(image):
+    folder = SHARED / "pytest-containers" / f"run-{uuid.uuid4().hex[:8]}"
+    folder.mkdir(parents=True)
+    site = _site(folder, image)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), USER=pwd.getpwuid(os.getuid()).pw_name)
+    r = subprocess.run(["salloc", "-N", "3", "--time=5", sys.executable, "-m", "hpcring", "run", "--site", str(site),
+                        "--", sys.executable, str(WORKER)], capture_output=True, text=True, env=env,
+                       cwd=str(ROOT), timeout=300, stdin=subprocess.DEVNULL)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    ranks = sorted((json.loads(line.split("CONTAINER_RANK ", 1)[1]) for line in r.stdout.splitlines()
+                    if "<stdout>:CONTAINER_RANK " in line), key=lambda d: d["rank"])
+    assert [d["rank"] for d in ranks] == [0, 1, 2], out[-4000:]
+    assert {d["host"] for d in ranks} == {"node1", "node2", "node3"}, ranks
+    for d in ranks:
+        assert d["in_image"] and d["exact"] and d["secret_ok"], d
+        assert d["cwd"] == str(ROOT) and d["nccl_ifname"] == "=eth0", d      # hpcring run starts where it was

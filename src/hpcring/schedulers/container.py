@@ -138,7 +138,7 @@ def prefix(c: ContainerRun | None, gpus: bool = False) -> tuple[str, ...]:
 
 
 def _split_mounts(text: str, where: str) -> tuple[str, ...]:
-    out = tuple(m for m in (p.strip() for p in text.split(",")) if m)
+    out = tuple(m for m in text.split(",") if m)    # no strip(): it would hide white space and NEL
     for m in out:
         why = mount_problem(m)
         if why:
@@ -168,7 +168,12 @@ def resolve(site_container, image: str | None = None, mounts: list[str] | None =
     HPCRING_NO_CONTAINER=1) runs on the host whatever the rest says. Raises UsageError.
     """
     env = os.environ if environ is None else environ
-    from hpcring.config.envvars import check_text as _ct   # control characters, length
+    from hpcring.config.schema import text_problem   # control characters (C0, C1, separators), length
+
+    def _ct(text: str) -> None:
+        why = text_problem(text)
+        if why:
+            raise ValueError(why)
     if no_container is None and env.get(ENV_NONE, "") != "":
         no_container = _truthy(env[ENV_NONE], f"${ENV_NONE}")
     sources = []
@@ -194,7 +199,11 @@ def resolve(site_container, image: str | None = None, mounts: list[str] | None =
             _ct(m)
         except ValueError as exc:
             raise UsageError(f"--container-mounts #{i + 1}: {exc}", hint="one line, no control characters") from None
-        extra += _split_mounts(m, f"--container-mounts #{i + 1}")
+        got = _split_mounts(m, f"--container-mounts #{i + 1}")
+        if not got:
+            raise UsageError(f"--container-mounts #{i + 1} {m!r} names no mount",
+                             hint="give SRC[:DST[:OPTIONS]], comma-separated, or leave the flag out")
+        extra += got
     if not mounts and env.get(ENV_MOUNTS):
         try:
             _ct(env[ENV_MOUNTS])
