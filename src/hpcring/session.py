@@ -73,7 +73,8 @@ class Session:
         if self.watchdog is None and envvars.get("HPCRING_WATCHDOG"):
             from hpcring.diagnostics.stacks import install_signal_dump
             from hpcring.diagnostics.watchdog import Watchdog, install_dump_signal
-            self.watchdog = Watchdog(self.topology, (self.store.host, self.store.port), self._secret).start()
+            self.watchdog = Watchdog(self.topology, (self.store.host, self.store.port), self._secret,
+                                     store=self.store).start()
             install_dump_signal(self.watchdog)           # SIGRTMIN+7: flight records + stacks, keep running
             install_signal_dump(None, self.topology.rank)  # SIGRTMIN+6: stacks (hpcring stacks JOB)
         return self.watchdog

@@ -5,8 +5,9 @@ for a process alone, in ``HPCRING_SECRET``. Both forms give the same key: the st
 bytes. :func:`new_secret` makes one, :func:`write_secret_file` stores it, :func:`load_secret` reads
 it back (refusing a file others may read) and :func:`delete_secret_file` removes it.
 
-Handshake (the store, the ring's peer links and the interface probes, each with its own labels
-and magic so a proof made for one can never be replayed on another)::
+Handshake (the store, the ring's peer links, the interface probes and the watchdog's trigger
+fan-out, each with its own labels and magic so a proof made for one can never be replayed on
+another)::
 
     listener -> connector   magic + Ns                        (Ns: 32 random bytes)
     connector -> listener   Nc + MAC(client label, bind, Ns, Nc, extra) + extra
@@ -230,3 +231,5 @@ STORE = Handshake(b"HRS1", b"hpcring-store-v1 client", b"hpcring-store-v1 server
 STORE_SESSION_LABEL = b"hpcring-store-v1 session"
 RING = Handshake(b"HRR1", b"hpcring-ring-v1 connect", b"hpcring-ring-v1 accept", extra_len=8)
 PROBE = Handshake(b"", b"hpcring-probe-v1 client", b"hpcring-probe-v1 server")
+# the watchdog's trigger fan-out (hpcring.diagnostics.fanout): extra = body length + its SHA-256
+DIAG = Handshake(b"HRD1", b"hpcring-diag-v1 trigger", b"hpcring-diag-v1 listener", extra_len=36)

@@ -37,6 +37,22 @@ _SHM_DIED = re.compile(r"rank (\d+) \(([^)]*)\) died during the shared-memory")
 _GONE = ("closed by peer", "reset", "EOF", "Broken pipe", "broken pipe", "connection closed", "Connection refused")
 
 
+MAX_LINES = 8     # findings listed one by one per category; more share lines (one screen at 4096 ranks)
+
+
+def _who(ranks, hosts) -> str:
+    """:func:`who`; once there are many hosts, in hostlist syntax and rank order (``node[1-512]``)."""
+    seen = dict.fromkeys(hosts[r] for r in sorted(ranks) if r < len(hosts))
+    if len(seen) <= 4:
+        return who(ranks, hosts)
+    from hpcring.bootstrap.hostlist import compress
+    from hpcring.errors import HpcringError
+    try:
+        return f"{ranks_label(ranks)} ({compress(list(seen))})"
+    except HpcringError:
+        return who(ranks, hosts, compress=True)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} B"
 
@@ -78,22 +94,45 @@ class Report:
             ranks = self.categories.get(cat) or []
             if not ranks or cat == "joined":
                 continue
+            if len(ranks) <= MAX_LINES:
+                for r in ranks:
+                    lines.append(f"  {cat:<10}: {who([r], self.hosts)}: {self.details.get(r, '')}".rstrip(": "))
+                continue
+            # Many ranks: one line per distinct finding (one screen at 4096 ranks; all in the JSON).
+            same: dict[str, list[int]] = {}
             for r in ranks:
-                lines.append(f"  {cat:<10}: {who([r], self.hosts)}: {self.details.get(r, '')}".rstrip(": "))
-        for link in self.links:
+                same.setdefault(self.details.get(r, ""), []).append(r)
+            shown = list(same.items())[:MAX_LINES]
+            for detail, rs in shown:
+                lines.append(f"  {cat:<10}: {_who(rs, self.hosts)}: {detail}".rstrip(": "))
+            rest = [r for _, rs in list(same.items())[MAX_LINES:] for r in rs]
+            if rest:
+                lines.append(f"  {cat:<10}: {_who(rest, self.hosts)}: {len(same) - MAX_LINES} more findings "
+                             "(hang-report.json)")
+        for link in self.links[:MAX_LINES]:
             lines.append(f"  stalled   : link rank {link['from']} ({link['from_host']}) -> rank {link['to']} "
                          f"({link['to_host']}){' on ' + link['interface'] if link.get('interface') else ''}: "
                          f"{_mib(link['bytes_done'])} of {_mib(link['bytes_total'])} moved before the deadline")
-        for s in self.slow:
+        if len(self.links) > MAX_LINES:
+            lines.append(f"  stalled   : {len(self.links) - MAX_LINES} more links (hang-report.json)")
+        for s in self.slow[:MAX_LINES]:
             lines.append(f"  slow rank : {who([s['rank']], self.hosts)} entered {s['late']:.1f} s after the first rank")
+        if len(self.slow) > MAX_LINES:
+            lines.append(f"  slow rank : {_who([s['rank'] for s in self.slow[MAX_LINES:]], self.hosts)} "
+                         "joined late too (hang-report.json)")
         joined = self.categories.get("joined") or []
         if joined:
-            lines.append(f"  joined    : {who(joined, self.hosts)}")
+            lines.append(f"  joined    : {_who(joined, self.hosts)}")
         groups: dict[str, list[int]] = {}
         for r, w in self.where.items():
             groups.setdefault(w, []).append(r)
-        for w, ranks in sorted(groups.items(), key=lambda kv: min(kv[1])):
+        ordered = sorted(groups.items(), key=lambda kv: min(kv[1]))
+        for w, ranks in ordered[:2 * MAX_LINES]:
             lines.append(f"  where     : {ranks_label(ranks)}: {w}")
+        if len(ordered) > 2 * MAX_LINES:
+            rest = [r for _, rs in ordered[2 * MAX_LINES:] for r in rs]
+            lines.append(f"  where     : {ranks_label(rest)}: {len(ordered) - 2 * MAX_LINES} more places "
+                         "(hang-report.json)")
         if not self.side_channel:
             lines.append("  note      : the side channel (rank 0's store) was unreachable: this is one rank's view")
         if self.files:
@@ -196,7 +235,7 @@ def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[in
             elif r in seen_gone:
                 cats["dead"].append(r)
                 by = sorted({ln["seen_by"] for ln in links if ln["peer"] == r})
-                details[r] = f"no answer; its connection was closed or reset (seen by {who(by, hosts)})"
+                details[r] = f"no answer; its connection was closed or reset (seen by {_who(by, hosts)})"
             else:
                 cats["unreachable"].append(r)
                 details[r] = "no answer on the side channel and no reset: host down, process stopped, or link cut"
@@ -258,13 +297,13 @@ def _headline(cats, stalled, slow, ref, seq, hosts) -> str:
         if cats.get(cat):
             if cat == "missing" and ref and ref.get("op") == "p2p":
                 text = _p2p_missing(ref.get("group") or "", cats[cat])
-            return f"{name}: {who(cats[cat], hosts)} {text}"
+            return f"{name}: {_who(cats[cat], hosts)} {text}"
     if stalled:
         ln = stalled[0]
         return (f"{name}: link rank {ln['from']} ({ln['from_host']}) -> rank {ln['to']} ({ln['to_host']}) "
                 f"stalled")
     if slow:
-        return f"{name}: {who([s['rank'] for s in slow], hosts)} joined late (slow rank)"
+        return f"{name}: {_who([s['rank'] for s in slow], hosts)} joined late (slow rank)"
     return f"{name}: failed (no rank is missing or mismatched: see the first error)"
 
 

@@ -1,0 +1,257 @@
+"""The watchdog's side channel at scale: the trigger tree (every rank once, log2 n hops, a dead or
+frozen rank's subtree still reached), its authenticated listener (nothing parsed before the MAC),
+no idle store connections before a failure, the report's wire form, and a 4096-rank report that
+fits one screen."""
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+import types
+
+import pytest
+
+from hpcring.bootstrap import auth
+from hpcring.bootstrap.store import StoreServer
+from hpcring.diagnostics import fanout
+from hpcring.diagnostics.recorder import FlightRecorder
+from hpcring.diagnostics.report import diagnose
+from hpcring.diagnostics.watchdog import Watchdog, _from_wire, _to_wire
+from hpcring.errors import CollectiveError
+
+SECRET = b"f" * 32
+
+
+# ------------------------------------------------------------------------------------ the tree
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64, 100, 1000, 4096, 5000])
+def test_every_rank_has_one_parent_and_depth_is_log2(n):
+    parent = {0: None}
+    hops = {0: 0}
+    todo = [0]
+    while todo:
+        v = todo.pop()
+        kids = fanout.children(v, n)
+        assert kids == sorted(kids, reverse=True)           # the largest subtree first
+        for c in kids:
+            assert c not in parent, f"{c} reached twice"
+            parent[c], hops[c] = v, hops[v] + 1
+            assert list(fanout.subtree(c, n)) == list(range(c, min(n, c + (c & -c))))
+            todo.append(c)
+    assert sorted(parent) == list(range(n))
+    assert max(hops.values()) == fanout.depth(n) == math.floor(math.log2(n))
+    assert all(len(fanout.children(v, n)) <= (n - 1).bit_length() for v in range(n))   # sends per rank
+
+
+# ----------------------------------------------------------------------- listeners over TCP
+
+class _Ranks:
+    """``n`` real listeners on loopback; each forwards what it receives (as the watchdog does)."""
+
+    def __init__(self, n: int, root: int, dead=(), frozen=()) -> None:
+        self.n, self.root = n, root
+        self.got: dict[int, list[dict]] = {r: [] for r in range(n)}
+        self.listeners, self.addrs, self.parked = {}, [None] * n, []
+        for r in range(n):
+            if r in frozen:       # accepts in the kernel (backlog) but never greets: a stopped process
+                s = socket.socket()
+                s.bind(("127.0.0.1", 0))
+                s.listen(8)
+                self.parked.append(s)
+                self.addrs[r] = f"127.0.0.1:{s.getsockname()[1]}"
+                continue
+            lst = fanout.Listener("127.0.0.1", SECRET, lambda m, r=r: self._on(r, m)).start()
+            self.listeners[r] = lst
+            self.addrs[r] = f"127.0.0.1:{lst.port}"
+        for r in dead:            # its port is closed: connection refused
+            self.listeners.pop(r).close()
+
+    def _on(self, rank: int, msg: dict) -> None:
+        self.got[rank].append(msg)
+        fanout.forward(msg["root"], msg["n"], msg["v"], msg["addrs"], msg["trig"], SECRET, step_timeout=0.5)
+
+    def start(self) -> list[int]:
+        rel = [self.addrs[(self.root + i) % self.n] for i in range(self.n)]
+        self.got[self.root].append({"root": self.root})
+        return fanout.forward(self.root, self.n, 0, rel, {"rank": self.root, "error": "x"}, SECRET, step_timeout=0.5)
+
+    def wait(self, ranks, timeout: float = 30.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and not all(self.got[r] for r in ranks):
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        for lst in self.listeners.values():
+            lst.close()
+        for s in self.parked:
+            s.close()
+
+
+def test_the_trigger_reaches_every_rank_once_from_any_root():
+    ranks = _Ranks(37, root=11)
+    try:
+        assert ranks.start() == []
+        ranks.wait(range(37))
+        assert all(len(ranks.got[r]) == 1 for r in range(37)), {r: len(v) for r, v in ranks.got.items()}
+        assert all(m["trig"] == {"rank": 11, "error": "x"} for r, v in ranks.got.items() if r != 11 for m in v)
+    finally:
+        ranks.close()
+
+
+def test_dead_and_frozen_ranks_do_not_cut_off_their_subtrees():
+    # relative 16 (rank 16) is the root's largest child; 8 and 9 sit inside subtrees too
+    n, dead, frozen = 40, {16, 9}, {8}
+    ranks = _Ranks(n, root=0, dead=dead, frozen=frozen)
+    try:
+        ranks.start()
+        alive = [r for r in range(n) if r not in dead | frozen]
+        ranks.wait(alive)
+        assert all(len(ranks.got[r]) == 1 for r in alive), {r: len(ranks.got[r]) for r in alive}
+        assert not any(ranks.got[r] for r in dead | frozen)
+    finally:
+        ranks.close()
+
+
+def _raw(port: int, payload_after_hello) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        ns = auth.DIAG.read_hello(s)
+        s.sendall(payload_after_hello(ns))
+        s.settimeout(3)
+        try:
+            s.recv(64)
+        except OSError:
+            pass
+
+
+def test_the_listener_parses_nothing_before_the_mac_and_caps_the_body():
+    seen = []
+    lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()
+    try:
+        body = json.dumps({"root": 0}).encode()
+        # wrong secret: the MAC fails, the body is never read
+        with pytest.raises((ConnectionError, OSError)):
+            fanout.send(f"127.0.0.1:{lst.port}", body, b"x" * 32, timeout=3)
+        # garbage of the right size
+        _raw(lst.port, lambda ns: b"\0" * auth.DIAG.proof_len)
+        # a valid MAC over a length past the cap: refused without reading the body
+
+        def huge(ns):
+            nc = b"n" * auth.NONCE_LEN
+            extra = fanout._EXTRA.pack(fanout.MAX_BODY + 1, b"d" * 32)
+            return nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra
+        _raw(lst.port, huge)
+        # a valid MAC whose digest does not match the body sent
+        def swapped(ns):
+            nc = b"m" * auth.NONCE_LEN
+            extra = fanout._EXTRA.pack(len(body), b"\1" * 32)
+            return nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra + body
+        _raw(lst.port, swapped)
+        fanout.send(f"127.0.0.1:{lst.port}", body, SECRET, timeout=5)     # the real one still gets in
+        end = time.monotonic() + 5
+        while not seen and time.monotonic() < end:
+            time.sleep(0.01)
+        assert seen == [{"root": 0}]
+    finally:
+        lst.close()
+
+
+# ------------------------------------------------------------------------ watchdogs, one store
+
+class _Comm:
+    def __init__(self, rank: int, size: int, stuck: bool) -> None:
+        self.recorder = FlightRecorder(rank, size, "ring", capacity=16)
+        self.backend = types.SimpleNamespace(error=None)
+        for _ in range(3):
+            rec = self.recorder.queue("allreduce", "float32", 4, None, 5.0, site="train.py:10 in step")
+            FlightRecorder.start(rec)
+            FlightRecorder.finish(rec)
+        self.stuck = None
+        if stuck:
+            self.stuck = self.recorder.queue("allreduce", "float32", 4, None, 5.0, site="train.py:10 in step")
+            FlightRecorder.start(self.stuck)
+
+
+def test_48_watchdogs_hold_no_store_connection_until_a_failure_and_all_get_the_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCRING_JOB_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCRING_JOB_ID", "5")
+    n, frozen = 48, 47
+    hosts = tuple(f"node{r // 4 + 1}" for r in range(n))
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+        dogs, comms = [], []
+        for r in range(n):
+            topo = types.SimpleNamespace(rank=r, size=n, host=hosts[r], hosts=hosts, interface="lo",
+                                         address="127.0.0.1")
+            d = Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=5.0, abort=False)
+            d.where = (lambda r=r: "in load_batch at train.py:5" if r == frozen else "in allreduce at train.py:10")
+            d.dump = lambda reason: None
+            c = _Comm(r, n, stuck=r != frozen)
+            d.register(c)
+            dogs.append(d.start())
+            comms.append(c)
+        time.sleep(0.3)
+        assert len(srv._conns) == 0, "the watchdogs keep no idle connection to the store"
+        err = CollectiveError("allreduce#4: recv from rank 47 (node12) timed out")
+        threads = [threading.Thread(target=dogs[r].on_failure, args=(comms[r], comms[r].stuck, err))
+                   for r in (3, 20, 46)]          # three ranks fail at once; the rest hear it by the tree
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        end = time.monotonic() + 30
+        for d in dogs:
+            d._done.wait(max(0.0, end - time.monotonic()))
+        reports = [d.report for d in dogs]
+        try:
+            assert all(rep is not None for rep in reports)
+            assert {rep.headline for rep in reports} == {"allreduce#4: rank 47 (node12) never joined"}
+            assert reports[0].categories["joined"] == list(range(47)) and sorted(reports[0].where) == list(range(n))
+            assert srv.stats["peak_connections"] <= n, "one store connection per rank, on the failure only"
+        finally:
+            for d in dogs:
+                d.close()
+
+
+# ----------------------------------------------------------------------------- the report
+
+def _big_report(n: int = 4096, per_host: int = 8):
+    hosts = [f"node{r // per_host + 1}" for r in range(n)]
+    rec = {"seq": 812, "op": "allreduce", "dtype": "float32", "count": 1, "root": None, "backend": "ring",
+           "timeout": 30.0, "site": "train.py:88 in step", "state": "started", "t_started": 1.0}
+    snaps = {r: {"records": [rec], "last_done": 811, "where": "in allreduce at train.py:88 (step)"}
+             for r in range(n - 1)}
+    snaps[n - 1] = {"records": [], "last_done": 811, "where": "in load_batch at train.py:20"}
+    return diagnose(n, hosts, snaps, {}, {"rank": 0, "host": "node1", "error": "timed out", "op": rec})
+
+
+def test_a_4096_rank_report_is_one_screen():
+    rep = _big_report()
+    text = rep.text()
+    lines = text.splitlines()
+    assert len(lines) <= 10 and max(len(ln) for ln in lines) < 200, text
+    assert rep.headline == "allreduce#812: rank 4095 (node512) never joined"
+    assert "  joined    : ranks 0-4094 (node[1-512])" in lines
+    assert "  where     : ranks 0-4094: in allreduce at train.py:88 (step)" in lines
+    assert any(ln.startswith("  missing   : rank 4095 (node512): never joined: last completed #811, now in load_batch")
+               for ln in lines)
+
+
+def test_many_ranks_with_one_finding_share_a_line():
+    n = 4096
+    hosts = [f"node{r // 8 + 1}" for r in range(n)]
+    rec = {"seq": 3, "op": "allreduce", "count": 1, "state": "started"}
+    snaps = {r: {"records": [rec], "last_done": 2, "where": "in allreduce"} for r in range(0, n, 2)}
+    rep = diagnose(n, hosts, snaps, {}, {"rank": 0, "error": "timed out", "op": rec})
+    lines = rep.text().splitlines()
+    assert len(lines) <= 10, rep.text()
+    assert any("unreachable: ranks 1,3,5" in ln for ln in lines)
+
+
+def test_the_wire_form_is_small_and_gives_the_same_report():
+    rep = _big_report()
+    wire = json.dumps(_to_wire(rep))
+    assert len(wire) < 16384 and 10 * len(wire) < len(json.dumps(rep.to_dict()))   # read by every rank
+    back = _from_wire(json.loads(wire))
+    assert back.text() == rep.text() and back.where == rep.where and back.hosts == rep.hosts
+    assert back.categories == {k: v for k, v in rep.categories.items() if v}
