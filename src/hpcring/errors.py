@@ -73,6 +73,10 @@ class CollectiveError(HpcringError):
     """A collective failed or missed its deadline; the message names op, peer rank and host."""
 
 
+class RemoteError(HpcringError):
+    """A login node could not be used: unreachable, ssh refused, rsync failed, no hpcring there."""
+
+
 class DevClusterError(HpcringError):
     """The local dev cluster could not be brought up or down."""
 

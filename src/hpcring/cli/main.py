@@ -14,6 +14,7 @@ import typer
 from hpcring.cli import output
 from hpcring.cli.common import StrictGroup, command, newest_job
 from hpcring.cli.jobopts import JobRequest, job_options
+from hpcring.cli.remote_opts import remote_aware, remote_option, submit_remote
 from hpcring.config.envvars import MAX_RANKS
 from hpcring.errors import HpcringError
 
@@ -37,7 +38,10 @@ def submit(req: JobRequest,
                                      help="Follow the job: states, rank-tagged output; exit with its exit code."),
            timeline: bool = typer.Option(False, "--timeline",
                                          help="Record an hpcring.torch timeline on every rank (HPCRING_TIMELINE); "
-                                              "merge it with `hpcring timeline JOB`.")):
+                                              "merge it with `hpcring timeline JOB`."),
+           remote: Optional[str] = remote_option()):
+    if submit_remote(req, remote):     # a login node named: copied and submitted there (docs/remote.md)
+        return
     from hpcring import submit as lib
     s, job = req.resolve()
     if timeline:
@@ -94,6 +98,7 @@ def render(req: JobRequest):
 
 @command(app, help="Show a job's state (from sacct, bjobs or the local backend) and its ranks; an array's "
                    "tasks summarised by state (JOB) or one task (JOB_TASK).")
+@remote_aware()
 def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record name; none: list the newest jobs."),
            last: int = typer.Option(10, "--last", "-n", min=1, help="How many jobs to list without JOB_ID.")):
     from hpcring import submit as lib
@@ -112,6 +117,7 @@ def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record
 
 
 @command(app, help="Print a job's output, tagged by rank.")
+@remote_aware()
 def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record name (default: the newest job)."),
          rank: Optional[int] = typer.Option(None, "--rank", "-r", min=0, max=MAX_RANKS - 1,
                                             help="Only this rank (0 to the job's size - 1)."),
@@ -131,6 +137,7 @@ def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record n
 
 
 @command(app, help="Cancel a job (JOB: every task of an array; JOB_TASK: one task).")
+@remote_aware()
 def cancel(job_id: str = typer.Argument(...)):
     from hpcring import submit as lib
     rec = lib.record(job_id)

@@ -197,6 +197,10 @@ VARS: tuple[Var, ...] = (
        "the site's mounts (--container-mounts)"),
     _v("HPCRING_NO_CONTAINER", "bool", False, "run the ranks on the host even if the site names an "
        "image (--no-container)"),
+    _v("HPCRING_REMOTE", "str", None, "login node to run submit/status/logs/cancel/stacks on over ssh: "
+       "[user@]host[:port], or `none` (--remote; site: remote.host; docs/remote.md)"),
+    _v("HPCRING_REMOTE_HPCRING", "str", None, "the hpcring command on the login node (site: "
+       "remote.hpcring; default `hpcring` on its PATH)"),
     # -- set by hpcring for each rank (users do not set these) --
     _v("HPCRING_LAUNCHER", "str", None, "`local` for ranks of the local backend", set_by="hpcring"),
     _v("HPCRING_RANK", "int", None, "local backend: this rank", 0, MAX_RANKS, set_by="hpcring"),

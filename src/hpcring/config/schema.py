@@ -301,6 +301,62 @@ class Container(_Strict):
         return v
 
 
+class Remote(_Strict):
+    """The login node `submit`, `status`, `logs`, `cancel` and `stacks` go through from a laptop
+    (docs/remote.md); ``--remote`` and HPCRING_REMOTE name another."""
+
+    host: str
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    ssh_options: list[str] = []       # Key=Value (or a mapping Key: Value), ssh_config(5) keywords
+    workdir: str | None = None        # where the script's folder is copied (relative: the home folder)
+    hpcring: str | None = None        # the hpcring command there (default: hpcring on its PATH)
+
+    @field_validator("ssh_options", mode="before")
+    @classmethod
+    def _options_mapping(cls, v):
+        from hpcring.remote import ssh_option_pair      # standard library only
+        if not isinstance(v, dict):
+            return v
+        out = []
+        for k, val in v.items():
+            if not isinstance(k, str) or not isinstance(val, (str, int)) or isinstance(val, bool):
+                raise PydanticCustomError("site_ssh_option", "{why}", {"why": f"{shown(k)}: {shown(val)} is not "
+                                          "an ssh option; write Key: text (e.g. IdentityFile: ~/.ssh/id_ed25519)",
+                                          "sub": (k,)})
+            why = text_problem(k) or text_problem(str(val))
+            try:
+                if why:
+                    raise ValueError(why)
+                out.append("=".join(ssh_option_pair(k, str(val))))
+            except ValueError as exc:
+                raise PydanticCustomError("site_ssh_option", "{why}", {"why": str(exc), "sub": (k,)}) from None
+        return out
+
+    @field_validator("ssh_options")
+    @classmethod
+    def _options(cls, v):
+        from hpcring.remote import ssh_option
+        out = []
+        for i, text in enumerate(v):
+            try:
+                out.append("=".join(ssh_option(text)) if not text_problem(text) else text)
+            except ValueError as exc:
+                raise PydanticCustomError("site_ssh_option", "{why}", {"why": str(exc), "sub": (i,)}) from None
+        return out
+
+    @field_validator("host", "user", "workdir", "hpcring")
+    @classmethod
+    def _words(cls, v, info):
+        from hpcring import remote
+        check = {"host": remote.host_problem, "user": remote.user_problem, "workdir": remote.workdir_problem,
+                 "hpcring": remote.hpcring_problem}[info.field_name]
+        why = v is not None and not text_problem(v) and check(v)
+        if why:
+            raise ValueError(why)
+        return v
+
+
 class SiteConfig(_Strict):
     """One cluster, as its admins describe it."""
 
@@ -326,6 +382,7 @@ class SiteConfig(_Strict):
     lsf: LsfOptions = LsfOptions()
     sched_args: list[str] = []          # extra scheduler flags for every job
     container: Container | None = None  # ranks inside an image (docs/containers.md)
+    remote: Remote | None = None        # a login node to submit through from a laptop (docs/remote.md)
 
     @field_validator("name")
     @classmethod

@@ -1,0 +1,584 @@
+"""Submitting from a laptop: a login node reached over ssh (docs/remote.md).
+
+``hpcring submit --remote user@host[:port]`` (else ``HPCRING_REMOTE``, else the site's ``remote:``
+section) copies the script's folder to the login node with rsync over ssh (leaving out what
+``.hpcringignore`` and :data:`DEFAULT_EXCLUDES` name), runs the login node's own ``hpcring
+submit`` there and passes its output and exit code on. ``status``, ``logs``, ``cancel`` and
+``stacks`` go through the same ssh connection: every ssh (rsync's too) shares one ControlMaster
+whose socket lives in a private 0700 folder, so a password is asked for once at most.
+
+Nothing typed by a user reaches a shell unquoted: ssh and rsync get argv lists, the one line the
+login node's shell runs is built with :func:`shlex.quote` word by word, and host, user, port and
+ssh options are checked before anything starts. Every wait has a deadline (ssh ConnectTimeout and
+ServerAlive keepalives, subprocess timeouts, rsync's I/O timeout).
+
+Standard library only (the site schema imports the checks; the CLI imports this at start-up).
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shlex
+import stat
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from hpcring.errors import RemoteError, UsageError
+
+ENV_REMOTE, ENV_REMOTE_HPCRING = "HPCRING_REMOTE", "HPCRING_REMOTE_HPCRING"
+NONE = "none"                       # --remote none: run here even if the site names a login node
+DEFAULT_WORKDIR = "hpcring-remote"  # relative: under the login user's home
+IGNORE_FILE = ".hpcringignore"
+# Left out of every copy unless .hpcringignore re-includes them (gitignore order: later lines win).
+DEFAULT_EXCLUDES = (".git/", ".hg/", ".svn/", "__pycache__/", "*.pyc", ".venv/", ".tox/", ".mypy_cache/",
+                    ".pytest_cache/", ".ipynb_checkpoints/", ".DS_Store", "*.egg-info/")
+CONNECT_TIMEOUT_S = 20          # ssh ConnectTimeout: an unreachable host fails within this
+ALIVE_INTERVAL_S, ALIVE_COUNT = 15, 4    # a dead connection is noticed within about a minute
+CONTROL_PERSIST_S = 600         # the shared master outlives the last command by at most this
+COMMAND_TIMEOUT_S = 600.0       # status, cancel, stacks, submit without --wait
+COPY_TIMEOUT_S = 3600.0         # rsync as a whole; its own --timeout bounds each stall
+COPY_IO_TIMEOUT_S = 120
+# Job settings the login node's hpcring reads from its environment (CLI > environment > site):
+# the laptop's values travel with the command, so the precedence is the same there.
+FORWARDED_ENV = ("HPCRING_NODES", "HPCRING_TASKS_PER_NODE", "HPCRING_GPUS_PER_NODE", "HPCRING_CPUS_PER_TASK",
+                 "HPCRING_TIME", "HPCRING_PARTITION", "HPCRING_ACCOUNT", "HPCRING_QOS", "HPCRING_CONSTRAINT",
+                 "HPCRING_JOB_NAME", "HPCRING_TIMEOUT", "HPCRING_CONTAINER_IMAGE", "HPCRING_CONTAINER_MOUNTS",
+                 "HPCRING_NO_CONTAINER")
+
+# ssh_config keywords a site may set. hpcring owns Control*, and the target's own fields say
+# User and Port; commands, TTYs and forwarding setup make no sense for a batch of short commands.
+SSH_KEYWORDS = {k.lower(): k for k in (
+    "AddKeysToAgent", "AddressFamily", "BatchMode", "BindAddress", "BindInterface", "CanonicalDomains",
+    "CanonicalizeFallbackLocal", "CanonicalizeHostname", "CanonicalizeMaxDots", "CASignatureAlgorithms",
+    "CertificateFile", "CheckHostIP", "Ciphers", "Compression", "ConnectionAttempts", "ConnectTimeout",
+    "FingerprintHash", "ForwardAgent", "GlobalKnownHostsFile", "GSSAPIAuthentication",
+    "GSSAPIDelegateCredentials", "HashKnownHosts", "HostbasedAcceptedAlgorithms", "HostbasedAuthentication",
+    "HostKeyAlgorithms", "HostKeyAlias", "HostName", "IdentitiesOnly", "IdentityAgent", "IdentityFile",
+    "IPQoS", "KbdInteractiveAuthentication", "KexAlgorithms", "KnownHostsCommand", "LogLevel", "MACs",
+    "NoHostAuthenticationForLocalhost", "NumberOfPasswordPrompts", "PasswordAuthentication",
+    "PKCS11Provider", "PreferredAuthentications", "ProxyCommand", "ProxyJump", "ProxyUseFdpass",
+    "PubkeyAcceptedAlgorithms", "PubkeyAuthentication", "RekeyLimit", "RequiredRSASize", "SecurityKeyProvider",
+    "ServerAliveCountMax", "ServerAliveInterval", "SetEnv", "SendEnv", "StrictHostKeyChecking", "TCPKeepAlive",
+    "UpdateHostKeys", "UserKnownHostsFile", "VerifyHostKeyDNS", "VisualHostKey")}
+_OWNED = {"controlmaster": "hpcring shares one connection itself", "controlpath": "hpcring keeps it private",
+          "controlpersist": f"hpcring bounds it ({CONTROL_PERSIST_S} s)", "user": "use remote.user or user@host",
+          "port": "use remote.port or host:port"}
+# options whose value runs to the end of the line (ssh does not strip quotes from them)
+_TO_EOL = {"proxycommand", "knownhostscommand"}
+_KEYWORD = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+_HPCRING_CMD = re.compile(r"[A-Za-z0-9_./~+-]+")
+_WORKDIR_BAD = set(" \t\"'\\$`;&|<>()*?[]{}!#\n\r")
+TARGET_FORMS = "[user@]host[:port], e.g. alice@login.example.org or alice@10.0.0.5:2222 ([v6 address]:port)"
+
+
+# -- checks (the site schema calls these; each returns why a value is wrong, None when it is fine) --
+
+def host_problem(host: str) -> str | None:
+    if not host:
+        return "host is empty"
+    if host.startswith("-"):
+        return f"host {host!r} starts with '-' (ssh would read it as an option)"
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if len(host) > 253 or not all(_LABEL.fullmatch(lab) for lab in labels):
+        return (f"host {host!r} is not a host name (letters, digits, '-' and '_' in dot-separated labels of "
+                "at most 63 characters), an IPv4 address or an IPv6 address")
+    return None
+
+
+def user_problem(user: str) -> str | None:
+    if not _USER.fullmatch(user):
+        return (f"user {user!r} is not a login name (a letter or '_', then letters, digits, '_', '.' or '-'; "
+                "at most 32 characters)")
+    return None
+
+
+def port_problem(port: int) -> str | None:
+    return None if isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535 \
+        else f"port {port!r} is not a TCP port from 1 to 65535"
+
+
+def ssh_option(text: str) -> tuple[str, str]:
+    """``Key=Value`` (also ``-o Key=Value``, ``-oKey=Value``, ``Key Value``) as (Key, Value), the key
+    spelt as ssh_config(5) does; ValueError saying what is wrong and what to write."""
+    body = text[2:].lstrip() if text.startswith("-o") else text
+    m = re.fullmatch(r"([^=\s]+)(?:\s*=\s*|\s+)(.*)", body.strip())
+    if not m:
+        raise ValueError(f"ssh option {text!r} is not Key=Value (e.g. IdentityFile=~/.ssh/id_ed25519)")
+    return ssh_option_pair(m.group(1), m.group(2))
+
+
+def ssh_option_pair(key: str, value: str) -> tuple[str, str]:
+    low = key.lower()
+    if low in _OWNED:
+        raise ValueError(f"ssh option {key} is not for the site config: {_OWNED[low]}")
+    if not _KEYWORD.fullmatch(key) or low not in SSH_KEYWORDS:
+        raise ValueError(f"{key!r} is not an ssh option hpcring passes on (ssh_config(5) keywords such as "
+                         "IdentityFile, ProxyJump, StrictHostKeyChecking, UserKnownHostsFile); anything else "
+                         "belongs in ~/.ssh/config under a Host entry")
+    if not value.strip() or value != value.strip():
+        raise ValueError(f"ssh option {key} needs a value without leading or trailing spaces, got {value!r}")
+    if any(ord(c) < 0x20 or c == "\x7f" for c in value):
+        raise ValueError(f"ssh option {key}: its value holds a control character")
+    if '"' in value and low not in _TO_EOL:
+        raise ValueError(f"ssh option {key}: its value holds '\"', which ssh's option parser cannot take")
+    return SSH_KEYWORDS[low], value
+
+
+def workdir_problem(workdir: str) -> str | None:
+    bad = sorted(set(workdir) & _WORKDIR_BAD)
+    tilde = "~" in (workdir[2:] if workdir.startswith("~/") else workdir.lstrip("~") if workdir == "~" else workdir)
+    if not workdir or bad or tilde or workdir.startswith("-") or ".." in workdir.split("/"):
+        return (f"workdir {workdir!r} is not a folder path on the login node without spaces, quotes, "
+                "shell characters or '..' (relative paths are under the login user's home; ~/ too)")
+    return None
+
+
+def hpcring_problem(cmd: str) -> str | None:
+    if not _HPCRING_CMD.fullmatch(cmd) or cmd.startswith("-"):
+        return (f"hpcring command {cmd!r} is not one word (a path such as /opt/hpcring/.venv/bin/hpcring, "
+                "or a name on the login node's PATH)")
+    return None
+
+
+# -- the target --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    """One login node and how to reach it."""
+
+    host: str
+    user: str | None = None
+    port: int | None = None
+    ssh_options: tuple[str, ...] = ()     # normalised Key=Value
+    workdir: str = DEFAULT_WORKDIR
+    hpcring: str = "hpcring"
+    source: str = ""                      # where host came from, for messages
+
+    @property
+    def where(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return (f"{self.user}@" if self.user else "") + host + (f":{self.port}" if self.port else "")
+
+
+def parse_target(text: str, what: str = "--remote") -> tuple[str | None, str, int | None]:
+    """``[user@]host[:port]`` as (user, host, port); UsageError naming ``what`` otherwise."""
+    def bad(why: str) -> UsageError:
+        return UsageError(f"{what} {text!r}: {why}", hint=f"write {TARGET_FORMS}, or `none` to submit here")
+    if not text or text != text.strip():
+        raise bad("empty, or with spaces around it")
+    user, at, rest = text.rpartition("@")
+    if not at:
+        user, rest = None, text
+    port_text = None
+    if rest.startswith("["):
+        host, close, tail = rest[1:].partition("]")
+        if not close or (tail and not tail.startswith(":")):
+            raise bad("an IPv6 address goes in brackets: [2001:db8::1]:22")
+        port_text = tail[1:] if tail else None
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad(f"{host!r} in brackets is not an IPv6 address") from None
+    elif rest.count(":") == 1:
+        host, _, port_text = rest.partition(":")
+    else:
+        host = rest
+        if ":" in host:
+            raise bad("an IPv6 address goes in brackets: [2001:db8::1]:22")
+    why = host_problem(host) or (user is not None and user_problem(user)) or None
+    if why:
+        raise bad(why)
+    port = None
+    if port_text is not None:
+        if not re.fullmatch(r"[0-9]{1,5}", port_text, re.ASCII) or port_problem(int(port_text)):
+            raise bad(f"port {port_text!r} is not a TCP port from 1 to 65535")
+        port = int(port_text)
+    return user, host, port
+
+
+def resolve(cli: str | None, site, environ: Mapping[str, str] | None = None) -> Target | None:
+    """The login node of a command, or None to work here: ``--remote`` > HPCRING_REMOTE > the site's
+    ``remote:`` section. A target from the flag or the variable keeps the site section's other
+    settings (ssh options, workdir, hpcring command; user and port unless it names them)."""
+    env = os.environ if environ is None else environ
+    sect = getattr(getattr(site, "config", None), "remote", None)
+    if cli is not None:
+        text, what = cli, "--remote"
+    elif (env.get(ENV_REMOTE) or "").strip():
+        text, what = env[ENV_REMOTE].strip(), f"environment variable {ENV_REMOTE}"
+    else:
+        text, what = None, None
+    if text is not None and text.lower() == NONE:
+        return None
+    hpcring = (env.get(ENV_REMOTE_HPCRING) or "").strip() or (sect.hpcring if sect and sect.hpcring else "hpcring")
+    why = hpcring_problem(hpcring)
+    if why:
+        raise UsageError(f"{'environment variable ' + ENV_REMOTE_HPCRING if env.get(ENV_REMOTE_HPCRING) else 'remote.hpcring'}: {why}",
+                         hint="name the hpcring command on the login node")
+    base = Target(host="", user=sect.user if sect else None, port=sect.port if sect else None,
+                  ssh_options=tuple(sect.ssh_options) if sect else (),
+                  workdir=(sect.workdir if sect and sect.workdir else DEFAULT_WORKDIR), hpcring=hpcring)
+    if text is not None:
+        user, host, port = parse_target(text, what)
+        return replace(base, host=host, user=user or base.user, port=port or base.port, source=what)
+    if sect is None:
+        return None
+    return replace(base, host=sect.host, source=f"site {site.name} (remote.host)")
+
+
+# -- argv builders ---------------------------------------------------------------------------------
+
+def control_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The private folder of ControlMaster sockets: $XDG_RUNTIME_DIR/hpcring-ssh, else
+    /tmp/hpcring-ssh-UID; created 0700, and refused when someone else owns it or may enter it
+    (a socket there is a logged-in connection)."""
+    env = os.environ if environ is None else environ
+    runtime = env.get("XDG_RUNTIME_DIR")
+    d = Path(runtime) / "hpcring-ssh" if runtime else Path(f"/tmp/hpcring-ssh-{os.getuid()}")
+    hint = f"remove {d} (or set XDG_RUNTIME_DIR to a private folder) and try again"
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+    except OSError as exc:
+        raise RemoteError(f"cannot make the ssh control folder {d}: {exc.strerror or exc}", hint=hint) from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RemoteError(f"ssh control folder {d} is not a private folder of this user (mode "
+                          f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid})", hint=hint)
+    # sun_path holds 108 bytes; ssh adds '/' and the 40-character %C hash (and a temporary suffix)
+    if len(str(d)) > 50 or any(c.isspace() for c in str(d)):
+        raise RemoteError(f"ssh control folder {d} is too long for a socket path or holds spaces",
+                          hint="set XDG_RUNTIME_DIR to a short folder, e.g. /run/user/$(id -u)")
+    return d
+
+
+def _opt_word(option: str) -> str:
+    key, _, value = option.partition("=")
+    # ssh reads -o like a config line: a value with spaces needs double quotes (paths with spaces)
+    if key.lower() not in _TO_EOL and any(c.isspace() for c in value):
+        value = f'"{value}"'
+    return f"{key}={value}"
+
+
+def ssh_argv(target: Target, control: Path, *, batch: bool | None = None) -> list[str]:
+    """ssh with the shared master, the target's options and the deadlines, up to (not including)
+    the host. ssh keeps the first value of an option, so the site's options come first and win."""
+    if batch is None:          # no terminal: a prompt would wait forever, so fail instead
+        batch = not (sys.stdin.isatty() and sys.stderr.isatty())
+    argv = ["ssh"]
+    for option in target.ssh_options:
+        argv += ["-o", _opt_word(option)]
+    argv += ["-o", "ControlMaster=auto", "-o", f"ControlPath={control}/%C",
+             "-o", f"ControlPersist={CONTROL_PERSIST_S}", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}",
+             "-o", f"ServerAliveInterval={ALIVE_INTERVAL_S}", "-o", f"ServerAliveCountMax={ALIVE_COUNT}"]
+    if batch:
+        argv += ["-o", "BatchMode=yes"]
+    if target.port:
+        argv += ["-p", str(target.port)]
+    if target.user:
+        argv += ["-l", target.user]
+    return argv
+
+
+def remote_line(words: Sequence[str], *, cd: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The one command line the login node's shell runs: every word quoted."""
+    assign = [f"{k}={v}" for k, v in {ENV_REMOTE: NONE, **(env or {})}.items()]
+    line = shlex.join(["env", *assign, *words])
+    return f"cd {shlex.quote(cd)} && {line}" if cd else line
+
+
+def command_argv(target: Target, control: Path, words: Sequence[str], *, cd: str | None = None,
+                 env: Mapping[str, str] | None = None) -> list[str]:
+    """ssh argv that runs ``words`` (hpcring and its arguments) on the login node. ``HPCRING_REMOTE=none``
+    goes with it so a login node whose site also names a remote does not forward again."""
+    return ssh_argv(target, control) + ["--", target.host, remote_line(words, cd=cd, env=env)]
+
+
+def remote_dir(target: Target, local_dir: Path) -> str:
+    """Where ``local_dir`` is copied: ``<workdir>/<its name>`` (relative: under the home folder)."""
+    work = target.workdir[2:] if target.workdir.startswith("~/") else target.workdir
+    name = local_dir.name or "root"
+    return f"{work.rstrip('/')}/{name}" if work not in ("", "~") else name
+
+
+def rsync_argv(target: Target, control: Path, local_dir: Path, rules: Sequence[str], dest: str) -> list[str]:
+    """rsync of ``local_dir`` into ``dest`` on the login node through the shared ssh master.
+    ``--protect-args``: the remote path reaches the remote rsync as it is, not through a shell."""
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    argv = ["rsync", "--recursive", "--links", "--perms", "--times", "--protect-args",
+            f"--timeout={COPY_IO_TIMEOUT_S}", "-e", shlex.join(ssh_argv(target, control))]
+    argv += [f"--filter={r}" for r in rules]
+    return argv + ["--", f"{local_dir}/", f"{host}:{dest}/"]
+
+
+# -- .hpcringignore ----------------------------------------------------------------------------------
+
+def ignore_rules(lines: Sequence[str], defaults: Sequence[str] = DEFAULT_EXCLUDES) -> list[str]:
+    """gitignore-style patterns (``defaults`` first, then ``lines``) as rsync filter rules.
+
+    git lets the last matching pattern win and rsync the first, so the rules come out in reverse;
+    ``!pat`` re-includes (``+``). A pattern with a '/' before its end is anchored at the folder
+    (as git does; rsync would match it at any depth), a leading ``**/`` matches at any depth.
+    """
+    rules = []
+    for raw in [*defaults, *lines]:
+        text = raw.rstrip("\n").rstrip("\r")
+        stripped = re.sub(r"(?<!\\) +$", "", text)       # trailing spaces go unless escaped
+        if not stripped or stripped.startswith("#"):
+            continue
+        include = stripped.startswith("!")
+        pat = stripped[1:] if include else stripped
+        if pat.startswith(("\\#", "\\!")):
+            pat = pat[1:]
+        pat = pat.replace("\\ ", " ")
+        while pat.startswith("**/"):
+            pat = pat[3:]
+            if "/" in pat.rstrip("/"):
+                pat = "**/" + pat      # still has a slash: rsync matches ** against the full path
+                break
+        if not pat or pat == "/":
+            continue
+        if "/" in pat.rstrip("/") and not pat.startswith(("/", "**/")):
+            pat = "/" + pat
+        rules.append(("+ " if include else "- ") + pat)
+    return rules[::-1]
+
+
+def read_ignore(folder: Path) -> list[str]:
+    """The lines of ``folder/.hpcringignore`` (none: an empty list); a file that cannot be read is
+    an error naming it."""
+    path = folder / IGNORE_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}", hint="fix its permissions or remove it") from None
+    if len(data) > 1 << 20:
+        raise UsageError(f"{path} is {len(data)} bytes; an ignore file is a list of patterns (at most 1 MiB)",
+                         hint="keep one gitignore-style pattern per line")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 at byte {exc.start}", hint="save it as UTF-8 text") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if any(ord(c) < 0x20 and c != "\t" for c in line):
+            raise UsageError(f"{path}:{n}: a control character in a pattern", hint="one plain pattern per line")
+    return text.splitlines()
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+_UNREACHABLE = ("could not resolve", "connection refused", "no route to host", "connection timed out",
+                "network is unreachable", "operation timed out", "connection closed by", "connection reset")
+_AUTH = ("permission denied", "too many authentication failures", "host key verification failed",
+         "no more authentication methods")
+
+
+def _ssh_failure(target: Target, stderr: str, what: str) -> RemoteError:
+    low = stderr.lower()
+    tail = " ".join(stderr.strip().splitlines()[-2:])[:300]
+    if any(s in low for s in _AUTH):
+        return RemoteError(f"{what}: ssh to {target.where} was refused ({tail})",
+                           hint="check the user and that your key is accepted (`ssh` to it once by hand; "
+                                "remote.ssh_options may name IdentityFile), or accept its host key")
+    if any(s in low for s in _UNREACHABLE):
+        return RemoteError(f"{what}: cannot reach {target.where} ({tail})",
+                           hint=f"check the host and port (from {target.source}) and your network or VPN")
+    return RemoteError(f"{what}: ssh to {target.where} failed ({tail or 'no message'})",
+                       hint="run the same ssh by hand with -v to see why")
+
+
+@dataclass
+class Outcome:
+    code: int
+    stdout: str = ""
+    stderr: str = ""
+    lines: list[str] = field(default_factory=list)
+
+
+def _pump(src, dst, keep: list[str], on_line: Callable[[str], None] | None) -> None:
+    for line in iter(src.readline, ""):
+        keep.append(line)
+        del keep[:-200]           # the tail is enough to tell why something failed
+        if on_line:
+            on_line(line)
+        if dst is not None:
+            dst.write(line)
+            dst.flush()
+
+
+def run(argv: list[str], *, timeout: float | None, stream: bool = False,
+        on_stderr_line: Callable[[str], None] | None = None) -> Outcome:
+    """Run ``argv``; with ``stream`` its output goes on to ours as it comes (logs -f, submit --wait).
+    ``timeout`` None only for streams, whose end is the job's end and whose connection is watched by
+    ssh's keepalives. Raises RemoteError when ``argv[0]`` is missing or the deadline passes."""
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL if not sys.stdin.isatty() else None,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                errors="replace", bufsize=1)
+    except FileNotFoundError:
+        raise RemoteError(f"{argv[0]} is not installed on this machine",
+                          hint=f"install it (Debian: apt-get install {'openssh-client' if argv[0] == 'ssh' else argv[0]})") from None
+    out: list[str] = []
+    err: list[str] = []
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout if stream else None, out, None), daemon=True),
+             threading.Thread(target=_pump, args=(proc.stderr, sys.stderr if stream else None, err, on_stderr_line),
+                              daemon=True)]
+    for t in pumps:
+        t.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+        raise RemoteError(f"{argv[0]} did not finish within {timeout:g} s", hint="check the login node and the "
+                          "network; the shared ssh connection is dropped after a minute without answer") from None
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    for t in pumps:
+        t.join(timeout=10)
+    return Outcome(code, "".join(out), "".join(err), out)
+
+
+def check_ssh(target: Target, res: Outcome, what: str) -> Outcome:
+    """ssh's own failure (255) as a RemoteError with a hint; the remote command's codes pass."""
+    if res.code == 255:
+        raise _ssh_failure(target, res.stderr, what)
+    return res
+
+
+def prepare(target: Target, control: Path, dest: str | None) -> None:
+    """One round trip before anything else: log in (the one prompt, if any), make ``dest`` and find
+    the login node's hpcring, so each of these fails with its own message."""
+    words = f"command -v {shlex.quote(target.hpcring)} >/dev/null 2>&1 || exit 127"
+    if dest:
+        words = f"mkdir -p -- {shlex.quote(dest)} && {{ {words}; }}"
+    argv = ssh_argv(target, control) + ["--", target.host, words]
+    res = check_ssh(target, run(argv, timeout=COMMAND_TIMEOUT_S), "connecting")
+    if res.code == 127:
+        raise RemoteError(f"hpcring ({target.hpcring!r}) was not found on {target.where}",
+                          hint="install hpcring there and set remote.hpcring (or HPCRING_REMOTE_HPCRING) to its "
+                               "full path, e.g. ~/hpcring/.venv/bin/hpcring: a non-interactive ssh shell may "
+                               "not read the PATH your login shell sets")
+    if res.code != 0:
+        raise RemoteError(f"cannot make {dest!r} on {target.where}: {res.stderr.strip()[-300:]}",
+                          hint="set remote.workdir to a folder you may write there")
+
+
+def copy(target: Target, control: Path, local_dir: Path, dest: str) -> Outcome:
+    rules = ignore_rules(read_ignore(local_dir))
+    res = run(rsync_argv(target, control, local_dir, rules, dest), timeout=COPY_TIMEOUT_S)
+    if res.code == 255 or "connection unexpectedly closed" in res.stderr:
+        raise _ssh_failure(target, res.stderr, f"copying {local_dir}")
+    if res.code != 0:
+        hint = ("install rsync on the login node" if "command not found" in res.stderr or res.code == 127
+                else "see rsync's message above")
+        raise RemoteError(f"copying {local_dir} to {target.where}:{dest} failed (rsync exit {res.code}): "
+                          f"{res.stderr.strip()[-300:]}", hint=hint)
+    return res
+
+
+def close(target: Target, environ: Mapping[str, str] | None = None) -> None:
+    """Stop the shared master now (it would stop by itself after CONTROL_PERSIST_S)."""
+    argv = ssh_argv(target, control_dir(environ), batch=True) + ["-O", "exit", "--", target.host]
+    try:
+        subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
+# -- remote job records (so `hpcring status JOB` on the laptop knows where JOB lives) -------------
+
+_SUBMITTED = re.compile(r"Submitted job (\S+) \[([A-Za-z0-9._-]+)\]")
+_JOB_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
+
+
+def _records() -> Path:
+    from hpcring.schedulers.base import state_dir
+    d = state_dir().parent / "remote"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def remember(target: Target, job_id: str, key: str) -> None:
+    from hpcring.fsutil import write_json
+    if not (_JOB_REF.fullmatch(job_id) and _JOB_REF.fullmatch(key)):
+        return
+    data = {**asdict(target), "ssh_options": list(target.ssh_options), "job_id": job_id, "key": key}
+    write_json(_records() / f"{key}.json", data)
+
+
+def recalled(job_ref: str | None) -> tuple[Target, str] | None:
+    """(target, record name on the login node) of a job submitted from here with --remote."""
+    if not job_ref or not _JOB_REF.fullmatch(job_ref):
+        return None
+    d = _records()
+    hits = [d / f"{job_ref}.json"] if (d / f"{job_ref}.json").is_file() else \
+        [p for p in d.glob("*.json") if p.stem.rsplit("-", 1)[-1] == job_ref]
+    if len(hits) != 1:
+        return None
+    try:
+        data = json.loads(hits[0].read_text())
+        fields_ = {k: data[k] for k in ("host", "user", "port", "workdir", "hpcring", "source")}
+        target = Target(ssh_options=tuple(data["ssh_options"]), **fields_)
+        return target, data["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# -- the two operations the CLI calls -----------------------------------------------------------------
+
+def forward_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in FORWARDED_ENV if (env.get(k) or "").strip()}
+
+
+def submit(target: Target, script: Path, words: Sequence[str], *, stream: bool) -> int:
+    """Copy the script's folder, run ``hpcring submit`` there with ``words`` (its arguments, the
+    script named relative to the copy), print what it prints; returns its exit code."""
+    control = control_dir()
+    local_dir = script.resolve().parent
+    dest = remote_dir(target, local_dir)
+    prepare(target, control, dest)
+    copy(target, control, local_dir, dest)
+    seen: list[tuple[str, str]] = []
+
+    def on_line(line: str) -> None:
+        m = _SUBMITTED.search(line)
+        if m and not seen:
+            seen.append((m.group(1), m.group(2)))
+            remember(target, *seen[0])     # recorded before --wait follows: Ctrl-C keeps it
+
+    argv = command_argv(target, control, [target.hpcring, "submit", *words], cd=dest, env=forward_env())
+    res = check_ssh(target, run(argv, timeout=None if stream else COMMAND_TIMEOUT_S, stream=True,
+                                on_stderr_line=on_line), "submitting")
+    return res.code
+
+
+def forward(target: Target, words: Sequence[str], *, stream: bool = True, timeout: float | None = COMMAND_TIMEOUT_S) -> int:
+    """Run ``hpcring WORDS`` on the login node, its output passed on; returns its exit code."""
+    control = control_dir()
+    argv = command_argv(target, control, [target.hpcring, *words])
+    res = check_ssh(target, run(argv, timeout=timeout, stream=stream), f"hpcring {words[0]}")
+    if res.code == 127 and "not found" in res.stderr:
+        raise RemoteError(f"hpcring ({target.hpcring!r}) was not found on {target.where}",
+                          hint="set remote.hpcring (or HPCRING_REMOTE_HPCRING) to its full path there")
+    return res.code
