@@ -9,7 +9,8 @@ import time
 
 task = os.environ.get("HPCRING_ARRAY_TASK")
 print("ARRAY " + json.dumps({"task": task, "rank": int(os.environ.get("RANK", "-1")), "args": sys.argv[1:],
-                             "host": os.uname().nodename}), flush=True)
+                             "host": os.uname().nodename,
+                             "lsf_index": os.environ.get("LSB_JOBINDEX")}), flush=True)
 if task is not None and task == os.environ.get("ARRAY_WORKER_SLEEP_TASK"):
     time.sleep(300)
 time.sleep(float(os.environ.get("ARRAY_WORKER_SLEEP_S") or 0))

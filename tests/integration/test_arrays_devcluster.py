@@ -134,3 +134,52 @@ def test_status_of_several_real_jobs_is_one_scheduler_query(env, monkeypatch):
     assert sorted(r.job_id for r, _, _ in rows) == sorted(ids)
     assert all(st is not None and st.state == "COMPLETED" for _, st, _ in rows), rows
     assert [c[0] for c in calls] == ["sacct"], calls
+
+
+# ---- the same on LSF, through the emulation (tests/lsf_emulation: LSF cannot be installed here) ----
+
+EMU_BIN = ROOT / "tests" / "lsf_emulation" / "bin"
+
+
+@pytest.fixture
+def lsf_env(tmp_path):
+    d = Path("/srv/hpcring") / f".lsf-emulation-arrays-{os.getpid()}"
+    d.mkdir(parents=True, exist_ok=True)
+    yield {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_LSF_EMU_DIR": str(d),
+           "PATH": f"{EMU_BIN}:{os.environ['PATH']}"}
+    import shutil
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def bjobs(ref: str, env) -> list[str]:
+    r = subprocess.run(["bjobs", "-o", "jobid jobindex stat", "-noheader", ref], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, **env))
+    return r.stdout.splitlines()
+
+
+def test_an_lsf_sweep_maps_task_i_to_index_i_plus_1(lsf_env):
+    r = hpcring("submit", str(WORKER), "--site", "devcluster-lsf", "--nodes", "2", "--sweep", "lr=0.1,0.01,0.001",
+                "--array", "%2", "--wait", env=lsf_env)
+    assert r.returncode == 0, r.stderr + r.stdout
+    job = job_id_of(r)
+    got = sorted((x["task"], x["lsf_index"], x["rank"], tuple(x["args"]))
+                 for x in seen(hpcring("logs", job, env=lsf_env).stdout))
+    assert got == [(str(t), str(t + 1), rank, ("--lr", lr)) for t, lr in enumerate(["0.1", "0.01", "0.001"])
+                   for rank in (0, 1)]
+    assert sorted(bjobs(job, lsf_env)) == [f"{job} {i} DONE" for i in (1, 2, 3)]
+    st = hpcring("status", job, env=lsf_env)
+    assert "  3 COMPLETED\n" in st.stdout and f"{job}_2" in st.stdout and "lr=0.001" in st.stdout, st.stdout
+
+
+def test_an_lsf_job_after_another(lsf_env):
+    a = hpcring("submit", str(WORKER), "--site", "devcluster-lsf", "--nodes", "1",
+                env=dict(lsf_env, ARRAY_WORKER_SLEEP_S="6"))
+    assert a.returncode == 0, a.stderr
+    first = job_id_of(a)
+    b = hpcring("submit", str(HELLO), "--site", "devcluster-lsf", "--nodes", "1", "--after", first, env=lsf_env)
+    assert b.returncode == 0, b.stderr
+    second = job_id_of(b)
+    wait_for(lambda: bjobs(first, lsf_env) == [f"{first} 0 RUN"], 60, f"job {first} running")
+    assert bjobs(second, lsf_env) == [f"{second} 0 PEND"]          # -w "done(FIRST)" holds it
+    wait_for(lambda: bjobs(second, lsf_env) == [f"{second} 0 DONE"], 120, f"job {second} done")
+    assert bjobs(first, lsf_env) == [f"{first} 0 DONE"]

@@ -42,7 +42,17 @@ documentation:
   ess/lsf component and openlava's res read it the same way); blaunch waits for all tasks and exits
   with the first non-zero task status.
 
-Not emulated: the scheduler's policies (fairshare, priorities, preemption), job arrays, -m, -R
+* Job arrays (job_array_create, bsub.j.1): ``-J "name[1-16:2,20]%4"`` makes one element job per
+  index (indices from 1, at most 1000 elements), at most ``%N`` running at once; an element runs
+  with LSB_JOBID the array's id and LSB_JOBINDEX its index, ``%I`` in -o/-e is the index; bjobs,
+  bkill take ``ID`` (every element) or ``ID[i]``; bjobs' ``jobindex`` field is the index (0 for a
+  job that is not an array element).
+* Dependencies (bsub.w.1): ``-w "done(ID) && ended(ID[i])"``: done, ended, exit, started of jobs
+  or array elements (an array's ID: all its elements), joined by ``&&``; a job waits PEND until
+  the condition holds (one that can no longer hold keeps it pending, as LSF does, here until the
+  pending deadline).
+
+Not emulated: the scheduler's policies (fairshare, priorities, preemption), -m, -R
 select/order/rusage strings, -gpu enforcement, CSM/-nnodes/jsrun, bsub -I/-K, bhist/bacct, mail.
 
 State lives in HPCRING_LSF_EMU_DIR (default /srv/hpcring/.lsf-emulation, shared by all nodes).
@@ -192,7 +202,7 @@ def _killpg(pgid: int | None, sig: int) -> None:
 # ------------------------------------------------------------------------------------ bsub
 
 _VALUE_OPTS = {"-J", "-n", "-R", "-q", "-P", "-W", "-o", "-e", "-oo", "-eo", "-wa", "-wt", "-gpu",
-               "-nnodes", "-G", "-cwd"}
+               "-nnodes", "-G", "-cwd", "-w"}
 _FLAG_OPTS = {"-x", "-N", "-B", "-r", "-rn"}
 
 
@@ -270,12 +280,82 @@ def bsub(argv: list[str]) -> int:
     warn = _minutes(opts["-wt"], "-wt") if "-wt" in opts else None
     if "-wa" in opts and not hasattr(signal, "SIG" + opts["-wa"].upper().removeprefix("SIG")):
         raise LsfError(f"-wa {opts['-wa']}: Bad signal name. Job not submitted.")
+    name, indices, array_limit = _array_name(opts.get("-J") or (shlex.join(command) if command else "script"))
+    if "-w" in opts:
+        _conditions(opts["-w"])        # refused now if it does not parse
     job_id = _next_job_id()
+    for index in indices or [0]:
+        _new_job(job_id, index, array_limit, name, opts, text, command, queue, n, ptile, limit, warn)
+    print(f"Job <{job_id}> is submitted to {'default ' if '-q' not in opts else ''}queue <{queue}>.")
+    return 0
+
+
+_ARRAY = re.compile(r"(.*)\[([0-9,:\-]+)\](?:%(\d+))?\Z", re.S)
+MAX_JOB_ARRAY_SIZE = 1000
+
+
+def _array_name(name: str) -> tuple[str, list[int], int | None]:
+    """``name[1-16:2,20]%4`` -> (name, indices, 4); a plain name -> (name, [], None)."""
+    m = _ARRAY.match(name)
+    if not m:
+        return name, [], None
+    out: list[int] = []
+    for part in m.group(2).split(","):
+        pm = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part)
+        if not pm or int(pm.group(1)) < 1 or (pm.group(3) is not None and int(pm.group(3)) < 1):
+            raise LsfError(f"{name}: Bad job name. Job not submitted.")
+        lo, hi, step = int(pm.group(1)), int(pm.group(2) or pm.group(1)), int(pm.group(3) or 1)
+        out.extend(range(lo, hi + 1, step))
+    if not out or len(out) > MAX_JOB_ARRAY_SIZE or len(set(out)) != len(out):
+        raise LsfError(f"{name}: Bad job name. Job not submitted.")
+    return m.group(1), sorted(out), int(m.group(3)) if m.group(3) else None
+
+
+_CONDITION = re.compile(r"\s*(done|ended|exit|started)\(\s*(\d+(?:\[\d+\])?)\s*\)\s*")
+
+
+def _conditions(expr: str) -> list[tuple[str, str]]:
+    """``done(12) && ended(13[2])`` -> [("done", "12"), ("ended", "13[2]")]."""
+    out = []
+    for part in expr.split("&&"):
+        m = _CONDITION.fullmatch(part)
+        if not m:
+            raise LsfError(f"{expr}: Syntax error in dependency expression (this emulation: done/ended/exit/"
+                           "started of job ids joined by &&). Job not submitted.")
+        out.append((m.group(1), m.group(2)))
+    return out
+
+
+def _dependency_met(expr: str | None) -> bool:
+    """Every condition of ``-w`` holds now (an array's id: over all its elements)."""
+    for word, ref in _conditions(expr) if expr else []:
+        jobs = select(ref)
+        stats = [j["stat"] for j in jobs]
+        met = bool(jobs) and {"done": all(s == "DONE" for s in stats),
+                              "ended": all(s in FINISHED for s in stats),
+                              "exit": all(s == "EXIT" for s in stats),
+                              "started": all(s != "PEND" for s in stats)}[word]
+        if not met:
+            return False
+    return True
+
+
+def select(ref: str) -> list[dict]:
+    """The jobs ``ref`` names: a job, an array element ``ID[i]``, or every element of array ``ID``."""
+    job = load(ref)
+    if job is not None:
+        return [job]
+    return [j for j in all_jobs() if j.get("array_id") == ref]
+
+
+def _new_job(job_id, index, array_limit, name, opts, text, command, queue, n, ptile, limit, warn) -> None:
+    own = f"{job_id}[{index}]" if index else job_id
     with locked():
-        d = job_dir(job_id)
+        d = job_dir(own)
         d.mkdir(parents=True, exist_ok=True)
         (d / "script").write_text(text)
-        job = {"id": job_id, "name": opts.get("-J") or (shlex.join(command) if command else "script"),
+        job = {"id": own, "array_id": job_id if index else None, "index": index, "array_limit": array_limit,
+               "depend": opts.get("-w"), "name": f"{name}[{index}]" if index else name,
                "queue": queue, "project": opts.get("-P", "default"), "user": os.environ.get("USER", "root"),
                "n": n, "ptile": ptile, "exclusive": bool(opts.get("-x")), "gpu": opts.get("-gpu"),
                "limit_min": limit, "warn_action": opts.get("-wa"), "warn_min": warn,
@@ -285,9 +365,7 @@ def bsub(argv: list[str]) -> int:
                "env": dict(os.environ), "stat": "PEND", "submitted": time.time(), "hosts": [],
                "exit_code": None, "requests": [], "runs": 0}
         save(job)
-    _spawn_sbatchd(job_id)
-    print(f"Job <{job_id}> is submitted to {'default ' if '-q' not in opts else ''}queue <{queue}>.")
-    return 0
+    _spawn_sbatchd(own)
 
 
 def _next_job_id() -> str:
@@ -345,6 +423,11 @@ def _try_dispatch(job_id: str) -> dict | None:
                     excl.update(other["hosts"])
         if "kill" in job.get("requests", []) or job["stat"] != "PEND":
             return None
+        if job.get("array_limit") and sum(1 for o in all_jobs() if o.get("array_id") == job["array_id"]
+                                          and o["stat"] in ("RUN", "USUSP", "SSUSP")) >= job["array_limit"]:
+            return None
+        if not _dependency_met(job.get("depend")):
+            return None
         slots = _place(job, busy, excl)
         if slots is None:
             return None
@@ -360,8 +443,8 @@ def _pending_requests(job_id: str) -> list[str]:
 
 # -------------------------------------------------------------------------------- sbatchd
 
-def _subst(path: str, job_id: str) -> str:
-    return path.replace("%J", job_id).replace("%I", "0")
+def _subst(path: str, job: dict) -> str:
+    return path.replace("%J", job.get("array_id") or job["id"]).replace("%I", str(job.get("index") or 0))
 
 
 def _job_env(job: dict, hostfile: Path, script: Path) -> dict:
@@ -370,15 +453,15 @@ def _job_env(job: dict, hostfile: Path, script: Path) -> dict:
     for h in dict.fromkeys(slots):
         mcpu += [h, str(slots.count(h))]
     env = dict(job["env"])
-    env.update(LSB_JOBID=job["id"], LSB_JOBINDEX="0", LSB_JOBNAME=job["name"], LSB_QUEUE=job["queue"],
+    env.update(LSB_JOBID=job.get("array_id") or job["id"], LSB_JOBINDEX=str(job.get("index") or 0), LSB_JOBNAME=job["name"], LSB_QUEUE=job["queue"],
                LSB_HOSTS=" ".join(slots), LSB_MCPU_HOSTS=" ".join(mcpu), LSB_DJOB_HOSTFILE=str(hostfile),
                LSB_DJOB_RANKFILE=str(hostfile.with_name("rankfile")), LSB_DJOB_NUMPROC=str(len(slots)),
                LSB_SUB_HOST=job["sub_host"], LSB_JOBFILENAME=str(script), LS_SUBCWD=job["cwd"],
                LSB_PROJECT_NAME=job["project"])
     if job["out"]:
-        env["LSB_OUTPUTFILE"] = _subst(job["out"], job["id"])
+        env["LSB_OUTPUTFILE"] = _subst(job["out"], job)
     if job["err"]:
-        env["LSB_ERRORFILE"] = _subst(job["err"], job["id"])
+        env["LSB_ERRORFILE"] = _subst(job["err"], job)
     return env
 
 
@@ -390,7 +473,7 @@ def _interpreter(text: str) -> list[str]:
 def _copy_output(job: dict, spool: Path, target: str | None, overwrite: bool, report: str) -> None:
     if not target:
         return
-    path = Path(_subst(target, job["id"]))
+    path = Path(_subst(target, job))
     if not path.parent.is_dir():  # LSF: "If the specified output_file path is not accessible, the output will not be stored."
         return
     with open(path, "w" if overwrite else "a") as out:
@@ -495,7 +578,8 @@ def _run(job: dict) -> bool:
 
 # --------------------------------------------------------------------------------- bjobs
 
-_FIELDS = {"jobid": lambda j: j["id"], "id": lambda j: j["id"], "stat": lambda j: j["stat"],
+_FIELDS = {"jobid": lambda j: j.get("array_id") or j["id"], "id": lambda j: j.get("array_id") or j["id"],
+           "jobindex": lambda j: str(j.get("index") or 0), "stat": lambda j: j["stat"],
            "queue": lambda j: j["queue"], "user": lambda j: j["user"], "job_name": lambda j: j["name"],
            "name": lambda j: j["name"], "from_host": lambda j: j["sub_host"],
            "exit_code": lambda j: str(j["exit_code"]) if j["stat"] == "EXIT" and j["exit_code"] else "-",
@@ -542,12 +626,11 @@ def bjobs(argv: list[str]) -> int:
     rows, rc = [], 0
     if ids:
         for jid in ids:
-            job = load(jid)
-            if job is None:
+            jobs = select(jid)
+            if not jobs:
                 print(f"Job <{jid}> is not found", file=sys.stderr)
                 rc = 255
-            else:
-                rows.append(_effective(job))
+            rows.extend(_effective(job) for job in jobs)
     else:
         rows = [_effective(j) for j in all_jobs() if show_all or j["stat"] not in FINISHED]
         if not rows:
@@ -585,8 +668,7 @@ def _request(job_id: str, what: str) -> dict | None:
 def bkill(argv: list[str]) -> int:
     _, ids = _jobs_arg(argv, set())
     rc = 0
-    for jid in ids:
-        job = load(jid)
+    for jid, job in [(j["id"], j) for ref in ids for j in select(ref)] + [(r, None) for r in ids if not select(r)]:
         if job is None:
             print(f"Job <{jid}>: No matching job found", file=sys.stderr)
             rc = 255
@@ -659,6 +741,8 @@ def brequeue(argv: list[str]) -> int:
 
 def blaunch(argv: list[str]) -> int:
     job_id = os.environ.get("LSB_JOBID")
+    if job_id and os.environ.get("LSB_JOBINDEX", "0") not in ("", "0"):
+        job_id = f"{job_id}[{os.environ['LSB_JOBINDEX']}]"      # an array element's own record
     job = load(job_id) if job_id else None
     if job is None or job["stat"] not in ("RUN", "USUSP", "SSUSP"):
         raise LsfError("blaunch: not running inside an LSF job (LSB_JOBID unset or the job is not running); "

@@ -304,3 +304,19 @@ def test_local_dependency_on_a_job_that_is_not_local(state_dir, tmp_path):
     assert r.exit_code == 2 and "job 7 is a slurm job" in r.output, r.output
     r = cli("submit", str(script), "--site", "local", "--after", "99", env={"HPCRING_JOB_DIR": str(tmp_path / "jobs")})
     assert r.exit_code == 2 and "job 99 is not a job of the local backend" in r.output, r.output
+
+
+def test_concurrent_tasks_of_one_lsf_array_meet_at_their_own_store_port():
+    """LSF's elements share LSB_JOBID (and the secret): the store port must differ per task, or a
+    task's ranks could join another task's store on a shared host (seen on the LSF emulation)."""
+    from hpcring.bootstrap.init import _store_ports
+    from hpcring.bootstrap.launchers import Topology
+    import dataclasses
+    fields = {f.name for f in dataclasses.fields(Topology)}
+    topo = Topology(**{k: v for k, v in dict(rank=0, size=2, local_rank=0, local_size=1, node_rank=0, num_nodes=2,
+                                              hosts=("node1", "node2"), launcher="blaunch", job_id="101").items()
+                       if k in fields})
+    plain = _store_ports(topo, {}, (29500, 29999))
+    assert plain == _store_ports(topo, {}, (29500, 29999))            # every rank of a job agrees
+    per_task = {_store_ports(topo, {"HPCRING_ARRAY_TASK": str(t)}, (29500, 29999))[0] for t in range(20)}
+    assert len(per_task) == 20            # sha256 of "101/2/taskN": deterministic, no two alike here

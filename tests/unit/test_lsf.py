@@ -82,7 +82,7 @@ def test_watcher_command_polls_unfinished_jobs_with_bjobs():
     assert w._make_command() is None
     w._registered.update({"1", "2"})
     w._finished.add("1")
-    assert w._make_command() == ["bjobs", "-o", "jobid stat exit_code exec_host", "-noheader", "2"]
+    assert w._make_command() == ["bjobs", "-o", "jobid stat exit_code exec_host jobindex", "-noheader", "2"]
 
 
 def test_explain_refusal():
@@ -202,3 +202,11 @@ def test_state_and_cancel_through_commands(tmp_path, monkeypatch, state_dir):
     assert lsf.state("12").state == "CANCELLED"
     (bin_ / "bjobs").write_text('#!/bin/sh\necho "Job <$4> is not found" >&2\nexit 255\n')
     assert lsf.state("13").state == "UNKNOWN"
+
+
+def test_array_elements_are_told_apart_by_their_index():
+    """bjobs prints the array's id on every element; the jobindex field (LSF's 1-based index) tells
+    them apart, and hpcring names element i+1 as task i."""
+    text = "12 DONE - 1*node1 1\n12 EXIT 3 1*node2 2\n13 RUN - 1*node3 0\n"
+    assert sorted(lsf.parse_bjobs(text)) == ["12[1]", "12[2]", "13"]
+    assert (lsf._hpcring_id("12[1]"), lsf._lsf_id("12_1"), lsf._lsf_id("13")) == ("12_0", "12[2]", "13")

@@ -135,8 +135,12 @@ def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, 
     port = envvars.get("HPCRING_STORE_PORT", env)
     if port is not None:
         return [port]
-    # Fold the world size in so two steps of one job with different sizes do not share a port.
-    return candidate_ports(derive_port(f"{topo.job_id}/{topo.size}", port_range), port_range)
+    # Fold the world size in so two steps of one job with different sizes do not share a port, and
+    # the array task: LSF's elements share one job id (and the array's secret) and may run at once
+    # on the same hosts, where a rank would find another task's store.
+    task = env.get("HPCRING_ARRAY_TASK")
+    key = f"{topo.job_id}/{topo.size}" + (f"/task{task}" if task else "")
+    return candidate_ports(derive_port(key, port_range), port_range)
 
 
 def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: float) -> StoreClient:

@@ -8,8 +8,9 @@ The interface of schedulers/base.py (:class:`~hpcring.schedulers.base.Scheduler`
 * every rank runs ``python -m hpcring.schedulers.lsf_task FOLDER``, which writes the rank's
   ``<jobid>_<rank>_log.out/.err`` and runs submitit's task entry: one result per rank, for any
   number of tasks;
-* states: ``bjobs -o "jobid stat exit_code exec_host" -noheader``; a suspended job (PSUSP, USUSP,
-  SSUSP) is SUSPENDED, which is not finished (submitit's own watcher would take it for finished);
+* states: one ``bjobs -o "jobid stat exit_code exec_host jobindex" -noheader ID...`` for many jobs;
+  a suspended job (PSUSP, USUSP, SSUSP) is SUSPENDED, which is not finished (submitit's own
+  watcher would take it for finished); array element ``ID[i+1]`` is hpcring's task ``ID_i``;
 * cancel: ``bkill``; requeue on preemption or timeout (the -wa warning signal): ``brequeue``;
 * the line that starts the ranks (:func:`launch_argv`, for job scripts and ``hpcring run``):
   jsrun resource sets, ``blaunch -u HOSTFILE`` or ``mpirun --hostfile HOSTFILE``.
@@ -37,7 +38,7 @@ from hpcring.schedulers.base import COMMAND_TIMEOUT, JobRecord, JobState, run_co
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, remote_shell, submitit_command
 
 COMMAND = "bsub"
-BJOBS_FORMAT = "jobid stat exit_code exec_host"
+BJOBS_FORMAT = "jobid stat exit_code exec_host jobindex"   # jobindex last: 0 unless an array element
 
 # LSF's job states -> hpcring's normalized ones (base.TERMINAL decides what is finished).
 # A suspended job is alive: never finished. ZOMBI (killed, host unreachable) and UNKWN (host
@@ -65,7 +66,8 @@ def job_id_from_output(text: str | bytes) -> str:
 
 
 def parse_bjobs(text: str | bytes) -> dict[str, dict[str, str]]:
-    """Lines of ``bjobs -o "jobid stat exit_code exec_host" -noheader`` -> {jobid: fields}."""
+    """Lines of ``bjobs -o "jobid stat exit_code exec_host jobindex" -noheader`` -> {jobid: fields};
+    an array element's key is LSF's ``ID[index]`` (bjobs prints the array's id on every element)."""
     text = text.decode(errors="replace") if isinstance(text, bytes) else text
     out: dict[str, dict[str, str]] = {}
     for line in text.splitlines():
@@ -75,7 +77,9 @@ def parse_bjobs(text: str | bytes) -> dict[str, dict[str, str]]:
         stat = parts[1]
         code = parts[2] if len(parts) > 2 else "-"
         hosts = parts[3] if len(parts) > 3 else "-"
-        out[parts[0]] = {"stat": stat, "State": STATES.get(stat, "UNKNOWN"), "exit_code": code,
+        index = parts[4] if len(parts) > 4 else "0"
+        key = f"{parts[0]}[{index}]" if index.isdigit() and int(index) > 0 else parts[0]
+        out[key] = {"stat": stat, "State": STATES.get(stat, "UNKNOWN"), "exit_code": code,
                          "nodes": _exec_hosts(hosts)}
     return out
 
