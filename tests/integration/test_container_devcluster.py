@@ -26,69 +26,41 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "container_worker.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
+from helpers_container import SHARED, ci_image, mounts  # noqa: E402
 from helpers_jobs import cluster_up  # noqa: E402
 from test_submit_devcluster import job_id_of  # noqa: E402
 
-IMAGE = Path(os.environ.get("HPCRING_CI_IMAGE", "/var/cache/hpcring-ci-image"))
-SHARED = Path("/srv/hpcring")
 DEADLINE, GRACE = 8.0, 4.0
 
 pytestmark = [pytest.mark.devcluster,
               pytest.mark.skipif(not cluster_up(), reason="dev cluster is not up (hpcring devcluster up)")]
 
 
-def _interpreter_prefix() -> Path | None:
-    """Where the venv's interpreter lives, if the image lacks it (None: Debian's, in the image too)."""
-    real = Path(os.path.realpath(sys.executable))
-    prefix = Path(sys.base_prefix)
-    return None if str(real).startswith("/usr/bin/") else prefix
-
-
 @pytest.fixture(scope="module")
 def image() -> Path:
-    if os.geteuid() != 0 and not (IMAGE / ".hpcring-image-ok").exists():
-        pytest.skip(f"no CI image at {IMAGE} and building one (debootstrap) needs root: "
-                    "run sudo bash scripts/build-ci-image.sh")
-    if os.geteuid() == 0:   # a no-op when the cached image is of the current recipe
-        r = subprocess.run(["bash", str(ROOT / "scripts" / "build-ci-image.sh"), str(IMAGE)],
-                           capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-        assert r.returncode == 0, f"building the CI image failed:\n{r.stdout}\n{r.stderr}"
-    if shutil.which("ch-run") is None:
-        pytest.skip("ch-run is not installed (Debian package charliecloud-runtime; "
-                    "scripts/build-ci-image.sh installs it)")
-    # ch-run binds onto mount points that exist in the image (it is read-only to the ranks)
-    for path in _mounts():
-        (IMAGE / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
-    return IMAGE
+    return ci_image()
 
 
-def _mounts() -> list[str]:
-    out = [str(ROOT), str(SHARED)]
-    prefix = _interpreter_prefix()
-    if prefix is not None:
-        out.append(str(prefix))
-    return out
-
-
-def _site(folder: Path, image: Path) -> Path:
-    """The devcluster site with a Charliecloud container section."""
-    text = (ROOT / "site_configs" / "devcluster.yaml").read_text().replace("name: devcluster", "name: devcluster-ch")
+def _site(folder: Path, image: Path, base: str = "devcluster") -> Path:
+    """The devcluster site (or its LSF emulation's) with a Charliecloud container section."""
+    text = (ROOT / "site_configs" / f"{base}.yaml").read_text().replace(f"name: {base}", f"name: {base}-ch")
     text += ("container:\n  runtime: charliecloud\n"
              f"  image: {json.dumps(str(image))}\n"
-             f"  mounts: {json.dumps(_mounts())}\n")
-    path = folder / "devcluster-ch.yaml"
+             f"  mounts: {json.dumps(mounts())}\n")
+    path = folder / f"{base}-ch.yaml"
     path.write_text(text)
     return path
 
 
-def _submit(image: Path, tag: str, *args: str, timeout: float = 300) -> dict:
+def _submit(image: Path, tag: str, *args: str, timeout: float = 300, base: str = "devcluster",
+            extra_env: dict | None = None) -> dict:
     folder = SHARED / "pytest-containers" / f"{tag}-{uuid.uuid4().hex[:8]}"
     folder.mkdir(parents=True)
-    site = _site(folder, image)
+    site = _site(folder, image, base)
     # ch-run refuses to start without $USER (CI may run without one)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_JOB_DIR=str(folder / "jobs"),
                HPCRING_STATE_DIR=str(folder / "state"), HPCRING_TIMEOUT=str(DEADLINE),
-               HPCRING_DIAG_GRACE=str(GRACE), USER=pwd.getpwuid(os.getuid()).pw_name)
+               HPCRING_DIAG_GRACE=str(GRACE), USER=pwd.getpwuid(os.getuid()).pw_name, **(extra_env or {}))
     cmd = [sys.executable, "-m", "hpcring", "submit", str(WORKER), "--site", str(site), "--nodes", "3",
            "--tasks-per-node", "1", "--time", "5", "--wait", "--", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=timeout,
@@ -147,3 +119,24 @@ def test_hpcring_run_in_an_allocation_starts_every_rank_in_the_image(image):
     for d in ranks:
         assert d["in_image"] and d["exact"] and d["secret_ok"], d
         assert d["cwd"] == str(ROOT) and d["nccl_ifname"] == "=eth0", d      # hpcring run starts where it was
+
+
+def test_lsf_emulation_blaunch_starts_every_rank_in_the_image(image):
+    """LSF differs: blaunch hands its words to a shell on each host, so the ch-run prefix is quoted
+    once more (tests/lsf_emulation: bsub, blaunch over the dev cluster's nodes)."""
+    emu = SHARED / f".lsf-emulation-containers-{os.getpid()}"
+    emu.mkdir(parents=True, exist_ok=True)
+    try:
+        res = _submit(image, "lsf", base="devcluster-lsf", extra_env={
+            "HPCRING_LSF_EMU_DIR": str(emu),
+            "PATH": f"{ROOT / 'tests' / 'lsf_emulation' / 'bin'}:{os.environ['PATH']}"})
+    finally:
+        shutil.rmtree(emu, ignore_errors=True)
+    r = res["r"]
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    ranks = res["ranks"]
+    assert [d["rank"] for d in ranks] == [0, 1, 2], out[-4000:]
+    assert {d["host"] for d in ranks} == {"node1", "node2", "node3"}, ranks
+    for d in ranks:
+        assert d["in_image"] and d["exact"] and d["secret_ok"] and d["nccl_ifname"] == "=eth0", d

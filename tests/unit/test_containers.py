@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -280,3 +281,16 @@ def test_bad_site_container_values(tmp_path, kv):
 def test_bad_no_container_variable(tmp_path):
     out = _no_submit(tmp_path, [], {"HPCRING_NO_CONTAINER": "maybe"})
     assert "HPCRING_NO_CONTAINER" in out, out
+
+
+def test_verbose_names_where_the_image_and_mounts_came_from(tmp_path):
+    site = tmp_path / "s.yaml"
+    site.write_text((ROOT / "site_configs" / "devcluster.yaml").read_text() + SITE_BOX)
+    script = tmp_path / "t.py"
+    script.write_text("pass\n")
+    r = runner.invoke(app, ["render", str(script), "--site", str(site), "-v"],
+                      env={"HPCRING_CONTAINER_MOUNTS": "/e:/e"})
+    assert r.exit_code == 0, r.output
+    assert re.search(r"container +apptainer /site.sif +<- site devcluster", r.output), r.output
+    assert re.search(r"mounts +/data:/data,/x:/in,/e:/e +<- env HPCRING_CONTAINER_MOUNTS \+ site devcluster",
+                     r.output), r.output

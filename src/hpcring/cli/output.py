@@ -25,6 +25,13 @@ def sources(site, job) -> None:
                 "qos", "constraint", "exclusive", "name", "job_dir", "timeout"):
         val = getattr(job, "time_slurm" if key == "time" else key)
         info(f"  {key:<15} {str(val):<24} <- {job.sources.get(key, '?')}")
+    box = getattr(job, "container", None)
+    if box is not None:
+        src = dict(box.sources)
+        info(f"  {'container':<15} {box.runtime + ' ' + box.image:<24} <- {src.get('container.image', '?')}")
+        if box.mounts:
+            info(f"  {'mounts':<15} {','.join(box.mounts):<24} <- "
+                 f"{src.get('container.mounts', 'site ' + site.name)}{' + site ' + site.name if 'container.mounts' in src else ''}")
 
 
 def status(rec, st, oc, requeues: int = 0) -> None:
