@@ -22,7 +22,7 @@ import helpers_ring as H  # noqa: E402
 
 from hpcring.bootstrap.store import StoreClient, StoreServer  # noqa: E402
 from hpcring.collectives import Communicator  # noqa: E402
-from hpcring.collectives.ring import HostLayout, node_layout, static_peers  # noqa: E402
+from hpcring.collectives.ring import HostLayout, node_layout, static_bound, static_peers  # noqa: E402
 from hpcring.errors import CollectiveError  # noqa: E402
 
 
@@ -95,6 +95,8 @@ def test_static_peer_sets_are_symmetric_and_logarithmic(n):
     for hosts in layouts:
         for shm in (False, True):
             sets = [static_peers(r, n, hosts or H.hosts_for(n), shm, 3) for r in range(n)]
+            bound = static_bound(n, HostLayout(hosts or H.hosts_for(n)), shm, 3)
+            assert max(sum(x.values()) for x in sets) <= bound <= max(sum(x.values()) for x in sets) + 12
             for r in range(n):
                 assert r not in sets[r]
                 for q, k in sets[r].items():
@@ -108,7 +110,7 @@ def test_4096_ranks_stay_within_the_default_budget():
     n, hosts = 4096, tuple(f"node{r // 8}" for r in range(4096))
     lay = HostLayout(hosts)
     most = max(sum(static_peers(r, n, hosts, True, 1, lay).values()) for r in range(0, n, 7))
-    assert most <= 48 - 2, most      # room left for alltoall's window under the default
+    assert most <= static_bound(n, lay, True) <= 48 - 2, most    # room for alltoall's window
     for r in (0, 9, 4095):           # the layout helper says what node_layout says
         local, column = node_layout(hosts, r)
         pos = column.index(r)

@@ -249,6 +249,23 @@ def static_peers(rank: int, size: int, hosts, shm: bool, streams: int = 1,
     return out
 
 
+def static_bound(size: int, layout: HostLayout, shm: bool, streams: int = 1) -> int:
+    """At least every rank's static connections (sum of :func:`static_peers` counts), the same
+    on every rank and O(log n) once the layout is known: +-1 and +-2^i (translation invariant),
+    log2 p + 1 recursive-doubling partners, the largest host's ranks and two column neighbours.
+    Alltoall's window width comes from it, so it must not depend on the rank asking."""
+    if size < 2:
+        return 0
+    offs = {d % size for i in range(size.bit_length()) for d in (1 << i, -(1 << i)) if (1 << i) < size} - {0}
+    ring = {1 % size, (size - 1) % size} - {0}
+    n = len(offs - ring) + len(ring) * streams + (size.bit_length() - 1) + 1
+    if shm:
+        most = max(len(v) for v in layout.nodes)
+        if most > 1:
+            n += most - 1 + (2 * streams if layout.uniform and len(layout.nodes) > 1 else 0)
+    return n
+
+
 class _Links:
     """A communicator's connections: its listener (open for the communicator's life, served by
     the process's shared acceptor, each handshake on a short thread of its own) and what it needs
@@ -714,13 +731,11 @@ class RingBackend(Backend):
 
     def _alltoall_plan(self) -> tuple[int, bool]:
         """(distances per alltoall window, whether every connection fits the budget), the same on
-        every rank: the budget less the largest static set of any rank (each window needs 2
-        connections per distance)."""
+        every rank: the budget less a bound of every rank's static connections (each window
+        needs 2 connections per distance)."""
         if self._plan is None:
             p, n = self._links, self.size
-            lay = HostLayout(p.hosts)
-            most = max(sum(static_peers(q, n, p.hosts, p.shm, p.streams, lay).values()) for q in range(n))
-            room = max(2, p.budget - most)
+            room = max(2, p.budget - static_bound(n, HostLayout(p.hosts), p.shm, p.streams))
             if room >= n - 1:
                 self._plan = (n // 2, True)
             else:
