@@ -135,6 +135,10 @@ def base_site(scheduler: str) -> dict:
         # no image: the site's container stays off, so the rendered ranks are the plain ones
         "container": {"runtime": "apptainer", "mounts": ["/data:/data:ro"],
                       "workdir": "/work", "flags": ["--writable-tmpfs"]},
+        # a login node: read on `submit` from a laptop only (these tests never get that far)
+        "remote": {"host": "login.example.org", "user": "alice", "port": 22,
+                   "ssh_options": ["IdentityFile=~/.ssh/id_ed25519"], "workdir": "hpcring-remote",
+                   "hpcring": "hpcring"},
     }
     if scheduler == "slurm":
         site["launcher"]["mpi"] = "pmix"

@@ -176,6 +176,8 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
                 cur = ("dict", args[1])
                 continue
             cur = ann
+            if type(None) in args:        # an optional section (container, remote): its model
+                cur = next(a for a in args if a is not type(None))
         elif isinstance(cur, tuple) and cur[0] == "dict":
             cur = cur[1]
         else:
