@@ -22,6 +22,9 @@ PACKAGES=(
     procps           # ps, pkill for diagnostics
     python3-venv     # virtual environments for tests
     util-linux       # nsenter, unshare, mount
+    openssh-server   # sshd as a login node for the submit-from-a-laptop test (not started by the package)
+    openssh-client   # ssh: submit --remote and its ControlMaster
+    rsync            # submit --remote copies the script's folder with it
     charliecloud-runtime  # ch-run: ranks inside an image (tests/integration/test_container_devcluster.py)
     debootstrap      # builds that image (scripts/build-ci-image.sh)
 )
