@@ -527,19 +527,22 @@ def remember(target: Target, job_id: str, key: str) -> None:
 
 
 def recalled(job_ref: str | None) -> tuple[Target, str] | None:
-    """(target, record name on the login node) of a job submitted from here with --remote."""
+    """(target, the job's name on the login node) of a job submitted from here with --remote: its
+    record name or plain id, with an array task's ``_N`` kept."""
     if not job_ref or not _JOB_REF.fullmatch(job_ref):
         return None
+    m = re.fullmatch(r"(.+?)(_[0-9]+)?", job_ref)
+    head, task = m.group(1), m.group(2) or ""
     d = _records()
-    hits = [d / f"{job_ref}.json"] if (d / f"{job_ref}.json").is_file() else \
-        [p for p in d.glob("*.json") if p.stem.rsplit("-", 1)[-1] == job_ref]
+    hits = [d / f"{head}.json"] if (d / f"{head}.json").is_file() else \
+        [p for p in d.glob("*.json") if p.stem.rsplit("-", 1)[-1] == head]
     if len(hits) != 1:
         return None
     try:
         data = json.loads(hits[0].read_text())
         fields_ = {k: data[k] for k in ("host", "user", "port", "workdir", "hpcring", "source")}
         target = Target(ssh_options=tuple(data["ssh_options"]), **fields_)
-        return target, data["key"]
+        return target, data["key"] + task
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

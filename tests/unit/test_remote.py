@@ -334,9 +334,22 @@ def test_job_commands_follow_their_record_or_the_flag(tmp_path, monkeypatch):
     assert calls[2][1] == ["cancel", "slurm-c-38"]
     assert calls[3][1] == ["stacks", "--full", "--timeout", "900.0", "slurm-c-38"] and calls[3][2]["timeout"] == 960
     assert calls[4][:2] == ("x@y", ["status", "7"])
+    r = runner.invoke(app, ["cancel", "38_4"])            # one array task
+    assert r.exit_code == 0 and calls[5][1] == ["cancel", "slurm-c-38_4"]
     # a job this laptop does not know stays here
     r = runner.invoke(app, ["status", "39"])
-    assert r.exit_code == 1 and len(calls) == 5
+    assert r.exit_code == 1 and len(calls) == 6
+
+
+def test_a_plain_id_of_a_job_here_and_there_is_ambiguous(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "forward", lambda *a, **k: pytest.fail("forwarded an ambiguous id"))
+    monkeypatch.setenv("HPCRING_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("HPCRING_REMOTE", raising=False)
+    from hpcring.schedulers import base
+    monkeypatch.setattr(base, "load_record", lambda ref: type("R", (), {"key": "local-38"})())
+    remote.remember(remote.Target(host="login"), "38", "slurm-c-38")
+    r = runner.invoke(app, ["status", "38"])
+    assert r.exit_code == 2 and "job 38 is ambiguous: local-38 here and slurm-c-38 on login" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("stderr,want", [

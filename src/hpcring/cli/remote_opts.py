@@ -96,6 +96,20 @@ def submit_remote(req, remote: Optional[str]) -> bool:
     return True
 
 
+def _not_also_here(job: str, there: str, target) -> None:
+    """A plain id that names a job here too is ambiguous: say so rather than guess."""
+    from hpcring.errors import HpcringError, UsageError
+    from hpcring.schedulers.base import load_record
+    if job == there:
+        return
+    try:
+        here = load_record(job)
+    except HpcringError:
+        return
+    raise UsageError(f"job {job} is ambiguous: {here.key} here and {there} on {target.where}",
+                     hint=f"name it by its record: `{here.key}` or `{there}`")
+
+
 def remote_aware(job_param: str = "job_id", follows: tuple[str, ...] = ("follow",)):
     """Decorate a job command (status, logs, cancel, stacks) with ``--remote``: with a login node
     named (flag, HPCRING_REMOTE, or a job submitted from here with --remote), the command runs
@@ -118,6 +132,7 @@ def remote_aware(job_param: str = "job_id", follows: tuple[str, ...] = ("follow"
                 found = lib.recalled(job)     # a job submitted from here with --remote
                 if found:
                     target, replace[job_param] = found
+                    _not_also_here(job, found[1], target)
             if target is None:
                 return fn(*args, **kwargs)
             own = ctx.params.get("timeout")   # stacks --timeout: the remote collection's own deadline
