@@ -42,6 +42,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode before the first round")
     p.add_argument("--modes", default="none,ddp-gloo,ddp-nccl,ddp-hpcring,hpcring-per-grad,hpcring-grouped")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even when a GPU is visible")
+    p.add_argument("--profile", default=None, metavar="MODE",
+                   help="after the table, rank 0 profiles a few steps of MODE with torch.profiler and prints "
+                        "the operators taking the most CPU time (where a mode's extra time goes)")
     return p.parse_args()
 
 
@@ -140,7 +143,21 @@ def rank_main(args) -> None:
             ratio = f"{med[m] / med[ref]:.2f}" if ref in med else "-"
             print(f"  {m:<18}{med[m]:>10.2f}{q[0]:>9.2f}{q[-1]:>9.2f}{med[m] / med['none']:>8.2f}{ratio:>12}"
                   if "none" in med else f"  {m:<18}{med[m]:>10.2f}", flush=True)
+    if args.profile in runners:
+        _profile(runners[args.profile], args.profile, cuda, rank)
     dist.destroy_process_group()
+
+
+def _profile(step, mode: str, cuda: bool, rank: int) -> None:
+    """torch.profiler over 5 steps of one mode (every rank steps: collectives must match)."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            step()
+    if rank == 0:
+        print(f"\n# torch.profiler, 5 steps of {mode} (rank 0), by CPU time including children:")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60))
 
 
 def _copy(model):

@@ -4,7 +4,7 @@
 # minutes:
 #   bash scripts/gpu-check.sh tests      # pytest -m gpu: device buffers, NCCL backend (groups, send/recv), Horovod API
 #   bash scripts/gpu-check.sh overhead [ARGS]  # benchmarks/nccl_overhead.py ARGS: hpcring vs raw NCCL per call
-#   bash scripts/gpu-check.sh ddp        # benchmarks/ddp_step.py: ResNet-18 step, DDP nccl vs hpcring
+#   bash scripts/gpu-check.sh ddp [ARGS] # benchmarks/ddp_step.py: ResNet-18 step, DDP nccl vs hpcring (--profile MODE)
 #   bash scripts/gpu-check.sh ring       # 16 cores: ring vs gloo (vs Open MPI when mpirun exists), 2/4/8 ranks
 # Wheels the machine lacks come from .whl/ (scripts/gpu-wheels.sh); the compiled core is built in
 # place. Output goes to the terminal and, when $OUT is set, to $OUT/<stage>.txt.
@@ -29,7 +29,7 @@ log=/dev/null
     tests)    "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/unit/test_device_buffers.py \
                   tests/unit/test_nccl_backend.py tests/unit/test_horovod_gpu.py tests/unit/test_p2p_transport.py ;;
     overhead) "$PY" benchmarks/nccl_overhead.py "${@:2}" ;;
-    ddp)      "$PY" benchmarks/ddp_step.py -n 1 --model resnet18 ;;
+    ddp)      "$PY" benchmarks/ddp_step.py -n 1 --model resnet18 "${@:2}" ;;
     ring)     "$PY" benchmarks/compare_devcluster.py --skip ring,mpi,gloo,link --one-host-ranks 2,4,8 \
                   --one-host-sizes 16M,64M,256M ;;
     *)        echo "gpu-check: unknown stage '$stage' (tests, overhead, ddp, ring)" >&2; exit 2 ;;
