@@ -169,7 +169,8 @@ def make_cupy(ngpus: int = 2):
         nbytes = property(lambda self: self._a.nbytes)
         flags = property(lambda self: types.SimpleNamespace(c_contiguous=self._a.flags.c_contiguous,
                                                             f_contiguous=self._a.flags.f_contiguous))
-        data = property(lambda self: types.SimpleNamespace(ptr=self._a.ctypes.data))
+        _c_contiguous = property(lambda self: self._a.flags.c_contiguous)     # CuPy's readonly attribute
+        data = property(lambda self: types.SimpleNamespace(ptr=self._a.ctypes.data, device_id=self.device.id))
 
         # -- views and device-side copies ------------------------------------------------
         def reshape(self, *shape):
