@@ -197,7 +197,9 @@ def test_submit_status_logs_cancel_through_one_ssh_master(login, laptop):
     assert not any((home / "state" / "jobs").glob("*")) if (home / "state" / "jobs").exists() else True
 
     # a long job: submit, see it, look at its stacks, cancel it, see it cancelled
-    r = hpcring("submit", str(proj / "remote_submit_job.py"), *target, "--", "--sleep", "300", env=env)
+    # a job setting from the laptop's environment reaches the login node's hpcring (CLI > env > site there too)
+    r = hpcring("submit", str(proj / "remote_submit_job.py"), *target, "--", "--sleep", "300",
+                env={**env, "HPCRING_JOB_NAME": "remote-env-name"})
     assert r.returncode == 0, r.stdout + r.stderr
     long_job = re.search(r"Submitted job (\d+) ", r.stderr).group(1)
     deadline = time.monotonic() + 120
@@ -209,6 +211,7 @@ def test_submit_status_logs_cancel_through_one_ssh_master(login, laptop):
     assert "REMOTE-HELLO" in r.stdout, r.stdout + r.stderr
     r = hpcring("status", long_job, env=env)
     assert r.returncode == 0 and "RUNNING" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "name remote-env-name" in r.stdout, r.stdout
     r = hpcring("stacks", long_job, "--timeout", "60", env=env, timeout=200)
     assert r.returncode == 0 and "rank" in r.stdout, r.stdout + r.stderr
     r = hpcring("cancel", long_job, env=env)

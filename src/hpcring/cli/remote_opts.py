@@ -7,6 +7,7 @@ record name there. Imports nothing heavy.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -90,10 +91,23 @@ def submit_remote(req, remote: Optional[str]) -> bool:
                                         "site": _site_word(site, req.site)})
     from hpcring.cli import output
     output.info(f"submitting through {target.where} ({target.source}): copying {Path(req.script).resolve().parent}")
-    code = lib.submit(target, Path(req.script), words, stream=bool(ctx.params.get("wait")))
+    with _interrupted(target):
+        code = lib.submit(target, Path(req.script), words, stream=bool(ctx.params.get("wait")))
     if code:
         raise typer.Exit(code)
     return True
+
+
+@contextlib.contextmanager
+def _interrupted(target):
+    """Ctrl-C stops the ssh here (and so the following), not the job on the cluster: say so."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from hpcring.cli import output
+        output.info(f"\nstopped; anything already submitted keeps running on {target.where} "
+                    "(`hpcring status JOB` and `hpcring cancel JOB` from here reach it)")
+        raise typer.Exit(130) from None
 
 
 def _not_also_here(job: str, there: str, target) -> None:
@@ -138,8 +152,9 @@ def remote_aware(job_param: str = "job_id", follows: tuple[str, ...] = ("follow"
             own = ctx.params.get("timeout")   # stacks --timeout: the remote collection's own deadline
             timeout = None if any(ctx.params.get(f) for f in follows) else \
                 max(lib.COMMAND_TIMEOUT_S, own + 60 if isinstance(own, (int, float)) else 0)
-            code = lib.forward(target, [ctx.command.name or ctx.info_name, *command_words(ctx, replace)],
-                               timeout=timeout)
+            with _interrupted(target):
+                code = lib.forward(target, [ctx.command.name or ctx.info_name, *command_words(ctx, replace)],
+                                   timeout=timeout)
             if code:
                 raise typer.Exit(code)
 
