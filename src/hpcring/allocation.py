@@ -105,7 +105,9 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     env = dict(env_in)
     env.update({k: v for k, v in job_env(site, job).items() if k not in env_in})
     env["HPCRING_SECRET_FILE"] = str(secret)
-    rank_cmd = [sys.executable, "-m", "hpcring.rank_exec", "--status-dir", str(run_dir / "status"), "--", *cmd]
+    # inside an image, the interpreter the site names (hpcring installed there); else this one
+    python = site.config.python if container is not None and site.config.python else sys.executable
+    rank_cmd = [python, "-m", "hpcring.rank_exec", "--status-dir", str(run_dir / "status"), "--", *cmd]
     if container is not None:   # CMD may name files relative to here: the ranks start here too
         container = container.with_bind(str(run_dir))
         if container.workdir is None:

@@ -294,3 +294,26 @@ def test_verbose_names_where_the_image_and_mounts_came_from(tmp_path):
     assert re.search(r"container +apptainer /site.sif +<- site devcluster", r.output), r.output
     assert re.search(r"mounts +/data:/data,/x:/in,/e:/e +<- env HPCRING_CONTAINER_MOUNTS \+ site devcluster",
                      r.output), r.output
+
+
+def test_hpcring_run_ranks_use_the_sites_python_inside_an_image(tmp_path, monkeypatch):
+    """hpcring run's rank entry (rank_exec) runs in the image: with the site's interpreter there
+    (hpcring installed in the image), this one on the host."""
+    from hpcring import allocation
+    started = []
+
+    def fake_start(rank_cmd, env, nodes, per_node):
+        started.append(rank_cmd)
+        return []
+    monkeypatch.setattr(allocation, "_start_local", fake_start)
+    monkeypatch.setattr(allocation, "_wait_all", lambda procs, diag=None: [0])
+    monkeypatch.setattr(allocation, "_verdict", lambda *a, **k: 0)
+    site = _site(tmp_path, "local.yaml", "python: /opt/img/bin/python\n"
+                 "container: {runtime: charliecloud, image: /img}\n")
+    box = ct.resolve(site.config.container, environ={})
+    allocation.run(["true"], site, 1, 1, environ={}, container=box)
+    allocation.run(["true"], site, 1, 1, environ={}, container=None)
+    inside, host = started
+    assert inside[0] == "ch-run" and inside[inside.index("--") + 1] == "/opt/img/bin/python", inside
+    assert inside[inside.index("-c") + 1] == os.getcwd()          # ranks start where run was started
+    assert host[0] == sys.executable
