@@ -81,6 +81,8 @@ def test_an_array_task_is_cancelled_alone(env):
     assert r.returncode == 0, r.stderr
     job = job_id_of(r)
     wait_for(lambda: "RUNNING" in hpcring("status", f"{job}_1", env=env).stdout, 120, f"task {job}_1 running")
+    stacks = hpcring("stacks", f"{job}_1", env=env, timeout=120)    # the task's own Slurm id reaches the probe
+    assert stacks.returncode == 0 and "in <module> at array_worker.py" in stacks.stdout, stacks.stdout + stacks.stderr
     c = hpcring("cancel", f"{job}_1", env=env)
     assert c.returncode == 0 and f"cancel requested for job {job}_1" in c.stderr, c.stderr
     def over():

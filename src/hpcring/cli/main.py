@@ -67,7 +67,12 @@ def submit(req: JobRequest,
 def _wait(rec) -> None:
     from hpcring import submit as lib
     if rec.array is not None:
-        st = lib.wait_array(rec, on_change=lambda st: output.info(f"job {rec.job_id}: {st.raw}"))
+        try:
+            st = lib.wait_array(rec, on_change=lambda st: output.info(f"job {rec.job_id}: {st.raw}"))
+        except KeyboardInterrupt:       # as for one job: stop following, not the tasks
+            output.info(f"\nstopped following array job {rec.job_id}; its tasks keep running. "
+                        f"`hpcring status {rec.key}` shows them, `hpcring cancel {rec.key}` stops them.")
+            raise typer.Exit(130) from None
         if st.state != "COMPLETED":
             raise lib.JobFailedError(f"array job {rec.job_id} ({rec.name}) {st.state}: {st.raw}",
                                      exit_code=st.exit_code or 1, hint=f"`hpcring status {rec.job_id}` names each task")

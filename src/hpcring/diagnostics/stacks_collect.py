@@ -126,7 +126,8 @@ def probe_command(job_id: str, python: str, method: str, timeout: float) -> list
 def _collect_slurm(job_id: str, python: str, method: str, timeout: float) -> tuple[list[dict], list[str], str]:
     from hpcring.schedulers import slurm
     probe_s = max(5.0, timeout - slurm.PROBE_GRACE_S)
-    out, err, code, nodelist = slurm.run_on_nodes(job_id, probe_command(job_id, python, method, probe_s), timeout)
+    out, err, code, nodelist = slurm.run_on_nodes(
+        job_id, lambda own: probe_command(own, python, method, probe_s), timeout)
     results, problems = stacks_probe.read_emitted(out)
     if code == 124:
         problems.append(f"srun did not finish within {timeout:g} s (nodes not answering?)"

@@ -225,7 +225,7 @@ def annotate_argv(headline: str, environ: Mapping[str, str]) -> list[str] | None
     return None
 
 
-def run_on_nodes(job_id: str, command: list[str], timeout: float) -> tuple[str, str, int, str]:
+def run_on_nodes(job_id: str, command, timeout: float) -> tuple[str, str, int, str]:
     raise SchedulerError("the local backend's ranks are on this machine: probe them here")
 
 

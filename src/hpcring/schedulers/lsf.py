@@ -371,7 +371,7 @@ def annotate_argv(headline: str, environ: Mapping[str, str]) -> list[str] | None
     return None                # LSF has no comment field hpcring writes
 
 
-def run_on_nodes(job_id: str, command: list[str], timeout: float) -> tuple[str, str, int, str]:
+def run_on_nodes(job_id: str, command, timeout: float) -> tuple[str, str, int, str]:
     raise SchedulerError(f"job {job_id} is an LSF job; running a probe on its nodes is supported on Slurm "
                          "and the local backend only",
                          hint="on a node of the job: `py-spy dump --pid PID`")

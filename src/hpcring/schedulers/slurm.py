@@ -297,21 +297,21 @@ def available() -> bool:
 PROBE_GRACE_S = 10.0     # srun's own start and teardown on top of the probes' deadline
 
 
-def _running(job_id: str) -> tuple[int, str]:
-    """(node count, nodelist) of a RUNNING job; raises when it is not running."""
-    r = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%D|%N"])
+def _running(job_id: str) -> tuple[int, str, str]:
+    """(node count, nodelist, Slurm's own id: an array task's 38_2 has a job id of its own) of a
+    RUNNING job; raises when it is not running."""
+    r = _run(["squeue", "-h", "-j", job_id, "-o", "%T|%D|%N|%A"])
     line = r.stdout.strip().splitlines()[0] if r.stdout.strip() else ""
     if r.returncode != 0 and "Invalid job id" not in r.stderr:
         raise SchedulerError(f"squeue -j {job_id} failed: {r.stderr.strip()}")
     if not line:
         raise JobNotFoundError(f"job {job_id} is not in squeue: it has finished or never existed",
                                hint=f"`hpcring status {job_id}` or `sacct -j {job_id}` for finished jobs")
-    st, _, rest = line.partition("|")
-    count, _, nodelist = rest.partition("|")
+    st, count, nodelist, own = (line.split("|") + ["", "", ""])[:4]
     if st != "RUNNING":
         raise HpcringError(f"job {job_id} is {st}, not RUNNING: there are no rank processes to look at",
                            hint="wait until it runs (`squeue -j " + job_id + "`)" if st == "PENDING" else None)
-    return int(count), nodelist
+    return int(count), nodelist, own or job_id
 
 
 def probe_argv(job_id: str, nodes: int, command: list[str]) -> list[str]:
@@ -320,12 +320,13 @@ def probe_argv(job_id: str, nodes: int, command: list[str]) -> list[str]:
             "--job-name=hpcring-stacks", "--kill-on-bad-exit=0", "--quiet", *command]
 
 
-def run_on_nodes(job_id: str, command: list[str], timeout: float) -> tuple[str, str, int, str]:
-    """Run ``command`` once per node of the RUNNING job ``job_id`` (an srun step beside the job's
+def run_on_nodes(job_id: str, command, timeout: float) -> tuple[str, str, int, str]:
+    """Run ``command(slurm_job_id)`` (the words, given the id the ranks see as SLURM_JOB_ID: an
+    array task's own) once per node of the RUNNING job ``job_id`` (an srun step beside the job's
     own, ``--overlap``), at most ``timeout`` seconds: (stdout, stderr, exit code (124: too
     slow), the nodelist). Raises when the job is not running or srun is missing."""
-    nodes, nodelist = _running(job_id)
-    cmd = probe_argv(job_id, nodes, command)
+    nodes, nodelist, own = _running(job_id)
+    cmd = probe_argv(own, nodes, command(own))
     if shutil.which("timeout"):
         cmd = ["timeout", "-k", "5", f"{timeout:g}", *cmd]
     try:
