@@ -317,3 +317,16 @@ def test_hpcring_run_ranks_use_the_sites_python_inside_an_image(tmp_path, monkey
     assert inside[0] == "ch-run" and inside[inside.index("--") + 1] == "/opt/img/bin/python", inside
     assert inside[inside.index("-c") + 1] == os.getcwd()          # ranks start where run was started
     assert host[0] == sys.executable
+
+
+def test_hpcring_run_with_pyxis_outside_slurm_is_refused(tmp_path):
+    site = tmp_path / "p.yaml"
+    site.write_text((ROOT / "site_configs" / "slurm-pyxis.yaml").read_text().replace("/lustre/jobs/hpcring",
+                                                                                      str(tmp_path / "j")))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LSB_"))}
+    r = runner.invoke(app, ["run", "--site", str(site), "--", "true"], env=env)
+    assert r.exit_code not in (0, None) and "pyxis is a plugin of Slurm's srun" in r.output, r.output
+    # --no-container: on the host (this machine has no ib0, so the ranks fail there, past this check)
+    r = runner.invoke(app, ["run", "--site", str(site), "--no-container", "--tasks-per-node", "1", "--", "true"],
+                      env=env)
+    assert "pyxis" not in r.output, r.output
