@@ -77,10 +77,8 @@ def launch_words(alloc: launchers.Allocation, site: Site, job: JobSpec, nodes: i
 
 
 def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
-        environ: Mapping[str, str] | None = None, container=None, timeout: float | None = None) -> int:
+        environ: Mapping[str, str] | None = None, container=None) -> int:
     """Start the ranks, wait for them, and return 0 or raise JobFailedError naming the first failure.
-    ``timeout`` (--timeout): the collective deadline, applied as submit does (CLI > HPCRING_TIMEOUT >
-    site > default) and handed to the ranks as HPCRING_TIMEOUT.
     ``container`` (schedulers.container.ContainerRun): every rank, hpcring's rank_exec included,
     runs in that image, with the run folder (status files, the secret) bound at its own path."""
     env_in = dict(os.environ if environ is None else environ)
@@ -90,6 +88,10 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     alloc = launchers.allocation(env_in, lsf_drop_launch_node=drop)
     if alloc is not None:
         site = for_allocation(site, alloc)
+    if container is not None and container.runtime == "pyxis" and (alloc is None or alloc.scheduler != "slurm"):
+        raise UsageError(f"site {site.name}'s container runtime pyxis is a plugin of Slurm's srun; outside a "
+                         "Slurm allocation the ranks would run on the host",
+                         hint="run inside salloc, or add --no-container")
     nodes = nodes or (alloc.num_nodes if alloc else None) or 1
     if alloc and alloc.num_nodes and nodes > alloc.num_nodes:
         raise UsageError(f"--nodes {nodes} but this allocation has {alloc.num_nodes} node(s) ({alloc.source})")
@@ -103,19 +105,13 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
     secret = auth.write_secret_file(run_dir / "secret.key", exclusive=True)
-    # only the deadline takes the caller's environment: the job's size comes from the allocation
-    job = resolve_job(site, "run", [], {"timeout": timeout},
-                      environ={k: env_in[k] for k in ("HPCRING_TIMEOUT",) if k in env_in})
+    job = resolve_job(site, "run", [], {}, environ={})
     env = dict(env_in)
-    env.update({k: v for k, v in job_env(site, job).items() if k not in env_in or k == "HPCRING_TIMEOUT"})
+    env.update({k: v for k, v in job_env(site, job).items() if k not in env_in})
     env["HPCRING_SECRET_FILE"] = str(secret)
     # inside an image, the interpreter the site names (hpcring installed there); else this one
     python = site.config.python if container is not None and site.config.python else sys.executable
     rank_cmd = [python, "-m", "hpcring.rank_exec", "--status-dir", str(run_dir / "status"), "--", *cmd]
-    if container is not None and container.runtime == "pyxis" and (alloc is None or alloc.scheduler != "slurm"):
-        raise UsageError(f"site {site.name}'s container runtime pyxis is a plugin of Slurm's srun; outside a "
-                         "Slurm allocation the ranks would run on the host",
-                         hint="run inside salloc, or add --no-container")
     if container is not None:   # CMD may name files relative to here: the ranks start here too
         container = container.with_bind(str(run_dir))
         if container.workdir is None:
