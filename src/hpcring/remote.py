@@ -272,11 +272,18 @@ def _opt_word(option: str) -> str:
     return f"{key}={value}"
 
 
+def askpass(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ssh would ask through an SSH_ASKPASS program (a GUI, an IDE) without a terminal."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("SSH_ASKPASS")) and (env.get("SSH_ASKPASS_REQUIRE") in ("force", "prefer")
+                                             or bool(env.get("DISPLAY")))
+
+
 def ssh_argv(target: Target, control: Path, *, batch: bool | None = None) -> list[str]:
     """ssh with the shared master, the target's options and the deadlines, up to (not including)
     the host. ssh keeps the first value of an option, so the site's options come first and win."""
-    if batch is None:          # no terminal: a prompt would wait forever, so fail instead
-        batch = not (sys.stdin.isatty() and sys.stderr.isatty())
+    if batch is None:          # nobody to answer a prompt: fail at once instead of waiting forever
+        batch = not (sys.stdin.isatty() and sys.stderr.isatty()) and not askpass()
     argv = ["ssh"]
     for option in target.ssh_options:
         argv += ["-o", _opt_word(option)]

@@ -256,3 +256,40 @@ def test_unreachable_refused_and_missing_hpcring_are_named(login, laptop, tmp_pa
     from hpcring import remote
     remote.close(remote.Target(host="10.99.0.1", user="root", port=login.port), {"XDG_RUNTIME_DIR": own["XDG_RUNTIME_DIR"]})
     shutil.rmtree(own["XDG_RUNTIME_DIR"], ignore_errors=True)
+
+
+def test_a_passphrase_is_asked_for_once(login, laptop, tmp_path):
+    """A key with a passphrase, asked for through SSH_ASKPASS (no terminal): submit, status, logs and
+    cancel ask once between them: every later ssh, rsync's too, rides the first one's master."""
+    home, site, env = laptop
+    keys = tmp_path / "pp"
+    keys.mkdir()
+    key = keys / "id_pp"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "s3cret phrase", "-f", str(key)], check=True,
+                   timeout=30)
+    with open(login.base / "authorized_keys", "a") as f:
+        f.write((keys / "id_pp.pub").read_text())
+    asked = keys / "asked"
+    askpass = keys / "askpass.sh"
+    askpass.write_text(f"#!/bin/sh\necho asked >> '{asked}'\necho 's3cret phrase'\n")
+    askpass.chmod(0o700)
+    pp_site = keys / "devcluster.yaml"
+    pp_site.write_text(site.read_text().replace(str(login.key), str(key)))
+    own = {**env, "XDG_RUNTIME_DIR": tempfile.mkdtemp(prefix="hr-pp-"), "HPCRING_STATE_DIR": str(keys / "state"),
+           "SSH_ASKPASS": str(askpass), "SSH_ASKPASS_REQUIRE": "force"}
+    proj = login.base / "laptop" / "pp"
+    proj.mkdir(parents=True)
+    (proj / "remote_pp_job.py").write_text(JOB)
+    before = login.logins()
+    r = hpcring("submit", str(proj / "remote_pp_job.py"), "--site", str(pp_site), "--remote",
+                f"root@10.99.0.1:{login.port}", "--", "--sleep", "300", env=own)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = re.search(r"Submitted job (\d+) ", r.stderr).group(1)
+    for args in (("status", job), ("logs", job), ("cancel", job), ("status", job)):
+        r = hpcring(*args, env=own)
+        assert r.returncode == 0, (args, r.stdout + r.stderr)
+    assert asked.read_text().splitlines() == ["asked"]
+    assert login.logins() == before + 1
+    from hpcring import remote
+    remote.close(remote.Target(host="10.99.0.1", user="root", port=login.port), {"XDG_RUNTIME_DIR": own["XDG_RUNTIME_DIR"]})
+    shutil.rmtree(own["XDG_RUNTIME_DIR"], ignore_errors=True)

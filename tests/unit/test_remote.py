@@ -363,3 +363,19 @@ def test_ssh_failures_are_told_apart(stderr, want):
         remote.check_ssh(T, remote.Outcome(255, "", stderr), "submitting")
     assert exc.value.hint and "submitting" in str(exc.value)
     assert remote.check_ssh(T, remote.Outcome(3, "", stderr), "x").code == 3   # the remote command's own code
+
+
+@pytest.mark.parametrize("env,want", [({}, False), ({"SSH_ASKPASS": "/bin/ask"}, False),
+                                      ({"SSH_ASKPASS": "/bin/ask", "DISPLAY": ":0"}, True),
+                                      ({"SSH_ASKPASS": "/bin/ask", "SSH_ASKPASS_REQUIRE": "force"}, True),
+                                      ({"SSH_ASKPASS_REQUIRE": "force"}, False)])
+def test_batch_mode_unless_someone_can_answer(env, want, monkeypatch):
+    """Without a terminal, ssh runs in BatchMode (a prompt would wait forever) unless an askpass
+    program would answer it."""
+    assert remote.askpass(env) is want
+    for k in ("SSH_ASKPASS", "SSH_ASKPASS_REQUIRE", "DISPLAY"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr("sys.stdin", open(os.devnull))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert ("BatchMode=yes" in remote.ssh_argv(T, CONTROL)) is not want
