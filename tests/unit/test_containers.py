@@ -239,6 +239,17 @@ def _no_submit(tmp_path, args, env):
     return r.output
 
 
+def _no_run(tmp_path, args):
+    """`hpcring run` with ``args`` must fail before starting a rank (``true`` would exit 0)."""
+    tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))
+    site = tmp_path / "s.yaml"
+    site.write_text((ROOT / "site_configs" / "local.yaml").read_text() + SITE_BOX)
+    r = runner.invoke(app, ["run", "--site", str(site), *args, "--", "true"])
+    assert r.exit_code not in (0, None), r.output
+    assert "Traceback" not in r.output and "\x1b" not in r.output, r.output
+    return r.output
+
+
 _FAST = settings(max_examples=int(os.environ.get("HPCRING_SITE_FIELD_EXAMPLES", "5")) * 4, deadline=None,
                  suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -248,6 +259,7 @@ _FAST = settings(max_examples=int(os.environ.get("HPCRING_SITE_FIELD_EXAMPLES", 
 def test_bad_container_image_flag_and_variable(tmp_path, image):
     out = _no_submit(tmp_path, ["--container-image", image], {})
     assert "--container-image" in out, out
+    assert "--container-image" in _no_run(tmp_path, ["--container-image", image])
     if "\x00" not in image and image:      # an empty variable counts as unset
         out = _no_submit(tmp_path, [], {"HPCRING_CONTAINER_IMAGE": image})
         assert "HPCRING_CONTAINER_IMAGE" in out, out
@@ -258,6 +270,7 @@ def test_bad_container_image_flag_and_variable(tmp_path, image):
 def test_bad_container_mounts_flag_and_variable(tmp_path, mount):
     out = _no_submit(tmp_path, ["--container-mounts", mount], {})
     assert "--container-mounts" in out, out
+    assert "--container-mounts" in _no_run(tmp_path, ["--container-mounts", mount])
     if "\x00" not in mount and mount.strip(" ,"):    # an empty variable counts as unset
         out = _no_submit(tmp_path, [], {"HPCRING_CONTAINER_MOUNTS": mount})
         assert "HPCRING_CONTAINER_MOUNTS" in out, out
