@@ -587,13 +587,14 @@ class _Spy:
 
     def __init__(self, backend):
         self.calls: list[tuple[str, list]] = []
-        for name in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall"):
+        for name in ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "enqueue"):
             setattr(backend, name, self._wrap(name, getattr(backend, name)))
 
     def _wrap(self, name, fn):
         def spy(*args):
+            label = args[0] if name == "enqueue" else name    # the short path: enqueue(kind, send, recv, ...)
             bufs = [a for a in args if hasattr(a, "size") and hasattr(a, "dtype")]
-            self.calls.append((name, [(type(b).__module__.split(".")[0], int(b.data.ptr) if hasattr(b, "data")
+            self.calls.append((label, [(type(b).__module__.split(".")[0], int(b.data.ptr) if hasattr(b, "data")
                                        and hasattr(b.data, "ptr") else None) for b in bufs]))
             return fn(*args)
         return spy

@@ -28,15 +28,15 @@ NP = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int3
 SAME = ("op", "dtype", "count", "root", "backend", "timeout", "site", "state", "error")
 
 
-MODES = ["new", "inplace", "out"]
+MODES = ["new", "inplace", "out", "outflat"]
 
 
 def call(comm, x, op, mode, **kw):
     """One call site for both paths (the record's site is this line). ``mode``: a new result,
-    in place, or into a given ``out=`` of x's type, dtype and shape (filled with a wrong value
-    first). Returns (result, the object it must be or None)."""
-    if mode == "out":
-        out = x.copy()
+    in place, or into a given ``out=`` of x's type and dtype, x's shape or flat (filled with a
+    wrong value first). Returns (result, the object it must be or None)."""
+    if mode in ("out", "outflat"):          # outflat: another shape with the same element count
+        out = x.copy() if mode == "out" else x.reshape(-1).copy()
         out[...] = 99
     else:
         out = x if mode == "inplace" else None
@@ -93,7 +93,7 @@ def test_ring_short_and_general_paths_agree(group, tag, shape, mode):
                 y = x.copy()
                 r, want = call(comm, y, op, mode)
                 assert (r is want if want is not None else r is not y)
-                assert r.shape == shape and r.dtype == y.dtype
+                assert r.shape == (want.shape if want is not None else shape) and r.dtype == y.dtype
                 results.append((op, r.copy(), fields(comm.recorder.records(1)[0])))
             comm.short_path = True
             return results
@@ -219,7 +219,7 @@ def test_nccl_short_and_general_paths_agree(fake, tag, shape, mode):
                 r, want = call(comm, x, op, mode)
             comm.synchronize(5)
             assert (r is want if want is not None else r is not x)
-            assert r.shape == shape and r.device.id == GPU
+            assert r.shape == (want.shape if want is not None else shape) and r.device.id == GPU
             new = nc.calls[ncalls:]
             assert [c["op"] for c in new] == ["allReduce"] and new[0]["stream"] == stream.ptr
             assert new[0]["device"] == GPU
@@ -304,11 +304,15 @@ def test_nccl_other_collectives_leave_odd_calls_to_the_general_path(fake):
     x = cp.device_array(values("float32", 0, (4,)), device=GPU)
     with pytest.raises(UsageError, match="root 5"):
         comm.broadcast(x, 5)
-    with pytest.raises(AssertionError, match="general path ran"), NoGeneral():
-        comm.allgather(x, out=fake_empty(x, (8,)))                     # another out shape: general
-    r = comm.allgather(x, out=fake_empty(x, (8,)))
+    with NoGeneral():
+        r = comm.allgather(x, out=fake_empty(x, (8,)))                 # another shape, same count: short
     comm.synchronize(5)
     assert r.shape == (8,)
+    np.testing.assert_array_equal(r.get(), np.tile(values("float32", 0, (4,)), 2))
+    with pytest.raises(AssertionError, match="general path ran"), NoGeneral():
+        comm.allgather(x, out=fake_empty(x, (6,)))                     # a wrong count: the general path ...
+    with pytest.raises(UsageError, match="6 elements"):
+        comm.allgather(x, out=fake_empty(x, (6,)))                     # ... explains it
     comm.close()
 
 

@@ -9,8 +9,9 @@ Semantics (all ranks call the same collectives in the same order with matching a
   a torch.bfloat16 tensor, an ml_dtypes bfloat16 array, or a uint16 array passed with
   ``dtype="bfloat16"``. ops: sum, prod, min, max, avg (avg only for floating-point dtypes).
 * deadlines: every call has one: ``timeout=`` on the call, else the communicator's default
-  (``Communicator(timeout=)``, else env HPCRING_TIMEOUT, else 300 s). A missed deadline or a dead
-  peer raises :class:`~hpcring.errors.CollectiveError` naming the op, peer rank and host, and the
+  (``Communicator(timeout=)``, else HPCRING_TIMEOUT, which ``hpcring submit/run --timeout`` sets,
+  else 300 s; all resolved by :func:`hpcring.config.envvars.collective_timeout`). A missed deadline
+  or a dead peer raises :class:`~hpcring.errors.CollectiveError` naming the op, peer rank and host, and the
   communicator stays failed (every later call raises the first error).
 * async: ``*_async`` returns a :class:`Handle`; ops run in submission order on one worker thread
   per communicator (synchronous calls queue behind pending async ones).
@@ -30,6 +31,7 @@ deadline. numpy inputs on a device backend are staged by the backend and waited 
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 import threading
 import weakref
@@ -89,9 +91,7 @@ class Communicator:
         # the group's name in flight records and reports; None for the job's own communicators
         self.members = tuple(members) if members is not None else None
         self.group = group
-        self.timeout = collective_timeout(timeout)
-        if self.timeout <= 0:
-            raise UsageError(f"timeout must be > 0, got {timeout}")
+        self.timeout = collective_timeout(timeout)     # finite and > 0, checked there
         self._worker = Worker(f"hpcring-comm:{backend.rank}")
         self.recorder = FlightRecorder(backend.rank, backend.size, backend.name, group=group,
                                        members=self.members)
@@ -120,6 +120,8 @@ class Communicator:
             raise UsageError(f"unknown backend {backend!r}; choose one of ring, mpi, nccl")
         if backend in ("ring", "mpi"):  # they meet in the first collective, under its deadline
             backend_options.setdefault("lazy", True)
+        from hpcring.config.envvars import collective_timeout
+        timeout = collective_timeout(timeout)   # resolved once; backend and communicator get the value
         be = impl.create(topology, store, secret, timeout, **backend_options)
         return cls(be, timeout=timeout, watchdog=watchdog, members=members, group=group)
 
@@ -263,7 +265,8 @@ class Communicator:
 
     # -- allreduce --------------------------------------------------------------------------
     # The short path (issue 23): the common call -- one C-contiguous array of a supported dtype,
-    # out=None, out=x or an out= of the same type, dtype and shape, no dtype=, a synchronous call with nothing queued -- runs
+    # out=None, out=x or an out= of the same type and dtype with the result's element count, no dtype=,
+    # a synchronous call with nothing queued -- runs
     # the same steps as the general one (same checks, flight record, deadline, precheck,
     # failure path and result) without the general path's per-call machinery (closures,
     # nested device contexts, re-validation of the op string, a second completion event).
@@ -319,7 +322,7 @@ class Communicator:
 
     def _allreduce_host(self, x, op: str, out=None, timeout: float | None = None):
         """The short path on a host backend (ring, mpi): a numpy array or a CPU torch tensor
-        (else _GENERAL); ``out`` None, ``x``, or a numpy array of x's dtype and shape."""
+        (else _GENERAL); ``out`` None, ``x``, or a C-contiguous numpy array of x's dtype and size."""
         inplace = out is x
         if self._worker._pending:               # queued async ops: in order, the general way
             return _GENERAL
@@ -345,7 +348,7 @@ class Communicator:
             rflat = res if res.ndim == 1 else res.reshape(-1)
             if tensor:
                 res = sys.modules["torch"].from_numpy(res)
-        elif (type(out) is np.ndarray and not tensor and out.dtype == host.dtype and out.shape == host.shape
+        elif (type(out) is np.ndarray and not tensor and out.dtype == host.dtype and out.size == host.size
               and out.flags.c_contiguous and out.flags.writeable):
             res, rflat = out, (out if out.ndim == 1 else out.reshape(-1))
         else:
@@ -395,7 +398,7 @@ class Communicator:
         and reduce_scatter (first dimension divisible by the size): a C-contiguous CuPy array on
         the backend's GPU, that GPU current (else _GENERAL); enqueued on the caller's current
         CuPy stream there. ``out``: None, or a C-contiguous CuPy array of the result's dtype and
-        shape on that GPU; ``x`` itself for allreduce in place (broadcast is always in place)."""
+        element count on that GPU; ``x`` itself for allreduce in place (broadcast is always in place)."""
         be = self.backend
         cp = getattr(be, "array_module", None) or sys.modules.get("cupy")    # as _cuda finds it
         if cp is None or type(x) is not cp.ndarray or not hasattr(be, "enqueue"):
@@ -421,9 +424,9 @@ class Communicator:
         if inplace and kind != "allreduce":
             return _GENERAL
         if not (out is None or inplace or (shape is not None and type(out) is cp.ndarray and out.dtype == x.dtype
-                                           and out.shape == shape and out._c_contiguous
+                                           and out.size == math.prod(shape) and out._c_contiguous
                                            and out.data.device_id == dev_id)):
-            return _GENERAL
+            return _GENERAL                 # any out= shape with the result's element count, as in general
         t = self._short_deadline(timeout)
         stream = cp.cuda.get_current_stream(dev_id)
         flat = x if x.ndim == 1 else x.reshape(-1)
