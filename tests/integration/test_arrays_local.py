@@ -89,3 +89,21 @@ def test_after_waits_for_the_outcome(tmp_path):
     assert anyway.returncode == 0, anyway.stderr
     third = job_id_of(anyway)
     assert local_state(tmp_path, third)["started"] >= local_state(tmp_path, first)["ended"]
+
+
+def test_cancel_the_whole_array(tmp_path):
+    """The running task is stopped, the queued ones never start, the queue itself ends."""
+    env = env_for(tmp_path, ARRAY_WORKER_SLEEP_S="30")
+    r = hpcring("submit", str(WORKER), "--array", "0-3%1", env=env)
+    job = job_id_of(r)
+    wait_for(lambda: "RUNNING" in hpcring("status", f"{job}_0", env=env).stdout, 60, "task 0 running")
+    c = hpcring("cancel", job, env=env)
+    assert c.returncode == 0, c.stderr
+    st = wait_for(lambda: (s := hpcring("status", job, env=env).stdout) and "PENDING" not in s
+                  and "RUNNING" not in s and s, 60, "array over")
+    assert "  4 CANCELLED\n" in st, st
+    queue_pid = local_state(tmp_path, f"{job}_3")["pid"]          # the queue kept the queued tasks
+    wait_for(lambda: not Path(f"/proc/{queue_pid}").exists() or
+             Path(f"/proc/{queue_pid}/stat").read_text().split(") ")[-1].startswith("Z"), 30, "the queue gone")
+    for i in (1, 2, 3):
+        assert not (tmp_path / "jobs" / f"{job}_{i}" / f"{job}_{i}_supervisor.log").exists()

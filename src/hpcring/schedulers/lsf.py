@@ -395,9 +395,10 @@ def explain_refusal(stderr: str) -> str | None:
 
 def run_ending(job_id: str, timeout: float = COMMAND_TIMEOUT) -> str | None:
     """Why LSF is ending this run of the job (``brequeue``, ``bkill``, the run limit), or None
-    while bjobs says RUN. Raises SchedulerError when bjobs cannot be asked."""
-    r = _run(["bjobs", "-o", BJOBS_FORMAT, "-noheader", str(job_id)], timeout)
-    info = parse_bjobs(r.stdout).get(str(job_id))
+    while bjobs says RUN. ``job_id``: hpcring's (an array task's ``12_0`` is element ``12[1]``).
+    Raises SchedulerError when bjobs cannot be asked."""
+    r = _run(["bjobs", "-o", BJOBS_FORMAT, "-noheader", _lsf_id(str(job_id))], timeout)
+    info = parse_bjobs(r.stdout).get(_lsf_id(str(job_id)))
     if info is None:
         raise SchedulerError(f"bjobs {job_id}: {(r.stderr or r.stdout).strip()}")
     return None if info["stat"] == "RUN" else f"LSF is ending job {job_id} (state {info['stat']})"
