@@ -116,6 +116,14 @@ def test_pyxis_needs_srun(tmp_path):
         _site(tmp_path, "devcluster-lsf.yaml", "container: {runtime: pyxis, image: x}\n")
 
 
+def test_charliecloud_mount_options_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"container.mounts.1: mount '/b:/b:ro': Charliecloud's ch-run -b takes no"):
+        _site(tmp_path, "devcluster.yaml", "container: {runtime: charliecloud, image: /i, mounts: [/a, '/b:/b:ro']}\n")
+    site = _site(tmp_path, "devcluster.yaml", "container: {runtime: charliecloud, image: /i}\n")
+    with pytest.raises(UsageError, match="--container-mounts: mount '/c:/c:ro'"):
+        ct.resolve(site.config.container, mounts=["/c:/c:ro"], environ={})
+
+
 @pytest.mark.parametrize("runtime,flag", [("apptainer", "--cleanenv"), ("singularity", "-e"),
                                           ("apptainer", "--containall"), ("charliecloud", "--unset-env=*")])
 def test_flags_that_empty_the_environment_are_refused(tmp_path, runtime, flag):

@@ -238,6 +238,10 @@ def cross_checks(cfg: SiteConfig) -> list[tuple[tuple, str]]:
     if cfg.container and cfg.container.runtime == "pyxis" and lau.kind != "srun":
         out.append((("container", "runtime"), "pyxis is a plugin of Slurm's srun; launcher "
                     f"{lau.kind!r} cannot use it: pick apptainer, charliecloud or podman"))
+    for i, m in enumerate(cfg.container.mounts if cfg.container and cfg.container.runtime == "charliecloud" else []):
+        if m.count(":") == 2:   # ch-run -b SRC:DST has no options: a silent read-write 'ro' would mislead
+            out.append((("container", "mounts", i), f"mount {m!r}: Charliecloud's ch-run -b takes no mount "
+                        "options; write SRC[:DST]"))
     # flags that start the rank with an empty environment: the secret file's name, the launcher's
     # rank variables and the fabric's NCCL/Gloo/UCX settings would never reach it
     clearing = {"apptainer": ("--cleanenv", "-e", "--containall", "-C"), "charliecloud": ("--unset-env",)}

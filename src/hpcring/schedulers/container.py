@@ -118,7 +118,7 @@ def prefix(c: ContainerRun | None, gpus: bool = False) -> tuple[str, ...]:
     if c.runtime == "charliecloud":
         # ch-run keeps the environment; -b binds (ch-run takes no mount options); -c the work dir
         words = ["ch-run"]
-        for m in c.mounts:
+        for m in c.mounts:     # options are refused earlier (site check, resolve)
             words += ["-b", ":".join(_pair(m).split(":")[:2])]
         if c.workdir:
             words += ["-c", c.workdir]
@@ -222,6 +222,10 @@ def resolve(site_container, image: str | None = None, mounts: list[str] | None =
         raise UsageError(f"{where} {image!r}: site {site_name} has no container section, so no runtime "
                          "(pyxis, apptainer, singularity, charliecloud or podman) to start it with",
                          hint="add `container: {runtime: ...}` to the site config (docs/containers.md)")
+    for m in extra:
+        if site_container.runtime == "charliecloud" and m.count(":") == 2:
+            raise UsageError(f"{'--container-mounts' if mounts else '$' + ENV_MOUNTS}: mount {m!r}: Charliecloud's "
+                             "ch-run -b takes no mount options", hint="write SRC[:DST]")
     new_dsts = {_dst(m) for m in extra}
     site_mounts = tuple(m for m in site_container.mounts if _dst(m) not in new_dsts)
     sources.append(("container.image", src))
