@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     running: list[subprocess.Popen] = []
-    for jid, index in jobs:
+    for jid, index in jobs:            # a queued task waits at most the tasks before it (each bounded)
         while len(running) >= max(1, a.parallel) and not stopping:
             running = [p for p in running if p.poll() is None]
             time.sleep(POLL_S if len(running) >= a.parallel else 0)
@@ -159,8 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         running.append(proc)
     if stopping:
         _end_pending(a, "CANCELLED", "cancelled before it started")
-    for p in running:                  # each task keeps its own time limit; the queue only waits
-        p.wait()
+    limit = float(a.time_limit_s or 0)
+    for p in running:                  # each task's supervisor enforces its time limit; this bounds the wait
+        try:                           # on a supervisor that did not (its limit, its stop, a margin)
+            p.wait(timeout=limit + 60 if limit > 0 else None)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=30)
     if a.tasks is not None:            # the last task has ended: the tasks' shared secret goes
         from hpcring.bootstrap.auth import delete_secret_file
         delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))
