@@ -23,8 +23,8 @@ Protocol (keys under ``diag/``):
 4. The first rank to claim ``diag/reporter`` waits up to the grace period
    (``HPCRING_DIAG_GRACE``, default 5 s) for all snapshots, reads them in two batched reads
    (key ranges), runs :func:`hpcring.diagnostics.report.diagnose`, prints the report, saves
-   ``diag/hang-report.{json,txt}`` and publishes ``diag/report`` (rank lists as ranges: ~13 KiB
-   at 4096 ranks, read by every rank from one parked wait).
+   ``diag/hang-report.{json,txt}`` and publishes ``diag/report`` (rank lists as ranges, no host
+   list: ~1 KiB at 4096 ranks, read by every rank from one parked wait).
 5. Every rank prints one line naming the cause, writes its status, acknowledges, waits (bounded,
    one parked read of ``diag/acked``, set by the last to acknowledge) for the others and exits
    with :data:`EXIT_CODE` (``os._exit``: the
@@ -55,7 +55,7 @@ from hpcring.diagnostics import fanout, jobdir, teardown
 from hpcring.diagnostics.recorder import main_thread_location
 from hpcring.diagnostics.report import Report, diagnose
 from hpcring.errors import CollectiveError, HpcringError
-from hpcring.ranks import rank_ranges, runs
+from hpcring.ranks import rank_ranges
 
 EXIT_CODE = 1
 GRACE_ENV, ON_FAILURE_ENV = "HPCRING_DIAG_GRACE", "HPCRING_ON_FAILURE"
@@ -329,7 +329,8 @@ class Watchdog:
                     client.set(REPORT, json.dumps(_to_wire(report)).encode())
                     print(report.text(), file=sys.stderr, flush=True)
                 else:
-                    report = _from_wire(json.loads(client.get(REPORT, timeout=self.grace + 15.0)))
+                    report = _from_wire(json.loads(client.get(REPORT, timeout=self.grace + 15.0)),
+                                        list(self.topology.hosts))
             except HpcringError as e:
                 self._lost = str(e)
         if report is None:
@@ -433,21 +434,21 @@ def _publish(report: Report, folder: str | None) -> None:
 
 def _to_wire(report: Report) -> dict:
     """``diag/report`` as every rank reads it: the report's dict with rank lists as ranges and
-    hosts as runs (~13 KiB at 4096 ranks on 512 hosts instead of ~250 KiB, read by every rank)."""
+    without the hosts, which every rank has in its topology (~1 KiB at 4096 ranks instead of
+    ~250 KiB: it is read by every rank)."""
     d = report.to_dict()
     d["categories"] = {k: rank_ranges(v) for k, v in d["categories"].items()}
     groups: dict[str, list[int]] = {}
     for r, w in report.where.items():
         groups.setdefault(w, []).append(r)
     d["where"] = [[rank_ranges(rs), w] for w, rs in groups.items()]
-    d["hosts"] = [list(run) for run in runs(report.hosts)]
+    del d["hosts"]
     return d
 
 
-def _from_wire(d: dict) -> Report:
+def _from_wire(d: dict, hosts: list[str]) -> Report:
     cats = {k: _expand(v) for k, v in d.get("categories", {}).items()}
     where = {r: w for rs, w in d.get("where", []) for r in _expand(rs)}
-    hosts = [h for first, last, h in d.get("hosts", []) for _ in range(first, last + 1)]
     return Report(d.get("op"), d.get("headline", "?"), cats, {int(k): v for k, v in d.get("details", {}).items()},
                   d.get("links", []), d.get("slow", []), where, d.get("trigger", {}), hosts, d.get("files"),
                   d.get("side_channel", True))
