@@ -235,6 +235,22 @@ def test_alltoall_keeps_its_connections_when_the_budget_allows(ranks):
         assert first["descriptors"] == second["descriptors"] == n - 1
 
 
+def test_the_default_budget_keeps_every_peer_of_a_small_job(ranks):
+    """Unset, the budget has no limit up to FULL_MESH_MAX_RANKS: a small job's alltoall opens
+    its extra peers once and keeps them (a budget of 48 would reconnect them on every call at
+    40-256 ranks)."""
+    n = 10
+    g = ranks(n)
+
+    def ops(c):
+        x = np.arange(n, dtype=np.int64) * (c.rank + 1)
+        y = c.alltoall(x)
+        np.testing.assert_array_equal(y, np.full(n, c.rank) * (np.arange(n) + 1))
+        return c.backend.connections()
+    for got in g.run_ok(ops):
+        assert got["budget"] >= n - 1 and len(got["peers"]) == n - 1 == got["descriptors"]
+
+
 # ---- a peer that does not come is named ------------------------------------------------------
 def test_absent_peer_is_named_by_alltoall_and_the_error_is_sticky(ranks):
     n, victim = 10, 7

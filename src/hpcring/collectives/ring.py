@@ -249,6 +249,11 @@ def static_peers(rank: int, size: int, hosts, shm: bool, streams: int = 1,
     return out
 
 
+FULL_MESH_MAX_RANKS = 256          # default budget: no limit up to this many ranks ...
+DEFAULT_MAX_CONNECTIONS = 48       # ... and this many connections beyond
+UNLIMITED = 1 << 20                # (a rank never holds more than (n - 1) x streams)
+
+
 def static_bound(size: int, layout: HostLayout, shm: bool, streams: int = 1) -> int:
     """At least every rank's static connections (sum of :func:`static_peers` counts), the same
     on every rank and O(log n) once the layout is known: +-1 and +-2^i (translation invariant),
@@ -449,6 +454,9 @@ class RingBackend(Backend):
             shm = envvars.get("HPCRING_RING_SHM")
         if max_connections is None:
             max_connections = envvars.get("HPCRING_RING_MAX_CONNECTIONS")
+        if max_connections is None:     # unset: no limit in a small job (a reconnect costs ~70 us per
+            # peer per alltoall, measured), a large one stays within descriptors (docs/scale.md)
+            max_connections = UNLIMITED if topology.size <= FULL_MESH_MAX_RANKS else DEFAULT_MAX_CONNECTIONS
         if not (1 <= conns_per_peer <= MAX_STREAMS and 1 <= threads <= MAX_STREAMS):
             raise UsageError(f"ring streams ({conns_per_peer}) and threads ({threads}) must be 1..{MAX_STREAMS}")
         rank, size = topology.rank, topology.size

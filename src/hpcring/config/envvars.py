@@ -123,9 +123,10 @@ VARS: tuple[Var, ...] = (
        "another stream is used (unset: 1 MiB)", 1, 1 << 40),
     _v("HPCRING_TWOLEVEL_MIN", "int", None, "allreduce/reduce-scatter across hosts with shared memory: "
        "two-level from this many bytes (unset: the measured 8 MiB)", 0, 1 << 62),
-    _v("HPCRING_RING_MAX_CONNECTIONS", "int", 48, "ring: most TCP connections a rank keeps open to "
+    _v("HPCRING_RING_MAX_CONNECTIONS", "int", None, "ring: most TCP connections a rank keeps open to "
        "its peers; those its algorithms always use count first, alltoall opens the others in "
-       "windows within the rest (at least 2) and closes them; the same on every rank", 2, 1 << 20),
+       "windows within the rest (at least 2) and closes them; the same on every rank. Unset: no limit "
+       "in jobs of up to 256 ranks (alltoall never reconnects), 48 in larger ones", 2, 1 << 20),
     _v("HPCRING_RING_SHM_PIECE", "int", None, "shared-memory piece per rank and buffer, bytes "
        "(unset: 1 MiB per local rank, 1-8 MiB)", 4096, 1 << 30),
     # -- hpcring.torch (the Horovod API) and torch's own backends --
