@@ -97,7 +97,9 @@ TREE = ["a.py", "b.tmp", "keep.tmp", "data/x.bin", "data/keep.bin", "sub/a.py", 
         "sub/deep/c.log", "c.log", "build/out.o", "sub/build/out.o", "docs/a b.txt", "#hash.txt", "!bang.txt"]
 PATTERNS = ["*.tmp", "!keep.tmp", "data/", "/data/", "data", "sub/data/", "*.log", "!sub/deep/c.log", "build",
             "/build", "**/build", "sub/**/c.log", "!data/keep.bin", "docs/a\\ b.txt", "\\#hash.txt", "\\!bang.txt",
-            "# a comment", "", "   ", "*.py", "!a.py", "sub/*.py", "sub/", "!sub/", "**/data", "deep/", "a.py   "]
+            "# a comment", "", "   ", "*.py", "!a.py", "sub/*.py", "sub/", "!sub/", "**/data", "deep/", "a.py   ",
+            "[ab].tmp", "?.py", "sub/**", "**/deep/*.log", "sub/*", "!*.bin", "/sub/deep/", "deep", "*.bin",
+            "!sub/data/", "!sub/data/y.bin", "docs", "!docs/", "/*.py", "**/*.o", "!build/"]
 
 
 def _git_kept(root: Path, lines: list[str]) -> set[str]:
@@ -126,7 +128,8 @@ def tree(tmp_path_factory):
     return root
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=int(os.environ.get("HPCRING_IGNORE_EXAMPLES", "60")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(st.sampled_from(PATTERNS), max_size=6))
 def test_ignore_rules_leave_out_what_git_leaves_out(tree, tmp_path_factory, lines):
     dest = tmp_path_factory.mktemp("copy")
