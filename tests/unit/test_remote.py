@@ -382,3 +382,31 @@ def test_batch_mode_unless_someone_can_answer(env, want, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert ("BatchMode=yes" in remote.ssh_argv(T, CONTROL)) is not want
+
+
+_KEYS = st.sampled_from(["IdentityFile", "identityfile", "ProxyJump", "ControlPath", "User", "Port", "LocalCommand",
+                         "Bogus", "Identity File", "-oIdentityFile", ""]) | st.text(max_size=8)
+_VALUES = st.sampled_from(["~/.ssh/k", "/a b/k", " x", "x ", "", '"q"', "a\nb", "a\x1bb", "\u2028", "yes"]) | \
+    st.text(max_size=8) | st.integers(-5, 70000) | st.booleans() | st.lists(st.text(max_size=3), max_size=2)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(options=st.dictionaries(_KEYS, _VALUES, min_size=1, max_size=3))
+def test_ssh_options_mapping_is_refused_naming_the_key_or_normalised(tmp_path, options):
+    """The mapping form (which the generated schema tests do not reach): each entry is refused with
+    its own key named, or becomes a Key=Value ssh takes as one option."""
+    from hpcring.config.schema import Remote
+    from pydantic import ValidationError
+    try:
+        got = Remote.model_validate({"host": "h", "ssh_options": options}).ssh_options
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"]) + tuple((err.get("ctx") or {}).get("sub", ()))
+        assert loc[0] == "ssh_options" and (len(loc) == 1 or loc[1] in options), (loc, options)
+        return
+    assert len(got) == len(options)
+    for item in got:
+        key, _, value = item.partition("=")
+        assert key in remote.SSH_KEYWORDS.values() and key.lower() not in ("controlpath", "user", "port")
+        assert value and value == value.strip() and '"' not in value
+        assert not any(ord(c) < 0x20 or c in "\x7f\u2028\u2029" for c in value)
