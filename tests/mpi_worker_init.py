@@ -9,6 +9,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 import hpcring.session as hs  # noqa: E402
+from hpcring.collectives.choice import auto_backend  # noqa: E402
 
 
 def main() -> int:
@@ -29,7 +30,7 @@ def main() -> int:
     ok += 1
     comm.barrier()
     print(f"RESULT rank={rank} size={size} host={s.topology.host} launcher={s.topology.launcher} "
-          f"backend={type(comm.backend).__name__} auto={hs.auto_backend(s.topology)} ok={ok}", flush=True)
+          f"backend={type(comm.backend).__name__} auto={auto_backend(s.topology)} ok={ok}", flush=True)
     return 0
 
 

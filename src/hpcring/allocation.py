@@ -77,8 +77,10 @@ def launch_words(alloc: launchers.Allocation, site: Site, job: JobSpec, nodes: i
 
 
 def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
-        environ: Mapping[str, str] | None = None, container=None) -> int:
+        environ: Mapping[str, str] | None = None, container=None, timeout: float | None = None) -> int:
     """Start the ranks, wait for them, and return 0 or raise JobFailedError naming the first failure.
+    ``timeout`` (--timeout): the collective deadline, applied as submit does (CLI > HPCRING_TIMEOUT >
+    site > default) and handed to the ranks as HPCRING_TIMEOUT.
     ``container`` (schedulers.container.ContainerRun): every rank, hpcring's rank_exec included,
     runs in that image, with the run folder (status files, the secret) bound at its own path."""
     env_in = dict(os.environ if environ is None else environ)
@@ -105,9 +107,11 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
     secret = auth.write_secret_file(run_dir / "secret.key", exclusive=True)
-    job = resolve_job(site, "run", [], {}, environ={})
+    # only the deadline takes the caller's environment: the job's size comes from the allocation
+    job = resolve_job(site, "run", [], {"timeout": timeout},
+                      environ={k: env_in[k] for k in ("HPCRING_TIMEOUT",) if k in env_in})
     env = dict(env_in)
-    env.update({k: v for k, v in job_env(site, job).items() if k not in env_in})
+    env.update({k: v for k, v in job_env(site, job).items() if k not in env_in or k == "HPCRING_TIMEOUT"})
     env["HPCRING_SECRET_FILE"] = str(secret)
     # inside an image, the interpreter the site names (hpcring installed there); else this one
     python = site.config.python if container is not None and site.config.python else sys.executable

@@ -12,42 +12,12 @@ import threading
 import time
 
 from hpcring.bootstrap.topology import Topology
+from hpcring.collectives.choice import BACKENDS, auto_backend
 from hpcring.config import envvars
 from hpcring.errors import UsageError
 
 _LOCK = threading.Lock()
 _SESSION: "Session | None" = None
-BACKENDS = ("auto", "ring", "mpi", "nccl")
-
-
-MPI_LAUNCHERS = ("openmpi", "pmi", "pmix", "mvapich")
-_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-
-
-def auto_backend(topology: Topology, environ=None) -> str:
-    """What ``backend="auto"`` means (decided the same way on every rank of a job):
-
-    1. ``HPCRING_BACKEND`` if set (ring, mpi or nccl);
-    2. ``nccl`` when cupy imports and sees at least one GPU;
-    3. ``mpi`` when mpi4py is installed and an MPI launcher started the job: ``Topology.launcher``
-       is openmpi, pmi, pmix or mvapich, or a Slurm step started with ``srun --mpi=pmix|pmi2``
-       (launcher ``slurm`` with PMIX_RANK / PMI_RANK / OMPI_COMM_WORLD_RANK in the environment);
-    4. ``ring`` otherwise.
-    """
-    import importlib.util
-    env = os.environ if environ is None else environ
-    chosen = envvars.get("HPCRING_BACKEND", env)
-    if chosen:
-        return chosen
-    from hpcring.collectives.nccl_lib import gpu_available
-    if gpu_available():
-        return "nccl"
-    if importlib.util.find_spec("mpi4py") is not None:
-        if topology.launcher in MPI_LAUNCHERS:
-            return "mpi"
-        if topology.launcher == "slurm" and any(env.get(v) for v in _MPI_RANK_VARS):
-            return "mpi"
-    return "ring"
 
 
 class Session:
@@ -133,8 +103,11 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
 
     ``backend`` ("auto", "ring", "mpi", "nccl") also creates that communicator now and becomes the
     session's default (``session.allreduce(...)`` runs on it); without it the communicator is
-    created on the first collective. ``timeout`` bounds the bootstrap (default
-    HPCRING_INIT_TIMEOUT or 60 s); ``interface`` overrides the site's interface spec (NCCL syntax).
+    created on the first collective. ``timeout`` bounds the bootstrap only (default
+    HPCRING_INIT_TIMEOUT or 60 s): ranks start seconds to minutes apart, while a collective's
+    deadline (HPCRING_TIMEOUT, which ``hpcring submit/run --timeout`` sets, or
+    ``session.communicator(backend, timeout=)``) is about one step of the job, so they are two
+    facts. ``interface`` overrides the site's interface spec (NCCL syntax).
     ``watchdog=False`` skips the hang watchdog (for a parent that only hands the session on).
     """
     global _SESSION
@@ -155,7 +128,7 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
                 _SESSION.start_watchdog()
         session = _SESSION
     if backend is not None:
-        session.use(backend, timeout=timeout)
+        session.use(backend)          # the collective deadline, not the bootstrap's ``timeout``
     return session
 
 

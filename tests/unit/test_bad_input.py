@@ -79,7 +79,7 @@ def test_bad_env_reaches_the_real_readers(monkeypatch):
     from hpcring.bootstrap.init import _store_ports
     from hpcring.bootstrap.topology import Topology
     from hpcring.collectives.ring import default_timeout
-    from hpcring.session import auto_backend
+    from hpcring.collectives.choice import auto_backend
     for value in ("abc", "nan", "inf", "1e300"):
         monkeypatch.setenv("HPCRING_TIMEOUT", value)
         with pytest.raises(UsageError, match="HPCRING_TIMEOUT"):

@@ -110,7 +110,7 @@ def resolved_backend(backend: str, session) -> str:
     if backend != "auto":
         return backend
     try:
-        from hpcring.session import auto_backend
+        from hpcring.collectives.choice import auto_backend
         return f"auto={auto_backend(session.topology)}"
     except Exception:
         from hpcring.config.envvars import get

@@ -143,7 +143,7 @@ class GroupSession:
         return self.topology.host
 
     def communicator(self, backend: str = "auto", *, timeout: float | None = None):
-        from hpcring.session import BACKENDS, auto_backend
+        from hpcring.collectives.choice import BACKENDS, auto_backend
         if backend not in BACKENDS:
             raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if backend == "auto":

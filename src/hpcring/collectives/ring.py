@@ -48,7 +48,8 @@ import threading
 import time
 
 from hpcring.bootstrap import auth
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend
+from hpcring.collectives.backends import FLOAT_DTYPES, Backend
+from hpcring.collectives.dtypes import DTYPE_CODES, OP_CODES   # checked against the C enums at import
 from hpcring.bootstrap.store import StoreTimeoutError
 from hpcring.config import envvars
 from hpcring.errors import BootstrapError, CollectiveError, HpcringError, UsageError
@@ -61,9 +62,6 @@ try:
 except ImportError as e:  # pragma: no cover - only without a built extension
     _native = None
     _IMPORT_ERROR = e
-
-DTYPE_CODES = {name: i for i, name in enumerate(DTYPES)}      # must match enum hr_dtype
-OP_CODES = {name: i for i, name in enumerate(OPS)}            # must match enum hr_redop
 
 _U32x2 = struct.Struct(">II")   # (rank, connection index): the handshake's extra field
 HANDSHAKE_TIMEOUT = 10.0
@@ -80,11 +78,6 @@ def default_shm_piece(local_ranks: int) -> int:
     2 cores, 64 MiB: 2 ranks 2 MiB 0.76-1.51 vs 1 MiB 0.50-0.54 GB/s; 4 ranks 2-4 MiB 0.30-0.50 vs
     1 MiB 0.22-0.37 GB/s). The segment holds 2 pieces per rank (8 ranks: 128 MiB of /dev/shm)."""
     return min(8, max(1, local_ranks)) << 20
-
-
-def default_timeout() -> float:
-    """HPCRING_TIMEOUT (seconds) or the registry's default (hpcring.config.envvars)."""
-    return envvars.get("HPCRING_TIMEOUT")
 
 
 

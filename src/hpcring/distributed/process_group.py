@@ -14,7 +14,7 @@ allgather and a fold, see :func:`_reduction`); send/recv are the communicator's 
 The ops run eagerly under torch.compile (a graph break, see the note at the end of the class).
 
 Which communicator: CUDA tensors go to the session's default communicator (``backend="auto"``:
-NCCL when a GPU is visible, see :func:`hpcring.session.auto_backend`), CPU tensors to a host
+NCCL when a GPU is visible, see :func:`hpcring.collectives.choice.auto_backend`), CPU tensors to a host
 communicator (the same one when the default is ring or MPI; else a ring communicator, created
 on the first CPU op, collectively like every op).
 """
