@@ -8,6 +8,7 @@
 #define _GNU_SOURCE
 #include "hr_internal.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,7 +34,7 @@ const char *hr_dtype_name(int dtype) {
     return (dtype >= 0 && dtype < HR_NDTYPES) ? nm[dtype] : "?";
 }
 
-static const char *redop_name(int op) {
+const char *hr_redop_name(int op) {
     static const char *nm[HR_NOPS] = {"sum", "prod", "min", "max", "avg"};
     return (op >= 0 && op < HR_NOPS) ? nm[op] : "?";
 }
@@ -133,9 +134,9 @@ int hr_op_check_hdr(hr_op_t *op, const hr_hdr_t *g, int peer) {
                           "op=%s, root=%d)",
                           peer, host, hr_kind_name(g->kind), (unsigned)g->seq,
                           (unsigned long long)g->count, hr_dtype_name(g->dtype),
-                          redop_name(g->redop), (int)g->root, op->c->rank, op->name,
+                          hr_redop_name(g->redop), (int)g->root, op->c->rank, op->name,
                           (unsigned)m->seq, (unsigned long long)m->count, hr_dtype_name(m->dtype),
-                          redop_name(m->redop), (int)m->root);
+                          hr_redop_name(m->redop), (int)m->root);
     }
     return HR_OK;
 }
@@ -248,9 +249,15 @@ int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, in
         snprintf(err, errlen, "bad rank %d / size %d / nconn %d", rank, size, nconn);
         return HR_ERR;
     }
+    /* the deadline is resolved by the caller (hpcring.config.envvars); no default of our own */
+    if (!(timeout > 0) || !isfinite(timeout)) {
+        snprintf(err, errlen, "bad timeout %g: give the collective deadline in seconds, finite and > 0",
+                 timeout);
+        return HR_ERR;
+    }
     c->rank = rank;
     c->size = size;
-    c->timeout = timeout > 0 ? timeout : 300.0;
+    c->timeout = timeout;
     c->rd_threshold = HR_RD_THRESHOLD_DEFAULT;
     c->bcast_tree_max = HR_BCAST_TREE_MAX_DEFAULT;
     c->twolevel_min = HR_TWOLEVEL_MIN_DEFAULT;

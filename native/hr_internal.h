@@ -44,7 +44,8 @@
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
 #define HR_RD_THRESHOLD_DEFAULT ((size_t)262144)
 
-/* Element types. Numbers are part of the Python binding's ABI (collectives/ring.py). */
+/* Element types. Numbers are part of the Python binding's ABI: the module exports them (DTYPES,
+ * OPS) and hpcring.collectives.dtypes checks its table against them at import. */
 enum hr_dtype {
     HR_F16 = 0, HR_BF16 = 1, HR_F32 = 2, HR_F64 = 3,
     HR_I32 = 4, HR_I64 = 5, HR_U8 = 6, HR_NDTYPES = 7
@@ -110,8 +111,9 @@ typedef struct hr_op {
 
 /* ---- comm.c ---- */
 double hr_now(void);
-size_t hr_dtype_size(int dtype);
-const char *hr_dtype_name(int dtype);
+size_t hr_dtype_size(int dtype);             /* bytes per element; 0 for an unknown code */
+const char *hr_dtype_name(int dtype);        /* "float32", ...; "?" for an unknown code */
+const char *hr_redop_name(int op);           /* "sum", ...; "?" for an unknown code */
 const char *hr_kind_name(int kind);
 
 /* Start a collective: checks the sticky error and argument ranges, fills op. */
@@ -203,7 +205,8 @@ int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dt
 int hr_barrier(hr_comm_t *c, double timeout);
 
 /* Create a communicator over already-connected sockets (see transport_tcp.h for fds). hosts is
- * copied. Returns HR_OK, or HR_ERR with a message in err; on failure the fds are not owned. */
+ * copied. timeout (the default deadline of its collectives, s) must be finite and > 0. Returns
+ * HR_OK, or HR_ERR with a message in err; on failure the fds are not owned. */
 int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, int sockbuf,
                  const char *const *hosts, double timeout, char *err, size_t errlen);
 /* Close the sockets and free everything; idempotent. */

@@ -19,6 +19,7 @@
  *   Comm.shm_attach(name, create, local_ranks, column, slot); shm_unlink(name): shared memory
  *   between the ranks of a node (transport_shm.h; setup and unlinking in collectives/ring.py)
  *   reduce(dst, src, dtype, op)   local kernel dst = dst OP src (tests, fused host-side use)
+ *   DTYPES {name: (code, itemsize)}, OPS {name: code}: the enums below, by name
  *
  * Buffers are any C-contiguous buffer-protocol objects (numpy arrays, memoryviews); lengths are
  * in bytes and checked against the dtype. dtype / op are the integers of enum hr_dtype /
@@ -541,16 +542,6 @@ static PyObject *Comm_get_timeout(CommObject *self, void *unused) {
     (void)unused;
     return PyFloat_FromDouble(self->c.timeout);
 }
-static int Comm_set_timeout(CommObject *self, PyObject *v, void *unused) {
-    double t;
-    (void)unused;
-    if (!v || (t = PyFloat_AsDouble(v)) <= 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "timeout must be > 0");
-        return -1;
-    }
-    self->c.timeout = t;
-    return 0;
-}
 static PyObject *Comm_get_rd(CommObject *self, void *unused) {
     (void)unused;
     return PyLong_FromSize_t(self->c.rd_threshold);
@@ -667,7 +658,7 @@ static PyGetSetDef Comm_getset[] = {
     {"rank", (getter)Comm_get_rank, NULL, NULL, NULL},
     {"size", (getter)Comm_get_size, NULL, NULL, NULL},
     {"seq", (getter)Comm_get_seq, NULL, "collectives started so far", NULL},
-    {"timeout", (getter)Comm_get_timeout, (setter)Comm_set_timeout, "default deadline, s", NULL},
+    {"timeout", (getter)Comm_get_timeout, NULL, "default deadline, s (read-only: given at creation)", NULL},
     {"rd_threshold", (getter)Comm_get_rd, (setter)Comm_set_rd,
      "allreduce bytes below which recursive doubling is used", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
@@ -758,6 +749,31 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "hpcring._native",
                                     "Compiled ring collectives over TCP.", -1, mod_methods,
                                     NULL, NULL, NULL, NULL};
 
+/* {name: (code, itemsize)} of enum hr_dtype and {name: code} of enum hr_redop, so that Python's
+ * one table (hpcring.collectives.dtypes) is checked against the codes instead of trusting their
+ * order. Returns 0, or -1 with a Python error set. */
+static int mod_add_codes(PyObject *m) {
+    PyObject *dt = PyDict_New(), *ops = PyDict_New(), *v;
+    int i, rc = -1;
+    if (!dt || !ops) goto done;
+    for (i = 0; i < HR_NDTYPES; i++) {
+        if (!(v = Py_BuildValue("(in)", i, (Py_ssize_t)hr_dtype_size(i)))) goto done;
+        if (PyDict_SetItemString(dt, hr_dtype_name(i), v) < 0) { Py_DECREF(v); goto done; }
+        Py_DECREF(v);
+    }
+    for (i = 0; i < HR_NOPS; i++) {
+        if (!(v = PyLong_FromLong(i))) goto done;
+        if (PyDict_SetItemString(ops, hr_redop_name(i), v) < 0) { Py_DECREF(v); goto done; }
+        Py_DECREF(v);
+    }
+    if (PyModule_AddObjectRef(m, "DTYPES", dt) < 0 || PyModule_AddObjectRef(m, "OPS", ops) < 0) goto done;
+    rc = 0;
+done:
+    Py_XDECREF(dt);
+    Py_XDECREF(ops);
+    return rc;
+}
+
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m;
     if (PyType_Ready(&CommType) < 0) return NULL;
@@ -766,7 +782,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (!NativeError || PyModule_AddObjectRef(m, "NativeError", NativeError) < 0 ||
         PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||
         PyModule_AddIntConstant(m, "RD_THRESHOLD_DEFAULT", (long)HR_RD_THRESHOLD_DEFAULT) < 0 ||
-        PyModule_AddIntConstant(m, "BCAST_TREE_MAX_DEFAULT", (long)HR_BCAST_TREE_MAX_DEFAULT) < 0) {
+        PyModule_AddIntConstant(m, "BCAST_TREE_MAX_DEFAULT", (long)HR_BCAST_TREE_MAX_DEFAULT) < 0 ||
+        mod_add_codes(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -37,7 +37,8 @@ def job_env(site: Site, job: JobSpec) -> dict[str, str]:
     env.update(site.config.env)
     env["SUBMITIT_EXECUTOR"] = site.config.scheduler  # how submitit's task entry finds its environment
     env["HPCRING_SITE"] = site.name if site.origin == "bundled" else str(site.path)
-    env["HPCRING_TIMEOUT"] = f"{job.timeout:g}"
+    short = f"{job.timeout:g}"     # 300, not 300.0; repr where :g would round (123456.7)
+    env["HPCRING_TIMEOUT"] = short if float(short) == job.timeout else repr(job.timeout)
     if job.gpus_per_node:
         env["HPCRING_GPUS_PER_NODE"] = str(job.gpus_per_node)
     if site.config.scheduler == "lsf" and site.config.lsf.drop_launch_node:

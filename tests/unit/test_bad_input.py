@@ -78,12 +78,15 @@ def test_bad_env_reaches_the_real_readers(monkeypatch):
     """The same errors through the code that reads them (not only the registry)."""
     from hpcring.bootstrap.init import _store_ports
     from hpcring.bootstrap.topology import Topology
-    from hpcring.collectives.ring import default_timeout
+    from hpcring.config.envvars import collective_timeout
+    from hpcring.diagnostics.torch_watch import pg_timeout
     from hpcring.collectives.choice import auto_backend
     for value in ("abc", "nan", "inf", "1e300"):
         monkeypatch.setenv("HPCRING_TIMEOUT", value)
         with pytest.raises(UsageError, match="HPCRING_TIMEOUT"):
-            default_timeout()
+            collective_timeout()
+        with pytest.raises(UsageError, match="HPCRING_TIMEOUT"):
+            pg_timeout("gloo")
     topo = Topology(rank=0, size=1, local_rank=0, local_size=1, node_rank=0, num_nodes=1, hosts=("h",),
                     master_addr="127.0.0.1", job_id="1", launcher="local")
     for value in ("abc", "99999"):

@@ -7,14 +7,13 @@ from typing import Callable
 
 import numpy as np
 
+from hpcring.collectives.dtypes import FLOAT_DTYPES, TABLE
 from hpcring.config.envvars import shown
 from hpcring.errors import UsageError
 
 
-# name -> (nccl-tests type name, numpy storage dtype)
-DTYPES = {"float32": ("float", np.float32), "float64": ("double", np.float64), "float16": ("half", np.float16),
-          "bfloat16": ("bfloat16", np.uint16), "int32": ("int32", np.int32), "int64": ("int64", np.int64),
-          "uint8": ("uint8", np.uint8)}
+# name -> (nccl-tests type name, numpy storage dtype), from the one table
+DTYPES = {d.name: (d.nccl_tests, np.dtype(d.storage).type) for d in TABLE}
 DTYPE_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "bf16": "bfloat16",
                  "int": "int32", "fp32": "float32", "fp64": "float64", "fp16": "float16"}
 PERIOD = 1021          # the data pattern's period in elements (prime: no block size lines up with it)
@@ -29,7 +28,7 @@ def normalize_dtype(name: str) -> str:
 
 
 def is_float(dtype: str) -> bool:
-    return dtype in ("float32", "float64", "float16", "bfloat16")
+    return dtype in FLOAT_DTYPES
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:

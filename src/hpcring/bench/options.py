@@ -11,9 +11,7 @@ from hpcring.errors import UsageError
 from hpcring.fsutil import check_output_path
 from hpcring.bench.data import is_float, normalize_dtype
 from hpcring.bench.cases import COLLECTIVES, MEMORIES, REDUCING
-
-
-OPS = ("sum", "prod", "min", "max", "avg")
+from hpcring.collectives.dtypes import OPS
 BACKENDS = ("auto", "ring", "mpi", "nccl")
 
 # Bounds that keep one typo from running for hours or until memory runs out: the largest message

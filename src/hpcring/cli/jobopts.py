@@ -18,6 +18,9 @@ from hpcring.cli.common import SITE_HELP
 from hpcring.config.envvars import MAX_CPUS_PER_TASK, MAX_GPUS_PER_NODE, MAX_NODES, MAX_TASKS_PER_NODE
 
 _KW = inspect.Parameter.KEYWORD_ONLY
+# bounds are checked by config.jobspec (one message for the flag, the variable and the site key)
+TIMEOUT_HELP = ("Deadline of every collective, seconds, > 0 (default: HPCRING_TIMEOUT, else the site's "
+                "timeout, else 300); reaches the ranks as HPCRING_TIMEOUT.")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class JobRequest:
     constraint: Optional[str] = None
     exclusive: Optional[bool] = None
     name: Optional[str] = None
+    timeout: Optional[float] = None      # the collective deadline, s (HPCRING_TIMEOUT in the ranks)
     sched_arg: list[str] = field(default_factory=list)
     template: Optional[str] = None
     container_image: Optional[str] = None
@@ -50,7 +54,7 @@ class JobRequest:
 
     # the JobSpec fields the CLI can set (resolve_job's ``cli`` mapping)
     SPEC_FIELDS = ("nodes", "tasks_per_node", "gpus_per_node", "cpus_per_task", "time", "partition",
-                   "account", "qos", "constraint", "name")
+                   "account", "qos", "constraint", "name", "timeout")
 
     def resolve(self):
         """(site, job spec): the site config loaded and every value merged by precedence."""
@@ -113,6 +117,7 @@ _OPTIONS = {
     "constraint": (Optional[str], typer.Option(None, "--constraint", "-C", help="Node features.")),
     "exclusive": (Optional[bool], typer.Option(None, "--exclusive/--shared", help="Whole nodes.")),
     "name": (Optional[str], typer.Option(None, "--name", "-J", help="Job name (default: script name).")),
+    "timeout": (Optional[float], typer.Option(None, "--timeout", help=TIMEOUT_HELP)),
     "sched_arg": (Optional[List[str]], typer.Option(None, "--sched-arg",
                                                     help="Extra scheduler flag, passed through (repeatable).")),
     "template": (Optional[str], typer.Option(None, "--template", help="Own job-script template (.j2).")),

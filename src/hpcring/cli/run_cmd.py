@@ -8,6 +8,7 @@ import typer
 
 def register(app: typer.Typer) -> None:
     from hpcring.cli.common import SiteOpt, command
+    from hpcring.cli.jobopts import TIMEOUT_HELP
     from hpcring.config.envvars import MAX_NODES, MAX_TASKS_PER_NODE
 
     @command(app, "run", context_settings={"allow_interspersed_args": False},
@@ -17,6 +18,7 @@ def register(app: typer.Typer) -> None:
             nodes: Optional[int] = typer.Option(None, "--nodes", "-N", min=1, max=MAX_NODES, help="Nodes (default: the allocation's, or 1)."),
             tasks_per_node: Optional[int] = typer.Option(None, "--tasks-per-node", min=1, max=MAX_TASKS_PER_NODE, help="Ranks per node."),
             site: Optional[str] = SiteOpt,
+            timeout: Optional[float] = typer.Option(None, "--timeout", help=TIMEOUT_HELP),
             container_image: Optional[str] = typer.Option(None, "--container-image",
                                                           help="Run every rank in this image (the site's runtime)."),
             container_mounts: Optional[List[str]] = typer.Option(None, "--container-mounts",
@@ -29,4 +31,4 @@ def register(app: typer.Typer) -> None:
         from hpcring.cli.jobopts import container_of
         s = load_site(site)
         box = container_of(s, container_image, list(container_mounts or []), no_container)
-        sys.exit(allocation.run(cmd, s, nodes, tasks_per_node, container=box))
+        sys.exit(allocation.run(cmd, s, nodes, tasks_per_node, container=box, timeout=timeout))

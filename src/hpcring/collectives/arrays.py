@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS
+from hpcring.collectives.dtypes import BY_NAME, DTYPES, FLOAT_DTYPES, OPS, TABLE
 from hpcring.errors import UsageError
 
-_NP_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
-              "int32": np.int32, "int64": np.int64, "uint8": np.uint8}
+# the numpy types that name an hpcring dtype by themselves (a uint16 array is bfloat16 only when asked)
+_NP_DTYPES = {d.name: np.dtype(d.storage).type for d in TABLE if d.storage == d.name}
 
 
 _KDL_CUDA, _KDL_CUDA_MANAGED = 2, 13     # DLPack device types a CUDA backend can use in place
@@ -167,7 +167,7 @@ _DT2TAG = {np.dtype(v): k for k, v in _NP_DTYPES.items()}
 
 def storage_dtype(tag: str):
     """Storage dtype of an hpcring dtype (bfloat16 is uint16 bits)."""
-    return np.uint16 if tag == "bfloat16" else _NP_DTYPES[tag]
+    return np.dtype(BY_NAME[tag].storage).type
 
 
 def _tag_buffer(a, dtype: str | None, what: str):

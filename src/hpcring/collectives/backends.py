@@ -9,7 +9,7 @@ method:
   with its CuPy module as ``array_module``, and numpy buffers which the backend stages itself);
   a ``"cuda"`` backend runs each op on the current CuPy stream and returns when it completed;
 * ``dtype`` is one of :data:`DTYPES` (bfloat16 buffers are uint16 storage), ``op`` one of
-  :data:`OPS` (``avg`` only for floating-point dtypes);
+  :data:`OPS` (``avg`` only for floating-point dtypes): :mod:`hpcring.collectives.dtypes`;
 * ``timeout`` is the deadline in seconds for this call (> 0);
 * failures raise :class:`hpcring.errors.CollectiveError` whose message names the operation, the
   peer rank and its host; after a failure the backend is dead (``error`` keeps the first message)
@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import abc
 
+from hpcring.collectives.dtypes import DTYPES, FLOAT_DTYPES, ITEMSIZE, OPS  # noqa: F401 - the backends' names
 from hpcring.errors import CollectiveError
-
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8")
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-OPS = ("sum", "prod", "min", "max", "avg")
 
 
 class Backend(abc.ABC):
@@ -74,9 +71,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release connections; idempotent."""
-
-
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
 
 
 class LibraryBackend(Backend):

@@ -100,9 +100,9 @@ def child_env(environ=None) -> dict[str, str]:
 def pg_timeout(backend) -> timedelta:
     """The process group's timeout when the script gives none: hpcring's deadline (NCCL: plus
     grace and a margin, so that hpcring reports before torch's NCCL watchdog aborts)."""
-    from hpcring.collectives.ring import default_timeout
+    from hpcring.config.envvars import collective_timeout
     from hpcring.diagnostics.watchdog import grace_default
-    deadline = default_timeout()
+    deadline = collective_timeout()
     if backend is None or "nccl" in str(backend).lower():      # None: torch picks NCCL for CUDA
         deadline += grace_default() + NCCL_MARGIN
     return timedelta(seconds=deadline)
@@ -309,9 +309,9 @@ class TorchWatch:
     Flight Recorder for the default group, and runs the deadline monitor."""
 
     def __init__(self, watchdog, group: str, backend: str, deadline: float | None = None) -> None:
-        from hpcring.collectives.ring import default_timeout
+        from hpcring.config.envvars import collective_timeout
         self.watchdog, self.group, self.name = watchdog, group, backend
-        self.deadline = default_timeout() if deadline is None else deadline
+        self.deadline = collective_timeout() if deadline is None else deadline   # the script's own: torch's
         self.error: str | None = None
         self.failed_at: str | None = None              # where the torch error was raised here
         self.recorder, self.backend = self, self      # the watchdog reads comm.recorder / comm.backend.error

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from hpcring.collectives.dtypes import torch_dtypes
 from hpcring.distributed import work
 from hpcring.errors import UsageError
 
@@ -35,7 +36,7 @@ _OPS = {_K.SUM: "sum", _K.PRODUCT: "prod", _K.MIN: "min", _K.MAX: "max", _K.AVG:
 # BAND/BOR/BXOR on integers: an allgather and a fold here (hpcring has no bitwise kernels)
 _FOLDS = {_K.BAND: torch.bitwise_and, _K.BOR: torch.bitwise_or, _K.BXOR: torch.bitwise_xor}
 # dtypes hpcring's kernels reduce; the others move as raw bytes in ops that do not reduce.
-_REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
+_REDUCE_DTYPES = torch_dtypes(torch)
 # dtypes the process group reduces: hpcring's, and int8/int16 (on an int32 copy) and bool (as uint8)
 _TORCH_REDUCE_DTYPES = (*_REDUCE_DTYPES, torch.int8, torch.int16, torch.bool)
 _DEVICES = ("cpu", "cuda")

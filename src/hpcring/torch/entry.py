@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
+from hpcring.collectives.dtypes import torch_dtypes
 from hpcring.torch.exceptions import HorovodInternalError
 
 KINDS = ("allreduce", "broadcast", "allgather", "alltoall", "reducescatter", "barrier", "join")
 FUSABLE = ("allreduce", "broadcast")
 # every torch dtype an operation may carry (reductions: see executor.reduce_dtype)
 DTYPES = tuple(d for d in (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
+    *torch_dtypes(torch),           # the communicator's own first, in its table's order
     torch.int8, torch.int16, torch.bool, torch.complex64, torch.complex128,
     getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None),
     getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None)

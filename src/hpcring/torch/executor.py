@@ -16,9 +16,10 @@ import numpy as np
 import torch
 
 from hpcring.collectives.backends import chunk_counts
+from hpcring.collectives.dtypes import torch_dtypes
 from hpcring.torch.exceptions import InvalidArgumentError
 
-WIRE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
+WIRE = torch_dtypes(torch)      # what the communicator reduces
 _WIDE = {torch.int8: torch.int64, torch.int16: torch.int64, torch.bool: torch.int64}
 for _n in ("uint16", "uint32", "uint64"):
     if hasattr(torch, _n):
