@@ -198,6 +198,8 @@ VARS: tuple[Var, ...] = (
        "the site's mounts (--container-mounts)"),
     _v("HPCRING_NO_CONTAINER", "bool", False, "run the ranks on the host even if the site names an "
        "image (--no-container)"),
+    _v("HPCRING_MAX_RESTARTS", "int", 0, "`submit --wait`: restarts after a node-level fault, each "
+       "excluding the nodes blamed so far (--max-restarts; site: defaults.max_restarts)", 0, 100),
     _v("HPCRING_REMOTE", "str", None, "login node to run submit/status/logs/cancel/stacks on over ssh: "
        "[user@]host[:port], or `none` (--remote; site: remote.host; docs/remote.md)"),
     _v("HPCRING_REMOTE_HPCRING", "str", None, "the hpcring command on the login node (site: "
@@ -231,6 +233,8 @@ VARS: tuple[Var, ...] = (
        "ranks leave the first host (the launch node) out of LSF's slot list", set_by="hpcring"),
     _v("HPCRING_LSF_HOSTFILE", "path", None, "LSF, `hpcring run`: the host file blaunch/mpirun started "
        "the ranks from (read before LSF's own slot lists)", set_by="hpcring"),
+    _v("HPCRING_RESTART_COUNT", "int", 0, "submitted jobs: which restart after a node-level fault this "
+       "attempt is (0: the first run; counted by hpcring.requeue_count())", 0, 100, set_by="hpcring"),
     _v("HPCRING_REQUEUE_COUNT", "int", 0, "submitted jobs: how many times hpcring requeued this job "
        "(hpcring.requeue_count())", 0, 1 << 20, set_by="hpcring"),
 )
