@@ -60,9 +60,11 @@ def on_preempt(fn: Callable[[str], None]) -> None:
 
 def requeue_count(environ=None) -> int:
     """How many times this job was requeued: 0 on the first run. hpcring's own count (requeues
-    it did) or the scheduler's (SLURM_RESTART_COUNT: also ``scontrol requeue`` and node failures)."""
+    it did), the scheduler's (SLURM_RESTART_COUNT: also ``scontrol requeue`` and node failures) or
+    hpcring's restarts on other nodes (HPCRING_RESTART_COUNT, ``submit --max-restarts``)."""
     env = os.environ if environ is None else environ
-    counts = [env.get(REQUEUE_VAR, ""), env.get("SLURM_RESTART_COUNT", "")]
+    # a restart on other nodes after a node fault (hpcring.restarts) resumes like a requeue
+    counts = [env.get(REQUEUE_VAR, ""), env.get("SLURM_RESTART_COUNT", ""), env.get("HPCRING_RESTART_COUNT", "")]
     return max([int(c) for c in counts if c.isdigit()] + [0])
 
 

@@ -39,7 +39,12 @@ def submit(req: JobRequest,
            timeline: bool = typer.Option(False, "--timeline",
                                          help="Record an hpcring.torch timeline on every rank (HPCRING_TIMELINE); "
                                               "merge it with `hpcring timeline JOB`."),
-           remote: Optional[str] = remote_option()):
+           remote: Optional[str] = remote_option(),
+           max_restarts: Optional[int] = typer.Option(
+               None, "--max-restarts", min=0, max=100,
+               help="With --wait: after a node-level fault (a rank dead or unreachable, a stalled link, "
+                    "NODE_FAIL), resubmit excluding the blamed nodes, at most N times (HPCRING_MAX_RESTARTS; "
+                    "site defaults.max_restarts).")):
     if submit_remote(req, remote):     # a login node named: copied and submitted there (docs/remote.md)
         return
     from hpcring import submit as lib
@@ -52,6 +57,17 @@ def submit(req: JobRequest,
         sys.stdout.write(lib.preview(s, job, req.template))
         return
     warnings = lib.node_local_warnings(s, job)
+    from hpcring.restarts import max_restarts as restarts_of
+    restarts, restarts_from = restarts_of(max_restarts, s)
+    if restarts and (not wait or job.array is not None) and restarts_from != "cli":
+        output.info(f"warning: max_restarts {restarts} ({restarts_from}) applies to `submit --wait` on a single "
+                    "job only: this job is not restarted")
+        restarts = 0
+    if restarts and (not wait or job.array is not None):   # refused before anything is submitted
+        raise lib.UsageError(f"--max-restarts {restarts} ({restarts_from}) needs --wait on a single job: the "
+                             "follower sees the end and the diagnosis and resubmits",
+                             hint="add --wait (keep it running, e.g. under tmux on the login node), or "
+                                  "--max-restarts 0" + (" (arrays are not restarted)" if job.array is not None else ""))
     rec = lib.submit(s, job, req.template)
     output.info(f"Submitted job {rec.job_id} [{rec.key}] ({job.ntasks} ranks on {job.nodes} node(s), site {s.name}); "
                 f"logs in {rec.folder}" + (f"; an array of {len(rec.array)} tasks, each the whole job: "
@@ -59,12 +75,12 @@ def submit(req: JobRequest,
     for warning in warnings:           # after the "Submitted job" line: scripts read the id from the first line
         output.info(f"warning: {warning}")
     if wait:
-        _wait(rec)
+        _wait(rec, s, job, restarts, req.template)
     else:
         output.info(f"follow it with `hpcring logs -f {rec.job_id}`; its state: `hpcring status {rec.job_id}`")
 
 
-def _wait(rec) -> None:
+def _wait(rec, site=None, job=None, restarts: int = 0, template=None) -> None:
     from hpcring import submit as lib
     if rec.array is not None:
         try:
@@ -78,9 +94,16 @@ def _wait(rec) -> None:
                                      exit_code=st.exit_code or 1, hint=f"`hpcring status {rec.job_id}` names each task")
         output.info(f"job {rec.job_id} COMPLETED: {len(rec.array)} tasks")
         return
+    def follow(rec):
+        return lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"), tracebacks_once=True,
+                          on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
     try:
-        oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"), tracebacks_once=True,
-                        on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+        if restarts:                   # hpcring.restarts: resubmit after a node-level fault, bad nodes excluded
+            from hpcring.restarts import follow_restarting
+            rec, oc = follow_restarting(site, job, rec, restarts, submit=lib.submit, follow=follow,
+                                        info=output.info, template=template)
+        else:
+            oc = follow(rec)
     except KeyboardInterrupt:
         # Ctrl-C stops following, not the job (as with sbatch then squeue): say so, and how to stop it.
         output.info(f"\nstopped following job {rec.job_id}; it keeps running. "
@@ -119,6 +142,9 @@ def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record
         return
     st = lib.job_state(rec)
     output.status(rec, st, lib.outcome(rec, st) if st.finished else None, lib.requeues(rec))
+    from hpcring.restarts import chain_lines, read_chain
+    for text in chain_lines(read_chain(rec.folder)):   # restarts after node faults (submit --max-restarts)
+        print(f"  {text}")
 
 
 @command(app, help="Print a job's output, tagged by rank.")

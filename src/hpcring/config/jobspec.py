@@ -76,6 +76,7 @@ class JobSpec:
     array: ArraySpec | None = None       # --array / --sweep: each task a whole job (config/arrays.py)
     sweep: list[dict] | None = None      # per task index: the values passed as --NAME VALUE
     dependency: Dependency | None = None
+    exclude: list[str] = field(default_factory=list)   # nodes not to run on (restarts.py: a restart's bad nodes)
 
     @property
     def ntasks(self) -> int:

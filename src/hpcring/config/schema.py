@@ -147,6 +147,7 @@ class Defaults(_Strict):
     tasks_per_node: int | None = Field(default=None, ge=1, le=envvars.MAX_TASKS_PER_NODE)  # None: one per GPU, else 1
     cpus_per_task: int = Field(default=1, ge=1, le=envvars.MAX_CPUS_PER_TASK)
     exclusive: bool = False
+    max_restarts: int = Field(default=0, ge=0, le=100)   # submit --wait: restarts after a node fault
 
     @field_validator("time")
     @classmethod

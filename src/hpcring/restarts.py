@@ -1,0 +1,239 @@
+"""Restarts that avoid a bad node (``hpcring submit --wait --max-restarts N``).
+
+When a followed job ends, :func:`classify` reads what the job already left behind (the scheduler's
+state, every rank's status record, the watchdog's ``diag/hang-report.json``) and decides whether
+the cause was a node (restart it elsewhere) or the code (restarting would fail the same way):
+
+* node-level: the hang report names ranks ``dead`` (gone without a record of their own: killed,
+  node lost) or ``unreachable`` (frozen, host down, link cut), or a ``stalled`` link; or the
+  scheduler says ``NODE_FAIL``. The nodes to exclude are those ranks' hosts (a stalled link: the
+  host at the most stalled links, ties the sending side).
+* not restarted: COMPLETED; any rank that recorded an error of its own (an exception, a non-zero
+  exit: the code); a hang the report pins on the code (missing, mismatch, another collective,
+  exited early); TIMEOUT/PREEMPTED/CANCELLED/OUT_OF_MEMORY (the scheduler's or the user's doing:
+  preemption has its own requeue, docs/preemption.md); a report that blames every node of the
+  job (that is no single bad node); a failure no diagnosis names.
+
+The restarted job is the same submission with the nodes of every earlier attempt excluded
+(``JobSpec.exclude``: Slurm ``--exclude``, LSF ``select[hname!=...]``, rendered by the scheduler's
+template) and ``HPCRING_RESTART_COUNT`` set, which ``hpcring.requeue_count()`` counts, so a script
+that resumes after a requeue resumes after a restart too. The chain (attempt, job, nodes excluded,
+cause) is written to ``restarts.json`` in every attempt's folder; ``hpcring status`` prints it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from hpcring.config import envvars
+from hpcring.errors import UsageError
+from hpcring.fsutil import write_json
+
+CHAIN_FILE = "restarts.json"
+NODE_CATEGORIES = ("dead", "unreachable")
+# ended by the scheduler or the user, not by a fault of the job's nodes
+NOT_A_FAULT = ("COMPLETED", "TIMEOUT", "PREEMPTED", "DEADLINE", "CANCELLED", "OUT_OF_MEMORY")
+# host names as schedulers write them; anything else never reaches a job script
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}", re.ASCII)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    restart: bool              # a node-level fault: worth a restart elsewhere
+    cause: str                 # one line: why the job ended
+    nodes: tuple[str, ...] = ()   # the nodes to exclude (may be empty: NODE_FAIL with no host named)
+
+
+def _own_errors(statuses: Mapping[int, dict], headline: str | None) -> list[dict]:
+    """Failing ranks whose record holds their own error, not the watchdog's headline (a rank the
+    report took down writes the headline as its error)."""
+    out = []
+    for s in sorted(statuses.values(), key=lambda s: s.get("ended") or 0):
+        if not s.get("exit_code"):
+            continue
+        err = s.get("error") or ""
+        if headline and err.strip() == headline.strip():
+            continue
+        if "COLLECTIVE FAILURE" in err:
+            continue
+        out.append(s)
+    return out
+
+
+def _link_node(links: list[dict]) -> str | None:
+    """The host to blame for stalled links: the one at the most of them, ties the sender's."""
+    count: dict[str, int] = {}
+    for ln in links:
+        for h in (ln.get("from_host"), ln.get("to_host")):
+            if h:
+                count[h] = count.get(h, 0) + 1
+    if not count:
+        return None
+    top = max(count.values())
+    senders = [ln.get("from_host") for ln in links if count.get(ln.get("from_host")) == top]
+    return senders[0] if senders else max(count, key=count.get)
+
+
+def classify(state: str, statuses: Mapping[int, dict], size: int, report: dict | None) -> Verdict:
+    """Whether a job that ended in ``state`` (normalized) with these rank records and hang report
+    (``hang-report.json`` as a dict, or None) failed for a node-level cause; see the module doc."""
+    if state == "COMPLETED" and len(statuses) == size and not any(s.get("exit_code") for s in statuses.values()):
+        return Verdict(False, "completed")
+    if state in NOT_A_FAULT:
+        return Verdict(False, f"the job ended {state}, which is no node fault")
+    headline = (report or {}).get("headline")
+    own = _own_errors(statuses, headline)
+    if own:
+        s = own[0]
+        what = s.get("error") or f"exited with code {s.get('exit_code')}"
+        first = str(what).strip().splitlines()[-1] if str(what).strip() else what
+        return Verdict(False, f"code error: rank {s.get('rank')} on {s.get('host', '?')}: {first}")
+    if report:
+        cats = report.get("categories") or {}
+        hosts = list(report.get("hosts") or [])
+        ranks = sorted({r for c in NODE_CATEGORIES for r in cats.get(c) or []})
+        nodes = [hosts[r] for r in ranks if 0 <= r < len(hosts)]
+        if not nodes and report.get("links"):
+            one = _link_node(report["links"])
+            nodes = [one] if one else []
+        nodes = list(dict.fromkeys(nodes))
+        if not nodes:
+            return Verdict(False, f"code-level hang: {headline}")
+        if hosts and set(nodes) >= set(hosts):
+            return Verdict(False, f"{headline}: every node of the job is blamed, which is no single bad node")
+        return Verdict(True, headline or "a node-level fault", tuple(nodes))
+    if state == "NODE_FAIL":
+        return Verdict(True, "the scheduler marked a node of the job failed (NODE_FAIL)")
+    return Verdict(False, f"the job ended {state} with no diagnosis naming a node")
+
+
+def check_hosts(nodes, where: str) -> list[str]:
+    """Host names fit to write into a job script (``--exclude``, ``select[hname!=...]``)."""
+    out = []
+    for h in nodes:
+        if not isinstance(h, str) or not _HOST.fullmatch(h):
+            raise UsageError(f"{where}: {envvars.shown(h)} is not a host name a scheduler accepts",
+                             hint="host names are letters, digits, '.', '_' and '-'")
+        out.append(h)
+    return out
+
+
+def max_restarts(cli: int | None, site, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """(N, where it came from): ``--max-restarts`` > HPCRING_MAX_RESTARTS > site
+    ``defaults.max_restarts`` > 0."""
+    if cli is not None:
+        return envvars.check_number("--max-restarts", cli, lo=0, hi=MAX_RESTARTS, integer=True), "cli"
+    env = envvars.get("HPCRING_MAX_RESTARTS", environ, default=None)
+    if env is not None:
+        return env, "env HPCRING_MAX_RESTARTS"
+    n = getattr(site.config.defaults, "max_restarts", 0)
+    return (n, f"site {site.name}") if n else (0, "default")
+
+
+MAX_RESTARTS = 100
+
+
+# ---- the chain --------------------------------------------------------------------------------
+
+def read_chain(folder: str | Path) -> list[dict]:
+    """The chain recorded in a job folder (empty when the job was never part of one)."""
+    try:
+        data = json.loads((Path(folder) / CHAIN_FILE).read_text())
+        return list(data["attempts"]) if isinstance(data, dict) else []
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def write_chain(chain: list[dict]) -> None:
+    """The whole chain into every attempt's folder: ``status`` of any attempt shows all of it."""
+    for a in chain:
+        try:
+            write_json(Path(a["folder"]) / CHAIN_FILE, {"attempts": chain}, indent=1)
+        except OSError:
+            pass                   # a folder gone (cleaned up): the others still say it
+
+
+def chain_lines(chain: list[dict]) -> list[str]:
+    """``attempt 0  job 101  FAILED: <cause>  -> restarted`` lines for ``hpcring status``."""
+    out = []
+    for a in chain:
+        excl = f"  excluding {','.join(a['excluded'])}" if a.get("excluded") else ""
+        end = f"  ended: {a['cause']}" if a.get("cause") else ""
+        then = f"  -> {a['decision']}" if a.get("decision") else ""
+        out.append(f"attempt {a['attempt']}  job {a['job']}{excl}{end}{then}")
+    return out
+
+
+# ---- the follow loop --------------------------------------------------------------------------
+
+def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: Callable,
+                      info: Callable[[str], None], template: str | None = None):
+    """Follow ``rec`` (``follow(rec) -> Outcome``); while it ends with a node-level fault and
+    fewer than ``limit`` restarts were made, resubmit it (``submit(site, job, template) ->
+    JobRecord``) with the blamed nodes excluded and follow that. Returns (last record, its outcome)."""
+    from hpcring import submit as lib
+    chain = [{"attempt": 0, "job": rec.job_id, "key": rec.key, "folder": rec.folder, "excluded": list(job.exclude)}]
+    write_chain(chain) if limit else None
+    attempt = 0
+    while True:
+        oc = follow(rec)
+        if oc.ok or not limit:
+            if limit:
+                chain[-1].update(cause="COMPLETED" if oc.ok else None)
+                write_chain(chain)
+            return rec, oc
+        report = _report(rec)
+        v = classify(oc.state.state, lib.rank_statuses(rec), rec.ntasks, report)
+        chain[-1]["cause"] = f"{oc.state.state}: {v.cause}"
+        if not v.restart:
+            chain[-1]["decision"] = "not restarted (no node-level fault)"
+            write_chain(chain)
+            info(f"job {rec.job_id}: not restarted: {v.cause}")
+            return rec, oc
+        if attempt >= limit:
+            chain[-1]["decision"] = f"not restarted: --max-restarts {limit} used up"
+            write_chain(chain)
+            info(f"job {rec.job_id}: node-level fault ({v.cause}), but {limit} restart(s) were already made "
+                 f"(--max-restarts {limit})")
+            return rec, oc
+        attempt += 1
+        job = _next_job(site, job, v, attempt)
+        if site.config.scheduler == "local":
+            note = "the local backend has one machine, no node to exclude: restarting as is"
+        else:
+            note = "excluding " + ",".join(job.exclude) if job.exclude else "no node named to exclude"
+        chain[-1]["decision"] = f"restarted as attempt {attempt}"
+        info(f"job {rec.job_id}: node-level fault: {v.cause}; restart {attempt} of at most {limit} ({note})")
+        rec = submit(site, job, template)
+        chain.append({"attempt": attempt, "job": rec.job_id, "key": rec.key, "folder": rec.folder,
+                      "excluded": list(job.exclude), "restart_of": chain[-1]["job"]})
+        write_chain(chain)
+        info(f"Submitted job {rec.job_id} [{rec.key}] (attempt {attempt}); logs in {rec.folder}")
+
+
+def _report(rec) -> dict | None:
+    """The latest run's hang report (submit.hang_headline's freshness rule), as a dict."""
+    from hpcring import submit as lib
+    hang = lib.hang_headline(rec)
+    if hang is None:
+        return None
+    try:
+        return json.loads((Path(rec.folder) / "diag" / "hang-report.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _next_job(site, job, v: Verdict, attempt: int):
+    """The same submission, the blamed nodes added to the excluded ones (not on the local
+    backend: one machine), a fresh secret (the last one went with the ended job), and the
+    restart count the ranks read."""
+    nxt = copy.deepcopy(job)
+    if site.config.scheduler != "local":
+        nxt.exclude = list(dict.fromkeys([*job.exclude, *check_hosts(v.nodes, "restart: blamed node")]))
+    nxt.env = {k: val for k, val in job.env.items() if k != "HPCRING_SECRET_FILE"}
+    nxt.env["HPCRING_RESTART_COUNT"] = str(attempt)
+    return nxt
