@@ -142,6 +142,7 @@ def handoff_env(session: Session) -> dict[str, str]:
     t = session.topology
     data = {k: v for k, v in dataclasses.asdict(t).items() if k != "sources"}
     data["store"] = [t.master_addr, session.store.port]
+    data["rendezvous"] = t.sources.get("rendezvous", "?")   # how the parent met: store or pmix
     return {HANDOFF_VAR: json.dumps(data)}
 
 
@@ -152,7 +153,9 @@ def _from_handoff(text: str) -> Session:
     data = json.loads(text)
     host, port = data.pop("store")
     data["hosts"] = tuple(data["hosts"])
-    topo = Topology(**data, sources={"*": f"{HANDOFF_VAR} (from the parent hpcring rank process)"})
+    met = data.pop("rendezvous", "?")
+    topo = Topology(**data, sources={"*": f"{HANDOFF_VAR} (from the parent hpcring rank process)",
+                                     "rendezvous": met})
     secret = load_secret()
     return Session(topo, StoreClient(host, port, secret, timeout=30.0), secret)
 

@@ -18,6 +18,7 @@ How rank 0's address and port are found (the chicken-and-egg of rendezvous):
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ log = logging.getLogger("hpcring.bootstrap.init")
 PORT_TRIES = 8
 STRICT_PORT_ORDER_S = 3.0   # before this, stop a connect round at the first refused port
 OWN_PROCESS_MIN_RANKS = 256  # from this job size on, rank 0 serves the store from a child process
+PMIX_INIT_TIMEOUT_S = 10.0  # PMIx_Init talks to the local server only; longer means it is not answering
 GATHER_MARGIN_S = 2.0       # rank 0 gives up this much before the others, to tell them who is missing
 last_timings: dict[str, float] = {}   # seconds since init_bootstrap started, for benchmarks
 
@@ -84,11 +86,16 @@ def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
     candidates = netif.select_candidates(netif.list_interfaces(), spec)
     ports = _store_ports(topo, env, port_range)
 
-    client = _open_store(topo, env, ports, secret, deadline)
-    client.timeout = max(1.0, deadline - time.monotonic())
-    last_timings["connected"] = time.monotonic() - t0
-
-    hosts = _gather_hosts(client, topo, deadline)
+    pmx = _pmix_client(topo, env, secret, deadline)
+    last_timings["rendezvous_chosen"] = time.monotonic() - t0   # PMIx_Init's cost, when it ran
+    if pmx is None:
+        client = _open_store(topo, env, ports, secret, deadline)
+        client.timeout = max(1.0, deadline - time.monotonic())
+        last_timings["connected"] = time.monotonic() - t0
+        hosts = _gather_hosts(client, topo, deadline)
+    else:   # hosts and the store's address through one PMIx fence: no port search, no master address
+        client, hosts = _meet_through_pmix(pmx, topo, ports, secret, candidates, deadline)
+        last_timings["connected"] = time.monotonic() - t0
     last_timings["met"] = time.monotonic() - t0
 
     try:
@@ -105,13 +112,88 @@ def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
     done = _complete(topo, hosts).with_(
         interface=table[topo.rank].interface, address=table[topo.rank].address,
         master_addr=master["addr"], master_port=master["framework_port"])
-    done = done.with_(sources={**done.sources, "master_addr": "store:init/master (rank 0's verified interface)",
+    done = done.with_(sources={**done.sources, "rendezvous": f"pmix {pmx.namespace}" if pmx else "store",
+                               "master_addr": "store:init/master (rank 0's verified interface)",
                                "master_port": "store:init/master (free port above the store's)",
                                "interface": f"verified ({verify})", "address": "verified"})
     return done, client
 
 
 # ----------------------------------------------------------------------------------- steps
+
+def _pmix_client(topo: Topology, env: Mapping[str, str], secret: bytes, deadline: float):
+    """A PMIx client when HPCRING_RENDEZVOUS (auto|store|pmix) and the launcher allow one, else None
+    (the store); ``pmix`` refuses to fall back, ``auto`` logs why it did."""
+    mode = envvars.get("HPCRING_RENDEZVOUS", env)
+    if mode == "store":
+        return None
+    from hpcring.bootstrap import pmix
+    reason, level = None, logging.INFO
+    if not pmix.present(env):
+        reason = "no PMIx server in this process's environment (PMIX_NAMESPACE, PMIX_RANK, PMIX_SERVER_URI*)"
+    elif topo.launcher in ("torchrun", "local") or env.get("PMIX_RANK") != str(topo.rank):
+        # an inner launcher (torchrun under srun --mpi=pmix) forks ranks that share one PMIx identity
+        reason = f"ranks come from {topo.launcher} (rank {topo.rank}), not from the PMIx launcher (PMIX_RANK={env.get('PMIX_RANK')})"
+    else:
+        try:
+            c = pmix.PmixClient(secret, timeout=min(PMIX_INIT_TIMEOUT_S, max(0.1, time_left(deadline))),
+                                library=envvars.get("HPCRING_PMIX_LIBRARY", env))
+            if (c.rank, c.size) == (topo.rank, topo.size):
+                log.info("rendezvous through PMIx (%s, namespace %s)", c.version.split(" (")[0], c.namespace)
+                atexit.register(c.finalize)
+                return c
+            c.finalize()
+            reason = f"PMIx says rank {c.rank} of {c.size}, the launcher rank {topo.rank} of {topo.size}"
+        except BootstrapError as e:
+            reason, level = e.message, logging.WARNING
+    if mode == "pmix":
+        raise BootstrapError(f"HPCRING_RENDEZVOUS=pmix, but PMIx cannot be used: {reason}",
+                             hint="start the ranks with srun --mpi=pmix or jsrun, or set HPCRING_RENDEZVOUS=auto")
+    log.log(level, "rendezvous through the store: %s", reason)
+    return None
+
+
+def _meet_through_pmix(pmx, topo: Topology, ports: list[int], secret: bytes, candidates,
+                       deadline: float) -> tuple[StoreClient, list[str]]:
+    """Rank 0 starts the store, then every rank publishes its host (rank 0 also the store's port and
+    its addresses) and one fence hands everyone all of it; the others connect straight to the store.
+    The store still serves interface verification, init/master, the ring's addresses, the watchdog."""
+    known = len(topo.hosts) == topo.size and topo.hosts[topo.rank] not in ("", "?")
+    card = {"host": topo.hosts[topo.rank] if known else socket.gethostname()}
+    client = None
+    if topo.rank == 0:
+        server = _start_server(ports, secret, ranks=topo.size)
+        card["store"] = {"port": server.port, "addrs": list(dict.fromkeys(
+            [c.address for c in candidates] + [card["host"]]))}
+        client = StoreClient("127.0.0.1", server.port, secret, timeout=max(1.0, time_left(deadline)))
+        client.server = server
+    cards = [json.loads(v) for v in pmx.exchange({"card": json.dumps(card).encode()}, "card",
+                                                 timeout=time_left(deadline))]
+    hosts = [str(c["host"]) for c in cards]
+    if client is None:
+        store = cards[0].get("store") or {}
+        client = _connect_store_at(store.get("addrs", []), int(store.get("port", 0)), secret, deadline)
+    client.timeout = max(1.0, time_left(deadline))
+    return client, hosts
+
+
+def _connect_store_at(addrs: list[str], port: int, secret: bytes, deadline: float) -> StoreClient:
+    """Rank 0's store at one of the addresses it published; the handshake proves it is ours."""
+    seen: dict[str, str] = {}
+    while True:
+        for addr in addrs:
+            try:
+                return StoreClient(addr, port, secret, timeout=min(2.0, max(0.1, time_left(deadline))),
+                                   connect_retry=False)
+            except BootstrapError as e:   # StoreAuthError included: someone else answers there
+                seen[addr] = e.message
+        if time_left(deadline) <= 0 or not addrs:
+            raise BootstrapError(
+                f"could not reach rank 0's rendezvous store at port {port} on any address it published "
+                f"through PMIx: " + ("; ".join(f"{a}: {m}" for a, m in seen.items()) or "none published"),
+                hint="rank 0's addresses must be reachable from every node; HPCRING_IFNAME picks the interfaces")
+        time.sleep(min(0.2, max(0.0, time_left(deadline))))
+
 
 def _detect(env: Mapping[str, str]) -> Topology:
     return launchers.detect(env)

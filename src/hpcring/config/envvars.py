@@ -103,6 +103,12 @@ VARS: tuple[Var, ...] = (
        "slower ranks, seconds", 0, 3600),
     _v("HPCRING_IFNAME", "str", None, "interfaces hpcring's rendezvous and ring may use (NCCL "
        "syntax: `ib`, `=eth0`, `^docker`); set from the site config's fabric"),
+    _v("HPCRING_RENDEZVOUS", "choice", "auto", "how ranks meet at init: `pmix` takes hosts and rank "
+       "0's store address from the launcher's PMIx (srun --mpi=pmix, jsrun), `store` finds the store "
+       "by its derived port, `auto` uses PMIx when present and working, else the store",
+       choices=("auto", "store", "pmix")),
+    _v("HPCRING_PMIX_LIBRARY", "path", None, "the PMIx client library to load (unset: libpmix.so.2 "
+       "from the system)"),
     _v("HPCRING_VERIFY", "choice", "ring", "how interfaces are verified at init",
        choices=("ring", "all", "none")),
     _v("HPCRING_MASTER_ADDR", "str", None, "address of rank 0's node (else MASTER_ADDR, else the "
