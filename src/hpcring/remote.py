@@ -226,7 +226,8 @@ def resolve(cli: str | None, site, environ: Mapping[str, str] | None = None) -> 
     hpcring = (env.get(ENV_REMOTE_HPCRING) or "").strip() or (sect.hpcring if sect and sect.hpcring else "hpcring")
     why = hpcring_problem(hpcring)
     if why:
-        raise UsageError(f"{'environment variable ' + ENV_REMOTE_HPCRING if env.get(ENV_REMOTE_HPCRING) else 'remote.hpcring'}: {why}",
+        where = f"environment variable {ENV_REMOTE_HPCRING}" if env.get(ENV_REMOTE_HPCRING) else "remote.hpcring"
+        raise UsageError(f"{where}: {why}",
                          hint="name the hpcring command on the login node")
     base = Target(host="", user=sect.user if sect else None, port=sect.port if sect else None,
                   ssh_options=tuple(sect.ssh_options) if sect else (),
@@ -372,7 +373,8 @@ def read_ignore(folder: Path) -> list[str]:
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror or exc}", hint="fix its permissions or remove it") from None
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}",
+                         hint="fix its permissions or remove it") from None
     if len(data) > 1 << 20:
         raise UsageError(f"{path} is {len(data)} bytes; an ignore file is a list of patterns (at most 1 MiB)",
                          hint="keep one gitignore-style pattern per line")
@@ -408,6 +410,9 @@ def _ssh_failure(target: Target, stderr: str, what: str) -> RemoteError:
                        hint="run the same ssh by hand with -v to see why")
 
 
+_PACKAGES = {"ssh": "openssh-client", "rsync": "rsync"}
+
+
 @dataclass
 class Outcome:
     code: int
@@ -438,7 +443,7 @@ def run(argv: list[str], *, timeout: float | None, stream: bool = False,
                                 errors="replace", bufsize=1)
     except FileNotFoundError:
         raise RemoteError(f"{argv[0]} is not installed on this machine",
-                          hint=f"install it (Debian: apt-get install {'openssh-client' if argv[0] == 'ssh' else argv[0]})") from None
+                          hint=f"install it (Debian: apt-get install {_PACKAGES.get(argv[0], argv[0])})") from None
     out: list[str] = []
     err: list[str] = []
     pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout if stream else None, out, None), daemon=True),
@@ -583,7 +588,8 @@ def submit(target: Target, script: Path, words: Sequence[str], *, stream: bool) 
     return res.code
 
 
-def forward(target: Target, words: Sequence[str], *, stream: bool = True, timeout: float | None = COMMAND_TIMEOUT_S) -> int:
+def forward(target: Target, words: Sequence[str], *, stream: bool = True,
+            timeout: float | None = COMMAND_TIMEOUT_S) -> int:
     """Run ``hpcring WORDS`` on the login node, its output passed on; returns its exit code."""
     control = control_dir()
     argv = command_argv(target, control, [target.hpcring, *words])

@@ -22,8 +22,8 @@ try:
 except ImportError:                   # typer 0.2x carries its own copy of click
     from typer._click.globals import get_current_context
 
-REMOTE_HELP = ("Run on this login node over ssh: user@host:port (user@ and :port optional; default: $HPCRING_REMOTE, else the site's "
-               "remote: section; `none`: here). See docs/remote.md.")
+REMOTE_HELP = ("Run on this login node over ssh: user@host:port (user@ and :port optional; default: "
+               "$HPCRING_REMOTE, else the site's remote: section; `none`: here). See docs/remote.md.")
 
 
 def remote_option():
