@@ -17,6 +17,8 @@ PACKAGES=(
     mariadb-server   # storage for slurmdbd
     openmpi-bin      # mpirun, Open MPI built with PMIx (srun --mpi=pmix)
     libopenmpi-dev   # headers for mpi4py and native code
+    libpmix2         # PMIx client library: HPCRING_RENDEZVOUS=pmix/auto under srun --mpi=pmix (ctypes)
+    libpmix-dev      # pmix_common.h: tests/unit/test_pmix.py checks the ctypes layouts against it
     iperf3           # raw TCP throughput between nodes
     iproute2         # ip netns, veth, bridge, tc
     procps           # ps, pkill for diagnostics

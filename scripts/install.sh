@@ -28,4 +28,9 @@ fi
 spec="."
 [[ -n "${EXTRAS:-}" ]] && spec=".[${EXTRAS}]"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+# Optional at run time: without libpmix hpcring meets through its own store (HPCRING_RENDEZVOUS=auto).
+if ! ldconfig -p 2>/dev/null | grep -q 'libpmix\.so\.2'; then
+    echo "install.sh: note: libpmix.so.2 not found; to take the rendezvous from PMIx (srun --mpi=pmix, jsrun):" \
+         "apt-get install libpmix2"
+fi
 echo "install.sh: hpcring installed in $(pwd)/.venv (run .venv/bin/hpcring --help)"
