@@ -28,7 +28,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from hpcring.ranks import ranks_label, who
+from hpcring.ranks import rank_ranges, ranks_label, who
 
 CATEGORIES = ("dead", "unreachable", "exited", "mismatch", "different", "missing", "joined")
 _LINK = re.compile(r"(send to|recv from) rank (\d+) \(([^)]*)\) (.*?), (\d+)/(\d+) bytes done")
@@ -38,19 +38,30 @@ _GONE = ("closed by peer", "reset", "EOF", "Broken pipe", "broken pipe", "connec
 
 
 MAX_LINES = 8     # findings listed one by one per category; more share lines (one screen at 4096 ranks)
+MAX_RANGES = 8    # rank ranges written out in one list before it is cut
+
+
+def _label(ranks) -> str:
+    """:func:`ranks_label`, cut to its first ranges when ranks are scattered (one line at any size)."""
+    parts = rank_ranges(ranks).split(",")
+    if len(parts) <= MAX_RANGES:
+        return ranks_label(ranks)
+    return f"{len(set(ranks))} ranks ({','.join(parts[:MAX_RANGES])},...)"
 
 
 def _who(ranks, hosts) -> str:
-    """:func:`who`; once there are many hosts, in hostlist syntax and rank order (``node[1-512]``)."""
-    seen = dict.fromkeys(hosts[r] for r in sorted(ranks) if r < len(hosts))
-    if len(seen) <= 4:
+    """:func:`who`; once there are many hosts or ranges: hostlist syntax in rank order
+    (``node[1-512]``), both cut to fit a line (``hang-report.json`` has every rank)."""
+    seen = list(dict.fromkeys(hosts[r] for r in sorted(ranks) if r < len(hosts)))
+    if len(seen) <= 4 and len(rank_ranges(ranks).split(",")) <= MAX_RANGES:
         return who(ranks, hosts)
     from hpcring.bootstrap.hostlist import compress
     from hpcring.errors import HpcringError
     try:
-        return f"{ranks_label(ranks)} ({compress(list(seen))})"
+        names = compress(seen) if len(seen) > 4 else ", ".join(seen)
     except HpcringError:
-        return who(ranks, hosts, compress=True)
+        names = ", ".join(seen)
+    return f"{_label(ranks)} ({names if len(names) <= 60 else f'{len(seen)} hosts'})"
 
 
 def _mib(n: int) -> str:
@@ -128,10 +139,10 @@ class Report:
             groups.setdefault(w, []).append(r)
         ordered = sorted(groups.items(), key=lambda kv: min(kv[1]))
         for w, ranks in ordered[:2 * MAX_LINES]:
-            lines.append(f"  where     : {ranks_label(ranks)}: {w}")
+            lines.append(f"  where     : {_label(ranks)}: {w}")
         if len(ordered) > 2 * MAX_LINES:
             rest = [r for _, rs in ordered[2 * MAX_LINES:] for r in rs]
-            lines.append(f"  where     : {ranks_label(rest)}: {len(ordered) - 2 * MAX_LINES} more places "
+            lines.append(f"  where     : {_label(rest)}: {len(ordered) - 2 * MAX_LINES} more places "
                          "(hang-report.json)")
         if not self.side_channel:
             lines.append("  note      : the side channel (rank 0's store) was unreachable: this is one rank's view")
