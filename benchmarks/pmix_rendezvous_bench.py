@@ -27,9 +27,13 @@ ROW = re.compile(r"RESULT rank=(\d+) size=(\d+) host=\S+ rendezvous=(\S+)(?: \S+
 def one(nodes: int, per_node: int, mode: str, secret: Path, lead: float) -> tuple[float, str] | None:
     env = dict(os.environ, HPCRING_SECRET_FILE=str(secret), PYTHONPATH=str(ROOT / "src"),
                HPCRING_RENDEZVOUS=mode, PMIX_WORKER_GATE=str(time.time() + lead))
-    r = subprocess.run(["srun", "--mpi=pmix", f"-N{nodes}", f"--ntasks-per-node={per_node}", "--time=3",
-                        sys.executable, str(ROOT / "tests" / "pmix_rendezvous_worker.py")],
-                       capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    try:
+        r = subprocess.run(["srun", "--mpi=pmix", f"-N{nodes}", f"--ntasks-per-node={per_node}", "--time=3",
+                            sys.executable, str(ROOT / "tests" / "pmix_rendezvous_worker.py")],
+                           capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        raise SystemExit(f"{mode} {nodes}x{per_node}: srun did not end in 240 s:\n"
+                         f"{(e.stdout or b'')[-2000:]!r}\n{(e.stderr or b'')[-2000:]!r}") from None
     rows = ROW.findall(r.stdout)
     n = nodes * per_node
     if r.returncode != 0 or len(rows) != n or not all(x[5] == "1" for x in rows):

@@ -238,3 +238,18 @@ def test_store_address_from_pmix_is_authenticated_by_the_store_handshake():
     finally:
         real.close()
         fake.close()
+
+
+def test_after_a_fence_timeout_the_ranks_whose_data_cannot_be_fetched_are_named():
+    store = {(r, "pmix.hname"): f"node{r + 1}".encode() for r in range(3)}
+    store[(1, "hpcring.card")] = _blob(1, "card", b"{}")
+    c = _FakeClient(store)   # this is rank 0 of 3; rank 1 published, rank 2 did not
+    assert c._who_is_missing("card", 1.0).endswith("1 of 3 ranks did not publish their data (probed through "
+                                                   "PMIx within 1 s): rank 2 on node3")
+    store[(2, "hpcring.card")] = _blob(2, "card", b"{}", secret=b"t" * 32)   # a forgery counts as missing
+    assert c._who_is_missing("card", 1.0).endswith("rank 2 on node3")
+    store[(2, "hpcring.card")] = _blob(2, "card", b"{}")
+    assert "a PMIx server did not finish the fence" in c._who_is_missing("card", 1.0)
+    del store[(1, "hpcring.card")], store[(2, "hpcring.card")]   # nothing fetchable: no clue, no false names
+    assert c._who_is_missing("card", 1.0) == ("PMIx does not say which ranks are missing (no peer's data "
+                                              "could be fetched before the fence)")

@@ -109,7 +109,7 @@ def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
     master = _agree_master(client, topo.rank, table, deadline)
     last_timings["verified"] = time.monotonic() - t0
 
-    done = _complete(topo, hosts).with_(
+    done = _complete(topo, hosts, "pmix:hpcring.card" if pmx else "store:init/hosts").with_(
         interface=table[topo.rank].interface, address=table[topo.rank].address,
         master_addr=master["addr"], master_port=master["framework_port"])
     done = done.with_(sources={**done.sources, "rendezvous": f"pmix {pmx.namespace}" if pmx else "store",
@@ -199,9 +199,9 @@ def _detect(env: Mapping[str, str]) -> Topology:
     return launchers.detect(env)
 
 
-def _complete(topo: Topology, hosts: list[str]) -> Topology:
+def _complete(topo: Topology, hosts: list[str], source: str = "store:init/hosts") -> Topology:
     """Fill node fields (and unknown local ranks) from the gathered hosts."""
-    return launchers.complete(topo, hosts, source="store:init/hosts")
+    return launchers.complete(topo, hosts, source=source)
 
 
 def _interface_spec(interface: str | None, env: Mapping[str, str], topo: Topology) -> str | None:
