@@ -81,7 +81,7 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     """Start the ranks, wait for them, and return 0 or raise JobFailedError naming the first failure.
     ``timeout`` (--timeout): the collective deadline, applied as submit does (CLI > HPCRING_TIMEOUT >
     site > default) and handed to the ranks as HPCRING_TIMEOUT.
-    ``container`` (schedulers.container.ContainerRun): every rank, hpcring's rank_exec included,
+    ``container`` (config.container.ContainerRun): every rank, hpcring's rank_exec included,
     runs in that image, with the run folder (status files, the secret) bound at its own path."""
     env_in = dict(os.environ if environ is None else environ)
     if not cmd:

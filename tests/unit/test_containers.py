@@ -22,6 +22,7 @@ from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import ConfigError, UsageError
 from hpcring.render import render_script
+from hpcring.config import container as cc
 from hpcring.schedulers import container as ct, lsf, slurm
 from hpcring.schedulers.launch_words import LaunchRequest, Shell
 
@@ -32,7 +33,7 @@ IMG = "/images/a b$(x)"   # never valid (white space), used only through Contain
 
 
 def _run(runtime, **kw):
-    return ct.ContainerRun(runtime, kw.pop("image", "/img/train.sif"), **kw)
+    return cc.ContainerRun(runtime, kw.pop("image", "/img/train.sif"), **kw)
 
 
 # -- the words per runtime ----------------------------------------------------------------------
@@ -121,7 +122,7 @@ def test_charliecloud_mount_options_are_refused(tmp_path):
         _site(tmp_path, "devcluster.yaml", "container: {runtime: charliecloud, image: /i, mounts: [/a, '/b:/b:ro']}\n")
     site = _site(tmp_path, "devcluster.yaml", "container: {runtime: charliecloud, image: /i}\n")
     with pytest.raises(UsageError, match="--container-mounts: mount '/c:/c:ro'"):
-        ct.resolve(site.config.container, mounts=["/c:/c:ro"], environ={})
+        cc.resolve(site.config.container, mounts=["/c:/c:ro"], environ={})
 
 
 @pytest.mark.parametrize("runtime,flag", [("apptainer", "--cleanenv"), ("singularity", "-e"),
@@ -178,26 +179,26 @@ SITE_BOX = "container: {runtime: apptainer, image: /site.sif, mounts: ['/data:/d
 def test_precedence_cli_env_site(tmp_path):
     site = _site(tmp_path, "devcluster.yaml", SITE_BOX)
     cfg = site.config.container
-    assert ct.resolve(cfg, environ={}).image == "/site.sif"
-    assert ct.resolve(cfg, environ={ct.ENV_IMAGE: "/env.sif"}).image == "/env.sif"
-    assert ct.resolve(cfg, "/cli.sif", environ={ct.ENV_IMAGE: "/env.sif"}).image == "/cli.sif"
-    got = ct.resolve(cfg, mounts=["/y:/in:ro,/z"], environ={ct.ENV_MOUNTS: "/e"})
+    assert cc.resolve(cfg, environ={}).image == "/site.sif"
+    assert cc.resolve(cfg, environ={cc.ENV_IMAGE: "/env.sif"}).image == "/env.sif"
+    assert cc.resolve(cfg, "/cli.sif", environ={cc.ENV_IMAGE: "/env.sif"}).image == "/cli.sif"
+    got = cc.resolve(cfg, mounts=["/y:/in:ro,/z"], environ={cc.ENV_MOUNTS: "/e"})
     assert got.mounts == ("/data:/data", "/y:/in:ro", "/z")      # same destination: the flag's wins
-    assert ct.resolve(cfg, environ={ct.ENV_MOUNTS: "/e:/e2"}).mounts == ("/data:/data", "/x:/in", "/e:/e2")
-    assert ct.resolve(cfg, "/cli.sif", no_container=True, environ={}) is None
-    assert ct.resolve(cfg, environ={ct.ENV_NONE: "1"}) is None
-    assert ct.resolve(cfg, no_container=False, environ={ct.ENV_NONE: "1"}).image == "/site.sif"   # CLI wins
-    assert ct.resolve(None, environ={}) is None
+    assert cc.resolve(cfg, environ={cc.ENV_MOUNTS: "/e:/e2"}).mounts == ("/data:/data", "/x:/in", "/e:/e2")
+    assert cc.resolve(cfg, "/cli.sif", no_container=True, environ={}) is None
+    assert cc.resolve(cfg, environ={cc.ENV_NONE: "1"}) is None
+    assert cc.resolve(cfg, no_container=False, environ={cc.ENV_NONE: "1"}).image == "/site.sif"   # CLI wins
+    assert cc.resolve(None, environ={}) is None
 
 
 def test_image_without_a_runtime_is_an_error(tmp_path):
     site = _site(tmp_path, "devcluster.yaml", "")
     with pytest.raises(UsageError, match="--container-image '/x.sif': site s has no container section"):
-        ct.resolve(site.config.container, "/x.sif", environ={}, site_name="s")
+        cc.resolve(site.config.container, "/x.sif", environ={}, site_name="s")
     with pytest.raises(UsageError, match=r"\$HPCRING_CONTAINER_IMAGE '/x.sif'"):
-        ct.resolve(None, environ={ct.ENV_IMAGE: "/x.sif"}, site_name="s")
+        cc.resolve(None, environ={cc.ENV_IMAGE: "/x.sif"}, site_name="s")
     with pytest.raises(UsageError, match="no container image"):
-        ct.resolve(None, mounts=["/a"], environ={}, site_name="s")
+        cc.resolve(None, mounts=["/a"], environ={}, site_name="s")
 
 
 def test_render_shows_the_flags(tmp_path):
@@ -331,7 +332,7 @@ def test_hpcring_run_ranks_use_the_sites_python_inside_an_image(tmp_path, monkey
     monkeypatch.setattr(allocation, "_verdict", lambda *a, **k: 0)
     site = _site(tmp_path, "local.yaml", "python: /opt/img/bin/python\n"
                  "container: {runtime: charliecloud, image: /img}\n")
-    box = ct.resolve(site.config.container, environ={})
+    box = cc.resolve(site.config.container, environ={})
     allocation.run(["true"], site, 1, 1, environ={}, container=box)
     allocation.run(["true"], site, 1, 1, environ={}, container=None)
     inside, host = started

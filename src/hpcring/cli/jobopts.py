@@ -73,8 +73,8 @@ class JobRequest:
 
 
 def container_of(site, image: Optional[str], mounts: list[str], no_container: Optional[bool]):
-    """The job's container (schedulers.container.resolve: CLI > HPCRING_CONTAINER_IMAGE/_MOUNTS > site)."""
-    from hpcring.schedulers.container import resolve
+    """The job's container (config.container.resolve: CLI > HPCRING_CONTAINER_IMAGE/_MOUNTS > site)."""
+    from hpcring.config.container import resolve
     return resolve(site.config.container, image, mounts, no_container, site_name=site.name)
 
 

@@ -72,7 +72,7 @@ class JobSpec:
     sched_args: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # per-job additions (e.g. HPCRING_SECRET_FILE)
-    container: Any = None   # schedulers.container.ContainerRun: the image the ranks start in, or None
+    container: Any = None   # config.container.ContainerRun: the image the ranks start in, or None
     array: ArraySpec | None = None       # --array / --sweep: each task a whole job (config/arrays.py)
     sweep: list[dict] | None = None      # per task index: the values passed as --NAME VALUE
     dependency: Dependency | None = None
@@ -201,7 +201,7 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
     check_limits(site, spec)
     # the image from HPCRING_CONTAINER_IMAGE or the site (JobRequest.resolve puts the flags on top);
     # imported here: the container words live beside the launcher's, in schedulers/
-    from hpcring.schedulers.container import resolve as container_of
+    from hpcring.config.container import resolve as container_of
     spec.container = container_of(site.config.container, environ=env, site_name=site.name)
     return spec
 

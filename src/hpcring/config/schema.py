@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from hpcring.config import envvars
+from hpcring.config.container import RUNTIMES
 from hpcring.config.envvars import DEFAULT_TIMEOUT, MAX_TIMEOUT
 from hpcring.config.slurmtime import time_to_minutes  # noqa: F401  (re-exported)
 
@@ -258,7 +259,7 @@ class Container(_Strict):
     """The image every rank starts in (docs/containers.md); ``--container-image`` and
     ``--container-mounts`` override, ``--no-container`` turns it off for one job."""
 
-    runtime: Literal["pyxis", "apptainer", "singularity", "charliecloud", "podman"]
+    runtime: Literal[RUNTIMES]
     image: str | None = None        # None: only with --container-image (else ranks run on the host)
     mounts: list[str] = []          # SRC[:DST[:OPTIONS]], absolute paths; the job folder is added
     workdir: str | None = None      # the ranks' working directory inside the image
@@ -267,7 +268,7 @@ class Container(_Strict):
     @field_validator("image")
     @classmethod
     def _image(cls, v):
-        from hpcring.schedulers.container import image_problem   # standard library only
+        from hpcring.config.container import image_problem
         why = v is not None and image_problem(v)
         if why:
             raise ValueError(f"image {why}")
@@ -276,7 +277,7 @@ class Container(_Strict):
     @field_validator("mounts")
     @classmethod
     def _mounts(cls, v):
-        from hpcring.schedulers.container import mount_problem
+        from hpcring.config.container import mount_problem
         for i, m in enumerate(v):
             why = mount_problem(m)
             if why:

@@ -46,7 +46,7 @@ class LaunchRequest:
     logs: str | None = None
     size_step: bool = False
     hostfile: str = HOSTFILE
-    container: object = None   # schedulers.container.ContainerRun: every rank inside that image
+    container: object = None   # config.container.ContainerRun: every rank inside that image
 
     @property
     def ntasks(self) -> int:
