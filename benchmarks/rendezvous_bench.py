@@ -57,7 +57,7 @@ def local_env(rank: int, size: int, per_node: int, job_id: str, secret: Path) ->
 
 def run(size: int, per_node: int, verify: str, timeout: float) -> dict[str, float]:
     sys.path.insert(0, SRC)
-    from hpcring.bootstrap.store import new_secret_file
+    from hpcring.bootstrap.auth import new_secret_file
     if size % per_node:
         raise SystemExit(f"--ranks {size} must be a multiple of --per-node {per_node}")
     secret = new_secret_file(tempfile.mkdtemp(prefix="hpcring-bench-"))

@@ -83,7 +83,7 @@ def make_case(op: str, n: int, rank: int, count: int):
 
 
 def child(rank, n, port, args, q):
-    from hpcring.bootstrap.store import StoreClient
+    from hpcring.bootstrap.store_client import StoreClient
     from hpcring.bootstrap.topology import Topology
     from hpcring.collectives import Communicator
     # --transport tcp: every rank on a "host" of its own, so ranks talk over loopback TCP;
@@ -127,7 +127,7 @@ def child(rank, n, port, args, q):
 
 
 def run_ring(args) -> list:
-    from hpcring.bootstrap.store import StoreServer
+    from hpcring.bootstrap.store_server import StoreServer
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with StoreServer("127.0.0.1", 0, secret=SECRET) as server:

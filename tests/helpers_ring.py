@@ -100,7 +100,7 @@ class ThreadGroup:
 # ---- multi-process runs ------------------------------------------------------------------------
 def _child(rank, size, port, secret, target, args, q, timeout, hosts=None):
     try:
-        from hpcring.bootstrap.store import StoreClient
+        from hpcring.bootstrap.store_client import StoreClient
         store = StoreClient("127.0.0.1", port, SECRET, timeout)
         try:
             comm = Communicator.create(topology(rank, size, hosts), store, secret, timeout=timeout)
@@ -120,7 +120,7 @@ def _child(rank, size, port, secret, target, args, q, timeout, hosts=None):
 def spawn_ranks(size, target, *args, timeout=30.0, secrets=None, wait=120.0, hosts=None):
     """Run target(comm, *args) in `size` spawned processes over loopback TCP with a real store.
     Returns {rank: (status, value, seconds)}; ranks that died without reporting are missing."""
-    from hpcring.bootstrap.store import StoreServer
+    from hpcring.bootstrap.store_server import StoreServer
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with StoreServer("127.0.0.1", 0, secret=SECRET) as server:

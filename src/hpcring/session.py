@@ -149,7 +149,8 @@ def handoff_env(session: Session) -> dict[str, str]:
 def _from_handoff(text: str) -> Session:
     import json
 
-    from hpcring.bootstrap.store import StoreClient, load_secret
+    from hpcring.bootstrap.auth import load_secret
+    from hpcring.bootstrap.store_client import StoreClient
     data = json.loads(text)
     host, port = data.pop("store")
     data["hosts"] = tuple(data["hosts"])

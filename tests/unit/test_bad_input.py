@@ -17,7 +17,11 @@ import pytest
 from typer.testing import CliRunner
 
 from hpcring.bootstrap import hostlist
-from hpcring.bootstrap import store as st
+from hpcring.bootstrap import auth
+from hpcring.bootstrap import store_wire as st
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.store_server import StoreServer
+from hpcring.netio import recv_exact
 from hpcring.cli.main import app
 from hpcring.config import envvars
 from hpcring.errors import HostlistError, HpcringError, UsageError
@@ -290,7 +294,7 @@ SECRET = b"bad-input-secret" * 2
 
 @pytest.fixture(scope="module")
 def store_server():
-    srv = st.StoreServer("127.0.0.1", 0, secret=SECRET)
+    srv = StoreServer("127.0.0.1", 0, secret=SECRET)
     yield srv
     srv.close()
 
@@ -299,16 +303,16 @@ def _session(srv):
     import secrets
     import socket
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
-    hello = st.recv_exact(s, 36)
+    hello = recv_exact(s, 36)
     ns, nc = hello[4:], secrets.token_bytes(32)
-    s.sendall(nc + st.client_proof(SECRET, ns, nc))
-    st.recv_exact(s, 32)
+    s.sendall(nc + auth.STORE.client_proof(SECRET, ns, nc))
+    recv_exact(s, 32)
     return s, st.session_key(SECRET, ns, nc)
 
 
 def _reply(s):
-    head = st.recv_exact(s, 36)
-    return st.recv_exact(s, struct.unpack(">I", head[:4])[0])
+    head = recv_exact(s, 36)
+    return recv_exact(s, struct.unpack(">I", head[:4])[0])
 
 
 F64 = struct.Struct(">d").pack
@@ -333,7 +337,7 @@ def test_bad_store_request_gets_an_error_and_the_store_keeps_serving(store_serve
     s.sendall(st.encode_frame(key, b"C", 0, REQUEST_CASES[case]))
     body = _reply(s)
     assert body[0] == st.ST_ERROR and len(body) > 10, body   # a reason comes with it
-    c = st.StoreClient("127.0.0.1", store_server.port, SECRET, timeout=5)
+    c = StoreClient("127.0.0.1", store_server.port, SECRET, timeout=5)
     c.set(f"alive/{case}", b"1")
     assert c.get(f"alive/{case}") == b"1"
 
@@ -354,10 +358,10 @@ def test_hostile_connection_is_dropped(store_server, case):
     before = dict(store_server.stats)
     if case in ("garbage-before-handshake", "wrong-secret"):
         s = socket.create_connection(("127.0.0.1", store_server.port), timeout=5)
-        hello = st.recv_exact(s, 36)
+        hello = recv_exact(s, 36)
         nc = secrets.token_bytes(32)
         payload = CONN_CASES[case](store_server) if callable(CONN_CASES[case]) \
-            else nc + st.client_proof(b"not the secret", hello[4:], nc)
+            else nc + auth.STORE.client_proof(b"not the secret", hello[4:], nc)
         s.sendall(payload)
     else:
         s, key = _session(store_server)
@@ -378,7 +382,7 @@ def test_hostile_connection_is_dropped(store_server, case):
         pass
     assert store_server.stats["frames"] - before["frames"] <= 1
     with pytest.raises(st.StoreAuthError):
-        st.StoreClient("127.0.0.1", store_server.port, b"not the secret", timeout=2)
+        StoreClient("127.0.0.1", store_server.port, b"not the secret", timeout=2)
 
 
 # ------------------------------------------------------------------------------ real processes
@@ -478,7 +482,7 @@ def test_bench_size_bounds():
 
 
 def test_bench_refuses_sizes_this_machine_cannot_hold(tmp_path):
-    from hpcring.bench import BenchOptions
+    from hpcring.bench.options import BenchOptions
     from hpcring.bench.run import check_host_memory
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 4194304 kB\nMemAvailable: 1048576 kB\n")    # 1 GiB available
@@ -489,7 +493,7 @@ def test_bench_refuses_sizes_this_machine_cannot_hold(tmp_path):
 
 
 def test_bench_output_paths_are_checked_before_any_rank(tmp_path):
-    from hpcring.bench import BenchOptions
+    from hpcring.bench.options import BenchOptions
     for path, word in ((tmp_path / "no" / "x.json", "does not exist"), (tmp_path, "is a folder")):
         with pytest.raises(UsageError, match=word):
             BenchOptions(json=str(path)).check()
@@ -514,7 +518,7 @@ def test_bench_plot_format_is_checked_before_the_run(tmp_path, monkeypatch):
 
 
 def test_bench_host_memory_check_follows_where_buffers_live(monkeypatch):
-    from hpcring.bench import BenchOptions
+    from hpcring.bench.options import BenchOptions
     from hpcring.bench.run import _buffers_on_host
     assert _buffers_on_host(BenchOptions(backend="nccl", memory="host"))
     assert not _buffers_on_host(BenchOptions(backend="nccl"))

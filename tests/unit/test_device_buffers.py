@@ -607,7 +607,8 @@ class _Spy:
 def gpu_comm():
     if not NL.gpu_available():
         pytest.skip("no NVIDIA GPU/cupy")
-    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.bootstrap.store_client import StoreClient
+    from hpcring.bootstrap.store_server import StoreServer
     secret = b"g" * 32
     topo = types.SimpleNamespace(rank=0, size=1, local_rank=0, host="here", hosts=("here",))
     with StoreServer("127.0.0.1", 0, secret=secret) as srv:

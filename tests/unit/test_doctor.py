@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpcring.bootstrap.store import StoreClient, StoreServer
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.store_server import StoreServer
 from hpcring.bootstrap.topology import Topology
 from hpcring.diagnostics import doctor as d
 from hpcring.errors import BootstrapError, UsageError

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpcring.bootstrap import init as bi
-from hpcring.bootstrap.store import new_secret_file
+from hpcring.bootstrap.auth import new_secret_file
 from hpcring.bootstrap.topology import Topology
 from hpcring.errors import BootstrapError, UsageError
 

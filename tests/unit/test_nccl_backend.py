@@ -88,7 +88,8 @@ def test_two_ranks_on_one_gpu_are_refused_naming_them():
 
 
 def test_gpu_sharing_check_reads_only_the_ranks_of_this_host():
-    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.bootstrap.store_client import StoreClient
+    from hpcring.bootstrap.store_server import StoreServer
     secret = b"k" * 32
     hosts = ("a", "a", "b")
     cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
@@ -234,7 +235,8 @@ needs_gpu = pytest.mark.skipif(not NL.gpu_available(), reason="no NVIDIA GPU/cup
 def test_single_rank_allreduce_on_gpu():
     import cupy
 
-    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.bootstrap.store_client import StoreClient
+    from hpcring.bootstrap.store_server import StoreServer
     from hpcring.collectives.api import Communicator
     secret = b"s" * 32
     topo = types.SimpleNamespace(rank=0, size=1, local_rank=0, host="here", hosts=("here",))
@@ -256,7 +258,8 @@ def test_torch_process_group_on_nccl_is_stream_ordered():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
-    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.bootstrap.store_client import StoreClient
+    from hpcring.bootstrap.store_server import StoreServer
     from hpcring.collectives.api import Communicator
     from hpcring.distributed.hooks import allreduce_hook
     from hpcring.distributed.process_group import ProcessGroupHpcring

@@ -13,7 +13,7 @@ import pytest
 
 from hpcring.bootstrap import netif, netif_list
 from hpcring.bootstrap.netif import Interface, InterfaceSpec, parse_spec, select_candidates
-from hpcring.bootstrap.store import StoreServer
+from hpcring.bootstrap.store_server import StoreServer
 from hpcring.errors import BootstrapError
 from hpcring.netio import recv_exact
 
@@ -176,7 +176,7 @@ def test_probe_refused_and_blackholed_fail_within_the_connect_timeout():
 
 RANK_SCRIPT = r"""
 import json, sys, time
-from hpcring.bootstrap.store import StoreClient
+from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap import netif
 from hpcring.errors import BootstrapError
 a = json.loads(sys.argv[1])

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import helpers_fake_cuda as F  # noqa: E402
 from helpers_ring import SECRET, topology  # noqa: E402
 
-from hpcring.bootstrap.store import StoreClient, StoreServer  # noqa: E402
+from hpcring.bootstrap.store_client import StoreClient  # noqa: E402
+from hpcring.bootstrap.store_server import StoreServer  # noqa: E402
 from hpcring.collectives import nccl as N  # noqa: E402
 from hpcring.collectives.api import Communicator  # noqa: E402
 from hpcring.errors import CollectiveError, UsageError  # noqa: E402

@@ -449,7 +449,8 @@ def test_striped_timeout_names_peer_and_stream():
 def test_wrong_secret_refused_at_connect():
     """A rank with a different secret is refused by its peer before anything is parsed; a raw
     connection sending junk is dropped; the setup fails with messages naming the ranks."""
-    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.bootstrap.store_client import StoreClient
+    from hpcring.bootstrap.store_server import StoreServer
     with StoreServer("127.0.0.1", 0, secret=H.SECRET) as server:
         results: dict[int, BaseException | object] = {}
 

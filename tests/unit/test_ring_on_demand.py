@@ -20,7 +20,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import helpers_ring as H  # noqa: E402
 
-from hpcring.bootstrap.store import StoreClient, StoreServer  # noqa: E402
+from hpcring.bootstrap.store_client import StoreClient  # noqa: E402
+from hpcring.bootstrap.store_server import StoreServer  # noqa: E402
 from hpcring.collectives import Communicator  # noqa: E402
 from hpcring.collectives.ring import HostLayout, node_layout, static_bound, static_peers  # noqa: E402
 from hpcring.errors import CollectiveError  # noqa: E402

@@ -56,7 +56,7 @@ def test_unknown_when_the_scheduler_cannot_answer(tmp_path, monkeypatch):
 
 _RANKS = r"""
 import os, sys, threading, time, types
-from hpcring.bootstrap.store import StoreServer
+from hpcring.bootstrap.store_server import StoreServer
 from hpcring.diagnostics.watchdog import Watchdog
 from hpcring.diagnostics.recorder import FlightRecorder
 SECRET = b"w" * 32

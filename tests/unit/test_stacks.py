@@ -184,7 +184,8 @@ def test_where_on_a_blocked_thread():
 
 
 def test_where_names_the_hpcring_call_a_thread_is_in():
-    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.bootstrap.store_client import StoreClient
+    from hpcring.bootstrap.store_server import StoreServer
     secret = os.urandom(32)
     srv = StoreServer("127.0.0.1", 0, secret=secret)
     client = StoreClient("127.0.0.1", srv.port, secret, timeout=10)

@@ -13,9 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from hpcring.bootstrap import store as st
-from hpcring.bootstrap.store import (BootstrapError, StoreAuthError, StoreClient, StoreServer,
-                                     load_secret, new_secret_file)
+from hpcring.bootstrap import auth
+from hpcring.bootstrap import store_wire as st
+from hpcring.netio import recv_exact
+from hpcring.bootstrap.auth import load_secret, new_secret_file
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.store_server import StoreServer
+from hpcring.bootstrap.store_wire import StoreAuthError
+from hpcring.errors import BootstrapError
 
 SECRET = b"0123456789abcdef" * 4
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -35,11 +40,11 @@ def client(srv, secret=SECRET, timeout=5.0):
 def raw_session(srv, secret=SECRET):
     """Do the handshake by hand; returns (socket, session key) so tests can forge frames."""
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
-    hello = st.recv_exact(s, 4 + 32)
+    hello = recv_exact(s, 4 + 32)
     assert hello[:4] == st.MAGIC
     ns, nc = hello[4:], secrets.token_bytes(32)
-    s.sendall(nc + st.client_proof(secret, ns, nc))
-    assert st.recv_exact(s, 32) == st.server_proof(secret, ns, nc)
+    s.sendall(nc + auth.STORE.client_proof(secret, ns, nc))
+    assert recv_exact(s, 32) == auth.STORE.server_proof(secret, ns, nc)
     return s, st.session_key(secret, ns, nc)
 
 
@@ -148,7 +153,7 @@ def test_barrier_timeout_says_how_many_arrived(server):
 
 def test_set_get_barrier_across_processes(server):
     code = (
-        "import sys; from hpcring.bootstrap.store import StoreClient\n"
+        "import sys; from hpcring.bootstrap.store_client import StoreClient\n"
         "r=int(sys.argv[1]); c=StoreClient('127.0.0.1', int(sys.argv[2]), sys.argv[3].encode(), timeout=20)\n"
         "c.set(f'p/{r}', str(r*r).encode()); c.add('p/count', 1); c.barrier('procs', 4, timeout=20)\n"
         "print(sum(int(c.get(f'p/{i}')) for i in range(4)))\n")
@@ -207,14 +212,14 @@ def test_frame_replayed_on_another_connection_is_rejected(server):
     assert "replayed" not in server.keys()
     s1.sendall(frame)
     assert wait_for(lambda: "replayed" in server.keys())
-    st.recv_exact(s1, 36 + 1)   # the OK reply to the genuine frame
+    recv_exact(s1, 36 + 1)   # the OK reply to the genuine frame
     s1.sendall(frame)   # same sequence number again on s1: a replay within the connection
     assert is_closed_by_server(s1)
 
 
 def test_bytes_before_handshake_are_not_interpreted(server):
     s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    st.recv_exact(s, 36)
+    recv_exact(s, 36)
     body = st.encode_request(st.OP_SET, "nohandshake", b"x")
     frame = st.HEADER.pack(len(body)) + b"\x00" * 32 + body
     s.sendall(frame * 2)   # frames where the 64-byte proof belongs
@@ -258,8 +263,8 @@ def test_truncated_frame_changes_nothing_and_split_frames_reassemble(server):
 def test_malformed_body_with_valid_mac_gets_an_error_reply(server):
     s, key = raw_session(server)
     s.sendall(st.encode_frame(key, b"C", 0, bytes([st.OP_SET]) + st.KEYLEN.pack(500) + b"short"))
-    head = st.recv_exact(s, 36)
-    body = st.recv_exact(s, st.HEADER.unpack_from(head)[0])
+    head = recv_exact(s, 36)
+    body = recv_exact(s, st.HEADER.unpack_from(head)[0])
     assert body[0] == st.ST_ERROR and b"malformed" in body
 
 

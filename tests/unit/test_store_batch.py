@@ -18,8 +18,12 @@ import time
 
 import pytest
 
-from hpcring.bootstrap import store as st
-from hpcring.bootstrap.store import BootstrapError, StoreClient, StoreServer
+from hpcring.bootstrap import auth
+from hpcring.bootstrap import store_wire as st
+from hpcring.netio import recv_exact
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.store_server import StoreServer
+from hpcring.errors import BootstrapError
 from hpcring.bootstrap.store_server import ensure_fd_limit
 
 from test_store import SECRET, SRC, client, is_closed_by_server, raw_session, wait_for
@@ -43,8 +47,8 @@ def parked_state_is_empty(srv) -> bool:
 def raw_request(s, key, seq, op, args=b""):
     """Send one frame on a raw session and read its reply: (status, payload)."""
     s.sendall(st.encode_frame(key, b"C", seq, st.encode_request(op, "", args)))
-    head = st.recv_exact(s, 36)
-    body = st.recv_exact(s, struct.unpack(">I", head[:4])[0])
+    head = recv_exact(s, 36)
+    body = recv_exact(s, struct.unpack(">I", head[:4])[0])
     assert head[4:] == st.frame_mac(key, b"S", seq, body)
     return body[0], body[1:]
 
@@ -244,10 +248,10 @@ def test_unauthenticated_batched_frames_are_never_parsed(server):
     """A peer without the secret that sends a well-formed MSET gets nothing and is cut; nothing
     is stored. A frame with a wrong MAC on an authenticated session is dropped likewise."""
     s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    st.recv_exact(s, 36)   # the hello: all an unauthenticated peer ever receives
+    recv_exact(s, 36)   # the hello: all an unauthenticated peer ever receives
     bogus_key = b"\x00" * 32
     body = st.encode_request(st.OP_MSET, "", st.encode_items([("evil", b"1")]))
-    s.sendall((st.encode_frame(bogus_key, b"C", 0, body) * 3)[:st.auth.STORE.proof_len + 40])
+    s.sendall((st.encode_frame(bogus_key, b"C", 0, body) * 3)[:auth.STORE.proof_len + 40])
     assert is_closed_by_server(s)
     s2, key = raw_session(server)
     s2.sendall(st.encode_frame(b"\x01" * 32, b"C", 0, body))   # wrong session key
@@ -327,7 +331,7 @@ FD_CHILD = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     soft, hard, clients = map(int, sys.argv[1:4])
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    from hpcring.bootstrap.store import StoreServer
+    from hpcring.bootstrap.store_server import StoreServer
     from hpcring.errors import BootstrapError
     try:
         srv = StoreServer("127.0.0.1", 0, secret=b"s" * 64, clients=clients, ranks=clients // 3)

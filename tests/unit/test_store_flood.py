@@ -17,8 +17,11 @@ import time
 
 import pytest
 
-from hpcring.bootstrap import store as st
-from hpcring.bootstrap.store import StoreClient, StoreServer
+from hpcring.bootstrap import store_wire as st
+from hpcring.netio import recv_exact
+from hpcring.errors import BootstrapError
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.store_server import StoreServer
 from hpcring.errors import UsageError
 
 from test_store import SECRET, SRC, is_closed_by_server, raw_session, wait_for
@@ -27,7 +30,7 @@ SERVER_CHILD = textwrap.dedent("""
     import logging, resource, sys, time
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[1])))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    from hpcring.bootstrap.store import StoreServer
+    from hpcring.bootstrap.store_server import StoreServer
     kw = {"max_connections": int(sys.argv[2])} if int(sys.argv[2]) else {}
     srv = StoreServer("127.0.0.1", 0, secret=sys.argv[3].encode(), **kw)
     print(srv.port, flush=True)
@@ -123,8 +126,8 @@ def test_bad_get_timeout_on_the_wire_is_refused(timeout):
     try:
         s, key = raw_session(srv)
         s.sendall(st.encode_frame(key, b"C", 0, st.encode_request(st.OP_GET, "never", struct.pack(">d", timeout))))
-        head = st.recv_exact(s, 36)
-        body = st.recv_exact(s, struct.unpack(">I", head[:4])[0])
+        head = recv_exact(s, 36)
+        body = recv_exact(s, struct.unpack(">I", head[:4])[0])
         assert body[0] == st.ST_ERROR and b"timeout" in body
         assert not srv._timers or all(math.isfinite(d) for d, _, _ in srv._timers)
         c = StoreClient("127.0.0.1", srv.port, SECRET, timeout=5)   # the store still serves
@@ -154,7 +157,7 @@ def test_counter_overflow_is_refused_and_value_kept():
     try:
         c = StoreClient("127.0.0.1", srv.port, SECRET, timeout=5)
         c.add("n", 2**63 - 1)
-        with pytest.raises(st.BootstrapError, match="overflow"):
+        with pytest.raises(BootstrapError, match="overflow"):
             c.add("n", 1)
         assert c.check("n") == str(2**63 - 1).encode()
     finally:

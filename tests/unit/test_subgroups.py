@@ -19,7 +19,7 @@ HOSTS4 = ("node0", "node0", "node1", "node1")
 
 def _child(rank, size, port, hosts, target, args, q):
     try:
-        from hpcring.bootstrap.store import StoreClient
+        from hpcring.bootstrap.store_client import StoreClient
         from hpcring.session import Session
         store = StoreClient("127.0.0.1", port, SECRET, 60.0)
         s = Session(topology(rank, size, hosts), store, SECRET)
@@ -32,7 +32,7 @@ def spawn_sessions(size, target, *args, hosts=None, wait=240.0):
     """target(session, *args) in ``size`` spawned ranks (a Session over the real store, ring over
     loopback); returns {rank: (status, value)}."""
     import multiprocessing as mp
-    from hpcring.bootstrap.store import StoreServer
+    from hpcring.bootstrap.store_server import StoreServer
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
@@ -213,7 +213,8 @@ def test_nccl_group_gets_its_own_unique_id_through_the_store(monkeypatch):
     on its own GPU (the process's local rank), and a second group over the same ranks gets a new id."""
     import threading
     import types
-    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.bootstrap.store_client import StoreClient
+    from hpcring.bootstrap.store_server import StoreServer
     from hpcring.collectives import nccl as N
     from hpcring.collectives.groups import create_communicator, next_key
     from helpers_fake_cuda import make_cupy

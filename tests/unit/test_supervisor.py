@@ -258,7 +258,8 @@ def test_bootstrap_failure_is_recorded_under_the_launchers_rank(monkeypatch):
 def test_mpi_setup_names_a_rank_that_never_arrives():
     from types import SimpleNamespace
 
-    from hpcring.bootstrap.store import StoreClient, StoreServer
+    from hpcring.bootstrap.store_client import StoreClient
+    from hpcring.bootstrap.store_server import StoreServer
     from hpcring.collectives.mpi import _all_arrived
     from hpcring.errors import CollectiveError
     secret = os.urandom(32)

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from hpcring.bootstrap.store import StoreServer
+from hpcring.bootstrap.store_server import StoreServer
 from hpcring.diagnostics.recorder import FlightRecorder
 from hpcring.diagnostics.watchdog import Watchdog
 from hpcring.errors import CollectiveError

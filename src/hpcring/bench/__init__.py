@@ -19,24 +19,7 @@ elements (from the seed and r), so every rank can compute the expected result of
 for every rank without communication; ``#wrong`` is the number of elements, summed over ranks,
 that differ from it (exact comparison; ``avg`` within one rounding of the dtype). Integer-valued
 data keep float16/bfloat16 sums exact, so the check is exact for them too.
+
+The modules: data (patterns, #wrong), cases, options (BenchOptions), table, run (run_as_rank,
+bench_main); callers import from them (this package re-exports nothing).
 """
-
-from __future__ import annotations
-
-from hpcring.bench.data import (  # noqa: F401
-    DTYPES, DTYPE_ALIASES, PERIOD, ENV_TABLE, normalize_dtype, is_float, f32_to_bf16_bits,
-    bf16_bits_to_f32, to_storage, as_values, rank_pattern, reduce_patterns, tile, count_wrong, Case)
-
-from hpcring.bench.cases import (  # noqa: F401
-    busbw_factor, counts_for, MEMORIES, device_module, memory_label, Collective, TABLE, COLLECTIVES, REDUCING,
-    make_case)
-
-from hpcring.bench.options import (  # noqa: F401
-    OPS, parse_size, size_list, BenchOptions, require_matplotlib)
-
-from hpcring.bench.table import (  # noqa: F401
-    Row, HEADER, format_header, format_row, avg_busbw, format_footer, make_row)
-
-from hpcring.bench.run import (  # noqa: F401
-    run_bench, result_dict, write_plot, preamble, in_rank, resolved_backend, run_as_rank, to_argv,
-    spawn_local, bench_main)

@@ -28,7 +28,10 @@ import time
 from collections.abc import Mapping
 
 from hpcring.bootstrap import launchers, netif
-from hpcring.bootstrap.store import StoreAuthError, StoreClient, StoreServer, StoreTimeoutError, load_secret
+from hpcring.bootstrap.auth import load_secret
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.store_server import StoreServer
+from hpcring.bootstrap.store_wire import StoreAuthError, StoreTimeoutError
 from hpcring.bootstrap.store_server import CONNECTIONS_PER_RANK, StoreServerProcess
 from hpcring.bootstrap.topology import Topology
 from hpcring.config import envvars

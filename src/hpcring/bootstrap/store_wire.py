@@ -39,7 +39,6 @@ from collections.abc import Iterable
 
 from hpcring.bootstrap import auth
 from hpcring.errors import BootstrapError
-from hpcring.netio import recv_exact  # noqa: F401  (tests forge frames through it)
 
 MAGIC = auth.STORE.magic
 NONCE_LEN = auth.NONCE_LEN
@@ -262,10 +261,3 @@ def decode_indices(buf) -> list[int]:
 def session_key(secret: bytes, ns: bytes, nc: bytes) -> bytes:
     return _mac(secret, auth.STORE_SESSION_LABEL, ns, nc)
 
-
-def client_proof(secret: bytes, ns: bytes, nc: bytes) -> bytes:
-    return auth.STORE.client_proof(secret, ns, nc)
-
-
-def server_proof(secret: bytes, ns: bytes, nc: bytes) -> bytes:
-    return auth.STORE.server_proof(secret, ns, nc)

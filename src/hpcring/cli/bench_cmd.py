@@ -45,7 +45,8 @@ def register(app: typer.Typer) -> None:
                                                   help="Standalone only: virtual local nodes (default 1).")):
         import sys
 
-        from hpcring.bench import BenchOptions, bench_main, parse_size
+        from hpcring.bench.options import BenchOptions, parse_size
+        from hpcring.bench.run import bench_main
         opts = BenchOptions(collective=collective, backend=backend, minbytes=parse_size(minbytes, "--minbytes"),
                             maxbytes=parse_size(maxbytes, "--maxbytes"), factor=factor, dtype=dtype, op=op, root=root,
                             iters=iters, warmup=warmup, seed=seed, timeout=timeout, json=json_path, plot=plot,

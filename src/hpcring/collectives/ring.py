@@ -50,7 +50,7 @@ import time
 from hpcring.bootstrap import auth
 from hpcring.collectives.backends import FLOAT_DTYPES, Backend
 from hpcring.collectives.dtypes import DTYPE_CODES, OP_CODES   # checked against the C enums at import
-from hpcring.bootstrap.store import StoreTimeoutError
+from hpcring.bootstrap.store_wire import StoreTimeoutError
 from hpcring.config import envvars
 from hpcring.errors import BootstrapError, CollectiveError, HpcringError, UsageError
 

@@ -404,12 +404,6 @@ def locate_torch(frame, frames=None) -> str:
     return f"in torch {api} at {os.path.basename(user.file)}:{user.line} ({user.func})"
 
 
-def main_in_torch() -> bool:
-    """Is the main thread inside torch.distributed / DDP / autograd (waiting on a collective)?"""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    return frame is not None and any(p in frame.f_code.co_filename for p in _IN_TORCH)
-
-
 # ---------------------------------------------------------------------------------------------
 # the verdict
 # ---------------------------------------------------------------------------------------------

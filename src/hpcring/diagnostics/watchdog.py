@@ -163,7 +163,7 @@ class Watchdog:
             log.warning("rank %d: watchdog could not publish its trigger listener: %s", self.rank, e)
 
     def _store(self, timeout: float):
-        from hpcring.bootstrap.store import StoreClient
+        from hpcring.bootstrap.store_client import StoreClient
         return StoreClient(self._address[0], int(self._address[1]), self._secret, timeout=timeout)
 
     def _action_client(self):

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from hpcring.bootstrap import netif
-from hpcring.bootstrap.store import StoreTimeoutError, from_json, json_value
+from hpcring.bootstrap.store_wire import StoreTimeoutError, from_json, json_value
 from hpcring.errors import BootstrapError, UsageError
 from hpcring.netio import recv_exact
 from hpcring.ranks import each_on_host
