@@ -249,7 +249,7 @@ def spawn_local(opts: BenchOptions, ranks: int, nodes: int = 1, out=None) -> int
            if not k.startswith(("SLURM_", "LSB_", "OMPI_COMM_WORLD", "PMI_", "PMIX_"))
            and k not in ("HPCRING_SESSION", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env[ENV_TABLE] = table
-    cmd = [sys.executable, "-m", "hpcring.bench", *to_argv(opts)]
+    cmd = [sys.executable, "-m", "hpcring", "bench", *to_argv(opts)]   # each rank runs the CLI command
     done = threading.Event()
 
     def tail() -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
+from hpcring.cli.common import exit_for
 from hpcring.errors import HpcringError
 
 
@@ -20,7 +21,6 @@ app = typer.Typer(
 
 
 def _fail(e: HpcringError) -> typer.Exit:
-    from hpcring.cli.common import exit_for
     return exit_for(e)
 
 
@@ -133,6 +133,3 @@ def exec_(
     argv = prefix + cmd
     os.execvp(argv[0], argv)
 
-
-if __name__ == "__main__":
-    app()
