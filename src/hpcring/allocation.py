@@ -102,14 +102,15 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     if alloc is None:
         check_local_ranks(nodes, per_node, hint="lower --nodes or --tasks-per-node, or run inside an allocation "
                                                 "(salloc, bsub -Is) to start the ranks on its nodes")
+    # only the deadline takes the caller's environment: the job's size comes from the allocation;
+    # resolved (and a bad value refused) before the run folder and its secret exist
+    job = resolve_job(site, "run", [], {"timeout": timeout},
+                      environ={k: env_in[k] for k in ("HPCRING_TIMEOUT",) if k in env_in})
     base = Path(os.path.expanduser(site.config.job_dir)) if alloc else Path(tempfile.gettempdir())
     run_dir = base / f"hpcring-run-{os.getpid()}-{secrets.token_hex(3)}"
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o700)
     secret = auth.write_secret_file(run_dir / "secret.key", exclusive=True)
-    # only the deadline takes the caller's environment: the job's size comes from the allocation
-    job = resolve_job(site, "run", [], {"timeout": timeout},
-                      environ={k: env_in[k] for k in ("HPCRING_TIMEOUT",) if k in env_in})
     env = dict(env_in)
     env.update({k: v for k, v in job_env(site, job).items() if k not in env_in or k == "HPCRING_TIMEOUT"})
     env["HPCRING_SECRET_FILE"] = str(secret)

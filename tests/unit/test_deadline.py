@@ -111,3 +111,17 @@ def test_init_timeout_bounds_the_bootstrap_only(monkeypatch):
     monkeypatch.setattr(S, "_SESSION", Fake())
     S.init("ring", timeout=5.0)
     assert used == [("ring", {})]       # the collective deadline stays HPCRING_TIMEOUT's
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "abc"])
+def test_run_refuses_a_bad_timeout_before_creating_anything(tmp_path, monkeypatch, value):
+    """`hpcring run --timeout` (and HPCRING_TIMEOUT) is refused before the run folder and its
+    secret are written: nothing is left behind."""
+    import tempfile
+
+    from hpcring import allocation
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for env, flag in (({}, value), ({"HPCRING_TIMEOUT": value}, None)):
+        with pytest.raises(UsageError, match="--timeout" if flag else "HPCRING_TIMEOUT"):
+            allocation.run(["true"], load_site("local"), 1, 1, environ=env, timeout=flag)
+    assert list(tmp_path.iterdir()) == []
