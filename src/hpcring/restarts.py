@@ -186,8 +186,7 @@ def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: C
                 chain[-1].update(cause="COMPLETED" if oc.ok else None)
                 write_chain(chain)
             return rec, oc
-        report = _report(rec)
-        v = classify(oc.state.state, lib.rank_statuses(rec), rec.ntasks, report)
+        v = verdict(rec, oc)
         chain[-1]["cause"] = f"{oc.state.state}: {v.cause}"
         if not v.restart:
             chain[-1]["decision"] = "not restarted (no node-level fault)"
@@ -213,6 +212,26 @@ def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: C
                       "excluded": list(job.exclude), "restart_of": chain[-1]["job"]})
         write_chain(chain)
         info(f"Submitted job {rec.job_id} [{rec.key}] (attempt {attempt}); logs in {rec.folder}")
+
+
+def verdict(rec, oc) -> Verdict:
+    """:func:`classify` of a finished job, from its folder and ``oc`` (submit.Outcome)."""
+    from hpcring import submit as lib
+    return classify(oc.state.state, lib.rank_statuses(rec), rec.ntasks, _report(rec))
+
+
+def status_lines(rec, oc) -> list[str]:
+    """What ``hpcring status`` says about restarts: the chain, or for a failed job that was not
+    part of one, whether a restart would have avoided a node (and which)."""
+    chain = read_chain(rec.folder)
+    if chain or oc is None or oc.ok:
+        return chain_lines(chain)
+    v = verdict(rec, oc)
+    if not v.restart:
+        return []
+    where = f" avoiding {','.join(v.nodes)}" if v.nodes else ""
+    return [f"node-level fault ({v.cause}): not restarted (not followed with --max-restarts 1 or more); "
+            f"`hpcring submit ... --wait --max-restarts N` resubmits such a job{where} by itself"]
 
 
 def _report(rec) -> dict | None:

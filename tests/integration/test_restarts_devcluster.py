@@ -39,6 +39,7 @@ def run(site: str, base: Path, restarts: str | None, *script_args: str, nodes: i
            *(["--max-restarts", restarts] if restarts is not None else []), "--", str(out), *script_args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, cwd=str(ROOT),
                        timeout=420)
+    (base / "submit.log").write_text(p.stdout + p.stderr)      # kept for a failure's post-mortem
     return p.returncode, p.stdout + p.stderr, env, out
 
 
@@ -100,3 +101,5 @@ def test_local_frozen_rank_restarts_as_is_and_max_restarts_0_means_none(tmp_path
     rc, text, env, out = run("local", tmp_path / "b", "0", "--steps", "6", "--freeze-rank", "1", timeout_s=5)
     assert rc == 1 and len(jobs_of(text)) == 1 and "node-level fault" not in text, text[-3000:]
     assert not (out / "result.json").exists()
+    st = status(env, jobs_of(text)[0])       # status says what a restart would have done
+    assert "node-level fault (allreduce#" in st and "not restarted (not followed with --max-restarts" in st, st

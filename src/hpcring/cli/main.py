@@ -94,7 +94,10 @@ def _wait(rec, site=None, job=None, restarts: int = 0, template=None) -> None:
                                      exit_code=st.exit_code or 1, hint=f"`hpcring status {rec.job_id}` names each task")
         output.info(f"job {rec.job_id} COMPLETED: {len(rec.array)} tasks")
         return
+    now = [rec]                        # the attempt being followed (a restart is another job)
+
     def follow(rec):
+        now[0] = rec
         return lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"), tracebacks_once=True,
                           on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
     try:
@@ -106,7 +109,9 @@ def _wait(rec, site=None, job=None, restarts: int = 0, template=None) -> None:
             oc = follow(rec)
     except KeyboardInterrupt:
         # Ctrl-C stops following, not the job (as with sbatch then squeue): say so, and how to stop it.
-        output.info(f"\nstopped following job {rec.job_id}; it keeps running. "
+        rec = now[0]
+        output.info(f"\nstopped following job {rec.job_id}; it keeps running" + (" (and is not restarted after "
+                    "a node fault: nothing follows it)" if restarts else "") + ". "
                     f"Follow it again with `hpcring logs -f {rec.key}`, stop it with `hpcring cancel {rec.key}`.")
         raise typer.Exit(130) from None
     if not oc.ok:
@@ -141,10 +146,10 @@ def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record
         output.array_status(rec, lib.array_state(states), states)
         return
     st = lib.job_state(rec)
-    output.status(rec, st, lib.outcome(rec, st) if st.finished else None, lib.requeues(rec))
-    from hpcring.restarts import chain_lines, read_chain
-    for text in chain_lines(read_chain(rec.folder)):   # restarts after node faults (submit --max-restarts)
-        print(f"  {text}")
+    oc = lib.outcome(rec, st) if st.finished else None
+    output.status(rec, st, oc, lib.requeues(rec))
+    from hpcring.restarts import status_lines
+    output.restart_chain(status_lines(rec, oc))    # restarts after node faults (--max-restarts)
 
 
 @command(app, help="Print a job's output, tagged by rank.")

@@ -49,6 +49,15 @@ def status(rec, st, oc, requeues: int = 0) -> None:
             print(f"  ranks without a result: {', '.join(map(str, oc.missing))}")
 
 
+def restart_chain(lines) -> None:
+    """The attempts of a job restarted after node faults (hpcring.restarts), under its status."""
+    if len(lines) > 1 or (lines and lines[0].startswith("attempt ")):
+        print("  restarts (submit --max-restarts):")
+        lines = [f"  {text}" for text in lines]
+    for text in lines:
+        print(f"  {text}")
+
+
 def array_status(rec, st, states) -> None:
     """An array: its state, one line per state (``4 COMPLETED, 2 RUNNING``), then each task, its
     state and its --sweep values."""
