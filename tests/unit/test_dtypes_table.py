@@ -94,3 +94,9 @@ def test_torch_users_read_the_table():
     from hpcring.torch import entry, executor
     want = tuple(getattr(torch, d.name) for d in D.TABLE)
     assert process_group._REDUCE_DTYPES == want and executor.WIRE == want and entry.DTYPES[:len(want)] == want
+
+
+def test_backend_code_maps_cover_the_table():
+    """NCCL's own codes are a backend fact, but every row of the table must have one."""
+    from hpcring.collectives.nccl_lib import NCCL_DTYPE
+    assert set(NCCL_DTYPE) == set(D.DTYPES)
