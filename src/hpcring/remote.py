@@ -396,9 +396,10 @@ _AUTH = ("permission denied", "too many authentication failures", "host key veri
          "no more authentication methods")
 
 
-def _ssh_failure(target: Target, stderr: str, what: str) -> RemoteError:
+def _ssh_failure(target: Target, stderr: str, what: str, shown: bool = False) -> RemoteError:
     low = stderr.lower()
-    tail = " ".join(stderr.strip().splitlines()[-2:])[:300]
+    # ssh's own words, unless they were just printed as they came (a streamed command)
+    tail = "ssh's message above" if shown and stderr.strip() else " ".join(stderr.strip().splitlines()[-2:])[:300]
     if any(s in low for s in _AUTH):
         return RemoteError(f"{what}: ssh to {target.where} was refused ({tail})",
                            hint="check the user and that your key is accepted (`ssh` to it once by hand; "
@@ -419,6 +420,7 @@ class Outcome:
     stdout: str = ""
     stderr: str = ""
     lines: list[str] = field(default_factory=list)
+    streamed: bool = False        # its output was passed on as it came
 
 
 def _pump(src, dst, keep: list[str], on_line: Callable[[str], None] | None) -> None:
@@ -467,13 +469,13 @@ def run(argv: list[str], *, timeout: float | None, stream: bool = False,
         raise
     for t in pumps:
         t.join(timeout=10)
-    return Outcome(code, "".join(out), "".join(err), out)
+    return Outcome(code, "".join(out), "".join(err), out, streamed=stream)
 
 
 def check_ssh(target: Target, res: Outcome, what: str) -> Outcome:
     """ssh's own failure (255) as a RemoteError with a hint; the remote command's codes pass."""
     if res.code == 255:
-        raise _ssh_failure(target, res.stderr, what)
+        raise _ssh_failure(target, res.stderr, what, shown=res.streamed)
     return res
 
 

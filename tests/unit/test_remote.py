@@ -366,6 +366,9 @@ def test_ssh_failures_are_told_apart(stderr, want):
         remote.check_ssh(T, remote.Outcome(255, "", stderr), "submitting")
     assert exc.value.hint and "submitting" in str(exc.value)
     assert remote.check_ssh(T, remote.Outcome(3, "", stderr), "x").code == 3   # the remote command's own code
+    with pytest.raises(RemoteError) as exc:           # printed as it came: not twice
+        remote.check_ssh(T, remote.Outcome(255, "", stderr, streamed=True), "submitting")
+    assert want in str(exc.value) and stderr not in str(exc.value) and "ssh's message above" in str(exc.value)
 
 
 @pytest.mark.parametrize("env,want", [({}, False), ({"SSH_ASKPASS": "/bin/ask"}, False),
