@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -536,8 +537,23 @@ def remember(target: Target, job_id: str, key: str) -> None:
     from hpcring.fsutil import write_json
     if not (_JOB_REF.fullmatch(job_id) and _JOB_REF.fullmatch(key)):
         return
-    data = {**asdict(target), "ssh_options": list(target.ssh_options), "job_id": job_id, "key": key}
+    data = {**asdict(target), "ssh_options": list(target.ssh_options), "job_id": job_id, "key": key,
+            "submitted_at": time.time()}
     write_json(_records() / f"{key}.json", data)
+
+
+def newest_remembered(than: float) -> tuple[Target, str] | None:
+    """(target, record name there) of the newest job submitted from here with --remote, if it is
+    newer than ``than`` (the newest job submitted here)."""
+    best, when = None, than
+    for p in _records().glob("*.json"):
+        try:
+            at = float(json.loads(p.read_text()).get("submitted_at", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+        if at > when:
+            best, when = p.stem, at
+    return recalled(best) if best else None
 
 
 def recalled(job_ref: str | None) -> tuple[Target, str] | None:

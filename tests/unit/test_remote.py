@@ -413,3 +413,24 @@ def test_ssh_options_mapping_is_refused_naming_the_key_or_normalised(tmp_path, o
         assert key in remote.SSH_KEYWORDS.values() and key.lower() not in ("controlpath", "user", "port")
         assert value and value == value.strip() and '"' not in value
         assert not any(ord(c) < 0x20 or c in "\x7f\u2028\u2029" for c in value)
+
+
+def test_logs_and_stacks_without_job_follow_the_newest_job_here_or_there(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(remote, "forward", lambda target, words, **kw: calls.append((target.where, list(words))) or 0)
+    monkeypatch.setenv("HPCRING_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("HPCRING_REMOTE", raising=False)
+    remote.remember(remote.Target(host="old"), "1", "slurm-c-1")
+    remote.remember(remote.Target(host="login"), "2", "slurm-c-2")
+    for args in (["logs"], ["stacks"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0 and "job slurm-c-2 on login, the newest" in r.stderr, r.stderr
+    assert calls == [("login", ["logs", "slurm-c-2"]), ("login", ["stacks", "slurm-c-2"])]
+    # status without JOB lists this machine's jobs
+    r = runner.invoke(app, ["status"])
+    assert len(calls) == 2
+    # a job submitted here since is the newest one
+    from hpcring.schedulers import base
+    base.new_record("9", "local", "local", str(tmp_path / "jobs" / "9"), 1, "x", "x.py")
+    r = runner.invoke(app, ["logs"])
+    assert len(calls) == 2 and "on login" not in (r.stderr or ""), r.stderr     # read here, not forwarded

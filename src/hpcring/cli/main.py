@@ -153,7 +153,7 @@ def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record
 
 
 @command(app, help="Print a job's output, tagged by rank.")
-@remote_aware()
+@remote_aware(newest=True)
 def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record name (default: the newest job)."),
          rank: Optional[int] = typer.Option(None, "--rank", "-r", min=0, max=MAX_RANKS - 1,
                                             help="Only this rank (0 to the job's size - 1)."),

@@ -110,6 +110,12 @@ def _interrupted(target):
         raise typer.Exit(130) from None
 
 
+def _newest_here() -> float:
+    from hpcring.schedulers.base import recent_records
+    recs = recent_records(1)
+    return recs[0].submitted_at if recs else 0.0
+
+
 def _not_also_here(job: str, there: str, target) -> None:
     """A plain id that names a job here too is ambiguous: say so rather than guess."""
     from hpcring.errors import HpcringError, UsageError
@@ -124,10 +130,11 @@ def _not_also_here(job: str, there: str, target) -> None:
                      hint=f"name it by its record: `{here.key}` or `{there}`")
 
 
-def remote_aware(job_param: str = "job_id", follows: tuple[str, ...] = ("follow",)):
+def remote_aware(job_param: str = "job_id", follows: tuple[str, ...] = ("follow",), newest: bool = False):
     """Decorate a job command (status, logs, cancel, stacks) with ``--remote``: with a login node
     named (flag, HPCRING_REMOTE, or a job submitted from here with --remote), the command runs
-    there and its output and exit code are passed on."""
+    there and its output and exit code are passed on. ``newest``: without JOB the command means
+    the newest job, which may be one submitted from here with --remote."""
     def deco(fn):
         sig = inspect.signature(fn)
         extra = inspect.Parameter("remote", inspect.Parameter.KEYWORD_ONLY, default=remote_option(),
@@ -147,6 +154,12 @@ def remote_aware(job_param: str = "job_id", follows: tuple[str, ...] = ("follow"
                 if found:
                     target, replace[job_param] = found
                     _not_also_here(job, found[1], target)
+            elif newest:
+                found = lib.newest_remembered(_newest_here())
+                if found:
+                    target, replace[job_param] = found
+                    from hpcring.cli import output
+                    output.info(f"job {found[1]} on {target.where}, the newest")
             if target is None:
                 return fn(*args, **kwargs)
             own = ctx.params.get("timeout")   # stacks --timeout: the remote collection's own deadline

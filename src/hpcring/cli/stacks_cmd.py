@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
                   "the same main-thread stack share one line. Slurm: one probe per node through "
                   "`srun --overlap`; local backend: this machine. Uses py-spy when installed, else the "
                   "ranks' SIGUSR2 stack dump hook. Also saved to <job folder>/diag/stacks-<time>.txt.")
-    @remote_aware()
+    @remote_aware(newest=True)
     def stacks(job_id: Optional[str] = typer.Argument(None, help="Job id (Slurm or local backend; default: the newest job)."),
                full: bool = typer.Option(False, "--full", help="Also print each distinct stack once."),
                as_json: bool = typer.Option(False, "--json", help="Print the groups and problems as JSON."),
