@@ -8,7 +8,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -22,7 +21,7 @@ from hpcring.ranks import rank_ranges
 from hpcring.errors import HpcringError, JobFailedError, JobNotFoundError, SchedulerError, UsageError
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.job import RunScript
-from hpcring.outcome import hang_headline as outcome_hang_headline, rank_failure, read_statuses, summarize
+from hpcring.outcome import Outcome, hang_headline as outcome_hang_headline, rank_failure, read_records, summarize
 from hpcring.render import render_script
 from hpcring.config.arrays import sweep_args
 from hpcring.fsutil import write_json
@@ -145,7 +144,7 @@ def recent(limit: int = 10) -> list[tuple[JobRecord, JobState | None, str | None
     out = []
     for rec in recs:
         if rec.job_id in why:
-            out.append((rec, None, why[rec.job_id]))
+            out.append((rec, None, why[rec.job_id].message))
         elif rec.array is not None:
             out.append((rec, array_state({t.job_id: known[t.job_id] for t in rec.tasks()}), None))
         else:
@@ -153,21 +152,21 @@ def recent(limit: int = 10) -> list[tuple[JobRecord, JobState | None, str | None
     return out
 
 
-def job_states(recs: list[JobRecord]) -> tuple[dict[str, JobState], dict[str, str]]:
-    """(states by job id, why a scheduler could not say, by job id) of ``recs``, array tasks
-    included: ONE ``states`` call per scheduler for all of them."""
+def job_states(recs: list[JobRecord]) -> tuple[dict[str, JobState], dict[str, HpcringError]]:
+    """(states by job id, the error of a scheduler that could not say, by job id) of ``recs``,
+    array tasks included: ONE ``states`` call per scheduler for all of them."""
     by_sched: dict[str, list[JobRecord]] = {}
     for rec in recs:
         by_sched.setdefault(rec.scheduler, []).extend(rec.tasks() if rec.array is not None else [rec])
     known: dict[str, JobState] = {}
-    why: dict[str, str] = {}
+    why: dict[str, HpcringError] = {}
     parents = {t.job_id: r.job_id for r in recs if r.array is not None for t in r.tasks()}
     for name, group in by_sched.items():
         try:
             known.update(schedulers.get(name).states(group))
         except HpcringError as exc:
             for r in group:
-                why[parents.get(r.job_id, r.job_id)] = exc.message
+                why[parents.get(r.job_id, r.job_id)] = exc
     for rec in recs:               # over for good (a requeued job is not): its secret goes; an array's
         if rec.parent:             # tasks share one, kept until the last task has ended
             continue
@@ -181,7 +180,7 @@ def job_state(rec: JobRecord) -> JobState:
     """One job's state (an array's: :func:`array_state`); raises when the scheduler cannot say."""
     known, why = job_states([rec])
     if rec.job_id in why:
-        raise SchedulerError(why[rec.job_id])
+        raise why[rec.job_id]              # with the scheduler's own hint
     if rec.array is not None:
         return array_state({t.job_id: known[t.job_id] for t in rec.tasks()})
     return known[rec.job_id]
@@ -305,31 +304,12 @@ def tag(rank: int | str, stream: str, line: str) -> str:
 
 # ---- outcome --------------------------------------------------------------------------------
 
-@dataclass
-class Outcome:
-    state: JobState
-    failed: list[dict]          # status records of failing ranks, first failure first
-    missing: list[int]          # ranks that never reported
-
-    @property
-    def ok(self) -> bool:
-        return self.state.state == "COMPLETED" and not self.failed and not self.missing
-
-    @property
-    def exit_code(self) -> int | None:
-        """The first failing rank's own code (what --wait exits with); the scheduler's otherwise.
-        The scheduler's is often hpcring's teardown, not the script: on Slurm the failing rank
-        ends the step with SIGKILL, which sacct reports as 9."""
-        return self.failed[0]["exit_code"] if self.failed else self.state.exit_code
-
-
 def rank_statuses(rec: JobRecord) -> dict[int, dict]:
-    return read_statuses({r: Path(rec.folder) / f"{rec.job_id}_{r}_status.json" for r in range(rec.ntasks)})
+    return read_records(rec.folder, rec.job_id, rec.ntasks)
 
 
 def outcome(rec: JobRecord, st: JobState) -> Outcome:
-    oc = summarize(rank_statuses(rec), rec.ntasks)
-    return Outcome(st, oc.failed, oc.missing)
+    return summarize(rank_statuses(rec), rec.ntasks, st)
 
 
 def first_casualty(rec: JobRecord) -> str | None:

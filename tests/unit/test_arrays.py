@@ -320,3 +320,15 @@ def test_concurrent_tasks_of_one_lsf_array_meet_at_their_own_store_port():
     assert plain == _store_ports(topo, {}, (29500, 29999))            # every rank of a job agrees
     per_task = {_store_ports(topo, {"HPCRING_ARRAY_TASK": str(t)}, (29500, 29999))[0] for t in range(20)}
     assert len(per_task) == 20            # sha256 of "101/2/taskN": deterministic, no two alike here
+
+
+def test_a_scheduler_that_cannot_answer_keeps_its_hint(state_dir, tmp_path, monkeypatch):
+    new_record("77", "slurm", "dev", str(tmp_path / "77"), 1, "t", "/x/t.py", cluster="dev")
+    new_record("78", "slurm", "dev", str(tmp_path / "78"), 1, "t", "/x/t.py", cluster="dev",
+               array=[0, 1], array_limit=None, sweep=None)
+    monkeypatch.setenv("PATH", str(tmp_path))           # no sacct here
+    for ref in ("77", "78", "78_1"):
+        r = cli("status", ref)
+        assert r.exit_code == 1 and "`sacct` is not on PATH" in r.output and "login node" in r.output, r.output
+    r = cli("status")
+    assert r.exit_code == 0 and r.output.count("`sacct` is not on PATH") == 2, r.output

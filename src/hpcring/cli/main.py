@@ -142,7 +142,7 @@ def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record
     if rec.array is not None:          # one line per state, then one per task
         states, why = lib.job_states([rec])
         if why:
-            raise lib.SchedulerError(why[rec.job_id])
+            raise why[rec.job_id]
         output.array_status(rec, lib.array_state(states), states)
         return
     st = lib.job_state(rec)
