@@ -5,7 +5,6 @@ directly with numpy from all ranks' real inputs), so the expected-value side of 
 checked against an independent implementation, and deliberate corruption must be counted exactly.
 """
 import threading
-import types
 
 import numpy as np
 import pytest
@@ -160,7 +159,7 @@ class World:
 class ThreadComm:
     """An independent reference implementation of the collectives (numpy on all ranks' inputs)."""
 
-    backend = types.SimpleNamespace(name="reference", device="cpu")
+    backend_name, device = "reference", "cpu"
 
     def __init__(self, world, rank, corrupt=0):
         self.world, self.rank, self.size, self.corrupt = world, rank, world.n, corrupt

@@ -24,8 +24,7 @@ class FakeComm:
     """One rank. mode "ok": collectives are identities; "fail": the negotiation fails as a dead
     peer would; "freeze": the negotiation never returns (until released)."""
 
-    class backend:
-        name = "fake"
+    backend_name = "fake"
 
     def __init__(self, mode: str = "ok", timeout: float = 0.5) -> None:
         self.rank, self.size, self.timeout, self.mode = 0, 1, timeout, mode

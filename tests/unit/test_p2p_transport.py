@@ -177,7 +177,7 @@ def test_torch_pg_holds_nccl_messages_and_starts_them_as_one_group():
     from hpcring.distributed.process_group import ProcessGroupHpcring
 
     class Comm:
-        backend = types.SimpleNamespace(stream_ordered=True, device="cpu", name="nccl")
+        stream_ordered, device, backend_name = True, "cpu", "nccl"
         calls: list = []
 
         def batch_isend_irecv(self, ops):

@@ -41,19 +41,19 @@ MEMORIES = ("auto", "device", "host")
 def device_module(comm, memory: str):
     """CuPy when the buffers live on the GPU: ``memory`` "device", or "auto" on a GPU backend
     (nccl-tests times device buffers); None for host (numpy) buffers, which a GPU backend stages."""
-    on_gpu = getattr(comm.backend, "device", "cpu") == "cuda"
+    on_gpu = comm.device == "cuda"
     if memory == "host" or (memory == "auto" and not on_gpu):
         return None
     if not on_gpu:
-        raise UsageError(f"--memory device needs a GPU backend (nccl); backend {comm.backend.name} works on host memory")
-    return comm.backend.array_module
+        raise UsageError(f"--memory device needs a GPU backend (nccl); backend {comm.backend_name} works on host memory")
+    return comm.array_module
 
 
 def memory_label(comm, memory: str) -> str:
     xp = device_module(comm, memory)
     if xp is not None:
-        return f"device (CuPy arrays on GPU {getattr(comm.backend, 'device_id', 0)})"
-    if getattr(comm.backend, "device", "cpu") == "cuda":
+        return f"device (CuPy arrays on GPU {comm.device_id})"
+    if comm.device == "cuda":
         return "host (numpy, staged through the GPU by the backend: not what nccl-tests measures)"
     return "host (numpy)"
 

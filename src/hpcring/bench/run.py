@@ -136,9 +136,9 @@ def run_as_rank(opts: BenchOptions) -> int:
             emit = lambda line: print(line, flush=True)  # noqa: E731
         backend_name = resolved_backend(opts.backend, session)
         lines = preamble(opts, backend_name, n, hosts, memory_label(comm, opts.memory))
-        describe = getattr(comm.backend, "describe", None)   # the ring says which transport runs
-        if describe:
-            lines.insert(1, f"# transport: {describe()}")
+        transport = comm.describe()            # the ring says which transport runs
+        if transport:
+            lines.insert(1, f"# transport: {transport}")
         for line in lines:
             emit(line)
     else:

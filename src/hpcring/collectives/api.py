@@ -141,6 +141,38 @@ class Communicator:
         from hpcring.collectives.groups import globalize
         return globalize(self.backend.error, self.members)
 
+    # -- what upper layers may know of the backend (they ask here, not the backend) ----------
+    @property
+    def backend_name(self) -> str:
+        """"ring", "mpi" or "nccl" (flight records, timelines, tables)."""
+        return self.backend.name
+
+    @property
+    def device(self) -> str:
+        """Memory the collectives take without staging: "cpu" (numpy) or "cuda" (CuPy arrays on
+        GPU :attr:`device_id`)."""
+        return getattr(self.backend, "device", "cpu")
+
+    @property
+    def device_id(self) -> int:
+        return int(getattr(self.backend, "device_id", 0))
+
+    @property
+    def array_module(self):
+        """The CuPy module of a "cuda" communicator's buffers; None on a host backend."""
+        return getattr(self.backend, "array_module", None)
+
+    @property
+    def stream_ordered(self) -> bool:
+        """Calls are queued on the caller's stream (NCCL): point-to-point is held for a group."""
+        return self._ordered is not None
+
+    def describe(self) -> str | None:
+        """The transport in use, one line (the ring's: shared memory or tcp, streams,
+        connections); None where the backend does not say."""
+        describe = getattr(self.backend, "describe", None)
+        return describe() if describe is not None else None
+
     def close(self) -> None:
         if self._ordered is not None:
             self._ordered.stop()

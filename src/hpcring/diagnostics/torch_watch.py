@@ -305,7 +305,7 @@ class _Rec(dict):
 
 
 class TorchWatch:
-    """Duck-types a Communicator for the watchdog (``recorder``, ``backend.error``) over torch's
+    """Duck-types a Communicator for the watchdog (``recorder``, ``error``) over torch's
     Flight Recorder for the default group, and runs the deadline monitor."""
 
     def __init__(self, watchdog, group: str, backend: str, deadline: float | None = None) -> None:
@@ -314,7 +314,7 @@ class TorchWatch:
         self.deadline = collective_timeout() if deadline is None else deadline   # the script's own: torch's
         self.error: str | None = None
         self.failed_at: str | None = None              # where the torch error was raised here
-        self.recorder, self.backend = self, self      # the watchdog reads comm.recorder / comm.backend.error
+        self.recorder = self                          # the watchdog reads comm.recorder / comm.error
         self._fired = threading.Event()
 
     # recorder interface -------------------------------------------------------------------

@@ -111,7 +111,7 @@ class Watchdog:
 
     # -- wiring ---------------------------------------------------------------------------
     def register(self, comm) -> None:
-        """Watch ``comm`` (a Communicator: its ``recorder`` and ``backend``)."""
+        """Watch ``comm`` (a Communicator: its ``recorder`` and ``error``)."""
         self._comms.append(comm)
 
     def start(self) -> "Watchdog":
@@ -190,7 +190,7 @@ class Watchdog:
                 records += [r.to_dict() for r in p2p.records(16)]
                 for name, n in p2p.last_done().items():
                     by_group[name] = max(by_group.get(name, 0), n)
-            err = err or getattr(comm, "error", None) or comm.backend.error
+            err = err or getattr(comm, "error", None)
         snap = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
                 "records": records, "last_done": last_done, "error": err,
                 "where": self.where()}

@@ -26,7 +26,7 @@ def _communicator(state, device_type: str):
     from hpcring.session import current, init
     session = current() or init()
     comm = session.communicator()
-    if device_type == "cpu" and getattr(comm.backend, "device", "cpu") != "cpu":
+    if device_type == "cpu" and comm.device != "cpu":
         comm = session.communicator("ring")
     return comm
 

@@ -171,7 +171,7 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         comm = self._comms.get(device_type)
         if comm is None:
             default = self._session.communicator(timeout=self._timeout)
-            if device_type == "cpu" and getattr(default.backend, "device", "cpu") != "cpu":
+            if device_type == "cpu" and default.device != "cpu":
                 comm = self._session.communicator("ring", timeout=self._timeout)
             else:
                 comm = default
@@ -501,7 +501,7 @@ del _name
 # ---------------------------------------------------------------------------------------------
 def _grouped(comm) -> bool:
     """Point-to-point on this communicator is held for a group (a stream-ordered backend: NCCL)."""
-    return bool(getattr(comm.backend, "stream_ordered", False))
+    return comm.stream_ordered
 
 
 def _opt(opts, name: str, default):

@@ -133,7 +133,7 @@ def is_homogeneous() -> bool:
 
 
 def _backend() -> str:
-    return getattr(state.engine().comm.backend, "name", "?")
+    return state.engine().comm.backend_name
 
 
 def mpi_built() -> bool:

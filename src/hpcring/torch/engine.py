@@ -51,7 +51,7 @@ class Engine:
         self.cycle_s = envvars.get("HPCRING_CYCLE_TIME", default=DEFAULT_CYCLE_MS) / 1000.0   # < 0: auto
         cache = envvars.get("HPCRING_CACHE_CAPACITY", default=DEFAULT_CACHE_CAPACITY)
         self.timeout = comm.timeout
-        self.backend = getattr(comm.backend, "name", "?")
+        self.backend = comm.backend_name
         self.timeline = timeline
         self.autotuner = None
         self.controller = Controller(comm, cache_capacity=int(cache), timeout=self.timeout, members=members)
