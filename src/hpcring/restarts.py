@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from hpcring.config import envvars
-from hpcring.errors import UsageError
+from hpcring.errors import HpcringError, UsageError
 from hpcring.fsutil import write_json
 
 CHAIN_FILE = "restarts.json"
@@ -205,9 +205,15 @@ def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: C
             note = "the local backend has one machine, no node to exclude: restarting as is"
         else:
             note = "excluding " + ",".join(job.exclude) if job.exclude else "no node named to exclude"
-        chain[-1]["decision"] = f"restarted as attempt {attempt}"
         info(f"job {rec.job_id}: node-level fault: {v.cause}; restart {attempt} of at most {limit} ({note})")
-        rec = submit(site, job, template)
+        try:
+            nxt = submit(site, job, template)
+        except HpcringError as exc:    # e.g. too few nodes left once the bad ones are excluded
+            chain[-1]["decision"] = f"restart {attempt} refused: {exc.message}"
+            write_chain(chain)
+            raise
+        chain[-1]["decision"] = f"restarted as attempt {attempt}"
+        rec = nxt
         chain.append({"attempt": attempt, "job": rec.job_id, "key": rec.key, "folder": rec.folder,
                       "excluded": list(job.exclude), "restart_of": chain[-1]["job"]})
         write_chain(chain)

@@ -264,3 +264,17 @@ def test_golden_exclude_scripts(site_name):
     job.exclude = []
     assert "exclude" not in render_script(site, job, COMMAND, "/jobs/%j", python="/usr/bin/python3")
     assert "hname!=" not in render_script(site, job, COMMAND, "/jobs/%j", python="/usr/bin/python3")
+
+
+def test_a_restart_the_scheduler_refuses_is_recorded_and_raised(tmp_path, monkeypatch):
+    from hpcring.errors import SchedulerError
+    lib = _FakeLib(tmp_path, [False])
+    monkeypatch.setattr(restarts, "verdict", lambda rec, oc: Verdict(True, "rank 1 (node2) unreachable", ("node2",)))
+
+    def refuse(site, job, template):
+        raise SchedulerError("sbatch refused the job: Requested node configuration is not available")
+    with pytest.raises(SchedulerError):
+        restarts.follow_restarting(_site(), _job(_site()), lib.rec(9), 2, submit=refuse, follow=lib.follow,
+                                   info=lambda m: None)
+    chain = restarts.read_chain(tmp_path / "9")
+    assert chain[0]["decision"].startswith("restart 1 refused: sbatch refused the job: Requested node")
