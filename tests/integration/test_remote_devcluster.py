@@ -93,7 +93,28 @@ SetEnv HPCRING_STATE_DIR={self.remote_state} HPCRING_JOB_DIR={base}/jobs
     def logins(self) -> int:
         return self.log.read_text().count("Accepted publickey")
 
+    def _sessions(self) -> list[int]:
+        """This sshd's per-connection processes (children and theirs), by parent pid."""
+        parents = {}
+        for d in Path("/proc").iterdir():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (ValueError, OSError, IndexError):
+                continue
+        found, todo = [], [self.proc.pid]
+        while todo:
+            parent = todo.pop()
+            kids = [pid for pid, ppid in parents.items() if ppid == parent]
+            found += kids
+            todo += kids
+        return found
+
     def stop(self) -> None:
+        for pid in self._sessions():        # a session left open (a test that failed before closing its master)
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -142,6 +163,17 @@ remote:
     from hpcring import remote
     remote.close(remote.Target(host="10.99.0.1", user="root", port=login.port), {"XDG_RUNTIME_DIR": str(home)})
     shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def own_runtime(login):
+    """A control folder of a test's own (no master shared with another key), whose master is closed
+    at the end even when the test fails: a master left open keeps a session on the login node."""
+    d = tempfile.mkdtemp(prefix="hr-own-")
+    yield d
+    from hpcring import remote
+    remote.close(remote.Target(host="10.99.0.1", user="root", port=login.port), {"XDG_RUNTIME_DIR": d})
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def hpcring(*args, env, timeout=300, cwd=None):
@@ -231,11 +263,11 @@ def test_submit_status_logs_cancel_through_one_ssh_master(login, laptop):
     assert oct(home.joinpath("hpcring-ssh").stat().st_mode & 0o777) == "0o700"
 
 
-def test_unreachable_refused_and_missing_hpcring_are_named(login, laptop, tmp_path):
+def test_unreachable_refused_and_missing_hpcring_are_named(login, laptop, tmp_path, own_runtime):
     home, site, env = laptop
     script = tmp_path / "remote_bad_job.py"
     script.write_text("print('never')\n")
-    own = {**env, "XDG_RUNTIME_DIR": tempfile.mkdtemp(prefix="hr-bad-")}   # no shared master with the good key
+    own = {**env, "XDG_RUNTIME_DIR": own_runtime}   # no shared master with the good key
     # nothing listens on this port
     t0 = time.monotonic()
     r = hpcring("submit", str(script), "--site", str(site), "--remote", f"root@10.99.0.1:{login.port + 1}", env=own)
@@ -253,12 +285,9 @@ def test_unreachable_refused_and_missing_hpcring_are_named(login, laptop, tmp_pa
                 env={**own, "HPCRING_REMOTE_HPCRING": "/nonexistent/bin/hpcring"})
     assert r.returncode == 1 and "was not found on root@10.99.0.1" in r.stderr and "remote.hpcring" in r.stderr, \
         r.stderr
-    from hpcring import remote
-    remote.close(remote.Target(host="10.99.0.1", user="root", port=login.port), {"XDG_RUNTIME_DIR": own["XDG_RUNTIME_DIR"]})
-    shutil.rmtree(own["XDG_RUNTIME_DIR"], ignore_errors=True)
 
 
-def test_a_passphrase_is_asked_for_once(login, laptop, tmp_path):
+def test_a_passphrase_is_asked_for_once(login, laptop, tmp_path, own_runtime):
     """A key with a passphrase, asked for through SSH_ASKPASS (no terminal): submit, status, logs and
     cancel ask once between them: every later ssh, rsync's too, rides the first one's master."""
     home, site, env = laptop
@@ -275,7 +304,7 @@ def test_a_passphrase_is_asked_for_once(login, laptop, tmp_path):
     askpass.chmod(0o700)
     pp_site = keys / "devcluster.yaml"
     pp_site.write_text(site.read_text().replace(str(login.key), str(key)))
-    own = {**env, "XDG_RUNTIME_DIR": tempfile.mkdtemp(prefix="hr-pp-"), "HPCRING_STATE_DIR": str(keys / "state"),
+    own = {**env, "XDG_RUNTIME_DIR": own_runtime, "HPCRING_STATE_DIR": str(keys / "state"),
            "SSH_ASKPASS": str(askpass), "SSH_ASKPASS_REQUIRE": "force"}
     proj = login.base / "laptop" / "pp"
     proj.mkdir(parents=True)
@@ -290,6 +319,3 @@ def test_a_passphrase_is_asked_for_once(login, laptop, tmp_path):
         assert r.returncode == 0, (args, r.stdout + r.stderr)
     assert asked.read_text().splitlines() == ["asked"]
     assert login.logins() == before + 1
-    from hpcring import remote
-    remote.close(remote.Target(host="10.99.0.1", user="root", port=login.port), {"XDG_RUNTIME_DIR": own["XDG_RUNTIME_DIR"]})
-    shutil.rmtree(own["XDG_RUNTIME_DIR"], ignore_errors=True)
