@@ -30,7 +30,7 @@ from hpcring.config.schema import Fabric, Launcher
 from hpcring.config.site import Site
 from hpcring.diagnostics import jobdir
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
-from hpcring.outcome import hang_headline, rank_failure, read_statuses, summarize
+from hpcring.outcome import hang_headline, rank_failure, read_records, summarize
 from hpcring.render import job_env
 from hpcring.schedulers import supervisor
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords
@@ -121,7 +121,10 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
         container = container.with_bind(str(run_dir))
         if container.workdir is None:
             container = replace(container.with_bind(os.getcwd()), workdir=os.getcwd())
-    diag = jobdir.diag_dir({**env, "HPCRING_JOB_ID": _local_job_id()} if alloc is None else env, create=False)
+    # the job id the ranks see (rank_env's, locally): it names their diag folder and records
+    ranks_env = {**env, "HPCRING_JOB_ID": _local_job_id(), "SUBMITIT_LOCAL_JOB_ID": _local_job_id()} \
+        if alloc is None else env
+    diag = jobdir.diag_dir(ranks_env, create=False)
     try:
         if alloc is None:
             pre = LaunchRequest(nodes, per_node, (), gpus_per_node=job.gpus_per_node,
@@ -135,7 +138,8 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
                                      hint="load the scheduler's module, or check the site's launcher")
             procs = [supervisor.start(argv, {**env, **extra})]
         codes = _wait_all(procs, diag)
-        return _verdict(run_dir / "status", nodes * per_node, codes, cmd, diag)
+        records = read_records(run_dir / "status", jobdir.job_id(ranks_env), nodes * per_node)
+        return _verdict(records, nodes * per_node, codes, cmd, diag)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         if alloc is None:     # run<pid> is this run's alone: kept only when it holds a report
@@ -165,8 +169,8 @@ def _wait_all(procs: list[subprocess.Popen], diag: Path | None = None) -> list[i
             signal.signal(s, h)
 
 
-def _verdict(status_dir: Path, size: int, codes: list[int], cmd: list[str], diag: Path | None = None) -> int:
-    oc = summarize(read_statuses({r: status_dir / f"{r}.json" for r in range(size)}), size)
+def _verdict(records: dict[int, dict], size: int, codes: list[int], cmd: list[str], diag: Path | None = None) -> int:
+    oc = summarize(records, size)
     if oc.clean and not any(codes):
         return 0
     hang = hang_headline(diag) if diag is not None else None

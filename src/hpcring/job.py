@@ -1,11 +1,9 @@
 """What runs inside every rank of a submitted job.
 
-``RunScript`` is the callable submitit pickles: in each rank it bootstraps (``hpcring.init()``:
-ranks from the launcher, a verified interface, the authenticated rendezvous), exports the
-variables frameworks expect (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR on rank 0's verified
-interface, ...), runs the user's script as ``__main__`` with its arguments, and records the rank's
-outcome in ``<folder>/<jobid>_<rank>_status.json`` (plain JSON, read by ``hpcring submit --wait``
-and ``hpcring status`` to name failing ranks).
+``RunScript`` is the callable submitit pickles: in each rank it goes through ``rank_life`` (the
+bootstrap, the framework env, the torch watch and the status record, shared with ``hpcring run``),
+runs the user's script as ``__main__`` with its arguments, ends the job when the script failed, and
+hands a preempted job back to submitit for its requeue.
 """
 from __future__ import annotations
 
@@ -14,16 +12,14 @@ import importlib.util
 import logging
 import os
 import runpy
-import socket
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from hpcring.diagnostics.jobdir import array_task, job_id as _job_id
+from hpcring.diagnostics.jobdir import array_task, job_folder
 from hpcring.errors import HpcringError, Preempted
 from hpcring.fsutil import write_json
-from hpcring.outcome import bootstrap_failure
 
 READY_WAIT_S = 60.0   # rank 0 waits this long for every rank to stop before it requeues
 
@@ -46,7 +42,8 @@ def run_as_main(script: str, args: list[str]) -> tuple[int, str | None]:
         print_user_traceback(exc)
         from hpcring.diagnostics.torch_watch import on_error
         on_error(exc)                  # a torch collective failed: the job-wide report first
-        return 1, f"{type(exc).__name__}: {exc}"
+        from hpcring.rank_life import error_text
+        return 1, error_text(exc)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -120,43 +117,29 @@ class RunScript:
     checkpoint = __submitit_checkpoint__   # submitit's signal handler looks for this name first
 
     def __call__(self) -> int:
-        from hpcring.bootstrap.init import apply_framework_env
-        from hpcring.session import init
+        from hpcring import preempt
+        from hpcring.rank_life import RankLife
 
-        status = {"rank": None, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                  "exit_code": None, "error": None}
-        folder = _job_folder()
         task = array_task()
         if task is not None:           # one variable for every scheduler (LSF's index is 1-based)
             os.environ["HPCRING_ARRAY_TASK"] = task
+        args = self.args + getattr(self, "sweep", {}).get(task or "", [])
+        life = RankLife(job_folder(), [self.script, *args])
         logging.getLogger("submitit").addFilter(_QuietSubmititSignals())
-        from hpcring import preempt
         os.environ[preempt.REQUEUE_VAR] = str(self.requeues)
-        preempt.install(folder / f"{_job_id()}_preempt.json")   # the warning is the script's to act on
-        try:
-            session = init()
-        except HpcringError as exc:  # bootstrap failed: record it under the launcher's rank
-            status.update(bootstrap_failure(exc))
-            _write_status(folder, status["rank"], status)
+        preempt.install(life.folder / f"{life.job_id}_preempt.json")   # the warning is the script's to act on
+        session = life.bootstrap(self.gpus_per_node)
+        if session is None:
             # A rank that never started (or hangs before init) would hold the job: end it all
             # (a launcher that waits for every task, as blaunch does, would wait to the time limit).
             from hpcring.diagnostics import teardown
-            # The message names what, where and what to do; a traceback of hpcring's frames would
-            # only bury it (the rank's own script never ran).
-            print(f"hpcring: rank {status['rank']} on {status['host']}: {exc}", file=sys.stderr, flush=True)
-            teardown.end_job(status["rank"], status["error"].splitlines()[0])
+            exc, rec = life.failure, life.record
+            teardown.end_job(rec["rank"], rec["error"].splitlines()[0])
             _exit_rank(exc.exit_code or 1, f"{type(exc).__name__}: {exc.message}")
         topo = session.topology
-        apply_framework_env(topo, self.gpus_per_node)
-        status.update(rank=topo.rank, size=topo.size, local_rank=topo.local_rank, host=topo.host,
-                      address=topo.address, interface=topo.interface, launcher=topo.launcher)
-        from hpcring.diagnostics.watchdog import add_exit_hook
-        add_exit_hook(lambda headline: _write_status(folder, topo.rank, {**status, "exit_code": 1, "error": headline,
-                                                                         "ended": time.time()}))
-        from hpcring.diagnostics.torch_watch import install as watch_torch
-        watch_torch()                  # a torch process group in the script gets the hang report too
+        life.watch_torch()             # a torch process group in the script gets the hang report too
         if topo.rank == 0:
-            write_json(folder / f"{_job_id()}_requeues.json", {"count": preempt.requeue_count()})
+            write_json(life.folder / f"{life.job_id}_requeues.json", {"count": preempt.requeue_count()})
         error = not_on_this_node(self.cwd, self.script, topo.host)
         if error is not None:          # before chdir, so the message, not a traceback, reaches the log
             print(f"hpcring: rank {topo.rank}: {error}", file=sys.stderr, flush=True)
@@ -165,15 +148,13 @@ class RunScript:
             os.chdir(self.cwd)
             register_torch_backend_on_import()
             try:
-                code, error = run_as_main(self.script, self.args + getattr(self, "sweep", {}).get(task or "", []))
+                code, error = run_as_main(self.script, args)
                 preempt.finished()
             except Preempted as exc:
-                status.update(exit_code=0, error=None, preempted=str(exc) or "Preempted", ended=time.time())
-                _write_status(folder, topo.rank, status)
+                life.finish(0, preempted=str(exc) or "Preempted")
                 _requeue_when_all_stopped(session, topo)
                 return 0
-        status.update(exit_code=code, error=error, ended=time.time())
-        _write_status(folder, topo.rank, status)
+        life.finish(code, error)
         if code != 0:
             # mpi4py's rule: a failure on one rank ends the job (Slurm's --kill-on-bad-exit does it
             # for srun; blaunch would wait for peers stuck on this rank, or that never started).
@@ -238,20 +219,3 @@ def _requeue_when_all_stopped(session, topo) -> None:
         print(f"hpcring: rank 0: every rank stopped for preemption; requeueing the job "
               f"(requeue {preempt.requeue_count() + 1})", file=sys.stderr, flush=True)
         preempt.requeue_through_submitit()
-
-
-def _job_folder() -> Path:
-    """The job folder with %j resolved (SUBMITIT_FOLDER keeps the placeholder)."""
-    try:
-        import submitit
-        return Path(submitit.JobEnvironment().paths.folder)
-    except Exception:  # not under submitit (e.g. `hpcring run`): the current directory
-        return Path(os.environ.get("SUBMITIT_FOLDER", ".").replace("%j", os.environ.get("SLURM_JOB_ID", "")))
-
-
-def _write_status(folder: Path, rank: int, status: dict) -> None:
-    path = folder / f"{_job_id()}_{rank}_status.json"
-    try:
-        write_json(path, status)
-    except OSError as exc:  # never mask the rank's own outcome
-        print(f"hpcring: could not write {path}: {exc}", file=sys.stderr)

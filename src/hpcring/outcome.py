@@ -1,41 +1,98 @@
-"""One outcome model for a finished job, shared by ``hpcring submit --wait``/``status`` and ``hpcring run``.
+"""One outcome model, shared by ``hpcring submit --wait``/``status``/``logs``, restarts and ``hpcring run``,
+and the one status record format it is built from.
 
-Each rank leaves a status record (``{"rank", "host", "exit_code", "error", "ended", ...}``: job.py
-for submitted jobs, rank_exec.py for ``hpcring run``). From those and the job's size follow the
-failing ranks (first failure first: later ones are usually its consequences) and the ranks that
-never reported (killed, frozen, never started).
+The status record: each rank of a submitted job or of ``hpcring run`` leaves one JSON file,
+``<folder>/<job id>_<rank>_status.json`` (folder: the job folder, ``diagnostics/jobdir.job_folder``,
+of a submitted job; the run's ``status/`` folder for ``hpcring run``; job id: ``jobdir.job_id`` of
+the rank's environment). Written only by :func:`write_record` (through ``rank_life``), read only by
+:func:`read_records`. Fields:
+
+=============  =================================================================================
+rank           global rank (the launcher's when the bootstrap failed: the topology never formed)
+host           the rank's host (the launcher's name for it)
+pid, started   the rank entry's process id and start (epoch s)
+cmd            what the rank runs: the script and its arguments, or ``hpcring run``'s CMD
+exit_code      the rank's exit code (0: it succeeded)
+error          what went wrong in words (``ValueError: x``, the bootstrap's error, the watchdog's
+               headline), or None (none, or only a non-zero exit)
+ended          when the rank ended (epoch s); failures are ordered by it
+size, local_rank, address, interface, launcher
+               the topology, once the bootstrap succeeded
+preempted      the rank stopped for a requeue (``hpcring.Preempted``'s text); exit_code is 0
+=============  =================================================================================
+
+From those and the job's size follow the failing ranks (first failure first: later ones are
+usually its consequences) and the ranks that never reported (killed, frozen, never started).
 """
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hpcring.fsutil import write_json
+
+if TYPE_CHECKING:
+    from hpcring.schedulers.base import JobState
 
 
-@dataclass
-class RankOutcome:
-    failed: list[dict]          # status records of failing ranks, first failure first
-    missing: list[int]          # ranks that left no record
-
-    @property
-    def clean(self) -> bool:
-        return not self.failed and not self.missing
+def record_path(folder: Path | str, job_id: str, rank: int | None) -> Path:
+    return Path(folder) / f"{job_id}_{rank}_status.json"
 
 
-def read_statuses(paths: dict[int, Path]) -> dict[int, dict]:
-    """{rank: record} for the records that exist and parse (a rank killed mid-write has none)."""
+def write_record(folder: Path, job_id: str, record: dict) -> None:
+    """Write one rank's record (atomically; the folder is created). Never raises: a record that
+    cannot be written must not mask the rank's own outcome (the rank then counts as missing)."""
+    path = record_path(folder, job_id, record.get("rank"))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, record)
+    except OSError as exc:
+        print(f"hpcring: could not write {path}: {exc}", file=sys.stderr)
+
+
+def read_records(folder: Path | str, job_id: str, size: int) -> dict[int, dict]:
+    """{rank: record} for the ranks 0..size-1 whose record exists and parses (a rank killed
+    mid-write has none)."""
     out = {}
-    for rank, path in paths.items():
+    for rank in range(size):
         try:
-            out[rank] = json.loads(Path(path).read_text())
+            out[rank] = json.loads(record_path(folder, job_id, rank).read_text())
         except (OSError, ValueError):
             pass
     return out
 
 
-def summarize(stats: dict[int, dict], size: int) -> RankOutcome:
-    failed = sorted((s for s in stats.values() if s.get("exit_code")), key=lambda s: s.get("ended", 0))
-    return RankOutcome(failed, [r for r in range(size) if r not in stats])
+@dataclass
+class Outcome:
+    state: JobState | None      # the scheduler's word; None for `hpcring run` (no job of its own)
+    failed: list[dict]          # status records of failing ranks, first failure first
+    missing: list[int]          # ranks that left no record
+
+    @property
+    def clean(self) -> bool:
+        """Every rank reported, none failed."""
+        return not self.failed and not self.missing
+
+    @property
+    def ok(self) -> bool:
+        return self.clean and (self.state is None or self.state.state == "COMPLETED")
+
+    @property
+    def exit_code(self) -> int | None:
+        """The first failing rank's own code (what --wait exits with); the scheduler's otherwise.
+        The scheduler's is often hpcring's teardown, not the script: on Slurm the failing rank
+        ends the step with SIGKILL, which sacct reports as 9."""
+        if self.failed:
+            return self.failed[0]["exit_code"]
+        return self.state.exit_code if self.state is not None else None
+
+
+def summarize(records: dict[int, dict], size: int, state: JobState | None = None) -> Outcome:
+    failed = sorted((s for s in records.values() if s.get("exit_code")), key=lambda s: s.get("ended") or 0)
+    return Outcome(state, failed, [r for r in range(size) if r not in records])
 
 
 def rank_failure(s: dict, what: str | None = None) -> str:
@@ -45,7 +102,7 @@ def rank_failure(s: dict, what: str | None = None) -> str:
 
 
 def bootstrap_failure(exc: BaseException, *, first_line: bool = False) -> dict:
-    """The status record of a rank whose ``hpcring.init()`` failed: the launcher's rank and host
+    """The record fields of a rank whose ``hpcring.init()`` failed: the launcher's rank and host
     (the topology never formed), exit code 1, the error (its first line only when asked)."""
     import time
 

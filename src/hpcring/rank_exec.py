@@ -1,6 +1,9 @@
-"""Per-rank entry of ``hpcring run``: bootstrap, export framework env, run CMD, tag its output.
+"""Per-rank entry of ``hpcring run``: ``rank_life`` (bootstrap, framework env, torch watch, the
+status record), then CMD as a supervised child whose output is tagged with the rank.
 
-    python -m hpcring.rank_exec --status-dir DIR -- CMD...
+    python -m hpcring.rank_exec [--status-dir DIR] -- CMD...
+
+DIR: the folder of the status records (``outcome.py``); without it, the job folder.
 
 Rank 0's rendezvous store stays up while CMD runs (it lives in this process), so a CMD that calls
 ``hpcring.init()`` itself finds its peers through the variables exported here.
@@ -12,13 +15,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-from hpcring.config import envvars
-from hpcring.errors import HpcringError
-from hpcring.fsutil import write_json
-from hpcring.outcome import bootstrap_failure
+from hpcring.diagnostics.jobdir import job_folder
 
 
 def _pump(src, dst, prefix: bytes) -> None:
@@ -37,37 +36,26 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print("usage: python -m hpcring.rank_exec [--status-dir DIR] -- CMD...", file=sys.stderr)
         return 2
-    from hpcring.bootstrap.init import apply_framework_env
-    from hpcring.session import init
-    try:
-        envvars.check_environ()
-        gpus = envvars.get("HPCRING_GPUS_PER_NODE")
-        session = init(watchdog=False)   # the child CMD runs the collectives and the watchdog
-    except HpcringError as exc:
-        st = bootstrap_failure(exc, first_line=True)
-        print(f"[{st['rank']}]<stderr>:hpcring: {exc}", file=sys.stderr, flush=True)
-        _status(status_dir, st["rank"], st)
+    from hpcring.rank_life import RankLife
+    # the records go where the starter reads them (hpcring run: the run's folder), else the job's
+    life = RankLife(status_dir or job_folder(), argv, tag_output=True)
+    session = life.bootstrap(watchdog=False)   # the child CMD runs the collectives and the watchdog
+    if session is None:
         return 1
     topo = session.topology
-    apply_framework_env(topo, gpus)
     from hpcring.session import handoff_env
     os.environ.update(handoff_env(session))
-    from hpcring.diagnostics.torch_watch import SITE_DIR, child_env
-    os.environ.update(child_env())     # a torch process group in CMD gets hpcring's hang report
-    path = os.environ.get("PYTHONPATH", "")
-    if SITE_DIR not in path.split(os.pathsep):   # the watch is off: the site still registers the backend
-        os.environ["PYTHONPATH"] = SITE_DIR + (os.pathsep + path if path else "")
+    life.watch_torch(child=True)       # a torch process group in CMD gets hpcring's hang report
     from hpcring.schedulers.supervisor import start
     parent = os.getppid()
+    life.child_error_file()
     try:
         child = start(argv, dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as exc:   # no such command, not executable: say so once, like a shell would
         what = f"cannot run {argv[0]!r} on {topo.host}: {exc.strerror}"
-        print(f"[{topo.rank}]<stderr>:hpcring: {what}\n  hint: check the command after `--` "
-              "(is it on PATH on every node? a typo?)", file=sys.stderr, flush=True)
+        life.say(f"{what}\n  hint: check the command after `--` (is it on PATH on every node? a typo?)")
         code = 127 if isinstance(exc, FileNotFoundError) else 126
-        _status(status_dir, topo.rank, {"rank": topo.rank, "host": topo.host, "exit_code": code,
-                                        "error": what, "cmd": argv, "ended": time.time()})
+        life.finish(code, what)
         return code
 
     def forward(signum, _frame):
@@ -90,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in pumps:
         p.join(timeout=5)
     code = code if code >= 0 else 128 - code  # killed by a signal: shell convention
-    _status(status_dir, topo.rank, {"rank": topo.rank, "host": topo.host, "exit_code": code,
-                                    "cmd": argv, "ended": time.time()})
+    error = life.child_error()         # read either way: the file goes with it
+    life.finish(code, error if code else None)
     return code
 
 
@@ -104,16 +92,6 @@ def _orphaned(child, status_dir: Path | None) -> None:
         import shutil
         shutil.rmtree(status_dir.parent, ignore_errors=True)
     os._exit(128 + signal.SIGTERM)
-
-
-def _status(folder: Path | None, rank: int, data: dict) -> None:
-    if folder is None:
-        return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        write_json(folder / f"{rank}.json", data)
-    except OSError as exc:
-        print(f"hpcring: could not record rank {rank}'s status in {folder}: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -22,7 +21,7 @@ from hpcring.ranks import rank_ranges
 from hpcring.errors import HpcringError, JobFailedError, JobNotFoundError, SchedulerError, UsageError
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.job import RunScript
-from hpcring.outcome import hang_headline as outcome_hang_headline, rank_failure, read_statuses, summarize
+from hpcring.outcome import Outcome, hang_headline as outcome_hang_headline, rank_failure, read_records, summarize
 from hpcring.render import render_script
 from hpcring.config.arrays import sweep_args
 from hpcring.fsutil import write_json
@@ -305,31 +304,12 @@ def tag(rank: int | str, stream: str, line: str) -> str:
 
 # ---- outcome --------------------------------------------------------------------------------
 
-@dataclass
-class Outcome:
-    state: JobState
-    failed: list[dict]          # status records of failing ranks, first failure first
-    missing: list[int]          # ranks that never reported
-
-    @property
-    def ok(self) -> bool:
-        return self.state.state == "COMPLETED" and not self.failed and not self.missing
-
-    @property
-    def exit_code(self) -> int | None:
-        """The first failing rank's own code (what --wait exits with); the scheduler's otherwise.
-        The scheduler's is often hpcring's teardown, not the script: on Slurm the failing rank
-        ends the step with SIGKILL, which sacct reports as 9."""
-        return self.failed[0]["exit_code"] if self.failed else self.state.exit_code
-
-
 def rank_statuses(rec: JobRecord) -> dict[int, dict]:
-    return read_statuses({r: Path(rec.folder) / f"{rec.job_id}_{r}_status.json" for r in range(rec.ntasks)})
+    return read_records(rec.folder, rec.job_id, rec.ntasks)
 
 
 def outcome(rec: JobRecord, st: JobState) -> Outcome:
-    oc = summarize(rank_statuses(rec), rec.ntasks)
-    return Outcome(st, oc.failed, oc.missing)
+    return summarize(rank_statuses(rec), rec.ntasks, st)
 
 
 def first_casualty(rec: JobRecord) -> str | None:

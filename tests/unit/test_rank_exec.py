@@ -3,12 +3,12 @@ command's output tagged with the rank, its exit code recorded and returned, a co
 cannot start and a bootstrap that fails each recorded with a one-line reason."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 from hpcring.bootstrap.auth import write_secret_file
+from hpcring.outcome import read_records
 from hpcring.schedulers.local_run import rank_env
 
 
@@ -27,7 +27,7 @@ def _run(tmp_path, cmd: list[str], **extra) -> tuple[subprocess.CompletedProcess
     p = subprocess.run([sys.executable, "-m", "hpcring.rank_exec", "--status-dir", str(status), "--", *cmd],
                        env=_env(tmp_path, **extra), capture_output=True, text=True, timeout=120,
                        stdin=subprocess.DEVNULL)
-    return p, json.loads((status / "0.json").read_text())
+    return p, read_records(status, "re1", 1)[0]
 
 
 def test_output_is_tagged_and_the_exit_code_recorded(tmp_path):

@@ -17,7 +17,7 @@ from hpcring.diagnostics import teardown
 from hpcring.errors import JobNotFoundError, UsageError
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.fsutil import write_json
-from hpcring.outcome import hang_headline, rank_failure, read_statuses, summarize
+from hpcring.outcome import hang_headline, rank_failure, read_records, record_path, summarize, write_record
 from hpcring.schedulers import supervisor
 from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
 
@@ -100,15 +100,12 @@ def test_ranks_die_with_their_supervisor_even_by_sigkill(tmp_path):
 # ---- outcome ---------------------------------------------------------------------------------
 
 def test_outcome_orders_failures_and_names_missing_ranks(tmp_path):
-    paths = {}
     for r, st in {0: {"exit_code": 0}, 1: {"exit_code": 1, "ended": 5.0, "host": "n1"},
                   2: {"exit_code": 1, "ended": 2.0, "host": "n2", "error": "ValueError: x"}}.items():
-        paths[r] = tmp_path / f"{r}.json"
-        write_json(paths[r], {"rank": r, **st})
-    paths[3] = tmp_path / "3.json"            # never written
-    (tmp_path / "4.json").write_text("{half")  # killed mid-write (not through write_json)
-    paths[4] = tmp_path / "4.json"
-    oc = summarize(read_statuses(paths), 5)
+        write_record(tmp_path, "8", {"rank": r, **st})
+    # rank 3 never wrote one; rank 4 was killed mid-write (not through write_record)
+    record_path(tmp_path, "8", 4).write_text("{half")
+    oc = summarize(read_records(tmp_path, "8", 5), 5)
     assert [s["rank"] for s in oc.failed] == [2, 1] and oc.missing == [3, 4] and not oc.clean
     assert rank_failure(oc.failed[0]) == "rank 2 on n2: ValueError: x"
     assert rank_failure(oc.failed[1]) == "rank 1 on n1: exited with code 1"

@@ -232,6 +232,8 @@ VARS: tuple[Var, ...] = (
        0, 10 * 365 * 86400, set_by="hpcring"),
     _v("HPCRING_SESSION", "str", None, "`hpcring run`: the rank's session, handed to CMD",
        set_by="hpcring"),
+    _v("HPCRING_RANK_ERROR_FILE", "path", None, "`hpcring run`: where CMD's Python writes the exception "
+       "that ended it, for the rank's status record", set_by="hpcring"),
     _v("HPCRING_BENCH_TABLE", "path", None, "`hpcring bench`: where rank 0 writes its table",
        set_by="hpcring"),
     _v("HPCRING_LOG_PATTERN", "str", None, "LSF: per-rank log path pattern", set_by="hpcring"),

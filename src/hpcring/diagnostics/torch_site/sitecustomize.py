@@ -1,8 +1,10 @@
 """Run by the Python of ``hpcring run``'s CMD at start (rank_exec puts this folder first on
-PYTHONPATH): register the ``hpcring`` torch.distributed backend once the script imports torch,
-as ``hpcring submit`` does (:func:`hpcring.job.register_torch_backend_on_import`), watch the torch
-process group the script may create (:func:`hpcring.diagnostics.torch_watch.install`), then run
-the ``sitecustomize`` this file shadows, if any. A Python without hpcring just skips both."""
+PYTHONPATH): hand an exception that ends it to the rank's status record
+(:func:`hpcring.rank_life.record_uncaught`), register the ``hpcring`` torch.distributed backend
+once the script imports torch, as ``hpcring submit`` does
+(:func:`hpcring.job.register_torch_backend_on_import`), watch the torch process group the script
+may create (:func:`hpcring.diagnostics.torch_watch.install`), then run the ``sitecustomize`` this
+file shadows, if any. A Python without hpcring just skips all that."""
 import importlib.machinery
 import importlib.util
 import os
@@ -10,6 +12,8 @@ import sys
 
 try:
     if os.environ.get("HPCRING_SESSION"):
+        from hpcring.rank_life import record_uncaught
+        record_uncaught()          # the rank's status record names the exception, as under submit
         from hpcring.job import register_torch_backend_on_import
         register_torch_backend_on_import()
         from hpcring.diagnostics import torch_watch
