@@ -163,23 +163,31 @@ def message(root: int, n: int, v: int, addrs: list, trig: dict) -> bytes:
 def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
             step_timeout: float = STEP_TIMEOUT) -> list[int]:
     """Deliver the trigger to ``v``'s children (``addrs``: addresses of ``subtree(v)``, from
-    ``v`` on, None where unknown), taking over the subtree of a child that cannot be reached.
-    Returns the relative indices that could not be reached at all."""
+    ``v`` on, None where unknown), one thread per child so that a frozen child delays only its own
+    subtree, taking over the subtree of a child that cannot be reached. Returns (once every
+    branch is done) the relative indices that could not be reached at all."""
     lost: list[int] = []
-    todo = children(v, n)
-    while todo:
-        c = todo.pop(0)
-        block = subtree(c, n)
-        addr = addrs[c - v] if c - v < len(addrs) else None
-        ok = False
-        if addr:
-            try:
-                send(addr, message(root, n, c, addrs[c - v:c - v + len(block)], trig), secret, step_timeout)
-                ok = True
-            except (OSError, ConnectionError, ValueError) as e:
-                log.info("watchdog fan-out: relative rank %d at %s unreachable (%s); covering its subtree",
-                         c, addr, e)
-        if not ok:
+
+    def branch(first: int) -> None:
+        todo = [first]
+        while todo:
+            c = todo.pop(0)
+            block = subtree(c, n)
+            addr = addrs[c - v] if c - v < len(addrs) else None
+            if addr:
+                try:
+                    send(addr, message(root, n, c, addrs[c - v:c - v + len(block)], trig), secret, step_timeout)
+                    continue
+                except (OSError, ConnectionError, ValueError) as e:
+                    log.info("watchdog fan-out: relative rank %d at %s unreachable (%s); covering its subtree",
+                             c, addr, e)
             lost.append(c)
             todo[0:0] = children(c, n)     # its children, before the rest (largest first)
-    return lost
+
+    threads = [threading.Thread(target=branch, args=(c,), name="hpcring-watchdog-fanout", daemon=True)
+               for c in children(v, n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(lost)

@@ -98,6 +98,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._handled = False
         self._forwarded = False
+        self._forwarder: threading.Thread | None = None
         self._done = threading.Event()
         self.report: Report | None = None
         self._client = None            # opened on a failure (trigger, snapshot, report), never idle before
@@ -268,7 +269,7 @@ class Watchdog:
 
     # -- every rank -----------------------------------------------------------------------
     def _on_message(self, msg: dict) -> None:
-        """A trigger from our parent in the tree (listener thread): pass it on, then handle it."""
+        """A trigger from our parent in the tree (listener thread): pass it on and handle it."""
         if self._closing:
             return
         try:
@@ -282,11 +283,15 @@ class Watchdog:
         self._start_handle(trig)
 
     def _forward(self, root: int, v: int, addrs: list, trig: dict) -> None:
+        """Pass the trigger on in the background (once): this rank's own snapshot need not wait
+        for its subtree (a frozen child costs that branch 2 s)."""
         with self._lock:
             if self._forwarded:
                 return
             self._forwarded = True
-        fanout.forward(root, self.size, v, addrs, trig, self._secret)
+        self._forwarder = threading.Thread(target=fanout.forward, args=(root, self.size, v, addrs, trig, self._secret),
+                                           name=f"hpcring-watchdog-forward:{self.rank}", daemon=True)
+        self._forwarder.start()
 
     def _start_handle(self, trig: dict) -> None:
         with self._lock:
@@ -309,7 +314,10 @@ class Watchdog:
             self._handled = True
         if trig.get("ending"):
             # The scheduler stopped the peers (a requeue, a cancel, the time limit): no report, no
-            # scancel (that would cancel the requeued job), no failure record; it ends this rank too.
+            # scancel (that would cancel the requeued job), no failure record; it ends this rank too,
+            # once the ranks below it in the tree have heard (bounded: 2 s per unreachable child).
+            if self._forwarder is not None:
+                self._forwarder.join(fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 2))
             print(f"hpcring: rank {self.rank} ({self.host}): {trig['ending']}: a peer left "
                   f"{_op_name(trig.get('op'))}because of it, not a collective failure; exiting",
                   file=sys.stderr, flush=True)
