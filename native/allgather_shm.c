@@ -23,9 +23,9 @@ int hr_allgather_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, in
         size_t pn = count - po < pe ? count - po : pe;
         uint32_t b = s->parity++;
         if (pn) memcpy(hr_shm_buf(s, s->lrank, b), (const unsigned char *)sbuf + po * esz, pn * esz);
-        hr_shm_signal(op);
-        if (hr_shm_wait(op, "allgather") != HR_OK) return HR_ERR;
-        if (first && hr_shm_check_peers(op) != HR_OK) return HR_ERR;
+        hr_op_shm_signal(op);
+        if (hr_op_shm_wait(op, "allgather") != HR_OK) return HR_ERR;
+        if (first && hr_op_shm_check_peers(op) != HR_OK) return HR_ERR;
         for (j = 0; j < s->lsize && pn; j++) /* one node: local index = rank */
             memcpy(out + ((size_t)s->lranks[j] * count + po) * esz, hr_shm_buf(s, j, b), pn * esz);
         po += pn;

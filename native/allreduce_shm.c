@@ -52,9 +52,9 @@ int hr_allreduce_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, in
         if (pn > soff[l] + scnt[l])
             memcpy(mine + (soff[l] + scnt[l]) * esz, in + (po + soff[l] + scnt[l]) * esz,
                    (pn - soff[l] - scnt[l]) * esz);
-        hr_shm_signal(op);
-        if (hr_shm_wait(op, "allreduce copy-in") != HR_OK) goto cleanup;
-        if (first && hr_shm_check_peers(op) != HR_OK) goto cleanup;
+        hr_op_shm_signal(op);
+        if (hr_op_shm_wait(op, "allreduce copy-in") != HR_OK) goto cleanup;
+        if (first && hr_op_shm_check_peers(op) != HR_OK) goto cleanup;
         acc = mine + soff[l] * esz;
         for (j = 0, k = 0; j < L; j++) {
             const unsigned char *other = hr_shm_buf(s, j, b) + soff[l] * esz;
@@ -71,8 +71,8 @@ int hr_allreduce_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, in
                 goto cleanup;
         }
         if (redop == HR_AVG && scnt[l]) hr_divide(acc, scnt[l], dtype, c->size);
-        hr_shm_signal(op);
-        if (hr_shm_wait(op, "allreduce reduction") != HR_OK) goto cleanup;
+        hr_op_shm_signal(op);
+        if (hr_op_shm_wait(op, "allreduce reduction") != HR_OK) goto cleanup;
         for (j = 0; j < L; j++) {
             size_t a = po + soff[j], e = a + scnt[j];
             if (a < lo) a = lo;

@@ -37,9 +37,9 @@ int hr_alltoall_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int
             if (j != r) memcpy(mine + (size_t)j * pn * esz, in + ((size_t)j * B + po) * esz, pn * esz);
         if (pn && in != out)
             memcpy(out + ((size_t)r * B + po) * esz, in + ((size_t)r * B + po) * esz, pn * esz);
-        hr_shm_signal(op);
-        if (hr_shm_wait(op, "alltoall") != HR_OK) return HR_ERR;
-        if (first && hr_shm_check_peers(op) != HR_OK) return HR_ERR;
+        hr_op_shm_signal(op);
+        if (hr_op_shm_wait(op, "alltoall") != HR_OK) return HR_ERR;
+        if (first && hr_op_shm_check_peers(op) != HR_OK) return HR_ERR;
         for (j = 0; j < L && pn; j++)
             if (j != r)
                 memcpy(out + ((size_t)j * B + po) * esz, hr_shm_buf(s, j, b) + (size_t)r * pn * esz,

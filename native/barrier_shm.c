@@ -10,7 +10,7 @@
 #include "hr_internal.h"
 
 int hr_barrier_shm(hr_op_t *op) {
-    hr_shm_signal(op);
-    if (hr_shm_wait(op, "barrier") != HR_OK) return HR_ERR;
-    return hr_shm_check_peers(op);
+    hr_op_shm_signal(op);
+    if (hr_op_shm_wait(op, "barrier") != HR_OK) return HR_ERR;
+    return hr_op_shm_check_peers(op);
 }

@@ -25,9 +25,9 @@ int hr_broadcast_shm(hr_op_t *op, void *buf, size_t count, int dtype, int root) 
         size_t pn = count - po < pe ? count - po : pe;
         uint32_t b = s->parity++;
         if (me && pn) memcpy(hr_shm_buf(s, lroot, b), p + po * esz, pn * esz);
-        hr_shm_signal(op);
-        if (hr_shm_wait(op, "broadcast") != HR_OK) return HR_ERR;
-        if (first && hr_shm_check_peers(op) != HR_OK) return HR_ERR;
+        hr_op_shm_signal(op);
+        if (hr_op_shm_wait(op, "broadcast") != HR_OK) return HR_ERR;
+        if (first && hr_op_shm_check_peers(op) != HR_OK) return HR_ERR;
         if (!me && pn) memcpy(p + po * esz, hr_shm_buf(s, lroot, b), pn * esz);
         po += pn;
         op->rx_done = po * esz;

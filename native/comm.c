@@ -14,14 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
-
-double hr_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 size_t hr_dtype_size(int dtype) {
     static const size_t sz[HR_NDTYPES] = {2, 2, 4, 8, 4, 8, 1};
@@ -94,8 +87,7 @@ int hr_comm_fail(hr_comm_t *c, const char *msg) {
     }
     snprintf(c->err, sizeof(c->err), "%s", msg);
     __atomic_store_n(&c->failed, 1, __ATOMIC_RELEASE);
-    if (c->shm.base) /* tells local peers this rank failed on its own (it did not die) */
-        __atomic_store_n(&hr_shm_cell(&c->shm, c->shm.lrank)->failed, 1, __ATOMIC_RELEASE);
+    if (c->shm.base) hr_shm_set_failed(&c->shm);
     pthread_mutex_unlock(&c->errlock);
     hr_tcp_abort(&c->tcp); /* wakes the other I/O threads and the peers */
     return HR_ERR;
@@ -138,6 +130,56 @@ int hr_op_check_hdr(hr_op_t *op, const hr_hdr_t *g, int peer) {
                           (unsigned)m->seq, (unsigned long long)m->count, hr_dtype_name(m->dtype),
                           hr_redop_name(m->redop), (int)m->root);
     }
+    return HR_OK;
+}
+
+/* ---- the node's shared memory: transport_shm.c reports status, the messages are worded here ---- */
+_Static_assert(sizeof(hr_hdr_t) == sizeof(((hr_shm_cell_t *)0)->hdr), "a shm cell holds one header");
+
+void hr_op_shm_signal(hr_op_t *op) {
+    int first = op->shm_signals++ == 0;
+    uint32_t phase = hr_shm_signal(&op->c->shm, first ? &op->hdr : NULL);
+    if (first) op->shm_start = phase;
+}
+
+int hr_op_shm_wait(hr_op_t *op, const char *what) {
+    hr_comm_t *c = op->c;
+    hr_shm_why_t w;
+    char why[192];
+
+    if (hr_shm_wait(&c->shm, &c->tcp, op->deadline, &c->failed, &w) == 0) return HR_OK;
+    /* the "recv from rank ..., x/y bytes done" form (hr_op_fail_peer) is the one the hang report
+     * (diagnostics/report.py) parses */
+    switch (w.kind) {
+    case HR_SHM_TIMEOUT:
+        snprintf(why, sizeof(why), "(shared memory, %s) timed out after %.1f s", what, op->timeout);
+        break;
+    case HR_SHM_PEER_DIED:
+        snprintf(why, sizeof(why), "failed: connection closed by peer (EOF) without an error "
+                 "report: it died during the shared-memory %s (same node)", what);
+        break;
+    case HR_SHM_PEER_FAILED:
+        snprintf(why, sizeof(why), "failed: it reported an error during the shared-memory %s "
+                 "(same node; see its message)", what);
+        break;
+    case HR_SHM_OUT_OF_STEP:
+        return hr_op_fail(op, "rank %d (%s, same node) sent TCP data while this rank waits in "
+                          "shared memory (%s); the ranks are out of step (mismatched "
+                          "collectives)", w.peer, c->hosts[w.peer], what);
+    default:                    /* HR_SHM_ABORTED: the communicator's error is recorded already */
+        return HR_ERR;
+    }
+    return hr_op_fail_peer(op, 1, w.peer, why);
+}
+
+int hr_op_shm_check_peers(hr_op_t *op) {
+    hr_shm_t *s = &op->c->shm;
+    hr_hdr_t h;
+    int l;
+    for (l = 0; l < s->lsize; l++)
+        if (l != s->lrank && hr_shm_peer_hdr(s, l, op->shm_start, &h) &&
+            hr_op_check_hdr(op, &h, s->lranks[l]) != HR_OK)
+            return HR_ERR;
     return HR_OK;
 }
 

@@ -110,7 +110,6 @@ typedef struct hr_op {
 } hr_op_t;
 
 /* ---- comm.c ---- */
-double hr_now(void);
 size_t hr_dtype_size(int dtype);             /* bytes per element; 0 for an unknown code */
 const char *hr_dtype_name(int dtype);        /* "float32", ...; "?" for an unknown code */
 const char *hr_redop_name(int op);           /* "sum", ...; "?" for an unknown code */
@@ -164,14 +163,16 @@ void hr_reduce3(void *dst, const void *a, const void *b, size_t n, int dtype, in
 /* buf[i] /= divisor (float types). */
 void hr_divide(void *buf, size_t n, int dtype, int divisor);
 
-/* ---- transport_shm.c ---- */
+/* ---- comm.c: the node's shared memory (transport_shm.c reports status, these word the errors) ---- */
 /* Bump this rank's phase (publishing op->hdr on the collective's first signal) and wake waiters. */
-void hr_shm_signal(hr_op_t *op);
-/* Wait until every local peer reached this rank's phase; deadline, dead and failed peers are
- * reported (what: the step, for the message). */
-int hr_shm_wait(hr_op_t *op, const char *what);
-/* After the first wait: check the local peers' collective headers against op->hdr. */
-int hr_shm_check_peers(hr_op_t *op);
+void hr_op_shm_signal(hr_op_t *op);
+/* Wait until every local peer reached this rank's phase. Returns HR_OK, or HR_ERR with the
+ * error recorded: a deadline, a dead or failed peer, a peer out of step (what: the step, for the
+ * message). */
+int hr_op_shm_wait(hr_op_t *op, const char *what);
+/* After the first wait: check the local peers' collective headers against op->hdr. Returns
+ * HR_OK, or HR_ERR with the mismatch recorded. */
+int hr_op_shm_check_peers(hr_op_t *op);
 /* Attach the comm to an already created/opened segment: lranks[lsize] are the global ranks of
  * this node (this rank among them), col[ncol] the ranks with the same local index on every node
  * (ncol = 1: one node; NULL: nodes differ in rank count, no two-level allreduce). */

@@ -1,7 +1,7 @@
 /* transport_shm.c -- shared-memory segment, phase signals and deadline-bounded waits.
  * See transport_shm.h. */
 #define _GNU_SOURCE
-#include "hr_internal.h"
+#include "transport_shm.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -74,24 +74,26 @@ static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *t
     return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
 }
 
-void hr_shm_signal(hr_op_t *op) {
-    hr_shm_t *s = &op->c->shm;
+uint32_t hr_shm_signal(hr_shm_t *s, const void *hdr) {
     hr_shm_cell_t *me = hr_shm_cell(s, s->lrank);
-    if (op->shm_signals++ == 0) {
+    if (hdr) {
         /* hstart = the phase this collective starts at, around the header (a seqlock) */
         __atomic_store_n(&me->hstart, 0, __ATOMIC_RELEASE);
-        memcpy(me->hdr, &op->hdr, sizeof(op->hdr));
+        memcpy(me->hdr, hdr, sizeof(me->hdr));
         __atomic_store_n(&me->hstart, s->phase + 1, __ATOMIC_RELEASE);
-        op->shm_start = s->phase + 1;
     }
     __atomic_store_n(&me->phase, ++s->phase, __ATOMIC_RELEASE);
     futex(&me->phase, FUTEX_WAKE, INT_MAX, NULL);
+    return s->phase;
+}
+
+void hr_shm_set_failed(hr_shm_t *s) {
+    __atomic_store_n(&hr_shm_cell(s, s->lrank)->failed, 1, __ATOMIC_RELEASE);
 }
 
 /* Why local peer l is not coming: 1 = it died, 2 = it failed itself, 3 = out of step, 0 = alive. */
-static int peer_state(hr_comm_t *c, int l) {
-    hr_shm_t *s = &c->shm;
-    int fd = hr_tcp_fd(&c->tcp, s->lranks[l]);
+static int peer_state(const hr_shm_t *s, const hr_tcp_t *tcp, int l) {
+    int fd = hr_tcp_fd(tcp, s->lranks[l]);
     struct pollfd p;
     char b;
     ssize_t r;
@@ -105,12 +107,16 @@ static int peer_state(hr_comm_t *c, int l) {
     return r > 0 ? 3 : 0;
 }
 
-int hr_shm_wait(hr_op_t *op, const char *what) {
-    hr_comm_t *c = op->c;
-    hr_shm_t *s = &c->shm;
+static int fail(hr_shm_why_t *why, int kind, int peer) {
+    why->kind = kind;
+    why->peer = peer;
+    return -1;
+}
+
+int hr_shm_wait(hr_shm_t *s, const hr_tcp_t *tcp, double deadline, const int *failed,
+                hr_shm_why_t *why) {
     uint32_t want = s->phase;
     int l, spins = 0, l2, st, dead;
-    char why[192];
 
     for (l = 0; l < s->lsize; l++) {
         hr_shm_cell_t *cl = hr_shm_cell(s, l);
@@ -118,61 +124,32 @@ int hr_shm_wait(hr_op_t *op, const char *what) {
         if (l == s->lrank) continue;
         while ((int32_t)((v = __atomic_load_n(&cl->phase, __ATOMIC_ACQUIRE)) - want) < 0) {
             struct timespec ts = {0, 5000000};
-            if (__atomic_load_n(&c->failed, __ATOMIC_ACQUIRE)) return HR_ERR;
+            if (__atomic_load_n(failed, __ATOMIC_ACQUIRE)) return fail(why, HR_SHM_ABORTED, -1);
             if (++spins < s->spin) {
                 sched_yield();
                 continue;
             }
             futex(&cl->phase, FUTEX_WAIT, v, &ts);
-            if (hr_now() > op->deadline) {
-                snprintf(why, sizeof(why), "(shared memory, %s) timed out after %.1f s", what,
-                         op->timeout);
-                return hr_op_fail_peer(op, 1, s->lranks[l], why);
-            }
+            if (hr_now() > deadline) return fail(why, HR_SHM_TIMEOUT, s->lranks[l]);
             /* Look at the peers first, then at the counter again: a peer signals before it sends
              * TCP data for its next collective (or exits), so data seen with the counter still
              * short means trouble, while a counter that moved means it is simply ahead. */
-            st = peer_state(c, l);
+            st = peer_state(s, tcp, l);
             for (l2 = 0, dead = -1; l2 < s->lsize && dead < 0; l2++)
-                if (l2 != s->lrank && peer_state(c, l2) == 1) dead = l2;
+                if (l2 != s->lrank && peer_state(s, tcp, l2) == 1) dead = l2;
             if ((int32_t)(__atomic_load_n(&cl->phase, __ATOMIC_ACQUIRE) - want) >= 0) break;
-            /* name a dead peer before one that failed because of it; the "recv from rank ..., x/y
-             * bytes done" form is the one the hang report (diagnostics/report.py) parses */
-            if (dead >= 0) {
-                snprintf(why, sizeof(why), "failed: connection closed by peer (EOF) without an error "
-                         "report: it died during the shared-memory %s (same node)", what);
-                return hr_op_fail_peer(op, 1, s->lranks[dead], why);
-            }
-            switch (st) {
-            case 2:
-                snprintf(why, sizeof(why), "failed: it reported an error during the shared-memory %s "
-                         "(same node; see its message)", what);
-                return hr_op_fail_peer(op, 1, s->lranks[l], why);
-            case 3:
-                return hr_op_fail(op, "rank %d (%s, same node) sent TCP data while this rank waits in "
-                                  "shared memory (%s); the ranks are out of step (mismatched "
-                                  "collectives)", s->lranks[l], c->hosts[s->lranks[l]], what);
-            default:
-                break;
-            }
+            if (dead >= 0) return fail(why, HR_SHM_PEER_DIED, s->lranks[dead]);
+            if (st == 2) return fail(why, HR_SHM_PEER_FAILED, s->lranks[l]);
+            if (st == 3) return fail(why, HR_SHM_OUT_OF_STEP, s->lranks[l]);
         }
     }
-    return HR_OK;
+    return 0;
 }
 
-/* After the first wait of a collective: every local peer must be in the same collective. */
-int hr_shm_check_peers(hr_op_t *op) {
-    hr_shm_t *s = &op->c->shm;
-    int l;
-    for (l = 0; l < s->lsize; l++) {
-        hr_shm_cell_t *cl = hr_shm_cell(s, l);
-        hr_hdr_t h;
-        if (l == s->lrank) continue;
-        if (__atomic_load_n(&cl->hstart, __ATOMIC_ACQUIRE) != op->shm_start) continue;
-        memcpy(&h, cl->hdr, sizeof(h));
-        /* a peer that already moved on to the next collective passed this one with us */
-        if (__atomic_load_n(&cl->hstart, __ATOMIC_ACQUIRE) != op->shm_start) continue;
-        if (hr_op_check_hdr(op, &h, s->lranks[l]) != HR_OK) return HR_ERR;
-    }
-    return HR_OK;
+int hr_shm_peer_hdr(const hr_shm_t *s, int l, uint32_t start, void *hdr) {
+    hr_shm_cell_t *cl = hr_shm_cell(s, l);
+    if (__atomic_load_n(&cl->hstart, __ATOMIC_ACQUIRE) != start) return 0;
+    memcpy(hdr, cl->hdr, sizeof(cl->hdr));
+    /* re-read: a header copied while the peer rewrote it for its next collective is discarded */
+    return __atomic_load_n(&cl->hstart, __ATOMIC_ACQUIRE) == start;
 }

@@ -24,6 +24,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "transport_tcp.h"
+
 #define HR_SHM_MAGIC 0x68727368u /* "hrsh" */
 
 typedef struct hr_shm_cell {
@@ -47,6 +49,20 @@ typedef struct hr_shm {
     int spin;               /* sched_yield rounds before sleeping (0 when ranks outnumber cores) */
 } hr_shm_t;
 
+/* Why hr_shm_wait stopped waiting (the transport reports; comm.c words the error). */
+enum hr_shm_fail {
+    HR_SHM_ABORTED = 1,     /* the communicator failed meanwhile: its error is recorded already */
+    HR_SHM_TIMEOUT,         /* peer: the first local rank not there by the deadline */
+    HR_SHM_PEER_DIED,       /* peer: its TCP connection reads EOF and it set no failed flag */
+    HR_SHM_PEER_FAILED,     /* peer: it set its failed flag (its own error says why) */
+    HR_SHM_OUT_OF_STEP      /* peer: it sent TCP data while this rank waits in shared memory */
+};
+
+typedef struct hr_shm_why {
+    int kind;               /* enum hr_shm_fail */
+    int peer;               /* global rank */
+} hr_shm_why_t;
+
 /* Segment bytes for lsize ranks with buffers of slot bytes. */
 size_t hr_shm_bytes(int lsize, size_t slot);
 
@@ -58,6 +74,26 @@ int hr_shm_map(const char *name, int create, size_t bytes, unsigned char **out, 
 
 /* shm_unlink(name); ENOENT is not an error (another local rank was first). */
 int hr_shm_unlink(const char *name, char *err, size_t errlen);
+
+/* Bump this rank's phase and wake its waiters. hdr (the 24-byte collective header, or NULL) is
+ * published with it on a collective's first signal, for hr_shm_peer_hdr. Returns the new phase. */
+uint32_t hr_shm_signal(hr_shm_t *s, const void *hdr);
+
+/* Wait until every local peer's phase reached this rank's, or until the absolute deadline
+ * (hr_now() clock). Between short sleeps it reads *failed (another thread of this rank failed
+ * the communicator) and the peers' liveness: their failed flags, and EOF or unexpected data on
+ * their TCP connection 0 in tcp. Returns 0, or -1 with why filled; a dead peer is named before
+ * one that failed because of it. */
+int hr_shm_wait(hr_shm_t *s, const hr_tcp_t *tcp, double deadline, const int *failed,
+                hr_shm_why_t *why);
+
+/* Copy local peer l's published header (24 bytes) into hdr when it belongs to the collective
+ * whose first signal was phase start. Returns 1, or 0 when that peer is not in it (not yet, or
+ * already past it: then it passed this collective with us). */
+int hr_shm_peer_hdr(const hr_shm_t *s, int l, uint32_t start, void *hdr);
+
+/* Tell the local peers that this rank failed on its own (it did not die). */
+void hr_shm_set_failed(hr_shm_t *s);
 
 static inline hr_shm_cell_t *hr_shm_cell(const hr_shm_t *s, int l) {
     return (hr_shm_cell_t *)(void *)(s->base + 64 + (size_t)l * sizeof(hr_shm_cell_t));

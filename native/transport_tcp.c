@@ -15,7 +15,11 @@
 #include <time.h>
 #include <unistd.h>
 
-double hr_now(void);
+double hr_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 /* Non-blocking, TCP_NODELAY, and the buffer sizes when asked; 0 or -1 with err set. */
 static int setup_fd(int fd, int sockbuf, char *err, size_t errlen) {

@@ -28,6 +28,9 @@ typedef struct hr_tcp {
 #define HR_TCP_READ 1
 #define HR_TCP_WRITE 2
 
+/* Seconds on CLOCK_MONOTONIC: the clock of every deadline in native/. */
+double hr_now(void);
+
 /* Take ownership of fds (size * nconn entries, -1 allowed), make them non-blocking with
  * TCP_NODELAY, and set SO_SNDBUF/SO_RCVBUF when sockbuf > 0. Returns 0, or -1 with a message
  * naming the failing system call in err. On failure nothing is owned. */
