@@ -48,12 +48,16 @@ class Verdict:
     nodes: tuple[str, ...] = ()   # the nodes to exclude (may be empty: NODE_FAIL with no host named)
 
 
-def _own_errors(statuses: Mapping[int, dict], headline: str | None) -> list[dict]:
+def _own_errors(statuses: Mapping[int, dict], headline: str | None, since: float | None = None) -> list[dict]:
     """Failing ranks whose record holds their own error, not the watchdog's headline (a rank the
-    report took down writes the headline as its error)."""
+    report took down writes the headline as its error) nor what the teardown after the diagnosis
+    did to it (``since``: when the failure was seen; LSF's bkill, for one, interrupts every rank
+    with SIGINT, and their records then say KeyboardInterrupt)."""
     out = []
     for s in sorted(statuses.values(), key=lambda s: s.get("ended") or 0):
         if not s.get("exit_code"):
+            continue
+        if since is not None and isinstance(s.get("ended"), (int, float)) and s["ended"] > since:
             continue
         err = s.get("error") or ""
         if headline and err.strip() == headline.strip():
@@ -86,7 +90,8 @@ def classify(state: str, statuses: Mapping[int, dict], size: int, report: dict |
     if state in NOT_A_FAULT:
         return Verdict(False, f"the job ended {state}, which is no node fault")
     headline = (report or {}).get("headline")
-    own = _own_errors(statuses, headline)
+    seen = ((report or {}).get("trigger") or {}).get("time")
+    own = _own_errors(statuses, headline, seen if isinstance(seen, (int, float)) else None)
     if own:
         s = own[0]
         what = s.get("error") or f"exited with code {s.get('exit_code')}"

@@ -27,12 +27,13 @@ from test_submit_devcluster import _cluster_up  # noqa: E402
 needs_cluster = pytest.mark.skipif(not _cluster_up(), reason="dev cluster is not up (hpcring devcluster up)")
 
 
-def run(site: str, base: Path, restarts: str | None, *script_args: str, nodes: int = 2, timeout_s: int = 8):
+def run(site: str, base: Path, restarts: str | None, *script_args: str, nodes: int = 2, timeout_s: int = 8,
+        env_extra=None):
     """`hpcring submit --wait` of restart_train.py; (rc, output, env, out dir)."""
     out = base / "out"
     out.mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_STATE_DIR=str(base / "state"),
-               HPCRING_JOB_DIR=str(base / "jobs"), HPCRING_TIMEOUT=str(timeout_s))
+               HPCRING_JOB_DIR=str(base / "jobs"), HPCRING_TIMEOUT=str(timeout_s), **(env_extra or {}))
     env.pop("HPCRING_MAX_RESTARTS", None)
     cmd = [sys.executable, "-m", "hpcring", "submit", str(TRAIN), "--site", site, "--nodes", str(nodes),
            "--tasks-per-node", "1", "--time", "5", "--wait",
@@ -78,6 +79,26 @@ def test_frozen_rank_restarts_without_its_node_and_resumes():
         st = status(env, job)
         assert f"attempt 0  job {first}  ended: FAILED: " in st and "unreachable  -> restarted as attempt 1" in st, st
         assert f"attempt 1  job {second}  excluding {bad}  ended: COMPLETED" in st, st
+
+
+@pytest.mark.devcluster
+@needs_cluster
+def test_lsf_frozen_rank_restarts_with_select_hname(tmp_path):
+    """The LSF emulation (tests/lsf_emulation) places jobs on the dev cluster's nodes and honours
+    select[hname!=...]: the restart runs on the two other hosts."""
+    base = Path("/srv/hpcring/pytest-restarts") / f"lsf-{uuid.uuid4().hex[:8]}"
+    emu = base / "emu"
+    emu.mkdir(parents=True)
+    rc, text, env, out = run("devcluster-lsf", base, "1", "--steps", "8", "--freeze-rank", "1",
+                             env_extra={"PATH": f"{ROOT / 'tests' / 'lsf_emulation' / 'bin'}:{os.environ['PATH']}",
+                                        "HPCRING_LSF_EMU_DIR": str(emu)})
+    assert rc == 0, text[-5000:]
+    bad = hosts(out, 0)[1]
+    assert f"restart 1 of at most 1 (excluding {bad})" in text, text[-3000:]
+    again = hosts(out, 1)
+    assert len(again) == 2 and bad not in again.values(), again
+    res = json.loads((out / "result.json").read_text())
+    assert res["w"] == res["expected"] and res["requeue_count"] == 1, res
 
 
 @pytest.mark.devcluster

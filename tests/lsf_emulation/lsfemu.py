@@ -9,7 +9,7 @@ documentation:
   parses ``#BSUB`` lines from stdin (``bsub script`` would run the script as a command without
   parsing them, unless LSB_BSUB_PARSE_SCRIPT=Y); options on the command line win over the
   script's; prints ``Job <ID> is submitted to queue <QUEUE>.``; an unknown queue is refused with
-  ``QUEUE: No such queue. Job not submitted.``. Options: -J -n -R "span[ptile=K]" -q -P -W -o -e
+  ``QUEUE: No such queue. Job not submitted.``. Options: -J -n -R "select[hname!=H && ...] span[ptile=K]" -q -P -W -o -e
   -oo -eo -wa -wt -x -gpu (recorded) and -nnodes (refused: CSM is not emulated).
 * -o/-e (bsub.o.1): %J is the job id, %I the array index (0); -o appends, -oo overwrites; with
   LSB_STDOUT_DIRECT unset (the default) the output is spooled and copied to the file when the job
@@ -53,7 +53,7 @@ documentation:
   pending deadline).
 
 Not emulated: the scheduler's policies (fairshare, priorities, preemption), -m, -R
-select/order/rusage strings, -gpu enforcement, CSM/-nnodes/jsrun, bsub -I/-K, bhist/bacct, mail.
+select strings other than hname!=, order/rusage strings, -gpu enforcement, CSM/-nnodes/jsrun, bsub -I/-K, bhist/bacct, mail.
 
 State lives in HPCRING_LSF_EMU_DIR (default /srv/hpcring/.lsf-emulation, shared by all nodes).
 Hosts: HPCRING_LSF_EMU_HOSTS (default: the dev cluster's nodes found in /run/netns), each with
@@ -270,10 +270,11 @@ def bsub(argv: list[str]) -> int:
     if queue not in queues():
         raise LsfError(f"{queue}: No such queue. Job not submitted.")
     n = int(opts.get("-n", "1"))
-    ptile = None
+    ptile, avoid = None, []
     if "-R" in opts:
         m = re.search(r"span\[ptile=(\d+)\]", opts["-R"])
         ptile = int(m.group(1)) if m else None
+        avoid = _avoided_hosts(opts["-R"])
     if ptile is not None and ptile > slots_per_host():
         pass  # LSF accepts it; it pends forever (here: until the pending deadline)
     limit = _minutes(opts["-W"], "-W") if "-W" in opts else None
@@ -285,7 +286,7 @@ def bsub(argv: list[str]) -> int:
         _conditions(opts["-w"])        # refused now if it does not parse
     job_id = _next_job_id()
     for index in indices or [0]:
-        _new_job(job_id, index, array_limit, name, opts, text, command, queue, n, ptile, limit, warn)
+        _new_job(job_id, index, array_limit, name, opts, text, command, queue, n, ptile, limit, warn, avoid)
     print(f"Job <{job_id}> is submitted to {'default ' if '-q' not in opts else ''}queue <{queue}>.")
     return 0
 
@@ -348,7 +349,24 @@ def select(ref: str) -> list[dict]:
     return [j for j in all_jobs() if j.get("array_id") == ref]
 
 
-def _new_job(job_id, index, array_limit, name, opts, text, command, queue, n, ptile, limit, warn) -> None:
+def _avoided_hosts(req: str) -> list[str]:
+    """The hosts a ``select[hname!=A && hname!=B]`` section rules out (the only select terms emulated;
+    any other select expression is refused rather than silently ignored)."""
+    m = re.search(r"select\[([^\]]*)\]", req)
+    if not m:
+        return []
+    out = []
+    for term in m.group(1).split("&&"):
+        t = re.fullmatch(r"\s*hname\s*!=\s*([A-Za-z0-9._-]+)\s*", term)
+        if not t:
+            raise LsfError(f"{req}: Bad resource requirement syntax (this emulation only knows select[hname!=HOST "
+                           "&& ...]). Job not submitted.")
+        out.append(t.group(1))
+    return out
+
+
+def _new_job(job_id, index, array_limit, name, opts, text, command, queue, n, ptile, limit, warn,
+             avoid=()) -> None:
     own = f"{job_id}[{index}]" if index else job_id
     with locked():
         d = job_dir(own)
@@ -363,7 +381,7 @@ def _new_job(job_id, index, array_limit, name, opts, text, command, queue, n, pt
                "err": opts.get("-eo") or opts.get("-e"), "err_overwrite": "-eo" in opts,
                "cwd": opts.get("-cwd") or os.getcwd(), "sub_host": socket.gethostname(),
                "env": dict(os.environ), "stat": "PEND", "submitted": time.time(), "hosts": [],
-               "exit_code": None, "requests": [], "runs": 0}
+               "exit_code": None, "requests": [], "runs": 0, "avoid": list(avoid)}
         save(job)
     _spawn_sbatchd(own)
 
@@ -395,9 +413,10 @@ def _spawn_sbatchd(job_id: str) -> None:
 def _place(job: dict, busy: dict[str, int], exclusive_hosts: set[str]) -> list[str] | None:
     """One entry per slot, hosts in order; None if the job does not fit now."""
     cap = slots_per_host()
-    free = {h: (0 if h in exclusive_hosts else cap - busy.get(h, 0)) for h in hosts()}
+    free = {h: (0 if h in exclusive_hosts or h in job.get("avoid", ()) else cap - busy.get(h, 0)) for h in hosts()}
     if job["exclusive"]:
-        free = {h: (cap if busy.get(h, 0) == 0 and h not in exclusive_hosts else 0) for h in free}
+        free = {h: (cap if busy.get(h, 0) == 0 and h not in exclusive_hosts and h not in job.get("avoid", ()) else 0)
+                for h in free}
     n, ptile = job["n"], job["ptile"]
     slots: list[str] = []
     for h in hosts():

@@ -40,6 +40,17 @@ def test_unreachable_and_dead_ranks_blame_their_nodes():
     assert v.restart and v.nodes == ("node2",)                   # two ranks of one node: one node
 
 
+def test_what_the_teardown_did_after_the_diagnosis_is_no_code_error():
+    """LSF's bkill interrupts every rank after the report: their records say KeyboardInterrupt,
+    written after the failure was seen (the report's trigger time)."""
+    st = {0: {"rank": 0, "host": "node1", "exit_code": 1, "error": "KeyboardInterrupt: ", "ended": 112.5},
+          1: {"rank": 1, "host": "node2", "exit_code": 1, "error": "KeyboardInterrupt: ", "ended": 112.6}}
+    rep = {**report({"unreachable": [1], "joined": [0]}, hosts=["node1", "node2"]), "trigger": {"time": 105.2}}
+    assert classify("FAILED", st, 2, rep) == Verdict(True, HEAD, ("node2",))
+    st[0]["ended"] = 101.0                                       # raised before the failure was seen: its own
+    assert not classify("FAILED", st, 2, rep).restart
+
+
 def test_a_stalled_link_blames_the_host_at_most_links_else_the_sender():
     one = [{"from": 2, "to": 0, "from_host": "node2", "to_host": "node1"}]
     v = classify("FAILED", {}, 4, report({"joined": [0, 1, 2, 3]}, one, headline="link stalled"))
