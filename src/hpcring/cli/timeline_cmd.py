@@ -30,10 +30,7 @@ def _exists(path: str) -> bool:
 
 
 def register(app: typer.Typer) -> None:
-    try:
-        from hpcring.cli.main import command
-    except ImportError:  # pragma: no cover - a partial build
-        command = lambda target, *a, **kw: target.command(*a, **kw)  # noqa: E731
+    from hpcring.cli.common import command
 
     @command(app, "timeline",
              help="Merge the per-rank timelines of a job run with HPCRING_TIMELINE=PATH (or `hpcring submit "
