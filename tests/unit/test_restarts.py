@@ -289,3 +289,19 @@ def test_a_restart_the_scheduler_refuses_is_recorded_and_raised(tmp_path, monkey
                                    info=lambda m: None)
     chain = restarts.read_chain(tmp_path / "9")
     assert chain[0]["decision"].startswith("restart 1 refused: sbatch refused the job: Requested node")
+
+
+def test_an_environment_default_without_wait_is_ignored_with_a_warning(tmp_path, monkeypatch):
+    """HPCRING_MAX_RESTARTS in a login shell must not break plain submissions: the job is submitted,
+    with a warning that nothing restarts it (only --max-restarts itself insists on --wait)."""
+    from hpcring.cli.main import app
+    script = tmp_path / "t.py"
+    script.write_text("")
+    monkeypatch.setenv("HPCRING_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("HPCRING_JOB_DIR", str(tmp_path / "jobs"))
+    monkeypatch.setenv("HPCRING_MAX_RESTARTS", "2")
+    r = CliRunner().invoke(app, ["submit", str(script), "--site", "local"])
+    assert r.exit_code == 0, r.output
+    assert "Submitted job" in r.output
+    assert "warning: max_restarts 2 (env HPCRING_MAX_RESTARTS) applies to `submit --wait` on a single job only" \
+        in r.output
