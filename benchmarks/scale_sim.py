@@ -96,6 +96,38 @@ def load_batch(wd, limit: float) -> None:
         time.sleep(0.05)
 
 
+class _NoRing:
+    """``--no-ring``: what the watchdog reads of a communicator (a flight recorder, a backend
+    error), with no transport: the side channel alone, at sizes the ring cannot reach here."""
+
+    def __init__(self, rank: int, n: int) -> None:
+        from hpcring.diagnostics.recorder import FlightRecorder
+        self.recorder = FlightRecorder(rank, n, "ring", capacity=16)
+        self.backend = type("B", (), {"error": None})()
+        done = self.recorder.queue("allreduce", "float32", 1, None, 10.0, site="scale_sim.py in rank_main")
+        FlightRecorder.start(done)
+        FlightRecorder.finish(done)
+
+    def close(self) -> None:
+        pass
+
+
+def _side_channel_only(rank, n, a, wd, comm, client, rec) -> None:
+    """Every rank but the last "enters" allreduce#2 and, at the deadline, fails it as the ring
+    would (the watchdog's trigger); the last sits in load_batch."""
+    from hpcring.diagnostics.recorder import FlightRecorder
+    from hpcring.errors import CollectiveError
+    client.barrier("sim/freeze", n, timeout=a.timeout)
+    rec["t_freeze"] = time.time()
+    if rank == n - 1:
+        load_batch(wd, a.deadline + 90)
+        return
+    stuck = comm.recorder.queue("allreduce", "float32", 1, None, a.deadline, site="scale_sim.py in rank_main")
+    FlightRecorder.start(stuck)
+    time.sleep(a.deadline)
+    wd.on_failure(comm, stuck, CollectiveError(f"allreduce#2 recv from rank {n - 1} timed out after {a.deadline:g} s"))
+
+
 def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: dict) -> None:
     import numpy as np
 
@@ -122,8 +154,12 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
     wd.where = lambda: locate(sys._current_frames().get(ident))
     wd.dump = lambda reason: None                     # no per-rank stack files (4096 of them)
     wd.start()
-    comm = Communicator.create(done, client, client.secret, timeout=a.deadline * 6, backend="ring",
-                               watchdog=wd, shm=False)
+    if a.no_ring:
+        comm = _NoRing(rank, n)
+        wd.register(comm)
+    else:
+        comm = Communicator.create(done, client, client.secret, timeout=a.deadline * 6, backend="ring",
+                                   watchdog=wd, shm=False)
     if rank == 0 and hasattr(client.server, "pid"):
         shared["store_pid"] = client.server.pid
     wait()                                            # this process: every rank bootstrapped
@@ -132,9 +168,15 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
     client.barrier("sim/rendezvous", n, timeout=a.timeout)
     if rank == 0 and "store_pid" in shared:
         shared["store_cpu_rdv"] = _cpu(shared["store_pid"])
+    small = np.array([rank + 1], np.float32)
+    if a.no_ring:
+        if rank == rank0_of(shared):
+            shared["fd2"] = shared["fd1"]             # nothing connects later: what init + watchdog hold
+        _side_channel_only(rank, n, a, wd, comm, client, rec)
+        _finish(rank, n, a, wd, comm, client, rec, shared, t0)
+        return
     client.barrier("sim/connect", n, timeout=a.timeout)
     rec["t_conn0"] = time.time()
-    small = np.array([rank + 1], np.float32)
     want_small = np.float32(n * (n + 1) // 2)
     got = comm.allreduce(small)
     rec["t_conn"] = time.time()
@@ -171,6 +213,10 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
             rec["wrong"] += 1                         # it cannot complete without the frozen rank
         except CollectiveError:
             pass
+    _finish(rank, n, a, wd, comm, client, rec, shared, t0)
+
+
+def _finish(rank, n, a, wd, comm, client, rec, shared, t0) -> None:
     end = time.monotonic() + 60
     while wd.report is None and time.monotonic() < end:
         time.sleep(0.05)
@@ -262,7 +308,7 @@ def predict_ring_fds(n: int, seen: tuple[int, float] | None) -> float:
 
 def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 10.0, grace: float = 5.0,
             timeout: float = 600.0, iters_small: int = 20, iters_big: int = 3, big: int = 1 << 20,
-            ring_fds: float | None = None,
+            ring_fds: float | None = None, no_ring: bool = False,
             log_dir: str | None = None) -> dict:
     """Run N ranks; returns the row (see the module doc) plus ``errors`` and the report text."""
     per_rank = ring_fds if ring_fds is not None else n + 3
@@ -285,7 +331,7 @@ def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 
             argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--n", str(n), "--first", str(first),
                     "--count", str(count), "--per-host", str(per_host), "--deadline", str(deadline),
                     "--grace", str(grace), "--timeout", str(timeout), "--iters-small", str(iters_small),
-                    "--iters-big", str(iters_big), "--big", str(big)]
+                    "--iters-big", str(iters_big), "--big", str(big)] + (["--no-ring"] if no_ring else [])
             err = open(logs / f"worker-{first}.log", "w")
             procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                           text=True, env=env, cwd=tmp))
@@ -408,6 +454,8 @@ def main(argv=None) -> int:
     ap.add_argument("--big", type=int, default=1 << 20, help="bytes of the large allreduce (0: skip it)")
     ap.add_argument("--max-fds", type=int, default=300_000,
                     help="stop before an N predicted to need more ring descriptors than this in all")
+    ap.add_argument("--no-ring", action="store_true",
+                    help="the side channel alone: rendezvous, watchdogs and a frozen rank, no ring or allreduce")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", help="append each row as a JSON line to this file")
     ap.add_argument("--show-report", action="store_true", help="print rank 0's report text per N")
@@ -438,6 +486,8 @@ def main(argv=None) -> int:
     seen, header, status = None, True, 0
     for n in sorted(sizes):
         need = predict_ring_fds(n, seen)
+        if a.no_ring:
+            need = 0
         if seen is None and need * n > a.max_fds:
             # Too big for a full mesh: measure what the ring holds at a small N before giving up.
             print("# probing the ring's descriptors per rank at N=64", flush=True)
@@ -454,7 +504,7 @@ def main(argv=None) -> int:
             break
         row = run_one(n, per_proc=a.per_proc, per_host=a.per_host, deadline=a.deadline, grace=a.grace,
                       timeout=a.timeout, iters_small=a.iters_small, iters_big=a.iters_big, big=a.big,
-                      ring_fds=need)
+                      ring_fds=need if not a.no_ring else 0, no_ring=a.no_ring)
         print_row(row, a.markdown, header)
         header = False
         if a.json:
