@@ -73,14 +73,17 @@ class RankLife:
         if torch_watch.SITE_DIR not in path.split(os.pathsep):
             os.environ["PYTHONPATH"] = torch_watch.SITE_DIR + (os.pathsep + path if path else "")
 
-    def child_error_file(self) -> Path:
-        """Where the child's Python writes the exception that ends it (:func:`record_uncaught`),
-        named to it in the environment; read by :meth:`child_error`."""
+    def child_error_file(self) -> None:
+        """Name to the child, in the environment, where its Python writes the exception that ends
+        it (:func:`record_uncaught`); read by :meth:`child_error`. A folder that cannot be written
+        only costs the record its error text."""
         path = self.folder / f"{self.job_id}_{self.record['rank']}_error.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
+        except OSError:
+            return
         os.environ[ERROR_FILE_VAR] = str(path)
-        return path
 
     def child_error(self) -> str | None:
         """The child's exception (:func:`error_text`), or None (it exited, or is no Python of ours)."""
