@@ -270,3 +270,36 @@ def test_scattered_ranks_and_hosts_are_cut_to_one_line():
     assert len(lines) <= 10 and max(map(len, lines)) < 220, rep.text()
     assert rep.headline == "allreduce#1: 878 ranks (0,3,6-7,9,12,14-15,18,21,...) (node[1-256]) unreachable"
     assert sorted(rep.categories["unreachable"]) == [r for r in range(n) if r not in answered]   # the JSON has all
+
+
+def test_the_reporter_waits_past_the_grace_only_while_snapshots_still_arrive(tmp_path):
+    from hpcring.bootstrap.store_client import StoreClient
+    n = 4
+    topo = types.SimpleNamespace(rank=0, size=n, host="node1", hosts=("node1",) * n, interface="lo", address="127.0.0.1")
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+        dog = Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=2.0, abort=False)
+        client = StoreClient("127.0.0.1", srv.port, SECRET, timeout=10)
+
+        def arrive(ranks, every):
+            c = StoreClient("127.0.0.1", srv.port, SECRET, timeout=10)
+            for r in ranks:
+                time.sleep(every)
+                c.set(f"diag/snap/{r}", json.dumps({"rank": r, "records": [], "where": "x"}).encode())
+                c.add("diag/nsnap", 1)
+            c.close()
+        t = threading.Thread(target=arrive, args=(range(n), 0.6))       # slow but alive: 2.4 s > grace
+        t.start()
+        rep = dog._collect(client, {"rank": 0, "error": "x"}, None)
+        t.join()
+        assert sorted(rep.where) == list(range(n)), rep.categories      # none named unreachable
+        for k in ("diag/nsnap",) + tuple(f"diag/snap/{r}" for r in range(n)):
+            client.delete(k)
+        t = threading.Thread(target=arrive, args=([0, 1], 0.1))        # two come, two never will
+        start = time.monotonic()
+        t.start()
+        rep = dog._collect(client, {"rank": 0, "error": "x"}, None)
+        took = time.monotonic() - start
+        t.join()
+        assert sorted(rep.where) == [0, 1] and rep.categories["unreachable"] == [2, 3]
+        assert took >= 2.0                               # the grace itself is always given
+        client.close()

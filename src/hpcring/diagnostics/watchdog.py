@@ -21,8 +21,8 @@ Protocol (keys under ``diag/``):
    ``diag/snap/<rank>`` (newest records, records in flight, backend error, main thread's place).
    Ranks that already exited normally left ``diag/exit/<rank>`` at exit.
 4. The first rank to claim ``diag/reporter`` waits up to the grace period
-   (``HPCRING_DIAG_GRACE``, default 5 s) for all snapshots, reads them in two batched reads
-   (key ranges), runs :func:`hpcring.diagnostics.report.diagnose`, prints the report, saves
+   (``HPCRING_DIAG_GRACE``, default 5 s; up to 3x while snapshots still arrive) for all
+   snapshots, reads them in two batched reads (key ranges), runs :func:`hpcring.diagnostics.report.diagnose`, prints the report, saves
    ``diag/hang-report.{json,txt}`` and publishes ``diag/report`` (rank lists as ranges, no host
    list: ~1 KiB at 4096 ranks, read by every rank from one parked wait).
 5. Every rank prints one line naming the cause, writes its status, acknowledges, waits (bounded,
@@ -60,6 +60,7 @@ from hpcring.ranks import rank_ranges
 EXIT_CODE = 1
 GRACE_ENV, ON_FAILURE_ENV = "HPCRING_DIAG_GRACE", "HPCRING_ON_FAILURE"
 TRIGGER, REPORT, ADDR = "diag/trigger", "diag/report", "diag/addr/"
+GRACE_STRETCH = 3            # the reporter waits at most this many graces while snapshots still arrive
 PUBLISH_TIMEOUT = 5.0        # how long start() may wait for the store to publish our address
 
 log = logging.getLogger("hpcring.diagnostics.watchdog")
@@ -256,7 +257,7 @@ class Watchdog:
         elif addrs is not None:
             self._forward(self.rank, 0, addrs, trig)
         self._start_handle(trig)
-        self._done.wait(self.grace + 20.0)
+        self._done.wait(GRACE_STRETCH * self.grace + 20.0)
         if self.abort and self.report is not None:
             time.sleep(30.0)           # the listener thread is ending the process (os._exit)
         return self.report
@@ -337,7 +338,7 @@ class Watchdog:
                     client.set(REPORT, json.dumps(_to_wire(report)).encode())
                     print(report.text(), file=sys.stderr, flush=True)
                 else:
-                    report = _from_wire(json.loads(client.get(REPORT, timeout=self.grace + 15.0)),
+                    report = _from_wire(json.loads(client.get(REPORT, timeout=GRACE_STRETCH * self.grace + 15.0)),
                                         list(self.topology.hosts))
             except HpcringError as e:
                 self._lost = str(e)
@@ -349,9 +350,19 @@ class Watchdog:
         self._finish(report, client)
 
     def _collect(self, client, trig: dict, folder: str | None) -> Report:
-        deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline:     # one rank polls two counters; the others are parked
-            if client.add("diag/nsnap", 0) + client.add("diag/nexit", 0) >= self.size:
+        # Up to the grace; past it only while snapshots still arrive (ranks alive but slow: a large
+        # job, a loaded node), up to GRACE_STRETCH x grace: a dead or frozen rank adds nothing, so
+        # it is still named about a second after the grace. One rank polls; the others are parked.
+        start = time.monotonic()
+        soft, hard, seen = start + self.grace, start + GRACE_STRETCH * self.grace, -1
+        while True:
+            got = client.add("diag/nsnap", 0) + client.add("diag/nexit", 0)
+            now = time.monotonic()
+            if got >= self.size or now >= hard:
+                break
+            if got > seen:
+                seen, soft = got, max(soft, min(hard, now + 1.0))
+            elif now >= soft:
                 break
             time.sleep(0.05)
         # Two batched reads (each a key range of a few bytes), not one round trip per rank.
