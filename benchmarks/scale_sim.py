@@ -101,7 +101,7 @@ class _NoRing:
     error), with no transport: the side channel alone, at sizes the ring cannot reach here."""
 
     def __init__(self, rank: int, n: int) -> None:
-        from hpcring.diagnostics.recorder import FlightRecorder
+        from hpcring.collectives.recorder import FlightRecorder
         self.recorder = FlightRecorder(rank, n, "ring", capacity=16)
         self.backend = type("B", (), {"error": None})()
         done = self.recorder.queue("allreduce", "float32", 1, None, 10.0, site="scale_sim.py in rank_main")
@@ -115,7 +115,7 @@ class _NoRing:
 def _side_channel_only(rank, n, a, wd, comm, client, rec) -> None:
     """Every rank but the last "enters" allreduce#2 and, at the deadline, fails it as the ring
     would (the watchdog's trigger); the last sits in load_batch."""
-    from hpcring.diagnostics.recorder import FlightRecorder
+    from hpcring.collectives.recorder import FlightRecorder
     from hpcring.errors import CollectiveError
     client.barrier("sim/freeze", n, timeout=a.timeout)
     rec["t_freeze"] = time.time()
@@ -134,7 +134,7 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
     from hpcring.bootstrap import init as binit
     from hpcring.bootstrap.topology import Topology
     from hpcring.collectives.api import Communicator
-    from hpcring.diagnostics.recorder import locate
+    from hpcring.collectives.recorder import locate
     from hpcring.diagnostics.watchdog import Watchdog
     from hpcring.errors import CollectiveError
 

@@ -31,7 +31,7 @@ from hpcring.config.site import Site
 from hpcring.diagnostics import jobdir
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.outcome import hang_headline, rank_failure, read_records, summarize
-from hpcring.render import job_env
+from hpcring.schedulers.render import job_env
 from hpcring.schedulers import supervisor
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords
 

@@ -22,7 +22,7 @@ from hpcring.errors import HpcringError, JobFailedError, JobNotFoundError, Sched
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.job import RunScript
 from hpcring.outcome import Outcome, hang_headline as outcome_hang_headline, rank_failure, read_records, summarize
-from hpcring.render import render_script
+from hpcring.schedulers.render import render_script
 from hpcring.config.arrays import sweep_args
 from hpcring.fsutil import write_json
 from hpcring.schedulers.base import JobRecord, JobState, TERMINAL, load_record, new_record, recent_records

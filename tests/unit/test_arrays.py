@@ -20,7 +20,7 @@ from hpcring.config.arrays import (MAX_ARRAY_INDEX, ArraySpec, Dependency, parse
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import UsageError
-from hpcring.render import render_script
+from hpcring.schedulers.render import render_script
 from hpcring.schedulers import base, get
 from hpcring.schedulers.base import JobRecord, new_record
 

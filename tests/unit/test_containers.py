@@ -21,7 +21,7 @@ from hpcring.cli.main import app
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import ConfigError, UsageError
-from hpcring.render import render_script
+from hpcring.schedulers.render import render_script
 from hpcring.config import container as cc
 from hpcring.schedulers import container as ct, lsf, slurm
 from hpcring.schedulers.launch_words import LaunchRequest, Shell

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from hpcring.diagnostics.recorder import DONE, FAILED, STARTED, FlightRecorder, call_site, locate
+from hpcring.collectives.recorder import DONE, FAILED, STARTED, FlightRecorder, call_site, locate
 from hpcring.diagnostics.report import diagnose, parse_link, stuck_seq
 from hpcring.ranks import rank_ranges
 from hpcring.errors import CollectiveError

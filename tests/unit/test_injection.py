@@ -257,7 +257,7 @@ def test_job_dir_with_spaces_and_quotes_runs_on_the_dev_cluster(tmp_path_factory
     ("local", ["--signal=USR1@60"], []),                            # no scheduler to keep either
 ])
 def test_a_flag_replacing_the_site_signal_is_warned_about(capsys, site_name, args, named):
-    from hpcring.render import render_script
+    from hpcring.schedulers.render import render_script
     site = load_site(site_name, {})
     job = resolve_job(site, "train.py", [], {"nodes": 1}, environ={}, sched_args=args)
     render_script(site, job, "CMD", "/jobs/%j")

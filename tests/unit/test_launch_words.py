@@ -16,7 +16,7 @@ from hpcring.bootstrap import launchers, lsf_slots
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import BootstrapError, ConfigError, SchedulerError, UsageError
-from hpcring.render import job_env, render_script
+from hpcring.schedulers.render import job_env, render_script
 from hpcring.schedulers import lsf, slurm
 from hpcring.schedulers.launch_words import HOSTFILE, LaunchRequest, Shell
 

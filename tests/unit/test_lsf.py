@@ -10,7 +10,7 @@ import pytest
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import SchedulerError
-from hpcring.render import render_script
+from hpcring.schedulers.render import render_script
 from hpcring.schedulers import get, lsf, lsf_task
 from hpcring.schedulers.base import JobState
 

@@ -7,7 +7,7 @@ import pytest
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import available_sites, load_site
 from hpcring.errors import TemplateError
-from hpcring.render import render_script
+from hpcring.schedulers.render import render_script
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 BUNDLED = sorted(n for n, _, origin in available_sites({}) if origin == "bundled")

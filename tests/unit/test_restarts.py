@@ -15,7 +15,7 @@ from hpcring import preempt, restarts
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import UsageError
-from hpcring.render import render_script
+from hpcring.schedulers.render import render_script
 from hpcring.restarts import Verdict, classify
 
 HOSTS = ["node1", "node1", "node2", "node2"]         # 2 nodes x 2 ranks

@@ -58,7 +58,7 @@ _RANKS = r"""
 import os, sys, threading, time, types
 from hpcring.bootstrap.store_server import StoreServer
 from hpcring.diagnostics.watchdog import Watchdog
-from hpcring.diagnostics.recorder import FlightRecorder
+from hpcring.collectives.recorder import FlightRecorder
 SECRET = b"w" * 32
 HOSTS = ("nodeA", "nodeB", "nodeC")
 with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:

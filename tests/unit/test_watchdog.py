@@ -10,7 +10,7 @@ import types
 import pytest
 
 from hpcring.bootstrap.store_server import StoreServer
-from hpcring.diagnostics.recorder import FlightRecorder
+from hpcring.collectives.recorder import FlightRecorder
 from hpcring.diagnostics.watchdog import Watchdog
 from hpcring.errors import CollectiveError
 

@@ -16,7 +16,7 @@ import pytest
 from hpcring.bootstrap import auth
 from hpcring.bootstrap.store_server import StoreServer
 from hpcring.diagnostics import fanout
-from hpcring.diagnostics.recorder import FlightRecorder
+from hpcring.collectives.recorder import FlightRecorder
 from hpcring.diagnostics.report import diagnose
 from hpcring.diagnostics.watchdog import Watchdog, _from_wire, _to_wire
 from hpcring.errors import CollectiveError

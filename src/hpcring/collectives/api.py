@@ -45,7 +45,7 @@ from hpcring.collectives.arrays import (_DT2TAG, CudaContext, active_on, adapt, 
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend, chunk_counts
 from hpcring.collectives.engine import Completions, Handle, Worker
 from hpcring.collectives.precheck import precheck_default, precheck_message, signature_code
-from hpcring.diagnostics.recorder import FlightRecorder, Record
+from hpcring.collectives.recorder import FlightRecorder, Record
 from hpcring.errors import CollectiveError, HpcringError, UsageError
 
 

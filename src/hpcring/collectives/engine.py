@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from hpcring.diagnostics.recorder import FlightRecorder, Record
+from hpcring.collectives.recorder import FlightRecorder, Record
 from hpcring.errors import CollectiveError
 
 class Handle:

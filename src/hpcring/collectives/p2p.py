@@ -21,7 +21,7 @@ import time
 from collections import deque
 
 from hpcring.collectives.engine import Handle
-from hpcring.diagnostics.recorder import DONE, FlightRecorder, Record, _caller
+from hpcring.collectives.recorder import DONE, FlightRecorder, Record, _caller
 from hpcring.errors import CollectiveError, UsageError
 
 SEND, RECV = "send", "recv"

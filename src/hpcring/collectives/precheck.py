@@ -4,7 +4,7 @@ once with a table of who called what -- instead of a hang or silently wrong resu
 from __future__ import annotations
 
 from hpcring.collectives.backends import DTYPES
-from hpcring.diagnostics.recorder import Record
+from hpcring.collectives.recorder import Record
 
 _OP_NAMES = ("allreduce", "allreduce_grouped", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier")
 

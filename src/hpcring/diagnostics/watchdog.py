@@ -52,7 +52,7 @@ import time
 from typing import Callable
 
 from hpcring.diagnostics import fanout, jobdir, teardown
-from hpcring.diagnostics.recorder import main_thread_location
+from hpcring.collectives.recorder import main_thread_location
 from hpcring.diagnostics.report import Report, diagnose
 from hpcring.errors import CollectiveError, HpcringError
 from hpcring.ranks import rank_ranges

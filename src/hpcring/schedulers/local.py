@@ -27,7 +27,7 @@ from hpcring.config.jobspec import JobSpec
 from hpcring.config.site import Site
 from hpcring.errors import JobNotFoundError, SchedulerError, UsageError
 from hpcring.fsutil import write_json
-from hpcring.render import render_script
+from hpcring.schedulers.render import render_script
 from hpcring.schedulers.base import JobRecord, JobState, load_record, state_dir
 from hpcring.schedulers.launch_words import submitit_command
 

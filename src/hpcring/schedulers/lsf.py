@@ -33,7 +33,7 @@ from hpcring.config.jobspec import JobSpec, resolve_job
 from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site, load_site
 from hpcring.errors import SchedulerError
-from hpcring.render import render_script
+from hpcring.schedulers.render import render_script
 from hpcring.schedulers.base import COMMAND_TIMEOUT, JobRecord, JobState, run_command, state_dir
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, remote_shell, submitit_command
 

@@ -17,7 +17,7 @@ from hpcring.config.jobspec import JobSpec
 from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site
 from hpcring.errors import HpcringError, JobNotFoundError, SchedulerError
-from hpcring.render import render_script
+from hpcring.schedulers.render import render_script
 from hpcring.schedulers.base import COMMAND_TIMEOUT, TERMINAL, JobRecord, JobState, run_command
 from hpcring.schedulers.container import srun_options
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, submitit_command
