@@ -43,6 +43,7 @@ import time
 
 import numpy as np
 
+from hpcring.collectives.handshake import authenticate_connector, authenticate_listener
 from hpcring.collectives.p2p import KEEPER, RECV, SEND, Request, size_text
 
 log = logging.getLogger("hpcring.collectives.mailbox")
@@ -75,8 +76,7 @@ class Mailbox:
 
     def __init__(self, rank: int, size: int, hosts, store, secret: bytes, base: str, address: str,
                  bind: str | None = None) -> None:
-        from hpcring.collectives.ring import _auth_connector, _auth_listener  # the ring's handshake
-        self._auth_connector, self._auth_listener = _auth_connector, _auth_listener
+        self._auth_connector, self._auth_listener = authenticate_connector, authenticate_listener
         self.rank, self.size, self.hosts = rank, size, tuple(hosts)
         self.store, self.secret, self.base = store, secret, f"{base}/p2p"
         self._lock = threading.Lock()

@@ -16,7 +16,7 @@ Connection setup (all Python; the C library receives connected, authenticated de
    others in windows of distances under its deadline and closes them again within the budget
    (:meth:`RingBackend.alltoall`, HPCRING_RING_MAX_CONNECTIONS). Each connection is
    authenticated with the job secret before anything is parsed (mutual HMAC-SHA256
-   challenge-response, :func:`_auth_listener` / :func:`_auth_connector`):
+   challenge-response, :mod:`hpcring.collectives.handshake`):
 
    ``ctx`` is the store prefix, the generation and the listener's rank, so a proof for one
    communicator or rank is worthless for another. A connection that fails authentication is
@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 import time
 
 from hpcring.bootstrap import auth
+from hpcring.collectives.handshake import HANDSHAKE_TIMEOUT, authenticate_connector, authenticate_listener
 from hpcring.collectives.backends import FLOAT_DTYPES, Backend
 from hpcring.collectives.dtypes import DTYPE_CODES, OP_CODES   # checked against the C enums at import
 from hpcring.bootstrap.store_wire import StoreTimeoutError
@@ -63,8 +63,6 @@ except ImportError as e:  # pragma: no cover - only without a built extension
     _native = None
     _IMPORT_ERROR = e
 
-_U32x2 = struct.Struct(">II")   # (rank, connection index): the handshake's extra field
-HANDSHAKE_TIMEOUT = 10.0
 
 # Measured on the 2-core dev machine (docs/collectives.md "Striping"): extra streams and threads
 # only add switching when every core already runs a rank, so the defaults stay 1/1 there
@@ -82,37 +80,6 @@ def default_shm_piece(local_ranks: int) -> int:
 
 
 
-
-
-def _auth_connector(sock: socket.socket, secret: bytes, ctx: bytes, rank: int, conn: int) -> None:
-    """Connector side of the handshake (hpcring.bootstrap.auth, bound to the communicator's
-    context, the MAC covering our rank and connection index); raises ConnectionError when the
-    listener refuses us or cannot prove it knows the secret."""
-    try:
-        nl = auth.RING.read_hello(sock)
-    except auth.NotAPeer:
-        raise ConnectionError("the listener is not an hpcring ring endpoint (bad magic)") from None
-    try:
-        auth.RING.prove(sock, secret, nl, ctx, _U32x2.pack(rank, conn))
-    except auth.BadProof:
-        raise ConnectionError("the listener could not prove it knows the job secret") from None
-    except ConnectionError:
-        raise ConnectionError("the listener refused authentication (different job secret?)") from None
-
-
-def _auth_listener(sock: socket.socket, secret: bytes, ctx: bytes, size: int, nconn: int) -> tuple[int, int]:
-    """Listener side: returns the authenticated (rank, connection index) of the connector.
-    Raises ConnectionError on a bad proof; nothing the peer sent is interpreted before the MAC
-    over the fixed-size frame has been verified."""
-    try:
-        nl, nc, ids = auth.RING.accept(sock, secret, ctx)
-    except auth.BadProof:
-        raise ConnectionError("peer failed authentication (wrong job secret)") from None
-    peer, conn = _U32x2.unpack(ids)
-    if not (0 <= peer < size and 0 <= conn < nconn):
-        raise ConnectionError(f"authenticated peer claims rank {peer} conn {conn}, out of range")
-    sock.sendall(auth.RING.server_proof(secret, nl, nc, ctx, ids))
-    return peer, conn
 
 
 def node_layout(hosts, rank: int) -> tuple[list[int], list[int] | None]:
@@ -293,7 +260,7 @@ class _Links:
         try:
             s.setblocking(True)
             s.settimeout(HANDSHAKE_TIMEOUT)
-            peer, k = _auth_listener(s, self.secret, f"{self.base}/{self.rank}".encode(), self.size,
+            peer, k = authenticate_listener(s, self.secret, f"{self.base}/{self.rank}".encode(), self.size,
                                      self.streams)
             if peer <= self.rank:              # the higher rank of a pair connects
                 raise ConnectionError(f"unexpected connection from lower rank {peer}")
@@ -362,7 +329,7 @@ class _Links:
                 socks.append(s)
                 try:
                     s.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
-                    _auth_connector(s, self.secret, f"{self.base}/{q}".encode(), self.rank, k)
+                    authenticate_connector(s, self.secret, f"{self.base}/{q}".encode(), self.rank, k)
                 except socket.timeout:          # accepted by its kernel, never answered: stalled
                     raise _Missing([q]) from None
                 except (OSError, ConnectionError) as e:
