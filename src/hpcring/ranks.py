@@ -6,6 +6,7 @@ compressor, on use.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 UNKNOWN_HOSTS = ("", "?")       # what launcher tables put where a rank's host is not known
@@ -65,3 +66,30 @@ def runs(values: Sequence) -> list[tuple[int, int, object]]:
             out.append((start, i - 1, values[start]))
             start = i
     return out
+
+
+# the rank numbers a collective's message names: "rank 3 (host)", "ranks 1, 2 (a, b)", "ranks 0-2,5
+# (...)", "rank(s) 1 (h)", and "this rank (0)"
+_RANKS = re.compile(r"\b(rank\(s\) |ranks? )(\d+(?:-\d+)?(?:,\s?\d+(?:-\d+)?)*)(?= \()")
+_THIS = re.compile(r"\bthis rank \((\d+)\)")
+
+
+def globalize(text: str | None, members: Sequence[int] | None) -> str | None:
+    """``text`` with the group-local rank numbers it names replaced by global ranks (a group's
+    members, in group rank order): a group's errors name the job's ranks."""
+    if not text or members is None:
+        return text
+
+    def g(n: str) -> str:
+        i = int(n)
+        return str(members[i]) if 0 <= i < len(members) else n
+    def sub(m) -> str:
+        spec = m.group(2)
+        if "-" not in spec and ", " in spec or spec.isdigit():
+            return m.group(1) + ", ".join(g(x) for x in spec.split(", "))
+        local = [i for part in spec.split(",") for a, _, b in [part.strip().partition("-")]
+                 for i in range(int(a), int(b or a) + 1)]
+        return m.group(1) + rank_ranges([int(g(str(i))) for i in local])
+    text = _RANKS.sub(sub, text)
+    text = _THIS.sub(lambda m: f"this rank ({g(m.group(1))})", text)
+    return text

@@ -9,7 +9,8 @@ import traceback
 import numpy as np
 import pytest
 
-from hpcring.collectives.groups import check_members, globalize, subtopology
+from hpcring.collectives.groups import check_members, subtopology
+from hpcring.ranks import globalize
 from hpcring.errors import UsageError
 from helpers_ring import SECRET, collect, topology
 

@@ -46,6 +46,7 @@ from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, Backend, chu
 from hpcring.collectives.engine import Completions, Handle, Worker
 from hpcring.collectives.precheck import precheck_default, precheck_message, signature_code
 from hpcring.collectives.recorder import FlightRecorder, Record
+from hpcring.ranks import globalize
 from hpcring.errors import CollectiveError, HpcringError, UsageError
 
 
@@ -138,7 +139,6 @@ class Communicator:
         """The backend's sticky error; a group's names global ranks."""
         if self.members is None:
             return self.backend.error
-        from hpcring.collectives.groups import globalize
         return globalize(self.backend.error, self.members)
 
     # -- what upper layers may know of the backend (they ask here, not the backend) ----------
@@ -220,7 +220,6 @@ class Communicator:
         """Record a failed collective; a CollectiveError goes through the watchdog (which may end
         the process) and comes back with the job-wide report."""
         if self.members is not None and type(e) is CollectiveError:
-            from hpcring.collectives.groups import globalize
             e = CollectiveError(globalize(e.message, self.members), hint=e.hint)
         FlightRecorder.finish(rec, e)
         if isinstance(e, CollectiveError) and self.watchdog is not None:

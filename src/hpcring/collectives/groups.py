@@ -15,14 +15,13 @@ order. The store keys are ``hpcring/grp/<digest of the member list>/<n>``, where
 groups over that exact member list this process has created (so two groups over the same ranks
 are two groups, and ranks outside the list need not take part).
 
-Failures name *global* ranks and hosts: :func:`globalize` rewrites the backend's group-local rank
-numbers in error messages, and the group's flight records carry the group's name and members, so
+Failures name *global* ranks and hosts: :func:`hpcring.ranks.globalize` rewrites the backend's
+group-local rank numbers in error messages, and the group's flight records carry the group's name and members, so
 the watchdog's report diagnoses the group's collective among its members (docs/diagnostics.md).
 """
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 from collections.abc import Sequence
 
@@ -32,8 +31,6 @@ _COUNTS: dict[tuple[int, ...], int] = {}
 _LOCK = threading.Lock()
 
 # "rank 3 (", "ranks 1, 2 (", "rank(s) 1 (", "this rank (3)": the forms the backends name ranks in
-_RANKS = re.compile(r"\b(rank\(s\) |ranks? )(\d+(?:-\d+)?(?:,\s?\d+(?:-\d+)?)*)(?= \()")
-_THIS = re.compile(r"\bthis rank \((\d+)\)")
 
 
 def check_members(ranks: Sequence[int], size: int) -> tuple[int, ...]:
@@ -75,27 +72,6 @@ def name_of(members: Sequence[int], key: str) -> str:
     """A short readable group name for records and reports: ``group 2 of ranks 0,2``."""
     from hpcring.ranks import rank_ranges
     return f"group {key.rsplit('/', 1)[-1]} of ranks {rank_ranges(list(members))}"
-
-
-def globalize(text: str | None, members: Sequence[int] | None) -> str | None:
-    """``text`` with the group-local rank numbers it names replaced by global ranks."""
-    if not text or members is None:
-        return text
-
-    def g(n: str) -> str:
-        i = int(n)
-        return str(members[i]) if 0 <= i < len(members) else n
-    def sub(m) -> str:
-        spec = m.group(2)
-        if "-" not in spec and ", " in spec or spec.isdigit():
-            return m.group(1) + ", ".join(g(x) for x in spec.split(", "))
-        from hpcring.ranks import rank_ranges      # "0-2,5" (hpcring.ranks.rank_ranges)
-        local = [i for part in spec.split(",") for a, _, b in [part.strip().partition("-")]
-                 for i in range(int(a), int(b or a) + 1)]
-        return m.group(1) + rank_ranges([int(g(str(i))) for i in local])
-    text = _RANKS.sub(sub, text)
-    text = _THIS.sub(lambda m: f"this rank ({g(m.group(1))})", text)
-    return text
 
 
 def create_communicator(topology, store, secret, members: Sequence[int], key: str, *, backend: str,
