@@ -85,7 +85,8 @@ def test_auto_picks_pmix_under_srun_mpi_pmix(secret_file):
 
 
 def test_a_rank_that_never_arrives_is_named_at_the_deadline(secret_file):
-    r, took = _srun(secret_file, 2, HPCRING_RENDEZVOUS="pmix", PMIX_WORKER_HANG_RANK="5", PMIX_WORKER_TIMEOUT="8")
+    # 20 s: the other five must all reach the fence before it, even with start-up skew on loaded cores
+    r, took = _srun(secret_file, 2, HPCRING_RENDEZVOUS="pmix", PMIX_WORKER_HANG_RANK="5", PMIX_WORKER_TIMEOUT="20")
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-4000:]
     errors = [x for x in r.stdout.splitlines() if x.startswith("INITERROR")]
@@ -93,8 +94,8 @@ def test_a_rank_that_never_arrives_is_named_at_the_deadline(secret_file):
     for line in errors:
         assert "rendezvous through PMIx incomplete" in line and "rank 5 on node3" in line, line
         assert "1 of 6 ranks did not publish" in line, line
-    # 8 s deadline; srun then ends the step (the hung rank is killed), with start-up on 2 loaded cores
-    assert took < 8 + 60, took
+    # the 20 s deadline; srun then ends the step (the hung rank is killed), with start-up on 2 loaded cores
+    assert took < 20 + 60, took
 
 
 def test_unloadable_libpmix_falls_back_to_the_store_in_auto_and_fails_in_pmix_mode(secret_file):
