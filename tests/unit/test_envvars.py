@@ -53,3 +53,13 @@ def test_check_number():
 def test_each_variable_is_registered_once():
     names = [v.name for v in envvars.VARS]
     assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "a\x1b[31m", "a\x85b", "a\u2028b", "a\u202eb", "a\x7f"])
+def test_variables_refuse_what_site_values_refuse(bad):
+    """One definition of a control character (hpcring.config.text) for variables and site values:
+    C1 controls, line separators and bidi overrides too, not only ASCII's."""
+    from hpcring.config.text import text_problem
+    assert text_problem(bad)
+    with pytest.raises(ValueError, match="control character"):
+        envvars.check_text(bad)

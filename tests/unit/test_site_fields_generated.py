@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from typer.testing import CliRunner
 
 from hpcring.cli.main import app
-from hpcring.config.schema import MAX_TEXT
+from hpcring.config.text import MAX_TEXT
 from helpers_site_fields import Field, schema_fields, write_site, yaml_text
 
 runner = CliRunner()

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Mapping
 
+from hpcring.config.text import text_problem
 from hpcring.errors import UsageError
 
 RUNTIMES = ("pyxis", "apptainer", "singularity", "charliecloud", "podman")
@@ -115,7 +116,6 @@ def resolve(site_container, image: str | None = None, mounts: list[str] | None =
     HPCRING_NO_CONTAINER=1) runs on the host whatever the rest says. Raises UsageError.
     """
     env = os.environ if environ is None else environ
-    from hpcring.config.schema import text_problem   # control characters (C0, C1, separators), length
 
     def _ct(text: str) -> None:
         why = text_problem(text)

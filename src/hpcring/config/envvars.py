@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from hpcring.config.text import MAX_TEXT, control_character
 from hpcring.errors import UsageError
 
 DEFAULT_TIMEOUT = 300.0          # per-collective deadline (s): site config, CLI and ring all use this
@@ -36,14 +37,12 @@ MAX_LOCAL_RANKS = 256
 
 # Longest text value: PATH_MAX for paths, the same for user-set text (partition, account, site
 # dirs...); what hpcring itself exports (HPCRING_SESSION, node lists) is bounded by the kernel.
-MAX_TEXT = 4096
 
 # Numbers as people type them, ASCII only: Python's int()/float() also take "1_0" (10), "١٢"
 # (Arabic-Indic digits), "nan" and "infinity", none of which is a sane job size or deadline.
 _INT_TEXT = re.compile(r"[+-]?[0-9]+", re.ASCII)
 _FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 _MAX_NUMBER_TEXT = 64     # characters; longer is a typo or an attack, never a value in bounds
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -316,9 +315,9 @@ def _why_not_number(text: str) -> str:
 
 def check_text(text: str, max_len: int | None = MAX_TEXT) -> str:
     """Text for a name or path: no control characters (they break job scripts and logs), bounded."""
-    bad = _CONTROL.search(text)
+    bad = control_character(text)
     if bad:
-        raise ValueError(f"contains a control character ({bad.group()!r} at position {bad.start()})")
+        raise ValueError(f"contains a control character ({bad[1]!r} at position {bad[0]})")
     if max_len is not None and len(text) > max_len:
         raise ValueError(f"too long ({len(text)} characters, at most {max_len})")
     return text

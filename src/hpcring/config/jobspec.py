@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hpcring.config.arrays import ArraySpec, Dependency, parse_array, parse_dependency, parse_sweep
-from hpcring.config.schema import control_character, minutes_to_lsf, minutes_to_slurm, shown, time_to_minutes
+from hpcring.config.schema import minutes_to_lsf, minutes_to_slurm, time_to_minutes
+from hpcring.config.text import control_character, shown
 from hpcring.config import envvars
 from hpcring.config.site import Site
 from hpcring.errors import UsageError

@@ -18,7 +18,8 @@ from typing import Any, Mapping
 
 from pydantic import BaseModel, ValidationError
 
-from hpcring.config.schema import SiteConfig, shown, text_problem, time_to_minutes
+from hpcring.config.schema import SiteConfig, time_to_minutes
+from hpcring.config.text import shown, text_problem
 from hpcring.config.yamlpos import line_of, load_with_lines
 from hpcring.errors import ConfigError, SiteNotFoundError
 from hpcring.resources import site_configs_dir
