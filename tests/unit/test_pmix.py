@@ -244,12 +244,32 @@ def test_after_a_fence_timeout_the_ranks_whose_data_cannot_be_fetched_are_named(
     store = {(r, "pmix.hname"): f"node{r + 1}".encode() for r in range(3)}
     store[(1, "hpcring.card")] = _blob(1, "card", b"{}")
     c = _FakeClient(store)   # this is rank 0 of 3; rank 1 published, rank 2 did not
-    assert c._who_is_missing("card", 1.0).endswith("1 of 3 ranks did not publish their data (probed through "
-                                                   "PMIx within 1 s): rank 2 on node3")
+    assert c._who_is_missing("card", 1.0) == ([2], "their data could not be fetched from their nodes within 1 s")
+    assert c.hosts_from_pmix([2]) == ["?", "?", "node3"]
     store[(2, "hpcring.card")] = _blob(2, "card", b"{}", secret=b"t" * 32)   # a forgery counts as missing
-    assert c._who_is_missing("card", 1.0).endswith("rank 2 on node3")
+    assert c._who_is_missing("card", 1.0)[0] == [2]
     store[(2, "hpcring.card")] = _blob(2, "card", b"{}")
-    assert "a PMIx server did not finish the fence" in c._who_is_missing("card", 1.0)
+    missing, why = c._who_is_missing("card", 1.0)
+    assert missing == [] and "a PMIx server did not finish the fence" in why
     del store[(1, "hpcring.card")], store[(2, "hpcring.card")]   # nothing fetchable: no clue, no false names
-    assert c._who_is_missing("card", 1.0) == ("PMIx does not say which ranks are missing (no peer's data "
-                                              "could be fetched before the fence)")
+    assert c._who_is_missing("card", 1.0) == ([], "PMIx does not say which ranks are missing (no peer's data "
+                                                  "could be fetched before the fence)")
+
+
+def test_a_fence_that_expires_names_the_missing_rank_in_the_store_paths_words(monkeypatch):
+    store = {(r, "pmix.hname"): f"node{r + 1}".encode() for r in range(3)}
+    store[(1, "hpcring.card")] = _blob(1, "card", b"{}")
+    c = _FakeClient(store)
+    c.me = pmix.Proc()
+
+    class _Lib:   # PMIx_Fence that never returns (a rank never comes)
+        @staticmethod
+        def PMIx_Fence(*a):
+            time.sleep(30)
+    c.lib = _Lib()
+    t = time.monotonic()
+    with pytest.raises(BootstrapError) as e:
+        c.fence(0.5, probe_key="card", probe_budget=0.5)
+    assert time.monotonic() - t < 2.5
+    assert e.value.message.startswith("rendezvous incomplete: 1 of 3 ranks never reached hpcring.init(): rank 2 on "
+                                      "node3 (the PMIx fence of slurm.pmix.7.0 did not complete within 0.5 s"), e.value.message

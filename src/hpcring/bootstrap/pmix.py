@@ -276,10 +276,16 @@ class PmixClient:
             rc = _bounded(lambda: self.lib.PMIx_Fence(ctypes.byref(everyone), 1, infos, 2), timeout, "fence")
         except _Expired:
             self._open = False   # a fence is in flight: finalizing could block on it
-            raise BootstrapError(
-                f"rendezvous through PMIx incomplete: the fence of {self.namespace} ({self.size} ranks) did not "
-                f"complete within {timeout:.1f} s; rank {self.rank} was there; {self._who_is_missing(probe_key, probe_budget)}",
-                hint=_MISSING_HINT) from None
+            missing, why = self._who_is_missing(probe_key, probe_budget)
+            fence = f"the PMIx fence of {self.namespace} did not complete within {timeout:.1f} s"
+            if missing:   # the store path's wording, so users and tools read one message either way
+                from hpcring.ranks import each_on_host
+                raise BootstrapError(
+                    f"rendezvous incomplete: {len(missing)} of {self.size} ranks never reached hpcring.init(): "
+                    f"{each_on_host(missing, self.hosts_from_pmix(missing))} ({fence}; {why})",
+                    hint=_MISSING_HINT) from None
+            raise BootstrapError(f"rendezvous through PMIx incomplete: {fence} ({self.size} ranks; rank "
+                                 f"{self.rank} was there); {why}", hint=_MISSING_HINT) from None
         if rc == PMIX_ERR_TIMEOUT:
             raise BootstrapError(
                 f"rendezvous through PMIx incomplete: the PMIx server timed the fence of {self.namespace} out "
@@ -287,13 +293,14 @@ class PmixClient:
                 hint=_MISSING_HINT)
         self._check(rc, "PMIx_Fence")
 
-    def _who_is_missing(self, key: str | None, budget: float = PROBE_BUDGET_S) -> str:
+    def _who_is_missing(self, key: str | None, budget: float = PROBE_BUDGET_S) -> tuple[list[int], str]:
         """PMIx does not say who failed to reach a fence; ask for every rank's ``key`` directly
         (Slurm and PRRTE fetch a committed value from the peer's node: "direct modex"), all at once
         and within ``budget`` seconds. A rank whose value does not come (or fails its MAC) is named.
-        Only a hint: a peer whose node is slow to answer is named too, and large jobs are not probed."""
+        Only a hint: a peer whose node is slow to answer is named too, and large jobs are not probed.
+        Returns (the ranks named, an explanation)."""
         if key is None or self.size > PROBE_MAX_RANKS:
-            return "PMIx does not say which ranks are missing"
+            return [], "PMIx does not say which ranks are missing"
         found: dict[int, bool] = {}
 
         def probe(r: int) -> None:
@@ -310,12 +317,10 @@ class PmixClient:
             t.join(max(0.0, end - time.monotonic()))
         missing = [r for r in range(self.size) if r != self.rank and not found.get(r, False)]
         if not missing:
-            return "every rank's data can be fetched, so a PMIx server did not finish the fence"
+            return [], "every rank's data can be fetched, so a PMIx server did not finish the fence"
         if len(missing) == self.size - 1 > 1:   # a server without direct modex answers no one: no clue
-            return "PMIx does not say which ranks are missing (no peer's data could be fetched before the fence)"
-        from hpcring.ranks import each_on_host
-        return (f"{len(missing)} of {self.size} ranks did not publish their data (probed through PMIx "
-                f"within {budget:.0f} s): {each_on_host(missing, self.hosts_from_pmix(missing))}")
+            return [], "PMIx does not say which ranks are missing (no peer's data could be fetched before the fence)"
+        return missing, f"their data could not be fetched from their nodes within {budget:.0f} s"
 
     def hosts_from_pmix(self, ranks: Sequence[int]) -> list[str]:
         """Host names the launcher gave PMIx (job-level data, known before any fence), indexed by rank."""
