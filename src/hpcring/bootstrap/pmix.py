@@ -184,7 +184,8 @@ class PmixClient:
             rc = _bounded(lambda: self.lib.PMIx_Init(ctypes.byref(self.me), None, 0), timeout, "init")
         except _Expired:
             raise BootstrapError(f"PMIx_Init did not return within {timeout:.0f} s (PMIx {self.version})",
-                                 hint="the launcher's PMIx server is not answering; set HPCRING_RENDEZVOUS=store") from None
+                                 hint="the launcher's PMIx server is not answering; "
+                                      "set HPCRING_RENDEZVOUS=store") from None
         self._check(rc, "PMIx_Init")
         self.namespace = self.me.nspace.decode()
         self.rank = int(self.me.rank)
