@@ -30,6 +30,7 @@ from hpcring.fsutil import write_json
 from hpcring.schedulers.render import render_script
 from hpcring.schedulers.base import JobRecord, JobState, load_record, state_dir
 from hpcring.schedulers.launch_words import submitit_command
+from hpcring.schedulers.local_queue import pid_alive
 
 COMMAND = "local"
 
@@ -148,8 +149,8 @@ def spawn(script: str, folder: str, time_limit_s: str, queue: list[str] | None =
     return the job id (printed like sbatch does)."""
     job_id = _next_job_id()
     if queue:
-        from hpcring.schedulers import local_queue
-        return local_queue.start(job_id, script, folder, time_limit_s, queue)
+        from hpcring.schedulers.local_queue import start
+        return start(job_id, script, folder, time_limit_s, queue)
     real = Path(folder.replace("%j", job_id))
     real.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HPCRING_LOCAL_JOB_ID=job_id, HPCRING_TIME_LIMIT_S=time_limit_s)
@@ -161,27 +162,12 @@ def spawn(script: str, folder: str, time_limit_s: str, queue: list[str] | None =
     return job_id
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie is not alive for our purposes
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(") ")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def state(job_id: str, folder: Path | None) -> JobState:
     data = read_state(folder, job_id) if folder else None
     if data is None:
         return JobState("UNKNOWN", "no local state file")
     st = data.get("state", "UNKNOWN")
-    if st in ("PENDING", "RUNNING") and data.get("pid") and not _alive(int(data["pid"])):
+    if st in ("PENDING", "RUNNING") and data.get("pid") and not pid_alive(int(data["pid"])):
         # supervisor gone without writing a final state: killed from outside
         return JobState("FAILED", "supervisor vanished", data.get("exit_code"))
     return JobState(st, data.get("reason") or st, data.get("exit_code"), data.get("nodes", ""))

@@ -76,9 +76,24 @@ def start(job_id: str, script: str, folder: str, time_limit_s: str, queue: list[
     return job_id
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not); the local backend's job liveness."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie is not alive for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _alive(pid) -> bool:
-    from hpcring.schedulers.local import _alive as alive
-    return bool(pid) and alive(int(pid))
+    return bool(pid) and pid_alive(int(pid))
 
 
 def _end_pending(a, state: str, reason: str) -> None:
