@@ -78,10 +78,13 @@ def test_addresses_through_pmix_then_an_exact_ring_allreduce(secret_file):
     assert r.stdout.count(" ok=1") == 6, r.stdout   # the worker checks the sum exactly
 
 
-def test_auto_picks_pmix_under_srun_mpi_pmix(secret_file):
-    r, _ = _srun(secret_file, 1)
+def test_auto_picks_pmix_under_srun_mpi_pmix_from_its_size(secret_file):
+    r, _ = _srun(secret_file, 1, HPCRING_PMIX_MIN_RANKS="3")
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert [x[3] for x in ROW.findall(r.stdout)] == ["pmix"] * 3, r.stdout
+    r, _ = _srun(secret_file, 1)                  # 3 ranks, under the default 256: the store
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert [x[3] for x in ROW.findall(r.stdout)] == ["store"] * 3, r.stdout
 
 
 def test_a_rank_that_never_arrives_is_named_at_the_deadline(secret_file):
@@ -99,7 +102,7 @@ def test_a_rank_that_never_arrives_is_named_at_the_deadline(secret_file):
 
 
 def test_unloadable_libpmix_falls_back_to_the_store_in_auto_and_fails_in_pmix_mode(secret_file):
-    r, _ = _srun(secret_file, 1, HPCRING_PMIX_LIBRARY="/nonexistent/libpmix.so.2")
+    r, _ = _srun(secret_file, 1, HPCRING_PMIX_LIBRARY="/nonexistent/libpmix.so.2", HPCRING_PMIX_MIN_RANKS="1")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert [x[3] for x in ROW.findall(r.stdout)] == ["store"] * 3, out[-4000:]

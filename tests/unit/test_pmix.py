@@ -179,7 +179,21 @@ def _topo(launcher="slurm", rank=0, size=3) -> Topology:
                     hosts=("n1", "n2", "n3")[:size], launcher=launcher, job_id="7")
 
 
-PMIX_ENV = {"PMIX_NAMESPACE": "slurm.pmix.7.0", "PMIX_RANK": "0", "PMIX_SERVER_URI41": "x;tcp4://127.0.0.1:1"}
+PMIX_ENV = {"PMIX_NAMESPACE": "slurm.pmix.7.0", "PMIX_RANK": "0", "PMIX_SERVER_URI41": "x;tcp4://127.0.0.1:1",
+            "HPCRING_PMIX_MIN_RANKS": "1"}     # auto tries PMIx at any size here
+
+
+def test_auto_uses_the_store_below_the_size_where_pmix_pays_off(monkeypatch, caplog):
+    monkeypatch.setattr(pmix, "PmixClient", lambda *a, **k: pytest.fail("PMIx used below HPCRING_PMIX_MIN_RANKS"))
+    env = {k: v for k, v in PMIX_ENV.items() if k != "HPCRING_PMIX_MIN_RANKS"}     # the default, 256
+    with caplog.at_level(logging.INFO, logger="hpcring.bootstrap.init"):
+        assert binit._pmix_client(_topo(), env, SECRET, time.monotonic() + 5) is None
+    assert any("auto meets through PMIx from HPCRING_PMIX_MIN_RANKS=256" in r.getMessage() for r in caplog.records)
+    def tried(*a, **k):
+        raise BootstrapError("tried")
+    monkeypatch.setattr(pmix, "PmixClient", tried)
+    with pytest.raises(BootstrapError, match="PMIx cannot be used: tried"):   # pmix mode: asked for, no size rule
+        binit._pmix_client(_topo(), {**env, "HPCRING_RENDEZVOUS": "pmix"}, SECRET, time.monotonic() + 5)
 
 
 def test_auto_without_pmix_uses_the_store_and_says_why(caplog):

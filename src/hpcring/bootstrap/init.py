@@ -137,6 +137,11 @@ def _pmix_client(topo: Topology, env: Mapping[str, str], secret: bytes, deadline
     elif topo.launcher in ("torchrun", "local") or env.get("PMIX_RANK") != str(topo.rank):
         # an inner launcher (torchrun under srun --mpi=pmix) forks ranks that share one PMIx identity
         reason = f"ranks come from {topo.launcher} (rank {topo.rank}), not from the PMIx launcher (PMIX_RANK={env.get('PMIX_RANK')})"
+    elif mode == "auto" and topo.size < envvars.get("HPCRING_PMIX_MIN_RANKS", env):
+        # PMIx_Init costs each node's PMIx server a registration per rank: up to 48 ranks measured,
+        # the store met 2-3x sooner (docs/bootstrap.md); PMIx pays off where one store's fan-in does not
+        reason = (f"{topo.size} ranks: auto meets through PMIx from HPCRING_PMIX_MIN_RANKS="
+                  f"{envvars.get('HPCRING_PMIX_MIN_RANKS', env)} ranks on")
     else:
         try:
             c = pmix.PmixClient(secret, timeout=min(PMIX_INIT_TIMEOUT_S, max(0.1, time_left(deadline))),

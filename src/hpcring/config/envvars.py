@@ -104,8 +104,11 @@ VARS: tuple[Var, ...] = (
        "syntax: `ib`, `=eth0`, `^docker`); set from the site config's fabric"),
     _v("HPCRING_RENDEZVOUS", "choice", "auto", "how ranks meet at init: `pmix` takes hosts and rank "
        "0's store address from the launcher's PMIx (srun --mpi=pmix, jsrun), `store` finds the store "
-       "by its derived port, `auto` uses PMIx when present and working, else the store",
-       choices=("auto", "store", "pmix")),
+       "by its derived port, `auto` uses PMIx when present and working and the job has at least "
+       "HPCRING_PMIX_MIN_RANKS ranks, else the store", choices=("auto", "store", "pmix")),
+    _v("HPCRING_PMIX_MIN_RANKS", "int", 256, "`HPCRING_RENDEZVOUS=auto`: jobs from this many ranks meet "
+       "through PMIx; smaller ones through the store, which was faster up to 48 ranks measured "
+       "(docs/bootstrap.md)", 1, 1 << 30),
     _v("HPCRING_PMIX_LIBRARY", "path", None, "the PMIx client library to load (unset: libpmix.so.2 "
        "from the system)"),
     _v("HPCRING_VERIFY", "choice", "ring", "how interfaces are verified at init",
