@@ -26,9 +26,11 @@ def register(app: typer.Typer) -> None:
             no_container: Optional[bool] = typer.Option(None, "--no-container", help="Run the ranks on the host.")):
         import sys
 
+        from hpcring.config.jobspec import parse_field
         from hpcring.config.site import load_site
         from hpcring import allocation
         from hpcring.cli.jobopts import container_of
+        parse_field("timeout", timeout, "--timeout")   # refused before anything starts, as submit does
         s = load_site(site)
         box = container_of(s, container_image, list(container_mounts or []), no_container)
         sys.exit(allocation.run(cmd, s, nodes, tasks_per_node, container=box, timeout=timeout))

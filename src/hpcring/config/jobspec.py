@@ -106,7 +106,9 @@ def _site_value(site: Site, name: str, partition: str | None) -> Any:
     return None
 
 
-def _parse(name: str, raw: Any, where: str) -> Any:
+def parse_field(name: str, raw: Any, where: str) -> Any:
+    """One job field's value from ``raw`` (a flag, a variable or a site value: ``where`` says which),
+    checked as submit checks it; UsageError naming ``where`` and the field."""
     if raw is None:
         return None
     flag = name.replace('_', '-')
@@ -154,12 +156,12 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
 
     def pick(name: str, default: Any) -> None:
         if cli.get(name) is not None:
-            values[name], sources[name] = _parse(name, cli[name], f"--{name.replace('_', '-')}"), "cli"
+            values[name], sources[name] = parse_field(name, cli[name], f"--{name.replace('_', '-')}"), "cli"
         elif ENV_VARS.get(name) and env.get(ENV_VARS[name]) not in (None, ""):
             var = ENV_VARS[name]
-            values[name], sources[name] = _parse(name, env[var], f"${var}"), f"env {var}"
+            values[name], sources[name] = parse_field(name, env[var], f"${var}"), f"env {var}"
         elif _site_value(site, name, values.get("partition")) is not None:
-            values[name] = _parse(name, _site_value(site, name, values.get("partition")), f"site {site.path}")
+            values[name] = parse_field(name, _site_value(site, name, values.get("partition")), f"site {site.path}")
             sources[name] = f"site {site.name}"
         else:
             values[name], sources[name] = default, "default"
