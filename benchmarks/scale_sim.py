@@ -145,9 +145,9 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
                     launcher="local", job_id=env["HPCRING_JOB_ID"], address="127.0.0.1", interface="lo")
     wait = shared["barrier"]
     rec = out.setdefault(rank, {"wrong": 0})
-    t0 = time.time()
+    t0, c0 = time.time(), time.thread_time()
     done, client = binit.init_bootstrap(timeout=a.timeout, environ=env, topology=topo, verify="none")
-    rec["t_init"] = time.time()
+    rec["t_init"], rec["cpu_init"] = time.time(), time.thread_time() - c0
     ident = threading.get_ident()
     wd = Watchdog(done, (done.master_addr or "127.0.0.1", client.port), client.secret, grace=a.grace,
                   abort=False, store=client)
@@ -176,10 +176,10 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
         _finish(rank, n, a, wd, comm, client, rec, shared, t0)
         return
     client.barrier("sim/connect", n, timeout=a.timeout)
-    rec["t_conn0"] = time.time()
+    rec["t_conn0"], c0 = time.time(), time.thread_time()
     want_small = np.float32(n * (n + 1) // 2)
     got = comm.allreduce(small)
-    rec["t_conn"] = time.time()
+    rec["t_conn"], rec["cpu_conn"] = time.time(), time.thread_time() - c0
     rec["wrong"] += int(got[0] != want_small)
     wait()
     if rank == rank0_of(shared):
@@ -221,6 +221,8 @@ def _finish(rank, n, a, wd, comm, client, rec, shared, t0) -> None:
     while wd.report is None and time.monotonic() < end:
         time.sleep(0.05)
     rec["t_report"] = time.time()
+    to_wall = time.time() - time.monotonic()
+    rec["steps"] = {k: v + to_wall for k, v in wd.timings.items()}     # the watchdog's steps, wall clock
     rep = wd.report
     rec["headline"] = rep.headline if rep is not None else None
     if rank == 0 and rep is not None:
@@ -249,6 +251,7 @@ def worker(a: argparse.Namespace) -> None:
 
     from hpcring.bootstrap import init as binit
     binit.OWN_PROCESS_MIN_RANKS = 1                   # the store in its own process: its CPU is readable
+    sys.setswitchinterval(a.switch_interval)          # one rank per process in a real job: no GIL to share
     env = dict(os.environ)
     shared = {"first": a.first}
     if a.big:
@@ -306,10 +309,27 @@ def predict_ring_fds(n: int, seen: tuple[int, float] | None) -> float:
     return f0 * math.log2(max(n, 2)) / math.log2(max(n0, 2)) + 2
 
 
+def _renice_store(parent: subprocess.Popen, nice: int, stop: threading.Event) -> None:
+    """Give the store process (rank 0's child ``hpcring.bootstrap.store_server``) priority ``nice``
+    as soon as it appears: on a real job it has a core to itself; here its one thread would get
+    1/(runnable threads) of 2 cores against thousands of rank threads."""
+    while not stop.wait(0.02):
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+                if int(stat[1]) == parent.pid and b"store_server" in open(f"/proc/{d}/cmdline", "rb").read():
+                    os.setpriority(os.PRIO_PROCESS, int(d), nice)
+                    return
+            except (OSError, ValueError, IndexError):
+                continue
+
+
 def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 10.0, grace: float = 5.0,
             timeout: float = 600.0, iters_small: int = 20, iters_big: int = 3, big: int = 1 << 20,
             ring_fds: float | None = None, no_ring: bool = False,
-            log_dir: str | None = None) -> dict:
+            log_dir: str | None = None, store_nice: int | None = None, switch_interval: float = 0.005) -> dict:
     """Run N ranks; returns the row (see the module doc) plus ``errors`` and the report text."""
     per_rank = ring_fds if ring_fds is not None else n + 3
     fit = max(1, int((_hard_fd_limit() - PROC_RESERVE) // (per_rank + 8)))
@@ -324,6 +344,7 @@ def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 
                PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("HPCRING_SECRET_FILE", None)
     procs = []
+    stop_renice = threading.Event()
     t_spawn = time.time()
     try:
         for first in starts:
@@ -331,11 +352,14 @@ def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 
             argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--n", str(n), "--first", str(first),
                     "--count", str(count), "--per-host", str(per_host), "--deadline", str(deadline),
                     "--grace", str(grace), "--timeout", str(timeout), "--iters-small", str(iters_small),
-                    "--iters-big", str(iters_big), "--big", str(big)] + (["--no-ring"] if no_ring else [])
+                    "--iters-big", str(iters_big), "--big", str(big), "--switch-interval", str(switch_interval)] \
+                + (["--no-ring"] if no_ring else [])
             err = open(logs / f"worker-{first}.log", "w")
             procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                           text=True, env=env, cwd=tmp))
             err.close()
+            if first == 0 and store_nice is not None:
+                threading.Thread(target=_renice_store, args=(procs[0], store_nice, stop_renice), daemon=True).start()
         end = time.monotonic() + timeout
         for p in procs:                       # every process imported and holds its threads
             line = ""
@@ -357,6 +381,7 @@ def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 
             results.append(json.loads(line[len("@result "):]) if line.startswith("@result ") else None)
             p.wait(max(1.0, end - time.monotonic()))
     finally:
+        stop_renice.set()
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -402,6 +427,15 @@ def _row(n, k, per_host, results, t_go, t_spawn, logs, deadline) -> dict:
     freeze = [v["t_freeze"] for v in ranks.values() if "t_freeze" in v]
     reported = [v["t_report"] for v in ranks.values() if v.get("headline")]
     row["frozen_to_report_s"] = (max(reported) - min(freeze)) if freeze and len(reported) == n else None
+    # per watchdog step: when the last / the median rank reached it, from the frozen collective's start
+    steps: dict[str, list[float]] = {}
+    for v in ranks.values():
+        for k, t in v.get("steps", {}).items():
+            steps.setdefault(k, []).append(t)
+    row["report_steps"] = {k: [len(ts), round(sorted(ts)[len(ts) // 2] - min(freeze), 2), round(max(ts) - min(freeze), 2)]
+                           for k, ts in steps.items()} if freeze else {}
+    cpu = {k: sorted(v[k] for v in ranks.values() if k in v) for k in ("cpu_init", "cpu_conn")}
+    row["rank_cpu_ms"] = {k: [round(1e3 * sum(c) / len(c), 2), round(1e3 * c[-1], 1)] for k, c in cpu.items() if c}
     row["deadline_s"] = deadline
     host = f"node{(n - 1) // per_host + 1}"
     heads = {v.get("headline") for v in ranks.values()}
@@ -456,6 +490,11 @@ def main(argv=None) -> int:
                     help="stop before an N predicted to need more ring descriptors than this in all")
     ap.add_argument("--no-ring", action="store_true",
                     help="the side channel alone: rendezvous, watchdogs and a frozen rank, no ring or allreduce")
+    ap.add_argument("--store-nice", type=int, default=-20,
+                    help="the store process's nice value (root only; a real job's store has a core of its own)")
+    ap.add_argument("--switch-interval", type=float, default=0.05,
+                    help="sys.setswitchinterval in the workers, s (CPython's 5 ms default wakes every thread "
+                         "waiting for the GIL 200 times a second: thousands of rank threads thrash)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", help="append each row as a JSON line to this file")
     ap.add_argument("--show-report", action="store_true", help="print rank 0's report text per N")
@@ -504,7 +543,8 @@ def main(argv=None) -> int:
             break
         row = run_one(n, per_proc=a.per_proc, per_host=a.per_host, deadline=a.deadline, grace=a.grace,
                       timeout=a.timeout, iters_small=a.iters_small, iters_big=a.iters_big, big=a.big,
-                      ring_fds=need if not a.no_ring else 0, no_ring=a.no_ring)
+                      ring_fds=need if not a.no_ring else 0, no_ring=a.no_ring,
+                      store_nice=a.store_nice if os.geteuid() == 0 else None, switch_interval=a.switch_interval)
         print_row(row, a.markdown, header)
         header = False
         if a.json:
@@ -512,6 +552,8 @@ def main(argv=None) -> int:
                 f.write(json.dumps(row) + "\n")
         if a.show_report and row.get("report"):
             print(row["report"], flush=True)
+        print(f"# N={n}: rank CPU ms (mean, max): {row.get('rank_cpu_ms')}; watchdog steps "
+              f"(ranks, median s, last s from the frozen collective's start): {row.get('report_steps')}", flush=True)
         if row["n_errors"] or row["wrong"] or not row["frozen_named"]:
             status = 1
             print(f"# N={n}: {row['n_errors']} errors, {row['wrong']} wrong, frozen rank named: "

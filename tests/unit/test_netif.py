@@ -187,10 +187,11 @@ else:
     cands = [netif.Interface(**d) for d in a["cands"]]
 t0 = time.monotonic()
 try:
-    table = netif.verify_interfaces(c, rank=a["rank"], size=a["size"], host=f"h{a['rank']}",
-                                    candidates=cands, secret=a["secret"].encode(), mode=a["mode"],
-                                    timeout=30, connect_timeout=2.0, prefix=a["prefix"], _dead=a["dead"])
-    print(json.dumps({"ok": [list(e.__dict__.values()) for e in table], "s": time.monotonic() - t0}))
+    choice = netif.verify_interfaces(c, rank=a["rank"], size=a["size"], host=f"h{a['rank']}",
+                                     candidates=cands, secret=a["secret"].encode(), mode=a["mode"],
+                                     timeout=30, connect_timeout=2.0, prefix=a["prefix"], _dead=a["dead"])
+    print(json.dumps({"ok": list(choice.mine.__dict__.values()), "summary": choice.summary,
+                      "s": time.monotonic() - t0}))
 except BootstrapError as e:
     print(json.dumps({"error": str(e), "s": time.monotonic() - t0}))
 """
@@ -217,14 +218,15 @@ def run_ranks(size, *, spec="=lo", cands=None, dead=None, mode="ring"):
 
 def test_verification_on_loopback_when_configured():
     results = run_ranks(4, spec="=lo")
-    tables = [r["ok"] for r in results]
-    assert all(t == tables[0] for t in tables)
-    assert tables[0] == [[r, f"h{r}", "lo", "127.0.0.1"] for r in range(4)]
+    assert [r["ok"] for r in results] == [[r, f"h{r}", "lo", "127.0.0.1"] for r in range(4)]
+    assert {r["summary"] for r in results} == {"0->h0 lo 127.0.0.1, 1->h1 lo 127.0.0.1, 2->h2 lo 127.0.0.1, "
+                                               "3->h3 lo 127.0.0.1"}
 
 
 def test_all_pairs_mode_agrees_too():
     results = run_ranks(3, spec="=lo", mode="all")
-    assert all(r["ok"] == results[0]["ok"] for r in results) and len(results[0]["ok"]) == 3
+    assert [r["ok"] for r in results] == [[r, f"h{r}", "lo", "127.0.0.1"] for r in range(3)]
+    assert len({r["summary"] for r in results}) == 1
 
 
 def iface(name, address="127.0.0.1"):
@@ -236,9 +238,8 @@ def test_names_may_differ_per_host_and_first_working_candidate_wins():
     def cands(r):
         return [iface("ibp65s0"), iface("eth0")] if r == 1 else [iface("ib0"), iface("eth0")]
     results = run_ranks(3, cands=cands, dead={1: ["ibp65s0"]})
-    table = results[0]["ok"]
-    assert all(r["ok"] == table for r in results)
-    assert [row[2] for row in table] == ["ib0", "eth0", "ib0"]
+    assert [r["ok"][2] for r in results] == ["ib0", "eth0", "ib0"]
+    assert {r["summary"] for r in results} == {"0->h0 ib0 127.0.0.1, 1->h1 eth0 127.0.0.1, 2->h2 ib0 127.0.0.1"}
 
 
 def test_dead_configured_interface_fails_fast_and_names_hosts_interfaces_addresses():
@@ -259,4 +260,12 @@ def test_dead_configured_interface_fails_fast_and_names_hosts_interfaces_address
 def test_mode_none_takes_first_candidate_without_connecting():
     results = run_ranks(2, cands=lambda r: [iface("ib0"), iface("eth0")], dead={0: ["ib0"], 1: ["ib0"]},
                         mode="none")
-    assert [row[2] for row in results[0]["ok"]] == ["ib0", "ib0"]
+    assert [r["ok"][2] for r in results] == ["ib0", "ib0"]
+
+
+def test_choice_summary_stays_one_line_at_any_size():
+    from hpcring.bootstrap.netif_verify import SUMMARY_RUNS, _summarise
+    table = [[r, f"node{r // 8}", "ib0", f"10.0.{r // 8}.{r % 8}"] for r in range(4096)]
+    text = _summarise(table)
+    assert text.startswith("0->node0 ib0 10.0.0.0, 1->node0 ib0 10.0.0.1")
+    assert text.count("->") == SUMMARY_RUNS and text.endswith(f"... ({4096 - SUMMARY_RUNS} more runs)")

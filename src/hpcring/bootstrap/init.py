@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Mapping
@@ -45,6 +46,8 @@ PORT_TRIES = 8
 STRICT_PORT_ORDER_S = 3.0   # before this, stop a connect round at the first refused port
 OWN_PROCESS_MIN_RANKS = 256  # from this job size on, rank 0 serves the store from a child process
 PMIX_INIT_TIMEOUT_S = 10.0  # PMIx_Init talks to the local server only; longer means it is not answering
+RETRY_RANKS = 256           # retry pace: each rank's cap on the wait between refused connects grows
+RETRY_CAP_S = (0.2, 1.0)    # from the first value to the second with the job size over RETRY_RANKS
 GATHER_MARGIN_S = 2.0       # rank 0 gives up this much before the others, to tell them who is missing
 last_timings: dict[str, float] = {}   # seconds since init_bootstrap started, for benchmarks
 
@@ -102,18 +105,18 @@ def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
     last_timings["met"] = time.monotonic() - t0
 
     try:
-        table = netif.verify_interfaces(
+        mine = netif.verify_interfaces(
             client, rank=topo.rank, size=topo.size, host=hosts[topo.rank], candidates=candidates,
-            secret=secret, mode=verify, timeout=time_left(deadline), prefix="init/netif")
+            secret=secret, mode=verify, timeout=time_left(deadline), prefix="init/netif").mine
     except BootstrapError as exc:
         if spec is None or "verification failed" not in exc.message:
             raise
         raise _with_alternatives(exc, client, topo, hosts, secret, verify, deadline) from None
-    master = _agree_master(client, topo.rank, table, deadline)
+    master = _agree_master(client, topo.rank, mine, deadline)
     last_timings["verified"] = time.monotonic() - t0
 
     done = _complete(topo, hosts, "pmix:hpcring.card" if pmx else "store:init/hosts").with_(
-        interface=table[topo.rank].interface, address=table[topo.rank].address,
+        interface=mine.interface, address=mine.address,
         master_addr=master["addr"], master_port=master["framework_port"])
     done = done.with_(sources={**done.sources, "rendezvous": f"pmix {pmx.namespace}" if pmx else "store",
                                "master_addr": "store:init/master (rank 0's verified interface)",
@@ -240,7 +243,7 @@ def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: 
         client.server = server
         return client
     return _connect_any(bootstrap_master_addr(topo, env), ports, secret, deadline,
-                        who=each_on_host([0], topo.hosts))
+                        who=each_on_host([0], topo.hosts), ranks=topo.size)
 
 
 def _start_server(ports: list[int], secret: bytes, ranks: int | None = None) -> StoreServer | StoreServerProcess:
@@ -289,9 +292,13 @@ def bootstrap_master_addr(topo: Topology, env: Mapping[str, str]) -> str:
     return infos[0][4][0]
 
 
-def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float, who: str = "rank 0") -> StoreClient:
+def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float, who: str = "rank 0",
+                 ranks: int = 1) -> StoreClient:
     """First port whose peer authenticates as our store; refused ports are retried with backoff.
-    ``who`` names rank 0 (and its host) in the error."""
+    ``who`` names rank 0 (and its host) in the error. The backoff's cap grows with the job size
+    (``ranks``) and each wait is jittered: 4096 ranks retrying every 0.2 s in step are 20 000 refused
+    connects a second while rank 0 starts its store (on 2 simulated cores, more CPU than there is)."""
+    cap = min(RETRY_CAP_S[1], RETRY_CAP_S[0] * max(1.0, ranks / RETRY_RANKS))
     start, delay, seen = time.monotonic(), 0.05, {}
     while True:
         for port in ports:
@@ -310,8 +317,8 @@ def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float, wh
                 + "; ".join(f"{p}: {m}" for p, m in seen.items()),
                 hint="check that rank 0 started, that HPCRING_MASTER_ADDR/MASTER_ADDR or the first host "
                      "name resolves to rank 0's node, and that these ports are not firewalled")
-        time.sleep(min(delay, time_left(deadline)))
-        delay = min(delay * 2, 0.2)   # refused connects are cheap; rank 0 may appear any moment
+        time.sleep(min(delay * random.uniform(0.5, 1.0), time_left(deadline)))
+        delay = min(delay * 2, cap)   # refused connects are cheap; rank 0 may appear any moment
 
 
 def _gather_hosts(client: StoreClient, topo: Topology, deadline: float) -> list[str]:
@@ -380,20 +387,19 @@ def _with_alternatives(exc: BootstrapError, client, topo: Topology, hosts: list[
     """The configured interface failed: probe the automatic candidates (all ranks do) and say which work."""
     try:
         auto = netif.select_candidates(netif.list_interfaces(), None)
-        table = netif.verify_interfaces(
+        works = netif.verify_interfaces(
             client, rank=topo.rank, size=topo.size, host=hosts[topo.rank], candidates=auto, secret=secret,
-            mode=verify, timeout=min(8.0, time_left(deadline)), prefix="init/netif-alt")
-        works = ", ".join(sorted({f"{e.host} {e.interface} {e.address}" for e in table}))
-        alt = f" Interfaces that do connect every rank (automatic choice): {works}."
+            mode=verify, timeout=min(8.0, time_left(deadline)), prefix="init/netif-alt").summary
+        alt = f" Interfaces that do connect every rank (automatic choice, ranks->host interface address): {works}."
     except BootstrapError as alt_exc:
         alt = f" No automatic choice connects every rank either ({alt_exc.message[:200]})."
     return BootstrapError(exc.message.rstrip(".") + "." + alt, hint=exc.hint)
 
 
-def _agree_master(client: StoreClient, rank: int, table, deadline: float) -> dict:
+def _agree_master(client: StoreClient, rank: int, mine: netif.Endpoint, deadline: float) -> dict:
     if rank == 0:
         store_port = client.server.port if client.server else client.port
-        record = {"addr": table[0].address, "store_port": store_port,
+        record = {"addr": mine.address, "store_port": store_port,
                   "framework_port": _free_port_after(store_port)}
         client.set("init/master", json.dumps(record).encode())
         client.set("MASTER_ADDR", record["addr"].encode())

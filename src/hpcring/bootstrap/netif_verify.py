@@ -32,12 +32,25 @@ class Endpoint:
     address: str
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What verification gives one rank: its own endpoint, and rank 0's summary of every rank's
+    choice (runs of ranks, at most ``SUMMARY_RUNS`` of them: one line at any job size)."""
+    mine: Endpoint
+    summary: str
+
+
+SUMMARY_RUNS = 8
+
+
 def verify_interfaces(client, *, rank: int, size: int, host: str, candidates: Sequence[Interface],
                       secret: bytes, mode: str = "ring", timeout: float = 30.0,
                       connect_timeout: float = 2.0, prefix: str = "netif",
-                      _dead: Collection[str] = ()) -> list[Endpoint]:
+                      _dead: Collection[str] = ()) -> Choice:
     """Agree, through the store ``client``, on one verified interface per rank; every rank returns
-    the same table (index = rank).
+    its own endpoint and the same summary. Rank 0 publishes the choice as the index of each rank's
+    chosen candidate, run-length coded (a few bytes when every rank picks alike), not as a table:
+    each of N ranks reading an N-row table is N² bytes through the store (72 KiB a rank at 2048).
 
     ``mode``: ``"ring"`` (each rank probes rank+1), ``"all"`` (every pair) or ``"none"`` (first
     candidate, no connections). Raises BootstrapError naming the unreachable rank's host, its
@@ -73,7 +86,9 @@ def verify_interfaces(client, *, rank: int, size: int, host: str, candidates: Se
             lst.close()
     if not choice["ok"]:
         raise BootstrapError(choice["error"], hint=choice["hint"])
-    return [Endpoint(*row) for row in choice["table"]]
+    pick = next(i for first, last, i in choice["picks"] if first <= rank <= last)
+    c = candidates[pick]
+    return Choice(Endpoint(rank, host, c.name, c.address), choice["summary"])
 
 
 def _peers(rank: int, size: int, mode: str) -> list[int]:
@@ -111,7 +126,7 @@ def _decide(client, size: int, mode: str, deadline: float, prefix: str) -> dict:
     for r in range(size):
         for peer, errs in from_json(values[size + r]).items():
             tested[int(peer)].append((r, errs))
-    table, failures = [], []
+    table, picks, failures = [], [], []
     for r in range(size):
         ok = [i for i in range(len(cands[r]["cands"])) if all(errs[i] is None for _, errs in tested[r])]
         if not ok:
@@ -119,10 +134,12 @@ def _decide(client, size: int, mode: str, deadline: float, prefix: str) -> dict:
             continue
         c = cands[r]["cands"][ok[0]]
         table.append([r, cands[r]["host"], c["name"], c["address"]])
+        picks.append(ok[0])
     if failures:
         return {"ok": False, **_failure_report(failures, cands, tested)}
-    log.info("hpcring interfaces: %s", _summarise(table))
-    return {"ok": True, "table": table}
+    summary = _summarise(table)
+    log.info("hpcring interfaces: %s", summary)
+    return {"ok": True, "picks": [[a, b, i] for a, b, i in runs(picks)], "summary": summary}
 
 
 def _failure_report(failures: list[int], cands: list[dict], tested: dict) -> dict:
@@ -144,8 +161,11 @@ def _failure_report(failures: list[int], cands: list[dict], tested: dict) -> dic
 
 
 def _summarise(table: list[list]) -> str:
-    """``0-3->host lo 127.0.0.1, 4->...``: runs of ranks with the same host/interface/address."""
+    """``0-3->host lo 127.0.0.1, 4->...``: runs of ranks with the same host/interface/address,
+    the first ``SUMMARY_RUNS`` of them."""
+    rs = runs([tuple(row[1:]) for row in table])
+    more = f", ... ({len(rs) - SUMMARY_RUNS} more runs)" if len(rs) > SUMMARY_RUNS else ""
     return ", ".join(f"{a if a == b else f'{a}-{b}'}->{' '.join(map(str, v))}"
-                     for a, b, v in runs([tuple(row[1:]) for row in table]))
+                     for a, b, v in rs[:SUMMARY_RUNS]) + more
 
 

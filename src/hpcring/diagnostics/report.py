@@ -83,6 +83,9 @@ class Report:
     hosts: list[str] = field(default_factory=list)
     files: str | None = None
     side_channel: bool = True
+    # the reporter's text as every other rank receives it (diag/report): rendering is O(ranks), and
+    # at 4096 ranks each rank redoing it is 4096x the work for the same screen
+    rendered: str | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         return {"op": self.op, "headline": self.headline,
@@ -94,6 +97,8 @@ class Report:
 
     def text(self) -> str:
         """The human report: a headline, then one line per finding, ranks compressed."""
+        if self.rendered is not None:
+            return self.rendered
         lines = [f"hpcring: COLLECTIVE FAILURE: {self.headline}"]
         if self.op:
             lines.append(f"  operation : {describe_op(self.op)}")

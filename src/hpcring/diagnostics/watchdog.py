@@ -110,6 +110,10 @@ class Watchdog:
         # snapshots -> Report; torch_watch swaps in a diagnosis that also reads torch's errors
         self.diagnose: Callable[..., Report] = diagnose
         self.where: Callable[[], str] = main_thread_location     # the snapshot's "where"
+        # when (time.monotonic()) this rank reached each step of a failure: triggered (by its own
+        # collective), heard (the tree's message), connected (store), published (its snapshot),
+        # report; read by benchmarks/scale_sim.py to say which step a large job waits on
+        self.timings: dict[str, float] = {}
 
     # -- wiring ---------------------------------------------------------------------------
     def register(self, comm) -> None:
@@ -234,6 +238,7 @@ class Watchdog:
         Waits (bounded) for the report; with ``abort`` on the process ends meanwhile. Returns
         the report, or None when none came. Used by collectives that do not go through a
         Communicator (torch's own process groups: :mod:`hpcring.diagnostics.torch_watch`)."""
+        self.timings.setdefault("triggered", time.monotonic())
         trig = {"rank": self.rank, "host": self.host, "error": error, "op": op, "time": time.time()}
         addrs = None
         try:
@@ -280,6 +285,7 @@ class Watchdog:
             return
         if n != self.size or (root + v) % n != self.rank:
             return                     # not meant for this rank (another job's size, a stale tree)
+        self.timings.setdefault("heard", time.monotonic())
         self._forward(root, v, addrs, trig)
         self._start_handle(trig)
 
@@ -304,6 +310,7 @@ class Watchdog:
     def _handle_with_store(self, trig: dict) -> None:
         try:
             client = self._action_client()
+            self.timings.setdefault("connected", time.monotonic())
         except HpcringError as e:
             self._lost, client = str(e), None
         self._handle(trig, client)
@@ -331,6 +338,7 @@ class Watchdog:
             try:
                 client.set(f"diag/snap/{self.rank}", json.dumps(snap).encode())
                 client.add("diag/nsnap", 1)
+                self.timings.setdefault("published", time.monotonic())
                 if client.add("diag/reporter", 1) == 1:
                     client.set("diag/reporter-rank", str(self.rank).encode())
                     report = self._collect(client, trig, folder)
@@ -376,6 +384,7 @@ class Watchdog:
         return report
 
     def _finish(self, report: Report, client) -> None:
+        self.timings.setdefault("report", time.monotonic())
         self.report = report
         action = f"exiting with code {EXIT_CODE}" if self.abort else "raising CollectiveError"
         print(f"hpcring: rank {self.rank} ({self.host}): {report.headline}; {action}", file=sys.stderr, flush=True)
@@ -454,7 +463,7 @@ def _publish(report: Report, folder: str | None) -> None:
 def _to_wire(report: Report) -> dict:
     """``diag/report`` as every rank reads it: the report's dict with rank lists as ranges and
     without the hosts, which every rank has in its topology (~1 KiB at 4096 ranks instead of
-    ~250 KiB: it is read by every rank)."""
+    ~250 KiB: it is read by every rank), and its text (one screen), rendered once here."""
     d = report.to_dict()
     d["categories"] = {k: rank_ranges(v) for k, v in d["categories"].items()}
     groups: dict[str, list[int]] = {}
@@ -462,6 +471,7 @@ def _to_wire(report: Report) -> dict:
         groups.setdefault(w, []).append(r)
     d["where"] = [[rank_ranges(rs), w] for w, rs in groups.items()]
     del d["hosts"]
+    d["text"] = report.text()
     return d
 
 
@@ -470,7 +480,7 @@ def _from_wire(d: dict, hosts: list[str]) -> Report:
     where = {r: w for rs, w in d.get("where", []) for r in _expand(rs)}
     return Report(d.get("op"), d.get("headline", "?"), cats, {int(k): v for k, v in d.get("details", {}).items()},
                   d.get("links", []), d.get("slow", []), where, d.get("trigger", {}), hosts, d.get("files"),
-                  d.get("side_channel", True))
+                  d.get("side_channel", True), rendered=d.get("text"))
 
 
 def _expand(text: str) -> list[int]:
