@@ -12,6 +12,12 @@ ring's descriptors would not fit a process's RLIMIT_NOFILE), and every one of th
 4. a frozen rank: the last rank sits in ``load_batch`` instead of the next allreduce; the others
    time out at ``--deadline`` and the watchdog's report must name it.
 
+Two settings make threads a closer stand-in for one rank per core (both in the printed header):
+the store process runs at ``--store-nice`` (-20, as root: a real job's store has a core; here its
+one thread would get 1/(runnable threads) of the machine) and the workers set CPython's GIL
+switch interval to ``--switch-interval`` (50 ms: every thread waiting for the GIL wakes once per
+interval, 800 000 wake-ups a second at 4096 rank threads with the 5 ms default).
+
 Simulated hosts: ``--per-host`` consecutive ranks share a host name (``node1``, ``node2``, ...),
 which the ring uses for its layout and the report for its host names. Printed per N:
 
@@ -521,7 +527,9 @@ def main(argv=None) -> int:
         ap.error("--deadline, --grace and --timeout must be positive (deadline <= 3600 s)")
     print(f"# scale_sim: ranks as threads (<= {a.per_proc} per process), {a.per_host} per simulated host, "
           f"shared memory off, loopback TCP; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
-          f"RLIMIT_NOFILE hard {_hard_fd_limit()}", flush=True)
+          f"RLIMIT_NOFILE hard {_hard_fd_limit()}; store process at nice "
+          f"{a.store_nice if os.geteuid() == 0 else 'unchanged (not root)'}; GIL switch interval "
+          f"{a.switch_interval * 1e3:g} ms", flush=True)
     seen, header, status = None, True, 0
     for n in sorted(sizes):
         need = predict_ring_fds(n, seen)

@@ -230,3 +230,29 @@ def test_backend_given_to_init_becomes_the_sessions_default(monkeypatch):
         s.use("gloo")
     fresh = hs.Session(topo(), store=None, secret=b"x" * 32)
     assert fresh.allreduce(2) == ("nccl", 2)                                     # no default: auto
+
+
+def test_refused_store_connects_back_off_more_in_large_jobs(monkeypatch):
+    """Until rank 0's store listens, a rank retries with jittered waits whose cap grows with the job
+    size: 0.2 s up to RETRY_RANKS ranks, up to 1 s beyond (4096 ranks at 0.2 s: 20 000 connects/s)."""
+    from hpcring.bootstrap import init as binit
+    from hpcring.errors import BootstrapError
+
+    def refused(*a, **k):
+        raise BootstrapError("connection refused")
+    for ranks, cap in ((8, 0.2), (256, 0.2), (1024, 0.8), (8192, 1.0)):
+        waits: list[float] = []
+        clock = [0.0]
+        monkeypatch.setattr(binit, "StoreClient", refused)
+        monkeypatch.setattr(binit.time, "monotonic", lambda: clock[0])
+        monkeypatch.setattr(binit, "time_left", lambda deadline: deadline - clock[0])
+
+        def sleep(s, waits=waits):
+            waits.append(s)
+            clock[0] += s
+        monkeypatch.setattr(binit.time, "sleep", sleep)
+        with pytest.raises(BootstrapError, match="could not reach the rendezvous store"):
+            binit._connect_any("127.0.0.1", [29500], b"s" * 32, 60.0, ranks=ranks)
+        late = waits[10:-1]
+        assert late and max(late) <= cap + 1e-9 and min(late) >= cap / 2 - 1e-9, (ranks, late[:5])
+        assert len(set(late)) > 1                     # jittered: ranks do not retry in step
