@@ -34,3 +34,9 @@ def test_256_ranks_exact_results_and_the_frozen_rank_is_named():
     assert any(line.startswith("  missing   : rank 255 (node32): never joined") and "in load_batch" in line
                for line in report), row["report"]
     assert len(report) <= 10                      # one screen
+    # the watchdog's steps, in order on every rank that took them, and each rank's CPU per phase
+    steps = row["report_steps"]
+    assert steps["published"][0] == steps["report"][0] == 256 and steps["triggered"][0] == 255
+    assert 5.0 <= steps["triggered"][1] <= steps["published"][1] <= steps["report"][1] <= steps["report"][2]
+    assert set(row["rank_cpu_ms"]) == {"cpu_init", "cpu_conn"}
+    assert all(0 < mean <= worst for mean, worst in row["rank_cpu_ms"].values())

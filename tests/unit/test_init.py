@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 import os
 import socket
 import subprocess
@@ -256,3 +257,24 @@ def test_refused_store_connects_back_off_more_in_large_jobs(monkeypatch):
         late = waits[10:-1]
         assert late and max(late) <= cap + 1e-9 and min(late) >= cap / 2 - 1e-9, (ranks, late[:5])
         assert len(set(late)) > 1                     # jittered: ranks do not retry in step
+
+
+@pytest.mark.parametrize("hosts", [
+    [f"node{r // 8 + 1}" for r in range(4096)],                         # block placement
+    [f"node{r % 512 + 1}" for r in range(4096)],                         # cyclic placement
+    ["a1", "a1", "b07", "b08", "b08", "b08", "c", "a1"],                 # uneven, padded, bare, revisits
+    ["gpu-3.cluster", "gpu-4.cluster", "login"],
+    ["?"], ["h[1]", "h,2", "h 3"],                                       # no hostlist denotes these: plain list
+    [f"n{r}" for r in random.Random(7).sample(range(10_000), 300)],     # random order
+])
+def test_init_hosts_round_trip_exactly_and_stay_small(hosts):
+    from hpcring.bootstrap.init import decode_hosts, encode_hosts
+    wire = encode_hosts(hosts)
+    assert decode_hosts(wire, len(hosts)) == hosts
+    assert len(wire) <= len(json.dumps(hosts)) + 16
+
+
+def test_init_hosts_of_a_block_layout_are_a_few_bytes_at_any_size():
+    from hpcring.bootstrap.init import encode_hosts
+    assert encode_hosts([f"node{r // 8 + 1}" for r in range(4096)]) == b'{"runs": [["node[1-512]", 8]]}'
+    assert len(encode_hosts([f"node{r // 8 + 1}" for r in range(65536)])) < 40
