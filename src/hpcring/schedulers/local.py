@@ -218,13 +218,50 @@ def run_on_nodes(job_id: str, command, timeout: float) -> tuple[str, str, int, s
 CANCEL_WAIT_S = 8.0   # the supervisor's own stop (SIGTERM, then SIGKILL after 3 s) fits in this
 
 
+QUEUE_STOP_WAIT_S = 5.0   # the queue's own stop: it starts nothing more and marks its tasks CANCELLED
+
+
 def cancel(rec: JobRecord | str, folder: Path | None = None) -> None:
-    """Cancel a job (every task of an array); see :func:`cancel_one`."""
+    """Cancel a job (every task of an array: its queue first); see :func:`cancel_one`."""
     if isinstance(rec, JobRecord):
-        for one in rec.tasks() if rec.array is not None else [rec]:
-            cancel_one(one.job_id, Path(one.folder))
+        tasks = [(one.job_id, Path(one.folder)) for one in (rec.tasks() if rec.array is not None else [rec])]
+        if len(tasks) > 1:
+            _stop_queue(tasks)
+        for job_id, task_folder in tasks:
+            cancel_one(job_id, task_folder)
     else:
         cancel_one(rec, folder)
+
+
+def _queued(tasks: list[tuple[str, Path]]) -> dict[str, int]:
+    """{task: its queue's pid} for the tasks not started yet whose queue (local_queue) still runs."""
+    out = {}
+    for job_id, folder in tasks:
+        data = read_state(folder, job_id) or {}
+        pid = data.get("pid")
+        if data.get("state") == "PENDING" and not data.get("pgid") and pid and pid_alive(int(pid)):
+            try:
+                if b"local_queue" in Path(f"/proc/{int(pid)}/cmdline").read_bytes():
+                    out[job_id] = int(pid)
+            except OSError:
+                pass
+    return out
+
+
+def _stop_queue(tasks: list[tuple[str, Path]]) -> None:
+    """Stop an array's queue before its tasks: cancelled task by task, the queue could start the
+    next task the moment the running one ended (seen in CI: a queued task's supervisor started).
+    Stopped (SIGTERM), it starts nothing more and marks every task it had not started CANCELLED;
+    bounded by QUEUE_STOP_WAIT_S, after which cancel_one marks them itself."""
+    queues = set(_queued(tasks).values())
+    for pid in queues:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + QUEUE_STOP_WAIT_S
+    while queues and time.monotonic() < deadline and _queued(tasks):
+        time.sleep(0.05)
 
 
 def cancel_one(job_id: str, folder: Path | None) -> None:
