@@ -92,7 +92,7 @@ def test_status_without_a_job_lists_the_newest(tmp_path, state_dir):
     assert [ln.split()[0] for ln in lines[1:]] == ["slurm-dev-77", "local-2", "local-1", "local-0"]
     assert lines[1].split()[1] == "?" and "sacct" in lines[1]
     assert [ln.split()[1] for ln in lines[2:]] == ["RUNNING", "FAILED", "COMPLETED"]
-    assert len(run("status", "-n", "2").stdout.splitlines()) == 3
+    assert len(run("status", "-n", "2", env={"PATH": str(tmp_path)}).stdout.splitlines()) == 3   # sacct's answer aside
 
 
 def test_cancel_of_an_ended_job_says_so(tmp_path, state_dir):
