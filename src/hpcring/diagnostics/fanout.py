@@ -9,11 +9,19 @@ largest first; the subtree of ``c`` is the contiguous block ``[c, c + lowbit(c))
 parent that cannot deliver to a child within :data:`STEP_TIMEOUT` (dead: refused; frozen: no
 greeting) delivers to the child's children itself: one stopped rank never cuts off its subtree.
 
+The same tree carries the rest of a failure back and forth (:mod:`hpcring.diagnostics.watchdog`):
+each message names its ``kind``. ``trigger`` goes down (with ``up``, the sender's own address, so
+the receiver knows where to answer), ``gather`` comes up (a subtree's snapshots, merged at every
+hop), ``report`` goes down, and in abort mode ``ack`` comes up and ``exit`` goes down: the store on
+rank 0 then sees one connection per failure, not one per rank.
+
 Every rank listens on a TCP port of its own (published once as ``diag/addr/<rank>``). A
 connection is authenticated before anything it sends is parsed (:data:`hpcring.bootstrap.auth.DIAG`:
 the connector's MAC covers the body's length and SHA-256, the body is read only after the MAC and
 the length cap are checked and is then compared with that digest); the listener's proof is the
-acknowledgement. Bodies are JSON, never pickled.
+acknowledgement. Bodies are JSON, never pickled; a large one (a subtree's snapshots) travels
+zlib-compressed (:func:`pack`), inflated only after its MAC and digest are checked and only up to
+:data:`MAX_INFLATED`.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable
 
 from hpcring.bootstrap import auth
@@ -36,6 +45,8 @@ log = logging.getLogger("hpcring.diagnostics.fanout")
 
 STEP_TIMEOUT = 2.0            # connect + greeting + acknowledgement of one child
 MAX_BODY = 8 << 20            # a 4096-rank root's message is ~100 KiB of addresses
+MAX_INFLATED = 256 << 20      # a compressed body may not inflate past this (64k ranks' snapshots: ~64 MiB)
+COMPRESS_OVER = 16 << 10      # bodies above this travel compressed (snapshots differ little: ~10x)
 _EXTRA = struct.Struct(">I32s")  # body length, SHA-256 of the body (covered by the handshake MAC)
 
 
@@ -66,6 +77,30 @@ def depth(n: int) -> int:
 
 
 # ------------------------------------------------------------------------------------ the wire
+
+def pack(msg: dict) -> bytes:
+    """A message's body: JSON, zlib-compressed above :data:`COMPRESS_OVER` (a JSON body starts
+    with ``{``, a zlib stream with ``x``)."""
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    return zlib.compress(body, 1) if len(body) > COMPRESS_OVER else body
+
+
+def unpack(body: bytes) -> dict:
+    """The message in an authenticated body (see :func:`pack`); ValueError when it is not a
+    JSON object or inflates past :data:`MAX_INFLATED`."""
+    if body[:1] == b"x":
+        z = zlib.decompressobj()
+        try:
+            body = z.decompress(body, MAX_INFLATED)
+        except zlib.error as e:
+            raise ValueError(f"bad compressed body: {e}") from None
+        if z.unconsumed_tail:
+            raise ValueError(f"compressed body inflates past {MAX_INFLATED} bytes")
+    msg = json.loads(body)
+    if not isinstance(msg, dict):
+        raise ValueError("not a JSON object")
+    return msg
+
 
 def send(address: str, body: bytes, secret: bytes, timeout: float = STEP_TIMEOUT) -> None:
     """Deliver ``body`` to the listener at ``host:port``; returns once the listener proved it
@@ -142,9 +177,7 @@ class Listener:
             body = recv_exact(conn, length)
             if not hmac.compare_digest(hashlib.sha256(body).digest(), digest):
                 raise ConnectionError("message body does not match its authenticated digest")
-            msg = json.loads(body)
-            if not isinstance(msg, dict):
-                raise ValueError("not a JSON object")
+            msg = unpack(body)
             conn.sendall(auth.DIAG.server_proof(self._secret, ns, nc, b"", extra))
             return msg
         except (OSError, ConnectionError, ValueError, EOFError) as e:
@@ -154,19 +187,22 @@ class Listener:
 
 # --------------------------------------------------------------------------------- forwarding
 
-def message(root: int, n: int, v: int, addrs: list, trig: dict) -> bytes:
-    """The body for relative index ``v``: the trigger and the addresses of ``v``'s subtree
-    (``addrs`` indexed from ``v``)."""
-    return json.dumps({"root": root, "n": n, "v": v, "trig": trig, "addrs": addrs}).encode()
+def message(root: int, n: int, v: int, addrs: list, trig: dict, up: str | None = None) -> bytes:
+    """The trigger's body for relative index ``v``: the trigger, the addresses of ``v``'s subtree
+    (``addrs`` indexed from ``v``) and ``up``, the sender's listener (where ``v`` answers)."""
+    return pack({"kind": "trigger", "root": root, "n": n, "v": v, "trig": trig, "addrs": addrs, "up": up})
 
 
 def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
-            step_timeout: float = STEP_TIMEOUT) -> list[int]:
+            step_timeout: float = STEP_TIMEOUT, delivered: list | None = None) -> list[int]:
     """Deliver the trigger to ``v``'s children (``addrs``: addresses of ``subtree(v)``, from
-    ``v`` on, None where unknown), one thread per child so that a frozen child delays only its own
-    subtree, taking over the subtree of a child that cannot be reached. Returns (once every
-    branch is done) the relative indices that could not be reached at all."""
+    ``v`` on, None where unknown; ``addrs[0]``, this rank's own, is sent along as ``up``), one
+    thread per child so that a frozen child delays only its own subtree, taking over the subtree
+    of a child that cannot be reached. Appends ``(relative index, address)`` of every rank it
+    delivered to (this rank's children in the tree as it stands) to ``delivered``. Returns (once
+    every branch is done) the relative indices that could not be reached at all."""
     lost: list[int] = []
+    up = addrs[0] if addrs else None
 
     def branch(first: int) -> None:
         todo = [first]
@@ -176,7 +212,9 @@ def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
             addr = addrs[c - v] if c - v < len(addrs) else None
             if addr:
                 try:
-                    send(addr, message(root, n, c, addrs[c - v:c - v + len(block)], trig), secret, step_timeout)
+                    send(addr, message(root, n, c, addrs[c - v:c - v + len(block)], trig, up), secret, step_timeout)
+                    if delivered is not None:
+                        delivered.append((c, addr))
                     continue
                 except (OSError, ConnectionError, ValueError) as e:
                     log.info("watchdog fan-out: relative rank %d at %s unreachable (%s); covering its subtree",
@@ -191,3 +229,24 @@ def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
     for t in threads:
         t.join()
     return sorted(lost)
+
+
+def send_all(addresses: list[str], body: bytes, secret: bytes, timeout: float = STEP_TIMEOUT) -> list[str]:
+    """Deliver one ``body`` to each of ``addresses`` in parallel (a later round down the tree:
+    the children the trigger reached); returns the addresses that failed. Bounded by ``timeout``
+    plus a second: a child that stops now is left to its own fallback (the store)."""
+    failed: list[str] = []
+
+    def one(addr: str) -> None:
+        try:
+            send(addr, body, secret, timeout)
+        except (OSError, ConnectionError, ValueError) as e:
+            log.info("watchdog fan-out: %s unreachable (%s)", addr, e)
+            failed.append(addr)
+    threads = [threading.Thread(target=one, args=(a,), name="hpcring-watchdog-send", daemon=True) for a in addresses]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout + 1.0
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return failed

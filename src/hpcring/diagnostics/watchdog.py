@@ -10,23 +10,31 @@ Protocol (keys under ``diag/``):
 
 1. At start every rank listens on a port of its own (:mod:`hpcring.diagnostics.fanout`) and
    publishes it once as ``diag/addr/<rank>``; it keeps no connection to the store open for that.
-2. The failing rank (its collective raised) opens a store connection; the first such rank
-   (``diag/ntrigger``) sets ``diag/trigger``, reads every rank's address in one batched read and
-   sends the trigger down a binomial tree rooted at itself: every rank hears it within
-   floor(log2 n) hops, from a thread that runs while the main thread is stuck in C, in a
-   collective or in user code; a parent that cannot reach a child (dead, frozen) serves the
-   child's subtree itself. Other failing ranks read ``diag/trigger`` instead.
-3. On the trigger each rank forwards it to its children, then writes its stacks and flight
-   records to ``<job folder>/diag/``, opens a store connection and publishes a snapshot
-   ``diag/snap/<rank>`` (newest records, records in flight, backend error, main thread's place).
-   Ranks that already exited normally left ``diag/exit/<rank>`` at exit.
-4. The first rank to claim ``diag/reporter`` waits up to the grace period
-   (``HPCRING_DIAG_GRACE``, default 5 s; up to 3x while snapshots still arrive) for all
-   snapshots, reads them in two batched reads (key ranges), runs :func:`hpcring.diagnostics.report.diagnose`, prints the report, saves
-   ``diag/hang-report.{json,txt}`` and publishes ``diag/report`` (rank lists as ranges, no host
-   list: ~1 KiB at 4096 ranks, read by every rank from one parked wait).
-5. Every rank prints one line naming the cause, writes its status, acknowledges, waits (bounded,
-   one parked read of ``diag/acked``, set by the last to acknowledge) for the others and exits
+2. The failing rank (its collective raised) first waits a moment (jittered, only in jobs above
+   :data:`JITTER_RANKS`) for a trigger that may already be on its way: when thousands of ranks
+   time out in the same collective, one store connection is needed, not thousands. Then it
+   opens a store connection; the first such rank (``diag/ntrigger``) claims ``diag/reporter``,
+   sets ``diag/trigger``, reads every rank's address in one batched read and sends the trigger
+   down a binomial tree rooted at itself: every rank hears it within floor(log2 n) hops, from a
+   thread that runs while the main thread is stuck in C, in a collective or in user code; a
+   parent that cannot reach a child (dead, frozen) serves the child's subtree itself. Other
+   failing ranks wait to hear it like the rest (:data:`fanout.STEP_TIMEOUT` per level), and
+   fall back on the store (step 3's older path) when they do not.
+3. On the trigger each rank forwards it to its children, writes its stacks and flight records
+   to ``<job folder>/diag/`` and sends its snapshot (newest records, records in flight, backend
+   error, main thread's place) **up the same tree**, merged with its children's subtrees
+   (:mod:`hpcring.diagnostics.tree_rounds`: each level waits a share of the grace). A rank
+   whose parent cannot be reached, or that the tree did not reach, publishes ``diag/snap/<rank>``
+   through the store instead. Ranks that already exited normally left ``diag/exit/<rank>``.
+4. The root (the reporter) waits up to the grace period (``HPCRING_DIAG_GRACE``, default 5 s;
+   up to 3x while snapshots still arrive) for all snapshots, reads the ones still missing from
+   the store in two batched reads, runs :func:`hpcring.diagnostics.report.diagnose`, prints the
+   report, saves ``diag/hang-report.{json,txt}``, publishes ``diag/report`` (rank lists as
+   ranges, no host list: ~1 KiB at 4096 ranks; for the store's readers) and sends it down the
+   tree.
+5. Every rank prints one line naming the cause, writes its status and acknowledges: up the
+   tree (the root then sends ``exit`` down it), or through the store (``diag/nack``; the last
+   sets ``diag/acked``) on the fallback path; it waits (bounded) for the others and exits
    with :data:`EXIT_CODE` (``os._exit``: the
    collective may still own the buffers, and a hung main thread cannot be unwound). The
    reporting rank (and a rank cut off from the side channel) then asks the scheduler to end the
@@ -45,6 +53,7 @@ import faulthandler
 import json
 import logging
 import os
+import random
 import signal
 import sys
 import threading
@@ -52,6 +61,7 @@ import time
 from typing import Callable
 
 from hpcring.diagnostics import fanout, jobdir, teardown
+from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
 from hpcring.collectives.recorder import main_thread_location
 from hpcring.diagnostics.report import Report, diagnose
 from hpcring.errors import CollectiveError, HpcringError
@@ -62,6 +72,9 @@ GRACE_ENV, ON_FAILURE_ENV = "HPCRING_DIAG_GRACE", "HPCRING_ON_FAILURE"
 TRIGGER, REPORT, ADDR = "diag/trigger", "diag/report", "diag/addr/"
 GRACE_STRETCH = 3            # the reporter waits at most this many graces while snapshots still arrive
 PUBLISH_TIMEOUT = 5.0        # how long start() may wait for the store to publish our address
+JITTER_RANKS = 256           # above this many ranks a failing rank waits up to JITTER_MAX_S for a trigger ...
+JITTER_MAX_S = 1.0           # ... (scaled by n / 4096) before it opens a store connection of its own
+ACK_TIMEOUT = 5.0            # abort mode: how long a rank waits for its subtree's acknowledgements
 
 log = logging.getLogger("hpcring.diagnostics.watchdog")
 _EXIT_HOOKS: list[Callable[[str], None]] = []
@@ -114,6 +127,9 @@ class Watchdog:
         # collective), heard (the tree's message), connected (store), published (its snapshot),
         # report; read by benchmarks/scale_sim.py to say which step a large job waits on
         self.timings: dict[str, float] = {}
+        self._tree = TreeRounds(self.rank, self.size)    # this failure's tree (tree_rounds)
+        self._heard = threading.Event()                  # placed in a failure's tree
+        self._via_tree = False                           # ... and handling it there (not the store's way)
 
     # -- wiring ---------------------------------------------------------------------------
     def register(self, comm) -> None:
@@ -240,10 +256,24 @@ class Watchdog:
         Communicator (torch's own process groups: :mod:`hpcring.diagnostics.torch_watch`)."""
         self.timings.setdefault("triggered", time.monotonic())
         trig = {"rank": self.rank, "host": self.host, "error": error, "op": op, "time": time.time()}
+        if self.size > JITTER_RANKS and not self._heard.is_set():
+            # Thousands of ranks time out in the same collective within milliseconds: the first
+            # one's trigger reaches the rest down the tree in log2 n hops, so most need no store.
+            self._heard.wait(random.uniform(0.0, JITTER_MAX_S * min(1.0, self.size / 4096)))
+        if not self._heard.is_set():
+            self._trigger_with_store(trig)
+        self._done.wait(GRACE_STRETCH * self.grace + 20.0)
+        if self.abort and self.report is not None:
+            time.sleep(30.0)           # the listener thread is ending the process (os._exit)
+        return self.report
+
+    def _trigger_with_store(self, trig: dict) -> None:
         addrs = None
         try:
             client = self._action_client()
             if client.add("diag/ntrigger", 1) == 1:
+                client.add("diag/reporter", 1)     # the root reports: no fallback rank may claim it
+                client.set("diag/reporter-rank", str(self.rank).encode())
                 from hpcring.schedulers import run_ending
                 ending = run_ending(os.environ)    # one query, from the rank that saw the failure first
                 if ending:
@@ -255,17 +285,19 @@ class Watchdog:
                     trig = json.loads(client.get(TRIGGER, timeout=5.0))
                 except (HpcringError, ValueError):
                     pass
+                # ... and it reaches us down its tree; if not (our address unknown to it, a lost
+                # branch), the store's path
+                if self._heard.wait(min(self.grace, fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 2))):
+                    return
         except HpcringError as e:
             self._lost = f"rank 0's store at {self._address[0]}:{self._address[1]}: {e}"
         if self._lost is not None and self._client is None:
             self._handle(trig, None)
-        elif addrs is not None:
+            return
+        if addrs is not None and self._tree.place(self.rank, 0, None):
+            self._heard.set()
             self._forward(self.rank, 0, addrs, trig)
         self._start_handle(trig)
-        self._done.wait(GRACE_STRETCH * self.grace + 20.0)
-        if self.abort and self.report is not None:
-            time.sleep(30.0)           # the listener thread is ending the process (os._exit)
-        return self.report
 
     def _addresses(self, client) -> list:
         """Every rank's listener (one batched read), rotated so index 0 is this rank (the root)."""
@@ -275,30 +307,92 @@ class Watchdog:
 
     # -- every rank -----------------------------------------------------------------------
     def _on_message(self, msg: dict) -> None:
-        """A trigger from our parent in the tree (listener thread): pass it on and handle it."""
+        """A message of the failure's tree (listener thread): the trigger from our parent (pass it
+        on, handle it), a subtree's snapshots, the report, an acknowledgement, the exit."""
         if self._closing:
             return
-        try:
-            root, n, v, addrs, trig = (int(msg["root"]), int(msg["n"]), int(msg["v"]), list(msg["addrs"]),
-                                       dict(msg["trig"]))
-        except (KeyError, TypeError, ValueError):
-            return
-        if n != self.size or (root + v) % n != self.rank:
-            return                     # not meant for this rank (another job's size, a stale tree)
-        self.timings.setdefault("heard", time.monotonic())
-        self._forward(root, v, addrs, trig)
-        self._start_handle(trig)
+        kind = msg.get("kind", "trigger")
+        if kind == "gather":
+            late = self._tree.on_gather(msg)
+            if late is not None:          # we already sent ours up: pass this subtree on alone
+                threading.Thread(target=self._send_up, args=(late,), daemon=True,
+                                 name=f"hpcring-watchdog-up:{self.rank}").start()
+        elif kind == "report":
+            if self._tree.on_report(msg):
+                self._down(fanout.pack(msg))
+        elif kind == "ack":
+            self._tree.on_ack(msg)
+        elif kind == "exit":
+            if msg.get("root") == self._tree.root and not self._tree.exit.is_set():
+                self._tree.exit.set()
+        elif kind == "trigger":
+            try:
+                root, n, v, addrs, trig = (int(msg["root"]), int(msg["n"]), int(msg["v"]), list(msg["addrs"]),
+                                           dict(msg["trig"]))
+                up = msg.get("up")
+            except (KeyError, TypeError, ValueError):
+                return
+            if n != self.size or (root + v) % n != self.rank or not (up is None or isinstance(up, str)):
+                return                     # not meant for this rank (another job's size, a stale tree)
+            self.timings.setdefault("heard", time.monotonic())
+            if not self._tree.place(root, v, up):
+                return                     # a second tree (a rank that lost the store raced): ours stands
+            self._heard.set()
+            self._forward(root, v, addrs, trig)
+            threading.Thread(target=self._handle_tree, args=(trig,), name=f"hpcring-watchdog-tree:{self.rank}",
+                             daemon=True).start()
 
     def _forward(self, root: int, v: int, addrs: list, trig: dict) -> None:
         """Pass the trigger on in the background (once): this rank's own snapshot need not wait
-        for its subtree (a frozen child costs that branch 2 s)."""
+        for its subtree (a frozen child costs that branch 2 s). Its children are known after."""
         with self._lock:
             if self._forwarded:
                 return
             self._forwarded = True
-        self._forwarder = threading.Thread(target=fanout.forward, args=(root, self.size, v, addrs, trig, self._secret),
-                                           name=f"hpcring-watchdog-forward:{self.rank}", daemon=True)
+
+        def run() -> None:
+            delivered: list = []
+            try:
+                fanout.forward(root, self.size, v, addrs, trig, self._secret, delivered=delivered)
+            finally:
+                self._tree.set_kids(delivered)
+        self._forwarder = threading.Thread(target=run, name=f"hpcring-watchdog-forward:{self.rank}", daemon=True)
         self._forwarder.start()
+
+    def _down(self, body: bytes) -> None:
+        """Send a later round (report, exit) to our children in the tree, in the background; the
+        forwarding of the trigger must be over (bounded wait) to know them."""
+        def run() -> None:
+            if self._forwarder is not None:
+                self._forwarder.join(fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 2))
+            fanout.send_all(self._tree.kid_addresses(), body, self._secret)
+        t = threading.Thread(target=run, name=f"hpcring-watchdog-down:{self.rank}", daemon=True)
+        t.start()
+        return t
+
+    def _send_up(self, snaps: dict) -> None:
+        """Our subtree's snapshots to our parent; to the store when the parent cannot be reached."""
+        t = self._tree
+        body = fanout.pack(t.envelope("gather", snaps=snaps))
+        if t.up:
+            try:
+                fanout.send(t.up, body, self._secret)
+                return
+            except (OSError, ConnectionError, ValueError) as e:
+                log.info("rank %d: watchdog parent %s unreachable (%s): snapshots through the store", self.rank, t.up, e)
+        try:
+            client = self._action_client()
+            client.multi_set({f"diag/snap/{r}": json.dumps(s).encode() for r, s in snaps.items()})
+            client.add("diag/nsnap", len(snaps))
+        except HpcringError as e:
+            self._lost = str(e)
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if self._handled:
+                return False
+            self._handled = True
+            return True
 
     def _start_handle(self, trig: dict) -> None:
         with self._lock:
@@ -315,37 +409,76 @@ class Watchdog:
             self._lost, client = str(e), None
         self._handle(trig, client)
 
+    def _end_for_scheduler(self, trig: dict) -> None:
+        # The scheduler stopped the peers (a requeue, a cancel, the time limit): no report, no
+        # scancel (that would cancel the requeued job), no failure record; it ends this rank too,
+        # once the ranks below it in the tree have heard (bounded: 2 s per unreachable child).
+        if self._forwarder is not None:
+            self._forwarder.join(fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 2))
+        print(f"hpcring: rank {self.rank} ({self.host}): {trig['ending']}: a peer left "
+              f"{_op_name(trig.get('op'))}because of it, not a collective failure; exiting",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(128 + 15)
+
+    def _handle_tree(self, trig: dict) -> None:
+        """A rank the trigger reached down the tree: snapshot up, report down (fallbacks: the store)."""
+        t = self._tree
+        mine = self._claim()             # False: this rank already went the store's way
+        self._via_tree = mine
+        if mine and trig.get("ending"):
+            self._end_for_scheduler(trig)
+        snap = folder = None
+        if mine:
+            snap = self.snapshot()
+            folder = self.dump(f"collective failure first seen on rank {trig.get('rank')}: {trig.get('error')}")
+        t.wait_gather(time.monotonic() + gather_budget(t.v, self.size, self.grace))
+        self._send_up(t.take_up(snap))
+        self.timings.setdefault("published", time.monotonic())
+        if not mine:
+            return
+        report = None
+        wire = t.wait_report(time.monotonic() + GRACE_STRETCH * self.grace + 5.0)
+        client = None
+        if wire is None:                 # the tree did not bring it: read it where the root left it
+            try:
+                client = self._action_client()
+                wire = json.loads(client.get(REPORT, timeout=10.0))
+            except (HpcringError, ValueError) as e:
+                self._lost = str(e)
+        if wire is not None:
+            report = _from_wire(wire, list(self.topology.hosts))
+        else:
+            report = self.diagnose(self.size, list(self.topology.hosts), {self.rank: snap}, trigger=trig,
+                                   interface=self.topology.interface, side_channel=False)
+            report.files = folder
+            print(report.text() + f"\n  side channel: {self._lost}", file=sys.stderr, flush=True)
+        self._finish(report, client)
+
     def _handle(self, trig: dict, client) -> None:
-        with self._lock:
-            if self._handled:
-                return
-            self._handled = True
+        """The root (``client``: its store connection), or a rank the tree did not reach (the
+        store's path: snapshot through the store, the report read from it), or one cut off."""
+        if not self._claim():
+            return
         if trig.get("ending"):
-            # The scheduler stopped the peers (a requeue, a cancel, the time limit): no report, no
-            # scancel (that would cancel the requeued job), no failure record; it ends this rank too,
-            # once the ranks below it in the tree have heard (bounded: 2 s per unreachable child).
-            if self._forwarder is not None:
-                self._forwarder.join(fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 2))
-            print(f"hpcring: rank {self.rank} ({self.host}): {trig['ending']}: a peer left "
-                  f"{_op_name(trig.get('op'))}because of it, not a collective failure; exiting",
-                  file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(128 + 15)
+            self._end_for_scheduler(trig)
         snap = self.snapshot()
         folder = self.dump(f"collective failure first seen on rank {trig.get('rank')}: {trig.get('error')}")
         report = None
         if client is not None:
             try:
-                client.set(f"diag/snap/{self.rank}", json.dumps(snap).encode())
-                client.add("diag/nsnap", 1)
-                self.timings.setdefault("published", time.monotonic())
-                if client.add("diag/reporter", 1) == 1:
-                    client.set("diag/reporter-rank", str(self.rank).encode())
-                    report = self._collect(client, trig, folder)
+                if self._tree.is_root:
+                    report = self._collect(client, trig, folder, snap)
+                    self.timings.setdefault("published", time.monotonic())
                     _publish(report, folder)
-                    client.set(REPORT, json.dumps(_to_wire(report)).encode())
+                    wire = _to_wire(report)
+                    client.set(REPORT, json.dumps(wire).encode())
+                    self._down(fanout.pack(self._tree.envelope("report", report=wire)))
                     print(report.text(), file=sys.stderr, flush=True)
                 else:
+                    client.set(f"diag/snap/{self.rank}", json.dumps(snap).encode())
+                    client.add("diag/nsnap", 1)
+                    self.timings.setdefault("published", time.monotonic())
                     report = _from_wire(json.loads(client.get(REPORT, timeout=GRACE_STRETCH * self.grace + 15.0)),
                                         list(self.topology.hosts))
             except HpcringError as e:
@@ -357,27 +490,36 @@ class Watchdog:
             print(report.text() + f"\n  side channel: {self._lost}", file=sys.stderr, flush=True)
         self._finish(report, client)
 
-    def _collect(self, client, trig: dict, folder: str | None) -> Report:
+    def _collect(self, client, trig: dict, folder: str | None, own: dict) -> Report:
         # Up to the grace; past it only while snapshots still arrive (ranks alive but slow: a large
         # job, a loaded node), up to GRACE_STRETCH x grace: a dead or frozen rank adds nothing, so
-        # it is still named about a second after the grace. One rank polls; the others are parked.
+        # it is still named about a second after the grace. Snapshots come up the tree (whole
+        # subtrees at a time) or, from ranks off the tree, through the store (counted there).
         start = time.monotonic()
         soft, hard, seen = start + self.grace, start + GRACE_STRETCH * self.grace, -1
+        next_poll = start
+        stored = 0
         while True:
-            got = client.add("diag/nsnap", 0) + client.add("diag/nexit", 0)
             now = time.monotonic()
+            if now >= next_poll:         # the store's counters: 10 reads a second, one rank
+                stored = client.add("diag/nsnap", 0) + client.add("diag/nexit", 0)
+                next_poll = now + 0.1
+            got = 1 + self._tree.count() + stored
             if got >= self.size or now >= hard:
                 break
             if got > seen:
                 seen, soft = got, max(soft, min(hard, now + 1.0))
             elif now >= soft:
                 break
-            time.sleep(0.05)
-        # Two batched reads (each a key range of a few bytes), not one round trip per rank.
-        snap_values = client.multi_check([f"diag/snap/{r}" for r in range(self.size)])
-        exit_values = client.multi_check([f"diag/exit/{r}" for r in range(self.size)])
-        snaps = {r: json.loads(v) for r, v in enumerate(snap_values) if v is not None}
-        exits = {r: json.loads(v) for r, v in enumerate(exit_values) if v is not None and r not in snaps}
+            with self._tree.cond:
+                self._tree.cond.wait(0.05)
+        snaps = {**self._tree.take_up(None), self.rank: own}
+        # The rest from the store, in two batched reads of the missing ranks' keys.
+        missing = [r for r in range(self.size) if r not in snaps]
+        snap_values = client.multi_check([f"diag/snap/{r}" for r in missing]) if missing else []
+        exit_values = client.multi_check([f"diag/exit/{r}" for r in missing]) if missing else []
+        snaps.update({r: json.loads(v) for r, v in zip(missing, snap_values) if v is not None})
+        exits = {r: json.loads(v) for r, v in zip(missing, exit_values) if v is not None and r not in snaps}
         report = self.diagnose(self.size, list(self.topology.hosts), snaps, exits, trig,
                           interface=self.topology.interface)
         report.files = folder
@@ -396,13 +538,31 @@ class Watchdog:
         self._done.set()
         if not self.abort:
             return
-        reporter = False
-        if client is not None and self._lost is None:
-            # Every rank leaves together, once all that answered have their report and status written:
-            # the first exit ends the job (srun --kill-on-bad-exit, the local supervisor), and rank 0
-            # serves the store the others read from. Bounded: a frozen rank never acknowledges. The
-            # last to acknowledge sets diag/acked; the others wait for it parked (no polling: 4096
-            # ranks polling two counters every 50 ms would be 160 000 requests a second).
+        reporter = self._tree.is_root
+        t = self._tree
+        if t.placed and self._lost is None and (t.is_root or self._via_tree):
+            # Every rank leaves together, once all that answered have their report and status
+            # written: the first exit ends the job (srun --kill-on-bad-exit, the local supervisor),
+            # and rank 0 serves the store the fallback ranks read from. Up the tree: our subtree's
+            # acknowledgements (bounded: a frozen rank never acknowledges), then down: the root's exit.
+            below = t.wait_acks(time.monotonic() + ACK_TIMEOUT)
+            if t.is_root:
+                if client is not None:
+                    try:          # the store's fallback ranks, acknowledged through the store
+                        client.get("diag/acked", timeout=1.0) if client.add("diag/nsnap", 0) else None
+                    except HpcringError:
+                        pass
+                self._down(fanout.pack(t.envelope("exit"))).join(fanout.STEP_TIMEOUT + 2.0)
+            else:
+                try:
+                    fanout.send(t.up, fanout.pack(t.envelope("ack", count=below + 1)), self._secret)
+                except (OSError, ConnectionError, ValueError, TypeError):
+                    pass
+                t.exit.wait(ACK_TIMEOUT + fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 1))
+                self._down(fanout.pack(t.envelope("exit"))).join(fanout.STEP_TIMEOUT + 2.0)
+        elif client is not None and self._lost is None:
+            # The store's path: the last to acknowledge sets diag/acked; the others wait for it
+            # parked (no polling: thousands of ranks polling counters would flood the store).
             try:
                 reporter = client.check("diag/reporter-rank") == str(self.rank).encode()
                 if client.add("diag/nack", 1) >= client.add("diag/nsnap", 0):
@@ -417,7 +577,7 @@ class Watchdog:
             time.sleep(self.grace + 5.0)
         sys.stdout.flush()
         sys.stderr.flush()
-        if reporter or client is None or self._lost is not None:
+        if reporter or client is None and not t.placed or self._lost is not None:
             teardown.end_job(self.rank, report.headline)   # frozen ranks included; the report is on disk
         os._exit(EXIT_CODE)
 

@@ -1,0 +1,168 @@
+"""One rank's place in a failure's tree, and what comes back up and down it after the trigger.
+
+The trigger goes down the binomial tree of :mod:`hpcring.diagnostics.fanout`; this module is the
+state of the rounds that follow on the same tree, so that rank 0's store serves one connection
+per failure instead of one per rank (at 4096 ranks the per-rank store connections and snapshots
+were most of the time from a frozen rank to its report):
+
+* ``gather`` (up): each rank waits, at most :func:`gather_budget`, for its children's subtrees,
+  then sends its own snapshot merged with theirs to its parent (``up``: the address the trigger
+  came from). A child's subtree that arrives after that is passed up on its own.
+* ``report`` (down): the root's report, in its wire form; each rank passes it to its children
+  before acting on it.
+* ``ack`` (up) and ``exit`` (down), abort mode only: a rank leaves once every rank that answered
+  has printed its line (the first exit ends the job).
+
+A rank the tree cannot reach, or whose parent cannot be reached, falls back on the store (the
+watchdog's older path); the root reads whatever is still missing from the store in one batched
+read, so the two paths mix. Every wait here has a deadline.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from hpcring.diagnostics import fanout
+
+
+def gather_budget(v: int, n: int, grace: float) -> float:
+    """How long relative rank ``v`` waits for its children's snapshots before sending what it has:
+    a share of the grace proportional to the height of its subtree, so that a parent's wait
+    covers its children's and the root (which waits the whole grace) hears from its largest
+    subtree before its own grace ends. Leaves: 0."""
+    height = fanout.lowbit(v, n).bit_length() - 1 if v else fanout.depth(n) + 1
+    return grace * min(height, fanout.depth(n) + 1) / (fanout.depth(n) + 2)
+
+
+class TreeRounds:
+    """This rank's place in the tree of one failure (set once, by the trigger) and what its
+    children sent back. Thread-safe: the listener thread delivers, the watchdog's threads wait."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.cond = threading.Condition()
+        self.root: int | None = None
+        self.v: int | None = None              # this rank's index relative to the root
+        self.up: str | None = None             # the parent's listener (None at the root)
+        self.kids: list[tuple[int, str]] = []  # (relative index, address) the trigger was delivered to
+        self.forwarded = False                 # the trigger's forwarding is over (kids is complete)
+        self.snaps: dict[int, dict] = {}       # rank -> snapshot, from the subtrees below
+        self.gathered: set[int] = set()        # relative indices of the kids whose subtree came up
+        self.sent_up = False
+        self.report: dict | None = None        # the root's report, wire form
+        self.acks: dict[int, int] = {}         # kid -> ranks of its subtree that acknowledged
+        self.exit = threading.Event()
+
+    # -- the trigger ------------------------------------------------------------------------
+    def place(self, root: int, v: int, up: str | None) -> bool:
+        """Take this rank's place (the first trigger only); False when it already has one."""
+        with self.cond:
+            if self.v is not None:
+                return False
+            self.root, self.v, self.up = root, v, up
+            return True
+
+    @property
+    def placed(self) -> bool:
+        return self.v is not None
+
+    @property
+    def is_root(self) -> bool:
+        return self.v == 0
+
+    def set_kids(self, delivered: list[tuple[int, str]]) -> None:
+        """The trigger's forwarding is over: ``delivered`` are this rank's children."""
+        with self.cond:
+            self.kids, self.forwarded = list(delivered), True
+            self.cond.notify_all()
+
+    def _mine(self, msg: dict) -> int | None:
+        """The sender's relative index when ``msg`` belongs to this rank's tree, else None."""
+        try:
+            kid = int(msg["v"])
+            ok = int(msg["root"]) == self.root and int(msg["n"]) == self.size
+        except (KeyError, TypeError, ValueError):
+            return None
+        return kid if ok and self.v is not None and kid in fanout.subtree(self.v, self.size) else None
+
+    # -- gather (up) ------------------------------------------------------------------------
+    def on_gather(self, msg: dict) -> dict | None:
+        """A subtree's snapshots arrived. Returns them when this rank already sent its own up (the
+        caller passes them on alone), else None (they go up with this rank's)."""
+        kid = self._mine(msg)
+        snaps = msg.get("snaps")
+        if kid is None or not isinstance(snaps, dict):
+            return None
+        with self.cond:
+            self.gathered.add(kid)
+            late = self.sent_up and not self.is_root
+            if not late:
+                for r, s in snaps.items():
+                    self.snaps.setdefault(int(r), s)
+            self.cond.notify_all()
+        return snaps if late else None
+
+    def wait_gather(self, deadline: float) -> None:
+        """Until every child's subtree came up (after the forwarding ended) or ``deadline``."""
+        with self.cond:
+            while not (self.forwarded and all(k in self.gathered for k, _ in self.kids)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.cond.wait(min(left, 0.5))
+
+    def take_up(self, own: dict | None) -> dict[int, dict]:
+        """What this rank sends up: its own snapshot (None: it went to the store) and its
+        subtree's so far; later arrivals are passed up alone (:meth:`on_gather`)."""
+        with self.cond:
+            self.sent_up = True
+            out = dict(self.snaps)
+        if own is not None:
+            out[self.rank] = own
+        return out
+
+    def count(self) -> int:
+        with self.cond:
+            return len(self.snaps)
+
+    # -- report (down) ----------------------------------------------------------------------
+    def on_report(self, msg: dict) -> bool:
+        """The report came down; True the first time (the caller passes it on and acts on it)."""
+        if not isinstance(msg.get("report"), dict) or msg.get("root") != self.root:
+            return False
+        with self.cond:
+            if self.report is not None:
+                return False
+            self.report = msg["report"]
+            self.cond.notify_all()
+            return True
+
+    def wait_report(self, deadline: float) -> dict | None:
+        with self.cond:
+            while self.report is None and time.monotonic() < deadline:
+                self.cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+            return self.report
+
+    # -- ack (up), exit (down) ---------------------------------------------------------------
+    def on_ack(self, msg: dict) -> None:
+        kid = self._mine(msg)
+        if kid is None:
+            return
+        with self.cond:
+            self.acks[kid] = int(msg.get("count", 1))
+            self.cond.notify_all()
+
+    def wait_acks(self, deadline: float) -> int:
+        """Ranks below this one that acknowledged, once every child has (or at ``deadline``)."""
+        with self.cond:
+            while not (self.forwarded and all(k in self.acks for k, _ in self.kids)) and time.monotonic() < deadline:
+                self.cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+            return sum(self.acks.values())
+
+    def kid_addresses(self) -> list[str]:
+        with self.cond:
+            return [a for _, a in self.kids]
+
+    def envelope(self, kind: str, **body) -> dict:
+        """A message of this tree from this rank."""
+        return {"kind": kind, "root": self.root, "n": self.size, "v": self.v, **body}
