@@ -181,6 +181,26 @@ def test_wrong_secret_is_refused_and_logged(server, caplog):
     assert any("127.0.0.1:" in r.getMessage() and "dropped peer" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("value, held", [("0.3", 0.3), ("2.5", 2.5), (None, st.HANDSHAKE_TIMEOUT)])
+def test_a_silent_connector_is_dropped_after_the_handshake_timeout(monkeypatch, value, held):
+    # HPCRING_HANDSHAKE_TIMEOUT: starved ranks (benchmarks/scale_sim.py) need longer than 10 s
+    if value is None:
+        monkeypatch.delenv("HPCRING_HANDSHAKE_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("HPCRING_HANDSHAKE_TIMEOUT", value)
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+        assert srv.handshake_timeout == held
+        if held > 3:
+            return                                   # the default itself: not worth 10 s here
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            start = time.monotonic()
+            s.recv(4096)                             # the hello; then we say nothing
+            assert s.recv(4096) == b""               # dropped ...
+            took = time.monotonic() - start
+        assert held - 0.05 <= took < held + 1.5      # ... at the timeout, not before
+        assert srv.stats["rejected_handshake"] == 1
+
+
 def test_forged_frame_with_bad_mac_is_dropped_before_parsing(server):
     s, key = raw_session(server)
     body = st.encode_request(st.OP_SET, "forged", b"evil")

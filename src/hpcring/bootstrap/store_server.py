@@ -139,7 +139,7 @@ class _Conn:
                  "hello_deadline", "pending", "wait_deadline", "closed", "want_write", "frame_deadline",
                  "hello")
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
         self.sock = sock
         self.peer = peer
         self.ready = False
@@ -149,7 +149,7 @@ class _Conn:
         self.key = b""
         self.recv_seq = 0
         self.send_seq = 0
-        self.hello_deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        self.hello_deadline = time.monotonic() + handshake_timeout
         self.pending: _Group | None = None   # the wait group of a parked GET/MGET
         self.wait_deadline = 0.0
         self.closed = False
@@ -182,7 +182,8 @@ class StoreServer:
     def __init__(self, host: str = "0.0.0.0", port: int = 0, *, secret: bytes,
                  max_frame: int = DEFAULT_MAX_FRAME, backlog: int = 1024,
                  max_connections: int | None = None, frame_timeout: float = FRAME_TIMEOUT,
-                 clients: int | None = None, ranks: int | None = None) -> None:
+                 clients: int | None = None, ranks: int | None = None,
+                 handshake_timeout: float | None = None) -> None:
         if not secret:
             raise BootstrapError("StoreServer needs a non-empty per-job secret")
         if clients:
@@ -192,6 +193,10 @@ class StoreServer:
         self.max_frame = max_frame
         self.max_connections = max(8, max_connections or _fd_limit() - FD_RESERVE)
         self.frame_timeout = frame_timeout
+        if handshake_timeout is None:          # HPCRING_HANDSHAKE_TIMEOUT, else store_wire's 10 s
+            from hpcring.config import envvars
+            handshake_timeout = envvars.get("HPCRING_HANDSHAKE_TIMEOUT", default=HANDSHAKE_TIMEOUT)
+        self.handshake_timeout = float(handshake_timeout)
         self._conns: dict[_Conn, None] = {}       # open connections, oldest first
         self._accept_paused_until: float | None = None
         self._accept_backoff = ACCEPT_BACKOFF[0]
@@ -314,7 +319,7 @@ class StoreServer:
             if conn.closed:
                 continue
             if not conn.ready and conn.hello_deadline == deadline:
-                self._drop(conn, "no handshake within %.0fs" % HANDSHAKE_TIMEOUT, counter="rejected_handshake")
+                self._drop(conn, "no handshake within %gs" % self.handshake_timeout, counter="rejected_handshake")
             elif conn.frame_deadline == deadline:
                 self._drop(conn, f"a frame was not completed within {self.frame_timeout:g}s "
                                  f"({len(conn.inbuf)} bytes of it received; slow or stalled peer)",
@@ -364,7 +369,7 @@ class StoreServer:
             self._accept_backoff = ACCEPT_BACKOFF[0]
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            conn = _Conn(sock, f"{addr[0]}:{addr[1]}", self.handshake_timeout)
             self.stats["connections"] += 1
             self._conns[conn] = None
             if len(self._conns) > self.stats["peak_connections"]:

@@ -10,7 +10,12 @@ import struct
 from hpcring.bootstrap import auth
 
 _U32x2 = struct.Struct(">II")   # (rank, connection index): the handshake's extra field
-HANDSHAKE_TIMEOUT = 10.0
+
+
+def handshake_timeout() -> float:
+    """HPCRING_HANDSHAKE_TIMEOUT: how long a peer may take to authenticate a connection (10 s)."""
+    from hpcring.config import envvars
+    return float(envvars.get("HPCRING_HANDSHAKE_TIMEOUT"))
 
 
 def authenticate_connector(sock: socket.socket, secret: bytes, ctx: bytes, rank: int, conn: int) -> None:

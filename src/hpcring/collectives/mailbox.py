@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from hpcring.collectives.handshake import authenticate_connector, authenticate_listener
+from hpcring.collectives.handshake import authenticate_connector, authenticate_listener, handshake_timeout
 from hpcring.collectives.p2p import KEEPER, RECV, SEND, Request, size_text
 
 log = logging.getLogger("hpcring.collectives.mailbox")
@@ -221,7 +221,7 @@ class Mailbox:
         ctx = f"{self.base}/{self.rank}".encode()
         try:
             s.setblocking(True)
-            s.settimeout(10.0)
+            s.settimeout(handshake_timeout())
             r, _ = self._auth_listener(s, self.secret, ctx, self.size, 1)
             if r == self.rank:
                 raise ConnectionError("a connection from this very rank")

@@ -47,7 +47,7 @@ import threading
 import time
 
 from hpcring.bootstrap import auth
-from hpcring.collectives.handshake import HANDSHAKE_TIMEOUT, authenticate_connector, authenticate_listener
+from hpcring.collectives.handshake import authenticate_connector, authenticate_listener, handshake_timeout
 from hpcring.collectives.backends import FLOAT_DTYPES, Backend
 from hpcring.collectives.dtypes import DTYPE_CODES, OP_CODES   # checked against the C enums at import
 from hpcring.bootstrap.store_wire import StoreTimeoutError
@@ -259,7 +259,7 @@ class _Links:
     def _handshake(self, s: socket.socket, addr) -> None:
         try:
             s.setblocking(True)
-            s.settimeout(HANDSHAKE_TIMEOUT)
+            s.settimeout(handshake_timeout())
             peer, k = authenticate_listener(s, self.secret, f"{self.base}/{self.rank}".encode(), self.size,
                                      self.streams)
             if peer <= self.rank:              # the higher rank of a pair connects
@@ -328,7 +328,7 @@ class _Links:
                 s = RingBackend._connect(host, port, deadline, q, self.hosts[q])
                 socks.append(s)
                 try:
-                    s.settimeout(max(0.1, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+                    s.settimeout(max(0.1, min(handshake_timeout(), deadline - time.monotonic())))
                     authenticate_connector(s, self.secret, f"{self.base}/{q}".encode(), self.rank, k)
                 except socket.timeout:          # accepted by its kernel, never answered: stalled
                     raise _Missing([q]) from None

@@ -30,8 +30,10 @@ def gather_budget(v: int, n: int, grace: float) -> float:
     a share of the grace proportional to the height of its subtree, so that a parent's wait
     covers its children's and the root (which waits the whole grace) hears from its largest
     subtree before its own grace ends. Leaves: 0."""
-    height = fanout.lowbit(v, n).bit_length() - 1 if v else fanout.depth(n) + 1
-    return grace * min(height, fanout.depth(n) + 1) / (fanout.depth(n) + 2)
+    # levels below v, bounded by bit_length(subtree size - 1): a child's is always less than its parent's
+    top = (n - 1).bit_length()
+    height = (len(fanout.subtree(v, n)) - 1).bit_length() if v else top + 1
+    return grace * height / (top + 2)
 
 
 class TreeRounds:

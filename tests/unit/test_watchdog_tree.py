@@ -1,0 +1,191 @@
+"""The rounds after the trigger on the watchdog's tree (hpcring.diagnostics.tree_rounds): snapshots
+up, the report down, acknowledgements up and the exit down, with the store as the fallback of a
+rank the tree loses; the wait budgets per level; compressed bodies with a bound on inflation."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import types
+import zlib
+
+import pytest
+
+from hpcring.bootstrap.store_server import StoreServer
+from hpcring.collectives.recorder import FlightRecorder
+from hpcring.diagnostics import fanout, watchdog as wdmod
+from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
+from hpcring.diagnostics.watchdog import Watchdog
+from hpcring.errors import CollectiveError
+
+SECRET = b"t" * 32
+
+
+class _Comm:
+    def __init__(self, rank: int, size: int, stuck: bool) -> None:
+        self.recorder = FlightRecorder(rank, size, "ring", capacity=16)
+        self.backend = types.SimpleNamespace(error=None)
+        rec = self.recorder.queue("allreduce", "float32", 4, None, 5.0, site="train.py:10 in step")
+        FlightRecorder.start(rec)
+        FlightRecorder.finish(rec)
+        self.stuck = None
+        if stuck:
+            self.stuck = self.recorder.queue("allreduce", "float32", 4, None, 5.0, site="train.py:10 in step")
+            FlightRecorder.start(self.stuck)
+
+
+class _Job:
+    """``n`` watchdogs in this process around a real store; rank ``frozen`` sits in load_batch."""
+
+    def __init__(self, srv, n: int, frozen: int, abort: bool = False, grace: float = 3.0) -> None:
+        self.srv, self.n = srv, n
+        self.hosts = tuple(f"node{r // 4 + 1}" for r in range(n))
+        self.dogs, self.comms = [], []
+        for r in range(n):
+            topo = types.SimpleNamespace(rank=r, size=n, host=self.hosts[r], hosts=self.hosts, interface="lo",
+                                         address="127.0.0.1")
+            d = Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=grace, abort=abort)
+            d.where = (lambda r=r: "in load_batch at train.py:5" if r == frozen else "in allreduce at train.py:10")
+            d.dump = lambda reason: None
+            c = _Comm(r, n, stuck=r != frozen)
+            d.register(c)
+            self.dogs.append(d.start())
+            self.comms.append(c)
+
+    def fail(self, rank: int) -> threading.Thread:
+        c = self.comms[rank]
+        t = threading.Thread(target=self.dogs[rank].on_failure,
+                             args=(c, c.stuck, CollectiveError("allreduce#2: recv from rank 1 timed out")), daemon=True)
+        t.start()
+        return t
+
+    def wait(self, timeout: float = 30.0) -> list:
+        end = time.monotonic() + timeout
+        for d in self.dogs:
+            d._done.wait(max(0.0, end - time.monotonic()))
+        return [d.report for d in self.dogs]
+
+    def close(self) -> None:
+        for d in self.dogs:
+            d._closing = True
+            d._listener._closing = True
+        for d in self.dogs:
+            d.close()
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCRING_JOB_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCRING_JOB_ID", "9")
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:
+        yield srv
+
+
+def test_budgets_shrink_down_the_tree_and_fit_in_the_roots_grace():
+    for n in (2, 3, 17, 64, 1000, 4096):
+        for v in range(1, n):
+            b = gather_budget(v, n, 5.0)
+            assert 0 <= b < 5.0
+            for c in fanout.children(v, n):
+                assert gather_budget(c, n, 5.0) < b, (n, v, c)      # a parent outwaits each child
+            if not fanout.children(v, n):
+                assert b == 0.0                                     # a leaf answers at once
+
+
+def test_snapshots_come_up_and_the_report_goes_down_without_the_store(store):
+    job = _Job(store, 24, frozen=23)
+    try:
+        before = store.stats["connections"]
+        job.fail(5).join(30)
+        reports = job.wait()
+        assert all(r is not None for r in reports)
+        assert {r.headline for r in reports} == {"allreduce#2: rank 23 (node6) never joined"}
+        assert sorted(reports[5].where) == list(range(24))                  # every snapshot reached the root
+        assert reports[0].text() == reports[5].text()                       # the same report, sent down
+        assert store.stats["connections"] - before == 1                     # the trigger's, and nothing else
+        assert all("heard" in d.timings and "published" in d.timings for d in job.dogs if d.rank != 5)
+    finally:
+        job.close()
+
+
+def test_a_rank_whose_parent_is_gone_sends_its_subtree_through_the_store(store):
+    # root 0: rank 8's parent is 0, rank 12's parent is 8. Rank 8's listener goes away after it
+    # forwarded the trigger (it died mid-failure): 12 (and 13-15 under it) still reach the report.
+    n = 16
+    job = _Job(store, n, frozen=15, grace=2.0)
+    try:
+        real = job.dogs[8]._on_message
+
+        def dying(msg):
+            real(msg)
+            if msg.get("kind") == "trigger":
+                time.sleep(0.2)        # forwarded (its own handling has started); then it is gone
+                job.dogs[8]._listener._sock.close()
+        job.dogs[8]._listener._on_message = dying
+        job.fail(0).join(30)
+        reports = job.wait()
+        rep = reports[0]
+        for r in (12, 13, 14, 15):
+            assert r in rep.where, (r, rep.categories)      # through the store, not named unreachable
+        assert "rank 15 (node4) never joined" in rep.headline
+        assert all(reports[r] is not None for r in range(n))
+    finally:
+        job.close()
+
+
+def test_a_subtree_that_comes_up_late_is_passed_on_alone():
+    t = TreeRounds(rank=4, size=8)
+    assert t.place(0, 4, "127.0.0.1:1")
+    t.set_kids([(6, "a"), (5, "b")])
+    assert t.on_gather({"root": 0, "n": 8, "v": 6, "snaps": {"6": {"rank": 6}, "7": {"rank": 7}}}) is None
+    t.wait_gather(time.monotonic() + 0.05)                  # 5 never answers: the budget ends the wait
+    up = t.take_up({"rank": 4})
+    assert sorted(up) == [4, 6, 7]
+    late = t.on_gather({"root": 0, "n": 8, "v": 5, "snaps": {"5": {"rank": 5}}})
+    assert late == {"5": {"rank": 5}}                       # after ours went up: forwarded on its own
+    # not this rank's tree: another root, another size, a rank outside our subtree
+    for bad in ({"root": 1, "n": 8, "v": 5}, {"root": 0, "n": 9, "v": 5}, {"root": 0, "n": 8, "v": 2},
+                {"root": 0, "n": 8, "v": "x"}, {"n": 8, "v": 5}):
+        assert t.on_gather({**bad, "snaps": {"5": {}}}) is None
+    assert not t.place(3, 1, None)                         # a second trigger does not move us
+
+
+def test_abort_mode_every_rank_prints_before_any_rank_exits(store, monkeypatch):
+    # os._exit parks the calling thread here instead of ending the process; no scheduler to end
+    exits, lines, release = {}, {}, threading.Event()
+
+    def fake_exit(code):
+        exits[threading.current_thread().name] = time.monotonic()
+        release.wait(60)             # parked like an ended process, returns at the test's end
+
+    monkeypatch.setattr(wdmod.os, "_exit", fake_exit)
+    monkeypatch.setattr(wdmod.teardown, "end_job", lambda *a, **k: None)
+    hook = lambda headline: lines.setdefault(threading.current_thread().name, time.monotonic())  # noqa: E731
+    wdmod.add_exit_hook(hook)
+    job = _Job(store, 12, frozen=11, abort=True, grace=1.5)
+    try:
+        job.fail(3)                  # (its thread then sleeps for the os._exit that ends a real process)
+        end = time.monotonic() + 30
+        while len(exits) < 12 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(lines) == 12 and len(exits) == 12, (sorted(lines), sorted(exits))
+        assert min(exits.values()) >= max(lines.values())   # nobody left before everybody had printed
+    finally:
+        release.set()
+        wdmod._EXIT_HOOKS.remove(hook)
+        job.close()
+
+
+def test_compressed_bodies_are_inflated_only_within_the_bound(monkeypatch):
+    snaps = {str(r): {"rank": r, "where": "in allreduce at train.py:10", "records": [{"seq": 1}] * 8}
+             for r in range(4096)}
+    body = fanout.pack({"kind": "gather", "snaps": snaps})
+    assert body[:1] == b"x" and len(body) < len(json.dumps(snaps)) / 10      # snapshots differ little
+    assert fanout.unpack(body)["snaps"]["4095"]["rank"] == 4095
+    assert fanout.pack({"kind": "exit"})[:1] == b"{"                       # small ones stay plain
+    monkeypatch.setattr(fanout, "MAX_INFLATED", 1 << 16)
+    with pytest.raises(ValueError, match="inflates past"):
+        fanout.unpack(zlib.compress(b"{" + b" " * (1 << 20) + b"}"))         # a bomb stops at the bound
+    for junk in (b"x\x00garbage", b"[1, 2]", b"\xff\xfe"):
+        with pytest.raises(ValueError):
+            fanout.unpack(junk)
