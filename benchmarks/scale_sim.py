@@ -12,11 +12,14 @@ ring's descriptors would not fit a process's RLIMIT_NOFILE), and every one of th
 4. a frozen rank: the last rank sits in ``load_batch`` instead of the next allreduce; the others
    time out at ``--deadline`` and the watchdog's report must name it.
 
-Two settings make threads a closer stand-in for one rank per core (both in the printed header):
+Three settings make threads a closer stand-in for one rank per core (all in the printed header):
 the store process runs at ``--store-nice`` (-20, as root: a real job's store has a core; here its
-one thread would get 1/(runnable threads) of the machine) and the workers set CPython's GIL
+one thread would get 1/(runnable threads) of the machine), the workers set CPython's GIL
 switch interval to ``--switch-interval`` (50 ms: every thread waiting for the GIL wakes once per
-interval, 800 000 wake-ups a second at 4096 rank threads with the 5 ms default).
+interval, 800 000 wake-ups a second at 4096 rank threads with the 5 ms default), and
+``--handshake-timeout`` (HPCRING_HANDSHAKE_TIMEOUT, 120 s: a rank thread can wait longer than
+the 10 s default for the CPU between accepting a connection and authenticating it; at 4096 ranks
+the store and the ring dropped such starved peers, which retried, which starved them more).
 
 Simulated hosts: ``--per-host`` consecutive ranks share a host name (``node1``, ``node2``, ...),
 which the ring uses for its layout and the report for its host names. Printed per N:
@@ -335,7 +338,8 @@ def _renice_store(parent: subprocess.Popen, nice: int, stop: threading.Event) ->
 def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 10.0, grace: float = 5.0,
             timeout: float = 600.0, iters_small: int = 20, iters_big: int = 3, big: int = 1 << 20,
             ring_fds: float | None = None, no_ring: bool = False,
-            log_dir: str | None = None, store_nice: int | None = None, switch_interval: float = 0.005) -> dict:
+            log_dir: str | None = None, store_nice: int | None = None, switch_interval: float = 0.005,
+            handshake_timeout: float | None = None) -> dict:
     """Run N ranks; returns the row (see the module doc) plus ``errors`` and the report text."""
     per_rank = ring_fds if ring_fds is not None else n + 3
     fit = max(1, int((_hard_fd_limit() - PROC_RESERVE) // (per_rank + 8)))
@@ -349,6 +353,8 @@ def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 
                HPCRING_JOB_DIR=tmp, HPCRING_RING_SHM="0", HPCRING_WATCHDOG="1",
                PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("HPCRING_SECRET_FILE", None)
+    if handshake_timeout is not None:
+        env["HPCRING_HANDSHAKE_TIMEOUT"] = f"{handshake_timeout:g}"
     procs = []
     stop_renice = threading.Event()
     t_spawn = time.time()
@@ -438,7 +444,8 @@ def _row(n, k, per_host, results, t_go, t_spawn, logs, deadline) -> dict:
     for v in ranks.values():
         for k, t in v.get("steps", {}).items():
             steps.setdefault(k, []).append(t)
-    row["report_steps"] = {k: [len(ts), round(sorted(ts)[len(ts) // 2] - min(freeze), 2), round(max(ts) - min(freeze), 2)]
+    row["report_steps"] = {k: [len(ts), round(min(ts) - min(freeze), 2), round(sorted(ts)[len(ts) // 2] - min(freeze), 2),
+                               round(max(ts) - min(freeze), 2)]
                            for k, ts in steps.items()} if freeze else {}
     cpu = {k: sorted(v[k] for v in ranks.values() if k in v) for k in ("cpu_init", "cpu_conn")}
     row["rank_cpu_ms"] = {k: [round(1e3 * sum(c) / len(c), 2), round(1e3 * c[-1], 1)] for k, c in cpu.items() if c}
@@ -501,6 +508,9 @@ def main(argv=None) -> int:
     ap.add_argument("--switch-interval", type=float, default=0.05,
                     help="sys.setswitchinterval in the workers, s (CPython's 5 ms default wakes every thread "
                          "waiting for the GIL 200 times a second: thousands of rank threads thrash)")
+    ap.add_argument("--handshake-timeout", type=float, default=120.0,
+                    help="HPCRING_HANDSHAKE_TIMEOUT for the ranks, s (10 s in a real job; thousands of rank "
+                         "threads on a few cores wait longer than that for the CPU mid-handshake)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", help="append each row as a JSON line to this file")
     ap.add_argument("--show-report", action="store_true", help="print rank 0's report text per N")
@@ -525,11 +535,13 @@ def main(argv=None) -> int:
         ap.error("--big must be a multiple of 4 bytes, 0..256 MiB")
     if not (0 < a.deadline <= 3600 and 0 < a.timeout <= 86400 and 0 < a.grace <= 600):
         ap.error("--deadline, --grace and --timeout must be positive (deadline <= 3600 s)")
+    if not 0.1 <= a.handshake_timeout <= 600:
+        ap.error("--handshake-timeout must be 0.1..600 s")
     print(f"# scale_sim: ranks as threads (<= {a.per_proc} per process), {a.per_host} per simulated host, "
           f"shared memory off, loopback TCP; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
           f"RLIMIT_NOFILE hard {_hard_fd_limit()}; store process at nice "
           f"{a.store_nice if os.geteuid() == 0 else 'unchanged (not root)'}; GIL switch interval "
-          f"{a.switch_interval * 1e3:g} ms", flush=True)
+          f"{a.switch_interval * 1e3:g} ms; handshake timeout {a.handshake_timeout:g} s", flush=True)
     seen, header, status = None, True, 0
     for n in sorted(sizes):
         need = predict_ring_fds(n, seen)
@@ -552,7 +564,8 @@ def main(argv=None) -> int:
         row = run_one(n, per_proc=a.per_proc, per_host=a.per_host, deadline=a.deadline, grace=a.grace,
                       timeout=a.timeout, iters_small=a.iters_small, iters_big=a.iters_big, big=a.big,
                       ring_fds=need if not a.no_ring else 0, no_ring=a.no_ring,
-                      store_nice=a.store_nice if os.geteuid() == 0 else None, switch_interval=a.switch_interval)
+                      store_nice=a.store_nice if os.geteuid() == 0 else None, switch_interval=a.switch_interval,
+                      handshake_timeout=a.handshake_timeout)
         print_row(row, a.markdown, header)
         header = False
         if a.json:
@@ -561,7 +574,7 @@ def main(argv=None) -> int:
         if a.show_report and row.get("report"):
             print(row["report"], flush=True)
         print(f"# N={n}: rank CPU ms (mean, max): {row.get('rank_cpu_ms')}; watchdog steps "
-              f"(ranks, median s, last s from the frozen collective's start): {row.get('report_steps')}", flush=True)
+              f"(ranks, first, median and last s from the frozen collective's start): {row.get('report_steps')}", flush=True)
         if row["n_errors"] or row["wrong"] or not row["frozen_named"]:
             status = 1
             print(f"# N={n}: {row['n_errors']} errors, {row['wrong']} wrong, frozen rank named: "

@@ -26,8 +26,8 @@ SECRET = b"f" * 32
 
 # ------------------------------------------------------------------------------------ the tree
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 64, 100, 1000, 4096, 5000])
-def test_every_rank_has_one_parent_and_depth_is_log2(n):
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 8, 9, 10, 13, 63, 64, 65, 73, 100, 512, 585, 1000, 4096, 5000])
+def test_every_rank_has_one_parent_and_the_depth_is_log8(n):
     parent = {0: None}
     hops = {0: 0}
     todo = [0]
@@ -38,11 +38,15 @@ def test_every_rank_has_one_parent_and_depth_is_log2(n):
         for c in kids:
             assert c not in parent, f"{c} reached twice"
             parent[c], hops[c] = v, hops[v] + 1
-            assert list(fanout.subtree(c, n)) == list(range(c, min(n, c + (c & -c))))
+            assert list(fanout.subtree(c, n)) == list(range(c, min(n, c + fanout.span(c, n))))
+            assert set(fanout.subtree(c, n)) < set(fanout.subtree(v, n))
             todo.append(c)
     assert sorted(parent) == list(range(n))
-    assert max(hops.values()) == fanout.depth(n) == math.floor(math.log2(n))
-    assert all(len(fanout.children(v, n)) <= (n - 1).bit_length() for v in range(n))   # sends per rank
+    # the most non-zero base-8 digits of an index below n, by brute force
+    digits = max(sum(1 for ch in (oct(x)[2:]) if ch != "0") for x in range(n))
+    assert max(hops.values()) == fanout.depth(n) == digits
+    assert fanout.depth(n) <= math.ceil(math.log(max(n, 2), 8))
+    assert all(len(fanout.children(v, n)) <= 7 * fanout.levels(n) for v in range(n))   # sends per rank
 
 
 # ----------------------------------------------------------------------- listeners over TCP
@@ -101,8 +105,8 @@ def test_the_trigger_reaches_every_rank_once_from_any_root():
 
 
 def test_dead_and_frozen_ranks_do_not_cut_off_their_subtrees():
-    # relative 16 (rank 16) is the root's largest child; 8 and 9 sit inside subtrees too
-    n, dead, frozen = 40, {16, 9}, {8}
+    # relative 32 and 8 are the root's children with subtrees (32-39, 8-15); 9 sits inside one
+    n, dead, frozen = 40, {32, 9}, {8}
     ranks = _Ranks(n, root=0, dead=dead, frozen=frozen)
     try:
         ranks.start()

@@ -109,8 +109,8 @@ def test_snapshots_come_up_and_the_report_goes_down_without_the_store(store):
 
 
 def test_a_rank_whose_parent_is_gone_sends_its_subtree_through_the_store(store):
-    # root 0: rank 8's parent is 0, rank 12's parent is 8. Rank 8's listener goes away after it
-    # forwarded the trigger (it died mid-failure): 12 (and 13-15 under it) still reach the report.
+    # root 0: rank 8's parent is 0, ranks 9-15 are its children. Rank 8's listener goes away after
+    # it forwarded the trigger (it died mid-failure): 9-15 still reach the report.
     n = 16
     job = _Job(store, n, frozen=15, grace=2.0)
     try:
@@ -125,7 +125,7 @@ def test_a_rank_whose_parent_is_gone_sends_its_subtree_through_the_store(store):
         job.fail(0).join(30)
         reports = job.wait()
         rep = reports[0]
-        for r in (12, 13, 14, 15):
+        for r in range(9, 16):
             assert r in rep.where, (r, rep.categories)      # through the store, not named unreachable
         assert "rank 15 (node4) never joined" in rep.headline
         assert all(reports[r] is not None for r in range(n))
@@ -134,19 +134,19 @@ def test_a_rank_whose_parent_is_gone_sends_its_subtree_through_the_store(store):
 
 
 def test_a_subtree_that_comes_up_late_is_passed_on_alone():
-    t = TreeRounds(rank=4, size=8)
-    assert t.place(0, 4, "127.0.0.1:1")
-    t.set_kids([(6, "a"), (5, "b")])
-    assert t.on_gather({"root": 0, "n": 8, "v": 6, "snaps": {"6": {"rank": 6}, "7": {"rank": 7}}}) is None
-    t.wait_gather(time.monotonic() + 0.05)                  # 5 never answers: the budget ends the wait
-    up = t.take_up({"rank": 4})
-    assert sorted(up) == [4, 6, 7]
-    late = t.on_gather({"root": 0, "n": 8, "v": 5, "snaps": {"5": {"rank": 5}}})
-    assert late == {"5": {"rank": 5}}                       # after ours went up: forwarded on its own
+    t = TreeRounds(rank=64, size=200)                      # subtree 64-127: children 72, 80, ... and 65-71
+    assert t.place(0, 64, "127.0.0.1:1")
+    t.set_kids([(72, "a"), (65, "b")])
+    assert t.on_gather({"root": 0, "n": 200, "v": 72, "snaps": {"72": {"rank": 72}, "73": {"rank": 73}}}) is None
+    t.wait_gather(time.monotonic() + 0.05)                  # 65 never answers: the budget ends the wait
+    up = t.take_up({"rank": 64})
+    assert sorted(up) == [64, 72, 73]
+    late = t.on_gather({"root": 0, "n": 200, "v": 65, "snaps": {"65": {"rank": 65}}})
+    assert late == {"65": {"rank": 65}}                     # after ours went up: forwarded on its own
     # not this rank's tree: another root, another size, a rank outside our subtree
-    for bad in ({"root": 1, "n": 8, "v": 5}, {"root": 0, "n": 9, "v": 5}, {"root": 0, "n": 8, "v": 2},
-                {"root": 0, "n": 8, "v": "x"}, {"n": 8, "v": 5}):
-        assert t.on_gather({**bad, "snaps": {"5": {}}}) is None
+    for bad in ({"root": 1, "n": 200, "v": 65}, {"root": 0, "n": 201, "v": 65}, {"root": 0, "n": 200, "v": 2},
+                {"root": 0, "n": 200, "v": 128}, {"root": 0, "n": 200, "v": "x"}, {"n": 200, "v": 65}):
+        assert t.on_gather({**bad, "snaps": {"65": {}}}) is None
     assert not t.place(3, 1, None)                         # a second trigger does not move us
 
 

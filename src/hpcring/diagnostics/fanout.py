@@ -1,10 +1,15 @@
-"""The watchdog's trigger fan-out: a binomial tree over the ranks, rooted at the rank that saw the
-failure first, so a trigger reaches n ranks in floor(log2 n) hops without any rank keeping a
-connection open for the whole job.
+"""The watchdog's trigger fan-out: a k-nomial tree (radix :data:`RADIX`) over the ranks, rooted at
+the rank that saw the failure first, so a trigger reaches n ranks in about log8 n hops (4 at 4096
+ranks, 6 at 64k) without any rank keeping a connection open for the whole job.
 
-Tree (indices relative to the root: ``v = (rank - root) % n``): the children of ``v`` are
-``v + 2**k`` for every ``2**k`` below ``v``'s lowest set bit (all powers below n for the root),
-largest first; the subtree of ``c`` is the contiguous block ``[c, c + lowbit(c))``. A message to
+Tree (indices relative to the root: ``v = (rank - root) % n``, written in base k = RADIX): the
+children of ``v`` are ``v + j * k**i`` for j = 1..k-1 and every ``k**i`` below ``span(v)``, the
+place of ``v``'s lowest non-zero digit (all powers below n for the root), largest first; the
+subtree of ``c`` is the contiguous block ``[c, c + span(c))``. A rank sends to its (k-1) log_k n
+children at most in parallel, one thread each, so a level costs one round trip, not k: radix 2
+(binomial) would be the optimum for one send at a time and takes 3x the levels. Each hop is a
+fresh authenticated connection, and on a loaded node a hop is what costs (the harness,
+docs/scale.md). A message to
 ``c`` carries the addresses of that block, so a forwarder needs nothing from the store, and a
 parent that cannot deliver to a child within :data:`STEP_TIMEOUT` (dead: refused; frozen: no
 greeting) delivers to the child's children itself: one stopped rank never cuts off its subtree.
@@ -29,8 +34,8 @@ import hashlib
 import hmac
 import json
 import logging
+import queue
 import secrets
-import select
 import socket
 import struct
 import threading
@@ -47,33 +52,55 @@ STEP_TIMEOUT = 2.0            # connect + greeting + acknowledgement of one chil
 MAX_BODY = 8 << 20            # a 4096-rank root's message is ~100 KiB of addresses
 MAX_INFLATED = 256 << 20      # a compressed body may not inflate past this (64k ranks' snapshots: ~64 MiB)
 COMPRESS_OVER = 16 << 10      # bodies above this travel compressed (snapshots differ little: ~10x)
+RETRY_STEPS = 3               # a later round's second try at a rank the first could not reach: 3 steps
+MAX_HANDLERS = 32             # connections a listener reads at once (a root has up to 7 log8 n children)
 _EXTRA = struct.Struct(">I32s")  # body length, SHA-256 of the body (covered by the handshake MAC)
 
 
 # ------------------------------------------------------------------------------------- the tree
 
-def lowbit(v: int, n: int) -> int:
-    """Size bound of ``v``'s subtree: its lowest set bit (n for the root)."""
-    return n if v == 0 else v & -v
+RADIX = 8
+
+
+def span(v: int, n: int) -> int:
+    """Size bound of ``v``'s subtree: RADIX to the number of ``v``'s trailing zero digits (n for
+    the root)."""
+    if v == 0:
+        return n
+    s = 1
+    while v % (s * RADIX) == 0:
+        s *= RADIX
+    return s
 
 
 def children(v: int, n: int) -> list[int]:
     """Children of relative index ``v`` in an ``n``-rank tree, the largest subtree first."""
-    out, step, top = [], 1, lowbit(v, n)
-    while step < top and v + step < n:
-        out.append(v + step)
-        step <<= 1
+    out, step, top = [], 1, span(v, n)
+    while step < top:
+        out += [v + j * step for j in range(1, RADIX) if v + j * step < n]
+        step *= RADIX
     return out[::-1]
 
 
 def subtree(v: int, n: int) -> range:
     """The relative indices under ``v`` (``v`` included)."""
-    return range(v, min(n, v + lowbit(v, n)))
+    return range(v, min(n, v + span(v, n)))
+
+
+def levels(size: int) -> int:
+    """Levels below the top of a subtree of ``size`` ranks, at most: the base-RADIX digits of
+    ``size - 1`` (a child's is always less than its parent's)."""
+    m, out = size - 1, 0
+    while m > 0:
+        m, out = m // RADIX, out + 1
+    return out
 
 
 def depth(n: int) -> int:
-    """Hops from the root to the farthest rank: the most bits set in an index below n."""
-    return max(0, n.bit_length() - 1)
+    """Hops from the root to the farthest rank: the most non-zero base-RADIX digits of an index
+    below n: L = digits of n - 1, or L - 1 when 11...1 (L ones) is not below n."""
+    top = levels(n)
+    return top if top and (RADIX ** top - 1) // (RADIX - 1) <= n - 1 else max(0, top - 1)
 
 
 # ------------------------------------------------------------------------------------ the wire
@@ -120,20 +147,27 @@ def send(address: str, body: bytes, secret: bytes, timeout: float = STEP_TIMEOUT
 
 
 class Listener:
-    """A rank's trigger listener: one thread accepting on ``bind`` (port 0: any), calling
-    ``on_message(dict)`` for every authenticated message, in that thread."""
+    """A rank's trigger listener: one thread accepting on ``bind`` (port 0: any) and handler
+    threads reading the connections (started as needed, at most :data:`MAX_HANDLERS`, then kept:
+    a parent hears its children's subtrees in parallel, a slow peer delays only its own message,
+    and a thread is not started per message, which under load costs a GIL round trip each),
+    calling ``on_message(dict)`` for every authenticated message, in a handler thread."""
 
     def __init__(self, bind: str, secret: bytes, on_message: Callable[[dict], None]) -> None:
         self._secret, self._on_message = secret, on_message
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.bind((bind, 0))
-            self._sock.listen(64)
+            self._sock.listen(128)
         except BaseException:
             self._sock.close()
             raise
         self.port = self._sock.getsockname()[1]
         self._closing = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()   # accepted connections, then None: stop
+        self._idle = 0                                         # handlers waiting on the queue
+        self._handlers: list[threading.Thread] = []
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="hpcring-watchdog-listen", daemon=True)
 
     def start(self) -> "Listener":
@@ -143,24 +177,49 @@ class Listener:
     def close(self) -> None:
         self._closing = True
         try:
+            self._sock.shutdown(socket.SHUT_RDWR)    # wakes the blocked accept() (Linux)
+        except OSError:
+            pass
+        try:
             self._sock.close()
         except OSError:
             pass
+        for _ in self._handlers:
+            self._queue.put(None)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(2.0)
 
     def _serve(self) -> None:
+        # Blocked in accept() until a connection or close(): no periodic wake-up, which thousands
+        # of idle ranks per node would pay for (4096 rank threads waking twice a second here).
         while not self._closing:
             try:
-                ready, _, _ = select.select([self._sock], [], [], 0.5)   # wakes to see close()
-                if not ready:
-                    continue
                 conn, _peer = self._sock.accept()
             except (OSError, ValueError):
                 return
+            with self._lock:
+                spawn = self._idle == 0 and len(self._handlers) < MAX_HANDLERS
+                if spawn:
+                    t = threading.Thread(target=self._handle, name="hpcring-watchdog-conn", daemon=True)
+                    self._handlers.append(t)
+            if spawn:
+                t.start()
+            self._queue.put(conn)      # at MAX_HANDLERS busy handlers, it waits for the first free
+
+    def _handle(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            conn = self._queue.get()
+            with self._lock:
+                self._idle -= 1
+            if conn is None or self._closing:
+                if conn is not None:
+                    conn.close()
+                return
             with conn:
                 msg = self._read(conn)
-            if msg is not None:
+            if msg is not None and not self._closing:
                 try:
                     self._on_message(msg)
                 except Exception:  # noqa: BLE001 - the listener outlives a bad handler call
@@ -201,18 +260,51 @@ def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
     of a child that cannot be reached. Appends ``(relative index, address)`` of every rank it
     delivered to (this rank's children in the tree as it stands) to ``delivered``. Returns (once
     every branch is done) the relative indices that could not be reached at all."""
-    lost: list[int] = []
     up = addrs[0] if addrs else None
+    return _spread(n, v, addrs, children(v, n), lambda c, block: message(root, n, c, block, trig, up),
+                   secret, step_timeout, delivered)
 
-    def branch(first: int) -> None:
-        todo = [first]
+
+def relay(n: int, v: int, addrs: list, kids: list[int], body: bytes, secret: bytes,
+          step_timeout: float = STEP_TIMEOUT) -> list[int]:
+    """A later round down the tree (the report, the exit): ``body`` to ``kids`` (relative
+    indices: ``v``'s children), covering the subtree of one that cannot be reached now (it died
+    or stalled since) as :func:`forward` does, then trying each rank it could not reach once more
+    with :data:`RETRY_STEPS` times the step timeout: it answered the trigger, so it is more
+    likely starved than gone, and otherwise waits for its own fallback (the store, seconds
+    later). Returns the relative indices not reached."""
+    lost = _spread(n, v, addrs, kids, lambda c, block: body, secret, step_timeout, None)
+    if not lost:
+        return lost
+    again: list[int] = []
+
+    def retry(c: int) -> None:
+        try:
+            send(addrs[c - v], body, secret, RETRY_STEPS * step_timeout)
+        except (OSError, ConnectionError, ValueError, TypeError, IndexError):
+            again.append(c)
+    threads = [threading.Thread(target=retry, args=(c,), name="hpcring-watchdog-retry", daemon=True)
+               for c in lost]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(RETRY_STEPS * step_timeout + 1.0)
+    return sorted(again)
+
+
+def _spread(n: int, v: int, addrs: list, first: list[int], body_for, secret: bytes, step_timeout: float,
+            delivered: list | None) -> list[int]:
+    lost: list[int] = []
+
+    def branch(start: int) -> None:
+        todo = [start]
         while todo:
             c = todo.pop(0)
             block = subtree(c, n)
-            addr = addrs[c - v] if c - v < len(addrs) else None
+            addr = addrs[c - v] if 0 <= c - v < len(addrs) else None
             if addr:
                 try:
-                    send(addr, message(root, n, c, addrs[c - v:c - v + len(block)], trig, up), secret, step_timeout)
+                    send(addr, body_for(c, addrs[c - v:c - v + len(block)]), secret, step_timeout)
                     if delivered is not None:
                         delivered.append((c, addr))
                     continue
@@ -223,30 +315,9 @@ def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
             todo[0:0] = children(c, n)     # its children, before the rest (largest first)
 
     threads = [threading.Thread(target=branch, args=(c,), name="hpcring-watchdog-fanout", daemon=True)
-               for c in children(v, n)]
+               for c in first]
     for t in threads:
         t.start()
-    for t in threads:
+    for t in threads:           # each branch is bounded: step_timeout per rank it could not reach
         t.join()
     return sorted(lost)
-
-
-def send_all(addresses: list[str], body: bytes, secret: bytes, timeout: float = STEP_TIMEOUT) -> list[str]:
-    """Deliver one ``body`` to each of ``addresses`` in parallel (a later round down the tree:
-    the children the trigger reached); returns the addresses that failed. Bounded by ``timeout``
-    plus a second: a child that stops now is left to its own fallback (the store)."""
-    failed: list[str] = []
-
-    def one(addr: str) -> None:
-        try:
-            send(addr, body, secret, timeout)
-        except (OSError, ConnectionError, ValueError) as e:
-            log.info("watchdog fan-out: %s unreachable (%s)", addr, e)
-            failed.append(addr)
-    threads = [threading.Thread(target=one, args=(a,), name="hpcring-watchdog-send", daemon=True) for a in addresses]
-    for t in threads:
-        t.start()
-    end = time.monotonic() + timeout + 1.0
-    for t in threads:
-        t.join(max(0.0, end - time.monotonic()))
-    return failed

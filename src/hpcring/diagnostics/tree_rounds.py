@@ -1,6 +1,6 @@
 """One rank's place in a failure's tree, and what comes back up and down it after the trigger.
 
-The trigger goes down the binomial tree of :mod:`hpcring.diagnostics.fanout`; this module is the
+The trigger goes down the k-nomial tree of :mod:`hpcring.diagnostics.fanout`; this module is the
 state of the rounds that follow on the same tree, so that rank 0's store serves one connection
 per failure instead of one per rank (at 4096 ranks the per-rank store connections and snapshots
 were most of the time from a frozen rank to its report):
@@ -30,9 +30,8 @@ def gather_budget(v: int, n: int, grace: float) -> float:
     a share of the grace proportional to the height of its subtree, so that a parent's wait
     covers its children's and the root (which waits the whole grace) hears from its largest
     subtree before its own grace ends. Leaves: 0."""
-    # levels below v, bounded by bit_length(subtree size - 1): a child's is always less than its parent's
-    top = (n - 1).bit_length()
-    height = (len(fanout.subtree(v, n)) - 1).bit_length() if v else top + 1
+    top = fanout.levels(n)
+    height = fanout.levels(len(fanout.subtree(v, n))) if v else top + 1
     return grace * height / (top + 2)
 
 
@@ -46,6 +45,7 @@ class TreeRounds:
         self.root: int | None = None
         self.v: int | None = None              # this rank's index relative to the root
         self.up: str | None = None             # the parent's listener (None at the root)
+        self.addrs: list = []                  # listeners of this rank's subtree, from itself on
         self.kids: list[tuple[int, str]] = []  # (relative index, address) the trigger was delivered to
         self.forwarded = False                 # the trigger's forwarding is over (kids is complete)
         self.snaps: dict[int, dict] = {}       # rank -> snapshot, from the subtrees below
@@ -56,12 +56,12 @@ class TreeRounds:
         self.exit = threading.Event()
 
     # -- the trigger ------------------------------------------------------------------------
-    def place(self, root: int, v: int, up: str | None) -> bool:
+    def place(self, root: int, v: int, up: str | None, addrs: list | None = None) -> bool:
         """Take this rank's place (the first trigger only); False when it already has one."""
         with self.cond:
             if self.v is not None:
                 return False
-            self.root, self.v, self.up = root, v, up
+            self.root, self.v, self.up, self.addrs = root, v, up, list(addrs or [])
             return True
 
     @property
@@ -160,10 +160,6 @@ class TreeRounds:
             while not (self.forwarded and all(k in self.acks for k, _ in self.kids)) and time.monotonic() < deadline:
                 self.cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
             return sum(self.acks.values())
-
-    def kid_addresses(self) -> list[str]:
-        with self.cond:
-            return [a for _, a in self.kids]
 
     def envelope(self, kind: str, **body) -> dict:
         """A message of this tree from this rank."""

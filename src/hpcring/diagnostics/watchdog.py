@@ -15,7 +15,7 @@ Protocol (keys under ``diag/``):
    time out in the same collective, one store connection is needed, not thousands. Then it
    opens a store connection; the first such rank (``diag/ntrigger``) claims ``diag/reporter``,
    sets ``diag/trigger``, reads every rank's address in one batched read and sends the trigger
-   down a binomial tree rooted at itself: every rank hears it within floor(log2 n) hops, from a
+   down a radix-8 tree rooted at itself: every rank hears it within about log8 n hops, from a
    thread that runs while the main thread is stuck in C, in a collective or in user code; a
    parent that cannot reach a child (dead, frozen) serves the child's subtree itself. Other
    failing ranks wait to hear it like the rest (:data:`fanout.STEP_TIMEOUT` per level), and
@@ -75,6 +75,7 @@ PUBLISH_TIMEOUT = 5.0        # how long start() may wait for the store to publis
 JITTER_RANKS = 256           # above this many ranks a failing rank waits up to JITTER_MAX_S for a trigger ...
 JITTER_MAX_S = 1.0           # ... (scaled by n / 4096) before it opens a store connection of its own
 ACK_TIMEOUT = 5.0            # abort mode: how long a rank waits for its subtree's acknowledgements
+GROUP_SPAN = 64              # a rank heading a subtree of this many publishes it to the store itself
 
 log = logging.getLogger("hpcring.diagnostics.watchdog")
 _EXIT_HOOKS: list[Callable[[str], None]] = []
@@ -258,7 +259,7 @@ class Watchdog:
         trig = {"rank": self.rank, "host": self.host, "error": error, "op": op, "time": time.time()}
         if self.size > JITTER_RANKS and not self._heard.is_set():
             # Thousands of ranks time out in the same collective within milliseconds: the first
-            # one's trigger reaches the rest down the tree in log2 n hops, so most need no store.
+            # one's trigger reaches the rest down the tree in log8 n hops, so most need no store.
             self._heard.wait(random.uniform(0.0, JITTER_MAX_S * min(1.0, self.size / 4096)))
         if not self._heard.is_set():
             self._trigger_with_store(trig)
@@ -294,7 +295,7 @@ class Watchdog:
         if self._lost is not None and self._client is None:
             self._handle(trig, None)
             return
-        if addrs is not None and self._tree.place(self.rank, 0, None):
+        if addrs is not None and self._tree.place(self.rank, 0, None, addrs):
             self._heard.set()
             self._forward(self.rank, 0, addrs, trig)
         self._start_handle(trig)
@@ -335,7 +336,7 @@ class Watchdog:
             if n != self.size or (root + v) % n != self.rank or not (up is None or isinstance(up, str)):
                 return                     # not meant for this rank (another job's size, a stale tree)
             self.timings.setdefault("heard", time.monotonic())
-            if not self._tree.place(root, v, up):
+            if not self._tree.place(root, v, up, addrs):
                 return                     # a second tree (a rank that lost the store raced): ours stands
             self._heard.set()
             self._forward(root, v, addrs, trig)
@@ -349,6 +350,9 @@ class Watchdog:
             if self._forwarded:
                 return
             self._forwarded = True
+        if not fanout.children(v, self.size):
+            self._tree.set_kids([])      # a leaf (7 ranks in 8): no thread to start
+            return
 
         def run() -> None:
             delivered: list = []
@@ -359,22 +363,30 @@ class Watchdog:
         self._forwarder = threading.Thread(target=run, name=f"hpcring-watchdog-forward:{self.rank}", daemon=True)
         self._forwarder.start()
 
-    def _down(self, body: bytes) -> None:
-        """Send a later round (report, exit) to our children in the tree, in the background; the
-        forwarding of the trigger must be over (bounded wait) to know them."""
+    def _down(self, body: bytes, wait: float = 0.0) -> None:
+        """Send a later round (report, exit) to our children in the tree, in the background,
+        covering the subtree of one that stopped since; the forwarding of the trigger must be
+        over (bounded wait) to know them. ``wait``: how long to wait for the sends (0: not)."""
         def run() -> None:
             if self._forwarder is not None:
                 self._forwarder.join(fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 2))
-            fanout.send_all(self._tree.kid_addresses(), body, self._secret)
+            t = self._tree
+            # every child, not only those the trigger's delivery confirmed: a child whose
+            # acknowledgement timed out under load did get the trigger and waits for this
+            fanout.relay(self.size, t.v, t.addrs, fanout.children(t.v, self.size), body, self._secret)
+        if not (self._tree.placed and fanout.children(self._tree.v, self.size)):
+            return                       # a leaf has nobody to send to: no thread
         t = threading.Thread(target=run, name=f"hpcring-watchdog-down:{self.rank}", daemon=True)
         t.start()
-        return t
+        if wait > 0:
+            t.join(wait)
 
     def _send_up(self, snaps: dict) -> None:
-        """Our subtree's snapshots to our parent; to the store when the parent cannot be reached."""
+        """Our subtree's snapshots to our parent; to the store when we head a group (a subtree of
+        :data:`GROUP_SPAN` ranks) or the parent cannot be reached."""
         t = self._tree
         body = fanout.pack(t.envelope("gather", snaps=snaps))
-        if t.up:
+        if t.up and not self._group_top():
             try:
                 fanout.send(t.up, body, self._secret)
                 return
@@ -386,6 +398,24 @@ class Watchdog:
             client.add("diag/nsnap", len(snaps))
         except HpcringError as e:
             self._lost = str(e)
+
+    def _group_top(self) -> bool:
+        """Whether this rank heads a group: its subtree's snapshots go to the store in one batch
+        and it reads the report from there. Two tree levels below each group top (8 x 8 ranks),
+        the store above: a hop costs a connection and a handshake on both sides, the store one per
+        group (n / 64 connections instead of n); the root's own group comes up to it."""
+        t = self._tree
+        return t.placed and not t.is_root and fanout.span(t.v, self.size) >= GROUP_SPAN
+
+    def _report_from_store(self) -> None:
+        """A group top: the report, from a parked read of the store (its own connection), handed
+        to the tree as if it came down it (then relayed to the group)."""
+        try:
+            with self._store(timeout=5.0) as client:
+                wire = json.loads(client.get(REPORT, timeout=GRACE_STRETCH * self.grace + 15.0))
+        except (HpcringError, ValueError):
+            return                       # the wait below falls back on its own
+        self._on_message(self._tree.envelope("report", report=wire))
 
     def _claim(self) -> bool:
         with self._lock:
@@ -435,12 +465,16 @@ class Watchdog:
         t.wait_gather(time.monotonic() + gather_budget(t.v, self.size, self.grace))
         self._send_up(t.take_up(snap))
         self.timings.setdefault("published", time.monotonic())
+        if self._group_top():
+            threading.Thread(target=self._report_from_store, name=f"hpcring-watchdog-read:{self.rank}",
+                             daemon=True).start()
         if not mine:
             return
         report = None
         wire = t.wait_report(time.monotonic() + GRACE_STRETCH * self.grace + 5.0)
         client = None
         if wire is None:                 # the tree did not bring it: read it where the root left it
+            self.timings.setdefault("report_from_store", time.monotonic())
             try:
                 client = self._action_client()
                 wire = json.loads(client.get(REPORT, timeout=10.0))
@@ -552,14 +586,14 @@ class Watchdog:
                         client.get("diag/acked", timeout=1.0) if client.add("diag/nsnap", 0) else None
                     except HpcringError:
                         pass
-                self._down(fanout.pack(t.envelope("exit"))).join(fanout.STEP_TIMEOUT + 2.0)
+                self._down(fanout.pack(t.envelope("exit")), wait=fanout.STEP_TIMEOUT + 2.0)
             else:
                 try:
                     fanout.send(t.up, fanout.pack(t.envelope("ack", count=below + 1)), self._secret)
                 except (OSError, ConnectionError, ValueError, TypeError):
                     pass
                 t.exit.wait(ACK_TIMEOUT + fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 1))
-                self._down(fanout.pack(t.envelope("exit"))).join(fanout.STEP_TIMEOUT + 2.0)
+                self._down(fanout.pack(t.envelope("exit")), wait=fanout.STEP_TIMEOUT + 2.0)
         elif client is not None and self._lost is None:
             # The store's path: the last to acknowledge sets diag/acked; the others wait for it
             # parked (no polling: thousands of ranks polling counters would flood the store).
