@@ -50,6 +50,9 @@ class TreeRounds:
         self.forwarded = False                 # the trigger's forwarding is over (kids is complete)
         self.snaps: dict[int, dict] = {}       # rank -> snapshot, from the subtrees below
         self.gathered: set[int] = set()        # relative indices of the kids whose subtree came up
+        self.stored = 0                        # snapshots below that went to the store (group heads)
+        self.covered = 0                       # ranks below accounted for: snapshot, stored, or unreachable
+        self.lost = 0                          # children (and below) the trigger could not reach
         self.sent_up = False
         self.report: dict | None = None        # the root's report, wire form
         self.acks: dict[int, int] = {}         # kid -> ranks of its subtree that acknowledged
@@ -72,11 +75,15 @@ class TreeRounds:
     def is_root(self) -> bool:
         return self.v == 0
 
-    def set_kids(self, delivered: list[tuple[int, str]]) -> None:
-        """The trigger's forwarding is over: ``delivered`` are this rank's children."""
+    def set_kids(self, delivered: list[tuple[int, str]], lost: int = 0) -> int:
+        """The trigger's forwarding is over: ``delivered`` are this rank's children, ``lost``
+        the ranks below it that it could not reach (they send nothing: accounted for here).
+        Returns ``lost`` when this rank's own report already went up without them (the caller
+        passes the count on), else 0."""
         with self.cond:
-            self.kids, self.forwarded = list(delivered), True
+            self.kids, self.forwarded, self.lost = list(delivered), True, int(lost)
             self.cond.notify_all()
+            return int(lost) if self.sent_up and not self.is_root else 0
 
     def _mine(self, msg: dict) -> int | None:
         """The sender's relative index when ``msg`` belongs to this rank's tree, else None."""
@@ -88,12 +95,19 @@ class TreeRounds:
         return kid if ok and self.v is not None and kid in fanout.subtree(self.v, self.size) else None
 
     # -- gather (up) ------------------------------------------------------------------------
-    def on_gather(self, msg: dict) -> dict | None:
-        """A subtree's snapshots arrived. Returns them when this rank already sent its own up (the
-        caller passes them on alone), else None (they go up with this rank's)."""
+    def on_gather(self, msg: dict) -> tuple[dict, int, int] | None:
+        """A subtree's snapshots arrived (``snaps``; ``stored``: how many of it went to the store
+        instead; ``covered``: ranks it accounts for). Returns ``(snaps, stored, covered)`` when
+        this rank already sent its own up (the caller passes them on alone), else None (they go
+        up with this rank's)."""
         kid = self._mine(msg)
         snaps = msg.get("snaps")
         if kid is None or not isinstance(snaps, dict):
+            return None
+        try:
+            stored = min(max(0, int(msg.get("stored", 0))), self.size)
+            covered = min(max(0, int(msg.get("covered", len(snaps) + stored))), self.size)
+        except (TypeError, ValueError):
             return None
         with self.cond:
             self.gathered.add(kid)
@@ -101,8 +115,10 @@ class TreeRounds:
             if not late:
                 for r, s in snaps.items():
                     self.snaps.setdefault(int(r), s)
+                self.stored += stored
+                self.covered += covered
             self.cond.notify_all()
-        return snaps if late else None
+        return (snaps, stored, covered) if late else None
 
     def wait_gather(self, deadline: float) -> None:
         """Until every child's subtree came up (after the forwarding ended) or ``deadline``."""
@@ -113,19 +129,27 @@ class TreeRounds:
                     return
                 self.cond.wait(min(left, 0.5))
 
-    def take_up(self, own: dict | None) -> dict[int, dict]:
-        """What this rank sends up: its own snapshot (None: it went to the store) and its
-        subtree's so far; later arrivals are passed up alone (:meth:`on_gather`)."""
+    def take_up(self, own: dict | None) -> tuple[dict[int, dict], int, int]:
+        """What this rank sends up: ``(snapshots, stored, covered)``: its own snapshot (None: it
+        went to the store) and its subtree's so far, how many went to the store below, and how
+        many ranks that accounts for (itself included); later arrivals are passed up alone
+        (:meth:`on_gather`)."""
         with self.cond:
             self.sent_up = True
             out = dict(self.snaps)
+            stored, covered = self.stored, self.covered + (self.lost if self.forwarded else 0) + 1
         if own is not None:
             out[self.rank] = own
-        return out
+        return out, stored, covered
 
     def count(self) -> int:
         with self.cond:
             return len(self.snaps)
+
+    def accounted(self) -> int:
+        """At the root: ranks accounted for so far (itself, snapshots, stored, unreachable)."""
+        with self.cond:
+            return self.covered + self.lost + 1
 
     # -- report (down) ----------------------------------------------------------------------
     def on_report(self, msg: dict) -> bool:

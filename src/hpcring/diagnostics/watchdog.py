@@ -316,7 +316,7 @@ class Watchdog:
         if kind == "gather":
             late = self._tree.on_gather(msg)
             if late is not None:          # we already sent ours up: pass this subtree on alone
-                threading.Thread(target=self._send_up, args=(late,), daemon=True,
+                threading.Thread(target=self._send_up, args=late, daemon=True,
                                  name=f"hpcring-watchdog-up:{self.rank}").start()
         elif kind == "report":
             if self._tree.on_report(msg):
@@ -356,10 +356,13 @@ class Watchdog:
 
         def run() -> None:
             delivered: list = []
+            lost: list = []
             try:
-                fanout.forward(root, self.size, v, addrs, trig, self._secret, delivered=delivered)
+                lost = fanout.forward(root, self.size, v, addrs, trig, self._secret, delivered=delivered)
             finally:
-                self._tree.set_kids(delivered)
+                late = self._tree.set_kids(delivered, len(lost))
+            if late:                     # our report went up before the forwarding ended
+                self._send_up({}, 0, late)
         self._forwarder = threading.Thread(target=run, name=f"hpcring-watchdog-forward:{self.rank}", daemon=True)
         self._forwarder.start()
 
@@ -381,23 +384,32 @@ class Watchdog:
         if wait > 0:
             t.join(wait)
 
-    def _send_up(self, snaps: dict) -> None:
-        """Our subtree's snapshots to our parent; to the store when we head a group (a subtree of
-        :data:`GROUP_SPAN` ranks) or the parent cannot be reached."""
+    def _send_up(self, snaps: dict, stored: int, covered: int) -> None:
+        """Our subtree's snapshots to our parent (with how many ranks they account for); to the
+        store when we head a group (a subtree of :data:`GROUP_SPAN` ranks: the parent then gets
+        a notice with the count alone) or the parent cannot be reached."""
         t = self._tree
-        body = fanout.pack(t.envelope("gather", snaps=snaps))
         if t.up and not self._group_top():
             try:
-                fanout.send(t.up, body, self._secret)
+                fanout.send(t.up, fanout.pack(t.envelope("gather", snaps=snaps, stored=stored, covered=covered)),
+                            self._secret)
                 return
             except (OSError, ConnectionError, ValueError) as e:
                 log.info("rank %d: watchdog parent %s unreachable (%s): snapshots through the store", self.rank, t.up, e)
         try:
-            client = self._action_client()
-            client.multi_set({f"diag/snap/{r}": json.dumps(s).encode() for r, s in snaps.items()})
-            client.add("diag/nsnap", len(snaps))
+            if snaps:
+                client = self._action_client()
+                client.multi_set({f"diag/snap/{r}": json.dumps(s).encode() for r, s in snaps.items()})
+                client.add("diag/nsnap", len(snaps))
         except HpcringError as e:
             self._lost = str(e)
+            return
+        if t.up and self._group_top():
+            try:
+                fanout.send(t.up, fanout.pack(t.envelope("gather", snaps={}, stored=stored + len(snaps),
+                                                         covered=covered)), self._secret)
+            except (OSError, ConnectionError, ValueError) as e:
+                log.info("rank %d: watchdog parent %s unreachable (%s)", self.rank, t.up, e)
 
     def _group_top(self) -> bool:
         """Whether this rank heads a group: its subtree's snapshots go to the store in one batch
@@ -463,7 +475,7 @@ class Watchdog:
             snap = self.snapshot()
             folder = self.dump(f"collective failure first seen on rank {trig.get('rank')}: {trig.get('error')}")
         t.wait_gather(time.monotonic() + gather_budget(t.v, self.size, self.grace))
-        self._send_up(t.take_up(snap))
+        self._send_up(*t.take_up(snap))
         self.timings.setdefault("published", time.monotonic())
         if self._group_top():
             threading.Thread(target=self._report_from_store, name=f"hpcring-watchdog-read:{self.rank}",
@@ -525,10 +537,11 @@ class Watchdog:
         self._finish(report, client)
 
     def _collect(self, client, trig: dict, folder: str | None, own: dict) -> Report:
-        # Up to the grace; past it only while snapshots still arrive (ranks alive but slow: a large
-        # job, a loaded node), up to GRACE_STRETCH x grace: a dead or frozen rank adds nothing, so
-        # it is still named about a second after the grace. Snapshots come up the tree (whole
-        # subtrees at a time) or, from ranks off the tree, through the store (counted there).
+        # Until every rank is accounted for (its snapshot came, or the tree could not reach it: a
+        # dead or frozen rank is known at once); else up to the grace, and past it only while
+        # snapshots still arrive (two tree steps apart at most: ranks alive but slow, a large job,
+        # a loaded node), up to GRACE_STRETCH x grace. Snapshots come up the tree (whole subtrees
+        # at a time) or through the store (group heads, ranks off the tree; counted there).
         start = time.monotonic()
         soft, hard, seen = start + self.grace, start + GRACE_STRETCH * self.grace, -1
         next_poll = start
@@ -539,15 +552,15 @@ class Watchdog:
                 stored = client.add("diag/nsnap", 0) + client.add("diag/nexit", 0)
                 next_poll = now + 0.1
             got = 1 + self._tree.count() + stored
-            if got >= self.size or now >= hard:
-                break
+            if got >= self.size or now >= hard or self._tree.accounted() >= self.size:
+                break                    # (accounted: every rank's snapshot is in, or it is unreachable)
             if got > seen:
-                seen, soft = got, max(soft, min(hard, now + 1.0))
+                seen, soft = got, max(soft, min(hard, now + 2 * fanout.STEP_TIMEOUT))
             elif now >= soft:
                 break
             with self._tree.cond:
                 self._tree.cond.wait(0.05)
-        snaps = {**self._tree.take_up(None), self.rank: own}
+        snaps = {**self._tree.take_up(None)[0], self.rank: own}
         # The rest from the store, in two batched reads of the missing ranks' keys.
         missing = [r for r in range(self.size) if r not in snaps]
         snap_values = client.multi_check([f"diag/snap/{r}" for r in missing]) if missing else []
