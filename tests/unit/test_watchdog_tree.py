@@ -136,18 +136,18 @@ def test_a_rank_whose_parent_is_gone_sends_its_subtree_through_the_store(store):
 def test_a_subtree_that_comes_up_late_is_passed_on_alone():
     t = TreeRounds(rank=64, size=200)                      # subtree 64-127: children 72, 80, ... and 65-71
     assert t.place(0, 64, "127.0.0.1:1")
-    t.set_kids([(72, "a"), (65, "b")], lost=2)              # (2 ranks below could not be reached)
+    t.set_kids([(72, "a"), (65, "b")], lost=[100, 101])     # (2 ranks below could not be reached)
     assert t.on_gather({"root": 0, "n": 200, "v": 72, "snaps": {"72": {"rank": 72}, "73": {"rank": 73}},
-                        "stored": 5, "covered": 8}) is None
+                        "stored": "80-84", "lost": "90"}) is None
     t.wait_gather(time.monotonic() + 0.05)                  # 65 never answers: the budget ends the wait
-    up, stored, covered = t.take_up({"rank": 64})
-    assert sorted(up) == [64, 72, 73] and stored == 5 and covered == 8 + 2 + 1
+    up, stored, lost = t.take_up({"rank": 64})
+    assert sorted(up) == [64, 72, 73] and stored == set(range(80, 85)) and lost == {90, 100, 101}
     late = t.on_gather({"root": 0, "n": 200, "v": 65, "snaps": {"65": {"rank": 65}}})
-    assert late == ({"65": {"rank": 65}}, 0, 1)             # after ours went up: forwarded on its own
+    assert late == ({65: {"rank": 65}}, set(), set())       # after ours went up: forwarded on its own
     # not this rank's tree: another root, another size, a rank outside our subtree
     for bad in ({"root": 1, "n": 200, "v": 65}, {"root": 0, "n": 201, "v": 65}, {"root": 0, "n": 200, "v": 2},
                 {"root": 0, "n": 200, "v": 128}, {"root": 0, "n": 200, "v": "x"}, {"n": 200, "v": 65},
-                {"root": 0, "n": 200, "v": 65, "covered": "many"}):
+                {"root": 0, "n": 200, "v": 65, "lost": "many"}, {"root": 0, "n": 200, "v": 65, "stored": "5-300"}):
         assert t.on_gather({**bad, "snaps": {"65": {}}}) is None
     assert not t.place(3, 1, None)                         # a second trigger does not move us
 
@@ -193,9 +193,10 @@ def test_compressed_bodies_are_inflated_only_within_the_bound(monkeypatch):
             fanout.unpack(junk)
 
 
-def test_a_stopped_rank_is_accounted_for_at_once_not_after_the_grace(store):
+def test_a_stopped_rank_is_accounted_for_and_costs_the_grace_alone(store):
     # rank 9 accepts in its kernel but never greets (SIGSTOPped): the tree counts it as
-    # unreachable after one step, so the root reports then, without waiting out the grace
+    # unreachable after one step; the root gives it the grace (a starved rank would publish
+    # through the store meanwhile), then reports, without the extensions for late arrivals
     import socket
     from hpcring.bootstrap.store_client import StoreClient
     job = _Job(store, 16, frozen=15, grace=6.0)
@@ -213,7 +214,7 @@ def test_a_stopped_rank_is_accounted_for_at_once_not_after_the_grace(store):
         rep = job.dogs[0].report
         assert rep is not None and rep.categories["unreachable"] == [9], rep.categories
         assert sorted(rep.where) == [r for r in range(16) if r != 9]
-        assert took < 6.0, took                               # one step (2 s) and the hops, not the grace
+        assert 6.0 <= took < 7.5, took                        # the grace, not the 3 graces of its hard bound
     finally:
         parked.close()
         job.close()

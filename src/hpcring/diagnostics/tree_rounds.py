@@ -35,6 +35,18 @@ def gather_budget(v: int, n: int, grace: float) -> float:
     return grace * height / (top + 2)
 
 
+def parse_ranges(text, size: int) -> set[int]:
+    """``"0-2,5"`` -> ``{0, 1, 2, 5}``, every rank below ``size`` (ValueError otherwise)."""
+    out: set[int] = set()
+    for part in filter(None, str(text).split(",")):
+        lo, _, hi = part.partition("-")
+        lo_i, hi_i = int(lo), int(hi or lo)
+        if not 0 <= lo_i <= hi_i < size:
+            raise ValueError(f"rank range {part!r} outside 0..{size - 1}")
+        out.update(range(lo_i, hi_i + 1))
+    return out
+
+
 class TreeRounds:
     """This rank's place in the tree of one failure (set once, by the trigger) and what its
     children sent back. Thread-safe: the listener thread delivers, the watchdog's threads wait."""
@@ -50,9 +62,8 @@ class TreeRounds:
         self.forwarded = False                 # the trigger's forwarding is over (kids is complete)
         self.snaps: dict[int, dict] = {}       # rank -> snapshot, from the subtrees below
         self.gathered: set[int] = set()        # relative indices of the kids whose subtree came up
-        self.stored = 0                        # snapshots below that went to the store (group heads)
-        self.covered = 0                       # ranks below accounted for: snapshot, stored, or unreachable
-        self.lost = 0                          # children (and below) the trigger could not reach
+        self.stored: set[int] = set()          # ranks below whose snapshots went to the store (group heads)
+        self.lost: set[int] = set()            # ranks below the trigger could not reach
         self.sent_up = False
         self.report: dict | None = None        # the root's report, wire form
         self.acks: dict[int, int] = {}         # kid -> ranks of its subtree that acknowledged
@@ -75,15 +86,16 @@ class TreeRounds:
     def is_root(self) -> bool:
         return self.v == 0
 
-    def set_kids(self, delivered: list[tuple[int, str]], lost: int = 0) -> int:
+    def set_kids(self, delivered: list[tuple[int, str]], lost: list[int] = ()) -> set[int]:
         """The trigger's forwarding is over: ``delivered`` are this rank's children, ``lost``
-        the ranks below it that it could not reach (they send nothing: accounted for here).
-        Returns ``lost`` when this rank's own report already went up without them (the caller
-        passes the count on), else 0."""
+        the ranks below it that it could not reach (accounted for here). Returns them when this
+        rank's own subtree already went up without them (the caller passes them on), else an
+        empty set."""
         with self.cond:
-            self.kids, self.forwarded, self.lost = list(delivered), True, int(lost)
+            self.kids, self.forwarded = list(delivered), True
+            self.lost |= set(lost)
             self.cond.notify_all()
-            return int(lost) if self.sent_up and not self.is_root else 0
+            return set(lost) if self.sent_up and not self.is_root else set()
 
     def _mine(self, msg: dict) -> int | None:
         """The sender's relative index when ``msg`` belongs to this rank's tree, else None."""
@@ -95,18 +107,19 @@ class TreeRounds:
         return kid if ok and self.v is not None and kid in fanout.subtree(self.v, self.size) else None
 
     # -- gather (up) ------------------------------------------------------------------------
-    def on_gather(self, msg: dict) -> tuple[dict, int, int] | None:
-        """A subtree's snapshots arrived (``snaps``; ``stored``: how many of it went to the store
-        instead; ``covered``: ranks it accounts for). Returns ``(snaps, stored, covered)`` when
-        this rank already sent its own up (the caller passes them on alone), else None (they go
-        up with this rank's)."""
+    def on_gather(self, msg: dict) -> tuple[dict, set[int], set[int]] | None:
+        """A subtree's snapshots arrived (``snaps``; ``stored``: ranks whose snapshots went to the
+        store instead; ``lost``: ranks it could not reach; both as rank ranges). Returns
+        ``(snaps, stored, lost)`` when this rank already sent its own up (the caller passes them
+        on alone), else None (they go up with this rank's)."""
         kid = self._mine(msg)
         snaps = msg.get("snaps")
         if kid is None or not isinstance(snaps, dict):
             return None
         try:
-            stored = min(max(0, int(msg.get("stored", 0))), self.size)
-            covered = min(max(0, int(msg.get("covered", len(snaps) + stored))), self.size)
+            snaps = {int(r): v for r, v in snaps.items()}
+            stored = parse_ranges(msg.get("stored", ""), self.size)
+            lost = parse_ranges(msg.get("lost", ""), self.size)
         except (TypeError, ValueError):
             return None
         with self.cond:
@@ -114,11 +127,11 @@ class TreeRounds:
             late = self.sent_up and not self.is_root
             if not late:
                 for r, s in snaps.items():
-                    self.snaps.setdefault(int(r), s)
-                self.stored += stored
-                self.covered += covered
+                    self.snaps.setdefault(r, s)
+                self.stored |= stored
+                self.lost |= lost
             self.cond.notify_all()
-        return (snaps, stored, covered) if late else None
+        return (snaps, stored, lost) if late else None
 
     def wait_gather(self, deadline: float) -> None:
         """Until every child's subtree came up (after the forwarding ended) or ``deadline``."""
@@ -129,27 +142,29 @@ class TreeRounds:
                     return
                 self.cond.wait(min(left, 0.5))
 
-    def take_up(self, own: dict | None) -> tuple[dict[int, dict], int, int]:
-        """What this rank sends up: ``(snapshots, stored, covered)``: its own snapshot (None: it
-        went to the store) and its subtree's so far, how many went to the store below, and how
-        many ranks that accounts for (itself included); later arrivals are passed up alone
-        (:meth:`on_gather`)."""
+    def take_up(self, own: dict | None) -> tuple[dict[int, dict], set[int], set[int]]:
+        """What this rank sends up: ``(snapshots, stored, lost)``: its own snapshot (None: it
+        went to the store, and counts as stored) and its subtree's so far, the ranks below whose
+        snapshots went to the store, and those the trigger could not reach; later arrivals are
+        passed up alone (:meth:`on_gather`)."""
         with self.cond:
             self.sent_up = True
-            out = dict(self.snaps)
-            stored, covered = self.stored, self.covered + (self.lost if self.forwarded else 0) + 1
+            out, stored, lost = dict(self.snaps), set(self.stored), set(self.lost)
         if own is not None:
             out[self.rank] = own
-        return out, stored, covered
+        else:
+            stored.add(self.rank)
+        return out, stored, lost
 
     def count(self) -> int:
         with self.cond:
             return len(self.snaps)
 
-    def accounted(self) -> int:
-        """At the root: ranks accounted for so far (itself, snapshots, stored, unreachable)."""
+    def accounted(self) -> tuple[int, bool]:
+        """At the root: how many ranks are accounted for (itself, snapshots, stored,
+        unreachable), and whether any was unreachable."""
         with self.cond:
-            return self.covered + self.lost + 1
+            return len(self.snaps.keys() | self.stored | self.lost | {self.rank}), bool(self.lost)
 
     # -- report (down) ----------------------------------------------------------------------
     def on_report(self, msg: dict) -> bool:

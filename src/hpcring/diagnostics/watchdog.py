@@ -360,9 +360,9 @@ class Watchdog:
             try:
                 lost = fanout.forward(root, self.size, v, addrs, trig, self._secret, delivered=delivered)
             finally:
-                late = self._tree.set_kids(delivered, len(lost))
-            if late:                     # our report went up before the forwarding ended
-                self._send_up({}, 0, late)
+                late = self._tree.set_kids(delivered, [(root + c) % self.size for c in lost])
+            if late:                     # our subtree went up before the forwarding ended
+                self._send_up({}, set(), late)
         self._forwarder = threading.Thread(target=run, name=f"hpcring-watchdog-forward:{self.rank}", daemon=True)
         self._forwarder.start()
 
@@ -384,15 +384,16 @@ class Watchdog:
         if wait > 0:
             t.join(wait)
 
-    def _send_up(self, snaps: dict, stored: int, covered: int) -> None:
-        """Our subtree's snapshots to our parent (with how many ranks they account for); to the
-        store when we head a group (a subtree of :data:`GROUP_SPAN` ranks: the parent then gets
-        a notice with the count alone) or the parent cannot be reached."""
+    def _send_up(self, snaps: dict, stored: set, lost: set) -> None:
+        """Our subtree's snapshots to our parent, with the ranks below whose snapshots went to the
+        store and those the trigger could not reach; to the store when we head a group (a
+        subtree of :data:`GROUP_SPAN` ranks: the parent then gets the rank lists alone) or the
+        parent cannot be reached."""
         t = self._tree
         if t.up and not self._group_top():
             try:
-                fanout.send(t.up, fanout.pack(t.envelope("gather", snaps=snaps, stored=stored, covered=covered)),
-                            self._secret)
+                fanout.send(t.up, fanout.pack(t.envelope("gather", snaps=snaps, stored=rank_ranges(stored),
+                                                         lost=rank_ranges(lost))), self._secret)
                 return
             except (OSError, ConnectionError, ValueError) as e:
                 log.info("rank %d: watchdog parent %s unreachable (%s): snapshots through the store", self.rank, t.up, e)
@@ -406,8 +407,8 @@ class Watchdog:
             return
         if t.up and self._group_top():
             try:
-                fanout.send(t.up, fanout.pack(t.envelope("gather", snaps={}, stored=stored + len(snaps),
-                                                         covered=covered)), self._secret)
+                fanout.send(t.up, fanout.pack(t.envelope("gather", snaps={}, stored=rank_ranges(stored | set(snaps)),
+                                                         lost=rank_ranges(lost))), self._secret)
             except (OSError, ConnectionError, ValueError) as e:
                 log.info("rank %d: watchdog parent %s unreachable (%s)", self.rank, t.up, e)
 
@@ -552,8 +553,12 @@ class Watchdog:
                 stored = client.add("diag/nsnap", 0) + client.add("diag/nexit", 0)
                 next_poll = now + 0.1
             got = 1 + self._tree.count() + stored
-            if got >= self.size or now >= hard or self._tree.accounted() >= self.size:
-                break                    # (accounted: every rank's snapshot is in, or it is unreachable)
+            accounted, some_lost = self._tree.accounted()
+            if got >= self.size or now >= hard:
+                break
+            if accounted >= self.size and (not some_lost or now >= start + self.grace):
+                break                    # every rank's snapshot is in, or it was unreachable (those
+                # get the grace: starved, not stopped, they publish through the store instead)
             if got > seen:
                 seen, soft = got, max(soft, min(hard, now + 2 * fanout.STEP_TIMEOUT))
             elif now >= soft:
