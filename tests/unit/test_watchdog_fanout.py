@@ -16,10 +16,10 @@ import pytest
 from hpcring.bootstrap import auth
 from hpcring.bootstrap.store_server import StoreServer
 from hpcring.diagnostics import fanout
-from hpcring.collectives.recorder import FlightRecorder
 from hpcring.diagnostics.report import diagnose
 from hpcring.diagnostics.watchdog import Watchdog, _from_wire, _to_wire
 from hpcring.errors import CollectiveError
+from helpers_watchdog import WatchedComm
 
 SECRET = b"f" * 32
 
@@ -163,20 +163,6 @@ def test_the_listener_parses_nothing_before_the_mac_and_caps_the_body():
 
 # ------------------------------------------------------------------------ watchdogs, one store
 
-class _Comm:
-    def __init__(self, rank: int, size: int, stuck: bool) -> None:
-        self.recorder = FlightRecorder(rank, size, "ring", capacity=16)
-        self.backend = types.SimpleNamespace(error=None)
-        for _ in range(3):
-            rec = self.recorder.queue("allreduce", "float32", 4, None, 5.0, site="train.py:10 in step")
-            FlightRecorder.start(rec)
-            FlightRecorder.finish(rec)
-        self.stuck = None
-        if stuck:
-            self.stuck = self.recorder.queue("allreduce", "float32", 4, None, 5.0, site="train.py:10 in step")
-            FlightRecorder.start(self.stuck)
-
-
 def test_48_watchdogs_use_the_store_only_to_trigger_and_all_get_the_report(tmp_path, monkeypatch):
     monkeypatch.setenv("HPCRING_JOB_DIR", str(tmp_path))
     monkeypatch.setenv("HPCRING_JOB_ID", "5")
@@ -190,7 +176,7 @@ def test_48_watchdogs_use_the_store_only_to_trigger_and_all_get_the_report(tmp_p
             d = Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=5.0, abort=False)
             d.where = (lambda r=r: "in load_batch at train.py:5" if r == frozen else "in allreduce at train.py:10")
             d.dump = lambda reason: None
-            c = _Comm(r, n, stuck=r != frozen)
+            c = WatchedComm(r, n, stuck=r != frozen)
             d.register(c)
             dogs.append(d.start())
             comms.append(c)

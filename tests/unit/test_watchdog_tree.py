@@ -12,26 +12,13 @@ import zlib
 import pytest
 
 from hpcring.bootstrap.store_server import StoreServer
-from hpcring.collectives.recorder import FlightRecorder
 from hpcring.diagnostics import fanout, watchdog as wdmod
 from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
 from hpcring.diagnostics.watchdog import Watchdog
 from hpcring.errors import CollectiveError
+from helpers_watchdog import WatchedComm
 
 SECRET = b"t" * 32
-
-
-class _Comm:
-    def __init__(self, rank: int, size: int, stuck: bool) -> None:
-        self.recorder = FlightRecorder(rank, size, "ring", capacity=16)
-        self.backend = types.SimpleNamespace(error=None)
-        rec = self.recorder.queue("allreduce", "float32", 4, None, 5.0, site="train.py:10 in step")
-        FlightRecorder.start(rec)
-        FlightRecorder.finish(rec)
-        self.stuck = None
-        if stuck:
-            self.stuck = self.recorder.queue("allreduce", "float32", 4, None, 5.0, site="train.py:10 in step")
-            FlightRecorder.start(self.stuck)
 
 
 class _Job:
@@ -47,7 +34,7 @@ class _Job:
             d = Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=grace, abort=abort)
             d.where = (lambda r=r: "in load_batch at train.py:5" if r == frozen else "in allreduce at train.py:10")
             d.dump = lambda reason: None
-            c = _Comm(r, n, stuck=r != frozen)
+            c = WatchedComm(r, n, stuck=r != frozen, done=1)
             d.register(c)
             self.dogs.append(d.start())
             self.comms.append(c)
