@@ -205,3 +205,12 @@ def test_a_stopped_rank_is_accounted_for_and_costs_the_grace_alone(store):
     finally:
         parked.close()
         job.close()
+
+
+@pytest.mark.parametrize("value, step", [(None, 2.0), ("10", 2.0), ("5", 2.0), ("120", 24.0), ("600", 120.0)])
+def test_the_tree_step_follows_a_raised_handshake_timeout(monkeypatch, value, step):
+    if value is None:
+        monkeypatch.delenv("HPCRING_HANDSHAKE_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("HPCRING_HANDSHAKE_TIMEOUT", value)
+    assert fanout.step() == step

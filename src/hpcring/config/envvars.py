@@ -165,8 +165,9 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_TORCH_WATCH", "bool", True, "give torch's own process groups (gloo, NCCL) hpcring's "
        "deadline and hang report (hpcring.diagnostics.torch_watch)"),
     _v("HPCRING_HANDSHAKE_TIMEOUT", "float", 10.0, "how long a peer may take to authenticate a new "
-       "connection (rendezvous store, ring links, point-to-point) before it is dropped, seconds; raise "
-       "it only where ranks are starved of CPU (many ranks per core, as in benchmarks/scale_sim.py)",
+       "connection (rendezvous store, ring links, point-to-point) before it is dropped, seconds; the "
+       "watchdog's tree waits a fifth of it (at least 2 s) for a child before taking it for stopped; "
+       "raise it only where ranks are starved of CPU (many ranks per core, as in benchmarks/scale_sim.py)",
        0.1, 600),
     _v("HPCRING_DIAG_GRACE", "float", 5.0, "how long the watchdog waits for every rank's snapshot "
        "before reporting, seconds", 0.5, 3600),

@@ -48,7 +48,7 @@ from hpcring.netio import recv_exact
 
 log = logging.getLogger("hpcring.diagnostics.fanout")
 
-STEP_TIMEOUT = 2.0            # connect + greeting + acknowledgement of one child
+STEP_TIMEOUT = 2.0            # connect + greeting + acknowledgement of one child (see step())
 MAX_BODY = 8 << 20            # a 4096-rank root's message is ~100 KiB of addresses
 MAX_INFLATED = 256 << 20      # a compressed body may not inflate past this (64k ranks' snapshots: ~64 MiB)
 COMPRESS_OVER = 16 << 10      # bodies above this travel compressed (snapshots differ little: ~10x)
@@ -105,6 +105,14 @@ def depth(n: int) -> int:
 
 # ------------------------------------------------------------------------------------ the wire
 
+def step() -> float:
+    """The step timeout in force: :data:`STEP_TIMEOUT`, or a fifth of HPCRING_HANDSHAKE_TIMEOUT
+    where that was raised for ranks starved of CPU (2 s at its 10 s default): a starved child is
+    then not taken for a stopped one."""
+    from hpcring.collectives.handshake import handshake_timeout
+    return max(STEP_TIMEOUT, handshake_timeout() / 5)
+
+
 def pack(msg: dict) -> bytes:
     """A message's body: JSON, zlib-compressed above :data:`COMPRESS_OVER` (a JSON body starts
     with ``{``, a zlib stream with ``x``)."""
@@ -129,10 +137,12 @@ def unpack(body: bytes) -> dict:
     return msg
 
 
-def send(address: str, body: bytes, secret: bytes, timeout: float = STEP_TIMEOUT) -> None:
+def send(address: str, body: bytes, secret: bytes, timeout: float | None = None) -> None:
     """Deliver ``body`` to the listener at ``host:port``; returns once the listener proved it
     knows the secret (which it does only after checking our MAC and the body: the acknowledgement).
-    Raises OSError/ConnectionError (refused, no greeting in time, bad proof)."""
+    Raises OSError/ConnectionError (refused, no greeting in time, bad proof). ``timeout``:
+    :func:`step` when None."""
+    timeout = step() if timeout is None else timeout
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, int(port)), timeout=timeout) as s:
@@ -228,7 +238,7 @@ class Listener:
     def _read(self, conn: socket.socket) -> dict | None:
         """One message, or None (logged) when the peer fails authentication or sends nonsense."""
         try:
-            conn.settimeout(STEP_TIMEOUT)
+            conn.settimeout(step())
             ns, nc, extra = auth.DIAG.accept(conn, self._secret)   # MAC checked before any parsing
             length, digest = _EXTRA.unpack(extra)
             if length > MAX_BODY:
@@ -253,7 +263,7 @@ def message(root: int, n: int, v: int, addrs: list, trig: dict, up: str | None =
 
 
 def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
-            step_timeout: float = STEP_TIMEOUT, delivered: list | None = None) -> list[int]:
+            step_timeout: float | None = None, delivered: list | None = None) -> list[int]:
     """Deliver the trigger to ``v``'s children (``addrs``: addresses of ``subtree(v)``, from
     ``v`` on, None where unknown; ``addrs[0]``, this rank's own, is sent along as ``up``), one
     thread per child so that a frozen child delays only its own subtree, taking over the subtree
@@ -261,18 +271,20 @@ def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
     delivered to (this rank's children in the tree as it stands) to ``delivered``. Returns (once
     every branch is done) the relative indices that could not be reached at all."""
     up = addrs[0] if addrs else None
+    step_timeout = step() if step_timeout is None else step_timeout
     return _spread(n, v, addrs, children(v, n), lambda c, block: message(root, n, c, block, trig, up),
                    secret, step_timeout, delivered)
 
 
 def relay(n: int, v: int, addrs: list, kids: list[int], body: bytes, secret: bytes,
-          step_timeout: float = STEP_TIMEOUT) -> list[int]:
+          step_timeout: float | None = None) -> list[int]:
     """A later round down the tree (the report, the exit): ``body`` to ``kids`` (relative
     indices: ``v``'s children), covering the subtree of one that cannot be reached now (it died
     or stalled since) as :func:`forward` does, then trying each rank it could not reach once more
     with :data:`RETRY_STEPS` times the step timeout: it answered the trigger, so it is more
     likely starved than gone, and otherwise waits for its own fallback (the store, seconds
     later). Returns the relative indices not reached."""
+    step_timeout = step() if step_timeout is None else step_timeout
     lost = _spread(n, v, addrs, kids, lambda c, block: body, secret, step_timeout, None)
     if not lost:
         return lost

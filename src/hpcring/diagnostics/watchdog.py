@@ -18,7 +18,7 @@ Protocol (keys under ``diag/``):
    down a radix-8 tree rooted at itself: every rank hears it within about log8 n hops, from a
    thread that runs while the main thread is stuck in C, in a collective or in user code; a
    parent that cannot reach a child (dead, frozen) serves the child's subtree itself. Other
-   failing ranks wait to hear it like the rest (:data:`fanout.STEP_TIMEOUT` per level), and
+   failing ranks wait to hear it like the rest (:func:`fanout.step` per level), and
    fall back on the store (step 3's older path) when they do not.
 3. On the trigger each rank forwards it to its children, writes its stacks and flight records
    to ``<job folder>/diag/`` and sends its snapshot (newest records, records in flight, backend
@@ -288,7 +288,7 @@ class Watchdog:
                     pass
                 # ... and it reaches us down its tree; if not (our address unknown to it, a lost
                 # branch), the store's path
-                if self._heard.wait(min(self.grace, fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 2))):
+                if self._heard.wait(min(self.grace, fanout.step() * (fanout.depth(self.size) + 2))):
                     return
         except HpcringError as e:
             self._lost = f"rank 0's store at {self._address[0]}:{self._address[1]}: {e}"
@@ -372,7 +372,7 @@ class Watchdog:
         over (bounded wait) to know them. ``wait``: how long to wait for the sends (0: not)."""
         def run() -> None:
             if self._forwarder is not None:
-                self._forwarder.join(fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 2))
+                self._forwarder.join(fanout.step() * (fanout.depth(self.size) + 2))
             t = self._tree
             # every child, not only those the trigger's delivery confirmed: a child whose
             # acknowledgement timed out under load did get the trigger and waits for this
@@ -457,7 +457,7 @@ class Watchdog:
         # scancel (that would cancel the requeued job), no failure record; it ends this rank too,
         # once the ranks below it in the tree have heard (bounded: 2 s per unreachable child).
         if self._forwarder is not None:
-            self._forwarder.join(fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 2))
+            self._forwarder.join(fanout.step() * (fanout.depth(self.size) + 2))
         print(f"hpcring: rank {self.rank} ({self.host}): {trig['ending']}: a peer left "
               f"{_op_name(trig.get('op'))}because of it, not a collective failure; exiting",
               file=sys.stderr, flush=True)
@@ -560,7 +560,7 @@ class Watchdog:
                 break                    # every rank's snapshot is in, or it was unreachable (those
                 # get the grace: starved, not stopped, they publish through the store instead)
             if got > seen:
-                seen, soft = got, max(soft, min(hard, now + 2 * fanout.STEP_TIMEOUT))
+                seen, soft = got, max(soft, min(hard, now + 2 * fanout.step()))
             elif now >= soft:
                 break
             with self._tree.cond:
@@ -604,14 +604,14 @@ class Watchdog:
                         client.get("diag/acked", timeout=1.0) if client.add("diag/nsnap", 0) else None
                     except HpcringError:
                         pass
-                self._down(fanout.pack(t.envelope("exit")), wait=fanout.STEP_TIMEOUT + 2.0)
+                self._down(fanout.pack(t.envelope("exit")), wait=fanout.step() + 2.0)
             else:
                 try:
                     fanout.send(t.up, fanout.pack(t.envelope("ack", count=below + 1)), self._secret)
                 except (OSError, ConnectionError, ValueError, TypeError):
                     pass
-                t.exit.wait(ACK_TIMEOUT + fanout.STEP_TIMEOUT * (fanout.depth(self.size) + 1))
-                self._down(fanout.pack(t.envelope("exit")), wait=fanout.STEP_TIMEOUT + 2.0)
+                t.exit.wait(ACK_TIMEOUT + fanout.step() * (fanout.depth(self.size) + 1))
+                self._down(fanout.pack(t.envelope("exit")), wait=fanout.step() + 2.0)
         elif client is not None and self._lost is None:
             # The store's path: the last to acknowledge sets diag/acked; the others wait for it
             # parked (no polling: thousands of ranks polling counters would flood the store).
