@@ -25,6 +25,19 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     return ",".join(out)
 
 
+def expand_ranges(text, size: int | None = None) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``: the inverse of :func:`rank_ranges`. With ``size``, every
+    rank must lie below it (ValueError otherwise: the text came from another process)."""
+    out: list[int] = []
+    for part in filter(None, str(text).split(",")):
+        lo, _, hi = part.partition("-")
+        lo_i, hi_i = int(lo), int(hi or lo)
+        if size is not None and not 0 <= lo_i <= hi_i < size:
+            raise ValueError(f"rank range {part!r} outside 0..{size - 1}")
+        out.extend(range(lo_i, hi_i + 1))
+    return out
+
+
 def ranks_label(ranks: Sequence[int]) -> str:
     """``rank 3`` or ``ranks 0-2,5``."""
     return f"{'rank' if len(set(ranks)) == 1 else 'ranks'} {rank_ranges(ranks)}"

@@ -1,4 +1,5 @@
 """hpcring.ranks: the one way messages name ranks and their hosts."""
+import pytest
 from hpcring import ranks as R
 
 
@@ -18,3 +19,16 @@ def test_who_with_plain_and_compressed_hosts():
 def test_runs_of_equal_values():
     assert R.runs(["a", "a", "b", "a"]) == [(0, 1, "a"), (2, 2, "b"), (3, 3, "a")]
     assert R.runs([]) == []
+
+
+def test_expand_ranges_inverts_rank_ranges_and_checks_bounds():
+    import random
+    from hpcring.ranks import expand_ranges, rank_ranges
+    rng = random.Random(7)
+    for _ in range(200):
+        ranks = sorted(rng.sample(range(500), rng.randint(0, 60)))
+        assert expand_ranges(rank_ranges(ranks)) == ranks
+        assert expand_ranges(rank_ranges(ranks), 500) == ranks
+    for bad in ("5-300", "-1", "3-2", "x", "1-y"):
+        with pytest.raises(ValueError):
+            expand_ranges(bad, 200)

@@ -23,6 +23,7 @@ import threading
 import time
 
 from hpcring.diagnostics import fanout
+from hpcring.ranks import expand_ranges
 
 
 def gather_budget(v: int, n: int, grace: float) -> float:
@@ -33,18 +34,6 @@ def gather_budget(v: int, n: int, grace: float) -> float:
     top = fanout.levels(n)
     height = fanout.levels(len(fanout.subtree(v, n))) if v else top + 1
     return grace * height / (top + 2)
-
-
-def parse_ranges(text, size: int) -> set[int]:
-    """``"0-2,5"`` -> ``{0, 1, 2, 5}``, every rank below ``size`` (ValueError otherwise)."""
-    out: set[int] = set()
-    for part in filter(None, str(text).split(",")):
-        lo, _, hi = part.partition("-")
-        lo_i, hi_i = int(lo), int(hi or lo)
-        if not 0 <= lo_i <= hi_i < size:
-            raise ValueError(f"rank range {part!r} outside 0..{size - 1}")
-        out.update(range(lo_i, hi_i + 1))
-    return out
 
 
 class TreeRounds:
@@ -118,8 +107,8 @@ class TreeRounds:
             return None
         try:
             snaps = {int(r): v for r, v in snaps.items()}
-            stored = parse_ranges(msg.get("stored", ""), self.size)
-            lost = parse_ranges(msg.get("lost", ""), self.size)
+            stored = set(expand_ranges(msg.get("stored", ""), self.size))
+            lost = set(expand_ranges(msg.get("lost", ""), self.size))
         except (TypeError, ValueError):
             return None
         with self.cond:

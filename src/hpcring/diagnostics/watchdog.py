@@ -65,7 +65,7 @@ from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
 from hpcring.collectives.recorder import main_thread_location
 from hpcring.diagnostics.report import Report, diagnose
 from hpcring.errors import CollectiveError, HpcringError
-from hpcring.ranks import rank_ranges
+from hpcring.ranks import expand_ranges, rank_ranges
 
 EXIT_CODE = 1
 GRACE_ENV, ON_FAILURE_ENV = "HPCRING_DIAG_GRACE", "HPCRING_ON_FAILURE"
@@ -688,20 +688,11 @@ def _to_wire(report: Report) -> dict:
 
 
 def _from_wire(d: dict, hosts: list[str]) -> Report:
-    cats = {k: _expand(v) for k, v in d.get("categories", {}).items()}
-    where = {r: w for rs, w in d.get("where", []) for r in _expand(rs)}
+    cats = {k: expand_ranges(v) for k, v in d.get("categories", {}).items()}
+    where = {r: w for rs, w in d.get("where", []) for r in expand_ranges(rs)}
     return Report(d.get("op"), d.get("headline", "?"), cats, {int(k): v for k, v in d.get("details", {}).items()},
                   d.get("links", []), d.get("slow", []), where, d.get("trigger", {}), hosts, d.get("files"),
                   d.get("side_channel", True), rendered=d.get("text"))
-
-
-def _expand(text: str) -> list[int]:
-    """``"0-2,5"`` -> ``[0, 1, 2, 5]`` (what :func:`hpcring.ranks.rank_ranges` wrote)."""
-    out: list[int] = []
-    for part in filter(None, str(text).split(",")):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
