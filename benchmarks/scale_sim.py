@@ -100,9 +100,7 @@ def _big_data(n: int, count: int):
 
 def load_batch(wd, limit: float) -> None:
     """The frozen rank's "data loader": sits here until its watchdog holds the report."""
-    end = time.monotonic() + limit
-    while wd.report is None and time.monotonic() < end:
-        time.sleep(0.05)
+    wd.wait_report(limit)
 
 
 class _NoRing:
@@ -127,7 +125,7 @@ def _side_channel_only(rank, n, a, wd, comm, client, rec) -> None:
     from hpcring.collectives.recorder import FlightRecorder
     from hpcring.errors import CollectiveError
     client.barrier("sim/freeze", n, timeout=a.timeout)
-    rec["t_freeze"] = time.time()
+    rec["t_freeze"], rec["pcpu_freeze"] = time.time(), time.process_time()
     if rank == n - 1:
         load_batch(wd, a.deadline + 90)
         return
@@ -213,7 +211,7 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
         rec["big_s"] = (time.perf_counter() - t) / a.iters_big
         del big
     client.barrier("sim/freeze", n, timeout=a.timeout)
-    rec["t_freeze"] = time.time()
+    rec["t_freeze"], rec["pcpu_freeze"] = time.time(), time.process_time()
     if rank == n - 1:
         load_batch(wd, a.deadline + 90)
     else:
@@ -226,10 +224,8 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
 
 
 def _finish(rank, n, a, wd, comm, client, rec, shared, t0) -> None:
-    end = time.monotonic() + 60
-    while wd.report is None and time.monotonic() < end:
-        time.sleep(0.05)
-    rec["t_report"] = time.time()
+    wd.wait_report(60)
+    rec["t_report"], rec["pcpu_report"] = time.time(), time.process_time()
     to_wall = time.time() - time.monotonic()
     rec["steps"] = {k: v + to_wall for k, v in wd.timings.items()}     # the watchdog's steps, wall clock
     rep = wd.report
@@ -439,6 +435,12 @@ def _row(n, k, per_host, results, t_go, t_spawn, logs, deadline) -> dict:
     freeze = [v["t_freeze"] for v in ranks.values() if "t_freeze" in v]
     reported = [v["t_report"] for v in ranks.values() if v.get("headline")]
     row["frozen_to_report_s"] = (max(reported) - min(freeze)) if freeze and len(reported) == n else None
+    # CPU the worker processes spent from the freeze to their last rank's report (the failure's
+    # rounds, the timed-out collective's return and the harness's waits), summed over processes
+    fail_cpu = [max(v["pcpu_report"] for v in res["ranks"].values()) - min(v["pcpu_freeze"] for v in res["ranks"].values())
+                for res in results if res["ranks"] and all("pcpu_report" in v and "pcpu_freeze" in v
+                                                          for v in res["ranks"].values())]
+    row["failure_cpu_s"] = sum(fail_cpu) if len(fail_cpu) == len(results) else None
     # per watchdog step: when the last / the median rank reached it, from the frozen collective's start
     steps: dict[str, list[float]] = {}
     for v in ranks.values():
@@ -464,7 +466,8 @@ COLUMNS = [("N", "N", "{}"), ("ranks/proc", "ranks/proc", "{}"), ("hosts", "host
            ("fds/rank", "fds_per_rank", "{:.1f}"), ("ring fds/rank", "ring_fds_per_rank", "{:.1f}"),
            ("store CPU s (rdv/all)", None, None), ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
            ("4 B us", "small_us", "{:.0f}"), ("1 MiB ms", "big_ms", "{:.1f}"),
-           ("frozen->report s", "frozen_to_report_s", "{:.2f}"), ("#wrong", "wrong", "{}"),
+           ("frozen->report s", "frozen_to_report_s", "{:.2f}"), ("failure CPU s", "failure_cpu_s", "{:.1f}"),
+           ("#wrong", "wrong", "{}"),
            ("named", "frozen_named", "{}")]
 
 

@@ -147,6 +147,12 @@ class Watchdog:
             atexit.register(self._on_exit)
         return self
 
+    def wait_report(self, timeout: float) -> Report | None:
+        """The failure's report once this rank holds it, or None after ``timeout`` s (parked on an
+        event: thousands of rank threads polling would each want the GIL)."""
+        self._done.wait(max(0.0, timeout))
+        return self.report
+
     def close(self) -> None:
         """Stop listening and drop the store connection (the process keeps running: embedding
         callers, benchmarks); no exit record is written."""
