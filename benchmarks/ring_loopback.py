@@ -3,7 +3,7 @@
     python benchmarks/ring_loopback.py -n 2 -b 8 -e 256M -f 4 --op allreduce
     python benchmarks/ring_loopback.py -n 2 --op allreduce --algo rd     # force recursive doubling
     python benchmarks/ring_loopback.py -n 2 --mpi                         # + mpi4py Allreduce (mpirun)
-    python benchmarks/ring_loopback.py -n 2 --cutover                     # ring vs rd, per size
+    python benchmarks/ring_loopback.py -n 8 --cutover --transport tcp     # ring vs rd vs rh, per size
     python benchmarks/ring_loopback.py -n 4 --op broadcast --algo tree    # or chain
 
 Ranks are spawned processes that rendezvous through the authenticated store (as in a job).
@@ -93,20 +93,18 @@ def child(rank, n, port, args, q):
                     hosts=hosts, launcher="local", address="127.0.0.1")
     comm = Communicator.create(topo, StoreClient("127.0.0.1", port, SECRET, 60), SECRET, timeout=600,
                                sockbuf=args.sockbuf, shm=args.transport == "shm")
-    algos = ["ring", "rd"] if args.cutover else [args.algo]
+    algos = ["ring", "rd", "rh"] if args.cutover else [args.algo]
     rows = []
     for nbytes in sizes(args):
         count = max(nbytes // 4, 0)
         for algo in algos:
             if algo in ("tree", "chain"):      # broadcast: force one algorithm
                 comm.backend._comm.bcast_tree_max = 1 << 62 if algo == "tree" else 0
-            elif algo == "ring":
-                comm.backend.rd_threshold = 0
-            elif algo == "rd":
-                comm.backend.rd_threshold = 1 << 62
-            else:
+            else:                              # allreduce: (RD threshold, RH bytes per rank)
                 from hpcring import _native
-                comm.backend.rd_threshold = _native.RD_THRESHOLD_DEFAULT
+                comm.backend.rd_threshold, comm.backend.rh_chunk = {
+                    "ring": (0, 0), "rd": (1 << 62, 0), "rh": (0, 1 << 62),
+                }.get(algo, (_native.RD_THRESHOLD_DEFAULT, _native.RH_CHUNK_DEFAULT))
             run, wrong = make_case(args.op, n, rank, count)
             iters = args.iters if nbytes < (16 << 20) else max(3, args.iters // 4)
             for _ in range(args.warmup):
@@ -207,14 +205,14 @@ def main() -> None:
     ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("256M"))
     ap.add_argument("-f", "--stepfactor", type=int, default=4)
     ap.add_argument("--op", default="allreduce", choices=sorted(FACTORS))
-    ap.add_argument("--algo", default="auto", choices=["auto", "ring", "rd", "tree", "chain"],
-                    help="allreduce: ring/rd; broadcast: tree/chain")
+    ap.add_argument("--algo", default="auto", choices=["auto", "ring", "rd", "rh", "tree", "chain"],
+                    help="allreduce: ring/rd (recursive doubling)/rh (recursive halving); broadcast: tree/chain")
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"],
                     help="shm: ranks on one host share memory (default); tcp: loopback TCP only")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--sockbuf", type=int, default=None)
-    ap.add_argument("--cutover", action="store_true", help="time ring and recursive doubling per size")
+    ap.add_argument("--cutover", action="store_true", help="time ring, recursive doubling and recursive halving per size")
     ap.add_argument("--mpi", action="store_true", help="also run mpi4py Allreduce under mpirun")
     ap.add_argument("--mpi-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -223,13 +221,14 @@ def main() -> None:
         return
     rows = run_ring(args)
     if args.cutover:
-        print(f"# allreduce cut-over, {args.nranks} ranks, median time (us): size ring rd winner")
+        print(f"# allreduce cut-over, {args.nranks} ranks, {args.transport}, median time (us): size ring rd rh winner")
         by = {}
         for nbytes, count, algo, t, bad in rows:
             by.setdefault(nbytes, {})[algo] = (t, bad)
         for nbytes, d in by.items():
-            (tr, br), (td, bd) = d["ring"], d["rd"]
-            print(f" {nbytes:>12} {tr * 1e6:>10.1f} {td * 1e6:>10.1f} {'ring' if tr < td else 'rd':>6}  wrong={br + bd}")
+            best = min(d, key=lambda a: d[a][0])
+            print(f" {nbytes:>12} " + " ".join(f"{d[a][0] * 1e6:>10.1f}" for a in ("ring", "rd", "rh"))
+                  + f" {best:>6}  wrong={sum(b for _, b in d.values())}")
         return
     header(f"hpcring ring {args.op}, {args.nranks} ranks, {args.transport}, algo={args.algo}")
     for nbytes, count, _algo, t, bad in rows:

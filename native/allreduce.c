@@ -1,4 +1,5 @@
-/* allreduce.c -- allreduce entry point: picks recursive doubling or the ring by message size,
+/* allreduce.c -- allreduce entry point: picks recursive doubling, recursive halving or the ring by
+ * message size and rank count,
  * or shared memory (allreduce_shm.c) when the node's ranks share a segment: on one node for every
  * size, across nodes (two-level) from c->twolevel_min (HR_TWOLEVEL_MIN_DEFAULT = 8 MiB, env
  * HPCRING_TWOLEVEL_MIN). Measured on the dev cluster, 3 hosts x 2 ranks (6 processes on 2 loaded
@@ -31,6 +32,21 @@
  * (n=2: 1.2x at 1 MiB, 3.5x at 4 MiB), so the default threshold is 256 KiB (HR_RD_THRESHOLD_DEFAULT).
  * The numbers are noisy on a 2-core VM (single runs vary by up to 2x for small sizes); re-measure
  * on real nodes with the benchmark and set HPCRING_RD_THRESHOLD. For n = 1 nothing is sent.
+ *
+ * From the RD threshold up, the ring's 2(n-1) latency steps outgrow its bandwidth term as n
+ * grows (at 4096 ranks a 1 MiB ring allreduce is 8190 steps of 256 bytes): while each rank's
+ * share, bytes / n, is below c->rh_chunk (HR_RH_CHUNK_DEFAULT = 64 KiB, env HPCRING_RH_CHUNK),
+ * recursive halving/doubling (allreduce_rh.c: 2 log2 n steps, the ring's bytes) runs instead.
+ * At the defaults that starts at 5 ranks (256 KiB / 4 is 64 KiB). Measured on loopback TCP, 2
+ * cores, float32 sum, median of 10 (benchmarks/ring_loopback.py --cutover --transport tcp), us,
+ * ring / rd / rh (bytes per rank in brackets):
+ *
+ *     n=8    256 KiB (32 KiB)   1312 / 1199 /  952      1 MiB (128 KiB)  3346 /  6494 / 4158
+ *     n=16   256 KiB (16 KiB)   2796 / 3127 / 2181    512 KiB (32 KiB)   3369 /  5928 / 3505
+ *            1 MiB (64 KiB)     5076 / 23889 / 9179
+ *
+ * (16 processes on 2 cores: every step waits for a core, so the ring's many small steps cost
+ * less here than on a fabric, where each is a network latency; re-measure on real nodes.)
  */
 #include "hr_internal.h"
 
@@ -49,9 +65,11 @@ int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int d
     /* shared memory: always on one node; across nodes (two-level) from c->twolevel_min */
     if (c->shm.base && (c->shm.ncol == 1 || (c->shm.ncol > 1 && bytes >= c->twolevel_min)))
         return hr_allreduce_shm(&op, sbuf, rbuf, count, dtype, redop, 0, count);
-    if (c->size > 1 && bytes >= c->rd_threshold)
+    if (c->size > 1 && bytes >= c->rd_threshold &&
+        bytes / (size_t)c->size >= c->rh_chunk)
         return hr_allreduce_ring(&op, sbuf, rbuf, count, dtype, redop);
     if (sbuf != rbuf && bytes) memcpy(rbuf, sbuf, bytes);
     if (c->size == 1) return HR_OK;
+    if (bytes >= c->rd_threshold) return hr_allreduce_rh(&op, rbuf, count, dtype, redop);
     return hr_allreduce_rd(&op, rbuf, count, dtype, redop);
 }

@@ -301,6 +301,7 @@ int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, in
     c->size = size;
     c->timeout = timeout;
     c->rd_threshold = HR_RD_THRESHOLD_DEFAULT;
+    c->rh_chunk = HR_RH_CHUNK_DEFAULT;
     c->bcast_tree_max = HR_BCAST_TREE_MAX_DEFAULT;
     c->twolevel_min = HR_TWOLEVEL_MIN_DEFAULT;
     c->streams = nconn;

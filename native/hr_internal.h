@@ -44,6 +44,11 @@
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
 #define HR_RD_THRESHOLD_DEFAULT ((size_t)262144)
 
+/* allreduce from the RD threshold up: recursive halving/doubling (allreduce_rh.c) while each
+ * rank's share (bytes / size) is below this, the ring from there (measured, allreduce.c; at the
+ * defaults only from 5 ranks up). 0 turns it off. */
+#define HR_RH_CHUNK_DEFAULT ((size_t)65536)
+
 /* Element types. Numbers are part of the Python binding's ABI: the module exports them (DTYPES,
  * OPS) and hpcring.collectives.dtypes checks its table against them at import. */
 enum hr_dtype {
@@ -80,6 +85,7 @@ typedef struct hr_comm {
     char **hosts;               /* host name of each rank, for messages */
     double timeout;             /* default deadline of one collective, seconds */
     size_t rd_threshold;        /* allreduce: bytes below which recursive doubling is used */
+    size_t rh_chunk;            /* allreduce: bytes per rank below which recursive halving is used */
     size_t bcast_tree_max;      /* broadcast: bytes below which the binomial tree is used */
     size_t twolevel_min;        /* several hosts: bytes from which the two-level allreduce runs */
     uint32_t seq;               /* number of collectives started */
@@ -193,6 +199,7 @@ int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int d
                  double timeout);
 int hr_allreduce_ring(hr_op_t *op, const void *sbuf, void *buf, size_t count, int dtype, int redop);
 int hr_allreduce_rd(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
+int hr_allreduce_rh(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
 int hr_allgather_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
                       double timeout);
 int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,

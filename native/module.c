@@ -556,6 +556,20 @@ static int Comm_set_rd(CommObject *self, PyObject *v, void *unused) {
     return 0;
 }
 
+static PyObject *Comm_get_rh(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(self->c.rh_chunk);
+}
+static int Comm_set_rh(CommObject *self, PyObject *v, void *unused) {
+    size_t t;
+    (void)unused;
+    if (!v) return -1;
+    t = PyLong_AsSize_t(v);
+    if (PyErr_Occurred()) return -1;
+    self->c.rh_chunk = t;
+    return 0;
+}
+
 /* streams / threads / stripe_min: every rank must set the same values (they decide how a pass
  * is cut, see ring_pass.c); the setters only check ranges. */
 static int set_int_range(PyObject *v, long lo, long hi, const char *what, long *out) {
@@ -661,6 +675,8 @@ static PyGetSetDef Comm_getset[] = {
     {"timeout", (getter)Comm_get_timeout, NULL, "default deadline, s (read-only: given at creation)", NULL},
     {"rd_threshold", (getter)Comm_get_rd, (setter)Comm_set_rd,
      "allreduce bytes below which recursive doubling is used", NULL},
+    {"rh_chunk", (getter)Comm_get_rh, (setter)Comm_set_rh,
+     "allreduce bytes per rank below which recursive halving is used (0: never; every rank the same)", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyMethodDef Comm_methods[] = {
@@ -782,6 +798,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (!NativeError || PyModule_AddObjectRef(m, "NativeError", NativeError) < 0 ||
         PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||
         PyModule_AddIntConstant(m, "RD_THRESHOLD_DEFAULT", (long)HR_RD_THRESHOLD_DEFAULT) < 0 ||
+        PyModule_AddIntConstant(m, "RH_CHUNK_DEFAULT", (long)HR_RH_CHUNK_DEFAULT) < 0 ||
         PyModule_AddIntConstant(m, "BCAST_TREE_MAX_DEFAULT", (long)HR_BCAST_TREE_MAX_DEFAULT) < 0 ||
         mod_add_codes(m) < 0) {
         Py_DECREF(m);

@@ -92,6 +92,15 @@ class ThreadGroup:
         for c in self.comms:
             c.backend.rd_threshold = value
 
+    def set_algo(self, algo: str) -> None:
+        """Force allreduce's algorithm for every size from 1 byte: "ring", "rd" (recursive
+        doubling) or "rh" (recursive halving/doubling); "default" restores the measured cut-overs."""
+        from hpcring import _native
+        rd, rh = {"ring": (0, 0), "rd": (1 << 40, 0), "rh": (0, 1 << 40),
+                  "default": (_native.RD_THRESHOLD_DEFAULT, _native.RH_CHUNK_DEFAULT)}[algo]
+        for c in self.comms:
+            c.backend.rd_threshold, c.backend.rh_chunk = rd, rh
+
     def close(self) -> None:
         for c in self.comms:
             c.close()

@@ -129,13 +129,14 @@ SIZES = [0, 1, 7, 1000, 4099]
 
 
 # ---- allreduce: op x dtype x size x world size x algorithm --------------------------------------
-@pytest.mark.parametrize("n,algo,mode", [(n, a, "plain") for n in range(1, 7) for a in ("ring", "rd")] +
+@pytest.mark.parametrize("n,algo,mode", [(n, a, "plain") for n in range(1, 7) for a in ("ring", "rd", "rh")] +
+                         [(n, "rh", "plain") for n in (7, 8, 9)] + [(5, "rh", "striped")] +
                          [(n, "ring", "striped") for n in (2, 3, 5)] +
                          [(4, "ring", "shm"), (3, "ring", "shm"), (6, "ring", "twolevel"), (6, "rd", "twolevel"),
                           (5, "ring", "mixed")])
 def test_allreduce_matrix(group, n, algo, mode):
     g = group(n, mode)
-    g.set_rd_threshold(0 if algo == "ring" else 1 << 40)
+    g.set_algo(algo)
     seed = 0
     for dtype in DTYPES:
         for op in OPS:
@@ -164,7 +165,7 @@ def test_allreduce_matrix(group, n, algo, mode):
                                       ("int64", "max"), ("float64", "prod"), ("uint8", "sum")])
 def test_allreduce_large(group, n, mode, dtype, op):
     g = group(n, mode)
-    g.set_rd_threshold(_native.RD_THRESHOLD_DEFAULT)
+    g.set_algo("default")
     count = (1 << 20) + 3
     xs = [make_input(dtype, op, count, r, 7) for r in range(n)]
     res = g.run_ok(lambda c: c.allreduce(xs[c.rank], op, dtype="bfloat16" if dtype == "bfloat16" else None))
@@ -332,10 +333,10 @@ def test_dlpack_input(group):
 # ---- property tests ----------------------------------------------------------------------------
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.sampled_from([2, 3, 5]), count=st.integers(0, 3000), root=st.integers(0, 4),
-       dtype=st.sampled_from(["float32", "int32", "uint8", "float16"]), thr=st.sampled_from([0, 1 << 40]))
-def test_property_lengths_and_roots(group, n, count, root, dtype, thr):
+       dtype=st.sampled_from(["float32", "int32", "uint8", "float16"]), algo=st.sampled_from(["ring", "rd", "rh"]))
+def test_property_lengths_and_roots(group, n, count, root, dtype, algo):
     g = group(n)
-    g.set_rd_threshold(thr)
+    g.set_algo(algo)
     root %= n
     xs = [make_input(dtype, "max", count, r, count + root) for r in range(n)]
     res = g.run_ok(lambda c: c.allreduce(xs[c.rank], "max"))
@@ -409,6 +410,33 @@ def test_mismatched_shapes_are_reported():
         g.close()
 
 
+@pytest.mark.parametrize("n", [5, 8])
+def test_recursive_halving_mismatch_and_missing_rank_are_named(n):
+    """Recursive halving (the default from 5 ranks for mid-size messages): a rank with another
+    count is reported as a mismatch, and a rank that never joins is named by its partners at
+    the deadline, not waited for."""
+    g = H.ThreadGroup(n, timeout=10)
+    try:
+        count = 1 << 16                                    # 256 KiB: recursive halving at n >= 5
+        assert all(c.backend.rh_chunk == _native.RH_CHUNK_DEFAULT for c in g.comms)
+        _, errs = g.run(lambda c: c.allreduce(np.ones(count + (c.rank == n - 1), np.float32)))
+        assert all(isinstance(e, CollectiveError) for e in errs)
+        assert any("mismatched collective" in str(e) and f"count={count + 1}" in str(e) for e in errs), errs
+    finally:
+        g.close()
+    g = H.ThreadGroup(n, timeout=10)
+    try:
+        t0 = time.monotonic()
+        _, errs = g.run(lambda c: c.allreduce(np.ones(count, np.float32), timeout=1.0), ranks=range(n - 1))
+        assert time.monotonic() - t0 < 5
+        assert all(isinstance(errs[r], CollectiveError) for r in range(n - 1))
+        named = [r for r in range(n - 1) if f"rank {n - 1} (node{n - 1})" in str(errs[r])]
+        assert named and all("timed out after 1.0 s" in str(errs[r]) for r in named), errs
+        assert g.comms[0].error is not None                # sticky
+    finally:
+        g.close()
+
+
 # ---- deadlines, sticky errors, dead peers, authentication --------------------------------------
 def test_timeout_names_peer_and_is_sticky():
     g = H.ThreadGroup(3, timeout=30)
@@ -433,7 +461,7 @@ def test_timeout_names_peer_and_is_sticky():
 def test_striped_timeout_names_peer_and_stream():
     g = H.ThreadGroup(3, timeout=30, streams=3, threads=2, stripe_min=8)
     try:
-        g.set_rd_threshold(0)
+        g.set_algo("ring")
         t0 = time.monotonic()
         _, errs = g.run(lambda c: c.allreduce(np.ones(1 << 16, np.float32), timeout=1.0), ranks=[0, 1])
         assert time.monotonic() - t0 < 5
@@ -576,7 +604,8 @@ def test_shm_sigkilled_rank_is_named_and_leaves_no_segment():
 
 
 @pytest.mark.parametrize("var,value", [("HPCRING_RING_STREAMS", "many"), ("HPCRING_RING_STREAMS", "0"),
-                                       ("HPCRING_RING_THREADS", "17"), ("HPCRING_RING_SHM", "maybe")])
+                                       ("HPCRING_RING_THREADS", "17"), ("HPCRING_RING_SHM", "maybe"),
+                                       ("HPCRING_RH_CHUNK", "-1"), ("HPCRING_RH_CHUNK", "64k")])
 def test_ring_env_is_checked(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(UsageError, match=var):

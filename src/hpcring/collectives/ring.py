@@ -158,6 +158,12 @@ class HostLayout:
         return (self.nodes[(i + 1) % len(self.nodes)][li], self.nodes[(i - 1) % len(self.nodes)][li])
 
 
+# Cut-overs and striping in native/ that an environment variable may override (unset: the
+# measured defaults there): variable, the native Comm's attribute.
+_NATIVE_ENV = (("HPCRING_RING_STRIPE_MIN", "stripe_min"), ("HPCRING_TWOLEVEL_MIN", "twolevel_min"),
+               ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max"), ("HPCRING_RH_CHUNK", "rh_chunk"))
+
+
 def static_peers(rank: int, size: int, hosts, shm: bool, streams: int = 1,
                  layout: HostLayout | None = None) -> dict[int, int]:
     """The peers ``rank``'s collectives other than alltoall use -> connections to each (``streams``
@@ -165,7 +171,7 @@ def static_peers(rank: int, size: int, hosts, shm: bool, streams: int = 1,
     rank's set iff rank is in q's, with the same count, so both sides of a pair agree without a
     word. Must follow native/: allreduce_ring / allgather_ring / reduce_scatter_ring /
     broadcast_pipeline (r +- 1), broadcast_tree (any root: r +- 2^i), barrier (r +- 2^i),
-    allreduce_rd (fold r^1 below 2 rem, partners v ^ 2^i), shared memory (the host's ranks: the
+    allreduce_rd and allreduce_rh (fold r^1 below 2 rem, partners v ^ 2^i), shared memory (the host's ranks: the
     liveness signal) and allreduce_shm's two-level ring (column neighbours)."""
     out: dict[int, int] = {}
 
@@ -406,6 +412,8 @@ class RingBackend(Backend):
             sockbuf = envvars.get("HPCRING_SOCKBUF")
         if rd_threshold is None:
             rd_threshold = envvars.get("HPCRING_RD_THRESHOLD")
+        for var, _attr in _NATIVE_ENV:
+            envvars.get(var)               # a bad value is refused here, before any connection
         if conns_per_peer is None:
             conns_per_peer = envvars.get("HPCRING_RING_STREAMS")
         if threads is None:
@@ -495,8 +503,7 @@ class RingBackend(Backend):
         if p.rd_threshold is not None:
             comm.rd_threshold = int(p.rd_threshold)
         comm.threads = p.threads
-        for var, attr in (("HPCRING_RING_STRIPE_MIN", "stripe_min"), ("HPCRING_TWOLEVEL_MIN", "twolevel_min"),
-                          ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max")):
+        for var, attr in _NATIVE_ENV:
             if envvars.get(var) is not None:           # unset: the measured defaults in native/
                 setattr(comm, attr, envvars.get(var))
         if p.shm:
@@ -632,6 +639,16 @@ class RingBackend(Backend):
     @rd_threshold.setter
     def rd_threshold(self, value: int) -> None:
         self._comm.rd_threshold = int(value)
+
+    @property
+    def rh_chunk(self) -> int:
+        """Allreduce from ``rd_threshold`` up: recursive halving/doubling while bytes per rank are
+        below this, the ring from there (native/allreduce.c; every rank must agree)."""
+        return self._comm.rh_chunk
+
+    @rh_chunk.setter
+    def rh_chunk(self, value: int) -> None:
+        self._comm.rh_chunk = int(value)
 
     def _call(self, name, fn, *args):
         args = (*args[:-1], self._ensure(name, args[-1]))       # the last argument is the deadline

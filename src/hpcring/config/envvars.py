@@ -125,6 +125,8 @@ VARS: tuple[Var, ...] = (
        "(site: fabric.ring_threads)", 1, 16),
     _v("HPCRING_RING_SHM", "bool", True, "shared memory between the ranks of one host instead of "
        "loopback TCP (site: fabric.ring_shm)"),
+    _v("HPCRING_RH_CHUNK", "int", None, "allreduce from HPCRING_RD_THRESHOLD up: recursive halving/doubling "
+       "while bytes per rank are below this, the ring above (unset: the measured 64 KiB; 0: never)", 0, 1 << 62),
     _v("HPCRING_BCAST_TREE_MAX", "int", None, "ring broadcast: binomial tree up to this many bytes, "
        "pipelined chain above (unset: the measured 256 KiB)", 0, 1 << 62),
     _v("HPCRING_RING_STRIPE_MIN", "int", None, "ring striping: bytes of a chunk per stream before "
