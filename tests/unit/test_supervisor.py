@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,8 +25,8 @@ from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
 PY = sys.executable
 
 
-def rank(code: str) -> subprocess.Popen:
-    return supervisor.start([PY, "-c", code], dict(os.environ))
+def rank(code: str, **popen) -> subprocess.Popen:
+    return supervisor.start([PY, "-c", code], dict(os.environ), **popen)
 
 
 def alive(pid: int) -> bool:
@@ -59,6 +60,25 @@ def test_a_diagnosed_failure_shortens_the_grace(tmp_path):
     t0 = time.monotonic()
     supervisor.Supervisor(procs, grace_s=30, kill_after_s=0.5, diag=tmp_path).wait()
     assert time.monotonic() - t0 < supervisor.DIAGNOSED_GRACE_S + 3
+
+
+def test_the_diagnosed_grace_counts_from_the_report_not_the_first_exit(tmp_path):
+    """A rank killed at the fault exits seconds before the report exists; the survivor, which
+    prints its line a moment after the report, keeps DIAGNOSED_GRACE_S from the report's
+    appearance (counted from the death, it would be stopped before its line)."""
+    g = supervisor.DIAGNOSED_GRACE_S
+    report = tmp_path / "hang-report.json"
+    survivor = rank("import os, time\n"
+                    f"while not os.path.exists({str(report)!r}): time.sleep(0.01)\n"
+                    f"time.sleep({g / 2})\n"
+                    "print('line', flush=True)\n"
+                    "raise SystemExit(1)", stdout=subprocess.PIPE)
+    dead = rank("import sys; sys.exit(9)")
+    dead.wait()
+    threading.Timer(g * 0.6, lambda: report.write_text("{}")).start()    # the report comes late
+    ended = supervisor.Supervisor([survivor, dead], grace_s=30, kill_after_s=0.5, diag=tmp_path).wait()
+    assert ended.killed == [], ended                    # nobody had to be stopped
+    assert ended.codes[0] == 1 and survivor.stdout.read() == b"line\n"
 
 
 def test_stop_request_and_time_limit():

@@ -1,8 +1,9 @@
 """The rank supervisor shared by the local backend (local_run) and ``hpcring run`` on this machine.
 
 Like mpirun: the ranks are children of one supervisor; once a rank fails the others get a grace
-period (HPCRING_LOCAL_GRACE_S, 10 s; 1 s once the watchdog's report is on disk, since its ranks
-leave together right after writing it), then every rank that is left is
+period (HPCRING_LOCAL_GRACE_S, 10 s; once the watchdog's report is on disk, at most
+:data:`DIAGNOSED_GRACE_S` from when it appeared, since its ranks leave together right after their
+last lines), then every rank that is left is
 stopped -- SIGCONT (a frozen rank must run to take its signal), SIGTERM, and SIGKILL after
 ``kill_after_s`` (submitit ignores SIGTERM). A stop request (cancel, Ctrl-C) or the time limit
 does the same at once. Every rank gets PR_SET_PDEATHSIG=SIGKILL, so it dies with its supervisor
@@ -20,7 +21,11 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
 KILL_AFTER_S = 3.0
-DIAGNOSED_GRACE_S = 1.0
+# From the hang report's appearance: the other ranks still have to hear it (a tree hop), print their
+# line and acknowledge (the watchdog's ACK_TIMEOUT, 5 s, bounds that round); the ranks left after it
+# are frozen or cut off. Counted from the report, not from the first exit: a rank killed at the
+# fault exits first, seconds before the report, and its exit time would cut the survivors' lines.
+DIAGNOSED_GRACE_S = 5.0
 POLL_S = 0.05
 
 
@@ -83,6 +88,7 @@ class Supervisor:
         self.procs, self.grace_s, self.limit_s, self.kill_after_s = procs, grace_s, limit_s, kill_after_s
         self.diag = diag        # the job's diag folder: a hang report there means the failure is diagnosed
         self._why: str | None = None
+        self._report_at: float | None = None     # when wait() first saw the hang report
 
     def stop(self, why: str = "CANCELLED") -> None:
         if self._why is None:
@@ -91,6 +97,7 @@ class Supervisor:
     def wait(self) -> Ended:
         t0 = time.monotonic()
         first, fail_at, term_at, killed = None, None, None, []
+        self._report_at = None
         while True:
             codes = [p.poll() for p in self.procs]
             if first is None:
@@ -101,7 +108,7 @@ class Supervisor:
             now = time.monotonic()
             if self._why is None and self.limit_s and now - t0 > self.limit_s:
                 self._why = "TIMEOUT"
-            if term_at is None and (self._why or (fail_at is not None and now - fail_at > self._grace())):
+            if term_at is None and (self._why or (fail_at is not None and self._grace_over(fail_at, now))):
                 killed = [r for r, c in enumerate(codes) if c is None]
                 self._signal_all(signal.SIGCONT)
                 self._signal_all(signal.SIGTERM)
@@ -111,12 +118,16 @@ class Supervisor:
             time.sleep(POLL_S)
         return Ended([exit_code(p.returncode) for p in self.procs], first, self._why, killed)
 
-    def _grace(self) -> float:
-        """The watchdog's ranks leave together once the report is written: the ranks still there
-        then are frozen or cut off, and waiting for them longer gains nothing."""
-        if self.diag is not None and (self.diag / "hang-report.json").exists():
-            return min(self.grace_s, DIAGNOSED_GRACE_S)
-        return self.grace_s
+    def _grace_over(self, fail_at: float, now: float) -> bool:
+        """Whether the ranks left after the first failure have had their time: the grace from
+        the failure, or :data:`DIAGNOSED_GRACE_S` from the hang report's appearance (the
+        watchdog's ranks leave together once they have printed it; the ranks still there then
+        are frozen or cut off, and waiting for them longer gains nothing)."""
+        if now - fail_at > self.grace_s:
+            return True
+        if self._report_at is None and self.diag is not None and (self.diag / "hang-report.json").exists():
+            self._report_at = now
+        return self._report_at is not None and now - self._report_at > DIAGNOSED_GRACE_S
 
     def _signal_all(self, sig: int) -> None:
         for p in self.procs:
