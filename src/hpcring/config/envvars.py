@@ -181,7 +181,7 @@ VARS: tuple[Var, ...] = (
        "--dependency/--after waits for the jobs it depends on, seconds (then it fails)", 0, 10 * 365 * 86400,
        lo_open=True),
     _v("HPCRING_LOCAL_GRACE_S", "float", 10.0, "local backend and `hpcring run`: once a rank failed, "
-       "seconds before the others are stopped (1 s once a hang report is written)", 0, 3600),
+       "seconds before the others are stopped (at most 5 s from a hang report's appearance)", 0, 3600),
     _v("HPCRING_END_JOB", "bool", True, "after a diagnosed collective failure the reporting rank asks "
        "the scheduler to end the job (scancel of the step, bkill)"),
     # -- paths and secrets (set by users or by job scripts) --
