@@ -34,6 +34,8 @@
 
 #include "hr_internal.h"
 
+#include <stddef.h>
+
 #include <sys/mman.h>
 
 static PyObject *NativeError;
@@ -542,31 +544,17 @@ static PyObject *Comm_get_timeout(CommObject *self, void *unused) {
     (void)unused;
     return PyFloat_FromDouble(self->c.timeout);
 }
-static PyObject *Comm_get_rd(CommObject *self, void *unused) {
-    (void)unused;
-    return PyLong_FromSize_t(self->c.rd_threshold);
+/* The cut-overs (rd_threshold, rh_chunk, bcast_tree_max, twolevel_min): size_t fields of the
+ * hr_comm_t, named by their offset in the getset table's closure. Every rank must agree on them. */
+static PyObject *Comm_get_cut(CommObject *self, void *off) {
+    return PyLong_FromSize_t(*(size_t *)((char *)&self->c + (size_t)off));
 }
-static int Comm_set_rd(CommObject *self, PyObject *v, void *unused) {
+static int Comm_set_cut(CommObject *self, PyObject *v, void *off) {
     size_t t;
-    (void)unused;
     if (!v) return -1;
     t = PyLong_AsSize_t(v);
     if (PyErr_Occurred()) return -1;
-    self->c.rd_threshold = t;
-    return 0;
-}
-
-static PyObject *Comm_get_rh(CommObject *self, void *unused) {
-    (void)unused;
-    return PyLong_FromSize_t(self->c.rh_chunk);
-}
-static int Comm_set_rh(CommObject *self, PyObject *v, void *unused) {
-    size_t t;
-    (void)unused;
-    if (!v) return -1;
-    t = PyLong_AsSize_t(v);
-    if (PyErr_Occurred()) return -1;
-    self->c.rh_chunk = t;
+    *(size_t *)((char *)&self->c + (size_t)off) = t;
     return 0;
 }
 
@@ -619,48 +607,20 @@ static int Comm_set_stripe_min(CommObject *self, PyObject *v, void *unused) {
     return 0;
 }
 
-static PyObject *Comm_get_btm(CommObject *self, void *unused) {
-    (void)unused;
-    return PyLong_FromSize_t(self->c.bcast_tree_max);
-}
-static int Comm_set_btm(CommObject *self, PyObject *v, void *unused) {
-    size_t t;
-    (void)unused;
-    if (!v) return -1;
-    t = PyLong_AsSize_t(v);
-    if (PyErr_Occurred()) return -1;
-    self->c.bcast_tree_max = t;
-    return 0;
-}
-
 static PyObject *Comm_get_shm(CommObject *self, void *unused) {
     (void)unused;
     if (!self->c.shm.base) Py_RETURN_NONE;
     return Py_BuildValue("(ii)", self->c.shm.lsize, self->c.shm.ncol);
 }
 
-static PyObject *Comm_get_tlm(CommObject *self, void *unused) {
-    (void)unused;
-    return PyLong_FromSize_t(self->c.twolevel_min);
-}
-static int Comm_set_tlm(CommObject *self, PyObject *v, void *unused) {
-    size_t t;
-    (void)unused;
-    if (!v) return -1;
-    t = PyLong_AsSize_t(v);
-    if (PyErr_Occurred()) return -1;
-    self->c.twolevel_min = t;
-    return 0;
-}
-
 static PyGetSetDef Comm_getset[] = {
     {"descriptors", (getter)Comm_get_descriptors, NULL, "TCP connections held (all streams)", NULL},
-    {"twolevel_min", (getter)Comm_get_tlm, (setter)Comm_set_tlm,
-     "bytes from which allreduce/reduce_scatter across hosts run two-level", NULL},
+    {"twolevel_min", (getter)Comm_get_cut, (setter)Comm_set_cut,
+     "bytes from which allreduce/reduce_scatter across hosts run two-level", (void *)offsetof(hr_comm_t, twolevel_min)},
     {"shm", (getter)Comm_get_shm, NULL,
      "(ranks sharing memory on this host, nodes in the two-level ring or 0), or None", NULL},
-    {"bcast_tree_max", (getter)Comm_get_btm, (setter)Comm_set_btm,
-     "broadcast bytes below which the binomial tree is used", NULL},
+    {"bcast_tree_max", (getter)Comm_get_cut, (setter)Comm_set_cut,
+     "broadcast bytes below which the binomial tree is used", (void *)offsetof(hr_comm_t, bcast_tree_max)},
     {"streams", (getter)Comm_get_streams, (setter)Comm_set_streams,
      "connections per peer a ring pass stripes over", NULL},
     {"threads", (getter)Comm_get_threads, (setter)Comm_set_threads,
@@ -673,10 +633,10 @@ static PyGetSetDef Comm_getset[] = {
     {"size", (getter)Comm_get_size, NULL, NULL, NULL},
     {"seq", (getter)Comm_get_seq, NULL, "collectives started so far", NULL},
     {"timeout", (getter)Comm_get_timeout, NULL, "default deadline, s (read-only: given at creation)", NULL},
-    {"rd_threshold", (getter)Comm_get_rd, (setter)Comm_set_rd,
-     "allreduce bytes below which recursive doubling is used", NULL},
-    {"rh_chunk", (getter)Comm_get_rh, (setter)Comm_set_rh,
-     "allreduce bytes per rank below which recursive halving is used (0: never; every rank the same)", NULL},
+    {"rd_threshold", (getter)Comm_get_cut, (setter)Comm_set_cut,
+     "allreduce bytes below which recursive doubling is used", (void *)offsetof(hr_comm_t, rd_threshold)},
+    {"rh_chunk", (getter)Comm_get_cut, (setter)Comm_set_cut,
+     "allreduce bytes per rank below which recursive halving is used (0: never; every rank the same)", (void *)offsetof(hr_comm_t, rh_chunk)},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyMethodDef Comm_methods[] = {

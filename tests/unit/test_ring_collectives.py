@@ -610,3 +610,22 @@ def test_ring_env_is_checked(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     with pytest.raises(UsageError, match=var):
         RingBackend.create(H.topology(0, 2), None, H.SECRET, 5.0)
+
+
+def test_cutover_attributes_are_independent_and_refuse_negatives(group):
+    """The native Comm's four cut-overs (one getter/setter by field offset) each read back what
+    was set, leave the others alone, and refuse a negative value."""
+    c = group(2).comms[0].backend._comm
+    names = ("rd_threshold", "rh_chunk", "bcast_tree_max", "twolevel_min")
+    before = {a: getattr(c, a) for a in names}
+    try:
+        for i, a in enumerate(names):
+            setattr(c, a, 1000 + i)
+            assert getattr(c, a) == 1000 + i
+            assert all(getattr(c, b) == before[b] for b in names[i + 1:])
+            with pytest.raises(OverflowError):
+                setattr(c, a, -1)
+            assert getattr(c, a) == 1000 + i
+    finally:
+        for a, v in before.items():
+            setattr(c, a, v)
