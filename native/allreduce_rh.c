@@ -32,7 +32,7 @@ static int rh_global(int pv, int rem) { return pv < rem ? pv * 2 + 1 : pv + rem;
  * rank passes the same count, dtype and redop. Returns HR_OK, or HR_ERR with c->err set. */
 int hr_allreduce_rh(hr_op_t *op, void *buf, size_t count, int dtype, int redop) {
     hr_comm_t *c = op->c;
-    int n = c->size, r = c->rank, p = 1, rem, v = -1, m, b = 0, w, rc = HR_ERR;
+    int n = c->size, p = 1, rem, v = -1, m, b = 0, w, rc = HR_ERR;
     size_t esz = hr_dtype_size(dtype), bytes = count * esz, *off = NULL, *cnt;
     unsigned char *base = buf;
 
@@ -44,17 +44,7 @@ int hr_allreduce_rh(hr_op_t *op, void *buf, size_t count, int dtype, int redop) 
     hr_chunks(count, p, off, cnt);
     op->tx_total = op->rx_total = bytes;
 
-    if (r < 2 * rem) {                                   /* 1. fold */
-        if (r % 2 == 0) {
-            if (hr_sendrecv(op, r + 1, buf, bytes, 1, -1, NULL, 0, 0) != HR_OK) goto out;
-        } else {
-            if (hr_sendrecv(op, -1, NULL, 0, 0, r - 1, c->tmp, bytes, 1) != HR_OK) goto out;
-            hr_reduce(buf, c->tmp, count, dtype, redop);
-            v = r / 2;
-        }
-    } else {
-        v = r - rem;
-    }
+    if (hr_fold(op, buf, count, dtype, redop, &v) != HR_OK) goto out;     /* 1. fold */
     if (v >= 0) {
         for (w = p, m = p / 2; m >= 1; m /= 2) {         /* 2. reduce-scatter by halving */
             int peer = rh_global(v ^ m, rem), lo = b, hi = b + m;   /* lower and upper halves */
@@ -80,14 +70,7 @@ int hr_allreduce_rh(hr_op_t *op, void *buf, size_t count, int dtype, int redop) 
             w *= 2;
         }
     }
-    if (r < 2 * rem) {                                   /* 4. unfold */
-        op->tx_done = op->rx_done = 0;
-        if (r % 2 == 1) {
-            if (hr_sendrecv(op, r - 1, buf, bytes, 0, -1, NULL, 0, 0) != HR_OK) goto out;
-        } else {
-            if (hr_sendrecv(op, -1, NULL, 0, 0, r + 1, buf, bytes, 0) != HR_OK) goto out;
-        }
-    }
+    if (hr_unfold(op, buf, bytes) != HR_OK) goto out;                      /* 4. unfold */
     rc = HR_OK;
 out:
     free(off);

@@ -199,6 +199,12 @@ int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int d
                  double timeout);
 int hr_allreduce_ring(hr_op_t *op, const void *sbuf, void *buf, size_t count, int dtype, int redop);
 int hr_allreduce_rd(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
+/* allreduce_rd.c, shared with allreduce_rh.c: for n not a power of two p, the first 2(n-p) ranks
+ * pair up; the even one sends its buffer (with the header) to the odd one, which reduces it.
+ * Sets *v to this rank's virtual rank among the p that go on (-1: it sits out until hr_unfold,
+ * which sends the odd rank's result back). c->tmp must hold count elements. HR_OK or HR_ERR. */
+int hr_fold(hr_op_t *op, void *buf, size_t count, int dtype, int redop, int *v);
+int hr_unfold(hr_op_t *op, void *buf, size_t bytes);
 int hr_allreduce_rh(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
 int hr_allgather_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
                       double timeout);
