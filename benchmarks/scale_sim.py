@@ -238,6 +238,11 @@ def _finish(rank, n, a, wd, comm, client, rec, shared, t0) -> None:
     rec["t_start"] = t0
     try:
         client.barrier("sim/end", n, timeout=a.timeout)
+        # rank 0 closes the store below: not before every rank has its barrier's answer
+        if client.add("sim/left", 1) == n:
+            client.set("sim/all-left", b"1")
+        if rank == 0:
+            client.get("sim/all-left", timeout=a.timeout)
     finally:
         wd.close()
         comm.close()
