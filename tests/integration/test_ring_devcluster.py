@@ -114,12 +114,42 @@ def main():
     comm.barrier()
     print("RINGCHECK " + json.dumps({"rank": rank, "size": n, "host": s.topology.host, "checks": checks,
                                      "transport": comm.backend.describe(),
+                                     "cut": [comm.backend.rd_threshold, comm.backend.rh_chunk],
                                      "fails": fails, "hash": h_all.hexdigest()}), flush=True)
     return 1 if fails else 0
 
 
 sys.exit(main())
 '''
+
+
+def _run_worker(**extra):
+    worker = Path("/srv/hpcring") / f"ring-worker-{os.getpid()}.py"   # /tmp is private per node
+    worker.write_text(WORKER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **extra)
+    try:
+        r = subprocess.run(["salloc", "-N", "3", "--ntasks-per-node=2", "--time=5", sys.executable, "-m", "hpcring",
+                            "run", "--site", "devcluster", "--tasks-per-node", "2", "--", sys.executable, str(worker)],
+                           capture_output=True, text=True, timeout=400, env=env, cwd="/srv/hpcring",
+                           stdin=subprocess.DEVNULL)
+    finally:
+        worker.unlink()
+    recs = [json.loads(l.split("RINGCHECK ", 1)[1]) for l in r.stdout.splitlines() if "RINGCHECK " in l]
+    fails = [f for x in recs for f in x["fails"]]
+    assert not fails, fails[:20]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(x["rank"] for x in recs) == list(range(6))
+    assert {x["host"] for x in recs} == {"node1", "node2", "node3"}
+    assert all(x["checks"] == 5 * 5 * 10 - 5 for x in recs)
+    assert len({x["hash"] for x in recs}) == 1, "replicated results differ between ranks"
+    return recs
+
+
+def test_recursive_halving_across_3_nodes_x_2_ranks():
+    """Every allreduce by recursive halving/doubling over TCP between real nodes (6 ranks: the
+    fold of a non-power-of-two job included), shared memory off."""
+    recs = _run_worker(HPCRING_RING_SHM="0", HPCRING_RD_THRESHOLD="0", HPCRING_RH_CHUNK=str(1 << 40))
+    assert all("tcp only" in x["transport"] and x["cut"] == [0, 1 << 40] for x in recs), recs[0]
 
 
 def test_ring_all_ops_dtypes_sizes_3_nodes_x_2_ranks():
