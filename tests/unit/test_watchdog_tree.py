@@ -11,7 +11,6 @@ import zlib
 
 import pytest
 
-from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.store_server import StoreServer
 from hpcring.diagnostics import fanout, watchdog as wdmod
 from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
@@ -25,18 +24,14 @@ SECRET = b"t" * 32
 class _Job:
     """``n`` watchdogs in this process around a real store; rank ``frozen`` sits in load_batch."""
 
-    def __init__(self, srv, n: int, frozen: int, abort: bool = False, grace: float = 3.0,
-                 sessions: bool = False) -> None:
+    def __init__(self, srv, n: int, frozen: int, abort: bool = False, grace: float = 3.0) -> None:
         self.srv, self.n = srv, n
         self.hosts = tuple(f"node{r // 4 + 1}" for r in range(n))
         self.dogs, self.comms = [], []
-        # sessions: each rank's session store client (as hpcring.init keeps it), given to its watchdog
-        self.sessions = [StoreClient("127.0.0.1", srv.port, SECRET, timeout=10.0) for _ in range(n)] if sessions else []
         for r in range(n):
             topo = types.SimpleNamespace(rank=r, size=n, host=self.hosts[r], hosts=self.hosts, interface="lo",
                                          address="127.0.0.1")
-            d = Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=grace, abort=abort,
-                         store=self.sessions[r] if sessions else None)
+            d = Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=grace, abort=abort)
             d.where = (lambda r=r: "in load_batch at train.py:5" if r == frozen else "in allreduce at train.py:10")
             d.dump = lambda reason: None
             c = WatchedComm(r, n, stuck=r != frozen, done=1)
@@ -63,8 +58,6 @@ class _Job:
             d._listener._closing = True
         for d in self.dogs:
             d.close()
-        for c in self.sessions:
-            c.close()
 
 
 @pytest.fixture
@@ -98,52 +91,6 @@ def test_snapshots_come_up_and_the_report_goes_down_without_the_store(store):
         assert reports[0].text() == reports[5].text()                       # the same report, sent down
         assert store.stats["connections"] - before == 1                     # the trigger's, and nothing else
         assert all("heard" in d.timings and "published" in d.timings for d in job.dogs if d.rank != 5)
-    finally:
-        job.close()
-
-
-def test_ranks_failing_together_claim_on_their_session_connections(store, monkeypatch):
-    """A collective that times out on every rank at once: each rank claims the trigger, through
-    the session's store connection it already holds, so the store sees one new connection for
-    the whole failure (the root's), not one per rank; and the report is whole."""
-    job = _Job(store, 24, frozen=23, sessions=True)
-    addresses = Watchdog._addresses
-
-    def after_every_claim(self, client):          # the root sends the trigger once all 23 claimed
-        end = time.monotonic() + 10
-        while client.add("diag/ntrigger", 0) < 23 and time.monotonic() < end:
-            time.sleep(0.01)
-        return addresses(self, client)
-    monkeypatch.setattr(Watchdog, "_addresses", after_every_claim)
-    try:
-        before = store.stats["connections"]
-        threads = [job.fail(r) for r in range(23)]
-        for t in threads:
-            t.join(30)
-        reports = job.wait()
-        assert {r.headline for r in reports if r is not None} == {"allreduce#2: rank 23 (node6) never joined"}
-        assert all(r is not None for r in reports)
-        assert all("claimed" in d.timings for d in job.dogs[:23])          # every failing rank claimed
-        assert store.stats["connections"] - before == 1                     # the root's own, alone
-        assert sum(d._client is not None for d in job.dogs) == 1
-    finally:
-        job.close()
-
-
-def test_a_busy_session_connection_is_not_waited_for(store):
-    """The trigger does not queue behind another thread's call on the session's connection (a
-    parked read may last minutes): it takes a connection of its own."""
-    job = _Job(store, 3, frozen=2, sessions=True)
-    try:
-        s = job.sessions[0]
-        s._lock.acquire()                                  # another thread is in a call on it
-        try:
-            before = store.stats["connections"]
-            job.fail(0).join(10)
-            assert job.dogs[0]._client is not None and store.stats["connections"] - before >= 1
-        finally:
-            s._lock.release()
-        assert all(r is not None for r in job.wait())
     finally:
         job.close()
 
@@ -267,4 +214,3 @@ def test_the_tree_step_follows_a_raised_handshake_timeout(monkeypatch, value, st
     else:
         monkeypatch.setenv("HPCRING_HANDSHAKE_TIMEOUT", value)
     assert fanout.step() == step
-

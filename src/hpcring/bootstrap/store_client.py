@@ -137,11 +137,6 @@ class StoreClient:
         self._key = session_key(self._secret, ns, nc)
         self._send_seq = self._recv_seq = 0
 
-    def busy(self) -> bool:
-        """Whether another thread is in a call on this client now (a caller that must not wait
-        behind it, such as the watchdog's trigger, may take another connection instead)."""
-        return self._lock.locked()
-
     def close(self) -> None:
         with self._lock:
             if self._sock is not None:

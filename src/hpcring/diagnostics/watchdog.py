@@ -126,7 +126,8 @@ class Watchdog:
         self.where: Callable[[], str] = main_thread_location     # the snapshot's "where"
         # when (time.monotonic()) this rank reached each step of a failure: triggered (by its own
         # collective), claimed (opened a store connection to claim the trigger), heard (the tree's
-        # message), connected (store), published (its snapshot), report; read by benchmarks/scale_sim.py to say which step a large job waits on
+        # message), connected (store), published (its snapshot), report; read by
+        # benchmarks/scale_sim.py to say which step a large job waits on
         self.timings: dict[str, float] = {}
         self._tree = TreeRounds(self.rank, self.size)    # this failure's tree (tree_rounds)
         self._heard = threading.Event()                  # placed in a failure's tree
@@ -274,27 +275,12 @@ class Watchdog:
             time.sleep(30.0)           # the listener thread is ending the process (os._exit)
         return self.report
 
-    def _count_trigger(self) -> tuple:
-        """Count this rank's trigger at the store: (its number, the client it went through).
-        Through the session's connection when no other thread is using it: when a collective
-        times out on thousands of ranks at once, each claims, and a new connection each would
-        cost the store thousands of handshakes at that moment (4096 ranks in scale_sim: every
-        rank claims). Else, or when that connection fails, through this watchdog's own."""
-        s = self._init_store
-        if s is not None and not s.busy():
-            try:
-                return s.add("diag/ntrigger", 1), s
-            except HpcringError:
-                pass                     # closed or broken: our own connection below
-        client = self._action_client()
-        return client.add("diag/ntrigger", 1), client
-
     def _trigger_with_store(self, trig: dict) -> None:
         addrs = None
-        self.timings.setdefault("claimed", time.monotonic())
+        self.timings.setdefault("claimed", time.monotonic())     # a store connection of its own
         try:
-            count, client = self._count_trigger()
-            if count == 1:
+            client = self._action_client()
+            if client.add("diag/ntrigger", 1) == 1:
                 client.add("diag/reporter", 1)     # the root reports: no fallback rank may claim it
                 client.set("diag/reporter-rank", str(self.rank).encode())
                 from hpcring.schedulers import run_ending
