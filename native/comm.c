@@ -354,6 +354,7 @@ int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int
     s->len = hr_shm_bytes(lsize, slot);
     s->base = base;
     s->spin = lsize > sysconf(_SC_NPROCESSORS_ONLN) ? 0 : 200;
+    s->busy = s->spin ? HR_SHM_BUSY_US : 0;
     hr_shm_cell(s, s->lrank)->pid = (int32_t)getpid();
     return HR_OK;
 }

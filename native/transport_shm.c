@@ -70,6 +70,14 @@ int hr_shm_unlink(const char *name, char *err, size_t errlen) {
     return 0;
 }
 
+static inline void hr_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
+
 static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
     return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
 }
@@ -82,8 +90,11 @@ uint32_t hr_shm_signal(hr_shm_t *s, const void *hdr) {
         memcpy(me->hdr, hdr, sizeof(me->hdr));
         __atomic_store_n(&me->hstart, s->phase + 1, __ATOMIC_RELEASE);
     }
-    __atomic_store_n(&me->phase, ++s->phase, __ATOMIC_RELEASE);
-    futex(&me->phase, FUTEX_WAKE, INT_MAX, NULL);
+    __atomic_store_n(&me->phase, ++s->phase, __ATOMIC_SEQ_CST);
+    /* pairs with hr_shm_wait's count-then-reread (both sequentially consistent): either the
+     * waiter sees the new phase and does not sleep, or this sees it counted and wakes it */
+    if (__atomic_load_n(&me->sleepers, __ATOMIC_SEQ_CST))
+        futex(&me->phase, FUTEX_WAKE, INT_MAX, NULL);
     return s->phase;
 }
 
@@ -116,7 +127,9 @@ static int fail(hr_shm_why_t *why, int kind, int peer) {
 int hr_shm_wait(hr_shm_t *s, const hr_tcp_t *tcp, double deadline, const int *failed,
                 hr_shm_why_t *why) {
     uint32_t want = s->phase;
-    int l, spins = 0, l2, st, dead;
+    int l, spins = 0, busy = s->busy > 0, l2, st, dead;
+    unsigned reads = 0;
+    double busy_end = 0;
 
     for (l = 0; l < s->lsize; l++) {
         hr_shm_cell_t *cl = hr_shm_cell(s, l);
@@ -124,12 +137,23 @@ int hr_shm_wait(hr_shm_t *s, const hr_tcp_t *tcp, double deadline, const int *fa
         if (l == s->lrank) continue;
         while ((int32_t)((v = __atomic_load_n(&cl->phase, __ATOMIC_ACQUIRE)) - want) < 0) {
             struct timespec ts = {0, 5000000};
+            if (busy) {             /* a peer a few microseconds away: no system call at all */
+                if (busy_end == 0) busy_end = hr_now() + s->busy * 1e-6;
+                if ((++reads & 63) || hr_now() < busy_end) {
+                    hr_cpu_relax();
+                    continue;
+                }
+                busy = 0;
+            }
             if (__atomic_load_n(failed, __ATOMIC_ACQUIRE)) return fail(why, HR_SHM_ABORTED, -1);
             if (++spins < s->spin) {
                 sched_yield();
                 continue;
             }
-            futex(&cl->phase, FUTEX_WAIT, v, &ts);
+            __atomic_add_fetch(&cl->sleepers, 1, __ATOMIC_SEQ_CST);
+            if ((int32_t)(__atomic_load_n(&cl->phase, __ATOMIC_SEQ_CST) - want) < 0)
+                futex(&cl->phase, FUTEX_WAIT, v, &ts);
+            __atomic_sub_fetch(&cl->sleepers, 1, __ATOMIC_SEQ_CST);
             if (hr_now() > deadline) return fail(why, HR_SHM_TIMEOUT, s->lranks[l]);
             /* Look at the peers first, then at the counter again: a peer signals before it sends
              * TCP data for its next collective (or exits), so data seen with the counter still

@@ -10,11 +10,13 @@
  * shm_unlinks the name, so nothing is left in /dev/shm on any later exit, SIGKILL included (the
  * memory goes away with the last mapping).
  *
- * Synchronisation: hr_shm_signal bumps this rank's counter (release) and wakes futex waiters;
- * hr_shm_wait waits until every local peer's counter reached this rank's, spinning briefly
- * (not at all when the node's ranks outnumber its cores: the peer it waits for needs this core),
- * then sleeping in FUTEX_WAIT for at most 5 ms at a time so that the deadline and the peers'
- * liveness are checked: a peer whose TCP connection reads EOF without having set its failed flag
+ * Synchronisation: hr_shm_signal bumps this rank's counter (release) and wakes futex waiters,
+ * if any (a waiter counts itself in the counter's cell before it sleeps, so the common case of
+ * a peer already spinning costs no system call); hr_shm_wait waits until every local peer's
+ * counter reached this rank's, spinning briefly (a few microseconds reading the counter, then
+ * sched_yield rounds; not at all when the node's ranks outnumber its cores: the peer it waits
+ * for needs this core), then sleeping in FUTEX_WAIT for at most 5 ms at a time so that the
+ * deadline and the peers' liveness are checked: a peer whose TCP connection reads EOF without having set its failed flag
  * died (SIGKILL, segfault), and is named as such; a peer that set the flag failed on its own and
  * its message says why.
  */
@@ -27,6 +29,9 @@
 #include "transport_tcp.h"
 
 #define HR_SHM_MAGIC 0x68727368u /* "hrsh" */
+/* Microseconds a wait reads the counter (no system call) before it yields, then sleeps: a
+ * 4 KiB allreduce's barrier partner is usually that close (benchmarks/ring_loopback.py --mpi). */
+#define HR_SHM_BUSY_US 20
 
 typedef struct hr_shm_cell {
     uint32_t phase;         /* futex word: signals so far */
@@ -34,7 +39,9 @@ typedef struct hr_shm_cell {
     int32_t pid;
     uint32_t hstart;        /* phase at which hdr's collective started (0 while it is written) */
     unsigned char hdr[24];  /* hr_hdr_t of the collective in progress */
-    unsigned char fill[24];
+    uint32_t sleepers;      /* peers in (or entering) FUTEX_WAIT on phase: a signal with none
+                             * skips the wake-up system call */
+    unsigned char fill[20];
 } hr_shm_cell_t;            /* 64 bytes: one cache line */
 
 typedef struct hr_shm {
@@ -47,6 +54,7 @@ typedef struct hr_shm {
     uint32_t phase;         /* this rank's counter (private copy) */
     uint32_t parity;        /* buffer parity of the next piece */
     int spin;               /* sched_yield rounds before sleeping (0 when ranks outnumber cores) */
+    int busy;               /* microseconds of counter reads before the sched_yield rounds (idem) */
 } hr_shm_t;
 
 /* Why hr_shm_wait stopped waiting (the transport reports; comm.c words the error). */
