@@ -13,6 +13,8 @@
  *     [first, last) only (alltoall.c; a window of one collective when first > 1)
  *   Comm.set_peer(peer, fds), drop_peer(peer), peers(), descriptors: connections on demand;
  *   Comm.abort(message): that message becomes the sticky error, every connection is shut
+ *   Comm.allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout): allreduce recorded in a
+ *     Flight (module_flight.c: the flight recorder's ring of records, filled in C)
  *   Comm.barrier(timeout=0.0)
  *   Comm.close(); attributes rank, size, seq, failed, error, timeout; settable rd_threshold,
  *   streams (<= connections per peer), threads, stripe_min (see ring_pass.c)
@@ -33,12 +35,14 @@
 #include <pythread.h>
 
 #include "hr_internal.h"
+#include "module_flight.h"
 
 #include <stddef.h>
 
 #include <sys/mman.h>
 
 static PyObject *NativeError;
+static PyObject *str_allreduce, *dtype_strs[HR_NDTYPES];   /* record fields, made once */
 
 typedef struct {
     PyObject_HEAD
@@ -242,6 +246,55 @@ static PyObject *Comm_allreduce(CommObject *self, PyObject *args, PyObject *kw) 
                                       dtype, op, timeout));
     if (rc != HR_OK) raise_native(self);
     else ret = Py_NewRef(Py_None);
+cleanup:
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&r);
+    return ret;
+}
+
+/* allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout) -> seq: allreduce, recorded in
+ * flight (module_flight.c) as one "started" record before it runs and "done" or "failed" after.
+ * A failure raises NativeError whose .seq is the record's. Positional arguments only (hot path). */
+static PyObject *Comm_allreduce_rec(CommObject *self, PyObject *args) {
+    PyObject *flight, *msg, *exc, *q;
+    Py_buffer s = {0}, r = {0};
+    int dtype, op, rc;
+    double timeout;
+    long long seq;
+    size_t count;
+    PyObject *ret = NULL;
+    if (!PyArg_ParseTuple(args, "O!y*w*iid", &FlightType, &flight, &s, &r, &dtype, &op, &timeout))
+        return NULL;
+    if (check_open(self) || check_dtype_op(dtype, op, 1) || check_len(&r, dtype, "recvbuf"))
+        goto cleanup;
+    if (s.len != r.len) {
+        PyErr_Format(PyExc_ValueError, "sendbuf is %zd bytes but recvbuf %zd", s.len, r.len);
+        goto cleanup;
+    }
+    if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {  /* before the record: none is left open */
+        PyErr_SetString(PyExc_RuntimeError, "communicator is already running a collective in another thread");
+        goto cleanup;
+    }
+    count = (size_t)r.len / hr_dtype_size(dtype);
+    seq = fl_begin((FlightObject *)flight, str_allreduce, dtype_strs[dtype], (long long)count, -1, timeout);
+    Py_BEGIN_ALLOW_THREADS
+    rc = hr_allreduce(&self->c, s.buf, r.buf, count, dtype, op, timeout);
+    Py_END_ALLOW_THREADS
+    PyThread_release_lock(self->lock);
+    if (rc == HR_OK) {
+        fl_end((FlightObject *)flight, seq, NULL);
+        ret = PyLong_FromLongLong(seq);
+        goto cleanup;
+    }
+    if (!(msg = PyUnicode_FromString(self->c.err[0] ? self->c.err : "collective failed"))) goto cleanup;
+    fl_end((FlightObject *)flight, seq, msg);
+    exc = PyObject_CallOneArg(NativeError, msg);
+    Py_DECREF(msg);
+    if (!exc) goto cleanup;
+    q = PyLong_FromLongLong(seq);
+    if (q && PyObject_SetAttrString(exc, "seq", q) == 0) PyErr_SetObject(NativeError, exc);
+    Py_XDECREF(q);
+    Py_DECREF(exc);
 cleanup:
     PyBuffer_Release(&s);
     PyBuffer_Release(&r);
@@ -641,6 +694,8 @@ static PyGetSetDef Comm_getset[] = {
 
 static PyMethodDef Comm_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))Comm_allreduce, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"allreduce_rec", (PyCFunction)Comm_allreduce_rec, METH_VARARGS,
+     "allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout) -> seq"},
     {"allgather", (PyCFunction)(void (*)(void))Comm_allgather, METH_VARARGS | METH_KEYWORDS, NULL},
     {"reduce_scatter", (PyCFunction)(void (*)(void))Comm_reduce_scatter,
      METH_VARARGS | METH_KEYWORDS, NULL},
@@ -752,11 +807,16 @@ done:
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m;
-    if (PyType_Ready(&CommType) < 0) return NULL;
+    int i;
+    if (PyType_Ready(&CommType) < 0 || PyType_Ready(&FlightType) < 0) return NULL;
+    if (!(str_allreduce = PyUnicode_InternFromString("allreduce"))) return NULL;
+    for (i = 0; i < HR_NDTYPES; i++)
+        if (!(dtype_strs[i] = PyUnicode_InternFromString(hr_dtype_name(i)))) return NULL;
     if (!(m = PyModule_Create(&moddef))) return NULL;
     NativeError = PyErr_NewException("hpcring._native.NativeError", PyExc_RuntimeError, NULL);
     if (!NativeError || PyModule_AddObjectRef(m, "NativeError", NativeError) < 0 ||
         PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||
+        PyModule_AddObjectRef(m, "Flight", (PyObject *)&FlightType) < 0 ||
         PyModule_AddIntConstant(m, "RD_THRESHOLD_DEFAULT", (long)HR_RD_THRESHOLD_DEFAULT) < 0 ||
         PyModule_AddIntConstant(m, "RH_CHUNK_DEFAULT", (long)HR_RH_CHUNK_DEFAULT) < 0 ||
         PyModule_AddIntConstant(m, "BCAST_TREE_MAX_DEFAULT", (long)HR_BCAST_TREE_MAX_DEFAULT) < 0 ||

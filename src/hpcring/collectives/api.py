@@ -370,7 +370,7 @@ class Communicator:
         ok = self.__dict__.get("_ok_ops") or self._short_ops()
         if (op, tag) not in ok:
             return _GENERAL                # the general path raises check_op's UsageError
-        t = self._short_deadline(timeout)
+        t = self.timeout if timeout is None else self._short_deadline(timeout)
         flat = host if host.ndim == 1 else host.reshape(-1)
         if inplace:
             res, rflat = x, flat
@@ -379,20 +379,39 @@ class Communicator:
             rflat = res if res.ndim == 1 else res.reshape(-1)
             if tensor:
                 res = sys.modules["torch"].from_numpy(res)
-        elif (type(out) is np.ndarray and not tensor and out.dtype == host.dtype and out.size == host.size
-              and out.flags.c_contiguous and out.flags.writeable):
+        elif type(out) is np.ndarray and not tensor and out.size == host.size and out.dtype == host.dtype:
+            oflags = out.flags
+            if not (oflags.c_contiguous and oflags.writeable):
+                return _GENERAL
             res, rflat = out, (out if out.ndim == 1 else out.reshape(-1))
         else:
             return _GENERAL                # other out= forms: the general path checks or explains
-        rec = self.recorder.queue("allreduce", tag, flat.size, None, t)
-        FlightRecorder.start(rec)
-        try:
-            if self.precheck and self.size > 1:
+        be = self.backend
+        if self.precheck and self.size > 1:     # the precheck reads a Record: the general store
+            rec = self.recorder.begin("allreduce", tag, flat.size, None, t)
+            try:
                 self._precheck(rec)
-            self.backend.allreduce(flat, rflat, tag, op, t)
+                be.allreduce(flat, rflat, tag, op, t)
+            except BaseException as e:
+                raise self._failed(rec, e) from None
+            FlightRecorder.finish(rec)
+            return res
+        # the record is a slot of the recorder's C ring (recorder.py): written by the ring's
+        # native call itself, or around the backend's call here
+        fl = self.recorder.flight
+        seq = None
+        try:
+            rec_call = getattr(be, "allreduce_rec", None)
+            if rec_call is None or not rec_call(fl, flat, rflat, tag, op, t):
+                seq = fl.record("allreduce", tag, flat.size, None, t)
+                be.allreduce(flat, rflat, tag, op, t)
+                fl.end(seq)
         except BaseException as e:
+            seq = seq if seq is not None else getattr(e, "seq", None)
+            rec = self.recorder.record_of(seq) if seq is not None else None
+            if rec is None:                     # refused before it was recorded: record it now
+                rec = self.recorder.begin("allreduce", tag, flat.size, None, t)
             raise self._failed(rec, e) from None
-        FlightRecorder.finish(rec)
         return res
 
     _VIEWS_MAX = 64
@@ -466,15 +485,23 @@ class Communicator:
         else:
             res = cp.empty(shape, dtype=x.dtype) if out is None else out
             rflat = res if res.ndim == 1 else res.reshape(-1)
-        rec = self.recorder.queue(kind, tag, flat.size, root, t)
-        FlightRecorder.start(rec)
-        try:
-            if self.precheck and self.size > 1:
+        if self.precheck and self.size > 1:     # the precheck reads a Record: the general store
+            rec = self.recorder.begin(kind, tag, flat.size, root, t)
+            try:
                 self._precheck(rec)
+                pending = be.enqueue(kind, flat, rflat, tag, op, root, t, stream)
+            except BaseException as e:
+                raise self._failed(rec, e) from None
+            self._ordered.add(rec, pending, None, res)
+            return res
+        # a slot of the recorder's C ring; the poller ends it (engine.Completions)
+        seq = self.recorder.flight.record(kind, tag, flat.size, root, t)
+        try:
             pending = be.enqueue(kind, flat, rflat, tag, op, root, t, stream)
         except BaseException as e:
-            raise self._failed(rec, e) from None
-        self._ordered.add(rec, pending, None, res)
+            raise self._failed(self.recorder.record_of(seq) or self.recorder.begin(kind, tag, flat.size, root, t),
+                               e) from None
+        self._ordered.add(seq, pending, None, res)
         return res
 
     def _allreduce_grouped(self, arrays: Sequence, op: str = "sum", *, timeout: float | None = None,

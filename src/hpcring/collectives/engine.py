@@ -170,7 +170,17 @@ class Completions:
         with self._cv:
             return [it for q in self._queues.values() for it in q]
 
-    def add(self, rec: Record, pending, handle: Handle | None, result) -> None:
+    def _record(self, rec: Record | int) -> Record:
+        """An item's Record: itself, or for a ring slot's sequence number a copy that writes
+        through to the slot (recorded again if the ring has overwritten it)."""
+        if type(rec) is not int:
+            return rec
+        recorder = self._comm.recorder
+        return recorder.record_of(rec) or recorder.queue("?", None, 0, None, 0.0)
+
+    def add(self, rec: Record | int, pending, handle: Handle | None, result) -> None:
+        """Watch ``pending`` (the backend's event); ``rec``: its Record, or the sequence number of
+        its slot in the recorder's C ring (recorder.py)."""
         stream = getattr(pending, "stream", None)
         with self._cv:
             q = self._queues.get(stream)
@@ -193,6 +203,7 @@ class Completions:
 
     def _loop(self) -> None:
         backend = self._comm.backend
+        flight = self._comm.recorder.flight
         recycle = getattr(backend, "recycle", None)
         delay = self.POLL_MIN
         next_scan = time.monotonic() + self.DEADLINE_SCAN
@@ -230,7 +241,10 @@ class Completions:
                         return
                     if done and (i == 0 or stream is None):
                         del q[i]            # the head (or an unordered op): deque ends are O(1)
-                        FlightRecorder.finish(rec)
+                        if type(rec) is int:    # a slot of the recorder's C ring (the short path)
+                            flight.end(rec)
+                        else:
+                            FlightRecorder.finish(rec)
                         if handle is not None:
                             handle._set(result)
                             held += 1
@@ -253,10 +267,10 @@ class Completions:
         with self._cv:
             items = [it for q in self._queues.values() for it in q]
             self._queues, self._count, self._held = {}, 0, 0
-        err = self._comm._failed(item[0], e)      # may end the process (watchdog abort mode)
+        err = self._comm._failed(self._record(item[0]), e)   # may end the process (watchdog abort mode)
         for rec, _, handle, _ in items:
             if rec is not item[0]:
-                FlightRecorder.finish(rec, err)
+                FlightRecorder.finish(self._record(rec), err)
             if handle is not None:
                 handle._set(error=err)
         with self._cv:

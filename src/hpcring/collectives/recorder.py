@@ -4,8 +4,14 @@ Each collective the :class:`~hpcring.collectives.api.Communicator` runs gets a :
 sequence number, op, dtype, element count, root, backend, state (``queued`` -> ``started`` ->
 ``done`` or ``failed``), wall-clock timestamps and the Python call site that issued it. Records
 live in a bounded deque (``HPCRING_FLIGHT_RECORDS``, default 2048), so memory is fixed however
-long the job runs. The cost is one small object and one frame walk per call (measured about
-2-3 us, see docs/diagnostics.md), paid also by the 4 KiB allreduces that take ~40 us.
+long the job runs.
+
+Two stores, one recorder: the general path keeps :class:`Record` objects in the deque (about
+1 us per call: an object, a frame walk, a lock); the short paths of the host backends write a
+slot of :attr:`FlightRecorder.flight`, a preallocated ring in C (``hpcring._native.Flight``: no
+Python object per call; the ring backend's allreduce writes it from C in the same call as the
+collective). One sequence counter (the ring's) numbers both; readers (:meth:`records`, reports,
+dumps) see one history, merged by sequence number, with ring slots turned into Records on read.
 
 The recorder is what the hang watchdog exchanges between ranks (the last few records and the
 ones in flight) and what is dumped as JSON to ``<job folder>/diag/flight-rank<r>.json`` on a
@@ -20,6 +26,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from hpcring import _native
 from hpcring.fsutil import write_json
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../hpcring
@@ -107,7 +114,7 @@ class Record:
     slotted class: one is made per collective, so construction must cost well under a microsecond."""
 
     __slots__ = ("seq", "op", "dtype", "count", "root", "backend", "timeout", "_site", "state", "t_queued",
-                 "t_started", "t_ended", "error", "group")
+                 "t_started", "t_ended", "error", "group", "flight")
     FIELDS = ("seq", "op", "dtype", "count", "root", "backend", "timeout", "site", "state", "t_queued",
               "t_started", "t_ended", "error")
 
@@ -115,9 +122,11 @@ class Record:
                  timeout: float, site, state: str = QUEUED) -> None:
         self.seq, self.op, self.dtype, self.count, self.root = seq, op, dtype, count, root
         self.backend, self.timeout, self._site, self.state = backend, timeout, site, state
-        self.t_queued = time.time()
-        self.t_started = self.t_ended = self.error = None
+        self.t_queued = now = time.time()
+        self.t_started = now if state == STARTED else None      # begun at once (FlightRecorder.begin)
+        self.t_ended = self.error = None
         self.group = None             # a group's (recorder's) name and members; None: the job's
+        self.flight = None            # the Flight ring whose slot this copies (FlightRecorder.record_of)
 
     @property
     def site(self) -> str:
@@ -143,17 +152,29 @@ class FlightRecorder:
         ``size`` are then the group's); its records carry both."""
         self.rank, self.size, self.backend = rank, size, backend
         self.group = None if group is None else (group, tuple(members or ()))
-        self._records: deque[Record] = deque(maxlen=capacity or default_capacity())
+        self.capacity = capacity or default_capacity()
+        self._records: deque[Record] = deque(maxlen=self.capacity)
         self._lock = threading.Lock()
-        self._seq = 0
+        # the short paths' records, and the one sequence counter (module docstring)
+        self.flight = _native.Flight(self.capacity, _SKIP)
 
     def queue(self, op: str, dtype: str | None, count: int, root: int | None, timeout: float,
               site: str | None = None) -> Record:
         """Record a new collective (state ``queued``) and give it the next sequence number."""
         with self._lock:
-            self._seq += 1
-            rec = Record(self._seq, op, dtype, count, root, self.backend, timeout,
+            rec = Record(self.flight.take(), op, dtype, count, root, self.backend, timeout,
                          site if site is not None else _caller(2))
+            if self.group is not None:
+                rec.group = self.group
+            self._records.append(rec)
+        return rec
+
+    def begin(self, op: str, dtype: str | None, count: int, root: int | None, timeout: float) -> Record:
+        """:meth:`queue` and :meth:`start` in one step, for a call that starts at once (the short
+        paths): the same record, queued and started at the same instant. The call site is looked
+        for from two frames up (the public method that called the short path) outwards."""
+        with self._lock:
+            rec = Record(self.flight.take(), op, dtype, count, root, self.backend, timeout, _caller(3), STARTED)
             if self.group is not None:
                 rec.group = self.group
             self._records.append(rec)
@@ -172,15 +193,38 @@ class FlightRecorder:
         else:
             rec.state = FAILED
             rec.error = str(error)
+        if rec.flight is not None:    # a copy of a ring slot: the slot is the record
+            rec.flight.end(rec.seq, rec.error)
 
     @property
     def seq(self) -> int:
         """Sequence number of the newest record (0 before the first collective)."""
-        return self._seq
+        return self.flight.seq
+
+    def _from_slot(self, t: tuple) -> Record:
+        seq, op, dtype, count, root, timeout, state, t_queued, t_started, t_ended, site, error = t
+        rec = Record(seq, op, dtype, count, root, self.backend, timeout, site, state)
+        rec.t_queued, rec.t_started, rec.t_ended, rec.error = t_queued, t_started, t_ended, error
+        rec.group = self.group
+        return rec
+
+    def record_of(self, seq: int) -> Record | None:
+        """The Record of ring slot ``seq`` (None once overwritten): a copy whose :meth:`finish`
+        writes through to the slot (the failure path of a short-path call)."""
+        t = self.flight.get(seq)
+        if t is None:
+            return None
+        rec = self._from_slot(t)
+        rec.flight = self.flight
+        return rec
 
     def records(self, last: int | None = None) -> list[Record]:
+        """The newest ``last`` records (all kept: up to the capacity), oldest first, from both stores."""
         with self._lock:
             recs = list(self._records)
+            slots = self.flight.snapshot()
+        if slots:
+            recs = sorted(recs + [self._from_slot(t) for t in slots], key=lambda r: r.seq)[-self.capacity:]
         return recs if last is None else recs[-last:]
 
     def in_flight(self) -> list[Record]:
@@ -194,7 +238,7 @@ class FlightRecorder:
 
     def summary(self, last: int = 8) -> dict:
         """What the watchdog exchanges: the newest records plus the counters."""
-        return {"rank": self.rank, "backend": self.backend, "seq": self._seq, "last_done": self.last_done(),
+        return {"rank": self.rank, "backend": self.backend, "seq": self.seq, "last_done": self.last_done(),
                 "records": [r.to_dict() for r in self.records(last)]}
 
     def dump(self, path: str | os.PathLike, extra: dict | None = None) -> Path:

@@ -673,6 +673,24 @@ class RingBackend(Backend):
         except ValueError as e:
             raise UsageError(str(e)) from None
 
+    def allreduce_rec(self, flight, sendbuf, recvbuf, dtype, op, timeout) -> bool:
+        """allreduce with its flight record written in C, in the same call (``flight``: the
+        recorder's ``_native.Flight``; issue 23's per-call path). False, with nothing done or
+        recorded, until the lazy setup has run (the caller records and calls :meth:`allreduce`).
+        A failure raises allreduce's errors, with ``.seq`` the failed record's."""
+        nc = self._native_comm
+        if nc is None:
+            return False
+        try:
+            _N.allreduce_rec(nc, flight, sendbuf, recvbuf, DTYPE_CODES[dtype], OP_CODES[op], timeout)
+        except _native.NativeError as e:
+            err = _translate(e)
+            err.seq = getattr(e, "seq", None)
+            raise err from None
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return True
+
     def allgather(self, sendbuf, recvbuf, dtype, timeout):
         self._call("allgather", _N.allgather, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
 
