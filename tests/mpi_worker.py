@@ -153,6 +153,8 @@ def run_skip(comm: Communicator, deadline: float) -> int:
         comm.allreduce(np.ones(1000, np.float32), timeout=deadline)
     except CollectiveError as e:
         print(f"CAUGHT rank={rank} elapsed={time.monotonic() - t0:.3f} msg={str(e).splitlines()[0]}", flush=True)
+        last = comm.recorder.records()[-1]        # the short path's record (the C ring's slot)
+        print(f"RECORD rank={rank} {last.op}#{last.seq} {last.state} error={last.error == str(e)}", flush=True)
         try:
             comm.barrier(timeout=deadline)
         except CollectiveError as e2:

@@ -146,9 +146,6 @@ def mismatch_message(table, rank: int, hosts=None) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # dtype/op mapping (pure; unit-tested without MPI)
 # ---------------------------------------------------------------------------------------------
-_PLANS: dict = {}     # (dtype, op) -> reduce_plan's answer, widened, dtype and op codes (allreduce)
-
-
 def reduce_plan(dtype: str, op: str) -> tuple[str, str, str]:
     """(numpy view dtype of the wire buffer, MPI datatype name, MPI op name) for a reduction.
 
@@ -284,6 +281,7 @@ class MpiBackend(LibraryBackend):
         self.abort_on_timeout = abort_default() if abort_on_timeout is None else bool(abort_on_timeout)
         self.check = (check_default() if check is None else bool(check)) and self._size > 1
         self._sig = np.empty(2 * SIG_LEN, np.int64)       # reused: (signature, -signature)
+        self._plans: dict = {}                            # (dtype, op) -> _plan's answer
         self.abort_code = int(abort_code)
         self._stuck: list = []            # requests (and their buffers) of calls that timed out
 
@@ -374,6 +372,7 @@ class MpiBackend(LibraryBackend):
         self._stuck = []
         self.check = check_default() and self._size > 1
         self._sig = np.empty(2 * SIG_LEN, np.int64)
+        self._plans = {}
 
     def _start(self, name: str, timeout: float) -> tuple[int, float]:
         """The sequence number of the call and its time left, after the lazy setup (if due)."""
@@ -464,16 +463,20 @@ class MpiBackend(LibraryBackend):
         """The signature check (module docstring): raises the named mismatch on every rank.
         ``sig``: :func:`signature`'s array, or the same values as a tuple of ints (hot path)."""
         buf = self._sig
-        if type(sig) is tuple:
-            buf[:] = sig + tuple(-v for v in sig)    # one assignment: cheaper than numpy ops
-        else:
-            buf[:SIG_LEN] = sig
-            np.negative(sig, out=buf[SIG_LEN:])
+        if type(sig) is not tuple:
+            sig = tuple(int(v) for v in sig)
+        k, n, d, o, root, q = sig
+        full = [k, n, d, o, root, q, -k, -n, -d, -o, -root, -q]    # (signature, -signature)
+        buf[:] = full                   # one assignment: cheaper than numpy ops
         MPI = self._MPI
-        self._start_wait(name, seq, desc, timeout, t0, (buf,),
-                         lambda: self._comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], MPI.MAX), CHECK_SPIN_S)
-        got = buf.tolist()
-        if got[:SIG_LEN] == [-v for v in got[SIG_LEN:]]:
+        try:
+            req = self._comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], MPI.MAX)
+        except MPI.Exception as e:
+            self._start_failed(name, seq, desc, e)
+        self._wait(req, name, seq, desc, timeout, t0, (buf,), CHECK_SPIN_S)
+        # MAX of the signatures and of their negations (= -MIN): equal to this rank's own
+        # (signature, -signature) exactly when every rank's signature is this one
+        if buf.tolist() == full:
             return
         # every rank saw the difference (same allreduce result): all gather the signatures
         table = np.empty((self._size, SIG_LEN), np.int64)
@@ -489,10 +492,14 @@ class MpiBackend(LibraryBackend):
         try:
             req = start()
         except self._MPI.Exception as e:
-            msg = f"{name}#{seq}{desc} failed to start on {self._where()}: {e.Get_error_string()}"
-            self._error = msg
-            raise CollectiveError(msg) from None
+            self._start_failed(name, seq, desc, e)
         self._wait(req, name, seq, desc, timeout, t0, keep, spin)
+
+    def _start_failed(self, name, seq, desc, e) -> None:
+        """An MPI call refused to start a request: the sticky CollectiveError."""
+        msg = f"{name}#{seq}{desc} failed to start on {self._where()}: {e.Get_error_string()}"
+        self._error = msg
+        raise CollectiveError(msg) from None
 
     def _run(self, name, seq, desc, timeout, start, keep, sig=None):
         t0 = time.monotonic()
@@ -510,16 +517,23 @@ class MpiBackend(LibraryBackend):
         return view, getattr(self._MPI, mpi_type), getattr(self._MPI, mop)
 
     # -- collectives ----------------------------------------------------------------------
+    def _plan(self, dtype: str, op: str) -> tuple:
+        """allreduce's (wire view, MPI datatype, MPI op, widened, dtype code, op code) for
+        (dtype, op), made once per communicator (reduce_plan's UsageError for a bad pair)."""
+        view, mtype, mop = reduce_plan(dtype, op)
+        plan = self._plans[dtype, op] = (view, getattr(self._MPI, mtype), getattr(self._MPI, mop),
+                                         _widened(dtype, view), DTYPES.index(dtype), OPS.index(op))
+        return plan
+
     def allreduce(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
-        plan = _PLANS.get((dtype, op))
+        plan = self._plans.get((dtype, op))
         if plan is None:                           # argument errors before a sequence number is used
-            view, mtype, mop = reduce_plan(dtype, op)
-            plan = _PLANS[dtype, op] = (view, mtype, mop, _widened(dtype, view), DTYPES.index(dtype),
-                                        OPS.index(op))
+            reduce_plan(dtype, op)
         seq, timeout = self._start("allreduce", timeout)
+        if plan is None:                           # (after _start: a lazy backend imports MPI there)
+            plan = self._plan(dtype, op)
         view, mtype, mop, widened, dcode, ocode = plan
         MPI = self._MPI
-        mtype, mop = getattr(MPI, mtype), getattr(MPI, mop)
         n = recvbuf.size
         desc = self._lazy_desc(n, dtype, op)
         sig = (0, n, dcode, ocode, -1, seq)        # signature("allreduce", seq, n, dtype, op)
@@ -531,13 +545,21 @@ class MpiBackend(LibraryBackend):
                 work /= np.float32(self._size)
             _from_wire(work, recvbuf, dtype)
             return
+        # the common case, inline (issue 23's per-call path): _run's steps without its closures
+        t0 = time.monotonic()
+        if self.check:
+            self._agree(sig, "allreduce", seq, desc, timeout, t0)
         r = recvbuf.view(view)
-        if _same_memory(sendbuf, recvbuf):
-            start = lambda: self._comm.Iallreduce(MPI.IN_PLACE, [r, mtype], mop)  # noqa: E731
-        else:
-            s = sendbuf.view(view)
-            start = lambda: self._comm.Iallreduce([s, mtype], [r, mtype], mop)  # noqa: E731
-        self._run("allreduce", seq, desc, timeout, start, (sendbuf, recvbuf), sig)
+        keep = (sendbuf, recvbuf)
+        spin = CHECK_SPIN_S if 2 * recvbuf.nbytes <= SPIN_BYTES else 0.0
+        try:
+            if sendbuf is recvbuf or _same_memory(sendbuf, recvbuf):
+                req = self._comm.Iallreduce(MPI.IN_PLACE, [r, mtype], mop)
+            else:
+                req = self._comm.Iallreduce([sendbuf.view(view), mtype], [r, mtype], mop)
+        except MPI.Exception as e:
+            self._start_failed("allreduce", seq, desc, e)
+        self._wait(req, "allreduce", seq, desc, timeout, t0, keep, spin)
         if op == "avg":
             recvbuf /= recvbuf.dtype.type(self._size)
 
