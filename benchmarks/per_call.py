@@ -64,31 +64,79 @@ def _loop(fn, iters: int) -> float:
 
 
 class Timer:
-    """Wraps a library call: the time spent inside it, summed (perf_counter_ns)."""
+    """Wraps a library call: the time spent inside it, summed (perf_counter_ns). ``also``: more
+    wrapped calls (each timed on its own, summed into ``ns``)."""
 
     def __init__(self, fn) -> None:
-        self.fn, self.ns, self.calls = fn, 0, 0
+        self.fn, self._ns, self.calls, self.also = fn, 0, 0, []
+
+    @property
+    def ns(self) -> int:
+        return self._ns + sum(t.ns for t in self.also)
+
+    @ns.setter
+    def ns(self, v: int) -> None:
+        self._ns = v
+        for t in self.also:
+            t.ns = v
 
     def __call__(self, *a, **k):
         t0 = time.perf_counter_ns()
         try:
             return self.fn(*a, **k)
         finally:
-            self.ns += time.perf_counter_ns() - t0
+            self._ns += time.perf_counter_ns() - t0
             self.calls += 1
 
 
-def inside(fn, timer: Timer, iters: int, rounds: int, sync) -> tuple[float, float]:
-    """(us per call of ``fn``, us per call spent inside ``timer``'s library call): the median
-    round of the total loop with the library call timed where it happens."""
-    tot, lib = [], []
+class _TimedComm:
+    """An mpi4py communicator whose non-blocking collectives are timed (the rest passes through)."""
+
+    def __init__(self, comm, timer: Timer) -> None:
+        self._real = comm
+        for name in ("Iallreduce", "Iallgather", "Ibcast", "Ireduce_scatter", "Ialltoall", "Ibarrier"):
+            t = Timer(getattr(comm, name))
+            timer.also.append(t)
+            setattr(self, name, t)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def probe_cost() -> float:
+    """us one Timer adds around a call (its own bookkeeping, outside the timed interval but
+    inside the total loop's): subtracted from ``own`` once per timed call."""
+    def nothing(*a):
+        return None
+    t = Timer(nothing)
+    best = []
+    for _ in range(7):
+        t0 = time.perf_counter_ns()
+        for _ in range(20000):
+            t(1, 2, 3)
+        mid = time.perf_counter_ns()
+        for _ in range(20000):
+            nothing(1, 2, 3)
+        best.append((mid - t0) - (time.perf_counter_ns() - mid) - t.ns)
+        t.ns = 0
+    return max(statistics.median(best), 0) / 20000 / 1e3
+
+
+def inside(fn, timer: Timer, iters: int, rounds: int, sync, res: dict) -> None:
+    """The median round of the total loop with the library call timed where it happens, into
+    ``res``: in_total (us per call of ``fn``), in_native (us per call inside ``timer``'s library
+    calls), probe (us the timers themselves add per call, measured here and taken off own)."""
+    tot, lib, calls = [], [], []
     for _ in range(rounds):
         sync()
         timer.ns = 0
+        before = timer.calls + sum(t.calls for t in timer.also)
         tot.append(_loop(fn, iters))
         lib.append(timer.ns / 1e3 / iters)
+        calls.append((timer.calls + sum(t.calls for t in timer.also) - before) / iters)
     i = sorted(range(rounds), key=lambda k: tot[k] - lib[k])[rounds // 2]
-    return tot[i], lib[i]
+    res["in_total"], res["in_native"] = tot[i], lib[i]
+    res["probe"] = probe_cost() * calls[i]
 
 
 def general(comm, x) -> None:
@@ -147,17 +195,22 @@ def ring_rank(rank: int, fd: int, args, wfd: int | None) -> None:
     assert (x == 2).all(), "wrong sum"
     x[...] = 0
     f32, s = DTYPE_CODES["float32"], OP_CODES["sum"]
+    flight = _native.Flight(64, ())
     phases = {"total": lambda: comm.allreduce(x, out=x),
               "general": lambda: general(comm, x),
               "backend": lambda: be.allreduce(x, x, "float32", "sum", TIMEOUT),
-              "native": lambda: _native.Comm.allreduce(nat, x, x, f32, s, TIMEOUT)}
+              "native": lambda: _native.Comm.allreduce(nat, x, x, f32, s, TIMEOUT),
+              "native_rec": lambda: _native.Comm.allreduce_rec(nat, flight, x, x, f32, s, TIMEOUT)}
     sync = lambda: _native.Comm.barrier(nat, TIMEOUT)  # noqa: E731
     res = measure(phases, args.iters, args.rounds, sync)
+    # the short path's library call is allreduce_rec: the collective plus its flight record,
+    # written in C; the record's share (native_rec - native, separate loops) is hpcring's own
+    res["rec_in_c"] = max(res["native_rec"] - res["native"], 0.0)
     from hpcring.collectives import ring as R
-    timer = Timer(_native.Comm.allreduce)
-    real, R._N = R._N, types.SimpleNamespace(allreduce=timer)
+    timer = Timer(_native.Comm.allreduce_rec)
+    real, R._N = R._N, types.SimpleNamespace(allreduce=_native.Comm.allreduce, allreduce_rec=timer)
     try:
-        res["in_total"], res["in_native"] = inside(phases["total"], timer, args.iters, args.rounds, sync)
+        inside(phases["total"], timer, args.iters, args.rounds, sync, res)
     finally:
         R._N = real
     if args.profile:
@@ -213,11 +266,13 @@ def mpi_worker(args) -> None:
               "native": lambda: raw.Allreduce(MPI.IN_PLACE, [x, MPI.FLOAT], MPI.SUM)}
     res = measure(phases, args.iters, args.rounds, raw.Barrier)
     res["check"] = be.check
-    timer = Timer(be._start_wait)          # start + wait of every MPI request (the check's too)
-    be._start_wait = timer
-    res["in_total"], res["in_native"] = inside(phases["total"], timer, args.iters, args.rounds, raw.Barrier)
-    res["lib_calls"] = timer.calls / (args.iters * args.rounds)
-    del be._start_wait
+    # the library: starting every MPI request (the check's too) and its Test loop
+    timer = Timer(be._wait)
+    real_comm, be._wait, be._comm = be._comm, timer, _TimedComm(be._comm, timer)
+    inside(phases["total"], timer, args.iters, args.rounds, raw.Barrier, res)
+    res["lib_calls"] = sum(t.calls for t in timer.also) / (args.iters * args.rounds)
+    del be._wait
+    be._comm = real_comm
     if args.profile:
         res["profile"] = profile(phases["total"], args.iters, args.top)
     if world.Get_rank() == 0:
@@ -285,7 +340,7 @@ def run_nccl(args) -> dict:
     res = measure(phases, args.iters, args.rounds, trim)
     timer = Timer(nc.allReduce)
     nc.allReduce = timer
-    res["in_total"], res["in_native"] = inside(total, timer, args.iters, args.rounds, trim)
+    inside(total, timer, args.iters, args.rounds, trim, res)
     del nc.allReduce
     if args.profile:
         trim()
@@ -321,19 +376,23 @@ def main() -> int:
     print("general = the same call with Communicator.short_path off (the general path, same run)")
     print("separate loops: total = Communicator.allreduce, backend = backend.allreduce, native = the library "
           "alone;\nin-call: the total loop with the library call timed where it happens (own = total - "
-          "time inside the library = hpcring's own per-call cost)")
+          "time inside the library - probe = hpcring's own per-call cost; probe = what the timers "
+          "around the library calls add, measured; ring: + the flight record written inside the native "
+          "call, allreduce_rec - allreduce in separate loops)")
     hdr = (f"{'backend':8} {'general':>8} {'total':>8} {'backend':>8} {'native':>8} {'api':>7} {'tot-nat':>8} |"
-           f" {'in-call: total':>14} {'library':>8} {'own':>7}")
+           f" {'in-call: total':>14} {'library':>8} {'probe':>6} {'own':>7}")
     if before:
         hdr += f" || {'before: total':>13} {'library':>8} {'own':>7}"
     print(hdr)
     for name, r in results.items():
         line = (f"{name:8} {r.get('general', float('nan')):8.1f} {r['total']:8.1f} {r['backend']:8.1f} {r['native']:8.1f} "
                 f"{r['total'] - r['backend']:7.1f} {r['total'] - r['native']:8.1f} |"
-                f" {r['in_total']:14.1f} {r['in_native']:8.1f} {r['in_total'] - r['in_native']:7.1f}")
+                f" {r['in_total']:14.1f} {r['in_native']:8.1f} {r.get('probe', 0.0):6.1f}"
+                f" {r['in_total'] - r['in_native'] - r.get('probe', 0.0) + r.get('rec_in_c', 0.0):7.1f}")
         b = before.get(name)
         if b:
-            line += f" || {b['in_total']:13.1f} {b['in_native']:8.1f} {b['in_total'] - b['in_native']:7.1f}"
+            line += (f" || {b['in_total']:13.1f} {b['in_native']:8.1f}"
+                     f" {b['in_total'] - b['in_native'] - b.get('probe', 0.0):7.1f}")
         print(line)
     if "mpi" in results:
         print(f"(mpi: the backend's signature check is {'on' if results['mpi'].get('check') else 'off'}: "
