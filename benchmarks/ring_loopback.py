@@ -82,6 +82,11 @@ def make_case(op: str, n: int, rank: int, count: int):
     raise SystemExit(f"unknown op {op}")
 
 
+def _native_max_direct() -> int:
+    from hpcring import _native
+    return _native.DIRECT_MAX_RANKS
+
+
 def child(rank, n, port, args, q):
     from hpcring.bootstrap.store_client import StoreClient
     from hpcring.bootstrap.topology import Topology
@@ -93,7 +98,7 @@ def child(rank, n, port, args, q):
                     hosts=hosts, launcher="local", address="127.0.0.1")
     comm = Communicator.create(topo, StoreClient("127.0.0.1", port, SECRET, 60), SECRET, timeout=600,
                                sockbuf=args.sockbuf, shm=args.transport == "shm")
-    algos = ["ring", "rd", "rh"] if args.cutover else [args.algo]
+    algos = (["ring", "rd", "rh"] + (["direct"] if n <= _native_max_direct() else [])) if args.cutover else [args.algo]
     rows = []
     for nbytes in sizes(args):
         count = max(nbytes // 4, 0)
@@ -102,9 +107,9 @@ def child(rank, n, port, args, q):
                 comm.backend._comm.bcast_tree_max = 1 << 62 if algo == "tree" else 0
             else:                              # allreduce: (RD threshold, RH bytes per rank)
                 from hpcring import _native
-                comm.backend.rd_threshold, comm.backend.rh_chunk = {
-                    "ring": (0, 0), "rd": (1 << 62, 0), "rh": (0, 1 << 62),
-                }.get(algo, (_native.RD_THRESHOLD_DEFAULT, _native.RH_CHUNK_DEFAULT))
+                comm.backend.rd_threshold, comm.backend.rh_chunk, comm.backend.direct_max = {
+                    "ring": (0, 0, 0), "rd": (1 << 62, 0, 0), "rh": (0, 1 << 62, 0), "direct": (0, 0, 1 << 62),
+                }.get(algo, (_native.RD_THRESHOLD_DEFAULT, _native.RH_CHUNK_DEFAULT, _native.DIRECT_MAX_DEFAULT))
             run, wrong = make_case(args.op, n, rank, count)
             iters = args.iters if nbytes < (16 << 20) else max(3, args.iters // 4)
             for _ in range(args.warmup):
@@ -211,14 +216,14 @@ def main() -> None:
     ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("256M"))
     ap.add_argument("-f", "--stepfactor", type=int, default=4)
     ap.add_argument("--op", default="allreduce", choices=sorted(FACTORS))
-    ap.add_argument("--algo", default="auto", choices=["auto", "ring", "rd", "rh", "tree", "chain"],
+    ap.add_argument("--algo", default="auto", choices=["auto", "ring", "rd", "rh", "direct", "tree", "chain"],
                     help="allreduce: ring/rd (recursive doubling)/rh (recursive halving); broadcast: tree/chain")
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"],
                     help="shm: ranks on one host share memory (default); tcp: loopback TCP only")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--sockbuf", type=int, default=None)
-    ap.add_argument("--cutover", action="store_true", help="time ring, recursive doubling and recursive halving per size")
+    ap.add_argument("--cutover", action="store_true", help="time ring, recursive doubling, recursive halving (and direct exchange, n <= 3) per size")
     ap.add_argument("--mpi", action="store_true", help="also run mpi4py Allreduce under mpirun")
     ap.add_argument("--mpi-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -227,13 +232,15 @@ def main() -> None:
         return
     rows = run_ring(args)
     if args.cutover:
-        print(f"# allreduce cut-over, {args.nranks} ranks, {args.transport}, median time (us): size ring rd rh winner")
+        algos = list(dict.fromkeys(r[2] for r in rows))
+        print(f"# allreduce cut-over, {args.nranks} ranks, {args.transport}, median time (us): size "
+              f"{' '.join(algos)} winner")
         by = {}
         for nbytes, count, algo, t, bad in rows:
             by.setdefault(nbytes, {})[algo] = (t, bad)
         for nbytes, d in by.items():
             best = min(d, key=lambda a: d[a][0])
-            print(f" {nbytes:>12} " + " ".join(f"{d[a][0] * 1e6:>10.1f}" for a in ("ring", "rd", "rh"))
+            print(f" {nbytes:>12} " + " ".join(f"{d[a][0] * 1e6:>10.1f}" for a in algos)
                   + f" {best:>6}  wrong={sum(b for _, b in d.values())}")
         return
     header(f"hpcring ring {args.op}, {args.nranks} ranks, {args.transport}, algo={args.algo}")

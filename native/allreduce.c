@@ -47,6 +47,21 @@
  *
  * (16 processes on 2 cores: every step waits for a core, so the ring's many small steps cost
  * less here than on a fabric, where each is a network latency; re-measure on real nodes.)
+ *
+ * Few ranks and small messages: one round of direct exchange (allreduce_direct.c: 1 latency,
+ * (n-1) S sent per rank) before all of the above, on at most HR_DIRECT_MAX_RANKS (3) ranks while
+ * (n-1) S <= c->direct_max (HR_DIRECT_MAX_DEFAULT = 32 KiB, env HPCRING_DIRECT_MAX). Measured on
+ * loopback TCP, 2 cores, median of 200 (benchmarks/ring_loopback.py --cutover --transport tcp),
+ * us, recursive doubling / direct:
+ *
+ *     n=2    1 KiB  47.6 / 37.9    4 KiB  55.0 / 42.8    16 KiB  53.3 / 44.8
+ *     n=3    1 KiB  46.1 / 59.3    4 KiB 111.8 / 63.7    16 KiB  96.2 / 67.1
+ *     n=4    1 KiB  77.1 / 94.8    4 KiB  69.7 / 95.3    16 KiB  76.9 / 124.8
+ *     n=8    1 KiB 159.2 / 231.8   4 KiB 170.9 / 308.6   16 KiB 215.1 / 350.1
+ *
+ * At n = 3 recursive doubling folds (3 latencies against 1); from 4 ranks its log2 n rounds send
+ * fewer messages, which wins here where the ranks share 2 cores (on dedicated cores and a
+ * fabric, re-measure: 4-8 ranks may favour direct exchange too, which would need their full mesh).
  */
 #include "hr_internal.h"
 
@@ -65,6 +80,8 @@ int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int d
     /* shared memory: always on one node; across nodes (two-level) from c->twolevel_min */
     if (c->shm.base && (c->shm.ncol == 1 || (c->shm.ncol > 1 && bytes >= c->twolevel_min)))
         return hr_allreduce_shm(&op, sbuf, rbuf, count, dtype, redop, 0, count);
+    if (c->size > 1 && c->size <= HR_DIRECT_MAX_RANKS && bytes * (size_t)(c->size - 1) <= c->direct_max)
+        return hr_allreduce_direct(&op, sbuf, rbuf, count, dtype, redop);
     if (c->size > 1 && bytes >= c->rd_threshold &&
         bytes / (size_t)c->size >= c->rh_chunk)
         return hr_allreduce_ring(&op, sbuf, rbuf, count, dtype, redop);

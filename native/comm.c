@@ -211,8 +211,7 @@ void hr_chunks(uint64_t count, int n, size_t *off, size_t *cnt) {
     }
 }
 
-/* Build an iovec covering bytes [done, total) of header+data. Returns the iovec count. */
-static int window(struct iovec *iov, void *h, size_t hlen, void *d, size_t done, size_t total) {
+int hr_window(struct iovec *iov, void *h, size_t hlen, void *d, size_t done, size_t total) {
     int k = 0;
     if (done < hlen) {
         iov[k].iov_base = (char *)h + done;
@@ -244,7 +243,7 @@ int hr_sendrecv(hr_op_t *op, int speer, const void *sbuf, size_t slen, int send_
         ssize_t r;
         if (sd < stot) {
             r = hr_tcp_sendv(&c->tcp, speer, iov,
-                             window(iov, &op->hdr, shl, (void *)sbuf, sd, stot), why, sizeof(why));
+                             hr_window(iov, &op->hdr, shl, (void *)sbuf, sd, stot), why, sizeof(why));
             if (r < 0) return hr_op_fail_peer(op, 0, speer, why);
             if (r > 0) {
                 size_t pay = (sd + (size_t)r > shl ? sd + (size_t)r - shl : 0) -
@@ -255,7 +254,7 @@ int hr_sendrecv(hr_op_t *op, int speer, const void *sbuf, size_t slen, int send_
             }
         }
         if (rd < rtot) {
-            r = hr_tcp_recvv(&c->tcp, rpeer, iov, window(iov, &rh, rhl, rbuf, rd, rtot), why,
+            r = hr_tcp_recvv(&c->tcp, rpeer, iov, hr_window(iov, &rh, rhl, rbuf, rd, rtot), why,
                              sizeof(why));
             if (r < 0) return hr_op_fail_peer(op, 1, rpeer, why);
             if (r > 0) {
@@ -302,6 +301,7 @@ int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, in
     c->timeout = timeout;
     c->rd_threshold = HR_RD_THRESHOLD_DEFAULT;
     c->rh_chunk = HR_RH_CHUNK_DEFAULT;
+    c->direct_max = HR_DIRECT_MAX_DEFAULT;
     c->bcast_tree_max = HR_BCAST_TREE_MAX_DEFAULT;
     c->twolevel_min = HR_TWOLEVEL_MIN_DEFAULT;
     c->streams = nconn;

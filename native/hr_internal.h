@@ -49,6 +49,13 @@
  * defaults only from 5 ranks up). 0 turns it off. */
 #define HR_RH_CHUNK_DEFAULT ((size_t)65536)
 
+/* allreduce on at most HR_DIRECT_MAX_RANKS ranks: one round of direct exchange
+ * (allreduce_direct.c) while the bytes each rank sends, (n-1) S, are at most c->direct_max
+ * (measured, allreduce.c). 0 turns it off. At most 3 ranks: the ring's neighbours are then every
+ * rank, so connections on demand hold what it needs. */
+#define HR_DIRECT_MAX_RANKS 3
+#define HR_DIRECT_MAX_DEFAULT ((size_t)32768)
+
 /* Element types. Numbers are part of the Python binding's ABI: the module exports them (DTYPES,
  * OPS) and hpcring.collectives.dtypes checks its table against them at import. */
 enum hr_dtype {
@@ -86,6 +93,7 @@ typedef struct hr_comm {
     double timeout;             /* default deadline of one collective, seconds */
     size_t rd_threshold;        /* allreduce: bytes below which recursive doubling is used */
     size_t rh_chunk;            /* allreduce: bytes per rank below which recursive halving is used */
+    size_t direct_max;          /* allreduce: bytes sent per rank up to which direct exchange is used */
     size_t bcast_tree_max;      /* broadcast: bytes below which the binomial tree is used */
     size_t twolevel_min;        /* several hosts: bytes from which the two-level allreduce runs */
     uint32_t seq;               /* number of collectives started */
@@ -139,6 +147,10 @@ int hr_op_check_hdr(hr_op_t *op, const hr_hdr_t *got, int peer);
 /* Grow the staging / scratch buffers. */
 int hr_comm_stage(hr_op_t *op, size_t bytes);
 int hr_comm_tmp(hr_op_t *op, size_t bytes);
+
+/* An iovec covering bytes [done, total) of hlen header bytes at h followed by the data at d.
+ * Returns the iovec count (0..2). */
+int hr_window(struct iovec *iov, void *h, size_t hlen, void *d, size_t done, size_t total);
 
 /* Exchange: send shdr(optional)+sbuf to speer while receiving rhdr(optional)+rbuf from rpeer,
  * until both complete or the deadline passes. speer/rpeer may be -1 (no send / no receive).
@@ -199,6 +211,9 @@ int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int d
                  double timeout);
 int hr_allreduce_ring(hr_op_t *op, const void *sbuf, void *buf, size_t count, int dtype, int redop);
 int hr_allreduce_rd(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
+/* allreduce_direct.c: every rank sends its input to every other and reduces in rank order (at
+ * most HR_DIRECT_MAX_RANKS ranks; sbuf == rbuf means in place). HR_OK or HR_ERR. */
+int hr_allreduce_direct(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype, int redop);
 /* allreduce_rd.c, shared with allreduce_rh.c: for n not a power of two p, the first 2(n-p) ranks
  * pair up; the even one sends its buffer (with the header) to the odd one, which reduces it.
  * Sets *v to this rank's virtual rank among the p that go on (-1: it sits out until hr_unfold,

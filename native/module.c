@@ -688,6 +688,9 @@ static PyGetSetDef Comm_getset[] = {
     {"timeout", (getter)Comm_get_timeout, NULL, "default deadline, s (read-only: given at creation)", NULL},
     {"rd_threshold", (getter)Comm_get_cut, (setter)Comm_set_cut,
      "allreduce bytes below which recursive doubling is used", (void *)offsetof(hr_comm_t, rd_threshold)},
+    {"direct_max", (getter)Comm_get_cut, (setter)Comm_set_cut,
+     "allreduce on at most DIRECT_MAX_RANKS ranks: bytes sent per rank ((n-1) x message) up to which direct exchange is used (0: never; every rank the same)",
+     (void *)offsetof(hr_comm_t, direct_max)},
     {"rh_chunk", (getter)Comm_get_cut, (setter)Comm_set_cut,
      "allreduce bytes per rank below which recursive halving is used (0: never; every rank the same)", (void *)offsetof(hr_comm_t, rh_chunk)},
     {NULL, NULL, NULL, NULL, NULL}};
@@ -819,6 +822,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddObjectRef(m, "Flight", (PyObject *)&FlightType) < 0 ||
         PyModule_AddIntConstant(m, "RD_THRESHOLD_DEFAULT", (long)HR_RD_THRESHOLD_DEFAULT) < 0 ||
         PyModule_AddIntConstant(m, "RH_CHUNK_DEFAULT", (long)HR_RH_CHUNK_DEFAULT) < 0 ||
+        PyModule_AddIntConstant(m, "DIRECT_MAX_DEFAULT", (long)HR_DIRECT_MAX_DEFAULT) < 0 ||
+        PyModule_AddIntConstant(m, "DIRECT_MAX_RANKS", (long)HR_DIRECT_MAX_RANKS) < 0 ||
         PyModule_AddIntConstant(m, "BCAST_TREE_MAX_DEFAULT", (long)HR_BCAST_TREE_MAX_DEFAULT) < 0 ||
         mod_add_codes(m) < 0) {
         Py_DECREF(m);

@@ -94,12 +94,15 @@ class ThreadGroup:
 
     def set_algo(self, algo: str) -> None:
         """Force allreduce's algorithm for every size from 1 byte: "ring", "rd" (recursive
-        doubling) or "rh" (recursive halving/doubling); "default" restores the measured cut-overs."""
+        doubling), "rh" (recursive halving/doubling) or "direct" (one round, at most
+        DIRECT_MAX_RANKS ranks); "default" restores the measured cut-overs."""
         from hpcring import _native
-        rd, rh = {"ring": (0, 0), "rd": (1 << 40, 0), "rh": (0, 1 << 40),
-                  "default": (_native.RD_THRESHOLD_DEFAULT, _native.RH_CHUNK_DEFAULT)}[algo]
+        rd, rh, direct = {"ring": (0, 0, 0), "rd": (1 << 40, 0, 0), "rh": (0, 1 << 40, 0),
+                          "direct": (0, 0, 1 << 40),
+                          "default": (_native.RD_THRESHOLD_DEFAULT, _native.RH_CHUNK_DEFAULT,
+                                      _native.DIRECT_MAX_DEFAULT)}[algo]
         for c in self.comms:
-            c.backend.rd_threshold, c.backend.rh_chunk = rd, rh
+            c.backend.rd_threshold, c.backend.rh_chunk, c.backend.direct_max = rd, rh, direct
 
     def close(self) -> None:
         for c in self.comms:

@@ -131,6 +131,7 @@ SIZES = [0, 1, 7, 1000, 4099]
 # ---- allreduce: op x dtype x size x world size x algorithm --------------------------------------
 @pytest.mark.parametrize("n,algo,mode", [(n, a, "plain") for n in range(1, 7) for a in ("ring", "rd", "rh")] +
                          [(n, "rh", "plain") for n in (7, 8, 9)] + [(5, "rh", "striped")] +
+                         [(n, "direct", "plain") for n in (1, 2, 3)] + [(3, "direct", "striped")] +
                          [(n, "ring", "striped") for n in (2, 3, 5)] +
                          [(4, "ring", "shm"), (3, "ring", "shm"), (6, "ring", "twolevel"), (6, "rd", "twolevel"),
                           (5, "ring", "mixed")])
@@ -433,6 +434,47 @@ def test_recursive_halving_mismatch_and_missing_rank_are_named(n):
         named = [r for r in range(n - 1) if f"rank {n - 1} (node{n - 1})" in str(errs[r])]
         assert named and all("timed out after 1.0 s" in str(errs[r]) for r in named), errs
         assert g.comms[0].error is not None                # sticky
+    finally:
+        g.close()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_direct_exchange_mismatch_missing_rank_and_dead_rank_are_named(n):
+    """Direct exchange (the default for small messages on 2-3 ranks): another count or another
+    collective is a named mismatch; a rank that never joins is named at the deadline by every
+    rank that waits for it; every rank ends with the same bits."""
+    count = 1000                                            # 4 KB: direct exchange
+    g = H.ThreadGroup(n, timeout=10)
+    try:
+        assert all(c.backend.direct_max == _native.DIRECT_MAX_DEFAULT >= (n - 1) * count * 4 for c in g.comms)
+        _, errs = g.run(lambda c: c.allreduce(np.ones(count + (c.rank == n - 1), np.float32)))
+        assert all(isinstance(e, CollectiveError) for e in errs)
+        assert any("mismatched collective" in str(e) and f"count={count + 1}" in str(e) for e in errs), errs
+    finally:
+        g.close()
+    g = H.ThreadGroup(n, timeout=10)
+    try:
+        _, errs = g.run(lambda c: c.barrier() if c.rank == 0 else c.allreduce(np.ones(count, np.float32)))
+        # the rank that sees the mismatch names it and shuts its connections: the others may see that first
+        assert all(isinstance(e, CollectiveError) for e in errs), errs
+        assert any("mismatched collective" in str(e) and "barrier#1" in str(e) for e in errs), errs
+    finally:
+        g.close()
+    g = H.ThreadGroup(n, timeout=10)
+    try:
+        t0 = time.monotonic()
+        _, errs = g.run(lambda c: c.allreduce(np.ones(count, np.float32), timeout=1.0), ranks=range(n - 1))
+        assert time.monotonic() - t0 < 5
+        assert all(f"rank {n - 1} (node{n - 1})" in str(errs[r]) and "timed out after 1.0 s" in str(errs[r])
+                   for r in range(n - 1)), errs
+        assert g.comms[0].error is not None                # sticky
+    finally:
+        g.close()
+    g = H.ThreadGroup(n, timeout=10)
+    try:
+        g.comms[n - 1].backend._native_comm.abort("rank gone")         # its sockets shut: as if it died
+        _, errs = g.run(lambda c: c.allreduce(np.ones(count, np.float32), timeout=5.0), ranks=range(n - 1))
+        assert all(isinstance(errs[r], CollectiveError) and f"rank {n - 1}" in str(errs[r]) for r in range(n - 1)), errs
     finally:
         g.close()
 

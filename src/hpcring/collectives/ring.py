@@ -161,7 +161,8 @@ class HostLayout:
 # Cut-overs and striping in native/ that an environment variable may override (unset: the
 # measured defaults there): variable, the native Comm's attribute.
 _NATIVE_ENV = (("HPCRING_RING_STRIPE_MIN", "stripe_min"), ("HPCRING_TWOLEVEL_MIN", "twolevel_min"),
-               ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max"), ("HPCRING_RH_CHUNK", "rh_chunk"))
+               ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max"), ("HPCRING_RH_CHUNK", "rh_chunk"),
+               ("HPCRING_DIRECT_MAX", "direct_max"))
 
 
 def static_peers(rank: int, size: int, hosts, shm: bool, streams: int = 1,
@@ -171,7 +172,8 @@ def static_peers(rank: int, size: int, hosts, shm: bool, streams: int = 1,
     rank's set iff rank is in q's, with the same count, so both sides of a pair agree without a
     word. Must follow native/: allreduce_ring / allgather_ring / reduce_scatter_ring /
     broadcast_pipeline (r +- 1), broadcast_tree (any root: r +- 2^i), barrier (r +- 2^i),
-    allreduce_rd and allreduce_rh (fold r^1 below 2 rem, partners v ^ 2^i), shared memory (the
+    allreduce_rd and allreduce_rh (fold r^1 below 2 rem, partners v ^ 2^i), allreduce_direct
+    (every rank, in a job of at most DIRECT_MAX_RANKS = 3: the ring's neighbours), shared memory (the
     host's ranks: the liveness signal) and allreduce_shm's two-level ring (column neighbours)."""
     out: dict[int, int] = {}
 
@@ -649,6 +651,17 @@ class RingBackend(Backend):
     @rh_chunk.setter
     def rh_chunk(self, value: int) -> None:
         self._comm.rh_chunk = int(value)
+
+    @property
+    def direct_max(self) -> int:
+        """Allreduce on at most ``_native.DIRECT_MAX_RANKS`` ranks: one round of direct exchange
+        while the bytes each rank sends, (size-1) x the message, are at most this (0: never;
+        native/allreduce.c; every rank must agree)."""
+        return self._comm.direct_max
+
+    @direct_max.setter
+    def direct_max(self, value: int) -> None:
+        self._comm.direct_max = int(value)
 
     def _call(self, name, fn, *args):
         args = (*args[:-1], self._ensure(name, args[-1]))       # the last argument is the deadline

@@ -127,6 +127,9 @@ VARS: tuple[Var, ...] = (
        "loopback TCP (site: fabric.ring_shm)"),
     _v("HPCRING_RH_CHUNK", "int", None, "allreduce from HPCRING_RD_THRESHOLD up: recursive halving/doubling "
        "while bytes per rank are below this, the ring above (unset: the measured 64 KiB; 0: never)", 0, 1 << 62),
+    _v("HPCRING_DIRECT_MAX", "int", None, "allreduce on at most 3 ranks: one round of direct exchange while "
+       "each rank sends at most this many bytes ((ranks - 1) x message; unset: the measured 32 KiB; 0: never)",
+       0, 1 << 62),
     _v("HPCRING_BCAST_TREE_MAX", "int", None, "ring broadcast: binomial tree up to this many bytes, "
        "pipelined chain above (unset: the measured 256 KiB)", 0, 1 << 62),
     _v("HPCRING_RING_STRIPE_MIN", "int", None, "ring striping: bytes of a chunk per stream before "
