@@ -16,7 +16,8 @@
  *   Comm.allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout): allreduce recorded in a
  *     Flight (module_flight.c: the flight recorder's ring of records, filled in C)
  *   Comm.barrier(timeout=0.0)
- *   Comm.close(); attributes rank, size, seq, failed, error, timeout; settable rd_threshold,
+ *   Comm.close(); attributes rank, size, seq, failed, error, timeout; settable cut-overs
+ *   rd_threshold, rh_chunk, direct_max, bcast_tree_max, twolevel_min (allreduce.c, broadcast.c),
  *   streams (<= connections per peer), threads, stripe_min (see ring_pass.c)
  *   Comm.shm_attach(name, create, local_ranks, column, slot); shm_unlink(name): shared memory
  *   between the ranks of a node (transport_shm.h; setup and unlinking in collectives/ring.py)
