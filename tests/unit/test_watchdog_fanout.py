@@ -161,6 +161,60 @@ def test_the_listener_parses_nothing_before_the_mac_and_caps_the_body():
         lst.close()
 
 
+def test_send_many_delivers_to_all_at_once_and_types_each_failure():
+    """One thread, many listeners: the live ones get their bodies; a closed port, a listener
+    that never greets, one with another secret and a malformed address each fail on their own,
+    with send()'s error types, and the whole call lasts one timeout, not one per failure."""
+    seen: list = []
+    good = [fanout.Listener("127.0.0.1", SECRET, seen.append).start() for _ in range(5)]
+    other = fanout.Listener("127.0.0.1", b"o" * 32, seen.append).start()
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)                                          # accepts (kernel backlog), never greets
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    try:
+        jobs = [(f"127.0.0.1:{g.port}", json.dumps({"to": i}).encode()) for i, g in enumerate(good)]
+        jobs += [(f"127.0.0.1:{closed_port}", b"{}"), (f"127.0.0.1:{mute.getsockname()[1]}", b"{}"),
+                 (f"127.0.0.1:{other.port}", b"{}"), ("no-port-here", b"{}")]
+        t0 = time.monotonic()
+        errs = fanout.send_many(jobs, SECRET, timeout=1.5)
+        took = time.monotonic() - t0
+        assert errs[:5] == [None] * 5
+        assert isinstance(errs[5], ConnectionRefusedError)
+        assert isinstance(errs[6], TimeoutError) and "hello" in str(errs[6])
+        assert isinstance(errs[7], (ConnectionError, OSError)) and errs[7] is not None
+        assert isinstance(errs[8], (ValueError, OSError))
+        assert took < 3.0, took                             # one timeout for all, not per failure
+        end = time.monotonic() + 5
+        while len(seen) < 5 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert sorted(m["to"] for m in seen) == [0, 1, 2, 3, 4]    # the other secret's listener got nothing
+        assert fanout.send_many([], SECRET, timeout=1.0) == []
+    finally:
+        for g in good + [other]:
+            g.close()
+        mute.close()
+
+
+@pytest.mark.parametrize("size", [100, 20_000, 3 << 20])
+def test_send_many_carries_bodies_of_any_size(size):
+    seen: list = []
+    lst = [fanout.Listener("127.0.0.1", SECRET, seen.append).start() for _ in range(3)]
+    try:
+        body = fanout.pack({"pad": "x" * size})             # compressed above 16 KiB
+        assert fanout.send_many([(f"127.0.0.1:{x.port}", body) for x in lst], SECRET, timeout=10) == [None] * 3
+        end = time.monotonic() + 5
+        while len(seen) < 3 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert [len(m["pad"]) for m in seen] == [size] * 3
+    finally:
+        for x in lst:
+            x.close()
+
+
 # ------------------------------------------------------------------------ watchdogs, one store
 
 def test_48_watchdogs_use_the_store_only_to_trigger_and_all_get_the_report(tmp_path, monkeypatch):

@@ -6,8 +6,9 @@ Tree (indices relative to the root: ``v = (rank - root) % n``, written in base k
 children of ``v`` are ``v + j * k**i`` for j = 1..k-1 and every ``k**i`` below ``span(v)``, the
 place of ``v``'s lowest non-zero digit (all powers below n for the root), largest first; the
 subtree of ``c`` is the contiguous block ``[c, c + span(c))``. A rank sends to its (k-1) log_k n
-children at most in parallel, one thread each, so a level costs one round trip, not k: radix 2
-(binomial) would be the optimum for one send at a time and takes 3x the levels. Each hop is a
+children at most all at once, from one thread over non-blocking sockets (:func:`send_many`), so a
+level costs one round trip, not k: radix 2 (binomial) would be the optimum for one send at a time
+and takes 3x the levels. Each hop is a
 fresh authenticated connection, and on a loaded node a hop is what costs (the harness,
 docs/scale.md). A message to
 ``c`` carries the addresses of that block, so a forwarder needs nothing from the store, and a
@@ -30,12 +31,15 @@ zlib-compressed (:func:`pack`), inflated only after its MAC and digest are check
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
 import logging
+import os
 import queue
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -156,6 +160,106 @@ def send(address: str, body: bytes, secret: bytes, timeout: float | None = None)
             raise ConnectionError("the trigger listener could not prove it knows the job secret")
 
 
+class _Out:
+    """One :func:`send_many` delivery: a non-blocking socket stepping through :func:`send`'s
+    exchange (connect, greeting, proof and body, acknowledgement)."""
+
+    __slots__ = ("sock", "body", "state", "buf", "out", "ns", "nc", "extra", "error")
+
+    def __init__(self, body: bytes) -> None:
+        self.sock, self.body, self.state, self.buf, self.out = None, body, "connect", b"", b""
+        self.ns = self.nc = self.extra = b""
+        self.error: BaseException | None = None
+
+    def step(self, secret: bytes) -> int | None:
+        """Move on after the socket became ready; the events to wait for next, or None when done
+        (``error`` then says how it ended)."""
+        s, D = self.sock, auth.DIAG
+        if self.state == "connect":
+            err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise ConnectionRefusedError(err, os.strerror(err))
+            self.state = "hello"
+            return selectors.EVENT_READ
+        if self.state in ("hello", "answer"):
+            want = D.hello_len if self.state == "hello" else auth.MAC_LEN
+            chunk = s.recv(want - len(self.buf))
+            if not chunk:
+                raise ConnectionError("connection closed by the listener")
+            self.buf += chunk
+            if len(self.buf) < want:
+                return selectors.EVENT_READ
+            if self.state == "answer":
+                if not hmac.compare_digest(self.buf, D.server_proof(secret, self.ns, self.nc, b"", self.extra)):
+                    raise ConnectionError("the trigger listener could not prove it knows the job secret")
+                return None
+            if self.buf[:len(D.magic)] != D.magic:
+                raise auth.NotAPeer("bad magic in the greeting")
+            self.ns, self.buf = self.buf[len(D.magic):], b""
+            self.nc = secrets.token_bytes(auth.NONCE_LEN)
+            self.extra = _EXTRA.pack(len(self.body), hashlib.sha256(self.body).digest())
+            self.out = self.nc + D.client_proof(secret, self.ns, self.nc, b"", self.extra) + self.extra + self.body
+            self.state = "send"
+            return selectors.EVENT_WRITE
+        sent = s.send(self.out)                # state "send"
+        self.out = self.out[sent:]
+        if self.out:
+            return selectors.EVENT_WRITE
+        self.state = "answer"
+        return selectors.EVENT_READ
+
+
+def send_many(jobs: list[tuple[str, bytes]], secret: bytes, timeout: float | None = None) -> list[BaseException | None]:
+    """:func:`send` of each ``(address, body)`` in ``jobs``, all at once from this thread
+    (non-blocking sockets and one selector: a parent reaches its children without a thread per
+    child, which on a host running thousands of ranks costs a thread start and GIL hand-overs
+    each). Returns, in order, None for a delivery the listener acknowledged, else its error
+    (OSError, ConnectionError or ValueError, as :func:`send` raises them). ``timeout`` (default
+    :func:`step`) bounds every delivery from the start."""
+    timeout = step() if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    outs = [_Out(body) for _, body in jobs]
+    sel = selectors.DefaultSelector()
+    try:
+        for o, (address, _) in zip(outs, jobs):
+            try:
+                host, _, port = address.rpartition(":")
+                family, kind, proto, _, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+                o.sock = socket.socket(family, kind, proto)
+                o.sock.setblocking(False)
+                err = o.sock.connect_ex(sockaddr)
+                if err not in (0, errno.EINPROGRESS):
+                    raise ConnectionRefusedError(err, os.strerror(err))
+                sel.register(o.sock, selectors.EVENT_WRITE, o)
+            except (OSError, ValueError, IndexError) as e:
+                o.error = e if isinstance(e, (OSError, ValueError)) else ValueError(str(e))
+                o.state = "done"
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in sel.select(left):
+                o = key.data
+                try:
+                    events = o.step(secret)
+                except (OSError, ConnectionError, ValueError) as e:
+                    o.error, events = e, None
+                if events is None:
+                    sel.unregister(o.sock)
+                    o.state = "done"
+                else:
+                    sel.modify(o.sock, events, o)
+        for o in outs:
+            if o.state != "done":
+                o.error = TimeoutError(f"no acknowledgement within {timeout:g} s ({o.state})")
+    finally:
+        sel.close()
+        for o in outs:
+            if o.sock is not None:
+                o.sock.close()
+    return [o.error for o in outs]
+
+
 class Listener:
     """A rank's trigger listener: one thread accepting on ``bind`` (port 0: any) and handler
     threads reading the connections (started as needed, at most :data:`MAX_HANDLERS`, then kept:
@@ -265,9 +369,9 @@ def message(root: int, n: int, v: int, addrs: list, trig: dict, up: str | None =
 def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
             step_timeout: float | None = None, delivered: list | None = None) -> list[int]:
     """Deliver the trigger to ``v``'s children (``addrs``: addresses of ``subtree(v)``, from
-    ``v`` on, None where unknown; ``addrs[0]``, this rank's own, is sent along as ``up``), one
-    thread per child so that a frozen child delays only its own subtree, taking over the subtree
-    of a child that cannot be reached. Appends ``(relative index, address)`` of every rank it
+    ``v`` on, None where unknown; ``addrs[0]``, this rank's own, is sent along as ``up``), to all
+    at once (:func:`send_many`: a frozen child costs the step timeout once, not per sibling),
+    taking over the subtree of a child that cannot be reached. Appends ``(relative index, address)`` of every rank it
     delivered to (this rank's children in the tree as it stands) to ``delivered``. Returns (once
     every branch is done) the relative indices that could not be reached at all."""
     up = addrs[0] if addrs else None
@@ -288,48 +392,34 @@ def relay(n: int, v: int, addrs: list, kids: list[int], body: bytes, secret: byt
     lost = _spread(n, v, addrs, kids, lambda c, block: body, secret, step_timeout, None)
     if not lost:
         return lost
-    again: list[int] = []
-
-    def retry(c: int) -> None:
-        try:
-            send(addrs[c - v], body, secret, RETRY_STEPS * step_timeout)
-        except (OSError, ConnectionError, ValueError, TypeError, IndexError):
-            again.append(c)
-    threads = [threading.Thread(target=retry, args=(c,), name="hpcring-watchdog-retry", daemon=True)
-               for c in lost]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(RETRY_STEPS * step_timeout + 1.0)
-    return sorted(again)
+    retry = [c for c in lost if 0 <= c - v < len(addrs) and addrs[c - v]]
+    errors = send_many([(addrs[c - v], body) for c in retry], secret, RETRY_STEPS * step_timeout)
+    return sorted({c for c in lost if c not in retry} | {c for c, e in zip(retry, errors) if e is not None})
 
 
 def _spread(n: int, v: int, addrs: list, first: list[int], body_for, secret: bytes, step_timeout: float,
             delivered: list | None) -> list[int]:
+    """Deliver to ``first`` (relative indices) at once (:func:`send_many`), then to the children
+    of each that could not be reached, level by level. Returns the relative indices not reached."""
     lost: list[int] = []
-
-    def branch(start: int) -> None:
-        todo = [start]
-        while todo:
-            c = todo.pop(0)
-            block = subtree(c, n)
+    todo = list(first)
+    while todo:
+        jobs, sent, later = [], [], []
+        for c in todo:
             addr = addrs[c - v] if 0 <= c - v < len(addrs) else None
             if addr:
-                try:
-                    send(addr, body_for(c, addrs[c - v:c - v + len(block)]), secret, step_timeout)
-                    if delivered is not None:
-                        delivered.append((c, addr))
-                    continue
-                except (OSError, ConnectionError, ValueError) as e:
-                    log.info("watchdog fan-out: relative rank %d at %s unreachable (%s); covering its subtree",
-                             c, addr, e)
+                jobs.append((addr, body_for(c, addrs[c - v:c - v + len(subtree(c, n))])))
+                sent.append(c)
+            else:
+                lost.append(c)
+                later += children(c, n)    # its children, in the next batch (largest first)
+        for c, (addr, _), err in zip(sent, jobs, send_many(jobs, secret, step_timeout)):
+            if err is None:
+                if delivered is not None:
+                    delivered.append((c, addr))
+                continue
+            log.info("watchdog fan-out: relative rank %d at %s unreachable (%s); covering its subtree", c, addr, err)
             lost.append(c)
-            todo[0:0] = children(c, n)     # its children, before the rest (largest first)
-
-    threads = [threading.Thread(target=branch, args=(c,), name="hpcring-watchdog-fanout", daemon=True)
-               for c in first]
-    for t in threads:
-        t.start()
-    for t in threads:           # each branch is bounded: step_timeout per rank it could not reach
-        t.join()
+            later += children(c, n)
+        todo = later
     return sorted(lost)
