@@ -474,7 +474,9 @@ def test_direct_exchange_mismatch_missing_rank_and_dead_rank_are_named(n):
     try:
         g.comms[n - 1].backend._native_comm.abort("rank gone")         # its sockets shut: as if it died
         _, errs = g.run(lambda c: c.allreduce(np.ones(count, np.float32), timeout=5.0), ranks=range(n - 1))
-        assert all(isinstance(errs[r], CollectiveError) and f"rank {n - 1}" in str(errs[r]) for r in range(n - 1)), errs
+        # a rank that sees the dead one shuts its own connections: a third may see that first
+        assert all(isinstance(errs[r], CollectiveError) for r in range(n - 1)), errs
+        assert any(f"rank {n - 1} (node{n - 1})" in str(errs[r]) for r in range(n - 1)), errs
     finally:
         g.close()
 
