@@ -80,7 +80,7 @@ static int check_dtype_op(int dtype, int op, int need_op) {
     return 0;
 }
 
-static int check_len(Py_buffer *b, int dtype, const char *what) {
+static int check_len(const Py_buffer *b, int dtype, const char *what) {
     if (b->len % (Py_ssize_t)hr_dtype_size(dtype)) {
         PyErr_Format(PyExc_ValueError, "%s is %zd bytes, not a whole number of %s elements", what,
                      b->len, hr_dtype_name(dtype));
@@ -229,6 +229,17 @@ static PyObject *Comm_close(CommObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* allreduce's arguments: an open comm, a known dtype and op, equal whole-element buffers. */
+static int check_allreduce(CommObject *self, const Py_buffer *s, const Py_buffer *r, int dtype, int op) {
+    if (check_open(self) || check_dtype_op(dtype, op, 1) || check_len(r, dtype, "recvbuf"))
+        return -1;
+    if (s->len != r->len) {
+        PyErr_Format(PyExc_ValueError, "sendbuf is %zd bytes but recvbuf %zd", s->len, r->len);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *Comm_allreduce(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "op", "timeout", NULL};
     Py_buffer s = {0}, r = {0};
@@ -237,12 +248,7 @@ static PyObject *Comm_allreduce(CommObject *self, PyObject *args, PyObject *kw) 
     PyObject *ret = NULL;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*ii|d", kwlist, &s, &r, &dtype, &op, &timeout))
         return NULL;
-    if (check_open(self) || check_dtype_op(dtype, op, 1) || check_len(&r, dtype, "recvbuf"))
-        goto cleanup;
-    if (s.len != r.len) {
-        PyErr_Format(PyExc_ValueError, "sendbuf is %zd bytes but recvbuf %zd", s.len, r.len);
-        goto cleanup;
-    }
+    if (check_allreduce(self, &s, &r, dtype, op)) goto cleanup;
     RUN_LOCKED(self, rc, hr_allreduce(&self->c, s.buf, r.buf, (size_t)r.len / hr_dtype_size(dtype),
                                       dtype, op, timeout));
     if (rc != HR_OK) raise_native(self);
@@ -266,12 +272,7 @@ static PyObject *Comm_allreduce_rec(CommObject *self, PyObject *args) {
     PyObject *ret = NULL;
     if (!PyArg_ParseTuple(args, "O!y*w*iid", &FlightType, &flight, &s, &r, &dtype, &op, &timeout))
         return NULL;
-    if (check_open(self) || check_dtype_op(dtype, op, 1) || check_len(&r, dtype, "recvbuf"))
-        goto cleanup;
-    if (s.len != r.len) {
-        PyErr_Format(PyExc_ValueError, "sendbuf is %zd bytes but recvbuf %zd", s.len, r.len);
-        goto cleanup;
-    }
+    if (check_allreduce(self, &s, &r, dtype, op)) goto cleanup;
     if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {  /* before the record: none is left open */
         PyErr_SetString(PyExc_RuntimeError, "communicator is already running a collective in another thread");
         goto cleanup;
