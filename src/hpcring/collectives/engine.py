@@ -170,13 +170,15 @@ class Completions:
         with self._cv:
             return [it for q in self._queues.values() for it in q]
 
-    def _record(self, rec: Record | int) -> Record:
+    def _record(self, item: tuple) -> Record:
         """An item's Record: itself, or for a ring slot's sequence number a copy that writes
-        through to the slot (recorded again if the ring has overwritten it)."""
+        through to the slot (recorded again, from what its pending op says, if the ring has
+        overwritten it since)."""
+        rec, pending = item[0], item[1]
         if type(rec) is not int:
             return rec
         recorder = self._comm.recorder
-        return recorder.record_of(rec) or recorder.queue("?", None, 0, None, 0.0)
+        return recorder.record_of(rec) or recorder.queue(pending.name, None, 0, None, pending.timeout)
 
     def add(self, rec: Record | int, pending, handle: Handle | None, result) -> None:
         """Watch ``pending`` (the backend's event); ``rec``: its Record, or the sequence number of
@@ -267,10 +269,11 @@ class Completions:
         with self._cv:
             items = [it for q in self._queues.values() for it in q]
             self._queues, self._count, self._held = {}, 0, 0
-        err = self._comm._failed(self._record(item[0]), e)   # may end the process (watchdog abort mode)
-        for rec, _, handle, _ in items:
+        err = self._comm._failed(self._record(item), e)   # may end the process (watchdog abort mode)
+        for it in items:
+            rec, _, handle, _ = it
             if rec is not item[0]:
-                FlightRecorder.finish(self._record(rec), err)
+                FlightRecorder.finish(self._record(it), err)
             if handle is not None:
                 handle._set(error=err)
         with self._cv:

@@ -513,12 +513,12 @@ class MpiBackend(LibraryBackend):
         return buf.reshape(-1).view(np.uint8)
 
     def _reduce_args(self, dtype: str, op: str):
-        view, mpi_type, mop = reduce_plan(dtype, op)
-        return view, getattr(self._MPI, mpi_type), getattr(self._MPI, mop)
+        """(wire view, MPI datatype, MPI op) of :meth:`_plan`, for the other reductions."""
+        return (self._plans.get((dtype, op)) or self._plan(dtype, op))[:3]
 
     # -- collectives ----------------------------------------------------------------------
     def _plan(self, dtype: str, op: str) -> tuple:
-        """allreduce's (wire view, MPI datatype, MPI op, widened, dtype code, op code) for
+        """A reduction's (wire view, MPI datatype, MPI op, widened, dtype code, op code) for
         (dtype, op), made once per communicator (reduce_plan's UsageError for a bad pair)."""
         view, mtype, mop = reduce_plan(dtype, op)
         plan = self._plans[dtype, op] = (view, getattr(self._MPI, mtype), getattr(self._MPI, mop),
