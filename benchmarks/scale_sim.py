@@ -128,7 +128,7 @@ def _side_channel_only(rank, n, a, wd, comm, client, rec) -> None:
     from hpcring.collectives.recorder import FlightRecorder
     from hpcring.errors import CollectiveError
     client.barrier("sim/freeze", n, timeout=a.timeout)
-    rec["t_freeze"], rec["pcpu_freeze"] = time.time(), time.process_time()
+    rec["t_freeze"], rec["pcpu_freeze"], rec["tcpu_freeze"] = time.time(), time.process_time(), time.thread_time()
     if rank == n - 1:
         load_batch(wd, a.deadline + 90)
         return
@@ -214,7 +214,7 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
         rec["big_s"] = (time.perf_counter() - t) / a.iters_big
         del big
     client.barrier("sim/freeze", n, timeout=a.timeout)
-    rec["t_freeze"], rec["pcpu_freeze"] = time.time(), time.process_time()
+    rec["t_freeze"], rec["pcpu_freeze"], rec["tcpu_freeze"] = time.time(), time.process_time(), time.thread_time()
     if rank == n - 1:
         load_batch(wd, a.deadline + 90)
     else:
@@ -229,6 +229,7 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
 def _finish(rank, n, a, wd, comm, client, rec, shared, t0) -> None:
     wd.wait_report(60)
     rec["t_report"], rec["pcpu_report"] = time.time(), time.process_time()
+    rec["cpu_fail"] = time.thread_time() - rec.get("tcpu_freeze", time.thread_time())   # this rank's thread
     to_wall = time.time() - time.monotonic()
     rec["steps"] = {k: v + to_wall for k, v in wd.timings.items()}     # the watchdog's steps, wall clock
     rep = wd.report
@@ -237,9 +238,18 @@ def _finish(rank, n, a, wd, comm, client, rec, shared, t0) -> None:
         rec["report"] = rep.text()
     rec["t_start"] = t0
     try:
-        client.barrier("sim/end", n, timeout=a.timeout)
-        # rank 0 closes the store below: not before every rank has its barrier's answer
-        if client.add("sim/left", 1) == n:
+        # Every rank holds its report before any closes its listener: first this process's ranks
+        # (a thread barrier), then one store round trip per process, not per rank (4096 ranks
+        # entering a store barrier while the last reports travel took CPU from them)
+        wait = shared["barrier"]
+        wait()
+        if rank == rank0_of(shared):
+            if client.add("sim/end", a.count) == n:
+                client.set("sim/end-done", b"1")
+            client.get("sim/end-done", timeout=a.timeout)
+        wait()
+        # rank 0 closes the store below: not before every process is past the barrier
+        if rank == rank0_of(shared) and client.add("sim/left", a.count) == n:
             client.set("sim/all-left", b"1")
         if rank == 0:
             client.get("sim/all-left", timeout=a.timeout)
@@ -322,6 +332,18 @@ def predict_ring_fds(n: int, seen: tuple[int, float] | None) -> float:
     return f0 * math.log2(max(n, 2)) / math.log2(max(n0, 2)) + 2
 
 
+def _proc_stat() -> tuple[float, float]:
+    """(busy, all) jiffies of the whole machine, from /proc/stat's first line."""
+    f = [float(x) for x in open("/proc/stat").readline().split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)         # idle and iowait are not busy
+
+
+def _sample_cpu(samples: list, stop: threading.Event, every: float = 0.5) -> None:
+    """The machine's busy cores over time (what the failure's figures are bound by here)."""
+    while not stop.wait(every):
+        samples.append((time.time(), *_proc_stat()))
+
+
 def _renice_store(parent: subprocess.Popen, nice: int, stop: threading.Event) -> None:
     """Give the store process (rank 0's child ``hpcring.bootstrap.store_server``) priority ``nice``
     as soon as it appears: on a real job it has a core to itself; here its one thread would get
@@ -361,6 +383,8 @@ def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 
         env["HPCRING_HANDSHAKE_TIMEOUT"] = f"{handshake_timeout:g}"
     procs = []
     stop_renice = threading.Event()
+    cpu_samples: list = []
+    threading.Thread(target=_sample_cpu, args=(cpu_samples, stop_renice), daemon=True).start()
     t_spawn = time.time()
     try:
         for first in starts:
@@ -403,10 +427,26 @@ def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 
                 p.kill()
                 p.wait()
     row = _row(n, k, per_host, results, t_go, t_spawn, logs, deadline)
+    row["busy_cores"] = _busy_from(cpu_samples, row.pop("_t_freeze", None), row.get("frozen_to_report_s"))
     if not row["n_errors"] and log_dir is None:
         shutil.rmtree(tmp, ignore_errors=True)        # logs are kept only when something failed
         row["logs"] = None
     return row
+
+
+def _busy_from(samples: list, t0: float | None, span: float | None) -> list[float] | None:
+    """Busy cores (machine-wide) per second from ``t0`` (the frozen collective's start) for
+    ``span`` + 1 s: whether a phase of the failure waited for the CPU or for something else."""
+    if t0 is None or span is None or len(samples) < 2:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    out = []
+    for i in range(int(span) + 2):
+        pts = [x for x in samples if t0 + i <= x[0] <= t0 + i + 1.0]
+        if len(pts) >= 2:
+            (ta, ba, _), (tb, bb, _) = pts[0], pts[-1]
+            out.append(round((bb - ba) / hz / max(tb - ta, 1e-3), 1))
+    return out
 
 
 def _row(n, k, per_host, results, t_go, t_spawn, logs, deadline) -> dict:
@@ -443,6 +483,7 @@ def _row(n, k, per_host, results, t_go, t_spawn, logs, deadline) -> dict:
     freeze = [v["t_freeze"] for v in ranks.values() if "t_freeze" in v]
     reported = [v["t_report"] for v in ranks.values() if v.get("headline")]
     row["frozen_to_report_s"] = (max(reported) - min(freeze)) if freeze and len(reported) == n else None
+    row["_t_freeze"] = min(freeze) if freeze else None
     # CPU the worker processes spent from the freeze to their last rank's report (the failure's
     # rounds, the timed-out collective's return and the harness's waits), summed over processes
     fail_cpu = [max(v["pcpu_report"] for v in res["ranks"].values()) - min(v["pcpu_freeze"] for v in res["ranks"].values())
@@ -457,7 +498,7 @@ def _row(n, k, per_host, results, t_go, t_spawn, logs, deadline) -> dict:
     row["report_steps"] = {k: [len(ts), round(min(ts) - min(freeze), 2), round(sorted(ts)[len(ts) // 2] - min(freeze), 2),
                                round(max(ts) - min(freeze), 2)]
                            for k, ts in steps.items()} if freeze else {}
-    cpu = {k: sorted(v[k] for v in ranks.values() if k in v) for k in ("cpu_init", "cpu_conn")}
+    cpu = {k: sorted(v[k] for v in ranks.values() if k in v) for k in ("cpu_init", "cpu_conn", "cpu_fail")}
     row["rank_cpu_ms"] = {k: [round(1e3 * sum(c) / len(c), 2), round(1e3 * c[-1], 1)] for k, c in cpu.items() if c}
     row["deadline_s"] = deadline
     host = f"node{(n - 1) // per_host + 1}"
@@ -585,7 +626,8 @@ def main(argv=None) -> int:
         if a.show_report and row.get("report"):
             print(row["report"], flush=True)
         print(f"# N={n}: rank CPU ms (mean, max): {row.get('rank_cpu_ms')}; watchdog steps "
-              f"(ranks, first, median and last s from the frozen collective's start): {row.get('report_steps')}", flush=True)
+              f"(ranks, first, median and last s from the frozen collective's start): {row.get('report_steps')}; "
+              f"busy cores per second from that start: {row.get('busy_cores')}", flush=True)
         if row["n_errors"] or row["wrong"] or not row["frozen_named"]:
             status = 1
             print(f"# N={n}: {row['n_errors']} errors, {row['wrong']} wrong, frozen rank named: "

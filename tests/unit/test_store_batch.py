@@ -98,7 +98,7 @@ def test_exchange_publishes_and_reads_in_one_round_trip(server):
     c._read_reply = lambda sock: reads.append(1) or real(sock)
     sent = []
     real_pipeline = c._pipeline
-    c._pipeline = lambda reqs, wait, key: sent.append(len(reqs)) or real_pipeline(reqs, wait, key)
+    c._pipeline = lambda reqs, wait, key, *rest: sent.append(len(reqs)) or real_pipeline(reqs, wait, key, *rest)
     assert c.exchange({"mine": b"m"}, ["mine", "peer"], timeout=5) == [b"m", b"p"]
     assert sent == [2] and len(reads) == 2   # both frames went out before the first reply was read
 
@@ -391,7 +391,7 @@ def test_a_key_range_request_is_a_few_bytes_and_answers_like_the_list(server):
     keys = [f"rank/{r}" for r in range(2000)]
     sizes = []
     real = c._pipeline
-    c._pipeline = lambda reqs, wait, key: sizes.append(sum(len(a) for _, _, a in reqs)) or real(reqs, wait, key)
+    c._pipeline = lambda reqs, wait, key, *rest: sizes.append(sum(len(a) for _, _, a in reqs)) or real(reqs, wait, key, *rest)
     c.multi_set({k: k.encode() for k in keys[:1999]})
     with pytest.raises(st.StoreTimeoutError) as ei:
         c.multi_get(keys, timeout=0.2)

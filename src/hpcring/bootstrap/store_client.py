@@ -33,6 +33,11 @@ class _ReplyTooBig(BootstrapError):
     """The server would not fit a batched read's reply in one frame (ST_TOOBIG): ask in halves."""
 
 
+class ClientBusy(BootstrapError):
+    """Another thread held this client for longer than the call's ``timeout``: nothing was sent
+    (the caller may use a connection of its own)."""
+
+
 class _StoreBusy(ConnectionResetError):
     """The server closed a new connection before its hello: full, or pausing accepts (retryable)."""
 
@@ -150,18 +155,24 @@ class StoreClient:
         self.close()
 
     # -- one round trip ---------------------------------------------------------------------
-    def _call(self, op: int, key: str, args: bytes, wait: float) -> tuple[int, bytes]:
-        return self._pipeline([(op, key, args)], wait, key)[0]
+    def _call(self, op: int, key: str, args: bytes, wait: float, limit: float | None = None) -> tuple[int, bytes]:
+        return self._pipeline([(op, key, args)], wait, key, limit)[0]
 
-    def _pipeline(self, requests: list[tuple[int, str, bytes]], wait: float, key: str) -> list[tuple[int, bytes]]:
+    def _pipeline(self, requests: list[tuple[int, str, bytes]], wait: float, key: str,
+                  limit: float | None = None) -> list[tuple[int, bytes]]:
         """Send every request, then read every reply: one round trip however many there are.
-        ``key`` names the request in errors (a batch's keys are summarised by the caller)."""
+        ``key`` names the request in errors (a batch's keys are summarised by the caller).
+        ``limit``: a bound on the whole call, the wait for another thread's call included
+        (:class:`ClientBusy` when that wait alone passes it); None: ``wait`` + 5 s per read."""
         bodies = [encode_request(op, k, args) for op, k, args in requests]
         for body in bodies:
             if len(body) > self.max_frame:
                 raise BootstrapError(f"request for key {key!r} is {len(body)} bytes, over the store's "
                                      f"frame cap of {self.max_frame}", hint="the store is for small metadata")
-        with self._lock:
+        end = None if limit is None else time.monotonic() + limit
+        if not self._lock.acquire(timeout=-1 if limit is None else limit):
+            raise ClientBusy(f"store client for {self.address} busy in another thread for {limit:g} s (key {key!r})")
+        try:
             sock = self._sock
             if sock is None:
                 raise BootstrapError(f"store client for {self.address} is closed (key {key!r})")
@@ -170,7 +181,8 @@ class StoreClient:
                 frames.append(encode_frame(self._key, _DIR_TO_SERVER, self._send_seq, body))
                 self._send_seq += 1
             # The server answers a blocked GET at its own deadline; the slack covers the round trip.
-            sock.settimeout(wait + 5.0)
+            reply_wait = wait + 5.0 if end is None else max(0.05, end - time.monotonic())
+            sock.settimeout(reply_wait)
             try:
                 sock.sendall(b"".join(frames))
                 replies = [self._read_reply(sock) for _ in bodies]
@@ -187,12 +199,14 @@ class StoreClient:
                 sock.close()
                 raise BootstrapError(
                     f"no answer from the rendezvous store at {self.address} for key {key!r} "
-                    f"within {wait + 5.0:.1f}s", hint="rank 0 may be hung or the network path dropped") from e
+                    f"within {reply_wait:.1f}s", hint="rank 0 may be hung or the network path dropped") from e
             except OSError as e:
                 self._sock = None
                 sock.close()
                 raise BootstrapError(f"talking to the rendezvous store at {self.address} failed for "
                                      f"key {key!r}: {e}", hint="check rank 0 and the network path") from e
+        finally:
+            self._lock.release()
         for status, payload in replies:   # every reply is read first: the stream stays in step
             if status == ST_TOOBIG:
                 raise _ReplyTooBig(payload.decode("utf-8", "replace"))
@@ -393,9 +407,13 @@ class StoreClient:
         status, _ = self._call(OP_DELETE, key, b"", self.timeout)
         return status == ST_OK
 
-    def add(self, key: str, n: int) -> int:
-        """Atomically add ``n`` to the integer at ``key`` (missing = 0) and return the new value."""
-        _, payload = self._call(OP_ADD, key, I64.pack(int(n)), self.timeout)
+    def add(self, key: str, n: int, *, timeout: float | None = None) -> int:
+        """Atomically add ``n`` to the integer at ``key`` (missing = 0) and return the new value.
+        ``timeout``: a bound on the whole call (another thread's call on this client included:
+        :class:`ClientBusy`, nothing sent); past it the connection is dropped. Default: the
+        client's timeout for the reply."""
+        limit = None if timeout is None else _seconds("add timeout", timeout)
+        _, payload = self._call(OP_ADD, key, I64.pack(int(n)), self.timeout, limit)
         return I64.unpack(payload)[0]
 
     def wait(self, keys: Iterable[str], timeout: float | None = None) -> None:

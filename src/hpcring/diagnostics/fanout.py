@@ -37,7 +37,6 @@ import hmac
 import json
 import logging
 import os
-import queue
 import secrets
 import selectors
 import socket
@@ -57,7 +56,7 @@ MAX_BODY = 8 << 20            # a 4096-rank root's message is ~100 KiB of addres
 MAX_INFLATED = 256 << 20      # a compressed body may not inflate past this (64k ranks' snapshots: ~64 MiB)
 COMPRESS_OVER = 16 << 10      # bodies above this travel compressed (snapshots differ little: ~10x)
 RETRY_STEPS = 3               # a later round's second try at a rank the first could not reach: 3 steps
-MAX_HANDLERS = 32             # connections a listener reads at once (a root has up to 7 log8 n children)
+MAX_PENDING = 1024            # connections a listener reads at once (a root has up to 7 log8 n children)
 _EXTRA = struct.Struct(">I32s")  # body length, SHA-256 of the body (covered by the handshake MAC)
 
 
@@ -199,9 +198,11 @@ class _Out:
             self.nc = secrets.token_bytes(auth.NONCE_LEN)
             self.extra = _EXTRA.pack(len(self.body), hashlib.sha256(self.body).digest())
             self.out = self.nc + D.client_proof(secret, self.ns, self.nc, b"", self.extra) + self.extra + self.body
-            self.state = "send"
+            self.state = "send"                # at once: the listener is waiting for it
+        try:
+            sent = s.send(self.out)            # state "send"
+        except BlockingIOError:
             return selectors.EVENT_WRITE
-        sent = s.send(self.out)                # state "send"
         self.out = self.out[sent:]
         if self.out:
             return selectors.EVENT_WRITE
@@ -260,12 +261,72 @@ def send_many(jobs: list[tuple[str, bytes]], secret: bytes, timeout: float | Non
     return [o.error for o in outs]
 
 
+class _In:
+    """One connection a :class:`Listener` reads: a non-blocking socket stepping through the
+    listener's side of :func:`send`'s exchange (greeting, proof, body, acknowledgement)."""
+
+    __slots__ = ("sock", "state", "out", "buf", "want", "ns", "nc", "extra", "digest", "msg", "deadline")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline, self.msg = sock, deadline, None
+        self.ns, greeting = auth.DIAG.hello()
+        self.state, self.out, self.buf, self.want = "hello", greeting, bytearray(), auth.DIAG.proof_len
+        self.nc = self.extra = self.digest = b""
+
+    def step(self, secret: bytes) -> int | None:
+        """Move on after the socket became ready; the events to wait for next, or None when the
+        exchange is over (``msg`` then holds the message). Raises on anything unauthenticated,
+        over the cap or malformed: nothing is parsed before its MAC and digest are checked.
+        Each step does what it can without waiting (the sender sends its proof and body
+        together, so they are usually read in one call): on a loaded node every system call
+        and wake-up of this thread costs a hand-over of the interpreter."""
+        s = self.sock
+        if self.out:                           # states "hello" and "answer": writing
+            self.out = self.out[s.send(self.out):]
+            if self.out:
+                return selectors.EVENT_WRITE
+            if self.state == "answer":
+                return None
+            self.state = "proof"
+            return selectors.EVENT_READ        # the sender needs a round trip to answer
+        chunk = s.recv(max(self.want - len(self.buf), 1 << 16) if self.state == "proof" else
+                       min(self.want - len(self.buf), 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"connection closed by the sender ({self.state})")
+        self.buf += chunk
+        if self.state == "proof":              # the MAC first: nothing else is looked at before it
+            if len(self.buf) < self.want:
+                return selectors.EVENT_READ
+            proof_len = auth.DIAG.proof_len
+            self.nc, self.extra = auth.DIAG.check(secret, self.ns, bytes(self.buf[:proof_len]))
+            length, self.digest = _EXTRA.unpack(self.extra)
+            if length > MAX_BODY:
+                raise ConnectionError(f"message of {length} bytes is over the {MAX_BODY}-byte cap")
+            self.state, self.buf, self.want = "body", self.buf[proof_len:], length
+        if len(self.buf) < self.want:
+            return selectors.EVENT_READ
+        if len(self.buf) > self.want:
+            raise ConnectionError(f"{len(self.buf) - self.want} bytes past the message's authenticated length")
+        body = bytes(self.buf)
+        if not hmac.compare_digest(hashlib.sha256(body).digest(), self.digest):
+            raise ConnectionError("message body does not match its authenticated digest")
+        self.msg = unpack(body)
+        self.state, self.out = "answer", auth.DIAG.server_proof(secret, self.ns, self.nc, b"", self.extra)
+        try:                                   # 32 bytes into an empty send buffer: at once
+            self.out = self.out[s.send(self.out):]
+        except BlockingIOError:
+            pass
+        return selectors.EVENT_WRITE if self.out else None
+
+
 class Listener:
-    """A rank's trigger listener: one thread accepting on ``bind`` (port 0: any) and handler
-    threads reading the connections (started as needed, at most :data:`MAX_HANDLERS`, then kept:
-    a parent hears its children's subtrees in parallel, a slow peer delays only its own message,
-    and a thread is not started per message, which under load costs a GIL round trip each),
-    calling ``on_message(dict)`` for every authenticated message, in a handler thread."""
+    """A rank's trigger listener: one thread and one selector over the listening socket and every
+    connection being read (non-blocking, each stepping through the handshake on its own:
+    :class:`_In`). A parent hears its children's subtrees in parallel and a slow or silent peer
+    delays only its own message (each connection has :func:`step` to finish), with no thread per
+    connection or message: on a node running many ranks every thread start and GIL hand-over
+    counts (docs/scale.md). ``on_message(dict)`` is called in that thread for every authenticated
+    message, once its acknowledgement is sent; it must not block."""
 
     def __init__(self, bind: str, secret: bytes, on_message: Callable[[dict], None]) -> None:
         self._secret, self._on_message = secret, on_message
@@ -273,15 +334,13 @@ class Listener:
         try:
             self._sock.bind((bind, 0))
             self._sock.listen(128)
+            self._sock.setblocking(False)
         except BaseException:
             self._sock.close()
             raise
         self.port = self._sock.getsockname()[1]
         self._closing = False
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()   # accepted connections, then None: stop
-        self._idle = 0                                         # handlers waiting on the queue
-        self._handlers: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, _In] = {}
         self._thread = threading.Thread(target=self._serve, name="hpcring-watchdog-listen", daemon=True)
 
     def start(self) -> "Listener":
@@ -291,71 +350,94 @@ class Listener:
     def close(self) -> None:
         self._closing = True
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)    # wakes the blocked accept() (Linux)
+            self._sock.shutdown(socket.SHUT_RDWR)    # wakes the loop's poll() (Linux)
         except OSError:
             pass
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        for _ in self._handlers:
-            self._queue.put(None)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(2.0)
+        if not self._thread.is_alive():
+            self._release()
+
+    def _release(self) -> None:
+        for s in [self._sock, *self._conns]:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._conns.clear()
 
     def _serve(self) -> None:
-        # Blocked in accept() until a connection or close(): no periodic wake-up, which thousands
-        # of idle ranks per node would pay for (4096 rank threads waking twice a second here).
-        while not self._closing:
+        # Blocked in poll() until a connection, a byte, a connection's deadline or close(): no
+        # periodic wake-up, which thousands of idle ranks per node would pay for. poll(2), not
+        # epoll: no descriptor of its own, and a rank's listener watches a handful at most.
+        sel = selectors.PollSelector()
+        try:
+            sel.register(self._sock, selectors.EVENT_READ, None)
+            while not self._closing:
+                first = min((c.deadline for c in self._conns.values()), default=None)
+                timeout = None if first is None else max(0.0, first - time.monotonic())
+                for key, _ in sel.select(timeout):
+                    if self._closing:
+                        return
+                    if key.data is None:
+                        self._accept(sel)
+                    else:
+                        self._step(sel, key.data)
+                now = time.monotonic()
+                for c in [c for c in self._conns.values() if c.deadline <= now]:
+                    self._drop(sel, c, TimeoutError(f"no message within {step():g} s ({c.state})"))
+        except (OSError, ValueError) as e:
+            if not self._closing:
+                log.warning("watchdog listener stopped: %s", e)
+        finally:
+            sel.close()
+            if self._closing:
+                self._release()
+
+    def _accept(self, sel) -> None:
+        while len(self._conns) < MAX_PENDING:
             try:
                 conn, _peer = self._sock.accept()
-            except (OSError, ValueError):
+            except (BlockingIOError, InterruptedError):
                 return
-            with self._lock:
-                spawn = self._idle == 0 and len(self._handlers) < MAX_HANDLERS
-                if spawn:
-                    t = threading.Thread(target=self._handle, name="hpcring-watchdog-conn", daemon=True)
-                    self._handlers.append(t)
-            if spawn:
-                t.start()
-            self._queue.put(conn)      # at MAX_HANDLERS busy handlers, it waits for the first free
-
-    def _handle(self) -> None:
-        while True:
-            with self._lock:
-                self._idle += 1
-            conn = self._queue.get()
-            with self._lock:
-                self._idle -= 1
-            if conn is None or self._closing:
-                if conn is not None:
-                    conn.close()
+            except OSError as e:           # out of descriptors: the pending ones finish first
+                if self._closing:
+                    return
+                log.warning("watchdog listener: accept failed: %s", e)
+                time.sleep(0.1)            # the socket stays readable: not a busy loop
                 return
-            with conn:
-                msg = self._read(conn)
-            if msg is not None and not self._closing:
-                try:
-                    self._on_message(msg)
-                except Exception:  # noqa: BLE001 - the listener outlives a bad handler call
-                    log.exception("watchdog trigger handler failed")
+            conn.setblocking(False)
+            c = _In(conn, time.monotonic() + step())
+            self._conns[conn] = c
+            sel.register(conn, selectors.EVENT_WRITE, c)
+            self._step(sel, c)                 # the greeting, at once: a new socket can take it
 
-    def _read(self, conn: socket.socket) -> dict | None:
-        """One message, or None (logged) when the peer fails authentication or sends nonsense."""
+    def _step(self, sel, c: _In) -> None:
         try:
-            conn.settimeout(step())
-            ns, nc, extra = auth.DIAG.accept(conn, self._secret)   # MAC checked before any parsing
-            length, digest = _EXTRA.unpack(extra)
-            if length > MAX_BODY:
-                raise ConnectionError(f"message of {length} bytes is over the {MAX_BODY}-byte cap")
-            body = recv_exact(conn, length)
-            if not hmac.compare_digest(hashlib.sha256(body).digest(), digest):
-                raise ConnectionError("message body does not match its authenticated digest")
-            msg = unpack(body)
-            conn.sendall(auth.DIAG.server_proof(self._secret, ns, nc, b"", extra))
-            return msg
+            events = c.step(self._secret)
+            if c.state in ("body", "answer"):      # authenticated: time runs per step, as a
+                c.deadline = time.monotonic() + step()   # blocking read's timeout would
+        except (BlockingIOError, InterruptedError):
+            return
         except (OSError, ConnectionError, ValueError, EOFError) as e:
-            log.warning("watchdog listener: dropped a connection: %s", e)
-            return None
+            self._drop(sel, c, e)
+            return
+        if events is not None:
+            sel.modify(c.sock, events, c)
+            return
+        self._drop(sel, c, None)
+        if not self._closing:
+            try:
+                self._on_message(c.msg)
+            except Exception:  # noqa: BLE001 - the listener outlives a bad handler call
+                log.exception("watchdog trigger handler failed")
+
+    def _drop(self, sel, c: _In, error: BaseException | None) -> None:
+        if error is not None:
+            log.warning("watchdog listener: dropped a connection: %s", error)
+        sel.unregister(c.sock)
+        del self._conns[c.sock]
+        c.sock.close()
 
 
 # --------------------------------------------------------------------------------- forwarding

@@ -55,6 +55,8 @@ class TreeRounds:
         self.lost: set[int] = set()            # ranks below the trigger could not reach
         self.sent_up = False
         self.report: dict | None = None        # the root's report, wire form
+        self.waiting = 0                       # threads in wait_report: the first one passes it on
+        self.relay_owed = False                # ... (take_relay), else the listener's caller does
         self.acks: dict[int, int] = {}         # kid -> ranks of its subtree that acknowledged
         self.exit = threading.Event()
 
@@ -129,7 +131,7 @@ class TreeRounds:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
-                self.cond.wait(min(left, 0.5))
+                self.cond.wait(left)
 
     def take_up(self, own: dict | None) -> tuple[dict[int, dict], set[int], set[int]]:
         """What this rank sends up: ``(snapshots, stored, lost)``: its own snapshot (None: it
@@ -157,21 +159,34 @@ class TreeRounds:
 
     # -- report (down) ----------------------------------------------------------------------
     def on_report(self, msg: dict) -> bool:
-        """The report came down; True the first time (the caller passes it on and acts on it)."""
+        """The report came down; True the first time when no thread waits for it in
+        :meth:`wait_report` (the caller then passes it on), False otherwise (a waiting thread
+        passes it on: :meth:`take_relay`; no thread is started for it)."""
         if not isinstance(msg.get("report"), dict) or msg.get("root") != self.root:
             return False
         with self.cond:
             if self.report is not None:
                 return False
             self.report = msg["report"]
+            self.relay_owed = self.waiting > 0
             self.cond.notify_all()
-            return True
+            return not self.relay_owed
 
     def wait_report(self, deadline: float) -> dict | None:
         with self.cond:
-            while self.report is None and time.monotonic() < deadline:
-                self.cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+            self.waiting += 1
+            try:
+                while self.report is None and time.monotonic() < deadline:
+                    self.cond.wait(max(0.0, deadline - time.monotonic()))
+            finally:
+                self.waiting -= 1
             return self.report
+
+    def take_relay(self) -> bool:
+        """True once, for the thread that is to pass the report on (on_report left it to it)."""
+        with self.cond:
+            owed, self.relay_owed = self.relay_owed, False
+            return owed
 
     # -- ack (up), exit (down) ---------------------------------------------------------------
     def on_ack(self, msg: dict) -> None:
@@ -186,7 +201,7 @@ class TreeRounds:
         """Ranks below this one that acknowledged, once every child has (or at ``deadline``)."""
         with self.cond:
             while not (self.forwarded and all(k in self.acks for k, _ in self.kids)) and time.monotonic() < deadline:
-                self.cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+                self.cond.wait(max(0.0, deadline - time.monotonic()))
             return sum(self.acks.values())
 
     def envelope(self, kind: str, **body) -> dict:

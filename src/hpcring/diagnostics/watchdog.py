@@ -64,6 +64,7 @@ from hpcring.diagnostics import fanout, jobdir, teardown
 from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
 from hpcring.collectives.recorder import main_thread_location
 from hpcring.diagnostics.report import Report, diagnose
+from hpcring.bootstrap.store_client import ClientBusy
 from hpcring.errors import CollectiveError, HpcringError
 from hpcring.ranks import expand_ranges, rank_ranges
 
@@ -74,6 +75,7 @@ GRACE_STRETCH = 3            # the reporter waits at most this many graces while
 PUBLISH_TIMEOUT = 5.0        # how long start() may wait for the store to publish our address
 JITTER_RANKS = 256           # above this many ranks a failing rank waits up to JITTER_MAX_S for a trigger ...
 JITTER_MAX_S = 1.0           # ... (scaled by n / 4096) before it opens a store connection of its own
+CLAIM_TIMEOUT = 5.0          # a claim of the trigger on the session's connection (as a new one's connect)
 ACK_TIMEOUT = 5.0            # abort mode: how long a rank waits for its subtree's acknowledgements
 GROUP_SPAN = 64              # a rank heading a subtree of this many publishes it to the store itself
 
@@ -114,6 +116,7 @@ class Watchdog:
         self._handled = False
         self._forwarded = False
         self._forwarder: threading.Thread | None = None
+        self._fwd_done = threading.Event()             # the trigger's forwarding is over (children known)
         self._done = threading.Event()
         self.report: Report | None = None
         self._client = None            # opened on a failure (trigger, snapshot, report), never idle before
@@ -131,6 +134,9 @@ class Watchdog:
         self.timings: dict[str, float] = {}
         self._tree = TreeRounds(self.rank, self.size)    # this failure's tree (tree_rounds)
         self._heard = threading.Event()                  # placed in a failure's tree
+        self._work = threading.Condition()               # the tree's trigger handed to a waiting thread:
+        self._hosts = 0                                  # ... threads waiting in trigger() for it
+        self._pending: tuple | None = None               # ... and _handle_tree's arguments, not yet taken
         self._via_tree = False                           # ... and handling it there (not the store's way)
 
     # -- wiring ---------------------------------------------------------------------------
@@ -264,23 +270,77 @@ class Watchdog:
         Communicator (torch's own process groups: :mod:`hpcring.diagnostics.torch_watch`)."""
         self.timings.setdefault("triggered", time.monotonic())
         trig = {"rank": self.rank, "host": self.host, "error": error, "op": op, "time": time.time()}
-        if self.size > JITTER_RANKS and not self._heard.is_set():
-            # Thousands of ranks time out in the same collective within milliseconds: the first
-            # one's trigger reaches the rest down the tree in log8 n hops, so most need no store.
-            self._heard.wait(random.uniform(0.0, JITTER_MAX_S * min(1.0, self.size / 4096)))
-        if not self._heard.is_set():
-            self._trigger_with_store(trig)
-        self._done.wait(GRACE_STRETCH * self.grace + 20.0)
+        end = time.monotonic() + GRACE_STRETCH * self.grace + 20.0
+        with self._work:
+            self._hosts += 1           # this thread takes the tree's work when it comes (_run_tree)
+        hosting = True
+        try:
+            if self.size > JITTER_RANKS and not self._heard.is_set():
+                # Thousands of ranks time out in the same collective within milliseconds: the first
+                # one's trigger reaches the rest down the tree in log8 n hops, so most need no store.
+                self._heard.wait(random.uniform(0.0, JITTER_MAX_S * min(1.0, self.size / 4096)))
+            if not self._heard.is_set() and self._trigger_with_store(trig):
+                hosting = self._unhost()
+                self._handle_with_store(trig)    # in this (the failing) thread: no thread to start
+            work = self._next_work(end)
+            if work is not None:
+                hosting = self._unhost()
+                self._handle_tree(*work)
+        except Exception:  # noqa: BLE001 - the caller's own error is raised, with or without a report
+            log.exception("rank %d: watchdog failed while handling a failure", self.rank)
+        finally:
+            if hosting:
+                self._unhost()
+        self._done.wait(max(0.0, end - time.monotonic()))
         if self.abort and self.report is not None:
-            time.sleep(30.0)           # the listener thread is ending the process (os._exit)
+            time.sleep(30.0)           # another thread is ending the process (os._exit)
         return self.report
 
-    def _trigger_with_store(self, trig: dict) -> None:
+    def _run_tree(self, trig: dict, fwd: tuple | None = None) -> None:
+        """Handle the tree's trigger: in a thread already waiting in :meth:`trigger` (a rank whose
+        own collective failed, most of them) when there is one, else in a thread of its own (a
+        rank in user code, or in C). On a node running many ranks a thread start per rank and
+        failure is what costs (docs/scale.md)."""
+        with self._work:
+            if self._hosts:
+                self._pending = (trig, fwd)
+                self._work.notify_all()
+                return
+        threading.Thread(target=self._handle_tree, args=(trig, fwd), name=f"hpcring-watchdog-tree:{self.rank}",
+                         daemon=True).start()
+
+    def _next_work(self, end: float) -> tuple | None:
+        """Wait (until ``end``) for the tree's trigger handed to this thread, or the report."""
+        with self._work:
+            while self._pending is None and not self._done.is_set():
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._work.wait(left)
+            work, self._pending = self._pending, None
+            return work
+
+    def _unhost(self) -> bool:
+        """This thread stops taking the tree's work; work handed to it meanwhile gets a thread."""
+        with self._work:
+            self._hosts -= 1
+            work = None if self._hosts else self._pending
+            if work is not None:
+                self._pending = None
+        if work is not None:
+            threading.Thread(target=self._handle_tree, args=work, name=f"hpcring-watchdog-tree:{self.rank}",
+                             daemon=True).start()
+        return False
+
+    def _trigger_with_store(self, trig: dict) -> bool:
+        """Claim the trigger at the store (a connection of our own): the first rank becomes the
+        root and sends it down the tree. True when this rank is to handle the failure the
+        store's way (the root, a rank the tree did not reach, one cut off from the store)."""
         addrs = None
-        self.timings.setdefault("claimed", time.monotonic())     # a store connection of its own
+        self.timings.setdefault("claimed", time.monotonic())
         try:
-            client = self._action_client()
-            if client.add("diag/ntrigger", 1) == 1:
+            if self._claim_trigger():
+                client = self._action_client()     # the root's own connection, for its rounds
                 client.add("diag/reporter", 1)     # the root reports: no fallback rank may claim it
                 client.set("diag/reporter-rank", str(self.rank).encode())
                 from hpcring.schedulers import run_ending
@@ -289,24 +349,36 @@ class Watchdog:
                     trig["ending"] = ending
                 client.set(TRIGGER, json.dumps(trig).encode())
                 addrs = self._addresses(client)
-            else:       # another rank was first: its trigger is the job's (set right after its add)
-                try:
-                    trig = json.loads(client.get(TRIGGER, timeout=5.0))
-                except (HpcringError, ValueError):
-                    pass
-                # ... and it reaches us down its tree; if not (our address unknown to it, a lost
-                # branch), the store's path
+            else:
+                # Another rank was first: its trigger reaches us down its tree; if not (our
+                # address unknown to it, a lost branch), the store's path, with its trigger.
                 if self._heard.wait(min(self.grace, fanout.step() * (fanout.depth(self.size) + 2))):
-                    return
+                    return False
+                try:
+                    trig = json.loads(self._action_client().get(TRIGGER, timeout=5.0))
+                except ValueError:
+                    pass
         except HpcringError as e:
             self._lost = f"rank 0's store at {self._address[0]}:{self._address[1]}: {e}"
         if self._lost is not None and self._client is None:
-            self._handle(trig, None)
-            return
+            return True                  # our own view (the store's path, without a client)
         if addrs is not None and self._tree.place(self.rank, 0, None, addrs):
             self._heard.set()
             self._forward(self.rank, 0, addrs, trig)
-        self._start_handle(trig)
+        return True
+
+    def _claim_trigger(self) -> bool:
+        """Whether this rank is the first to claim the trigger (``diag/ntrigger``). Through the
+        session's store connection when another thread does not hold it for :data:`CLAIM_TIMEOUT`
+        (thousands of ranks claim within a second: a connection and handshake each at the store
+        was most of that), else through a connection of our own; either fails within
+        :data:`CLAIM_TIMEOUT` when the store cannot be reached."""
+        if self._init_store is not None:
+            try:
+                return self._init_store.add("diag/ntrigger", 1, timeout=CLAIM_TIMEOUT) == 1
+            except ClientBusy:
+                pass
+        return self._action_client().add("diag/ntrigger", 1) == 1
 
     def _addresses(self, client) -> list:
         """Every rank's listener (one batched read), rotated so index 0 is this rank (the root)."""
@@ -327,7 +399,7 @@ class Watchdog:
                 threading.Thread(target=self._send_up, args=late, daemon=True,
                                  name=f"hpcring-watchdog-up:{self.rank}").start()
         elif kind == "report":
-            if self._tree.on_report(msg):
+            if self._tree.on_report(msg):    # else the thread waiting for it passes it on (_finish)
                 self._down(fanout.pack(msg))
         elif kind == "ack":
             self._tree.on_ack(msg)
@@ -347,19 +419,18 @@ class Watchdog:
             if not self._tree.place(root, v, up, addrs):
                 return                     # a second tree (a rank that lost the store raced): ours stands
             self._heard.set()
-            self._forward(root, v, addrs, trig)
-            threading.Thread(target=self._handle_tree, args=(trig,), name=f"hpcring-watchdog-tree:{self.rank}",
-                             daemon=True).start()
+            self._run_tree(trig, (root, v, addrs, trig))
 
-    def _forward(self, root: int, v: int, addrs: list, trig: dict) -> None:
-        """Pass the trigger on in the background (once): this rank's own snapshot need not wait
-        for its subtree (a frozen child costs that branch 2 s). Its children are known after."""
+    def _forward(self, root: int, v: int, addrs: list, trig: dict, background: bool = True) -> None:
+        """Pass the trigger on (once), in the background or (``background`` False: the thread
+        handling the tree's rounds) before returning. Its children are known after."""
         with self._lock:
             if self._forwarded:
                 return
             self._forwarded = True
         if not fanout.children(v, self.size):
-            self._tree.set_kids([])      # a leaf (7 ranks in 8): no thread to start
+            self._tree.set_kids([])      # a leaf (7 ranks in 8): nobody to send to
+            self._fwd_done.set()
             return
 
         def run() -> None:
@@ -369,24 +440,31 @@ class Watchdog:
                 lost = fanout.forward(root, self.size, v, addrs, trig, self._secret, delivered=delivered)
             finally:
                 late = self._tree.set_kids(delivered, [(root + c) % self.size for c in lost])
+                self._fwd_done.set()
             if late:                     # our subtree went up before the forwarding ended
                 self._send_up({}, set(), late)
+        if not background:
+            run()
+            return
         self._forwarder = threading.Thread(target=run, name=f"hpcring-watchdog-forward:{self.rank}", daemon=True)
         self._forwarder.start()
 
-    def _down(self, body: bytes, wait: float = 0.0) -> None:
-        """Send a later round (report, exit) to our children in the tree, in the background,
-        covering the subtree of one that stopped since; the forwarding of the trigger must be
-        over (bounded wait) to know them. ``wait``: how long to wait for the sends (0: not)."""
+    def _down(self, body: bytes, wait: float = 0.0, inline: bool = False) -> None:
+        """Send a later round (report, exit) to our children in the tree, in the background (or,
+        ``inline``, in this thread), covering the subtree of one that stopped since; the
+        forwarding of the trigger must be over (bounded wait) to know them. ``wait``: how long
+        to wait for the background sends (0: not)."""
         def run() -> None:
-            if self._forwarder is not None:
-                self._forwarder.join(fanout.step() * (fanout.depth(self.size) + 2))
+            self._fwd_done.wait(fanout.step() * (fanout.depth(self.size) + 2))
             t = self._tree
             # every child, not only those the trigger's delivery confirmed: a child whose
             # acknowledgement timed out under load did get the trigger and waits for this
             fanout.relay(self.size, t.v, t.addrs, fanout.children(t.v, self.size), body, self._secret)
         if not (self._tree.placed and fanout.children(self._tree.v, self.size)):
             return                       # a leaf has nobody to send to: no thread
+        if inline:
+            run()
+            return
         t = threading.Thread(target=run, name=f"hpcring-watchdog-down:{self.rank}", daemon=True)
         t.start()
         if wait > 0:
@@ -445,14 +523,10 @@ class Watchdog:
             self._handled = True
             return True
 
-    def _start_handle(self, trig: dict) -> None:
-        with self._lock:
-            if self._handled:
-                return
-        threading.Thread(target=self._handle_with_store, args=(trig,), name=f"hpcring-watchdog-report:{self.rank}",
-                         daemon=True).start()
-
     def _handle_with_store(self, trig: dict) -> None:
+        if self._lost is not None and self._client is None:
+            self._handle(trig, None)
+            return
         try:
             client = self._action_client()
             self.timings.setdefault("connected", time.monotonic())
@@ -464,17 +538,19 @@ class Watchdog:
         # The scheduler stopped the peers (a requeue, a cancel, the time limit): no report, no
         # scancel (that would cancel the requeued job), no failure record; it ends this rank too,
         # once the ranks below it in the tree have heard (bounded: 2 s per unreachable child).
-        if self._forwarder is not None:
-            self._forwarder.join(fanout.step() * (fanout.depth(self.size) + 2))
+        self._fwd_done.wait(fanout.step() * (fanout.depth(self.size) + 2))
         print(f"hpcring: rank {self.rank} ({self.host}): {trig['ending']}: a peer left "
               f"{_op_name(trig.get('op'))}because of it, not a collective failure; exiting",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(128 + 15)
 
-    def _handle_tree(self, trig: dict) -> None:
-        """A rank the trigger reached down the tree: snapshot up, report down (fallbacks: the store)."""
+    def _handle_tree(self, trig: dict, fwd: tuple | None = None) -> None:
+        """A rank the trigger reached down the tree: the trigger on to its children (``fwd``:
+        :meth:`_forward`'s arguments), snapshot up, report down (fallbacks: the store)."""
         t = self._tree
+        if fwd is not None:
+            self._forward(*fwd, background=False)
         mine = self._claim()             # False: this rank already went the store's way
         self._via_tree = mine
         if mine and trig.get("ending"):
@@ -493,6 +569,7 @@ class Watchdog:
             return
         report = None
         wire = t.wait_report(time.monotonic() + GRACE_STRETCH * self.grace + 5.0)
+        relay = fanout.pack(t.envelope("report", report=wire)) if t.take_relay() else None
         client = None
         if wire is None:                 # the tree did not bring it: read it where the root left it
             self.timings.setdefault("report_from_store", time.monotonic())
@@ -508,7 +585,7 @@ class Watchdog:
                                    interface=self.topology.interface, side_channel=False)
             report.files = folder
             print(report.text() + f"\n  side channel: {self._lost}", file=sys.stderr, flush=True)
-        self._finish(report, client)
+        self._finish(report, client, relay)
 
     def _handle(self, trig: dict, client) -> None:
         """The root (``client``: its store connection), or a rank the tree did not reach (the
@@ -585,7 +662,9 @@ class Watchdog:
         report.files = folder
         return report
 
-    def _finish(self, report: Report, client) -> None:
+    def _finish(self, report: Report, client, relay: bytes | None = None) -> None:
+        """Hold, print and act on the report; ``relay``: the report's message, to pass on to our
+        children in this thread once our own line is out (the listener left it to us)."""
         self.timings.setdefault("report", time.monotonic())
         self.report = report
         action = f"exiting with code {EXIT_CODE}" if self.abort else "raising CollectiveError"
@@ -596,6 +675,10 @@ class Watchdog:
             except Exception:  # noqa: BLE001 - a hook must not stop the exit
                 pass
         self._done.set()
+        with self._work:
+            self._work.notify_all()      # a thread waiting in trigger() for the tree's work
+        if relay is not None:
+            self._down(relay, inline=True)
         if not self.abort:
             return
         reporter = self._tree.is_root
@@ -697,7 +780,9 @@ def _to_wire(report: Report) -> dict:
 
 def _from_wire(d: dict, hosts: list[str]) -> Report:
     cats = {k: expand_ranges(v) for k, v in d.get("categories", {}).items()}
-    where = {r: w for rs, w in d.get("where", []) for r in expand_ranges(rs)}
+    where: dict[int, str] = {}
+    for rs, w in d.get("where", []):     # every rank decodes this: O(n) in C, not in Python
+        where.update(dict.fromkeys(expand_ranges(rs), w))
     return Report(d.get("op"), d.get("headline", "?"), cats, {int(k): v for k, v in d.get("details", {}).items()},
                   d.get("links", []), d.get("slow", []), where, d.get("trigger", {}), hosts, d.get("files"),
                   d.get("side_channel", True), rendered=d.get("text"))
