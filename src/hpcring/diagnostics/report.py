@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hpcring.ranks import rank_ranges, ranks_label, who
+from hpcring.ranks import expand_ranges, rank_ranges, ranks_label, who
 
 CATEGORIES = ("dead", "unreachable", "exited", "mismatch", "different", "missing", "joined")
 _LINK = re.compile(r"(send to|recv from) rank (\d+) \(([^)]*)\) (.*?), (\d+)/(\d+) bytes done")
@@ -333,3 +334,72 @@ def _p2p_missing(channel: str, missing: list[int]) -> str:
     if m is None:
         return "never joined"
     return "never sent it" if m.group(1) != "any" and int(m.group(1)) in missing else "never received it"
+
+
+# ------------------------------------------------------------------------------------ wire form
+
+def to_wire(report: Report) -> dict:
+    """The report as every rank reads it (``diag/report``, the tree's ``report`` message): the
+    report's dict with rank lists as ranges and without the hosts, which every rank has in its
+    topology (~1 KiB at 4096 ranks instead of ~250 KiB), and its text (one screen), rendered once."""
+    d = report.to_dict()
+    d["categories"] = {k: rank_ranges(v) for k, v in d["categories"].items()}
+    groups: dict[str, list[int]] = {}
+    for r, w in report.where.items():
+        groups.setdefault(w, []).append(r)
+    d["where"] = [[rank_ranges(rs), w] for w, rs in groups.items()]
+    del d["hosts"]
+    d["text"] = report.text()
+    return d
+
+
+class _Ranges(Mapping):
+    """``categories`` of a report read from its wire form: rank lists kept as range text until
+    asked for (every rank decodes the report; most print its text and never look: expanding
+    each list is O(ranks) per rank, O(ranks²) in all)."""
+
+    def __init__(self, ranges: dict) -> None:
+        self._ranges, self._lists = {str(k): str(v) for k, v in ranges.items()}, {}
+
+    def __getitem__(self, key: str) -> list[int]:
+        if key not in self._lists:
+            self._lists[key] = expand_ranges(self._ranges[key])
+        return self._lists[key]
+
+    def __iter__(self):
+        return iter(self._ranges)
+
+    def __len__(self) -> int:
+        return len(self._ranges)
+
+
+class _Where(Mapping):
+    """``where`` of a report read from its wire form (rank -> place), built on first use."""
+
+    def __init__(self, groups: list) -> None:
+        self._groups, self._map = [(str(rs), str(w)) for rs, w in groups], None
+
+    def _full(self) -> dict[int, str]:
+        if self._map is None:
+            self._map = {}
+            for rs, w in self._groups:
+                self._map.update(dict.fromkeys(expand_ranges(rs), w))
+        return self._map
+
+    def __getitem__(self, rank: int) -> str:
+        return self._full()[rank]
+
+    def __iter__(self):
+        return iter(self._full())
+
+    def __len__(self) -> int:
+        return len(self._full())
+
+
+def from_wire(d: dict, hosts: list[str]) -> Report:
+    """The report in :func:`to_wire`'s form, with ``hosts`` (the receiver's topology); its rank
+    lists are expanded only when read."""
+    return Report(d.get("op"), d.get("headline", "?"), _Ranges(d.get("categories", {})),
+                  {int(k): v for k, v in d.get("details", {}).items()}, d.get("links", []), d.get("slow", []),
+                  _Where(d.get("where", [])), d.get("trigger", {}), hosts, d.get("files"),
+                  d.get("side_channel", True), rendered=d.get("text"))

@@ -63,10 +63,10 @@ from typing import Callable
 from hpcring.diagnostics import fanout, jobdir, teardown
 from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
 from hpcring.collectives.recorder import main_thread_location
-from hpcring.diagnostics.report import Report, diagnose
+from hpcring.diagnostics.report import Report, diagnose, from_wire as _from_wire, to_wire as _to_wire
 from hpcring.bootstrap.store_client import ClientBusy
 from hpcring.errors import CollectiveError, HpcringError
-from hpcring.ranks import expand_ranges, rank_ranges
+from hpcring.ranks import rank_ranges
 
 EXIT_CODE = 1
 GRACE_ENV, ON_FAILURE_ENV = "HPCRING_DIAG_GRACE", "HPCRING_ON_FAILURE"
@@ -761,31 +761,6 @@ def _publish(report: Report, folder: str | None) -> None:
             f.write(report.text() + "\n")
     except OSError as e:
         print(f"hpcring: could not save the hang report in {folder}: {e}", file=sys.stderr)
-
-
-def _to_wire(report: Report) -> dict:
-    """``diag/report`` as every rank reads it: the report's dict with rank lists as ranges and
-    without the hosts, which every rank has in its topology (~1 KiB at 4096 ranks instead of
-    ~250 KiB: it is read by every rank), and its text (one screen), rendered once here."""
-    d = report.to_dict()
-    d["categories"] = {k: rank_ranges(v) for k, v in d["categories"].items()}
-    groups: dict[str, list[int]] = {}
-    for r, w in report.where.items():
-        groups.setdefault(w, []).append(r)
-    d["where"] = [[rank_ranges(rs), w] for w, rs in groups.items()]
-    del d["hosts"]
-    d["text"] = report.text()
-    return d
-
-
-def _from_wire(d: dict, hosts: list[str]) -> Report:
-    cats = {k: expand_ranges(v) for k, v in d.get("categories", {}).items()}
-    where: dict[int, str] = {}
-    for rs, w in d.get("where", []):     # every rank decodes this: O(n) in C, not in Python
-        where.update(dict.fromkeys(expand_ranges(rs), w))
-    return Report(d.get("op"), d.get("headline", "?"), cats, {int(k): v for k, v in d.get("details", {}).items()},
-                  d.get("links", []), d.get("slow", []), where, d.get("trigger", {}), hosts, d.get("files"),
-                  d.get("side_channel", True), rendered=d.get("text"))
 
 
 # ---------------------------------------------------------------------------------------------
