@@ -123,6 +123,29 @@ def test_add_is_atomic_across_threads(server):
     assert client(server).get("ctr") == b"400"
 
 
+def test_a_bounded_add_does_not_wait_for_another_threads_call(server):
+    """``add(timeout=)`` bounds the whole call: while another thread holds the client in a
+    parked read it gives up with ClientBusy (nothing sent, the client still usable); free, it
+    answers at once; without a bound it waits its turn."""
+    from hpcring.bootstrap.store_client import ClientBusy
+    c = client(server, timeout=10)
+    parked = threading.Thread(target=lambda: c.get("later", timeout=5), daemon=True)
+    parked.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    with pytest.raises(ClientBusy) as ei:
+        c.add("n", 1, timeout=0.3)
+    assert 0.25 < time.monotonic() - t0 < 1.5 and isinstance(ei.value, BootstrapError)
+    client(server).set("later", b"x")
+    parked.join(5)
+    assert c.add("n", 1, timeout=0.3) == 1                     # nothing was sent by the busy call
+    assert c.add("n", 1) == 2
+    for bad in (-1, float("nan"), "x"):
+        with pytest.raises(Exception) as ei:
+            c.add("n", 1, timeout=bad)
+        assert "timeout" in str(ei.value)
+
+
 def test_256_clients_meet_in_a_barrier_quickly(server):
     done, errors = [], []
 

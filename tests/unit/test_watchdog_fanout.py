@@ -4,6 +4,7 @@ no idle store connections before a failure, the report's wire form, and a 4096-r
 fits one screen."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import socket
@@ -157,6 +158,56 @@ def test_the_listener_parses_nothing_before_the_mac_and_caps_the_body():
         while not seen and time.monotonic() < end:
             time.sleep(0.01)
         assert seen == [{"root": 0}]
+    finally:
+        lst.close()
+
+
+def test_one_listener_thread_reads_many_senders_at_once_and_a_silent_one_blocks_nobody(monkeypatch):
+    """The listener is one thread whatever arrives: 60 messages from 20 senders at once all get
+    in, no thread is started for them, and a connection that never answers the greeting holds
+    up nobody else (it is dropped after its step)."""
+    monkeypatch.setattr(fanout, "step", lambda: 1.0)
+    seen: list = []
+    lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()
+    silent = socket.create_connection(("127.0.0.1", lst.port), timeout=5)   # greeted, never answers
+    try:
+        threads = threading.active_count()
+        t0 = time.monotonic()
+        for batch in range(3):
+            jobs = [(f"127.0.0.1:{lst.port}", fanout.pack({"i": batch * 20 + i, "pad": "x" * (i * 997)}))
+                    for i in range(20)]
+            assert fanout.send_many(jobs, SECRET, timeout=5) == [None] * 20
+        assert time.monotonic() - t0 < 1.0                       # not behind the silent one
+        assert threading.active_count() == threads
+        end = time.monotonic() + 5
+        while len(seen) < 60 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert sorted(m["i"] for m in seen) == list(range(60))
+        assert silent.recv(64).startswith(auth.DIAG.magic)      # it was greeted ...
+        silent.settimeout(3)
+        assert silent.recv(64) == b""                             # ... and closed after its step
+    finally:
+        silent.close()
+        lst.close()
+    assert not lst._thread.is_alive()
+
+
+def test_the_listener_drops_bytes_past_the_authenticated_length():
+    seen: list = []
+    lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()
+    try:
+        body = json.dumps({"root": 1}).encode()
+
+        def trailing(ns):
+            nc = b"t" * auth.NONCE_LEN
+            extra = fanout._EXTRA.pack(len(body), hashlib.sha256(body).digest())
+            return nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra + body + b"{}"
+        _raw(lst.port, trailing)
+        fanout.send(f"127.0.0.1:{lst.port}", json.dumps({"root": 2}).encode(), SECRET, timeout=5)
+        end = time.monotonic() + 5
+        while not seen and time.monotonic() < end:
+            time.sleep(0.01)
+        assert seen == [{"root": 2}]
     finally:
         lst.close()
 

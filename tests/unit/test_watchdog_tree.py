@@ -24,14 +24,15 @@ SECRET = b"t" * 32
 class _Job:
     """``n`` watchdogs in this process around a real store; rank ``frozen`` sits in load_batch."""
 
-    def __init__(self, srv, n: int, frozen: int, abort: bool = False, grace: float = 3.0) -> None:
+    def __init__(self, srv, n: int, frozen: int, abort: bool = False, grace: float = 3.0, stores=None) -> None:
         self.srv, self.n = srv, n
         self.hosts = tuple(f"node{r // 4 + 1}" for r in range(n))
         self.dogs, self.comms = [], []
         for r in range(n):
             topo = types.SimpleNamespace(rank=r, size=n, host=self.hosts[r], hosts=self.hosts, interface="lo",
                                          address="127.0.0.1")
-            d = Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=grace, abort=abort)
+            d = Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=grace, abort=abort,
+                         store=None if stores is None else stores[r])
             d.where = (lambda r=r: "in load_batch at train.py:5" if r == frozen else "in allreduce at train.py:10")
             d.dump = lambda reason: None
             c = WatchedComm(r, n, stuck=r != frozen, done=1)
@@ -214,3 +215,72 @@ def test_the_tree_step_follows_a_raised_handshake_timeout(monkeypatch, value, st
     else:
         monkeypatch.setenv("HPCRING_HANDSHAKE_TIMEOUT", value)
     assert fanout.step() == step
+
+
+def test_failing_threads_do_the_trees_work_and_claim_on_their_session_connection(store, monkeypatch):
+    """Every rank but the frozen one fails at once: each handles the tree's rounds (forward,
+    snapshot, report, passing the report on) in its own failing thread, and claims the trigger
+    on the session's store connection: one new store connection (the root's) and a thread for
+    the frozen rank alone, whatever the number of ranks."""
+    from hpcring.bootstrap.store_client import StoreClient
+    n, frozen = 24, 23
+    clients = [StoreClient("127.0.0.1", store.port, SECRET, timeout=10) for _ in range(n)]
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        started.append(self.name)
+        return real_start(self)
+    job = _Job(store, n, frozen=frozen, stores=clients)
+    try:
+        before = store.stats["connections"]
+        monkeypatch.setattr(threading.Thread, "start", start)
+        fails = [job.fail(r) for r in range(n) if r != frozen]
+        reports = job.wait()
+        for t in fails:
+            t.join(10)
+        assert {r.headline for r in reports if r is not None} == {"allreduce#2: rank 23 (node6) never joined"}
+        assert all(r is not None for r in reports)
+        mine = [s for s in started if s.startswith("hpcring-watchdog")]
+        root = next(d.rank for d in job.dogs if d._tree.is_root)
+        assert [s for s in mine if s.startswith("hpcring-watchdog-tree")] == [f"hpcring-watchdog-tree:{frozen}"], mine
+        # the root forwards and sends the report down from threads of its own; nobody else
+        assert {s.split(":")[1] for s in mine if not s.startswith("hpcring-watchdog-tree")} <= {str(root), str(frozen)}, mine
+        assert store.stats["connections"] - before == 1, "claims go over the session's connections"
+        assert all(d.timings.get("claimed") for d in job.dogs if d.rank != frozen)
+    finally:
+        job.close()
+        for c in clients:
+            c.close()
+
+
+def test_a_claim_on_a_busy_session_connection_takes_a_connection_of_its_own(store):
+    """Another thread holds the session's store client in a long parked read: the claim does
+    not wait for it (ClientBusy within the claim's bound) and goes through a new connection."""
+    from hpcring.bootstrap.store_client import StoreClient
+    n = 4
+    clients = [StoreClient("127.0.0.1", store.port, SECRET, timeout=30) for _ in range(n)]
+    job = _Job(store, n, frozen=3, stores=clients)
+    busy = threading.Thread(target=lambda: _ignore(lambda: clients[1].get("never", timeout=8)), daemon=True)
+    busy.start()
+    time.sleep(0.2)
+    try:
+        before = store.stats["connections"]
+        start = time.monotonic()
+        t = job.fail(1)
+        job.dogs[1]._done.wait(20)
+        assert job.dogs[1].report is not None and time.monotonic() - start < wdmod.CLAIM_TIMEOUT + 4.0
+        assert job.dogs[1].report.headline == "allreduce#2: rank 3 (node1) never joined"
+        assert store.stats["connections"] - before == 1          # its own connection, after the bounded wait
+        t.join(10)
+    finally:
+        job.close()
+        for c in clients:
+            c.close()
+
+
+def _ignore(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - the parked read ends in a timeout; that is the point
+        pass
