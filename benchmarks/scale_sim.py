@@ -36,6 +36,12 @@ which the ring uses for its layout and the report for its host names. Printed pe
 * ``frozen->report s``: the frozen rank's skipped collective starting to every rank holding the
   report (includes the deadline); ``#wrong``: results that differ from the exact one (must be 0).
 
+Below each row: each rank thread's CPU in init, connecting and the failure (``cpu_fail``: from
+the frozen collective's start to its report, in the rank's own thread, which does the tree's
+work when its collective failed), when the ranks reached each step of the watchdog's failure,
+and the machine's busy cores per second from the frozen collective's start (2.0 on this VM:
+the phase waited for the CPU, not for a timeout).
+
 With today's full mesh a rank holds N-1 ring connections: the run stops at the first N whose
 predicted descriptors (from the previous N's measurement) pass ``--max-fds`` in all (kernel
 socket memory on a shared machine) and says so. Connections on demand lower that prediction.

@@ -6,6 +6,7 @@ shared."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,5 +39,8 @@ def test_256_ranks_exact_results_and_the_frozen_rank_is_named():
     steps = row["report_steps"]
     assert steps["published"][0] == steps["report"][0] == 256 and steps["triggered"][0] == 255
     assert 5.0 <= steps["triggered"][1] <= steps["published"][1] <= steps["report"][1] <= steps["report"][2]
-    assert set(row["rank_cpu_ms"]) == {"cpu_init", "cpu_conn"}
+    assert set(row["rank_cpu_ms"]) == {"cpu_init", "cpu_conn", "cpu_fail"}
     assert all(0 < mean <= worst for mean, worst in row["rank_cpu_ms"].values())
+    # the machine's busy cores per second from the frozen collective's start, over the failure
+    busy = row["busy_cores"]
+    assert len(busy) >= int(row["frozen_to_report_s"]) and all(0 <= b <= (os.cpu_count() or 1) + 0.5 for b in busy)
