@@ -4,10 +4,13 @@ no idle store connections before a failure, the report's wire form, and a 4096-r
 fits one screen."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import os
 import math
 import socket
+import struct
 import threading
 import time
 import types
@@ -208,6 +211,90 @@ def test_the_listener_drops_bytes_past_the_authenticated_length():
         while not seen and time.monotonic() < end:
             time.sleep(0.01)
         assert seen == [{"root": 2}]
+    finally:
+        lst.close()
+
+
+def test_a_listener_replies_with_its_acknowledgement_and_a_forged_reply_is_refused():
+    """What ``on_message`` returns goes back with the acknowledgement (send's value, send_many's
+    replies; a leaf's snapshot rides on the trigger's delivery); the reply is covered by the
+    listener's proof and digest: a wrong proof, a reply over the cap or one that does not match
+    its digest is an error on the sender's side, never handed on."""
+    lst = fanout.Listener("127.0.0.1", SECRET, lambda m: fanout.pack({"echo": m["i"]}) if m["i"] else None).start()
+    try:
+        assert fanout.unpack(fanout.send(f"127.0.0.1:{lst.port}", json.dumps({"i": 7}).encode(), SECRET)) == {"echo": 7}
+        assert fanout.send(f"127.0.0.1:{lst.port}", json.dumps({"i": 0}).encode(), SECRET) == b""
+        replies: list = []
+        jobs = [(f"127.0.0.1:{lst.port}", json.dumps({"i": i}).encode()) for i in range(4)]
+        assert fanout.send_many(jobs, SECRET, timeout=5, replies=replies) == [None] * 4
+        assert replies[0] == b"" and [fanout.unpack(r)["echo"] for r in replies[1:]] == [1, 2, 3]
+    finally:
+        lst.close()
+
+    def fake_listener(answer_for):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+
+        def run():
+            conn, _ = srv.accept()
+            with conn:
+                ns, greeting = auth.DIAG.hello()
+                conn.sendall(greeting)
+                frame = conn.recv(auth.DIAG.proof_len + 1024)
+                nc, extra = auth.DIAG.check(SECRET, ns, frame[:auth.DIAG.proof_len])
+                conn.sendall(answer_for(ns, nc, extra))
+                time.sleep(0.5)
+        threading.Thread(target=run, daemon=True).start()
+        return srv
+
+    def bad_proof(ns, nc, extra):
+        return b"\0" * auth.MAC_LEN + fanout._EXTRA.pack(0, hashlib.sha256(b"").digest())
+
+    def over_cap(ns, nc, extra):
+        rx = fanout._EXTRA.pack(fanout.MAX_BODY + 1, b"d" * 32)
+        return auth.DIAG.server_proof(SECRET, ns, nc, b"", extra + rx) + rx
+
+    def wrong_digest(ns, nc, extra):
+        rx = fanout._EXTRA.pack(2, hashlib.sha256(b"ok").digest())
+        return auth.DIAG.server_proof(SECRET, ns, nc, b"", extra + rx) + rx + b"no"
+    for forge in (bad_proof, over_cap, wrong_digest):
+        srv = fake_listener(forge)
+        try:
+            with pytest.raises(ConnectionError):
+                fanout.send(f"127.0.0.1:{srv.getsockname()[1]}", b"{}", SECRET, timeout=3)
+        finally:
+            srv.close()
+        srv = fake_listener(forge)
+        try:
+            replies = []
+            errs = fanout.send_many([(f"127.0.0.1:{srv.getsockname()[1]}", b"{}")], SECRET, timeout=3, replies=replies)
+            assert isinstance(errs[0], ConnectionError) and replies == [b""], (forge.__name__, errs)
+        finally:
+            srv.close()
+
+
+def test_a_reply_the_sender_does_not_take_is_reported_unsent():
+    unsent: list = []
+    big = fanout.pack({"pad": base64.b64encode(os.urandom(5 << 20)).decode()})   # ~5 MiB that will not fit
+    assert len(big) < fanout.MAX_BODY                                          # the socket buffers at once
+    lst = fanout.Listener("127.0.0.1", SECRET, lambda m: big, unsent.append).start()
+    try:
+        body = json.dumps({"i": 1}).encode()
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)    # the reply cannot land here
+            s.settimeout(5)
+            s.connect(("127.0.0.1", lst.port))
+            ns = auth.DIAG.read_hello(s)
+            nc = b"u" * auth.NONCE_LEN
+            extra = fanout._EXTRA.pack(len(body), hashlib.sha256(body).digest())
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close with a reset
+            s.sendall(nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra + body)
+            time.sleep(0.3)
+        end = time.monotonic() + 10
+        while not unsent and time.monotonic() < end:
+            time.sleep(0.02)
+        assert unsent == [{"i": 1}]
     finally:
         lst.close()
 

@@ -232,6 +232,9 @@ def test_failing_threads_do_the_trees_work_and_claim_on_their_session_connection
         started.append(self.name)
         return real_start(self)
     job = _Job(store, n, frozen=frozen, stores=clients)
+    sent_up: list = []
+    real_send = fanout.send
+    monkeypatch.setattr(fanout, "send", lambda *a, **k: sent_up.append(a[0]) or real_send(*a, **k))
     try:
         before = store.stats["connections"]
         monkeypatch.setattr(threading.Thread, "start", start)
@@ -247,6 +250,10 @@ def test_failing_threads_do_the_trees_work_and_claim_on_their_session_connection
         # the root forwards and sends the report down from threads of its own; nobody else
         assert {s.split(":")[1] for s in mine if not s.startswith("hpcring-watchdog-tree")} <= {str(root), str(frozen)}, mine
         assert store.stats["connections"] - before == 1, "claims go over the session's connections"
+        # leaves (relative 1-7, 9-15, 17-23) answer the trigger with their snapshot: only the two
+        # inner ranks (relative 8 and 16) send their subtrees up on connections of their own
+        assert len(sent_up) == 2, sent_up
+        assert all("published" in d.timings for d in job.dogs)
         assert all(d.timings.get("claimed") for d in job.dogs if d.rank != frozen)
     finally:
         job.close()

@@ -140,11 +140,34 @@ def unpack(body: bytes) -> dict:
     return msg
 
 
-def send(address: str, body: bytes, secret: bytes, timeout: float | None = None) -> None:
-    """Deliver ``body`` to the listener at ``host:port``; returns once the listener proved it
-    knows the secret (which it does only after checking our MAC and the body: the acknowledgement).
-    Raises OSError/ConnectionError (refused, no greeting in time, bad proof). ``timeout``:
-    :func:`step` when None."""
+ANSWER_LEN = auth.MAC_LEN + _EXTRA.size   # the acknowledgement: proof, then the reply's length and digest
+
+
+def _answer(secret: bytes, ns: bytes, nc: bytes, extra: bytes, reply: bytes) -> bytes:
+    """The listener's acknowledgement of a message (``extra``: its length and digest) with a
+    reply (may be empty): the proof covers both messages' lengths and digests."""
+    rx = _EXTRA.pack(len(reply), hashlib.sha256(reply).digest())
+    return auth.DIAG.server_proof(secret, ns, nc, b"", extra + rx) + rx + reply
+
+
+def _check_answer(secret: bytes, ns: bytes, nc: bytes, extra: bytes, head: bytes) -> tuple[int, bytes]:
+    """The reply's (length, digest) from an acknowledgement's first :data:`ANSWER_LEN` bytes,
+    once its proof is checked (ConnectionError: bad proof, or a reply over the cap)."""
+    rx = head[auth.MAC_LEN:]
+    if not hmac.compare_digest(head[:auth.MAC_LEN], auth.DIAG.server_proof(secret, ns, nc, b"", extra + rx)):
+        raise ConnectionError("the trigger listener could not prove it knows the job secret")
+    length, digest = _EXTRA.unpack(rx)
+    if length > MAX_BODY:
+        raise ConnectionError(f"reply of {length} bytes is over the {MAX_BODY}-byte cap")
+    return length, digest
+
+
+def send(address: str, body: bytes, secret: bytes, timeout: float | None = None) -> bytes:
+    """Deliver ``body`` to the listener at ``host:port``; returns the listener's reply (usually
+    empty) once the listener proved it knows the secret (which it does only after checking our
+    MAC and the body: the acknowledgement). Raises OSError/ConnectionError (refused, no greeting
+    in time, bad proof, a reply that does not match its digest). ``timeout``: :func:`step` when
+    None."""
     timeout = step() if timeout is None else timeout
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout
@@ -154,20 +177,23 @@ def send(address: str, body: bytes, secret: bytes, timeout: float | None = None)
         nc = secrets.token_bytes(auth.NONCE_LEN)
         extra = _EXTRA.pack(len(body), hashlib.sha256(body).digest())
         s.sendall(nc + auth.DIAG.client_proof(secret, ns, nc, b"", extra) + extra + body)   # proof, then body
-        answer = recv_exact(s, auth.MAC_LEN)
-        if not hmac.compare_digest(answer, auth.DIAG.server_proof(secret, ns, nc, b"", extra)):
-            raise ConnectionError("the trigger listener could not prove it knows the job secret")
+        length, digest = _check_answer(secret, ns, nc, extra, recv_exact(s, ANSWER_LEN))
+        reply = recv_exact(s, length) if length else b""
+        if not hmac.compare_digest(hashlib.sha256(reply).digest(), digest):
+            raise ConnectionError("reply does not match its authenticated digest")
+        return reply
 
 
 class _Out:
     """One :func:`send_many` delivery: a non-blocking socket stepping through :func:`send`'s
     exchange (connect, greeting, proof and body, acknowledgement)."""
 
-    __slots__ = ("sock", "body", "state", "buf", "out", "ns", "nc", "extra", "error")
+    __slots__ = ("sock", "body", "state", "buf", "out", "ns", "nc", "extra", "error", "want", "digest", "reply")
 
     def __init__(self, body: bytes) -> None:
         self.sock, self.body, self.state, self.buf, self.out = None, body, "connect", b"", b""
-        self.ns = self.nc = self.extra = b""
+        self.ns = self.nc = self.extra = self.digest = self.reply = b""
+        self.want = 0
         self.error: BaseException | None = None
 
     def step(self, secret: bytes) -> int | None:
@@ -180,8 +206,8 @@ class _Out:
                 raise ConnectionRefusedError(err, os.strerror(err))
             self.state = "hello"
             return selectors.EVENT_READ
-        if self.state in ("hello", "answer"):
-            want = D.hello_len if self.state == "hello" else auth.MAC_LEN
+        if self.state in ("hello", "answer", "reply"):
+            want = {"hello": D.hello_len, "answer": ANSWER_LEN}.get(self.state, self.want)
             chunk = s.recv(want - len(self.buf))
             if not chunk:
                 raise ConnectionError("connection closed by the listener")
@@ -189,8 +215,14 @@ class _Out:
             if len(self.buf) < want:
                 return selectors.EVENT_READ
             if self.state == "answer":
-                if not hmac.compare_digest(self.buf, D.server_proof(secret, self.ns, self.nc, b"", self.extra)):
-                    raise ConnectionError("the trigger listener could not prove it knows the job secret")
+                self.want, self.digest = _check_answer(secret, self.ns, self.nc, self.extra, self.buf)
+                self.state, self.buf = "reply", b""
+                if self.want:
+                    return selectors.EVENT_READ
+            if self.state == "reply":
+                if not hmac.compare_digest(hashlib.sha256(self.buf).digest(), self.digest):
+                    raise ConnectionError("reply does not match its authenticated digest")
+                self.reply = self.buf
                 return None
             if self.buf[:len(D.magic)] != D.magic:
                 raise auth.NotAPeer("bad magic in the greeting")
@@ -210,13 +242,15 @@ class _Out:
         return selectors.EVENT_READ
 
 
-def send_many(jobs: list[tuple[str, bytes]], secret: bytes, timeout: float | None = None) -> list[BaseException | None]:
+def send_many(jobs: list[tuple[str, bytes]], secret: bytes, timeout: float | None = None,
+              replies: list | None = None) -> list[BaseException | None]:
     """:func:`send` of each ``(address, body)`` in ``jobs``, all at once from this thread
     (non-blocking sockets and one selector: a parent reaches its children without a thread per
     child, which on a host running thousands of ranks costs a thread start and GIL hand-overs
     each). Returns, in order, None for a delivery the listener acknowledged, else its error
-    (OSError, ConnectionError or ValueError, as :func:`send` raises them). ``timeout`` (default
-    :func:`step`) bounds every delivery from the start."""
+    (OSError, ConnectionError or ValueError, as :func:`send` raises them); ``replies``, when
+    given, gets each listener's reply (b"" for none or a failed delivery), in order.
+    ``timeout`` (default :func:`step`) bounds every delivery from the start."""
     timeout = step() if timeout is None else timeout
     deadline = time.monotonic() + timeout
     outs = [_Out(body) for _, body in jobs]
@@ -253,6 +287,8 @@ def send_many(jobs: list[tuple[str, bytes]], secret: bytes, timeout: float | Non
         for o in outs:
             if o.state != "done":
                 o.error = TimeoutError(f"no acknowledgement within {timeout:g} s ({o.state})")
+        if replies is not None:
+            replies.extend(o.reply if o.error is None else b"" for o in outs)
     finally:
         sel.close()
         for o in outs:
@@ -261,21 +297,25 @@ def send_many(jobs: list[tuple[str, bytes]], secret: bytes, timeout: float | Non
     return [o.error for o in outs]
 
 
+PARSED = -1                  # _In.step: the message is in, the reply is the caller's to give
+
+
 class _In:
     """One connection a :class:`Listener` reads: a non-blocking socket stepping through the
     listener's side of :func:`send`'s exchange (greeting, proof, body, acknowledgement)."""
 
-    __slots__ = ("sock", "state", "out", "buf", "want", "ns", "nc", "extra", "digest", "msg", "deadline")
+    __slots__ = ("sock", "state", "out", "buf", "want", "ns", "nc", "extra", "digest", "msg", "deadline", "reply")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock, self.deadline, self.msg = sock, deadline, None
+        self.sock, self.deadline, self.msg, self.reply = sock, deadline, None, b""
         self.ns, greeting = auth.DIAG.hello()
         self.state, self.out, self.buf, self.want = "hello", greeting, bytearray(), auth.DIAG.proof_len
         self.nc = self.extra = self.digest = b""
 
     def step(self, secret: bytes) -> int | None:
-        """Move on after the socket became ready; the events to wait for next, or None when the
-        exchange is over (``msg`` then holds the message). Raises on anything unauthenticated,
+        """Move on after the socket became ready; the events to wait for next, :data:`PARSED`
+        when ``msg`` holds the message (answer it: :meth:`answer`), or None when the exchange
+        is over. Raises on anything unauthenticated,
         over the cap or malformed: nothing is parsed before its MAC and digest are checked.
         Each step does what it can without waiting (the sender sends its proof and body
         together, so they are usually read in one call): on a loaded node every system call
@@ -311,9 +351,16 @@ class _In:
         if not hmac.compare_digest(hashlib.sha256(body).digest(), self.digest):
             raise ConnectionError("message body does not match its authenticated digest")
         self.msg = unpack(body)
-        self.state, self.out = "answer", auth.DIAG.server_proof(secret, self.ns, self.nc, b"", self.extra)
-        try:                                   # 32 bytes into an empty send buffer: at once
-            self.out = self.out[s.send(self.out):]
+        self.state = "parsed"
+        return PARSED
+
+    def answer(self, secret: bytes, reply: bytes) -> int | None:
+        """Acknowledge the message with ``reply`` (may be empty); the events to wait for, or
+        None when it went out whole (a few bytes into an empty send buffer: at once)."""
+        self.state, self.reply = "answer", reply
+        self.out = _answer(secret, self.ns, self.nc, self.extra, reply)
+        try:
+            self.out = self.out[self.sock.send(self.out):]
         except BlockingIOError:
             pass
         return selectors.EVENT_WRITE if self.out else None
@@ -326,10 +373,13 @@ class Listener:
     delays only its own message (each connection has :func:`step` to finish), with no thread per
     connection or message: on a node running many ranks every thread start and GIL hand-over
     counts (docs/scale.md). ``on_message(dict)`` is called in that thread for every authenticated
-    message, once its acknowledgement is sent; it must not block."""
+    message, before it is acknowledged; it must not block, and what it returns (bytes) goes back
+    to the sender with the acknowledgement (:func:`send`'s value). ``on_unsent(msg)`` is called
+    when a non-empty reply could not be sent whole (the sender left or timed out)."""
 
-    def __init__(self, bind: str, secret: bytes, on_message: Callable[[dict], None]) -> None:
-        self._secret, self._on_message = secret, on_message
+    def __init__(self, bind: str, secret: bytes, on_message: Callable[[dict], bytes | None],
+                 on_unsent: Callable[[dict], None] | None = None) -> None:
+        self._secret, self._on_message, self._on_unsent = secret, on_message, on_unsent
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.bind((bind, 0))
@@ -422,15 +472,22 @@ class Listener:
         except (OSError, ConnectionError, ValueError, EOFError) as e:
             self._drop(sel, c, e)
             return
+        if events == PARSED:
+            reply = None
+            if not self._closing:
+                try:
+                    reply = self._on_message(c.msg)
+                except Exception:  # noqa: BLE001 - the listener outlives a bad handler call
+                    log.exception("watchdog trigger handler failed")
+            try:
+                events = c.answer(self._secret, bytes(reply) if isinstance(reply, (bytes, bytearray)) else b"")
+            except OSError as e:
+                self._drop(sel, c, e)
+                return
         if events is not None:
             sel.modify(c.sock, events, c)
             return
         self._drop(sel, c, None)
-        if not self._closing:
-            try:
-                self._on_message(c.msg)
-            except Exception:  # noqa: BLE001 - the listener outlives a bad handler call
-                log.exception("watchdog trigger handler failed")
 
     def _drop(self, sel, c: _In, error: BaseException | None) -> None:
         if error is not None:
@@ -438,6 +495,11 @@ class Listener:
         sel.unregister(c.sock)
         del self._conns[c.sock]
         c.sock.close()
+        if error is not None and c.state == "answer" and c.reply and self._on_unsent is not None:
+            try:
+                self._on_unsent(c.msg)
+            except Exception:  # noqa: BLE001
+                log.exception("watchdog reply fallback failed")
 
 
 # --------------------------------------------------------------------------------- forwarding
@@ -449,17 +511,19 @@ def message(root: int, n: int, v: int, addrs: list, trig: dict, up: str | None =
 
 
 def forward(root: int, n: int, v: int, addrs: list, trig: dict, secret: bytes,
-            step_timeout: float | None = None, delivered: list | None = None) -> list[int]:
+            step_timeout: float | None = None, delivered: list | None = None,
+            on_reply: Callable[[int, bytes], None] | None = None) -> list[int]:
     """Deliver the trigger to ``v``'s children (``addrs``: addresses of ``subtree(v)``, from
     ``v`` on, None where unknown; ``addrs[0]``, this rank's own, is sent along as ``up``), to all
     at once (:func:`send_many`: a frozen child costs the step timeout once, not per sibling),
     taking over the subtree of a child that cannot be reached. Appends ``(relative index, address)`` of every rank it
-    delivered to (this rank's children in the tree as it stands) to ``delivered``. Returns (once
-    every branch is done) the relative indices that could not be reached at all."""
+    delivered to (this rank's children in the tree as it stands) to ``delivered``, and calls
+    ``on_reply(relative index, reply)`` for every non-empty reply (a leaf's snapshot). Returns
+    (once every branch is done) the relative indices that could not be reached at all."""
     up = addrs[0] if addrs else None
     step_timeout = step() if step_timeout is None else step_timeout
     return _spread(n, v, addrs, children(v, n), lambda c, block: message(root, n, c, block, trig, up),
-                   secret, step_timeout, delivered)
+                   secret, step_timeout, delivered, on_reply)
 
 
 def relay(n: int, v: int, addrs: list, kids: list[int], body: bytes, secret: bytes,
@@ -480,7 +544,7 @@ def relay(n: int, v: int, addrs: list, kids: list[int], body: bytes, secret: byt
 
 
 def _spread(n: int, v: int, addrs: list, first: list[int], body_for, secret: bytes, step_timeout: float,
-            delivered: list | None) -> list[int]:
+            delivered: list | None, on_reply: Callable[[int, bytes], None] | None = None) -> list[int]:
     """Deliver to ``first`` (relative indices) at once (:func:`send_many`), then to the children
     of each that could not be reached, level by level. Returns the relative indices not reached."""
     lost: list[int] = []
@@ -495,10 +559,13 @@ def _spread(n: int, v: int, addrs: list, first: list[int], body_for, secret: byt
             else:
                 lost.append(c)
                 later += children(c, n)    # its children, in the next batch (largest first)
-        for c, (addr, _), err in zip(sent, jobs, send_many(jobs, secret, step_timeout)):
+        replies: list[bytes] = []
+        for c, (addr, _), err, reply in zip(sent, jobs, send_many(jobs, secret, step_timeout, replies), replies):
             if err is None:
                 if delivered is not None:
                     delivered.append((c, addr))
+                if reply and on_reply is not None:
+                    on_reply(c, reply)
                 continue
             log.info("watchdog fan-out: relative rank %d at %s unreachable (%s); covering its subtree", c, addr, err)
             lost.append(c)

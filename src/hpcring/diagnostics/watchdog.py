@@ -137,6 +137,7 @@ class Watchdog:
         self._work = threading.Condition()               # the tree's trigger handed to a waiting thread:
         self._hosts = 0                                  # ... threads waiting in trigger() for it
         self._pending: tuple | None = None               # ... and _handle_tree's arguments, not yet taken
+        self._replied: dict | None = None                # a leaf's snapshot, sent back with the trigger's answer
         self._via_tree = False                           # ... and handling it there (not the store's way)
 
     # -- wiring ---------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class Watchdog:
         must find us), register the exit record; idempotent."""
         if self._listener is None:
             bind = getattr(self.topology, "address", None) or "0.0.0.0"
-            self._listener = fanout.Listener(bind, self._secret, self._on_message).start()
+            self._listener = fanout.Listener(bind, self._secret, self._on_message, self._on_unsent).start()
             self._publish_address()
             atexit.register(self._on_exit)
         return self
@@ -296,17 +297,18 @@ class Watchdog:
             time.sleep(30.0)           # another thread is ending the process (os._exit)
         return self.report
 
-    def _run_tree(self, trig: dict, fwd: tuple | None = None) -> None:
+    def _run_tree(self, trig: dict, fwd: tuple | None = None, replied: bool = False) -> None:
         """Handle the tree's trigger: in a thread already waiting in :meth:`trigger` (a rank whose
         own collective failed, most of them) when there is one, else in a thread of its own (a
         rank in user code, or in C). On a node running many ranks a thread start per rank and
-        failure is what costs (docs/scale.md)."""
+        failure is what costs (docs/scale.md). ``replied``: our snapshot went back with the
+        trigger's acknowledgement (a leaf)."""
         with self._work:
             if self._hosts:
-                self._pending = (trig, fwd)
+                self._pending = (trig, fwd, replied)
                 self._work.notify_all()
                 return
-        threading.Thread(target=self._handle_tree, args=(trig, fwd), name=f"hpcring-watchdog-tree:{self.rank}",
+        threading.Thread(target=self._handle_tree, args=(trig, fwd, replied), name=f"hpcring-watchdog-tree:{self.rank}",
                          daemon=True).start()
 
     def _next_work(self, end: float) -> tuple | None:
@@ -387,17 +389,15 @@ class Watchdog:
                 else values[(self.rank + i) % self.size].decode() for i in range(self.size)]
 
     # -- every rank -----------------------------------------------------------------------
-    def _on_message(self, msg: dict) -> None:
+    def _on_message(self, msg: dict) -> bytes | None:
         """A message of the failure's tree (listener thread): the trigger from our parent (pass it
-        on, handle it), a subtree's snapshots, the report, an acknowledgement, the exit."""
+        on, handle it), a subtree's snapshots, the report, an acknowledgement, the exit. Returns
+        the reply that goes back with the acknowledgement: a leaf's snapshot, for the trigger."""
         if self._closing:
-            return
+            return None
         kind = msg.get("kind", "trigger")
         if kind == "gather":
-            late = self._tree.on_gather(msg)
-            if late is not None:          # we already sent ours up: pass this subtree on alone
-                threading.Thread(target=self._send_up, args=late, daemon=True,
-                                 name=f"hpcring-watchdog-up:{self.rank}").start()
+            self._on_gather(msg)
         elif kind == "report":
             if self._tree.on_report(msg):    # else the thread waiting for it passes it on (_finish)
                 self._down(fanout.pack(msg))
@@ -412,14 +412,48 @@ class Watchdog:
                                            dict(msg["trig"]))
                 up = msg.get("up")
             except (KeyError, TypeError, ValueError):
-                return
+                return None
             if n != self.size or (root + v) % n != self.rank or not (up is None or isinstance(up, str)):
-                return                     # not meant for this rank (another job's size, a stale tree)
+                return None                # not meant for this rank (another job's size, a stale tree)
             self.timings.setdefault("heard", time.monotonic())
             if not self._tree.place(root, v, up, addrs):
-                return                     # a second tree (a rank that lost the store raced): ours stands
+                return None                # a second tree (a rank that lost the store raced): ours stands
             self._heard.set()
-            self._run_tree(trig, (root, v, addrs, trig))
+            reply = None
+            if not fanout.children(v, n) and not trig.get("ending") and self._claim():
+                # A leaf (7 ranks in 8) has nothing to wait for: its snapshot goes back with the
+                # acknowledgement, not on a connection of its own (a third of a failure's
+                # connections, and a wake-up of this rank's thread, at any size).
+                self._via_tree = True
+                self._replied = self.snapshot()    # kept: our own view, should the report not come
+                snaps, stored, lost = self._tree.take_up(self._replied)
+                reply = fanout.pack(self._tree.envelope("gather", snaps=snaps, stored=rank_ranges(stored),
+                                                        lost=rank_ranges(lost)))
+                self.timings.setdefault("published", time.monotonic())
+            self._run_tree(trig, (root, v, addrs, trig), replied=reply is not None)
+            return reply
+        return None
+
+    def _on_gather(self, msg: dict) -> None:
+        """A subtree's snapshots (a child's message, or a leaf's reply to our trigger)."""
+        late = self._tree.on_gather(msg)
+        if late is not None:          # we already sent ours up: pass this subtree on alone
+            threading.Thread(target=self._send_up, args=late, daemon=True,
+                             name=f"hpcring-watchdog-up:{self.rank}").start()
+
+    def _on_unsent(self, msg: dict) -> None:
+        """Our reply to the trigger (our snapshot) did not reach the parent: the store's way."""
+        if msg.get("kind", "trigger") != "trigger" or not self._via_tree:
+            return
+        snaps = {self.rank: self.snapshot()}
+        threading.Thread(target=self._send_up, args=(snaps, set(), set()), kwargs={"store": True}, daemon=True,
+                         name=f"hpcring-watchdog-up:{self.rank}").start()
+
+    def _on_reply(self, c: int, reply: bytes) -> None:
+        try:
+            self._on_gather(fanout.unpack(reply))
+        except ValueError as e:
+            log.info("rank %d: watchdog: a reply from relative rank %d dropped: %s", self.rank, c, e)
 
     def _forward(self, root: int, v: int, addrs: list, trig: dict, background: bool = True) -> None:
         """Pass the trigger on (once), in the background or (``background`` False: the thread
@@ -437,7 +471,8 @@ class Watchdog:
             delivered: list = []
             lost: list = []
             try:
-                lost = fanout.forward(root, self.size, v, addrs, trig, self._secret, delivered=delivered)
+                lost = fanout.forward(root, self.size, v, addrs, trig, self._secret, delivered=delivered,
+                                      on_reply=self._on_reply)
             finally:
                 late = self._tree.set_kids(delivered, [(root + c) % self.size for c in lost])
                 self._fwd_done.set()
@@ -470,13 +505,13 @@ class Watchdog:
         if wait > 0:
             t.join(wait)
 
-    def _send_up(self, snaps: dict, stored: set, lost: set) -> None:
+    def _send_up(self, snaps: dict, stored: set, lost: set, store: bool = False) -> None:
         """Our subtree's snapshots to our parent, with the ranks below whose snapshots went to the
         store and those the trigger could not reach; to the store when we head a group (a
         subtree of :data:`GROUP_SPAN` ranks: the parent then gets the rank lists alone) or the
-        parent cannot be reached."""
+        parent cannot be reached (``store``: the store at once)."""
         t = self._tree
-        if t.up and not self._group_top():
+        if t.up and not self._group_top() and not store:
             try:
                 fanout.send(t.up, fanout.pack(t.envelope("gather", snaps=snaps, stored=rank_ranges(stored),
                                                          lost=rank_ranges(lost))), self._secret)
@@ -491,7 +526,7 @@ class Watchdog:
         except HpcringError as e:
             self._lost = str(e)
             return
-        if t.up and self._group_top():
+        if t.up and self._group_top() and not store:
             try:
                 fanout.send(t.up, fanout.pack(t.envelope("gather", snaps={}, stored=rank_ranges(stored | set(snaps)),
                                                          lost=rank_ranges(lost))), self._secret)
@@ -545,23 +580,25 @@ class Watchdog:
         sys.stdout.flush()
         os._exit(128 + 15)
 
-    def _handle_tree(self, trig: dict, fwd: tuple | None = None) -> None:
+    def _handle_tree(self, trig: dict, fwd: tuple | None = None, replied: bool = False) -> None:
         """A rank the trigger reached down the tree: the trigger on to its children (``fwd``:
-        :meth:`_forward`'s arguments), snapshot up, report down (fallbacks: the store)."""
+        :meth:`_forward`'s arguments), snapshot up (``replied``: it went up already, with the
+        trigger's acknowledgement), report down (fallbacks: the store)."""
         t = self._tree
         if fwd is not None:
             self._forward(*fwd, background=False)
-        mine = self._claim()             # False: this rank already went the store's way
+        mine = replied or self._claim()  # False: this rank already went the store's way
         self._via_tree = mine
         if mine and trig.get("ending"):
             self._end_for_scheduler(trig)
         snap = folder = None
         if mine:
-            snap = self.snapshot()
+            snap = self._replied if replied else self.snapshot()
             folder = self.dump(f"collective failure first seen on rank {trig.get('rank')}: {trig.get('error')}")
-        t.wait_gather(time.monotonic() + gather_budget(t.v, self.size, self.grace))
-        self._send_up(*t.take_up(snap))
-        self.timings.setdefault("published", time.monotonic())
+        if not replied:
+            t.wait_gather(time.monotonic() + gather_budget(t.v, self.size, self.grace))
+            self._send_up(*t.take_up(snap))
+            self.timings.setdefault("published", time.monotonic())
         if self._group_top():
             threading.Thread(target=self._report_from_store, name=f"hpcring-watchdog-read:{self.rank}",
                              daemon=True).start()
