@@ -21,11 +21,13 @@ the receiver knows where to answer), ``gather`` comes up (a subtree's snapshots,
 hop), ``report`` goes down, and in abort mode ``ack`` comes up and ``exit`` goes down: the store on
 rank 0 then sees one connection per failure, not one per rank.
 
-Every rank listens on a TCP port of its own (published once as ``diag/addr/<rank>``). A
-connection is authenticated before anything it sends is parsed (:data:`hpcring.bootstrap.auth.DIAG`:
-the connector's MAC covers the body's length and SHA-256, the body is read only after the MAC and
-the length cap are checked and is then compared with that digest); the listener's proof is the
-acknowledgement. Bodies are JSON, never pickled; a large one (a subtree's snapshots) travels
+Every rank listens on a TCP port of its own (published once as ``diag/addr/<rank>``), from one
+thread and one ``poll()`` loop (:class:`Listener`). A connection is authenticated before anything
+it sends is parsed (:data:`hpcring.bootstrap.auth.DIAG`: the connector's MAC covers the body's
+length and SHA-256, the body is read only after the MAC and the length cap are checked and is
+then compared with that digest); the listener's proof is the acknowledgement, and it may carry a
+reply (its proof covers the reply's length and digest too): a leaf of the tree answers the
+trigger with its snapshot, so 7 ranks in 8 open no connection of their own in a failure. Bodies are JSON, never pickled; a large one (a subtree's snapshots) travels
 zlib-compressed (:func:`pack`), inflated only after its MAC and digest are checked and only up to
 :data:`MAX_INFLATED`.
 """
