@@ -13,7 +13,8 @@ Protocol (keys under ``diag/``):
 2. The failing rank (its collective raised) first waits a moment (jittered, only in jobs above
    :data:`JITTER_RANKS`) for a trigger that may already be on its way: when thousands of ranks
    time out in the same collective, one store connection is needed, not thousands. Then it
-   opens a store connection; the first such rank (``diag/ntrigger``) claims ``diag/reporter``,
+   claims the trigger on the store connection init left open (one bounded request); the first
+   such rank (``diag/ntrigger``) opens a connection of its own, claims ``diag/reporter``,
    sets ``diag/trigger``, reads every rank's address in one batched read and sends the trigger
    down a radix-8 tree rooted at itself: every rank hears it within about log8 n hops, from a
    thread that runs while the main thread is stuck in C, in a collective or in user code; a
@@ -23,7 +24,10 @@ Protocol (keys under ``diag/``):
 3. On the trigger each rank forwards it to its children, writes its stacks and flight records
    to ``<job folder>/diag/`` and sends its snapshot (newest records, records in flight, backend
    error, main thread's place) **up the same tree**, merged with its children's subtrees
-   (:mod:`hpcring.diagnostics.tree_rounds`: each level waits a share of the grace). A rank
+   (:mod:`hpcring.diagnostics.tree_rounds`: each level waits a share of the grace); a leaf
+   answers the trigger's delivery with its snapshot. A rank whose own collective failed does
+   this in its failing thread (it waits in :meth:`Watchdog.trigger` anyway); another rank starts
+   a thread for it. A rank
    whose parent cannot be reached, or that the tree did not reach, publishes ``diag/snap/<rank>``
    through the store instead. Ranks that already exited normally left ``diag/exit/<rank>``.
 4. The root (the reporter) waits up to the grace period (``HPCRING_DIAG_GRACE``, default 5 s;
