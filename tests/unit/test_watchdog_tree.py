@@ -232,6 +232,15 @@ def test_failing_threads_do_the_trees_work_and_claim_on_their_session_connection
         started.append(self.name)
         return real_start(self)
     job = _Job(store, n, frozen=frozen, stores=clients)
+    # every failing thread is inside trigger() before the first claim: a rank the tree reaches
+    # before its own collective failed rightly starts a thread (a loaded machine does that)
+    entered = threading.Barrier(n - 1, timeout=20)
+    real_claim = wdmod.Watchdog._claim_trigger
+
+    def claim_together(self):
+        entered.wait()
+        return real_claim(self)
+    monkeypatch.setattr(wdmod.Watchdog, "_claim_trigger", claim_together)
     sent_up: list = []
     real_send = fanout.send
     monkeypatch.setattr(fanout, "send", lambda *a, **k: sent_up.append(a[0]) or real_send(*a, **k))
