@@ -195,6 +195,32 @@ def test_one_listener_thread_reads_many_senders_at_once_and_a_silent_one_blocks_
     assert not lst._thread.is_alive()
 
 
+def test_a_full_listener_leaves_the_rest_in_the_backlog_without_spinning(monkeypatch):
+    """At MAX_PENDING connections being read the listener stops accepting (the kernel's backlog
+    holds the rest) instead of polling a readable socket in a loop; a slot freed by a silent
+    connection's deadline lets the next one in."""
+    monkeypatch.setattr(fanout, "step", lambda: 1.0)
+    monkeypatch.setattr(fanout, "MAX_PENDING", 2)
+    seen: list = []
+    lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()
+    silent = [socket.create_connection(("127.0.0.1", lst.port), timeout=5) for _ in range(2)]
+    try:
+        time.sleep(0.2)
+        cpu, t0 = time.process_time(), time.monotonic()
+        fanout.send(f"127.0.0.1:{lst.port}", json.dumps({"late": 1}).encode(), SECRET, timeout=5)
+        took, used = time.monotonic() - t0, time.process_time() - cpu
+        assert 0.5 < took < 4.0, took              # waited for a silent one's deadline
+        assert used < 0.5 * took, (used, took)     # ... blocked, not spinning
+        end = time.monotonic() + 5
+        while not seen and time.monotonic() < end:
+            time.sleep(0.01)
+        assert seen == [{"late": 1}]
+    finally:
+        for s in silent:
+            s.close()
+        lst.close()
+
+
 def test_the_listener_drops_bytes_past_the_authenticated_length():
     seen: list = []
     lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()

@@ -393,6 +393,7 @@ class Listener:
         self.port = self._sock.getsockname()[1]
         self._closing = False
         self._conns: dict[socket.socket, _In] = {}
+        self._paused = False                                   # not accepting: MAX_PENDING being read
         self._thread = threading.Thread(target=self._serve, name="hpcring-watchdog-listen", daemon=True)
 
     def start(self) -> "Listener":
@@ -447,7 +448,11 @@ class Listener:
                 self._release()
 
     def _accept(self, sel) -> None:
-        while len(self._conns) < MAX_PENDING:
+        while True:
+            if len(self._conns) >= MAX_PENDING:   # full: the backlog waits until one is done
+                sel.unregister(self._sock)        # (a readable socket left in the set would spin)
+                self._paused = True
+                return
             try:
                 conn, _peer = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -497,6 +502,9 @@ class Listener:
         sel.unregister(c.sock)
         del self._conns[c.sock]
         c.sock.close()
+        if self._paused and not self._closing:
+            sel.register(self._sock, selectors.EVENT_READ, None)
+            self._paused = False
         if error is not None and c.state == "answer" and c.reply and self._on_unsent is not None:
             try:
                 self._on_unsent(c.msg)

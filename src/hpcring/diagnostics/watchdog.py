@@ -360,10 +360,11 @@ class Watchdog:
                 # address unknown to it, a lost branch), the store's path, with its trigger.
                 if self._heard.wait(min(self.grace, fanout.step() * (fanout.depth(self.size) + 2))):
                     return False
+                client = self._action_client()
                 try:
-                    trig = json.loads(self._action_client().get(TRIGGER, timeout=5.0))
-                except ValueError:
-                    pass
+                    trig = json.loads(client.get(TRIGGER, timeout=5.0))
+                except (HpcringError, ValueError):
+                    pass                   # our own trigger, then: the report says what it can
         except HpcringError as e:
             self._lost = f"rank 0's store at {self._address[0]}:{self._address[1]}: {e}"
         if self._lost is not None and self._client is None:
