@@ -133,6 +133,13 @@ def _raw(port: int, payload_after_hello) -> None:
             pass
 
 
+def _until(ready, timeout: float = 5) -> None:
+    """Wait (polling, bounded) for what a listener's thread delivers."""
+    end = time.monotonic() + timeout
+    while not ready() and time.monotonic() < end:
+        time.sleep(0.01)
+
+
 def test_the_listener_parses_nothing_before_the_mac_and_caps_the_body():
     seen = []
     lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()
@@ -157,9 +164,7 @@ def test_the_listener_parses_nothing_before_the_mac_and_caps_the_body():
             return nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra + body
         _raw(lst.port, swapped)
         fanout.send(f"127.0.0.1:{lst.port}", body, SECRET, timeout=5)     # the real one still gets in
-        end = time.monotonic() + 5
-        while not seen and time.monotonic() < end:
-            time.sleep(0.01)
+        _until(lambda: seen)
         assert seen == [{"root": 0}]
     finally:
         lst.close()
@@ -182,9 +187,7 @@ def test_one_listener_thread_reads_many_senders_at_once_and_a_silent_one_blocks_
             assert fanout.send_many(jobs, SECRET, timeout=5) == [None] * 20
         assert time.monotonic() - t0 < 1.0                       # not behind the silent one
         assert threading.active_count() == threads
-        end = time.monotonic() + 5
-        while len(seen) < 60 and time.monotonic() < end:
-            time.sleep(0.01)
+        _until(lambda: len(seen) >= 60)
         assert sorted(m["i"] for m in seen) == list(range(60))
         assert silent.recv(64).startswith(auth.DIAG.magic)      # it was greeted ...
         silent.settimeout(3)
@@ -211,9 +214,7 @@ def test_a_full_listener_leaves_the_rest_in_the_backlog_without_spinning(monkeyp
         took, used = time.monotonic() - t0, time.process_time() - cpu
         assert 0.5 < took < 4.0, took              # waited for a silent one's deadline
         assert used < 0.5 * took, (used, took)     # ... blocked, not spinning
-        end = time.monotonic() + 5
-        while not seen and time.monotonic() < end:
-            time.sleep(0.01)
+        _until(lambda: seen)
         assert seen == [{"late": 1}]
     finally:
         for s in silent:
@@ -233,9 +234,7 @@ def test_the_listener_drops_bytes_past_the_authenticated_length():
             return nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra + body + b"{}"
         _raw(lst.port, trailing)
         fanout.send(f"127.0.0.1:{lst.port}", json.dumps({"root": 2}).encode(), SECRET, timeout=5)
-        end = time.monotonic() + 5
-        while not seen and time.monotonic() < end:
-            time.sleep(0.01)
+        _until(lambda: seen)
         assert seen == [{"root": 2}]
     finally:
         lst.close()
@@ -317,9 +316,7 @@ def test_a_reply_the_sender_does_not_take_is_reported_unsent():
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close with a reset
             s.sendall(nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra + body)
             time.sleep(0.3)
-        end = time.monotonic() + 10
-        while not unsent and time.monotonic() < end:
-            time.sleep(0.02)
+        _until(lambda: unsent, 10)
         assert unsent == [{"i": 1}]
     finally:
         lst.close()
@@ -352,9 +349,7 @@ def test_send_many_delivers_to_all_at_once_and_types_each_failure():
         assert isinstance(errs[7], (ConnectionError, OSError)) and errs[7] is not None
         assert isinstance(errs[8], (ValueError, OSError))
         assert took < 3.0, took                             # one timeout for all, not per failure
-        end = time.monotonic() + 5
-        while len(seen) < 5 and time.monotonic() < end:
-            time.sleep(0.01)
+        _until(lambda: len(seen) >= 5)
         assert sorted(m["to"] for m in seen) == [0, 1, 2, 3, 4]    # the other secret's listener got nothing
         assert fanout.send_many([], SECRET, timeout=1.0) == []
     finally:
@@ -370,9 +365,7 @@ def test_send_many_carries_bodies_of_any_size(size):
     try:
         body = fanout.pack({"pad": "x" * size})             # compressed above 16 KiB
         assert fanout.send_many([(f"127.0.0.1:{x.port}", body) for x in lst], SECRET, timeout=10) == [None] * 3
-        end = time.monotonic() + 5
-        while len(seen) < 3 and time.monotonic() < end:
-            time.sleep(0.01)
+        _until(lambda: len(seen) >= 3)
         assert [len(m["pad"]) for m in seen] == [size] * 3
     finally:
         for x in lst:

@@ -164,6 +164,13 @@ def _check_answer(secret: bytes, ns: bytes, nc: bytes, extra: bytes, head: bytes
     return length, digest
 
 
+def _digested(data: bytes, digest: bytes, what: str) -> bytes:
+    """``data`` once it matches the SHA-256 its sender's MAC covered (ConnectionError if not)."""
+    if not hmac.compare_digest(hashlib.sha256(data).digest(), digest):
+        raise ConnectionError(f"{what} does not match its authenticated digest")
+    return data
+
+
 def send(address: str, body: bytes, secret: bytes, timeout: float | None = None) -> bytes:
     """Deliver ``body`` to the listener at ``host:port``; returns the listener's reply (usually
     empty) once the listener proved it knows the secret (which it does only after checking our
@@ -180,10 +187,7 @@ def send(address: str, body: bytes, secret: bytes, timeout: float | None = None)
         extra = _EXTRA.pack(len(body), hashlib.sha256(body).digest())
         s.sendall(nc + auth.DIAG.client_proof(secret, ns, nc, b"", extra) + extra + body)   # proof, then body
         length, digest = _check_answer(secret, ns, nc, extra, recv_exact(s, ANSWER_LEN))
-        reply = recv_exact(s, length) if length else b""
-        if not hmac.compare_digest(hashlib.sha256(reply).digest(), digest):
-            raise ConnectionError("reply does not match its authenticated digest")
-        return reply
+        return _digested(recv_exact(s, length) if length else b"", digest, "reply")
 
 
 class _Out:
@@ -222,9 +226,7 @@ class _Out:
                 if self.want:
                     return selectors.EVENT_READ
             if self.state == "reply":
-                if not hmac.compare_digest(hashlib.sha256(self.buf).digest(), self.digest):
-                    raise ConnectionError("reply does not match its authenticated digest")
-                self.reply = self.buf
+                self.reply = _digested(self.buf, self.digest, "reply")
                 return None
             if self.buf[:len(D.magic)] != D.magic:
                 raise auth.NotAPeer("bad magic in the greeting")
@@ -349,10 +351,7 @@ class _In:
             return selectors.EVENT_READ
         if len(self.buf) > self.want:
             raise ConnectionError(f"{len(self.buf) - self.want} bytes past the message's authenticated length")
-        body = bytes(self.buf)
-        if not hmac.compare_digest(hashlib.sha256(body).digest(), self.digest):
-            raise ConnectionError("message body does not match its authenticated digest")
-        self.msg = unpack(body)
+        self.msg = unpack(_digested(bytes(self.buf), self.digest, "message body"))
         self.state = "parsed"
         return PARSED
 
