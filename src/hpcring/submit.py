@@ -112,14 +112,26 @@ def _start_tasks(mod, rec: JobRecord) -> None:
     for task in rec.tasks():
         folder = Path(task.folder)
         folder.mkdir(parents=True, exist_ok=True)
-        target = folder / f"{task.job_id}_submitted.pkl"
-        if not target.exists():
-            try:
-                os.link(pickle, target)
-            except OSError:            # a file system without hard links
-                import shutil
-                shutil.copyfile(pickle, target)
+        _install_pickle(pickle, folder / f"{task.job_id}_submitted.pkl")
     mod.release(rec)
+
+
+def _install_pickle(pickle: Path, target: Path) -> None:
+    """Make ``target`` this job's pickle, replacing whatever is there in one step. A pickle already
+    there is another job's: job ids of clusters that share a job_dir overlap (the dev cluster's Slurm
+    and its LSF emulation both start at 1), and keeping it made the task run that job's function.
+    A rank waiting for the file (submitit polls for it) sees either nothing or the whole new one."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(pickle, tmp)
+        except OSError:                # a file system without hard links
+            import shutil
+            shutil.copyfile(pickle, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def record(job_id: str) -> JobRecord:

@@ -106,7 +106,7 @@ def test_hello_6_ranks_over_3_nodes(env):
     st = hpcring("status", jid, env=env)
     assert st.returncode == 0 and "COMPLETED (DONE)" in st.stdout, st.stdout
     assert bjobs_stat(jid, env) == "DONE"
-    folder = SHARED / "jobs" / jid
+    folder = SHARED / "lsf-jobs" / jid     # the site's job_dir
     for rank in range(6):  # submitit: one result per rank; hpcring: status and per-rank logs
         assert (folder / f"{jid}_{rank}_result.pkl").is_file()
         assert json.loads((folder / f"{jid}_{rank}_status.json").read_text())["launcher"] == "blaunch"

@@ -332,3 +332,30 @@ def test_a_scheduler_that_cannot_answer_keeps_its_hint(state_dir, tmp_path, monk
         assert r.exit_code == 1 and "`sacct` is not on PATH" in r.output and "login node" in r.output, r.output
     r = cli("status")
     assert r.exit_code == 0 and r.output.count("`sacct` is not on PATH") == 2, r.output
+
+
+def test_an_array_task_runs_its_own_pickle_in_a_folder_another_job_left(state_dir, tmp_path):
+    """Job ids of two clusters overlap (the dev cluster's Slurm and its LSF emulation both start at
+    1): a task folder may already hold another job's pickle. The task must get this job's, or it
+    runs the other job's function (seen: an LSF sweep task ran a Slurm sweep's arguments)."""
+    rec = new_record("5", "lsf", "dev", str(tmp_path / "5"), 2, "t", "/x/t.py", cluster="dev",
+                     array=[0, 1, 2], array_limit=None, sweep=None)
+    Path(rec.folder).mkdir()
+    (Path(rec.folder) / "5_submitted.pkl").write_bytes(b"this job")
+    for t in (0, 1):                                   # what the other job left
+        (tmp_path / f"5_{t}").mkdir()
+        (tmp_path / f"5_{t}" / f"5_{t}_submitted.pkl").write_bytes(b"another job")
+    released = []
+    submit._start_tasks(type("Mod", (), {"release": staticmethod(released.append)}), rec)
+    assert [(tmp_path / f"5_{t}" / f"5_{t}_submitted.pkl").read_bytes() for t in (0, 1, 2)] == [b"this job"] * 3
+    assert released == [rec] and not list(tmp_path.rglob(".*.tmp"))
+
+
+def test_the_dev_clusters_slurm_and_lsf_sites_keep_their_job_folders_apart():
+    """Job folders are named by job id; the Slurm dev cluster's ids and the LSF emulation's both
+    start at 1, so one job_dir for both put two jobs in one folder (an LSF sweep's logs held a Slurm
+    sweep's lines: the flake of test_an_lsf_sweep_maps_task_i_to_index_i_plus_1 on a fresh machine)."""
+    dirs = {name: Path(os.path.expanduser(load_site(name, {}).config.job_dir)).resolve()
+            for name in ("devcluster", "devcluster-lsf")}
+    assert dirs["devcluster"] != dirs["devcluster-lsf"]
+    assert dirs["devcluster"] not in dirs["devcluster-lsf"].parents and dirs["devcluster-lsf"] not in dirs["devcluster"].parents
