@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from hpcring.config.schema import SiteConfig
+from hpcring.config.schema import PATH, SiteConfig
 from hpcring.config.yamlpos import load_with_lines
 
 PLACEHOLDER_KEY = "p1"     # the name used for an entry of a dict of sub-models (partitions)
@@ -32,6 +32,7 @@ class Field:
     choices: tuple = ()
     numeric_bounds: tuple | None = None   # (ge/gt, le/lt) metadata of a number
     takes_int: bool = False               # a text field that also takes a whole number (str | int)
+    path_key: bool = False                # names a file, folder or command (schema.PATH): never empty
 
     @property
     def dotted(self) -> str:
@@ -100,7 +101,7 @@ def schema_fields(model: type[BaseModel] = SiteConfig, prefix: tuple = ()) -> li
         else:
             kind, choices = _scalar_kind(ann)
             out.append(Field(path, kind, choices, _bounds(info) if kind in ("int", "float") else None,
-                             takes_int=kind == "str" and int in typing.get_args(ann)))
+                             takes_int=kind == "str" and int in typing.get_args(ann), path_key=PATH in info.metadata))
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -75,19 +75,35 @@ def _signal_name(name: str) -> bool:
         and isinstance(getattr(signal, "SIG" + base), signal.Signals)
 
 
+class _PathKey:
+    """Marks a key that names a file, a folder or a command (``Annotated[str | None, PATH]``): an empty
+    or blank value is refused. Left to the code that uses it, ``job_dir: ""`` is the folder hpcring
+    happens to start in and ``template: ""`` silently the bundled template."""
+
+    def __repr__(self) -> str:
+        return "PATH"
+
+
+PATH = _PathKey()
+
+
 class _Strict(BaseModel):
     # strict: a YAML true is no number, 1 no boolean, "4" no count; every field, present and future
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     @field_validator("*")
     @classmethod
-    def _plain_text(cls, v):
+    def _plain_text(cls, v, info):
         """Every string of every field: one line, printable, bounded (a line break in any value that
-        reaches a job script starts a new command; ESC sequences rewrite the user's terminal)."""
+        reaches a job script starts a new command; ESC sequences rewrite the user's terminal); a
+        path (PATH) not empty."""
         for sub, text in _strings(v):
             why = text_problem(text)
             if why:
                 raise PydanticCustomError("site_text", "{why}", {"why": why, "sub": sub})
+        if isinstance(v, str) and not v.strip() and PATH in cls.model_fields[info.field_name].metadata:
+            raise PydanticCustomError("site_path", "{why}", {"why": "empty, and this key names a path (a file, "
+                                      "folder or command): write one, or remove the key for its default"})
         return v
 
 
@@ -231,7 +247,7 @@ class Container(_Strict):
     runtime: Literal[RUNTIMES]
     image: str | None = None        # None: only with --container-image (else ranks run on the host)
     mounts: list[str] = []          # SRC[:DST[:OPTIONS]], absolute paths; the job folder is added
-    workdir: str | None = None      # the ranks' working directory inside the image
+    workdir: Annotated[str | None, PATH] = None      # the ranks' working directory inside the image
     flags: list[str] = []           # extra runtime options, one word each (quoted on the line)
 
     @field_validator("image")
@@ -280,8 +296,8 @@ class Remote(_Strict):
     user: str | None = None
     port: int | None = Field(default=None, ge=1, le=65535)
     ssh_options: list[str] = []       # Key=Value (or a mapping Key: Value), ssh_config(5) keywords
-    workdir: str | None = None        # where the script's folder is copied (relative: the home folder)
-    hpcring: str | None = None        # the hpcring command there (default: hpcring on its PATH)
+    workdir: Annotated[str | None, PATH] = None   # where the script's folder is copied (relative: the home folder)
+    hpcring: Annotated[str | None, PATH] = None   # the hpcring command there (default: hpcring on its PATH)
 
     @field_validator("ssh_options", mode="before")
     @classmethod
@@ -337,7 +353,7 @@ class SiteConfig(_Strict):
     account: str | None = None
     qos: str | None = None
     constraint: str | None = None
-    job_dir: str = "~/hpcring-jobs"   # must be on a filesystem every node sees
+    job_dir: Annotated[str, PATH] = "~/hpcring-jobs"   # must be on a filesystem every node sees
     gpus_per_node: int = Field(default=0, ge=0, le=envvars.MAX_GPUS_PER_NODE)
     cpus_per_node: int | None = Field(default=None, ge=1, le=MAX_CPUS_PER_NODE)
     partitions: dict[str, Partition] = {}
@@ -346,8 +362,8 @@ class SiteConfig(_Strict):
     fabric: Fabric = Fabric(kind="tcp")
     setup: list[str] = []               # shell lines before launch: modules, conda, env
     env: dict[str, str] = {}            # extra env for every rank (wins over derived fabric env)
-    python: str | None = None           # interpreter path on the compute nodes (default: the submitting one)
-    template: str | None = None         # own job-script template, relative to the site file
+    python: Annotated[str | None, PATH] = None     # interpreter path on the compute nodes (default: the submitting one)
+    template: Annotated[str | None, PATH] = None   # own job-script template, relative to the site file
     timeout: float = Field(default=DEFAULT_TIMEOUT, gt=0, le=MAX_TIMEOUT, allow_inf_nan=False)  # per-collective deadline, s
     slurm: SlurmOptions = SlurmOptions()
     lsf: LsfOptions = LsfOptions()
