@@ -7,7 +7,8 @@ Nothing else is caught: a bug shows its traceback.
 Every parameter of every command is also made strict here (:func:`strict_params`, applied by
 :class:`StrictCommand` and, for sub-apps registered without :func:`command`, :class:`StrictGroup`):
 typer reads numbers as Python does, so ``--nodes 1_0`` was 10 nodes and ``--stepfactor nan`` a
-number. A flag added later gets the same rules without doing anything.
+number; an empty or blank text value is refused (``--site ""`` was the default site, ``--template ""``
+the bundled template). A flag added later gets the same rules without doing anything.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ INT_MAX = 2**63 - 1     # an int flag without a declared max still fits every C 
 SITE_HELP = ("Site name or path to a site YAML (default: $HPCRING_SITE, else the site named like the Slurm "
              "cluster you are in, else local).")
 SiteOpt = typer.Option(None, "--site", "-s", help=SITE_HELP)
+# what to give instead of an empty value, where the flag's own words say more than the generic hint
+_BLANK_HINTS = {"--site": "a site name (`hpcring sites list`) or the path of a site YAML; leave --site out for "
+                          "the default ($HPCRING_SITE, else the site named like the Slurm cluster you are in, "
+                          "else local)"}
 
 
 def newest_job():
@@ -64,6 +69,10 @@ def _strict_value(param, text: str):
         else:
             hint = f"text without line breaks, tabs or other control characters, at most {MAX_TEXT} characters"
             check_text(text)
+            if not text.strip():        # `--site ""` is no site: it must not quietly mean the default
+                flag = max(param.opts, key=len)
+                hint = _BLANK_HINTS.get(flag, f"a value, or leave {flag} out for its default (see --help)")
+                raise ValueError("empty")
     except ValueError as exc:
         raise typer.BadParameter(f"{shown(text)}: {exc}\n  hint: give {hint}") from None
 

@@ -190,16 +190,25 @@ def sites_list():
     output.sites_table(available_sites())
 
 
+def _named_site(ref: str) -> str:
+    """A site NAME|PATH argument: an empty one is refused (it would show the default site)."""
+    if not ref.strip():
+        from hpcring.errors import UsageError
+        raise UsageError(f"site {ref!r} is empty", hint="give a site name (`hpcring sites list`) or the path of a "
+                                                         "site YAML; leave it out of `sites validate` for all")
+    return ref
+
+
 @command(sites_app, "show", help="Show a site config and the environment derived from its fabric.")
 def sites_show(site: str = typer.Argument(..., help="Name or path.")):
     from hpcring.config.site import load_site
-    output.site_detail(load_site(site))
+    output.site_detail(load_site(_named_site(site)))
 
 
 @command(sites_app, "validate", help="Validate site configs; lists every problem with file, line and key.")
 def sites_validate(sites: Optional[List[str]] = typer.Argument(None, help="Names or paths (default: all known).")):
     from hpcring.config.site import available_sites, load_site
-    refs = sites or [str(p) for _, p, _ in available_sites()]
+    refs = [_named_site(ref) for ref in sites] if sites else [str(p) for _, p, _ in available_sites()]
     bad = 0
     for ref in refs:
         try:
