@@ -45,11 +45,11 @@ def _python(site: Site) -> str:
     return site.config.python or sys.executable
 
 
-def preview(site: Site, job: JobSpec, template: str | None = None) -> str:
+def preview(site: Site, job: JobSpec, template: str | None = None, warn: bool = True) -> str:
     """The exact script `submit` would hand to the scheduler (job id still a placeholder)."""
     folder = str(job_root(job) / "%j")
     command = schedulers.get(site.config.scheduler).rank_command(_python(site), folder)   # as the executors do
-    return render_script(site, job, command, folder, template, python=_python(site))
+    return render_script(site, job, command, folder, template, python=_python(site), warn=warn)
 
 
 NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/user")   # private to each node on most clusters
@@ -75,6 +75,7 @@ def node_local_warnings(site: Site, job: JobSpec, cwd: str | None = None) -> lis
 def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
     """Submit through submitit; returns the record saved for status/logs/cancel."""
     script = _check_script(job)
+    preview(site, job, template, warn=False)   # a template that fails or is no job script: nothing made
     root = job_root(job)
     try:
         root.mkdir(parents=True, exist_ok=True)

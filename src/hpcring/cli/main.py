@@ -56,6 +56,7 @@ def submit(req: JobRequest,
     if dry_run:
         sys.stdout.write(lib.preview(s, job, req.template))
         return
+    lib.preview(s, job, req.template, warn=False)   # a template that fails or is no job script: refused here
     warnings = lib.node_local_warnings(s, job)
     from hpcring.restarts import max_restarts as restarts_of
     restarts, restarts_from = restarts_of(max_restarts, s)

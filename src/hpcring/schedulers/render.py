@@ -5,6 +5,11 @@ A site may point at its own template (``template:`` relative to the site file); 
 ``--template``. Templates may include partials from the bundled ``templates/`` folder, and write
 the line that starts the ranks with ``{{ launch_command(logs=...) }}``: the scheduler module's
 ``launch_argv`` (the same words ``hpcring run`` executes, see schedulers/launch_words.py).
+
+A job-script template is a UTF-8 Jinja file that renders a script whose first line is an
+interpreter line (``#!/bin/bash``: sbatch refuses a script without one) and that starts the ranks:
+it uses ``launch_command(...)``, ``command`` or ``in_container(command)``, itself or in a template
+it includes. Any other readable file given as a template is refused, saying so (:func:`check_job_script`).
 """
 from __future__ import annotations
 
@@ -15,12 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 
 from hpcring import __version__
 from hpcring.config.fabric import bootstrap_spec, fabric_env
 from hpcring.config.jobspec import JobSpec, check_text
 from hpcring.config.schema import slurm_signal_spec
 from hpcring.config.site import Site
+from hpcring.config.text import shown
 from hpcring.errors import TemplateError
 from hpcring.resources import templates_dir
 from hpcring.schedulers.launch_words import LaunchRequest, Shell, quote_path
@@ -167,15 +174,69 @@ def template_path(site: Site, override: str | Path | None = None) -> Path:
         p = templates_dir() / SCHEDULER_TEMPLATES[site.config.scheduler]
     if not p.is_file():
         where = "--template" if override else f"{site.path} key 'template'"
-        raise TemplateError(f"job-script template {p} ({where}) does not exist",
+        what = "is a directory, not a file" if p.is_dir() else "does not exist"
+        raise TemplateError(f"job-script template {p} ({where}) {what}",
                             hint="point at an existing .j2 file, or remove the setting to use the bundled one")
     return p
 
 
+# the names through which a template starts the job's ranks (render_script's globals and variables)
+STARTS_RANKS = ("launch_command", "command", "in_container")
+
+
+def _template_where(site: Site, path: Path, override) -> str:
+    return "--template" if override else (f"{site.path} key 'template'" if site.config.template else "bundled")
+
+
+def _names_used(jenv: jinja2.Environment, name: str, seen: set[str]) -> set[str] | None:
+    """Every variable and function ``name`` and the templates it includes, imports or extends use
+    (None: one of them is chosen at render time, so not every name can be known). ``jenv`` holds
+    no globals (jinja2.meta leaves those out)."""
+    if name in seen:
+        return set()
+    seen.add(name)
+    source, _, _ = jenv.loader.get_source(jenv, name)
+    tree = jenv.parse(source)
+    used = set(jinja2.meta.find_undeclared_variables(tree))
+    for ref in jinja2.meta.find_referenced_templates(tree):
+        more = _names_used(jenv, ref, seen) if ref is not None else None
+        if more is None:
+            return None
+        used |= more
+    return used
+
+
+def check_job_script(path: Path, where: str, text: str | None, used: set[str] | None, scheduler: str,
+                     render_error: str | None = None) -> None:
+    """Refuse a template that is no job-script template: ``text`` (its rendering; None when it did
+    not render, ``render_error`` saying why) does not start with an interpreter line, or ``used``
+    (the names it uses) holds none that starts the ranks. TemplateError saying what was expected."""
+    missing = []
+    if text is not None and not text.startswith("#!"):
+        missing.append("its first line is not an interpreter line such as #!/bin/bash (it is "
+                       f"{shown(text.split(chr(10), 1)[0], 40)})")
+    if used is not None and not used & set(STARTS_RANKS):
+        missing.append("it never starts the ranks (it uses neither launch_command(...) nor command)")
+    if missing and render_error:
+        missing.append(f"and it does not render ({render_error})")
+    if missing:
+        raise TemplateError(f"{where} {path} is not a job-script template: " + "; ".join(missing),
+                            hint="a job-script template is a Jinja file that renders a script starting with "
+                                 "#!/bin/bash and starts the ranks with {{ launch_command(logs=...) }} (or runs "
+                                 f"{{{{ command }}}}); copy templates/{SCHEDULER_TEMPLATES[scheduler]} and edit it")
+
+
+def _template_error(path: Path, exc: jinja2.TemplateError) -> TemplateError:
+    line = getattr(exc, "lineno", None)
+    at = f"{path}:{line}" if line else str(path)
+    return TemplateError(f"template {at}: {exc}",
+                         hint="every variable a template uses must be defined (StrictUndefined)")
+
+
 def render_script(site: Site, job: JobSpec, command: str, folder: str,
-                  template: str | Path | None = None, python: str | None = None) -> str:
+                  template: str | Path | None = None, python: str | None = None, warn: bool = True) -> str:
     """Render the job script. Pure: reads templates, touches nothing else (a scheduler argument that
-    replaces the site's warning signal is named on stderr).
+    replaces the site's warning signal is named on stderr, unless ``warn`` is False).
 
     Values reach the script shell-quoted (``shquote``); a line break would still end a comment or
     an ``#SBATCH`` line, so every text value is checked for control characters first.
@@ -184,6 +245,7 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
                         ("python", python or "python3"), ("command", command)):
         check_text(what, value, "job script")
     path = template_path(site, template)
+    where = _template_where(site, path, template)
     loader = jinja2.FileSystemLoader([str(path.parent), str(templates_dir())])
     jenv = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
                               keep_trailing_newline=True, autoescape=False)
@@ -193,15 +255,28 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
     jenv.globals["slurm_warning"] = lambda: slurm_warning(site, job)
     jenv.globals["in_container"] = lambda cmd: in_container(site, job, cmd, folder)
     try:
-        text = jenv.get_template(path.name).render(
+        bare = jinja2.Environment(loader=loader)       # the same filters, no globals: to read the names used
+        bare.filters.update(jenv.filters)
+        used = _names_used(bare, path.name, set())
+        tmpl = jenv.get_template(path.name)
+    except jinja2.TemplateError as exc:
+        raise _template_error(path, exc) from None
+    except (UnicodeDecodeError, OSError) as exc:     # binary, unreadable
+        why = "is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else f"cannot be read ({exc})"
+        raise TemplateError(f"{where} {path} {why}: not a job-script template",
+                            hint="point at a Jinja job-script template (.j2), e.g. a copy of templates/"
+                                 f"{SCHEDULER_TEMPLATES[site.config.scheduler]}") from None
+    try:
+        text = tmpl.render(
             site=site.config, site_path=site.path.name if site.origin == "bundled" else str(site.path),
             job=job, command=command, folder=folder, env=job_env(site, job), hpcring_version=__version__,
             python=python or "python3")
     except jinja2.TemplateError as exc:
-        line = getattr(exc, "lineno", None)
-        where = f"{path}:{line}" if line else str(path)
-        raise TemplateError(f"template {where}: {exc}",
-                            hint="every variable a template uses must be defined (StrictUndefined)") from None
-    for warning in signal_overrides(site, job):   # render and submit alike; stderr keeps stdout the script
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
+        # a file that is no job-script template at all: that, rather than the first name it lacks
+        check_job_script(path, where, None, used, site.config.scheduler, render_error=str(exc))
+        raise _template_error(path, exc) from None
+    check_job_script(path, where, text, used, site.config.scheduler)
+    if warn:
+        for warning in signal_overrides(site, job):   # render and submit alike; stderr keeps stdout the script
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     return text
