@@ -610,3 +610,73 @@ def test_local_site_refuses_more_ranks_than_the_local_backend_starts(tmp_path, m
     if env:
         assert "env HPCRING_NODES" in r.output                          # where the count came from
     assert not jobs.exists() and not list(state.rglob("*.json"))
+
+
+# ------------------------------------------------------------------------------ empty values, templates
+
+@pytest.mark.parametrize("argv", [["render", "--site", "", HELLO], ["submit", "--site", "", "--dry-run", HELLO],
+                                  ["submit", "--site", "", HELLO], ["submit", "-s", " ", HELLO],
+                                  ["run", "--site", "", "--", "true"]], ids=lambda a: " ".join(a[:3]))
+def test_empty_site_flag_is_refused(tmp_path, monkeypatch, argv):
+    """`--site ""` was the default site, silently: now a usage error naming --site; nothing rendered
+    or submitted."""
+    from hpcring import allocation, submit as lib
+    monkeypatch.setattr(lib, "submit", lambda *a, **kw: pytest.fail("submitted"))
+    monkeypatch.setattr(allocation, "run", lambda *a, **kw: pytest.fail("ran"))
+    r = cli(argv, env={"HPCRING_JOB_DIR": str(tmp_path / "jobs"), "HPCRING_STATE_DIR": str(tmp_path / "state")})
+    assert_clean_failure(r, "--site", "empty", "hint:", "leave --site out for the default", code=2)
+    assert not r.stdout and not (tmp_path / "jobs").exists()
+
+
+@pytest.mark.parametrize("argv", [["sites", "show", ""], ["sites", "validate", "local", " "]])
+def test_empty_site_argument_is_refused(argv):
+    assert_clean_failure(cli(argv), "site", "is empty", "hint:", code=2)
+
+
+def test_empty_site_variable_is_unset():
+    """HPCRING_SITE="" reads as unset (as most tools read an empty variable): the default site."""
+    r = cli(["render", HELLO], env={"HPCRING_SITE": ""})
+    assert r.exit_code == 0 and "for site local (local.yaml)" in r.stdout, r.output
+
+
+@pytest.mark.parametrize("key,raw", [("job_dir", '""'), ("job_dir", '"  "'), ("template", "''"),
+                                     ("python", '""')])
+def test_empty_path_key_in_site_file(tmp_path, key, raw):
+    """`job_dir: ""` was accepted (the folder hpcring was started in; sites validate said ok, and
+    HPCRING_JOB_DIR hid it from render): now the file, line and key, and what to write."""
+    path = tmp_path / "site.yaml"
+    path.write_text(VALID + f"{key}: {raw}\n")
+    for argv, env in ((["sites", "validate", str(path)], {}),
+                      (["render", "--site", str(path), HELLO], {"HPCRING_JOB_DIR": str(tmp_path / "jobs")})):
+        r = cli(argv, env=env)
+        assert_clean_failure(r, f"{path}:4 {key}: empty", "names a path", "remove the key for its default",
+                             "hint:", code=1)
+        assert "#SBATCH" not in r.output
+
+
+@pytest.mark.parametrize("text", ["hello\n", "#!/bin/bash\necho no ranks\n", "{{ command }}\n"],
+                         ids=["text", "no-launch", "no-shebang"])
+@pytest.mark.parametrize("cmd", [["render"], ["submit", "--dry-run"], ["submit"]])
+def test_template_that_is_no_job_script(tmp_path, monkeypatch, cmd, text):
+    """Any readable file was rendered as a job-script template: now it must render a script that
+    starts with #! and start the ranks (launch_command or command); the error says so."""
+    from hpcring import submit as lib
+    monkeypatch.setattr(lib, "submit", lambda *a, **kw: pytest.fail("submitted"))
+    t = tmp_path / "notes.txt"
+    t.write_text(text)
+    r = cli([*cmd, "--site", "devcluster", "--template", str(t), HELLO],
+            env={"HPCRING_JOB_DIR": str(tmp_path / "jobs"), "HPCRING_STATE_DIR": str(tmp_path / "state")})
+    assert_clean_failure(r, f"--template {t} is not a job-script template", "#!/bin/bash", "launch_command",
+                         "hint:", code=1)
+    assert not r.stdout and not (tmp_path / "jobs").exists()
+
+
+def test_own_templates_that_are_job_scripts_still_render(tmp_path):
+    """A bundled template given as --template, and an own one that starts the ranks in a partial."""
+    plain = cli(["render", "--site", "devcluster", HELLO])
+    given = cli(["render", "--site", "devcluster", "--template", str(ROOT / "templates" / "slurm.sh.j2"), HELLO])
+    assert plain.exit_code == 0 and given.exit_code == 0 and given.stdout == plain.stdout, given.output
+    (tmp_path / "launch.j2").write_text("{{ launch_command(logs=folder ~ '/%j_%t_log') }}\n")
+    (tmp_path / "mine.sh.j2").write_text("#!/bin/bash\n#SBATCH --nodes={{ job.nodes }}\n{% include 'launch.j2' %}\n")
+    r = cli(["render", "--site", "devcluster", "--template", str(tmp_path / "mine.sh.j2"), HELLO])
+    assert r.exit_code == 0 and r.stdout.startswith("#!/bin/bash\n#SBATCH --nodes=1\nsrun "), r.output

@@ -21,6 +21,7 @@ processes.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from typer.testing import CliRunner
 
 from hpcring.cli.main import app
 from hpcring.config import envvars
+from hpcring.config.jobspec import ENV_VARS as JOB_ENV_VARS
+from helpers_site_fields import schema_fields, write_site
 
 ROOT = Path(__file__).resolve().parents[2]
 HELLO = str(ROOT / "examples" / "hello.py")
@@ -50,8 +53,10 @@ INT_BAD = ["abc", "1.5", "1e3", "0x10", "true", "yes", "nan", "inf", "-inf", "1_
            "1" + "0" * LONG]
 FLOAT_BAD = ["abc", "true", "nan", "NaN", "-nan", "inf", "-inf", "Infinity", "1e400", "-1e400", "1_0", "1_0.5",
              "\uff11", "1\n", "1,5", "", "0x1p3", "1" + "0" * LONG, "-1"]
-TEXT_BAD = ["a\nb", "a\rb", "tab\there", "\x1b[31mred", "a\x00b", "bell\x07", "del\x7f", "x" * LONG]
-TEXT_ODD = ["\u00fcn\u00efc\u00f8d\u00e9", "\u540d\u524d", "\U0001f600", "\u202eevil", " ", "-"]
+# Empty and blank: never a value (`--site ""` used to mean the default site, `--template ""` the bundled one)
+BLANK = ["", " ", "   "]
+TEXT_BAD = ["a\nb", "a\rb", "tab\there", "\x1b[31mred", "a\x00b", "bell\x07", "del\x7f", "x" * LONG] + BLANK
+TEXT_ODD = ["\u00fcn\u00efc\u00f8d\u00e9", "\u540d\u524d", "\U0001f600", "\u202eevil", "-"]
 SIZE_BAD = ["1e400", "nan", "inf", "-1", "1_0", "\uff18", "99999999999999999999", "64Q", "", "8G5", "1" * LONG,
             "9G", "abc", "1\n"]
 JOB_ID_BAD = ["1" * LONG, "a" * 201, "*", "?", "[1]", "../../etc/passwd", "/tmp/x", "a\nb", "\x1b[2J", "",
@@ -388,6 +393,116 @@ def test_bad_script(cmd, sandbox):
     assert not failures, _fmt(failures)
 
 
+# ------------------------------------------------------------------------------ site keys that name a path
+
+SITE_FIELDS = schema_fields()
+PATH_FIELDS = [f for f in SITE_FIELDS if f.path_key]
+_PATH_LIKE = re.compile(r"(?:^|_)(?:dir|path|file|template|python|workdir|hpcring)$")
+BLANK_YAML = ['""', "''", '" "', '"   "']
+
+
+def test_every_key_that_names_a_path_is_declared_one():
+    """A site key named like a path is declared as one (schema.PATH), so the cases below cover a new
+    one the day it is added."""
+    named = {f.dotted for f in SITE_FIELDS
+             if f.kind == "str" and isinstance(f.path[-1], str) and _PATH_LIKE.search(f.path[-1])}
+    assert named <= {f.dotted for f in PATH_FIELDS}, named - {f.dotted for f in PATH_FIELDS}
+    assert {"job_dir", "template", "python", "container.workdir", "remote.workdir",
+            "remote.hpcring"} <= {f.dotted for f in PATH_FIELDS}
+
+
+@pytest.mark.parametrize("field", PATH_FIELDS, ids=lambda f: f.dotted)
+def test_empty_path_in_a_site_file(field, sandbox, tmp_path):
+    """An empty or blank path key (``job_dir: ""`` was the folder hpcring started in, ``template: ""``
+    the bundled template) stops validate, render and submit with one message naming the file, the
+    line and the key; HPCRING_JOB_DIR (set in the sandbox) does not hide it."""
+    failures = []
+    for i, raw in enumerate(BLANK_YAML):
+        folder = tmp_path / f"site{i}"
+        folder.mkdir()
+        site, lines = write_site(folder, "slurm", field, raw)
+        for argv in (["sites", "validate", str(site)], ["render", "--site", str(site), HELLO],
+                     ["submit", "--site", str(site), HELLO]):
+            result, started = invoke(argv)
+            why = problems_of(result, (field.dotted,), sandbox, started, code=1)
+            named = re.findall(re.escape(str(site)) + r":(\d+) (\S+): empty", result.output)
+            if len(named) != 1 or int(named[0][0]) not in lines or named[0][1] != field.dotted:
+                why.append(f"names {named}, want one of lines {sorted(lines)} and key {field.dotted}")
+            if result.stdout:
+                why.append("rendered something")
+            if why:
+                failures.append((f"{argv[0]} {raw}", why))
+    assert not failures, f"{field.dotted}:\n{_fmt(failures)}"
+
+
+# ------------------------------------------------------------------------------ templates
+
+TEMPLATES = ROOT / "templates"
+SITE_OF = {"slurm": "slurm-tcp", "lsf": "lsf-summit", "local": "local"}     # a bundled site per scheduler
+_STARTS_RANKS = re.compile(r"launch_command\(|\bcommand\b")
+
+
+def not_templates(folder: Path, scheduler: str) -> dict[str, Path]:
+    """Readable files that are not job-script templates: files of this repository, binary and empty
+    files, a shell script that starts no rank, and the scheduler's bundled template with its
+    interpreter line, or every line that starts the ranks, taken out."""
+    own = (TEMPLATES / f"{scheduler}.sh.j2").read_text().splitlines(keepends=True)
+    made = {
+        "empty": b"",
+        "binary": bytes(range(256)) * 4,
+        "latin-1": "#!/bin/bash\n# caf\xe9\n{{ command }}\n".encode("latin-1"),
+        "plain shell": b"#!/bin/bash\necho hello\n",
+        "no shebang": b"{{ command }}\n",
+        "blank first line": b"\n#!/bin/bash\n{{ command }}\n",
+        "undefined and no ranks": b"#!/bin/bash\n{{ nodes }}\n",
+        "bundled without its shebang": "".join(own[1:]).encode(),
+        "bundled without its launch": "".join(ln for ln in own if not _STARTS_RANKS.search(ln)).encode(),
+    }
+    out = {name: folder / f"{i}.sh.j2" for i, name in enumerate(made)}
+    for name, path in out.items():
+        path.write_bytes(made[name])
+    for path in (ROOT / "README.md", ROOT / "examples" / "hello.py", ROOT / "site_configs" / "local.yaml",
+                 ROOT / "pyproject.toml", *sorted((TEMPLATES / "partials").glob("*.j2"))):
+        out[str(path.relative_to(ROOT))] = path
+    return out
+
+
+@pytest.mark.parametrize("scheduler", sorted(SITE_OF))
+def test_a_file_that_is_no_template(scheduler, sandbox, tmp_path):
+    """--template FILE, FILE readable but no job-script template: render, submit --dry-run and
+    submit stop with one message naming --template and saying what a template is; nothing is
+    rendered, submitted or written."""
+    folder = tmp_path / "templates"
+    folder.mkdir()
+    failures = []
+    for name, path in not_templates(folder, scheduler).items():
+        for cmd in (["render"], ["submit", "--dry-run"], ["submit"]):
+            result, started = invoke([*cmd, "--site", SITE_OF[scheduler], "--template", str(path), HELLO])
+            why = problems_of(result, ("--template",), sandbox, started, code=1)
+            if not re.search(r"is not a job-script template|not a job-script template", result.output):
+                why.append("does not say it is no job-script template")
+            if "hint:" not in result.output:
+                why.append("no hint")
+            if result.stdout:
+                why.append("rendered something")
+            if why:
+                failures.append((f"{' '.join(cmd)} {name}", why))
+    assert not failures, _fmt(failures)
+
+
+@pytest.mark.parametrize("site", sorted(p.stem for p in (ROOT / "site_configs").glob("*.yaml")))
+def test_the_bundled_templates_are_templates(site, sandbox):
+    """Every bundled site's own template, given as --template, renders exactly what it renders
+    without the flag."""
+    from hpcring.config.site import load_site
+    from hpcring.schedulers.render import SCHEDULER_TEMPLATES
+    template = TEMPLATES / SCHEDULER_TEMPLATES[load_site(site).config.scheduler]
+    plain, _ = invoke(["render", "--site", site, HELLO])
+    given, _ = invoke(["render", "--site", site, "--template", str(template), HELLO])
+    assert plain.exit_code == 0 and plain.stdout.startswith("#!"), plain.output
+    assert given.exit_code == 0 and given.stdout == plain.stdout, given.output
+
+
 # ------------------------------------------------------------------------------ environment
 
 def env_mutations(v: envvars.Var) -> tuple[list[str], list[str]]:
@@ -413,6 +528,25 @@ def env_mutations(v: envvars.Var) -> tuple[list[str], list[str]]:
 
 ENV_CASES = [(v, value, True) for v in envvars.VARS for value in env_mutations(v)[0]] + \
             [(v, value, False) for v in envvars.VARS for value in env_mutations(v)[1]]
+
+
+@pytest.mark.parametrize("var", envvars.VARS, ids=lambda v: v.name)
+def test_empty_environment_value_is_unset(var):
+    """An empty (or blank) variable is an unset one, as most tools read it: the default, no error.
+    (An empty *flag* is an error: see BLANK in the flag cases.)"""
+    for value in BLANK:
+        envvars.check_environ({var.name: value})
+        assert envvars.get(var.name, {var.name: value}) == var.default
+
+
+@pytest.mark.parametrize("name", sorted({*JOB_ENV_VARS.values(), "HPCRING_SITE"}))
+def test_empty_job_variable_renders_as_unset(name, sandbox):
+    """HPCRING_SITE="" and every job-setting variable set empty render the very script they render
+    unset: the default site, the site's or built-in value."""
+    unset, _ = invoke(["render", HELLO], env={name: None})
+    empty, started = invoke(["render", HELLO], env={name: ""})
+    assert unset.exit_code == 0 and unset.stdout.startswith("#!"), unset.output
+    assert empty.exit_code == 0 and empty.stdout == unset.stdout and not started, empty.output
 
 
 def test_every_registered_variable_is_a_target():
