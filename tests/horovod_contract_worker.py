@@ -70,6 +70,7 @@ def args() -> None:
                   "duplicate")
     expect_raises(ValueError, lambda: hvd.DistributedOptimizer(opt, named_parameters=[("w", m.weight)]), "missing")
     expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum))
+    expect_raises(NotImplementedError, lambda: hvd.reducescatter(torch.ones(n), op=hvd.Adasum), "Adasum")
     healthy("args")
 
 
@@ -365,9 +366,267 @@ def cache() -> None:
     healthy("cache")
 
 
+# -- 7. what Horovod's own test file (test/parallel/test_torch.py) relies on ---------------------------
+def _same_everywhere(what: str, value) -> None:
+    got = hvd.allgather_object(value, name=f"same.{what}")
+    assert all(v == got[0] for v in got), f"{what} differs across ranks: {got}"
+
+
+def _auto_names_agree() -> None:
+    """The automatic-name counters agree: the global set's on every rank, each set's among its members."""
+    _same_everywhere("auto", dict(hvd.state.engine()._auto))
+    for ps in list(hvd.process_sets._registry.values()):
+        if ps.process_set_id and ps._engine is not None:
+            got = hvd.allgather_object(dict(ps._engine._auto), name=f"same.auto.{ps.process_set_id}", process_set=ps)
+            assert all(v == got[0] for v in got), f"set {ps.process_set_id}'s automatic names differ: {got}"
+
+
+def _set(ranks):
+    """A process set of ``ranks`` (every rank calls): a registered one, else a new one (added=True)."""
+    for ps in hvd.process_sets._registry.values():
+        if ps.ranks == ranks:
+            return ps, False
+    return hvd.add_process_set(ranks), True
+
+
+def names_after_refusal() -> None:
+    """Horovod's test_horovod_join_allgather: each rank joins first in turn while the others'
+    allgathers are refused (JoinedRankError), with an unnamed allgather_object after each round.
+    Afterwards the automatic names agree on every rank and unnamed operations still match."""
+    r, n = hvd.rank(), hvd.size()
+    t = torch.ones(17, 17)
+    for first in range(n):
+        if r == first:
+            ret = hvd.join()
+        else:
+            expect_raises(hvd.JoinedRankError, lambda: hvd.allgather(t), "joined")
+            ret = hvd.join()
+        assert ret != first or n == 1, (ret, first)
+        assert hvd.allgather_object(ret) == [ret] * n
+    # a rank-local refusal (bad arguments on one rank only) takes no automatic name
+    if r == 0:
+        expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(2), op=99))
+        expect_raises(ValueError, lambda: hvd.alltoall(torch.ones(n + 1)))
+        expect_raises(ValueError, lambda: hvd.grouped_allreduce_([torch.ones(1), torch.ones(4)[::2]]), "contiguous")
+    _auto_names_agree()
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [n, n]
+    assert hvd.allgather(torch.tensor([r])).tolist() == list(range(n))
+    hvd.barrier()
+
+
+def sparse_handle() -> None:
+    """hvd.sparse_allreduce_async returns a handle that is called (``handle()``), as Horovod's
+    function is; synchronize(handle) works too."""
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(100 + r)
+    ts = [torch.where(torch.rand(d, 4) < 0.7, 0.0, torch.rand(d, 4)).to_sparse() for d in (5, 9, 3)]
+    dense = [hvd.allreduce(t.to_dense(), name=f"sph.d{i}") for i, t in enumerate(ts)]
+    handles = [hvd.sparse_allreduce_async(t, op=hvd.Average, name=f"sph.{i}") for i, t in enumerate(ts)]
+    assert all(callable(h) for h in handles)
+    got = [h() for h in handles]
+    for d, g in zip(dense, got):
+        assert g.is_sparse and torch.allclose(d, g.to_dense(), atol=1e-6), (d, g)
+    h = hvd.sparse_allreduce_async(ts[0], op=hvd.Sum, name="sph.sync")
+    assert torch.allclose(hvd.synchronize(h).to_dense(), dense[0] * n, atol=1e-6)
+
+
+def sparse_as_dense() -> None:
+    """DistributedOptimizer(sparse_as_dense=True) reduces a dense copy and hands the optimizer a
+    sparse gradient again: SparseAdam (sparse gradients only) steps, == one process on the global
+    batch."""
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    emb, ref = torch.nn.Embedding(8, 3, sparse=True), torch.nn.Embedding(8, 3, sparse=True)
+    ref.load_state_dict(emb.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters(), sparse_as_dense=True)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    data = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [1, 3]])
+    for step in range(3):
+        batch = data[[(i + step) % len(data) for i in range(n)]]
+        opt.zero_grad()
+        emb(batch[r]).pow(2).sum().backward()
+        opt.synchronize()
+        assert emb.weight.grad.is_sparse, "the reduced gradient is no longer sparse"
+        with opt.skip_synchronize():
+            opt.step()
+        ref_opt.zero_grad()
+        (ref(batch).pow(2).sum() / n).backward()
+        ref_opt.step()
+    assert torch.allclose(emb.weight, ref.weight, atol=1e-5), (emb.weight, ref.weight)
+
+
+def optimizer_outside_set() -> None:
+    """Horovod's test_optimizer_process_sets: a DistributedOptimizer on the even ranks' set is
+    built on every rank; the odd ranks step on their own gradients; the sets can then be removed
+    and added again."""
+    r, n = hvd.rank(), hvd.size()
+    (even, new_even), (odd, new_odd) = _set([k for k in range(n) if k % 2 == 0]), _set([k for k in range(n) if k % 2])
+    mine = even if r % 2 == 0 else odd
+    torch.manual_seed(r)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    local = torch.nn.Sequential(torch.nn.Linear(10, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+                                   named_parameters=model.named_parameters(), process_set=even)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    local.load_state_dict(model.state_dict())
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.2, momentum=0.9)
+    x, y = torch.randn(8, 10), torch.randn(8, 2)
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        local_opt.zero_grad()
+        torch.nn.functional.mse_loss(local(x), y).backward()
+        local_opt.step()
+    v = model[2].weight.detach().flatten()
+    every = hvd.allgather(v.unsqueeze(0), process_set=mine)
+    if mine is even:
+        assert all(torch.allclose(v, row) for row in every), "the even ranks differ after a reduced step"
+    else:                                                     # stepped alone: == a plain optimizer
+        assert torch.allclose(model[2].weight, local[2].weight, atol=1e-6)
+    for ps, new in ((odd, new_odd), (even, new_even)):
+        if new:
+            assert hvd.remove_process_set(ps)
+            again = hvd.add_process_set(list(ps.ranks))
+            assert hvd.remove_process_set(again)
+
+
+def optstate_zero_grads() -> None:
+    """After broadcast_optimizer_state of a new optimizer every trainable parameter's grad is a
+    zero tensor (Horovod's zero step leaves them), so scripts can broadcast it; SparseAdam's are
+    sparse."""
+    torch.manual_seed(hvd.rank())
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    m[1].bias.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=m.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for name, p in m.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and not p.grad.any(), (name, p.grad)
+            hvd.broadcast(p.grad, 0, name=f"zg.{name}")
+        else:
+            assert p.grad is None, name
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    hvd.broadcast_optimizer_state(torch.optim.SparseAdam(emb.parameters()), root_rank=0)
+    assert emb.weight.grad.is_sparse and not emb.weight.grad.to_dense().any()
+
+
+def parameter_names() -> None:
+    """DistributedOptimizer._parameter_names: {parameter: name}, from named_parameters or
+    Horovod's default names ``allreduce.noname.<group>.<index>``."""
+    m = torch.nn.Linear(2, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+    assert {n: opt._parameter_names[p] for n, p in m.named_parameters()} == {"weight": "weight", "bias": "bias"}
+    m2 = torch.nn.Linear(2, 2)
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD([{"params": [m2.weight]}, {"params": [m2.bias], "lr": 0.5}],
+                                                    lr=0.1))
+    assert opt2._parameter_names[m2.weight] == "allreduce.noname.0.0"
+    assert opt2._parameter_names[m2.bias] == "allreduce.noname.1.0"
+    m2(torch.ones(1, 2)).sum().backward()
+    opt2.synchronize()                           # the default names match on every rank
+    _same_everywhere("g", m2.weight.grad.tolist())
+
+
+STEP_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                "optimizer.synchronize(). This can cause training slowdown.")
+
+
+def step_warning() -> None:
+    """step() after synchronize() warns in Horovod's words; inside skip_synchronize() it does not."""
+    import warnings
+    m = torch.nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters())
+    for skip in (False, True):
+        opt.zero_grad()
+        m(torch.ones(1, 2)).sum().backward()
+        opt.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if skip:
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+        texts = [str(w.message) for w in seen]
+        assert any(t.startswith(STEP_WARNING) for t in texts) != skip, (skip, texts)
+
+
+def long_mixed() -> None:
+    """A long seeded sequence of mixed operations, the same on every rank: named and unnamed ops
+    of every kind, joins with refused operations, mismatches, rank-local argument errors,
+    process sets added and removed. Afterwards the automatic names and the engine agree on
+    every rank."""
+    import random
+    r, n = hvd.rank(), hvd.size()
+    rng = random.Random(7)
+    sets = []
+
+    def act(kind: str, i: int) -> None:
+        if kind == "allreduce":
+            assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [n] * 3
+        elif kind == "named":
+            assert hvd.allreduce(torch.ones(2), op=hvd.Sum, name=f"lm.{i}").tolist() == [n] * 2
+        elif kind == "allgather":
+            assert hvd.allgather(torch.tensor([[r]])).flatten().tolist() == list(range(n))
+        elif kind == "broadcast":
+            assert hvd.broadcast(torch.tensor([r]), n - 1).item() == n - 1
+        elif kind == "alltoall":
+            assert hvd.alltoall(torch.arange(n) + r * n).tolist() == [k * n + r for k in range(n)]
+        elif kind == "reducescatter":
+            assert hvd.reducescatter(torch.ones(n, 2), op=hvd.Sum).tolist() == [[n, n]]
+        elif kind == "grouped":
+            outs = hvd.grouped_allreduce([torch.ones(1), torch.ones(2)], op=hvd.Sum)
+            assert [o.tolist() for o in outs] == [[n], [n, n]]
+        elif kind == "objects":
+            assert hvd.allgather_object(r) == list(range(n))
+            assert hvd.broadcast_object({"i": i} if r == 0 else None) == {"i": i}
+        elif kind == "barrier":
+            hvd.barrier()
+        elif kind == "join":
+            joiner = i % n
+            if r != joiner:
+                assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n - 1     # joined: zeros
+                assert [o.item() for o in hvd.grouped_allreduce([torch.ones(1)] * 2, op=hvd.Sum)] == [n - 1] * 2
+                expect_raises(hvd.JoinedRankError, lambda: hvd.broadcast(torch.ones(1), 0))
+            hvd.join()
+        elif kind == "mismatch":
+            expect_raises(hvd.TensorMismatchError, lambda: hvd.allreduce(torch.ones(2 + (r == 0))))
+        elif kind == "local_error":
+            if r == i % n:
+                expect_raises(ValueError, lambda: hvd.reducescatter(torch.ones(2), op=hvd.Max + 10))
+                expect_raises(ValueError, lambda: hvd.broadcast(torch.ones(1), n + 5))
+        elif kind == "add_set":
+            ranks = sorted(rng.sample(range(n), rng.randint(1, n)))
+            if any(ps.ranks == ranks for ps in hvd.process_sets._registry.values()) or ranks == list(range(n)):
+                return
+            ps = hvd.add_process_set(ranks)
+            sets.append(ps)
+            if ps.included():
+                assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps).item() == len(ranks)
+                assert hvd.allgather_object(r, process_set=ps) == ranks
+        elif kind == "remove_set" and sets:
+            assert hvd.remove_process_set(sets.pop(rng.randrange(len(sets))))
+
+    kinds = ["allreduce", "named", "allgather", "broadcast", "alltoall", "reducescatter", "grouped", "objects",
+             "barrier", "join", "mismatch", "local_error", "add_set", "remove_set"]
+    for i in range(120):
+        act(rng.choice(kinds), i)
+    while sets:
+        assert hvd.remove_process_set(sets.pop())
+    _auto_names_agree()
+    _same_everywhere("sets", sorted(hvd.process_sets._registry))
+    healthy("long_mixed")
+
+
 CHECKS = {"mismatch": mismatch, "args": args, "stall": stall, "join": join, "dtypes": dtypes,
           "int_arith": int_arith, "process_sets": process_sets, "grouped_rs": grouped_rs, "autograd": autograd,
-          "sparse": sparse, "optstate_nograd": optstate_nograd, "cache": cache}
+          "sparse": sparse, "optstate_nograd": optstate_nograd, "cache": cache,
+          "names_after_refusal": names_after_refusal, "sparse_handle": sparse_handle,
+          "sparse_as_dense": sparse_as_dense, "optimizer_outside_set": optimizer_outside_set,
+          "optstate_zero_grads": optstate_zero_grads, "parameter_names": parameter_names,
+          "step_warning": step_warning, "long_mixed": long_mixed}
 
 
 if __name__ == "__main__":

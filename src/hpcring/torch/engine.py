@@ -20,15 +20,14 @@ submissions raise it, and the watchdog's report names the rank. Every wait is bo
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 
 from hpcring.errors import CollectiveError, HpcringError
 from hpcring.torch import executor, fusion
 from hpcring.torch.controller import Controller
-from hpcring.torch.entry import FUSABLE, Entry, Handle
-from hpcring.torch.exceptions import HorovodInternalError, InvalidArgumentError, internal
+from hpcring.torch.entry import FUSABLE, Entry, Handle, StandIn, h63
+from hpcring.torch.exceptions import HorovodInternalError, InvalidArgumentError, JoinedRankError, internal
 
 DEFAULT_THRESHOLD = 128 * 1024 * 1024      # Horovod's default since 0.21
 HOROVOD_CYCLE_MS = 1.0                     # Horovod's default since 0.21
@@ -70,7 +69,7 @@ class Engine:
         self._join_handle: Handle | None = None
         self._joined_cycle = 0
         self._cycle = 0
-        self.noname = itertools.count()         # names of unnamed operations on this set
+        self._auto: dict[str, int] = {}          # kind -> automatic names given on this set
         self.stats = {"cycles": 0, "negotiate_s": 0.0, "collectives": 0, "fused_tensors": 0, "cache_hits": 0,
                       "full_negotiations": 0, "pack_s": 0.0, "backend_s": 0.0, "unpack_s": 0.0}
         self._thread = threading.Thread(target=self._loop, name=f"hpcring-torch:{pset_id}:{self.rank}", daemon=True)
@@ -82,6 +81,9 @@ class Engine:
         e.pset = self.pset_id
         with self._cv:
             self._check_usable()
+            if e.name is None:
+                name, e.auto = self.take_auto(e.kind)
+                e.set_name(name)
             if e.name in self._names:
                 raise InvalidArgumentError(
                     f"hpcring.torch: an operation named '{e.name}' is already in flight on rank {self.rank}",
@@ -108,6 +110,44 @@ class Engine:
             if wake:
                 self._cv.notify()
         return e.handle
+
+    def _auto_text(self, kind: str, n: int) -> str:
+        return f"{kind}.noname.{n}" if self.pset_id == 0 else f"{kind}.noname.ps{self.pset_id}.{n}"
+
+    def take_auto(self, kind: str) -> tuple[str, tuple[str, int]]:
+        """The next automatic name of ``kind`` on this set, ``<kind>.noname.<n>``, and its mark
+        ``(kind, n)`` for the entries that carry it.
+
+        Every rank of the set must count the same names, so a name is taken only by what every
+        rank also counts: counted per kind; not by an operation refused before it reached the
+        engine (bad arguments, a failed engine: a rank-local error); given back when the operation
+        is refused because a rank has joined (that rank never submitted it, :meth:`_give_back`),
+        and taken by the joined rank for the automatic allreduces it stands in for
+        (:meth:`_stand_in`). One that fails in the negotiation on every rank (mismatch, stall) keeps
+        its name everywhere, as in Horovod."""
+        with self._cv:
+            n = self._auto.get(kind, 0)
+            self._auto[kind] = n + 1
+        return self._auto_text(kind, n), (kind, n)
+
+    def _give_back(self, mark) -> None:
+        """Un-take a refused operation's automatic name, if no later one of its kind was taken
+        (an async call queued behind it keeps its name; the counters then differ, and the next
+        unmatched name is reported as a stall)."""
+        kind, n = mark
+        with self._cv:
+            if self._auto.get(kind) == n + 1:
+                self._auto[kind] = n
+
+    def _stand_in(self, name_hash: int) -> None:
+        """A joined rank contributes to an allreduce: if it carries this rank's next automatic
+        allreduce name (or a grouped one's first member), count that name here too."""
+        for kind, suffix in (("allreduce", ""), ("grouped_allreduce", ".0")):
+            n = self._auto.get(kind, 0)
+            if name_hash == h63(self._auto_text(kind, n) + suffix):
+                with self._cv:
+                    self._auto[kind] = n + 1
+                return
 
     def _check_usable(self) -> None:
         if self._error is not None:
@@ -263,8 +303,13 @@ class Engine:
         if out.failed:
             self._take([e for e, _ in out.failed])
             for e, err in out.failed:
+                if e.auto is not None and isinstance(err, JoinedRankError):
+                    self._give_back(e.auto)
                 e.handle._set(error=err)
         if out.ready:
+            for e in out.ready:
+                if isinstance(e, StandIn):
+                    self._stand_in(e.name_hash)
             self._take(out.ready)
             self._execute(out.ready)
         if out.all_joined:

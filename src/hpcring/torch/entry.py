@@ -108,18 +108,23 @@ class GroupHandle(Handle):
 
 class Entry:
     """One submitted operation. ``tensor``: the input (contiguous); ``output``: where an
-    allreduce/broadcast result goes (written in place, may be ``tensor``)."""
+    allreduce/broadcast result goes (written in place, may be ``tensor``). ``name`` None: the
+    engine gives it its automatic name when it accepts it (:meth:`Engine.submit`)."""
 
     __slots__ = ("name", "kind", "tensor", "output", "op", "pre", "post", "root", "splits", "handle",
                  "t_queued", "name_hash", "sig_hash", "fuse_hash", "numel", "nbytes", "code", "stream",
-                 "held", "pset")
+                 "held", "pset", "auto")
 
-    def __init__(self, name: str, kind: str, tensor, output=None, *, op: str = "sum", pre: float = 1.0,
+    def __init__(self, name: str | None, kind: str, tensor, output=None, *, op: str = "sum", pre: float = 1.0,
                  post: float = 1.0, root: int = -1, splits=None, pset: int = 0) -> None:
-        self.name, self.kind, self.tensor, self.output = name, kind, tensor, output
+        self.kind, self.tensor, self.output = kind, tensor, output
         self.op, self.pre, self.post, self.root, self.splits = op, pre, post, root, splits
         self.pset = pset
         self.handle = Handle(name)
+        self.name, self.name_hash = None, 0
+        self.auto = None               # (kind, n): the automatic name it took (Engine.take_auto)
+        if name is not None:
+            self.set_name(name)
         self.t_queued = time.time()
         dt = tensor.dtype if tensor is not None else torch.uint8
         dev = tensor.device.type if tensor is not None else "-"
@@ -127,7 +132,6 @@ class Entry:
         shape = tuple(tensor.shape[1:]) if kind in ("allgather", "alltoall") and tensor is not None \
             else tuple(tensor.shape) if tensor is not None else ()
         fuse = f"{kind}|{dt}|{dev}|{op}|{pre!r}|{post!r}|{root}"
-        self.name_hash = h63(name)
         self.fuse_hash = h63(fuse)
         self.sig_hash = h63(f"{fuse}|{shape}")
         self.numel = tensor.numel() if tensor is not None else 0
@@ -137,6 +141,10 @@ class Entry:
         self.stream = None
         if tensor is not None and tensor.is_cuda:
             self.stream = torch.cuda.current_stream(tensor.device)
+
+    def set_name(self, name: str) -> None:
+        self.name = self.handle.name = name
+        self.name_hash = h63(name)
 
     def describe(self) -> str:
         dt = DTYPE_NAMES.get(self.tensor.dtype, "?") if self.tensor is not None else "-"

@@ -2,7 +2,8 @@
 
 Every operation is queued on its process set's engine (:mod:`hpcring.torch.engine`) under a name
 and runs once every rank of the set has submitted that name. Without ``name=``, names are
-``<op>.noname.<n>`` with a per-process counter, so unnamed calls must be made in the same order on
+``<op>.noname.<n>``, counted per kind of operation and process set from the operations the engine
+accepted (:meth:`Engine.auto_name`), so unnamed calls of one kind must be made in the same order on
 every rank (as in Horovod). ``*_async`` returns a handle for :func:`synchronize` / :func:`poll`.
 The differentiable forms of ``allreduce``, ``allgather``, ``broadcast``, ``alltoall`` and
 ``reducescatter`` (what ``hpcring.torch`` exports) are in :mod:`hpcring.torch.autograd`.
@@ -14,7 +15,7 @@ import torch
 from hpcring.torch import state
 from hpcring.torch.compression import Compression
 from hpcring.torch.entry import Entry, GroupHandle, Handle
-from hpcring.torch.exceptions import InvalidArgumentError, InvalidTypeError
+from hpcring.torch.exceptions import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from hpcring.torch.executor import check_reducible
 from hpcring.torch.process_sets import engine_for, global_process_set
 
@@ -24,11 +25,28 @@ _OPS = {Sum: "sum", Average: "sum", Min: "min", Max: "max", Product: "prod"}
 
 
 def _name(name, op: str, eng=None) -> str:
-    """``name``, or ``<op>.noname.<n>`` counted per process set (its ranks call in one order)."""
+    """``name``, or the set's next automatic name for ``op``; call it once the arguments are checked."""
     if name is not None:
         return name
-    eng = eng or state.engine()
-    return f"{op}.noname.{next(eng.noname)}" if eng.pset_id == 0 else f"{op}.noname.ps{eng.pset_id}.{next(eng.noname)}"
+    return (eng or state.engine()).take_auto(op)[0]
+
+
+def _submit_parts(eng, entries: list[Entry], name, kind: str, suffixes=None) -> tuple[str, list[Handle]]:
+    """Submit checked entries as the parts ``<name>.<suffix>`` of one operation (by default
+    suffixes 0, 1, ...); an automatic name is taken only now, and its parts carry its mark."""
+    mark = None
+    if name is None:
+        name, mark = eng.take_auto(kind)
+    for i, e in enumerate(entries):
+        e.set_name(f"{name}.{suffixes[i] if suffixes else i}")
+        e.auto = mark
+    return name, [eng.submit(e) for e in entries]
+
+
+def _submit_group(eng, entries: list[Entry], name, kind: str) -> Handle:
+    """Submit checked entries as one grouped operation (its result: the list of results)."""
+    base, handles = _submit_parts(eng, entries, name, kind)
+    return _group(handles, base)
 
 
 def _resolve_op(average, op) -> int:
@@ -37,7 +55,7 @@ def _resolve_op(average, op) -> int:
     if op is None:
         op = Sum if average is False else Average
     if op == Adasum:
-        raise InvalidArgumentError("hpcring.torch does not implement Adasum", hint="use op=hvd.Average (the default)")
+        raise NotSupportedError("hpcring.torch does not implement Adasum", hint="use op=hvd.Average (the default)")
     if op not in _OPS:
         raise InvalidArgumentError(f"allreduce: unknown op {op!r}; use hvd.Average, Sum, Min, Max or Product")
     return op
@@ -53,19 +71,29 @@ def _tensor(tensor, what: str) -> torch.Tensor:
 
 
 # -- allreduce ----------------------------------------------------------------------------
-def _allreduce_entry(eng, tensor, output, name, op, prescale_factor, postscale_factor) -> Entry:
-    check_reducible(tensor, _OPS[op], f"allreduce '{name}'")
+def _what(kind: str, name) -> str:
+    return kind if name is None else f"{kind} '{name}'"
+
+
+def _allreduce_entry(eng, tensor, name, op, prescale_factor, postscale_factor, inplace: bool) -> Entry:
+    """A checked allreduce entry (``op`` resolved); in place: ``tensor`` must be contiguous."""
+    if inplace:
+        if not _tensor(tensor, "allreduce_").is_contiguous():
+            raise InvalidArgumentError(f"allreduce_: tensor '{name}' must be contiguous to be reduced in place")
+        t = out = tensor.detach()
+    else:
+        t = _tensor(tensor, "allreduce").detach().contiguous()
+        out = torch.empty_like(t)
+    check_reducible(t, _OPS[op], _what("allreduce", name))
     post = float(postscale_factor) / (eng.size if op == Average else 1)
-    return Entry(name, "allreduce", tensor, output, op=_OPS[op], pre=float(prescale_factor), post=post)
+    return Entry(name, "allreduce", t, out, op=_OPS[op], pre=float(prescale_factor), post=post)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set) -> Handle:
     eng = engine_for(process_set)
     op = _resolve_op(average, op)
-    t = _tensor(tensor, "allreduce").detach().contiguous()
-    e = _allreduce_entry(eng, t, torch.empty_like(t), _name(name, "allreduce", eng), op, prescale_factor, postscale_factor)
-    return eng.submit(e)
+    return eng.submit(_allreduce_entry(eng, tensor, name, op, prescale_factor, postscale_factor, False))
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -80,10 +108,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      process_set=global_process_set) -> Handle:
     eng = engine_for(process_set)
     op = _resolve_op(average, op)
-    if not _tensor(tensor, "allreduce_").is_contiguous():
-        raise InvalidArgumentError(f"allreduce_: tensor '{name}' must be contiguous to be reduced in place")
-    t = tensor.detach()
-    return eng.submit(_allreduce_entry(eng, t, t, _name(name, "allreduce", eng), op, prescale_factor, postscale_factor))
+    return eng.submit(_allreduce_entry(eng, tensor, name, op, prescale_factor, postscale_factor, True))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -98,9 +123,10 @@ def _group(handles: list[Handle], name: str) -> Handle:
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    base = _name(name, "grouped_allreduce", engine_for(process_set))
-    return _group([allreduce_async(t, average, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set)
-                   for i, t in enumerate(tensors)], base)
+    eng = engine_for(process_set)
+    op = _resolve_op(average, op)
+    return _submit_group(eng, [_allreduce_entry(eng, t, name, op, prescale_factor, postscale_factor, False)
+                               for t in tensors], name, "grouped_allreduce")
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -113,9 +139,10 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> Handle:
-    base = _name(name, "grouped_allreduce", engine_for(process_set))
-    return _group([allreduce_async_(t, average, f"{base}.{i}", op, prescale_factor, postscale_factor, process_set)
-                   for i, t in enumerate(tensors)], base)
+    eng = engine_for(process_set)
+    op = _resolve_op(average, op)
+    return _submit_group(eng, [_allreduce_entry(eng, t, name, op, prescale_factor, postscale_factor, True)
+                               for t in tensors], name, "grouped_allreduce")
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -133,10 +160,10 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
     op = _resolve_op(None, op)
     if op not in (Average, Sum):
         raise InvalidArgumentError("sparse_allreduce_async: op must be hvd.Average or hvd.Sum")
-    base = _name(name, "sparse_allreduce", eng)
     t = tensor.detach()
-    hi = allgather_async(t._indices().t().contiguous(), name=f"{base}.indices", process_set=process_set)
-    hv = allgather_async(t._values().contiguous(), name=f"{base}.values", process_set=process_set)
+    base, handles = _submit_parts(eng, [_allgather_entry(t._indices().t().contiguous(), name),
+                                        _allgather_entry(t._values().contiguous(), name)],
+                                  name, "sparse_allreduce", ("indices", "values"))
     size = eng.size
 
     def finish(parts):
@@ -144,7 +171,7 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
         if op == Average:
             values = values / size
         return torch.sparse_coo_tensor(indices.t(), values, t.size())
-    return _Deferred(base, [hi, hv], finish)
+    return _Deferred(base, handles, finish)
 
 
 class _Deferred(GroupHandle):
@@ -159,14 +186,19 @@ class _Deferred(GroupHandle):
     def wait(self, timeout: float | None = None):
         return self._fn(super().wait(timeout))
 
+    def __call__(self):
+        """Horovod's sparse handle is a function that returns the result: ``handle()``."""
+        return self.wait()
+
 
 # -- allgather / broadcast / alltoall / reducescatter ---------------------------------------
-def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
-    eng = engine_for(process_set)
+def _allgather_entry(tensor, name) -> Entry:
     t = _tensor(tensor, "allgather").detach().contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return eng.submit(Entry(_name(name, "allgather", eng), "allgather", t))
+    return Entry(name, "allgather", t.reshape(1) if t.dim() == 0 else t)
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+    return engine_for(process_set).submit(_allgather_entry(tensor, name))
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -175,8 +207,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
-    base = _name(name, "grouped_allgather", engine_for(process_set))
-    return _group([allgather_async(t, f"{base}.{i}", process_set) for i, t in enumerate(tensors)], base)
+    return _submit_group(engine_for(process_set), [_allgather_entry(t, name) for t in tensors], name,
+                         "grouped_allgather")
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
@@ -203,7 +235,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     eng = engine_for(process_set)
     root = _root(eng, process_set, root_rank)
     t = _tensor(tensor, "broadcast").detach().contiguous().clone()
-    return eng.submit(Entry(_name(name, "broadcast", eng), "broadcast", t, t, root=root))
+    return eng.submit(Entry(name, "broadcast", t, t, root=root))
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
@@ -216,7 +248,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     if not _tensor(tensor, "broadcast_").is_contiguous():
         raise InvalidArgumentError(f"broadcast_: tensor '{name}' must be contiguous to be written in place")
     t = tensor.detach()
-    return eng.submit(Entry(_name(name, "broadcast", eng), "broadcast", t, t, root=root))
+    return eng.submit(Entry(name, "broadcast", t, t, root=root))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -252,7 +284,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     if t.dim() == 0:
         raise InvalidArgumentError("alltoall needs a tensor with at least one dimension")
     sp = _splits(splits, t.shape[0], eng.size)
-    return eng.submit(Entry(_name(name, "alltoall", eng), "alltoall", t, splits=sp))
+    return eng.submit(Entry(name, "alltoall", t, splits=sp))
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -267,9 +299,9 @@ def _reducescatter_entry(eng, tensor, name, op, prescale_factor, postscale_facto
     t = _tensor(tensor, "reducescatter").detach().contiguous()
     if t.dim() == 0:
         raise InvalidArgumentError("reducescatter needs a tensor with at least one dimension")
-    check_reducible(t, _OPS[op], f"reducescatter '{name}'")
+    check_reducible(t, _OPS[op], _what("reducescatter", name))
     post = float(postscale_factor) / (eng.size if op == Average else 1)
-    return Entry(_name(name, "reducescatter", eng), "reducescatter", t, op=_OPS[op], pre=float(prescale_factor), post=post)
+    return Entry(name, "reducescatter", t, op=_OPS[op], pre=float(prescale_factor), post=post)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
@@ -289,9 +321,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:
-    base = _name(name, "grouped_reducescatter", engine_for(process_set))
-    return _group([reducescatter_async(t, f"{base}.{i}", op, process_set, prescale_factor, postscale_factor)
-                   for i, t in enumerate(tensors)], base)
+    eng = engine_for(process_set)
+    return _submit_group(eng, [_reducescatter_entry(eng, t, name, op, prescale_factor, postscale_factor)
+                               for t in tensors], name, "grouped_reducescatter")
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
@@ -304,7 +336,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 def barrier(process_set=global_process_set) -> None:
     eng = engine_for(process_set)
-    synchronize(eng.submit(Entry(_name(None, "barrier", eng), "barrier", None)))
+    synchronize(eng.submit(Entry(None, "barrier", None)))
 
 
 def join(device=-1) -> int:
