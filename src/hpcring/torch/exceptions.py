@@ -40,6 +40,12 @@ class InvalidArgumentError(UsageError, ValueError):
     """A bad argument (Horovod: ValueError)."""
 
 
+class NotSupportedError(UsageError, NotImplementedError, ValueError):
+    """A feature hpcring.torch does not implement (Adasum). Horovod raises NotImplementedError (a
+    RuntimeError) for the Adasum set-ups it cannot run, and its tests catch RuntimeError; it is a
+    ValueError too, as it was documented before."""
+
+
 class InvalidTypeError(UsageError, TypeError):
     """An argument of the wrong type (Horovod: TypeError)."""
 

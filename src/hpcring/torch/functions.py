@@ -73,9 +73,24 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0) -> None:
     loaded with ``load_state_dict`` (state tensors move to each parameter's device there)."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise InvalidArgumentError("broadcast_optimizer_state: LBFGS is not supported (as in Horovod)")
+    if not optimizer.state:
+        _zero_grads(optimizer)
     sd = optimizer.state_dict() if ops.state.session().topology.rank == root_rank else None
     sd = broadcast_object(_to_cpu(sd), root_rank, name="broadcast_optimizer_state")
     optimizer.load_state_dict(sd)
+
+
+def _zero_grads(optimizer) -> None:
+    """Horovod creates a new optimizer's state with a step on zero gradients, and scripts rely on
+    what that leaves: every trainable parameter's ``grad`` a zero tensor (sparse for SparseAdam),
+    so that, e.g., ``hvd.broadcast(p.grad, 0)`` works before the first backward pass. The step
+    itself is not taken here (the state travels whole from the root)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p.data)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
 
 
 def _to_cpu(obj):

@@ -15,9 +15,20 @@ import warnings
 
 import torch
 
-from hpcring.torch.exceptions import InvalidArgumentError, InvalidStateError
+from hpcring.torch.exceptions import InvalidArgumentError, InvalidStateError, NotSupportedError
 from hpcring.torch import ops
 from hpcring.torch.compression import Compression
+from hpcring.torch.process_sets import ProcessSet
+
+
+def _included(process_set) -> bool:
+    """Whether this rank is in ``process_set``; an unregistered set raises (engine_for's error)."""
+    if process_set is None or process_set is ops.global_process_set:
+        return True
+    if isinstance(process_set, ProcessSet) and process_set.included() is False:
+        return False
+    ops.engine_for(process_set)
+    return True
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -28,7 +39,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        self._engine = ops.engine_for(process_set)
+        # a rank outside the set builds the optimizer and steps on its own gradients (Horovod)
+        self._engine = ops.engine_for(process_set) if _included(process_set) else None
         all_params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -36,7 +48,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise InvalidArgumentError("DistributedOptimizer: named_parameters must be (name, parameter) pairs, "
                                  "as model.named_parameters() gives")
         else:
-            named = [(f"allreduce.noname.{i}", p) for i, p in enumerate(all_params)]
+            named = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(self.param_groups)
+                     for j, p in enumerate(g["params"])]
         names = [n for n, _ in named]
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:
@@ -47,10 +60,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise InvalidArgumentError(f"DistributedOptimizer: {len(unnamed)} optimizer parameter(s) are missing from "
                              "named_parameters", hint="pass model.named_parameters() of the model being optimized")
         if op == ops.Adasum:
-            raise InvalidArgumentError("hpcring.torch does not implement Adasum", hint="use op=hvd.Average")
+            raise NotSupportedError("hpcring.torch does not implement Adasum", hint="use op=hvd.Average")
         if backward_passes_per_step < 1:
             raise InvalidArgumentError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        self._names = {p: n for n, p in named}
+        self._parameter_names = {p: n for n, p in named}     # Horovod's attribute; scripts read it
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = float(gradient_predivide_factor)
@@ -63,7 +76,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._p_to_group: dict = {}
         self._group_ready: dict = {}
         self._expected: list[str] = []
-        if self._engine.size > 1:
+        if self._engine is not None and self._engine.size > 1:
             self._make_groups(num_groups, groups)
             self._register_hooks()
             self._expected = self._submission_names()
@@ -82,8 +95,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif num_groups:
             # the same order on every rank: rank 0's name order
             from hpcring.torch.functions import broadcast_object
-            order = broadcast_object([self._names[p] for p in plist], root_rank=0)
-            plist.sort(key=lambda p: order.index(self._names[p]))
+            order = broadcast_object([self._parameter_names[p] for p in plist], root_rank=0,
+                                     process_set=self.process_set)
+            plist.sort(key=lambda p: order.index(self._parameter_names[p]))
             k, extra = divmod(len(plist), num_groups)
             made, pos = [], 0
             for i in range(num_groups):
@@ -113,9 +127,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _submission_names(self) -> list[str]:
         """The names one step submits: each parameter's, or per group ``<first name>.<i>``."""
-        names = [self._names[p] for p in self._requires_update if p not in self._p_to_group]
+        names = [self._parameter_names[p] for p in self._requires_update if p not in self._p_to_group]
         for g in self._group_ready:
-            names += [f"{self._names[g[0]]}.{i}" for i in range(len(g))]
+            names += [f"{self._parameter_names[g[0]]}.{i}" for i in range(len(g))]
         return names
 
     def _expect(self) -> None:
@@ -130,34 +144,36 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return 1.0, 1.0
 
     def _dense_grad(self, p):
-        """``p.grad``, made dense first when it is sparse and sparse_as_dense is set."""
+        """What is reduced for ``p``: its gradient, or a dense copy of a sparse one when
+        sparse_as_dense is set (``p.grad`` itself stays sparse: :meth:`_finish` writes the result
+        back as sparse, as Horovod does, so that sparse-only optimizers such as SparseAdam work)."""
         if p.grad.is_sparse and self.sparse_as_dense:
-            p.grad = p.grad.to_dense()
+            return p.grad.to_dense()
         return p.grad
 
     def _allreduce_grad_async(self, p):
         grad = self._dense_grad(p)
         if grad.is_sparse:        # Horovod: indices and values allgathered (op Average or Sum)
-            name = self._names[p]
+            name = self._parameter_names[p]
             self._engine.substitute(self, name, [f"{name}.indices", f"{name}.values"])
             return ops.sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), (None, None)
         compressed, ctx = self._compression.compress(grad)
         pre, post = self._factors()
         h = ops.allreduce_async_(compressed if compressed.is_contiguous() else compressed.contiguous(),
-                                 name=self._names[p], op=self.op, prescale_factor=pre, postscale_factor=post,
+                                 name=self._parameter_names[p], op=self.op, prescale_factor=pre, postscale_factor=post,
                                  process_set=self.process_set)
         return h, (compressed, ctx)
 
     def _grouped_allreduce_async(self, group):
         for p in group:
             if self._dense_grad(p).is_sparse:
-                raise InvalidArgumentError(f"DistributedOptimizer: parameter '{self._names[p]}' has a sparse "
+                raise InvalidArgumentError(f"DistributedOptimizer: parameter '{self._parameter_names[p]}' has a sparse "
                                            "gradient, which grouped allreduces do not take",
                                            hint="pass sparse_as_dense=True")
-        pairs = [self._compression.compress(p.grad) for p in group]
+        pairs = [self._compression.compress(self._dense_grad(p)) for p in group]
         pre, post = self._factors()
         h = ops.grouped_allreduce_async_([c if c.is_contiguous() else c.contiguous() for c, _ in pairs],
-                                         name=self._names[group[0]], op=self.op, prescale_factor=pre,
+                                         name=self._parameter_names[group[0]], op=self.op, prescale_factor=pre,
                                          postscale_factor=post, process_set=self.process_set)
         return h, pairs
 
@@ -187,7 +203,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Start what the hooks did not (parameters without a gradient this step still take part, so
-        every rank submits the same names) and wait for all of it."""
+        every rank submits the same names) and wait for all of it. Outside the optimizer's process
+        set there is nothing to wait for (Horovod)."""
+        if self._engine is None:
+            self._synchronized = True
+            return
         done = set()
         for key in self._handles:
             done.update(key) if isinstance(key, tuple) else done.add(key)
@@ -223,6 +243,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay[p] = self.backward_passes_per_step
         if compressed is None:                 # a sparse gradient: the gathered sparse tensor
             p.grad = out
+        elif p.grad.is_sparse:                 # sparse_as_dense: back to sparse for the update
+            dense = self._compression.decompress(out, ctx)
+            p.grad.zero_().add_(dense if dense.is_sparse else dense.to_sparse())
         elif compressed is not p.grad:           # compressed or made contiguous: copy back
             p.grad.copy_(self._compression.decompress(out, ctx))
 
@@ -238,11 +261,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(): the gradients are reduced twice' worth of waiting")
+                # Horovod's words: scripts filter warnings on them
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        tuner = self._engine.autotuner
+        tuner = self._engine.autotuner if self._engine is not None else None
         if tuner is not None:
             tuner.on_step()
         return super(self.__class__, self).step(closure)
@@ -270,7 +296,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     """Wrap ``optimizer`` (any torch optimizer): same class name and behaviour, gradients averaged
     across the ranks of ``process_set`` before each step. Sparse gradients are allgathered as
     Horovod's sparse allreduce does, or made dense first with ``sparse_as_dense=True``."""
-    ops.engine_for(process_set)
+    if _included(process_set):
+        ops.engine_for(process_set)     # a set that is not registered: a clear error now
     if gradient_predivide_factor != 1.0 and op != ops.Average:
         raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
