@@ -30,6 +30,13 @@ from pathlib import Path
 # take every subclass of torch.optim.Optimizer), so that the rest of each test is checked too.
 MUON = "Muon only supports 2D parameters"
 KNOWN = {"test_broadcast_state": MUON, "test_broadcast_state_options": MUON, "test_force_allreduce": MUON}
+# On 3 ranks the scale-factor tests demand a CPU float16 sum of three equal terms to be exactly
+# (never above) the float32 product 3*x: a float16 result rounds 3*x to nearest, as Horovod's CPU
+# half sum does (Float2HalfBits), so it fails with Horovod too (its CI runs 2 ranks, where 2*x is
+# exact). --no-cpu-half leaves HalfTensor out of those tests' dtypes to check the rest of them.
+HALF = "produces incorrect results"
+KNOWN_3 = {"test_horovod_allreduce_prescale": HALF, "test_horovod_allreduce_postscale": HALF,
+           "test_horovod_reducescatter_prescale": HALF, "test_horovod_reducescatter_postscale": HALF}
 
 SHIM_INIT = "# hpcring's stand-in for the horovod package: horovod.torch is hpcring.torch\n"
 SHIM_TORCH = ("import sys\nimport hpcring.torch as _hvd\nsys.modules[__name__] = _hvd\n")
@@ -52,13 +59,26 @@ os.environ[names[1]] = os.environ.get("HPCRING_SIZE", "1")
 if launcher == "gloo":
     os.environ["HOROVOD_LOCAL_RANK"] = os.environ.get("HPCRING_LOCAL_RANK", "0")
     os.environ["HOROVOD_LOCAL_SIZE"] = os.environ.get("HPCRING_LOCAL_SIZE", "1")
-if os.environ.get("HOROVOD_SUITE_HIDE_MUON") == "1":
-    import torch.optim
-    _subclasses = type.__subclasses__
-    torch.optim.Optimizer.__subclasses__ = classmethod(
-        lambda cls: [c for c in _subclasses(cls) if c.__name__ != "Muon"])
-sys.exit(pytest.main(["-p", "no:cacheprovider", "-q", "-o", "junit_family=xunit1",
+sys.exit(pytest.main(["-p", "no:cacheprovider", "-p", "suite_plugin", "-q", "-o", "junit_family=xunit1",
                       f"--junitxml={out}/rank{rank}.xml", *sys.argv[3:]]))
+"""
+
+
+# Loaded into each rank's pytest: the opt-in changes to the test file's inputs (never to its checks).
+PLUGIN = r"""
+import os
+
+
+def pytest_collection_modifyitems(items):
+    import torch
+    for cls in {item.cls for item in items if item.cls is not None}:
+        if os.environ.get("HOROVOD_SUITE_HIDE_MUON") == "1":
+            _subclasses = type.__subclasses__
+            torch.optim.Optimizer.__subclasses__ = classmethod(
+                lambda c: [k for k in _subclasses(c) if k.__name__ != "Muon"])
+        if os.environ.get("HOROVOD_SUITE_NO_CPU_HALF") == "1" and hasattr(cls, "filter_supported_types"):
+            keep = cls.filter_supported_types
+            cls.filter_supported_types = lambda self, types: [t for t in keep(self, types) if t is not torch.HalfTensor]
 """
 
 
@@ -73,6 +93,7 @@ def shim(folder: Path) -> Path:
         (init / "__init__.py").write_text("")
     (util / "threads.py").write_text(SHIM_THREADS)
     (folder / "rank_main.py").write_text(RANK_MAIN)
+    (folder / "suite_plugin.py").write_text(PLUGIN)
     return folder
 
 
@@ -116,7 +137,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
     ap.add_argument("--hide-muon", action="store_true",
                     help="hide torch.optim.Muon from the tests that build every optimizer (see KNOWN)")
-    ap.add_argument("--collective-timeout", default="30", help="HPCRING_TIMEOUT for the ranks")
+    ap.add_argument("--no-cpu-half", action="store_true",
+                    help="leave torch.HalfTensor out of the tests' dtype lists (see KNOWN_3)")
+    ap.add_argument("--collective-timeout", default="60", help="HPCRING_TIMEOUT for the ranks")
     a = ap.parse_args()
     test_file = a.horovod / "test" / "parallel" / "test_torch.py"
     if not test_file.is_file():
@@ -127,7 +150,8 @@ def main() -> int:
     sh = shim(out / "shim")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(sh), os.environ.get("PYTHONPATH")])),
            "HPCRING_TIMEOUT": a.collective_timeout,
-           "HOROVOD_SUITE_HIDE_MUON": "1" if a.hide_muon else "0", "HPCRING_JOB_DIR": str(out / "jobs")}
+           "HOROVOD_SUITE_HIDE_MUON": "1" if a.hide_muon else "0",
+           "HOROVOD_SUITE_NO_CPU_HALF": "1" if a.no_cpu_half else "0", "HPCRING_JOB_DIR": str(out / "jobs")}
     names, why = collected(test_file, env, a.k)
     if not names:
         print(f"horovod_suite: pytest collected no test from {test_file}:\n{why}", file=sys.stderr)
@@ -151,7 +175,8 @@ def main() -> int:
             bad.append((name, f"ran on ranks {sorted(per)} of {a.ranks}"))
             continue
         if "failed" in outs:
-            if name in KNOWN and all(KNOWN[name] in m for o, m in per.values() if o == "failed"):
+            known = {**KNOWN, **(KNOWN_3 if a.ranks >= 3 else {})}
+            if name in known and all(known[name] in m for o, m in per.values() if o == "failed"):
                 counts["known"] += 1
                 continue
             counts["failed"] += 1
