@@ -77,10 +77,15 @@ def args() -> None:
 def stall() -> None:
     """Names that never match fail on every rank after HPCRING_TIMEOUT (RuntimeError naming the
     tensors); the engine goes on."""
-    r = hvd.rank()
+    r, n = hvd.rank(), hvd.size()
+    extra = hvd.allgather_async(torch.ones(1)) if r == 0 else None      # unnamed, on rank 0 only
     h = hvd.allreduce_async(torch.ones(1), name=f"stall.only.{r}")
     e = expect_raises(RuntimeError, lambda: hvd.synchronize(h), "do not match", f"'stall.only.{r}' submitted by rank {r}")
     assert isinstance(e, hvd.StallError)
+    if extra is not None:
+        expect_raises(hvd.StallError, lambda: hvd.synchronize(extra), "allgather.noname.0")
+    _auto_names_agree()                       # the stalled unnamed call gave its name back
+    assert hvd.allgather(torch.tensor([r])).tolist() == list(range(n))
     healthy("stall")
 
 
@@ -372,12 +377,16 @@ def _same_everywhere(what: str, value) -> None:
     assert all(v == got[0] for v in got), f"{what} differs across ranks: {got}"
 
 
+def _counts(eng) -> dict:
+    return {k: v for k, v in eng._auto.items() if v}
+
+
 def _auto_names_agree() -> None:
     """The automatic-name counters agree: the global set's on every rank, each set's among its members."""
-    _same_everywhere("auto", dict(hvd.state.engine()._auto))
+    _same_everywhere("auto", _counts(hvd.state.engine()))
     for ps in list(hvd.process_sets._registry.values()):
         if ps.process_set_id and ps._engine is not None:
-            got = hvd.allgather_object(dict(ps._engine._auto), name=f"same.auto.{ps.process_set_id}", process_set=ps)
+            got = hvd.allgather_object(_counts(ps._engine), name=f"same.auto.{ps.process_set_id}", process_set=ps)
             assert all(v == got[0] for v in got), f"set {ps.process_set_id}'s automatic names differ: {got}"
 
 

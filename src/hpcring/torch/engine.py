@@ -27,7 +27,8 @@ from hpcring.errors import CollectiveError, HpcringError
 from hpcring.torch import executor, fusion
 from hpcring.torch.controller import Controller
 from hpcring.torch.entry import FUSABLE, Entry, Handle, StandIn, h63
-from hpcring.torch.exceptions import HorovodInternalError, InvalidArgumentError, JoinedRankError, internal
+from hpcring.torch.exceptions import (HorovodInternalError, InvalidArgumentError, JoinedRankError, StallError,
+                                      internal)
 
 DEFAULT_THRESHOLD = 128 * 1024 * 1024      # Horovod's default since 0.21
 HOROVOD_CYCLE_MS = 1.0                     # Horovod's default since 0.21
@@ -121,10 +122,10 @@ class Engine:
         Every rank of the set must count the same names, so a name is taken only by what every
         rank also counts: counted per kind; not by an operation refused before it reached the
         engine (bad arguments, a failed engine: a rank-local error); given back when the operation
-        is refused because a rank has joined (that rank never submitted it, :meth:`_give_back`),
-        and taken by the joined rank for the automatic allreduces it stands in for
-        (:meth:`_stand_in`). One that fails in the negotiation on every rank (mismatch, stall) keeps
-        its name everywhere, as in Horovod."""
+        fails because some rank never submitted it (refused while a rank has joined, or stalled:
+        :meth:`_give_back`), and taken by a joined rank for the automatic allreduces it stands in
+        for (:meth:`_stand_in`). One that every rank submitted and that fails for all (a mismatch)
+        keeps its name everywhere, as in Horovod."""
         with self._cv:
             n = self._auto.get(kind, 0)
             self._auto[kind] = n + 1
@@ -303,7 +304,7 @@ class Engine:
         if out.failed:
             self._take([e for e, _ in out.failed])
             for e, err in out.failed:
-                if e.auto is not None and isinstance(err, JoinedRankError):
+                if e.auto is not None and isinstance(err, (JoinedRankError, StallError)):
                     self._give_back(e.auto)
                 e.handle._set(error=err)
         if out.ready:
