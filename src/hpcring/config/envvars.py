@@ -24,6 +24,10 @@ from hpcring.errors import UsageError
 DEFAULT_TIMEOUT = 300.0          # per-collective deadline (s): site config, CLI and ring all use this
 MAX_TIMEOUT = 7 * 24 * 3600.0    # a week: longer than any allocation, and finite
 DEFAULT_INIT_TIMEOUT = 60.0
+# bad nodes stay out (hpcring.nodehistory): blamed this many times within this many days
+DEFAULT_BAD_NODE_BLAMES = 2
+DEFAULT_BAD_NODE_DAYS = 7.0
+MAX_BAD_NODE_DAYS = 3650.0
 
 # Bounds of job sizes, shared by the CLI flags, the environment and the site schema. Generous (the
 # largest machines have ~10^4 nodes) but finite, so a typo cannot render a job of 10^23 nodes.
@@ -218,6 +222,11 @@ VARS: tuple[Var, ...] = (
        "image (--no-container)"),
     _v("HPCRING_MAX_RESTARTS", "int", 0, "`submit --wait`: restarts after a node-level fault, each "
        "excluding the nodes blamed so far (--max-restarts; site: defaults.max_restarts)", 0, 100),
+    _v("HPCRING_BAD_NODE_BLAMES", "int", DEFAULT_BAD_NODE_BLAMES, "a node blamed this many times (one blame per "
+       "failed job, from its hang report) within HPCRING_BAD_NODE_DAYS is left out of new jobs (`--exclude`; "
+       "0: never; `submit --no-node-history`: not this job; site: bad_nodes.blames; `hpcring nodes`)", 0, 1000),
+    _v("HPCRING_BAD_NODE_DAYS", "float", DEFAULT_BAD_NODE_DAYS, "the window of HPCRING_BAD_NODE_BLAMES, days "
+       "(site: bad_nodes.days)", 0, MAX_BAD_NODE_DAYS, lo_open=True),
     _v("HPCRING_REMOTE", "str", None, "login node to run submit/status/logs/cancel/stacks on over ssh: "
        "[user@]host[:port], or `none` (--remote; site: remote.host; docs/remote.md)"),
     _v("HPCRING_REMOTE_HPCRING", "str", None, "the hpcring command on the login node (site: "

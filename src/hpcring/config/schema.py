@@ -142,6 +142,14 @@ class Defaults(_Strict):
         return v
 
 
+class BadNodes(_Strict):
+    """Bad nodes stay out (hpcring.nodehistory): a node blamed ``blames`` times within ``days`` is left
+    out of new jobs; HPCRING_BAD_NODE_BLAMES/_DAYS override, unset keys keep the defaults."""
+
+    blames: int | None = Field(default=None, ge=0, le=1000)      # 0: never left out automatically
+    days: float | None = Field(default=None, gt=0, le=envvars.MAX_BAD_NODE_DAYS, allow_inf_nan=False)
+
+
 class Launcher(_Strict):
     """How ranks are started inside the allocation."""
 
@@ -370,6 +378,7 @@ class SiteConfig(_Strict):
     sched_args: list[str] = []          # extra scheduler flags for every job
     container: Container | None = None  # ranks inside an image (docs/containers.md)
     remote: Remote | None = None        # a login node to submit through from a laptop (docs/remote.md)
+    bad_nodes: BadNodes = BadNodes()   # nodes blamed again and again are left out (hpcring.nodehistory)
 
     @field_validator("name")
     @classmethod
