@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 from hpcring.config import envvars
 from hpcring.errors import HpcringError, UsageError
 from hpcring.fsutil import write_json
+from hpcring.ranks import rank_ranges
 
 CHAIN_FILE = "restarts.json"
 NODE_CATEGORIES = ("dead", "unreachable")
@@ -116,11 +117,40 @@ def classify(state: str, statuses: Mapping[int, dict], size: int, report: dict |
     return Verdict(False, f"the job ended {state} with no diagnosis naming a node")
 
 
+def node_reasons(report: dict | None, nodes, state: str) -> dict[str, str]:
+    """Why :func:`classify` blamed each of ``nodes``, in the report's words: ``unreachable (rank 2)``,
+    ``dead (ranks 2-3)``, ``stalled link (rank 1 -> rank 2)``, with ``NODE_FAIL`` when the
+    scheduler said so too (hpcring.nodehistory records it)."""
+    cats = (report or {}).get("categories") or {}
+    hosts = list((report or {}).get("hosts") or [])
+    links = list((report or {}).get("links") or [])
+    out = {}
+    for n in nodes:
+        parts = []
+        for c in NODE_CATEGORIES:
+            ranks = [r for r in cats.get(c) or [] if isinstance(r, int) and 0 <= r < len(hosts) and hosts[r] == n]
+            if ranks:
+                parts.append(f"{c} (rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)})")
+        mine = [ln for ln in links if n in (ln.get("from_host"), ln.get("to_host"))]
+        if not parts and mine:
+            more = f" and {len(mine) - 1} more" if len(mine) > 1 else ""
+            parts.append(f"stalled link (rank {mine[0].get('from')} -> rank {mine[0].get('to')}){more}")
+        if state == "NODE_FAIL":
+            parts.append("NODE_FAIL")
+        out[n] = ", ".join(parts) or "blamed by the hang report"
+    return out
+
+
+def is_host_name(h) -> bool:
+    """A host name as schedulers write them (nothing else reaches a job script)."""
+    return isinstance(h, str) and _HOST.fullmatch(h) is not None
+
+
 def check_hosts(nodes, where: str) -> list[str]:
     """Host names fit to write into a job script (``--exclude``, ``select[hname!=...]``)."""
     out = []
     for h in nodes:
-        if not isinstance(h, str) or not _HOST.fullmatch(h):
+        if not is_host_name(h):
             raise UsageError(f"{where}: {envvars.shown(h)} is not a host name a scheduler accepts",
                              hint="host names are letters, digits, '.', '_' and '-'")
         out.append(h)
@@ -227,8 +257,14 @@ def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: C
 
 def verdict(rec, oc) -> Verdict:
     """:func:`classify` of a finished job, from its folder and ``oc`` (submit.Outcome)."""
+    return blamed(rec, oc)[0]
+
+
+def blamed(rec, oc) -> tuple[Verdict, dict | None]:
+    """(:func:`verdict`, the hang report it read: None when there is none)."""
     from hpcring import submit as lib
-    return classify(oc.state.state, lib.rank_statuses(rec), rec.ntasks, _report(rec))
+    report = _report(rec)
+    return classify(oc.state.state, lib.rank_statuses(rec), rec.ntasks, report), report
 
 
 def status_lines(rec, oc) -> list[str]:

@@ -15,7 +15,7 @@ from submitit.core.utils import FailedJobError
 
 from hpcring import schedulers
 from hpcring.bootstrap import auth
-from hpcring.config.jobspec import JobSpec
+from hpcring.config.jobspec import JobSpec, job_root as jobspec_root
 from hpcring.config.site import Site
 from hpcring.ranks import rank_ranges
 from hpcring.errors import HpcringError, JobFailedError, JobNotFoundError, SchedulerError, UsageError
@@ -30,7 +30,7 @@ from hpcring.schedulers.base import JobRecord, JobState, TERMINAL, load_record, 
 
 
 def job_root(job: JobSpec) -> Path:
-    return Path(os.path.expanduser(job.job_dir)).resolve()
+    return jobspec_root(job.job_dir)
 
 
 def _check_script(job: JobSpec) -> Path:

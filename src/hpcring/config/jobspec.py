@@ -77,7 +77,8 @@ class JobSpec:
     array: ArraySpec | None = None       # --array / --sweep: each task a whole job (config/arrays.py)
     sweep: list[dict] | None = None      # per task index: the values passed as --NAME VALUE
     dependency: Dependency | None = None
-    exclude: list[str] = field(default_factory=list)   # nodes not to run on (restarts.py: a restart's bad nodes)
+    exclude: list[str] = field(default_factory=list)   # nodes not to run on (restarts.py: a restart's bad nodes;
+                                                       # nodehistory.py: nodes blamed again and again)
 
     @property
     def ntasks(self) -> int:
@@ -90,6 +91,27 @@ class JobSpec:
     @property
     def time_lsf(self) -> str:
         return minutes_to_lsf(self.time_min)
+
+
+DEFAULT_JOB_DIR = "~/hpcring-jobs"
+
+
+def job_root(job_dir: str) -> Path:
+    """The folder a job_dir names (``~`` expanded, absolute): job folders, secrets and the site's
+    shared state (``.hpcring/``: the node history) live there."""
+    return Path(os.path.expanduser(job_dir)).resolve()
+
+
+def job_dir_of(site: Site, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(job_dir, where it came from) as :func:`resolve_job` picks it (HPCRING_JOB_DIR > site
+    ``job_dir`` > default), for commands that use a site's folder without a job (``hpcring nodes``)."""
+    env = os.environ if environ is None else environ
+    var = ENV_VARS["job_dir"]
+    if env.get(var) not in (None, ""):
+        return parse_field("job_dir", env[var], f"${var}"), f"env {var}"
+    if site.config.job_dir is not None:
+        return parse_field("job_dir", site.config.job_dir, f"site {site.path}"), f"site {site.name}"
+    return DEFAULT_JOB_DIR, "default"
 
 
 def _site_value(site: Site, name: str, partition: str | None) -> Any:
@@ -169,7 +191,7 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
     pick("partition", None)
     for name, default in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("time", 30),
                           ("account", None), ("qos", None), ("constraint", None),
-                          ("job_dir", "~/hpcring-jobs"), ("timeout", envvars.DEFAULT_TIMEOUT)):
+                          ("job_dir", DEFAULT_JOB_DIR), ("timeout", envvars.DEFAULT_TIMEOUT)):
         pick(name, default)
     pick("tasks_per_node", max(1, values["gpus_per_node"]))
     if sources["tasks_per_node"] == "default" and values["gpus_per_node"]:
