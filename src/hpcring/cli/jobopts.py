@@ -46,6 +46,7 @@ class JobRequest:
     container_image: Optional[str] = None
     container_mounts: list[str] = field(default_factory=list)
     no_container: Optional[bool] = None
+    no_node_history: Optional[bool] = None   # nodehistory.leave_out: ignore the site's node history this once
     verbose: bool = False
     array: Optional[str] = None          # config/arrays.py: indices, sweeps, dependencies
     sweep: list[str] = field(default_factory=list)
@@ -126,6 +127,9 @@ _OPTIONS = {
     "container_mounts": (Optional[List[str]], typer.Option(None, "--container-mounts",
                                                            help="SRC[:DST[:OPTS]],... added to the site's mounts.")),
     "no_container": (Optional[bool], typer.Option(None, "--no-container", help="Run the ranks on the host.")),
+    "no_node_history": (Optional[bool], typer.Option(None, "--no-node-history",
+                                                     help="Use nodes the site's node history leaves out (blamed "
+                                                          "by failed jobs again and again; `hpcring nodes list`).")),
     "verbose": (bool, typer.Option(False, "--verbose", "-v", help="Show where each setting came from.")),
     "array": (Optional[str], typer.Option(None, "--array", "-a",
                                           help="A job array: indices 0-15, 0-15:2, 1,3,8, each with %N to run at "

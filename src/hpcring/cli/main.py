@@ -48,12 +48,14 @@ def submit(req: JobRequest,
     if submit_remote(req, remote):     # a login node named: copied and submitted there (docs/remote.md)
         return
     from hpcring import submit as lib
-    s, job = req.resolve()
+    s, job, left_out = _resolve(req)
     if timeline:
         job.env["HPCRING_TIMELINE"] = "job"
     if req.verbose:
         output.sources(s, job)
     if dry_run:
+        for note in left_out:
+            output.info(note)
         sys.stdout.write(lib.preview(s, job, req.template))
         return
     lib.preview(s, job, req.template, warn=False)   # a template that fails or is no job script: refused here
@@ -69,16 +71,49 @@ def submit(req: JobRequest,
                              "follower sees the end and the diagnosis and resubmits",
                              hint="add --wait (keep it running, e.g. under tmux on the login node), or "
                                   "--max-restarts 0" + (" (arrays are not restarted)" if job.array is not None else ""))
-    rec = lib.submit(s, job, req.template)
+    try:
+        rec = lib.submit(s, job, req.template)
+    except HpcringError:
+        for note in left_out:          # a refusal may be about the nodes left out: say which first
+            output.info(note)
+        raise
     output.info(f"Submitted job {rec.job_id} [{rec.key}] ({job.ntasks} ranks on {job.nodes} node(s), site {s.name}); "
                 f"logs in {rec.folder}" + (f"; an array of {len(rec.array)} tasks, each the whole job: "
                                            f"{rec.job_id}_{rec.array[0]} ..." if rec.array is not None else ""))
-    for warning in warnings:           # after the "Submitted job" line: scripts read the id from the first line
+    for note in left_out:              # after the "Submitted job" line: scripts read the id from the first line
+        output.info(note)
+    for warning in warnings:
         output.info(f"warning: {warning}")
     if wait:
         _wait(rec, s, job, restarts, req.template)
     else:
         output.info(f"follow it with `hpcring logs -f {rec.job_id}`; its state: `hpcring status {rec.job_id}`")
+
+
+def _resolve(req: JobRequest):
+    """(site, job spec, lines for stderr): the request resolved, then the nodes the site's node
+    history leaves out added to the job's exclusion (unless --no-node-history; hpcring.nodehistory)."""
+    from hpcring import nodehistory
+    s, job = req.resolve()
+    return s, job, nodehistory.leave_out(s, job, ignore=bool(req.no_node_history))
+
+
+def _settle(rec, oc) -> None:
+    """A job seen ending (submit --wait, logs --follow, status): the nodes its diagnosis blamed go
+    into the site's node history, once per job (hpcring.nodehistory); what was recorded, or why it
+    could not be, on stderr. The job's own outcome is not changed."""
+    from hpcring import nodehistory
+    for note in nodehistory.record_ended(rec, oc):
+        output.info(note)
+
+
+def _settle_tasks(rec, states) -> None:
+    """:func:`_settle` for each task of an array that ended other than COMPLETED."""
+    from hpcring import submit as lib
+    for task in rec.tasks():
+        st = states.get(task.job_id)
+        if st is not None and st.finished and st.state != "COMPLETED":
+            _settle(task, lib.outcome(task, st))
 
 
 def _wait(rec, site=None, job=None, restarts: int = 0, template=None) -> None:
@@ -91,6 +126,8 @@ def _wait(rec, site=None, job=None, restarts: int = 0, template=None) -> None:
                         f"`hpcring status {rec.key}` shows them, `hpcring cancel {rec.key}` stops them.")
             raise typer.Exit(130) from None
         if st.state != "COMPLETED":
+            states, _ = lib.job_states([rec])
+            _settle_tasks(rec, states)
             raise lib.JobFailedError(f"array job {rec.job_id} ({rec.name}) {st.state}: {st.raw}",
                                      exit_code=st.exit_code or 1, hint=f"`hpcring status {rec.job_id}` names each task")
         output.info(f"job {rec.job_id} COMPLETED: {len(rec.array)} tasks")
@@ -99,8 +136,10 @@ def _wait(rec, site=None, job=None, restarts: int = 0, template=None) -> None:
 
     def follow(rec):
         now[0] = rec
-        return lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"), tracebacks_once=True,
-                          on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+        oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"), tracebacks_once=True,
+                        on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+        _settle(rec, oc)               # before a restart is decided: its blame is on record
+        return oc
     try:
         if restarts:                   # hpcring.restarts: resubmit after a node-level fault, bad nodes excluded
             from hpcring.restarts import follow_restarting
@@ -124,9 +163,11 @@ def _wait(rec, site=None, job=None, restarts: int = 0, template=None) -> None:
 @job_options
 def render(req: JobRequest):
     from hpcring import submit as lib
-    s, job = req.resolve()
+    s, job, left_out = _resolve(req)
     if req.verbose:
         output.sources(s, job)
+    for note in left_out:
+        output.info(note)
     sys.stdout.write(lib.preview(s, job, req.template))
 
 
@@ -145,10 +186,12 @@ def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record
         if why:
             raise why[rec.job_id]
         output.array_status(rec, lib.array_state(states), states)
+        _settle_tasks(rec, states)
         return
     st = lib.job_state(rec)
     oc = lib.outcome(rec, st) if st.finished else None
     output.status(rec, st, oc, lib.requeues(rec))
+    _settle(rec, oc)
     from hpcring.restarts import status_lines
     output.restart_chain(status_lines(rec, oc))    # restarts after node faults (--max-restarts)
 
@@ -165,6 +208,7 @@ def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record n
     if follow:
         oc = lib.follow(rec, on_state=lambda st: None, rank=rank, tracebacks_once=True,
                         on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+        _settle(rec, oc)
         if not oc.ok:      # as `submit --wait`: the verdict, and the failing rank's exit code
             raise lib.describe_failure(rec, oc)
         return
@@ -224,8 +268,10 @@ def sites_validate(sites: Optional[List[str]] = typer.Argument(None, help="Names
 
 def _add_subapps() -> None:
     """The other layers' commands (each module imports its library only when it runs)."""
-    from hpcring.cli import bench_cmd, devcluster_cmd, doctor_cmd, hostlist_cmd, run_cmd, stacks_cmd, timeline_cmd
+    from hpcring.cli import (bench_cmd, devcluster_cmd, doctor_cmd, hostlist_cmd, nodes_cmd, run_cmd, stacks_cmd,
+                             timeline_cmd)
     app.add_typer(hostlist_cmd.app, name="hostlist")
+    app.add_typer(nodes_cmd.app, name="nodes")
     app.add_typer(devcluster_cmd.app, name="devcluster")
     for mod in (run_cmd, bench_cmd, stacks_cmd, doctor_cmd, timeline_cmd):
         mod.register(app)

@@ -25,6 +25,8 @@ def sources(site, job) -> None:
                 "qos", "constraint", "exclusive", "name", "job_dir", "timeout"):
         val = getattr(job, "time_slurm" if key == "time" else key)
         info(f"  {key:<15} {str(val):<24} <- {job.sources.get(key, '?')}")
+    if getattr(job, "exclude", None):
+        info(f"  {'exclude':<15} {','.join(job.exclude):<24} <- {job.sources.get('exclude', '?')}")
     box = getattr(job, "container", None)
     if box is not None:
         src = dict(box.sources)
@@ -85,6 +87,21 @@ def jobs_table(rows) -> None:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.submitted_at))
         print(f"{rec.key:<24} {state:<11} {rec.ntasks:>5}  {when:<16} {rec.name:<20} {rec.script}"
               + (f"  ({why})" if why else "") + (f"  [array: {st.raw}]" if rec.array is not None and st else ""))
+
+
+def nodes_table(path, site_name: str, pol, rows) -> None:
+    """``hpcring nodes list``: the policy, then one line per node the site's history holds."""
+    import time
+    print(f"node history {path} (site {site_name}): {pol.words()}")
+    if not rows:
+        print("no node was blamed by a finished job")
+        return
+    days = f"{pol.days:g}D"
+    print(f"{'NODE':<20} {'BLAMES/' + days:>10}  {'TOTAL':>5}  {'LAST (UTC)':<19}  {'JOB':<12} {'EXCLUDED':<8}  LAST REASON")
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r.last.time))
+        print(f"{r.node:<20} {r.recent:>10}  {r.total:>5}  {when:<19}  {r.last.job:<12} "
+              f"{'yes' if r.excluded else 'no':<8}  {r.last.reason}")
 
 
 def sites_table(rows) -> None:
