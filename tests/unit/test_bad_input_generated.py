@@ -383,6 +383,29 @@ def test_hostlist_number_too_long_to_convert(value, sandbox):
     assert not why, why
 
 
+# `hpcring nodes clear NODE...`: a name that is no host name is refused before the site's history
+# is touched (an unknown but valid name is exit 1: "not in the node history", tests/unit/test_nodehistory.py)
+NODE_BAD = [v for v in JOB_ID_BAD if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}", v)] + \
+    ["n;rm -rf /", "n o", "$(id)", "-", ".n", "n\u00e9", "n" * 254]
+
+
+def test_bad_node_name(sandbox):
+    failures = []
+    for value in NODE_BAD:
+        for site in ("local", "devcluster"):
+            result, started = invoke(["nodes", "clear", "--site", site, "--", value])
+            if why := problems_of(result, ("no host name", "none was named", "node"), sandbox, started, code=2):
+                failures.append((value, why))
+    assert not failures, _fmt(failures)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.text(min_size=1, max_size=30).filter(lambda s: not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", s)))
+def test_random_bad_node_names(sandbox, value):
+    result, started = invoke(["nodes", "clear", "--site", "devcluster", "--", value])
+    assert not problems_of(result, ("no host name", "none was named", "node"), sandbox, started, code=2), result.output
+
+
 @pytest.mark.parametrize("cmd", [["render"], ["submit", "--dry-run"], ["submit"]])
 def test_bad_script(cmd, sandbox):
     failures = []
@@ -599,6 +622,10 @@ REGRESSIONS = [
     (["render", "/nonexistent/train.py", "--site", "devcluster"], {}, 2, ["does not exist"]),
     (["submit", str(ROOT / "examples"), "--site", "local", "--dry-run"], {}, 2, ["is a directory"]),
     (["run", "-N", "1_0", "--", "true"], {}, 2, ["--nodes", "underscores"]),
+    (["nodes", "list", "--site", "devcluster"], {"HPCRING_BAD_NODE_DAYS": "0"}, 2, ["HPCRING_BAD_NODE_DAYS"]),
+    (["render", HELLO, "--site", "devcluster"], {"HPCRING_BAD_NODE_BLAMES": "2.5"}, 2, ["HPCRING_BAD_NODE_BLAMES"]),
+    (["submit", HELLO, "--site", "devcluster", "--no-node-history"], {"HPCRING_BAD_NODE_BLAMES": "-1"}, 2,
+     ["HPCRING_BAD_NODE_BLAMES"]),
 ]
 
 
