@@ -282,6 +282,20 @@ def test_status_and_logs_follow_record_the_blame(tmp_path, monkeypatch, argv):
     assert "recorded" not in r.stderr and len(nh.read(tmp_path / "jobs")) == 1
 
 
+def test_status_of_an_array_records_each_failed_task(tmp_path, monkeypatch):
+    """Every task is a whole job with its own report: the one whose report blames a node is recorded."""
+    from dataclasses import replace
+    from hpcring.schedulers.base import save_record
+    task, _ = failed_job(tmp_path, "50_1")
+    (tmp_path / "jobs" / "50_0").mkdir()
+    rec = replace(task, job_id="50", folder=str(tmp_path / "jobs" / "50"), array=[0, 1])
+    save_record(rec)
+    _slurm_says(monkeypatch)
+    r = runner.invoke(_app(), ["status", rec.key])
+    assert r.exit_code == 0 and "job 50_1: node history" in r.stderr, r.output
+    assert [(b.node, b.job, b.key) for b in nh.read(tmp_path / "jobs")] == [("node2", "50_1", "slurm-devcluster-50_1")]
+
+
 def test_submit_wait_records_before_it_reports_the_failure(tmp_path, monkeypatch):
     import hpcring.submit as sub
     from hpcring.cli import main
