@@ -79,11 +79,18 @@ def stall() -> None:
     tensors); the engine goes on."""
     r, n = hvd.rank(), hvd.size()
     extra = hvd.allgather_async(torch.ones(1)) if r == 0 else None      # unnamed, on rank 0 only
+    obj_err = []
+    if r == 0:                                                          # an unnamed object call too
+        import threading
+        th = threading.Thread(target=lambda: obj_err.append(expect_raises(hvd.StallError, lambda: hvd.allgather_object(r))))
+        th.start()
     h = hvd.allreduce_async(torch.ones(1), name=f"stall.only.{r}")
     e = expect_raises(RuntimeError, lambda: hvd.synchronize(h), "do not match", f"'stall.only.{r}' submitted by rank {r}")
     assert isinstance(e, hvd.StallError)
     if extra is not None:
         expect_raises(hvd.StallError, lambda: hvd.synchronize(extra), "allgather.noname.0")
+        th.join(timeout=60)
+        assert obj_err and "allgather_object.noname.0.sizes" in str(obj_err[0]), obj_err
     _auto_names_agree()                       # the stalled unnamed call gave its name back
     assert hvd.allgather(torch.tensor([r])).tolist() == list(range(n))
     healthy("stall")
@@ -371,6 +378,26 @@ def cache() -> None:
     healthy("cache")
 
 
+def average_exact() -> None:
+    """Horovod's test_horovod_join_allreduce on 3 ranks: with one rank joined, the others' Average
+    equals ``t * (size - 1) / size`` exactly, for every float dtype (an Average divides by the
+    size; Horovod multiplies by fl(1/size) and is an ulp off there)."""
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(1234)
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for i, first in enumerate(list(range(n)) * 3):
+            a = torch.FloatTensor(5 + i).random_(-100, 100).to(dt)
+            if r == first:
+                hvd.join()
+            else:
+                avg = hvd.allreduce(a, name=f"avx.{dt}.{i}")
+                hvd.join()
+                assert torch.equal(avg, a * (n - 1) / n), (dt, avg, a * (n - 1) / n)
+            assert torch.equal(hvd.allreduce(a, name=f"avy.{dt}.{i}"), a * n / n)
+            rs = hvd.reducescatter(torch.cat([a.reshape(1, -1)] * n), name=f"avz.{dt}.{i}")
+            assert torch.equal(rs, (a * n / n).reshape(1, -1)), (dt, rs)
+
+
 # -- 7. what Horovod's own test file (test/parallel/test_torch.py) relies on ---------------------------
 def _same_everywhere(what: str, value) -> None:
     got = hvd.allgather_object(value, name=f"same.{what}")
@@ -635,7 +662,7 @@ CHECKS = {"mismatch": mismatch, "args": args, "stall": stall, "join": join, "dty
           "names_after_refusal": names_after_refusal, "sparse_handle": sparse_handle,
           "sparse_as_dense": sparse_as_dense, "optimizer_outside_set": optimizer_outside_set,
           "optstate_zero_grads": optstate_zero_grads, "parameter_names": parameter_names,
-          "step_warning": step_warning, "long_mixed": long_mixed}
+          "step_warning": step_warning, "long_mixed": long_mixed, "average_exact": average_exact}
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ CHECKS = ["mismatch", "args", "stall", "join", "dtypes", "int_arith", "process_s
           "sparse", "optstate_nograd", "cache",
           # what Horovod's own test file relies on (issue 36), then a long mixed sequence
           "names_after_refusal", "sparse_handle", "sparse_as_dense", "optimizer_outside_set", "optstate_zero_grads",
-          "parameter_names", "step_warning", "long_mixed"]
+          "parameter_names", "step_warning", "average_exact", "long_mixed"]
 
 
 def run_contract(tmp: Path, ranks: int, env=None):

@@ -60,11 +60,19 @@ def from_wire(wire: torch.Tensor, buf: torch.Tensor) -> None:
 
 
 def scale_(t: torch.Tensor, factor: float) -> torch.Tensor:
-    """Horovod's ScaleBuffer, in place: floats multiplied, integers truncated toward zero."""
+    """Horovod's ScaleBuffer, in place: floats multiplied, integers truncated toward zero.
+
+    A float factor of exactly 1/k (an Average's 1/size) divides by k instead: x / k is correctly
+    rounded, where Horovod's x * fl(1/k) can be an ulp off (so its own 3-rank join test, which
+    expects ``t * 2 / 3``, fails on Horovod's CPU path and passes here)."""
     if factor == 1.0:
         return t
     if t.is_floating_point() or t.is_complex():
-        t.mul_(factor)
+        k = round(1.0 / factor) if factor > 0 else 0
+        if k > 1 and 1.0 / k == factor:
+            t.div_(k)
+        else:
+            t.mul_(factor)
     elif t.dtype == torch.bool:
         t.copy_(t.double().mul_(factor).trunc_() != 0)
     else:

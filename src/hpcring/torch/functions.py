@@ -36,15 +36,23 @@ def broadcast_parameters(params, root_rank: int = 0, process_set=ops.global_proc
         ops.synchronize(h)
 
 
+def _object_name(name, kind: str, process_set):
+    """``(name, None)``, or the set's next automatic name of ``kind`` and its mark: the first part
+    carries the mark, so that a first part that stalls or is refused gives the name back."""
+    if name:
+        return name, None
+    return ops.engine_for(process_set).take_auto(kind)
+
+
 def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=ops.global_process_set):
     """Root's ``obj`` (pickled) on every rank."""
-    base = name or ops._name(None, "broadcast_object", ops.engine_for(process_set))
+    base, mark = _object_name(name, "broadcast_object", process_set)
     if ops.state.session().topology.rank == root_rank:
         payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
         n = torch.tensor([payload.numel()], dtype=torch.int64)
     else:
         payload, n = None, torch.zeros(1, dtype=torch.int64)
-    ops.broadcast_(n, root_rank, name=f"{base}.size", process_set=process_set)
+    ops.synchronize(ops.broadcast_async_(n, root_rank, name=f"{base}.size", process_set=process_set, mark=mark))
     if payload is None:
         payload = torch.zeros(int(n.item()), dtype=torch.uint8)
     ops.broadcast_(payload, root_rank, name=f"{base}.data", process_set=process_set)
@@ -53,10 +61,10 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_s
 
 def allgather_object(obj, name: str | None = None, process_set=ops.global_process_set) -> list:
     """Every rank's ``obj`` (pickled), in rank order."""
-    base = name or ops._name(None, "allgather_object", ops.engine_for(process_set))
+    base, mark = _object_name(name, "allgather_object", process_set)
     data = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
-    sizes = ops.allgather(torch.tensor([data.numel()], dtype=torch.int64), name=f"{base}.sizes",
-                          process_set=process_set).tolist()
+    sizes = ops.synchronize(ops.allgather_async(torch.tensor([data.numel()], dtype=torch.int64),
+                                                name=f"{base}.sizes", process_set=process_set, mark=mark)).tolist()
     blob = ops.allgather(data, name=f"{base}.data", process_set=process_set).numpy().tobytes()
     out, pos = [], 0
     for n in sizes:

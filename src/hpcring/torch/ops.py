@@ -197,8 +197,11 @@ def _allgather_entry(tensor, name) -> Entry:
     return Entry(name, "allgather", t.reshape(1) if t.dim() == 0 else t)
 
 
-def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
-    return engine_for(process_set).submit(_allgather_entry(tensor, name))
+def allgather_async(tensor, name=None, process_set=global_process_set, *, mark=None) -> Handle:
+    """``mark``: the automatic name (Engine.take_auto) this call is the first part of."""
+    e = _allgather_entry(tensor, name)
+    e.auto = mark
+    return engine_for(process_set).submit(e)
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -242,13 +245,15 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set, *, mark=None) -> Handle:
     eng = engine_for(process_set)
     root = _root(eng, process_set, root_rank)
     if not _tensor(tensor, "broadcast_").is_contiguous():
         raise InvalidArgumentError(f"broadcast_: tensor '{name}' must be contiguous to be written in place")
     t = tensor.detach()
-    return eng.submit(Entry(name, "broadcast", t, t, root=root))
+    e = Entry(name, "broadcast", t, t, root=root)
+    e.auto = mark
+    return eng.submit(e)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
