@@ -139,6 +139,8 @@ def main() -> int:
                     help="hide torch.optim.Muon from the tests that build every optimizer (see KNOWN)")
     ap.add_argument("--no-cpu-half", action="store_true",
                     help="leave torch.HalfTensor out of the tests' dtype lists (see KNOWN_3)")
+    ap.add_argument("--no-isolate", dest="isolate", action="store_false",
+                    help="run the known rank-dependent failures in the main job too (they then cascade)")
     ap.add_argument("--collective-timeout", default="60", help="HPCRING_TIMEOUT for the ranks")
     a = ap.parse_args()
     test_file = a.horovod / "test" / "parallel" / "test_torch.py"
@@ -156,16 +158,29 @@ def main() -> int:
     if not names:
         print(f"horovod_suite: pytest collected no test from {test_file}:\n{why}", file=sys.stderr)
         return 2
-    pytest_args = [str(test_file)] + (["-k", a.k] if a.k else [])
-    cmd = [sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(a.ranks), "--",
-           sys.executable, str(sh / "rank_main.py"), str(out), a.launcher, *pytest_args]
-    with open(out / "log.txt", "w") as log:
-        try:
-            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout,
-                                cwd=test_file.parent).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    table = results(out, a.ranks)
+    known = {**KNOWN, **(KNOWN_3 if a.ranks >= 3 and not a.no_cpu_half else {})}
+    # A known failure that fails on some ranks only leaves the others in a collective that never
+    # comes (Horovod hangs there for good); the test file's tearDown then skips shutdown and every
+    # later test runs out of step. Those run in jobs of their own, after the main one.
+    alone = [n for n in names if n in KNOWN_3 and n in known] if a.isolate else []
+    main_args = [str(test_file)] + (["-k", a.k] if a.k else [])
+    main_args += [f"--deselect={test_file}::TorchTests::{n}" for n in alone]
+    jobs = [("main", main_args)] + [(n, [f"{test_file}::TorchTests::{n}"]) for n in alone]
+    table: dict = {}
+    rcs = []
+    for tag, args in jobs:
+        folder = out / tag
+        folder.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", str(a.ranks), "--",
+               sys.executable, str(sh / "rank_main.py"), str(folder), a.launcher, *args]
+        with open(folder / "log.txt", "w") as log:
+            try:
+                rcs.append(subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout,
+                                          cwd=test_file.parent).returncode)
+            except subprocess.TimeoutExpired:
+                rcs.append("timeout")
+        table.update(results(folder, a.ranks))
+    rc = rcs[0] if len(rcs) == 1 else rcs
     counts = {"passed": 0, "failed": 0, "skipped": 0, "known": 0}
     bad = []
     for name in names:
@@ -175,7 +190,6 @@ def main() -> int:
             bad.append((name, f"ran on ranks {sorted(per)} of {a.ranks}"))
             continue
         if "failed" in outs:
-            known = {**KNOWN, **(KNOWN_3 if a.ranks >= 3 else {})}
             if name in known and all(known[name] in m for o, m in per.values() if o == "failed"):
                 counts["known"] += 1
                 continue
@@ -191,7 +205,8 @@ def main() -> int:
     never = sum(1 for n in names if len(table.get(n, {})) < a.ranks)
     print(f"horovod_suite: {a.ranks} ranks ({a.launcher}), {len(names)} tests collected: {counts['passed']} passed, "
           f"{counts['failed']} failed, {counts['skipped']} skipped, {counts['known']} known failures "
-          f"(fail with Horovod too), {never} not run on every rank; job exit {rc}; files in {out}")
+          f"(fail with Horovod too{', run alone' if alone else ''}), {never} not run on every rank; "
+          f"job exit {rc}; files in {out}")
     return 0 if not bad else 1
 
 
