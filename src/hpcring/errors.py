@@ -26,6 +26,11 @@ class UsageError(HpcringError):
     exit_code = 2
 
 
+class InvalidParameterError(UsageError, ValueError):
+    """A keyword ``hpcring.Executor.update_parameters`` does not take, or a value of the wrong type
+    or out of bounds (a ValueError too, as submitit's own parameter errors are)."""
+
+
 class ConfigError(HpcringError):
     """A site config is wrong. ``problems`` lists every problem found, one per field."""
 
@@ -54,11 +59,20 @@ class JobNotFoundError(HpcringError):
 
 
 class JobFailedError(HpcringError):
-    """A job (or one of its ranks) ended with a failure."""
+    """A job (or one of its ranks) ended with a failure. ``rank``/``host``: the first failing rank,
+    when one is known; ``traceback``: its exception's traceback text (a Python function's job)."""
 
     def __init__(self, message: str, *, exit_code: int = 1, hint: str | None = None):
         super().__init__(message, hint=hint)
         self.exit_code = exit_code if 0 < exit_code < 256 else 1
+        self.rank: int | None = None
+        self.host: str | None = None
+        self.traceback: str | None = None
+
+
+class WaitTimeoutError(HpcringError, TimeoutError):
+    """A wait given a deadline (``Job.wait(timeout=)``, ``result(timeout=)``) ran out; the job itself
+    was left as it was."""
 
 
 class HostlistError(HpcringError):

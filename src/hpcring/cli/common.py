@@ -21,12 +21,11 @@ from typer.core import TyperCommand, TyperGroup, TyperOption
 from hpcring.cli import output
 from hpcring.config.envvars import (MAX_TEXT, check_environ, check_text, parse_float_text, parse_int_text,
                                     shown)
+from hpcring.config.jobopts import SITE_HELP
 from hpcring.errors import HpcringError
 
 INT_MAX = 2**63 - 1     # an int flag without a declared max still fits every C and numpy integer
 
-SITE_HELP = ("Site name or path to a site YAML (default: $HPCRING_SITE, else the site named like the Slurm "
-             "cluster you are in, else local).")
 SiteOpt = typer.Option(None, "--site", "-s", help=SITE_HELP)
 # what to give instead of an empty value, where the flag's own words say more than the generic hint
 _BLANK_HINTS = {"--site": "a site name (`hpcring sites list`) or the path of a site YAML; leave --site out for "

@@ -15,6 +15,7 @@ from hpcring.config.arrays import ArraySpec, Dependency, parse_array, parse_depe
 from hpcring.config.schema import minutes_to_lsf, minutes_to_slurm, time_to_minutes
 from hpcring.config.text import control_character, shown
 from hpcring.config import envvars
+from hpcring.config.jobopts import INT_BOUNDS
 from hpcring.config.site import Site
 from hpcring.errors import UsageError
 
@@ -33,9 +34,8 @@ ENV_VARS: dict[str, str] = {
     "job_dir": "HPCRING_JOB_DIR",
     "timeout": "HPCRING_TIMEOUT",
 }
-# whole-number fields -> (lowest, highest) allowed
-_INTS = {"nodes": (1, envvars.MAX_NODES), "tasks_per_node": (1, envvars.MAX_TASKS_PER_NODE),
-         "gpus_per_node": (0, envvars.MAX_GPUS_PER_NODE), "cpus_per_task": (1, envvars.MAX_CPUS_PER_TASK)}
+# whole-number fields -> (lowest, highest) allowed: the job options' own bounds (config/jobopts.py)
+_INTS = INT_BOUNDS
 # text fields that end up in a job script: quoted there, but a line break or a control character
 # would still start a new script line (or an #SBATCH line), so they are refused here
 _TEXTS = ("partition", "account", "qos", "constraint", "name", "job_dir")
@@ -159,18 +159,33 @@ def parse_field(name: str, raw: Any, where: str) -> Any:
     return raw
 
 
+# who gave a job's own values -> the source recorded for them (--verbose, messages): the flags, or
+# hpcring.Executor.update_parameters
+GIVEN = {"cli": "cli", "python": "update_parameters"}
+
+
+def given_as(name: str, source: str) -> str:
+    """How a given value's field is named in messages: ``--tasks-per-node`` (a flag, or any other
+    source) or ``tasks_per_node=`` (``update_parameters``; ``source`` is a key or a label of GIVEN)."""
+    return f"{name}=" if source in ("python", GIVEN["python"]) else f"--{name.replace('_', '-')}"
+
+
 def resolve_job(site: Site, script: str, args: list[str] | None = None,
                 cli: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None,
                 sched_args: list[str] | None = None,
                 exclusive: bool | None = None,
                 array: str | None = None, sweep: list[str] | None = None,
-                dependency: str | None = None, after: list[str] | None = None) -> JobSpec:
-    """Merge CLI values, HPCRING_* variables, the site config and defaults into a JobSpec.
+                dependency: str | None = None, after: list[str] | None = None,
+                given: str = "cli", default_name: str | None = None) -> JobSpec:
+    """Merge the given values, HPCRING_* variables, the site config and defaults into a JobSpec.
 
-    ``cli`` maps field names to values, None meaning "not given". Raises UsageError for bad values
-    and for requests the site's partition limits forbid.
+    ``cli`` maps field names to the values given (flags, or ``update_parameters``: ``given`` says
+    which, the source recorded and the spelling in messages), None meaning "not given".
+    ``default_name``: the job's name when nothing sets one (else the script's stem). Raises
+    UsageError for bad values and for requests the site's partition limits forbid.
     """
+    assert given in GIVEN, given
     cli = dict(cli or {})
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
@@ -178,7 +193,7 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
 
     def pick(name: str, default: Any) -> None:
         if cli.get(name) is not None:
-            values[name], sources[name] = parse_field(name, cli[name], f"--{name.replace('_', '-')}"), "cli"
+            values[name], sources[name] = parse_field(name, cli[name], given_as(name, given)), GIVEN[given]
         elif ENV_VARS.get(name) and env.get(ENV_VARS[name]) not in (None, ""):
             var = ENV_VARS[name]
             values[name], sources[name] = parse_field(name, env[var], f"${var}"), f"env {var}"
@@ -196,10 +211,10 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
     pick("tasks_per_node", max(1, values["gpus_per_node"]))
     if sources["tasks_per_node"] == "default" and values["gpus_per_node"]:
         sources["tasks_per_node"] = "default (one per GPU)"
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(script).stem) or "job"
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", default_name or Path(script).stem) or "job"
     pick("name", stem)
     if exclusive is not None:
-        values["exclusive"], sources["exclusive"] = exclusive, "cli"
+        values["exclusive"], sources["exclusive"] = exclusive, GIVEN[given]
     else:
         values["exclusive"], sources["exclusive"] = site.config.defaults.exclusive, f"site {site.name}"
 
@@ -221,7 +236,7 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
         spec.array = (parse_array(array, tasks=len(combos) if combos else None) if array is not None
                       else ArraySpec(tuple(range(len(combos)))))
         spec.sweep = combos
-        spec.sources["array"] = "cli"
+        spec.sources["array"] = GIVEN[given]
     spec.dependency = parse_dependency(dependency, after)
     check_limits(site, spec)
     # the image from HPCRING_CONTAINER_IMAGE or the site (JobRequest.resolve puts the flags on top);
@@ -253,15 +268,20 @@ def check_limits(site: Site, spec: JobSpec) -> None:
         raise UsageError(f"partition {spec.partition!r} ({spec.sources['partition']}) is not defined in site "
                          f"{c.name!r} ({site.path}); partitions there: {', '.join(sorted(c.partitions))}")
     part = c.partitions.get(spec.partition) if spec.partition else None
+
+    def named(name: str) -> str:         # --nodes 8, or nodes=8 when update_parameters gave it
+        flag = given_as(name, spec.sources.get(name, "cli"))
+        value = spec.time_slurm if name == "time" else getattr(spec, name)
+        return f"{flag}{value}" if flag.endswith("=") else f"{flag} {value}"
     if part and part.max_nodes and spec.nodes > part.max_nodes:
-        raise UsageError(f"--nodes {spec.nodes} exceeds partition {spec.partition!r} max_nodes {part.max_nodes} "
+        raise UsageError(f"{named('nodes')} exceeds partition {spec.partition!r} max_nodes {part.max_nodes} "
                          f"(site {site.path})")
     if part and part.max_time and spec.time_min > time_to_minutes(part.max_time):
-        raise UsageError(f"--time {spec.time_slurm} exceeds partition {spec.partition!r} max_time "
+        raise UsageError(f"{named('time')} exceeds partition {spec.partition!r} max_time "
                          f"{part.max_time} (site {site.path})")
     gpus_avail = part.gpus_per_node if part and part.gpus_per_node is not None else c.gpus_per_node
     if spec.gpus_per_node > gpus_avail:
-        raise UsageError(f"--gpus-per-node {spec.gpus_per_node} but site {c.name!r}"
+        raise UsageError(f"{named('gpus_per_node')} but site {c.name!r}"
                          + (f" partition {spec.partition!r}" if part else "") + f" has {gpus_avail} GPUs per node")
     cpus = (part.cpus_per_node if part and part.cpus_per_node else None) or c.cpus_per_node
     if cpus and spec.tasks_per_node * spec.cpus_per_task > cpus:
