@@ -4,9 +4,11 @@ Nothing here prints: callers pass callbacks for state changes and log lines.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -25,7 +27,8 @@ from hpcring.outcome import Outcome, hang_headline as outcome_hang_headline, ran
 from hpcring.schedulers.render import render_script
 from hpcring.config.arrays import sweep_args
 from hpcring.fsutil import write_json
-from hpcring.schedulers.base import JobRecord, JobState, TERMINAL, load_record, new_record, recent_records
+from hpcring.schedulers.base import (JobRecord, JobState, TERMINAL, load_record, new_record, recent_records,
+                                     state_dir)
 
 
 
@@ -72,35 +75,87 @@ def node_local_warnings(site: Site, job: JobSpec, cwd: str | None = None) -> lis
     return out
 
 
-def submit(site: Site, job: JobSpec, template: str | None = None) -> JobRecord:
-    """Submit through submitit; returns the record saved for status/logs/cancel."""
-    script = _check_script(job)
+def submit(site: Site, job: JobSpec, template: str | None = None, entry=None) -> JobRecord:
+    """Submit through submitit; returns the record saved for status/logs/cancel.
+
+    ``entry``: what every rank calls (pickled by submitit): by default ``RunScript`` of
+    ``job.script``; ``hpcring.Executor`` passes a ``RunFunction`` (``job.script`` is then its label).
+    What can be checked here is checked before the scheduler sees the job, and a submission that
+    fails leaves no job folder, secret or submitit file behind."""
+    script = str(_check_script(job)) if entry is None else job.script
     preview(site, job, template, warn=False)   # a template that fails or is no job script: nothing made
-    root = job_root(job)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create the job folder {root} ({job.sources.get('job_dir')}): {exc}",
-                         hint="set job_dir in the site config or HPCRING_JOB_DIR to a writable shared path")
-    job.env.setdefault("HPCRING_SECRET_FILE", str(auth.new_job_secret(root)))
+    state_dir()                                # where the record goes: an unusable one is refused now
     mod = schedulers.get(site.config.scheduler)
-    ex = mod.make_executor(site, job, root / "%j", template, _python(site))
-    sweep = ({str(i): sweep_args(v) for i, v in zip(job.array.indices, job.sweep)} if job.sweep else None)
-    fn = RunScript(str(script), job.args, os.getcwd(), job.gpus_per_node, sweep=sweep)
-    try:
-        sjob = ex.submit(fn)
-    except FailedJobError as exc:
-        text = str(exc).strip()
-        raise SchedulerError(f"{mod.COMMAND} refused the job: {text}",
-                             hint=mod.explain_refusal(text) or "see the scheduler's message above") from None
+    root = job_root(job)
+    ex = mod.make_executor(site, job, root / "%j", template, _python(site))   # makes nothing (no sbatch: refused)
+    if entry is None:
+        sweep = ({str(i): sweep_args(v) for i, v in zip(job.array.indices, job.sweep)} if job.sweep else None)
+        entry = RunScript(script, job.args, os.getcwd(), job.gpus_per_node, sweep=sweep)
+    with _cleared_on_failure(root, job):
+        try:
+            sjob = ex.submit(entry)
+        except FailedJobError as exc:
+            text = str(exc).strip()
+            raise SchedulerError(f"{mod.COMMAND} refused the job: {text}",
+                                 hint=mod.explain_refusal(text) or "see the scheduler's message above") from None
     folder = str(root / str(sjob.job_id))
     array = {} if job.array is None else {"array": list(job.array.indices), "array_limit": job.array.limit,
                                           "sweep": job.sweep}
     rec = new_record(str(sjob.job_id), site.config.scheduler, str(site.path), folder, job.ntasks,
-                     job.name, str(script), mod.cluster_name(site), job.env["HPCRING_SECRET_FILE"], **array)
+                     job.name, script, mod.cluster_name(site), job.env["HPCRING_SECRET_FILE"], **array)
     if job.array is not None:
         _start_tasks(mod, rec)
     return rec
+
+
+@contextlib.contextmanager
+def _cleared_on_failure(root: Path, job: JobSpec):
+    """Make the job root (a UsageError naming it when it cannot be made or written) and the job's
+    secret; if the block fails, remove what this submission left: the secret (when made here),
+    submitit's temporary files (``<uuid>.pkl``, ``.submission_file_<uuid>.sh``) and the folders
+    made here."""
+    where = job.sources.get("job_dir", "job_dir")
+    missing, p = [], root
+    while not os.path.lexists(p) and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    made = [d for d in reversed(missing)] + ([] if os.path.lexists(root / ".secrets") else [root / ".secrets"])
+    before: set[str] = set()
+    new_secret = "HPCRING_SECRET_FILE" not in job.env   # a restart resubmits with the first attempt's
+
+    def undo() -> None:
+        if new_secret:
+            delete_secret_file(job.env.pop("HPCRING_SECRET_FILE", None))
+        try:
+            for entry in root.iterdir():
+                if entry.name not in before and entry.is_file() and (
+                        entry.name.startswith(".submission_file_") or entry.suffix == ".pkl"):
+                    entry.unlink(missing_ok=True)
+        except OSError:
+            pass
+        for d in reversed(made):      # innermost first; only when nothing else is in there
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".hpcring-probe-", dir=root)   # as root too: a read-only mount
+        os.close(fd)
+        os.unlink(probe)
+        before = {e.name for e in root.iterdir()}
+        if new_secret:
+            job.env["HPCRING_SECRET_FILE"] = str(auth.new_job_secret(root))
+    except OSError as exc:
+        undo()
+        raise UsageError(f"cannot use the job folder {root} ({where}): {exc.strerror or exc}",
+                         hint="set job_dir in the site config, HPCRING_JOB_DIR or Executor(folder=) to a "
+                              "writable shared path") from None
+    try:
+        yield
+    except BaseException:
+        undo()
+        raise
 
 
 def _start_tasks(mod, rec: JobRecord) -> None:
@@ -313,6 +368,14 @@ class LogTail:
 def tag(rank: int | str, stream: str, line: str) -> str:
     """mpirun --tag-output style: ``[rank]<stdout>:line``."""
     return f"[{rank}]<{stream}>:{line}"
+
+
+def tagged_lines(rec: JobRecord, rank: int | None = None, raw: bool = False) -> Iterator[str]:
+    """Every line the job's ranks wrote so far, tagged (:func:`tag`); an array's task by task,
+    tagged ``[task:rank]`` (``hpcring logs`` and ``hpcring.Job.logs()``)."""
+    for one in rec.tasks() if rec.array is not None else [rec]:
+        for r, stream, line in LogTail(one, rank, raw=raw).poll(final=True):
+            yield tag(r if one is rec else f"{one.task_index}:{r}", stream, line)
 
 
 # ---- outcome --------------------------------------------------------------------------------

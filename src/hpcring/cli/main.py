@@ -212,9 +212,8 @@ def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record n
         if not oc.ok:      # as `submit --wait`: the verdict, and the failing rank's exit code
             raise lib.describe_failure(rec, oc)
         return
-    for one in rec.tasks() if rec.array is not None else [rec]:    # an array: every task, task by task
-        for r, stream, line in lib.LogTail(one, rank, raw=raw).poll(final=True):
-            output.line(lib.tag(r if one is rec else f"{one.task_index}:{r}", stream, line))
+    for line in lib.tagged_lines(rec, rank, raw=raw):    # an array: every task, task by task
+        output.line(line)
 
 
 @command(app, help="Cancel a job (JOB: every task of an array; JOB_TASK: one task).")
