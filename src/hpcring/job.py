@@ -3,7 +3,8 @@
 ``RunScript`` is the callable submitit pickles: in each rank it goes through ``rank_life`` (the
 bootstrap, the framework env, the torch watch and the status record, shared with ``hpcring run``),
 runs the user's script as ``__main__`` with its arguments, ends the job when the script failed, and
-hands a preempted job back to submitit for its requeue.
+hands a preempted job back to submitit for its requeue. ``RunFunction`` does the same around a
+Python function (``hpcring.Executor``): its return value is the rank's result.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def run_as_main(script: str, args: list[str]) -> tuple[int, str | None]:
         sys.stderr.flush()
 
 
-_WRAPPER_FILES = {__file__, runpy.__file__, "<frozen runpy>"}
+_WRAPPER_FILES = {__file__, runpy.__file__, "<frozen runpy>"}   # run_as_main's, call_function's frames
 
 
 def print_user_traceback(exc: BaseException, file=None) -> None:
@@ -84,19 +85,74 @@ def _exit_rank(code: int, why: str) -> None:
     raise SystemExit(code)   # not an Exception: submitit's handler lets it through without a log line
 
 
-def not_on_this_node(cwd: str, script: str, host: str) -> str | None:
+def not_on_this_node(cwd: str, script: str | None, host: str) -> str | None:
     """Why this node cannot run the job where it was submitted (the submit directory or the script
     is missing here: typically a node-local path such as /tmp), or None."""
     hint = ("submit from a directory every node sees (a shared file system; /tmp and /dev/shm are "
             "private to each node)")
     if not os.path.isdir(cwd):
         return f"the job's working directory {cwd} (where it was submitted) does not exist on {host}: {hint}"
-    if not os.path.isfile(script):
+    if script is not None and not os.path.isfile(script):
         return f"the script {script} does not exist on {host}: {hint}"
     return None
 
 
-class RunScript:
+class _RankEntry:
+    """What both pickled rank entries (a script, a function) do around the user's work, once:
+    the array task's variable, the rank's life (record, bootstrap, framework env, torch watch),
+    the requeue count, the submit directory check, and ending the job when the work failed."""
+
+    def _start(self, cmd: list[str]):
+        """(life, session, topology, error): ``error`` says why this node cannot run the work
+        (then nothing ran), else the rank is in the submit directory with the torch backend hook
+        installed. A failed bootstrap ends the job here (never returns)."""
+        from hpcring import preempt
+        from hpcring.rank_life import RankLife
+
+        life = RankLife(job_folder(), cmd)
+        logging.getLogger("submitit").addFilter(_QuietSubmititSignals())
+        os.environ[preempt.REQUEUE_VAR] = str(self.requeues)
+        preempt.install(life.folder / f"{life.job_id}_preempt.json")   # the warning is the script's to act on
+        session = life.bootstrap(self.gpus_per_node)
+        if session is None:
+            # A rank that never started (or hangs before init) would hold the job: end it all
+            # (a launcher that waits for every task, as blaunch does, would wait to the time limit).
+            from hpcring.diagnostics import teardown
+            exc, rec = life.failure, life.record
+            teardown.end_job(rec["rank"], rec["error"].splitlines()[0])
+            _exit_rank(exc.exit_code or 1, f"{type(exc).__name__}: {exc.message}")
+        topo = session.topology
+        life.watch_torch()             # a torch process group in the work gets the hang report too
+        if topo.rank == 0:
+            write_json(life.folder / f"{life.job_id}_requeues.json", {"count": preempt.requeue_count()})
+        error = not_on_this_node(self.cwd, self._needed_file(), topo.host)
+        if error is not None:          # before chdir, so the message, not a traceback, reaches the log
+            print(f"hpcring: rank {topo.rank}: {error}", file=sys.stderr, flush=True)
+        else:
+            os.chdir(self.cwd)
+            register_torch_backend_on_import()
+        return life, session, topo, error
+
+    def _needed_file(self) -> str | None:
+        return None
+
+    def _preempted(self, life, session, topo, exc: Preempted) -> None:
+        life.finish(0, preempted=str(exc) or "Preempted")
+        _requeue_when_all_stopped(session, topo)
+
+    def _end(self, life, topo, code: int, error: str | None, what: str, result_text: str | None = None) -> None:
+        """Record the outcome; a failure ends the whole job (mpi4py's rule: Slurm's
+        --kill-on-bad-exit does it for srun; blaunch would wait for peers stuck on this rank) and
+        this rank, with ``result_text`` (else the error) as submitit's error result."""
+        life.finish(code, error)
+        if code != 0:
+            from hpcring.diagnostics import teardown
+            teardown.end_job(topo.rank, f"rank {topo.rank} on {topo.host}: {error or f'exited with code {code}'}")
+            _exit_rank(code, result_text or f"rank {topo.rank} on {topo.host}: {what} "
+                                            f"{error or f'exited with code {code}'}")
+
+
+class RunScript(_RankEntry):
     """Run ``script`` with ``args`` in ``cwd`` as ``__main__`` on every rank."""
 
     def __init__(self, script: str, args: list[str], cwd: str, gpus_per_node: int = 0, requeues: int = 0,
@@ -116,52 +172,180 @@ class RunScript:
 
     checkpoint = __submitit_checkpoint__   # submitit's signal handler looks for this name first
 
+    def _needed_file(self) -> str | None:
+        return self.script
+
     def __call__(self) -> int:
         from hpcring import preempt
-        from hpcring.rank_life import RankLife
 
-        task = array_task()
-        if task is not None:           # one variable for every scheduler (LSF's index is 1-based)
-            os.environ["HPCRING_ARRAY_TASK"] = task
+        task = _array_task()
         args = self.args + getattr(self, "sweep", {}).get(task or "", [])
-        life = RankLife(job_folder(), [self.script, *args])
-        logging.getLogger("submitit").addFilter(_QuietSubmititSignals())
-        os.environ[preempt.REQUEUE_VAR] = str(self.requeues)
-        preempt.install(life.folder / f"{life.job_id}_preempt.json")   # the warning is the script's to act on
-        session = life.bootstrap(self.gpus_per_node)
-        if session is None:
-            # A rank that never started (or hangs before init) would hold the job: end it all
-            # (a launcher that waits for every task, as blaunch does, would wait to the time limit).
-            from hpcring.diagnostics import teardown
-            exc, rec = life.failure, life.record
-            teardown.end_job(rec["rank"], rec["error"].splitlines()[0])
-            _exit_rank(exc.exit_code or 1, f"{type(exc).__name__}: {exc.message}")
-        topo = session.topology
-        life.watch_torch()             # a torch process group in the script gets the hang report too
-        if topo.rank == 0:
-            write_json(life.folder / f"{life.job_id}_requeues.json", {"count": preempt.requeue_count()})
-        error = not_on_this_node(self.cwd, self.script, topo.host)
-        if error is not None:          # before chdir, so the message, not a traceback, reaches the log
-            print(f"hpcring: rank {topo.rank}: {error}", file=sys.stderr, flush=True)
+        life, session, topo, error = self._start([self.script, *args])
+        if error is not None:
             code = 2
         else:
-            os.chdir(self.cwd)
-            register_torch_backend_on_import()
             try:
                 code, error = run_as_main(self.script, args)
                 preempt.finished()
             except Preempted as exc:
-                life.finish(0, preempted=str(exc) or "Preempted")
-                _requeue_when_all_stopped(session, topo)
+                self._preempted(life, session, topo, exc)
                 return 0
-        life.finish(code, error)
-        if code != 0:
-            # mpi4py's rule: a failure on one rank ends the job (Slurm's --kill-on-bad-exit does it
-            # for srun; blaunch would wait for peers stuck on this rank, or that never started).
-            from hpcring.diagnostics import teardown
-            teardown.end_job(topo.rank, f"rank {topo.rank} on {topo.host}: {error or f'exited with code {code}'}")
-            _exit_rank(code, f"rank {topo.rank} on {topo.host}: {self.script} {error or f'exited with code {code}'}")
+        self._end(life, topo, code, error, self.script)
         return 0
+
+
+class RunFunction(_RankEntry):
+    """Call a Python function on every rank (``hpcring.Executor``): ``calls`` holds each call as
+    cloudpickle bytes, ``""`` for a single job, the task index for each task of an array
+    (``map_array``). The bytes are loaded in the rank, after the bootstrap, in the submit directory
+    with the submitter's ``sys.path`` added, so a function from the submitter's own modules loads
+    where they are shared, and one that cannot load fails that rank with the reason (no
+    traceback of submitit's). The function's return value is the rank's result (submitit's
+    ``<job>_<rank>_result.pkl``); an exception fails the rank as a script's does, and its
+    traceback (the user's frames only) becomes that rank's error result, which
+    ``hpcring.Job.result()`` raises with the rank and host."""
+
+    def __init__(self, calls: dict[str, bytes], label: str, cwd: str, path: list[str],
+                 gpus_per_node: int = 0, requeues: int = 0) -> None:
+        self.calls = dict(calls)
+        self.label = label              # ``work (function __main__.work)``: the record's script
+        self.cwd = cwd
+        self.path = list(path)          # the submitter's sys.path
+        self.gpus_per_node = gpus_per_node
+        self.requeues = requeues
+
+    def __submitit_checkpoint__(self):
+        """submitit's checkpoint hook (rank 0, on requeue): the same call again, one more requeue."""
+        from submitit.core.utils import DelayedSubmission
+        return DelayedSubmission(RunFunction(self.calls, self.label, self.cwd, self.path, self.gpus_per_node,
+                                             self.requeues + 1))
+
+    checkpoint = __submitit_checkpoint__
+
+    def __call__(self):
+        from hpcring import preempt
+
+        task = _array_task()
+        life, session, topo, error = self._start([self.label] + ([f"task {task}"] if task is not None else []))
+        value, code, text = None, 0, None
+        if error is not None:
+            code = 2
+        else:
+            for entry in self.path:      # after the rank's own: its Python wins where both have a module
+                if entry and entry not in sys.path and os.path.exists(entry):
+                    sys.path.append(entry)
+            try:
+                value, code, error, text = call_function(self.calls[task or ""], self.label)
+                preempt.finished()
+            except Preempted as exc:
+                self._preempted(life, session, topo, exc)
+                return None
+        self._end(life, topo, code, error, self.label, result_text=text)
+        return value
+
+
+def _array_task() -> str | None:
+    """This array task's index, also exported as HPCRING_ARRAY_TASK (one variable for every
+    scheduler: LSF's index is 1-based)."""
+    task = array_task()
+    if task is not None:
+        os.environ["HPCRING_ARRAY_TASK"] = task
+    return task
+
+
+def pack_call(fn, args: tuple, kwargs: dict) -> bytes:
+    """``(fn, args, kwargs)`` as the bytes :class:`RunFunction` calls (raises what pickling
+    raises). cloudpickle sends a function of ``__main__`` (a script, a notebook) by value and names
+    its code ``<dynamic-code>``; here the code keeps its file name, and the source lines of every
+    such file go along (a notebook's cells exist nowhere else), so a rank's traceback reads as the
+    submitter's would: file, line and the line itself."""
+    import io
+    import linecache
+    import pickle
+    import types
+    from collections import ChainMap
+
+    import cloudpickle
+    files: set[str] = set()
+    try:
+        reduce_code = cloudpickle.cloudpickle._code_reduce
+
+        def keep_filename(code):
+            files.add(code.co_filename)
+            make, fields = reduce_code(code)
+            return make, tuple(code.co_filename if f == "<dynamic-code>" else f for f in fields)
+        class Pickler(cloudpickle.Pickler):      # the C pickler reads dispatch_table once, from the class
+            dispatch_table = ChainMap({types.CodeType: keep_filename}, cloudpickle.Pickler.dispatch_table)
+        buf = io.BytesIO()
+        Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump((fn, tuple(args), dict(kwargs)))
+        inner = buf.getvalue()
+    except (AttributeError, TypeError):    # another cloudpickle's insides: its own names, then
+        files.clear()
+        inner = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+    sources = {f: linecache.getlines(f) for f in files}
+    return pickle.dumps((inner, {f: lines for f, lines in sources.items() if lines}))
+
+
+def unpack_call(payload: bytes):
+    """:func:`pack_call`'s ``(fn, args, kwargs)``, the source lines it carries put in linecache."""
+    import linecache
+    import pickle
+
+    import cloudpickle
+    inner, sources = pickle.loads(payload)
+    for name, lines in sources.items():        # mtime None: linecache never checks them against a file
+        linecache.cache[name] = (sum(map(len, lines)), None, list(lines), name)
+    return cloudpickle.loads(inner)
+
+
+def call_function(payload: bytes, label: str) -> tuple[object, int, str | None, str | None]:
+    """Load ``(fn, args, kwargs)`` from ``payload`` (:func:`pack_call`) and call it: (return value,
+    exit code, error in words, traceback text). Never raises but ``Preempted``: a failure to load,
+    an exception, a ``sys.exit(N)`` and a return value that cannot be pickled back are this rank's
+    failure."""
+    import cloudpickle
+    try:
+        fn, args, kwargs = unpack_call(payload)
+    except Exception as exc:  # noqa: BLE001 - e.g. its module is not importable on this node
+        why = (f"cannot load {label} on this node: {type(exc).__name__}: {exc} (a function from __main__ is "
+               "sent whole; one from a module needs that module importable where the ranks run)")
+        print(f"hpcring: {why}", file=sys.stderr, flush=True)
+        return None, 1, why, why
+    try:
+        value = fn(*args, **kwargs)
+    except Preempted:
+        raise
+    except SystemExit as exc:          # as a script's: sys.exit(0) is a success, sys.exit("why") prints it
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+        return None, code, f"SystemExit: {exc.code}" if code else None, None
+    except BaseException as exc:  # the traceback goes to this rank's stderr log and to the result
+        print_user_traceback(exc)
+        from hpcring.diagnostics.torch_watch import on_error
+        on_error(exc)                  # a torch collective failed: the job-wide report first
+        from hpcring.rank_life import error_text
+        return None, 1, error_text(exc), user_traceback(exc)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    try:
+        cloudpickle.dumps(value)
+    except Exception as exc:  # noqa: BLE001 - submitit would fail after the rank recorded success
+        why = f"the return value of {label} cannot be pickled: {type(exc).__name__}: {exc}"
+        print(f"hpcring: {why}", file=sys.stderr, flush=True)
+        return None, 1, why, why
+    return value, 0, None, None
+
+
+def user_traceback(exc: BaseException) -> str:
+    """:func:`print_user_traceback`'s text."""
+    import io
+    buf = io.StringIO()
+    print_user_traceback(exc, file=buf)
+    return buf.getvalue()
 
 
 def register_torch_backend_on_import() -> None:
