@@ -266,7 +266,9 @@ def check_limits(site: Site, spec: JobSpec) -> None:
                                 f"{spec.sources.get('tasks_per_node')})")
     if spec.partition and c.partitions and spec.partition not in c.partitions:
         raise UsageError(f"partition {spec.partition!r} ({spec.sources['partition']}) is not defined in site "
-                         f"{c.name!r} ({site.path}); partitions there: {', '.join(sorted(c.partitions))}")
+                         f"{c.name!r} ({site.path}); partitions there: {', '.join(sorted(c.partitions))}",
+                         hint="pick one of those, or leave the partition out for the site's default "
+                              f"(`hpcring sites show {c.name}`)")
     part = c.partitions.get(spec.partition) if spec.partition else None
 
     def named(name: str) -> str:         # --nodes 8, or nodes=8 when update_parameters gave it
@@ -275,15 +277,20 @@ def check_limits(site: Site, spec: JobSpec) -> None:
         return f"{flag}{value}" if flag.endswith("=") else f"{flag} {value}"
     if part and part.max_nodes and spec.nodes > part.max_nodes:
         raise UsageError(f"{named('nodes')} exceeds partition {spec.partition!r} max_nodes {part.max_nodes} "
-                         f"(site {site.path})")
+                         f"(site {site.path})",
+                         hint=f"ask for at most {part.max_nodes} nodes there, or a partition that allows more")
     if part and part.max_time and spec.time_min > time_to_minutes(part.max_time):
         raise UsageError(f"{named('time')} exceeds partition {spec.partition!r} max_time "
-                         f"{part.max_time} (site {site.path})")
+                         f"{part.max_time} (site {site.path})",
+                         hint=f"ask for at most {part.max_time} there, or a partition with a longer max_time")
     gpus_avail = part.gpus_per_node if part and part.gpus_per_node is not None else c.gpus_per_node
     if spec.gpus_per_node > gpus_avail:
         raise UsageError(f"{named('gpus_per_node')} but site {c.name!r}"
-                         + (f" partition {spec.partition!r}" if part else "") + f" has {gpus_avail} GPUs per node")
+                         + (f" partition {spec.partition!r}" if part else "") + f" has {gpus_avail} GPUs per node",
+                         hint=f"ask for at most {gpus_avail} GPUs per node" + (", or a partition with more GPUs"
+                                                                               if c.partitions else ""))
     cpus = (part.cpus_per_node if part and part.cpus_per_node else None) or c.cpus_per_node
     if cpus and spec.tasks_per_node * spec.cpus_per_task > cpus:
         raise UsageError(f"{spec.tasks_per_node} tasks x {spec.cpus_per_task} CPUs per task need "
-                         f"{spec.tasks_per_node * spec.cpus_per_task} CPUs per node; site {c.name!r} has {cpus}")
+                         f"{spec.tasks_per_node * spec.cpus_per_task} CPUs per node; site {c.name!r} has {cpus}",
+                         hint=f"fewer tasks per node or CPUs per task: their product at most {cpus}")
