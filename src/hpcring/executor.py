@@ -103,6 +103,8 @@ class Executor:
         """(site, job spec, notes): resolved as ``hpcring submit`` resolves its flags, the folder
         and the nodes the site's node history leaves out applied."""
         from hpcring import nodehistory
+        from hpcring.config.envvars import check_environ
+        check_environ()                    # a bad HPCRING_* value stops here, as it stops every command
         site, job = req.resolve(given="python", script_file=script_file, default_name=default_name)
         if self.folder is not None:        # above HPCRING_JOB_DIR and the site, as a flag would be
             job.job_dir, job.sources["job_dir"] = self.folder, "Executor(folder=)"
