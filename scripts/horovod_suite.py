@@ -36,7 +36,8 @@ KNOWN = {"test_broadcast_state": MUON, "test_broadcast_state_options": MUON, "te
 # exact). --no-cpu-half leaves HalfTensor out of those tests' dtypes to check the rest of them.
 HALF = "produces incorrect results"
 KNOWN_3 = {"test_horovod_allreduce_prescale": HALF, "test_horovod_allreduce_postscale": HALF,
-           "test_horovod_reducescatter_prescale": HALF, "test_horovod_reducescatter_postscale": HALF}
+           "test_horovod_reducescatter_prescale": HALF, "test_horovod_reducescatter_postscale": HALF,
+           "test_horovod_grouped_reducescatter_prescale": HALF, "test_horovod_grouped_reducescatter_postscale": HALF}
 
 SHIM_INIT = "# hpcring's stand-in for the horovod package: horovod.torch is hpcring.torch\n"
 SHIM_TORCH = ("import sys\nimport hpcring.torch as _hvd\nsys.modules[__name__] = _hvd\n")
@@ -163,9 +164,10 @@ def main() -> int:
     # comes (Horovod hangs there for good); the test file's tearDown then skips shutdown and every
     # later test runs out of step. Those run in jobs of their own, after the main one.
     alone = [n for n in names if n in KNOWN_3 and n in known] if a.isolate else []
-    main_args = [str(test_file)] + (["-k", a.k] if a.k else [])
-    main_args += [f"--deselect={test_file}::TorchTests::{n}" for n in alone]
-    jobs = [("main", main_args)] + [(n, [f"{test_file}::TorchTests::{n}"]) for n in alone]
+    # node ids relative to the folder pytest runs in (its rootdir): --deselect matches those only
+    main_args = [test_file.name] + (["-k", a.k] if a.k else [])
+    main_args += [f"--deselect={test_file.name}::TorchTests::{n}" for n in alone]
+    jobs = [("main", main_args)] + [(n, [f"{test_file.name}::TorchTests::{n}"]) for n in alone]
     table: dict = {}
     rcs = []
     for tag, args in jobs:
@@ -186,11 +188,16 @@ def main() -> int:
     for name in names:
         per = table.get(name, {})
         outs = {o for o, _ in per.values()}
+        failed = [m for o, m in per.values() if o == "failed"]
         if len(per) < a.ranks:
-            bad.append((name, f"ran on ranks {sorted(per)} of {a.ranks}"))
+            # run alone: a rank its failing peers left in a collective ends with the job, unreported
+            if name in alone and failed and all(known[name] in m for m in failed):
+                counts["known"] += 1
+            else:
+                bad.append((name, f"ran on ranks {sorted(per)} of {a.ranks}"))
             continue
         if "failed" in outs:
-            if name in known and all(known[name] in m for o, m in per.values() if o == "failed"):
+            if name in known and all(known[name] in m for m in failed):
                 counts["known"] += 1
                 continue
             counts["failed"] += 1
@@ -202,7 +209,7 @@ def main() -> int:
             counts["passed"] += 1
     for name, why in bad:
         print(f"FAIL {name}: {why}")
-    never = sum(1 for n in names if len(table.get(n, {})) < a.ranks)
+    never = sum(1 for n, _ in bad if len(table.get(n, {})) < a.ranks)
     print(f"horovod_suite: {a.ranks} ranks ({a.launcher}), {len(names)} tests collected: {counts['passed']} passed, "
           f"{counts['failed']} failed, {counts['skipped']} skipped, {counts['known']} known failures "
           f"(fail with Horovod too{', run alone' if alone else ''}), {never} not run on every rank; "
