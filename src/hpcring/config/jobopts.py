@@ -297,3 +297,40 @@ JobRequest = make_dataclass(
                           "the script and its arguments. From the command line (cli/jobopts.job_options) "
                           "or from hpcring.Executor."},
     frozen=True)
+
+
+# ---- the docs' table --------------------------------------------------------------------------
+
+BEGIN, END = "<!-- jobopts:begin (generated: python -m hpcring.config.jobopts) -->", "<!-- jobopts:end -->"
+
+
+def markdown_table() -> str:
+    """Every ``update_parameters`` parameter: its flag, its variable, its values, its meaning
+    (docs/python-api.md embeds it between the markers)."""
+    from hpcring.config.container import ENV_IMAGE, ENV_MOUNTS, ENV_NONE
+    from hpcring.config.jobspec import ENV_VARS
+    variables = {**ENV_VARS, "container_image": ENV_IMAGE, "container_mounts": ENV_MOUNTS, "no_container": ENV_NONE}
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+    rows = ["| Parameter | Flag | Variable | Value | Meaning |", "|---|---|---|---|---|"]
+    for o in PYTHON_OPTIONS:
+        flag = " / ".join(f"`{d}`" for d in o.decls[0].split("/")) if o.decls else "— (`--array`'s `%N`)"
+        var = f"`{variables[o.name]}`" if o.name in variables else "—"
+        rows.append(f"| `{o.name}` | {flag} | {var} | {cell(o.allowed())} | {cell(o.help)} |")
+    return "\n".join(rows) + "\n"
+
+
+def render_doc(text: str) -> str:
+    """``text`` with the table between the markers replaced by the current one."""
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return head + BEGIN + "\n" + markdown_table() + END + tail
+
+
+if __name__ == "__main__":   # regenerate docs/python-api.md's table in place
+    import sys
+    from pathlib import Path
+    doc = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/python-api.md")
+    doc.write_text(render_doc(doc.read_text()))
+    print(f"wrote {doc}")
