@@ -227,15 +227,22 @@ class RunFunction(_RankEntry):
 
         task = _array_task()
         life, session, topo, error = self._start([self.label] + ([f"task {task}"] if task is not None else []))
-        value, code, text = None, 0, None
+        value, code, text, payload = None, 0, None, None
         if error is not None:
             code = 2
         else:
             for entry in self.path:      # after the rank's own: its Python wins where both have a module
                 if entry and entry not in sys.path and os.path.exists(entry):
                     sys.path.append(entry)
+            # a single job's one call whatever HPCRING_ARRAY_TASK the submitter's environment passed on
+            payload = self.calls[""] if "" in self.calls else self.calls.get(task or "")
+            if payload is None:
+                error = text = f"{self.label}: no call for array task {task} (tasks {', '.join(self.calls)})"
+                code = 1
+                print(f"hpcring: rank {topo.rank}: {error}", file=sys.stderr, flush=True)
+        if payload is not None and error is None:
             try:
-                value, code, error, text = call_function(self.calls[task or ""], self.label)
+                value, code, error, text = call_function(payload, self.label)
                 preempt.finished()
             except Preempted as exc:
                 self._preempted(life, session, topo, exc)
