@@ -114,7 +114,10 @@ def results(out: Path, ranks: int) -> dict[str, dict[int, tuple[str, str]]]:
                     msg = (el.get("message") or el.text or "").strip().splitlines()[:1]
                     msg = msg[0][:300] if msg else ""
                     break
-            table.setdefault(case.get("name"), {})[r] = (outcome, msg)
+            # a test that failed and then errored in tearDown has two entries: keep the first failure
+            prev = table.setdefault(case.get("name"), {}).get(r)
+            if prev is None or prev[0] != "failed":
+                table[case.get("name")][r] = (outcome, msg)
     return table
 
 
