@@ -302,6 +302,17 @@ def autograd() -> None:
     assert xs[0].grad.tolist() == [float(n)] * (2 * n) and xs[1].grad.eq(n).all(), [x.grad for x in xs]
 
 
+def _embeddings(rows: int, dim: int, make_opt, sparse_as_dense: bool):
+    """A sparse Embedding under DistributedOptimizer, and an equal one under a plain optimizer
+    (the reference: one process on the global batch)."""
+    torch.manual_seed(0)
+    emb, ref = torch.nn.Embedding(rows, dim, sparse=True), torch.nn.Embedding(rows, dim, sparse=True)
+    ref.load_state_dict(emb.state_dict())
+    opt = hvd.DistributedOptimizer(make_opt(emb.parameters()), named_parameters=emb.named_parameters(),
+                                   sparse_as_dense=sparse_as_dense)
+    return emb, ref, opt, make_opt(ref.parameters())
+
+
 def sparse() -> None:
     """An Embedding(sparse=True): sparse_allreduce_async, DistributedOptimizer with and without
     sparse_as_dense, each == one process on the global batch."""
@@ -313,12 +324,7 @@ def sparse() -> None:
                                        torch.ones(3) * (i + 1), (5,)).to_dense() for i in range(n))
     assert torch.equal(dense, want), (dense, want)
     for as_dense in (True, False):
-        torch.manual_seed(0)
-        emb, ref = torch.nn.Embedding(6, 2, sparse=True), torch.nn.Embedding(6, 2, sparse=True)
-        ref.load_state_dict(emb.state_dict())
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
-                                       named_parameters=emb.named_parameters(), sparse_as_dense=as_dense)
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        emb, ref, opt, ref_opt = _embeddings(6, 2, lambda ps: torch.optim.SGD(ps, lr=0.5), as_dense)
         data = torch.tensor([[0, 1], [2, 3], [4, 5], [1, 1]])
         for step in range(2):
             batch = data[[(i + step) % 4 for i in range(n)]]
@@ -471,12 +477,7 @@ def sparse_as_dense() -> None:
     sparse gradient again: SparseAdam (sparse gradients only) steps, == one process on the global
     batch."""
     r, n = hvd.rank(), hvd.size()
-    torch.manual_seed(0)
-    emb, ref = torch.nn.Embedding(8, 3, sparse=True), torch.nn.Embedding(8, 3, sparse=True)
-    ref.load_state_dict(emb.state_dict())
-    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
-                                   named_parameters=emb.named_parameters(), sparse_as_dense=True)
-    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    emb, ref, opt, ref_opt = _embeddings(8, 3, lambda ps: torch.optim.SparseAdam(ps, lr=0.1), True)
     data = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7], [1, 3]])
     for step in range(3):
         batch = data[[(i + step) % len(data) for i in range(n)]]
