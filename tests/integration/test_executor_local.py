@@ -55,6 +55,18 @@ def timed_task(i, pause):
             "started": started, "ended": time.time()}
 
 
+def allreduce_when_every_task_is_up(flag_dir, ranks, value):
+    """Every rank of every task waits until all are up, then its task's first collective: the
+    tasks set their ring up (shared memory between the ranks of local0) at the same moment."""
+    import numpy as np
+    session = hpcring.init()
+    Path(flag_dir, f"{os.environ['HPCRING_ARRAY_TASK']}-{session.rank}").write_text("")
+    deadline = time.monotonic() + 60
+    while len(os.listdir(flag_dir)) < ranks and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return float(session.communicator().allreduce(np.array([value], dtype=np.float64))[0])
+
+
 def sleeper(pid_dir, seconds):
     Path(pid_dir, str(os.getpid())).write_text("")
     time.sleep(seconds)
@@ -138,6 +150,16 @@ def test_map_array_runs_at_most_two_tasks_at_once(env):
         assert max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans) == 2, spans   # and 2 did run together
     st = hpcring_cli("status", jobs[0].job_id.split("_")[0])
     assert "array of 6 tasks (at most 2 at once)" in st.stdout and "6 COMPLETED" in st.stdout, st.stdout
+
+
+def test_array_tasks_running_at_once_on_one_host_each_have_their_own_shared_memory(env, tmp_path):
+    """An array's tasks share one secret: their rings' shared-memory segments on local0 must still
+    differ (they once had one name, and one task's leader unlinked another's live segment)."""
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    jobs = executor(array_parallelism=3).map_array(allreduce_when_every_task_is_up, [str(flags)] * 3, [6] * 3,
+                                                    [1.0, 2.0, 3.0])
+    assert [j.results(timeout=DEADLINE) for j in jobs] == [[2.0, 2.0], [4.0, 4.0], [6.0, 6.0]]
 
 
 def test_cancel(env, tmp_path):

@@ -581,6 +581,17 @@ def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("hpcring-")} if os.path.isdir("/dev/shm") else set()
 
 
+def test_shm_names_differ_per_job_and_array_task():
+    """An array's tasks share the secret and may run at once on one host: each has its own
+    segment (one leader's unlink of a leftover must never be another task's live segment)."""
+    from hpcring.collectives.ring import shm_name
+    names = {shm_name(H.SECRET, job, "world/1", "local0") for job in ("7/None", "8/None", "7/0", "7/1", "7_0/0")}
+    assert len(names) == 5 and all(n.startswith("/hpcring-") and len(n) == 41 for n in names)
+    assert shm_name(H.SECRET, "7/0", "world/1", "local0") == shm_name(H.SECRET, "7/0", "world/1", "local0")
+    assert shm_name(H.SECRET, "7/0", "world/1", "local0") != shm_name(H.SECRET, "7/0", "world/1", "local1")
+    assert shm_name(H.SECRET, "7/0", "world/1", "local0") != shm_name(H.SECRET, "7/0", "world/2", "local0")
+
+
 def test_shm_timeout_names_peer_and_is_sticky():
     g = H.ThreadGroup(3, timeout=30, hosts=("h",) * 3)
     try:

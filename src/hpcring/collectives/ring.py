@@ -31,10 +31,11 @@ else the measured defaults below; every rank must use the same values.
 Shared memory: ranks with the same entry in ``Topology.hosts`` also share a POSIX shared-memory
 segment (native/transport_shm.h) through which their collectives run (all of them on one node;
 the two-level allreduce / reduce-scatter across nodes). The name is derived from the job secret,
-the generation and the host; the node's first rank creates it (O_EXCL, mode 0600), the others map
-it, and every rank unlinks the name as soon as all have mapped it (or on any setup failure), so
-no segment outlives the job whatever kills it. The ranks of a host stay connected over TCP: the
-connection is the liveness signal (EOF = the peer died).
+the job (its id and array task: an array's tasks share the secret and may run at once on one
+host), the generation and the host (:func:`shm_name`); the node's first rank creates it (O_EXCL,
+mode 0600), the others map it, and every rank unlinks the name as soon as all have mapped it (or
+on any setup failure), so no segment outlives the job whatever kills it. The ranks of a host stay
+connected over TCP: the connection is the liveness signal (EOF = the peer died).
 
 Payload bytes after the handshake are not MACed (same trust model as Gloo and NCCL: peers are
 authenticated, the network path is trusted).
@@ -237,6 +238,14 @@ def static_bound(size: int, layout: HostLayout, shm: bool, streams: int = 1) -> 
         if most > 1:
             n += most - 1 + (2 * streams if layout.uniform and len(layout.nodes) > 1 else 0)
     return n
+
+
+def shm_name(secret: bytes, job: str, base: str, host: str) -> str:
+    """The POSIX name of a host's shared-memory segment: the same on the ranks of one communicator
+    on one host, another for every other job, array task (an array's tasks share the secret and
+    may run at once on one host), communicator generation or host."""
+    parts = (job, base, host)
+    return "/hpcring-" + auth.mac(secret, b"hpcring-ring-v1 shm", *(s.encode() + b"\0" for s in parts)).hex()[:32]
 
 
 class _Links:
@@ -448,7 +457,8 @@ class RingBackend(Backend):
             raise
         p = _Links(rank=rank, size=size, hosts=hosts, store=store, secret=secret, base=base, lsock=lsock,
                    streams=conns_per_peer, threads=threads, timeout=timeout, sockbuf=sockbuf,
-                   rd_threshold=rd_threshold, shm=shm, budget=max_connections)
+                   rd_threshold=rd_threshold, shm=shm, budget=max_connections,
+                   job=f"{topology.job_id or ''}/{envvars.get('HPCRING_ARRAY_TASK')}")
         try:
             p.start()
             store.set(f"{base}/addr/{rank}", f"{address}:{port}".encode())
@@ -510,7 +520,7 @@ class RingBackend(Backend):
                 setattr(comm, attr, envvars.get(var))
         if p.shm:
             try:
-                self._attach_shm(comm, p.store, p.secret, p.base, rank, hosts, deadline)
+                self._attach_shm(comm, p.store, p.secret, p.base, rank, hosts, deadline, job=p.job)
             except BaseException:
                 comm.close()
                 p.close()
@@ -554,15 +564,14 @@ class RingBackend(Backend):
 
     @staticmethod
     def _attach_shm(comm, store, secret: bytes, base: str, rank: int, hosts: tuple[str, ...],
-                    deadline: float) -> None:
+                    deadline: float, job: str = "") -> None:
         """Map the host's shared-memory segment (see the module docstring); no-op for a rank
         alone on its host."""
         local, column = node_layout(hosts, rank)
         if len(local) < 2:
             return
         piece = (envvars.get("HPCRING_RING_SHM_PIECE") or default_shm_piece(len(local))) // 64 * 64
-        name = "/hpcring-" + auth.mac(secret, b"hpcring-ring-v1 shm", base.encode(),
-                                  hosts[rank].encode()).hex()[:32]
+        name = shm_name(secret, job, base, hosts[rank])
         leader = local[0]
         try:
             if rank == leader:
