@@ -130,6 +130,36 @@ def collected(test_file: Path, env: dict, k: str | None) -> tuple[list[str], str
     return [line.rsplit("::", 1)[1] for line in p.stdout.splitlines() if "::" in line], p.stdout[-3000:]
 
 
+def score(names: list[str], table: dict, ranks: int, known: dict, alone) -> tuple[dict, list]:
+    """Counts per outcome and the (test, why) that did not pass. A test passed when it passed (or
+    skipped) on every rank; a known failure counts as known only when every failing rank's
+    message holds the known text; a test run alone may miss the ranks its failing peers left in a
+    collective (they end with the job, unreported)."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "known": 0}
+    bad = []
+    for name in names:
+        per = table.get(name, {})
+        outs = {o for o, _ in per.values()}
+        failed = [m for o, m in per.values() if o == "failed"]
+        is_known = name in known and failed and all(known[name] in m for m in failed)
+        if len(per) < ranks:
+            if name in alone and is_known:
+                counts["known"] += 1
+            else:
+                bad.append((name, f"ran on ranks {sorted(per)} of {ranks}"))
+        elif is_known:
+            counts["known"] += 1
+        elif failed:
+            counts["failed"] += 1
+            msgs = sorted({f"rank {r}: {m}" for r, (o, m) in per.items() if o == "failed"})
+            bad.append((name, "; ".join(msgs[:2])))
+        elif outs == {"skipped"}:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return counts, bad
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("horovod", type=Path, help="a Horovod checkout (its test/parallel/test_torch.py)")
@@ -186,30 +216,7 @@ def main() -> int:
                 rcs.append("timeout")
         table.update(results(folder, a.ranks))
     rc = rcs[0] if len(rcs) == 1 else rcs
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "known": 0}
-    bad = []
-    for name in names:
-        per = table.get(name, {})
-        outs = {o for o, _ in per.values()}
-        failed = [m for o, m in per.values() if o == "failed"]
-        if len(per) < a.ranks:
-            # run alone: a rank its failing peers left in a collective ends with the job, unreported
-            if name in alone and failed and all(known[name] in m for m in failed):
-                counts["known"] += 1
-            else:
-                bad.append((name, f"ran on ranks {sorted(per)} of {a.ranks}"))
-            continue
-        if "failed" in outs:
-            if name in known and all(known[name] in m for m in failed):
-                counts["known"] += 1
-                continue
-            counts["failed"] += 1
-            msgs = sorted({f"rank {r}: {m}" for r, (o, m) in per.items() if o == "failed"})
-            bad.append((name, "; ".join(msgs[:2])))
-        elif outs == {"skipped"}:
-            counts["skipped"] += 1
-        else:
-            counts["passed"] += 1
+    counts, bad = score(names, table, a.ranks, known, alone)
     for name, why in bad:
         print(f"FAIL {name}: {why}")
     never = sum(1 for n, _ in bad if len(table.get(n, {})) < a.ranks)
