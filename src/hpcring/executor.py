@@ -83,11 +83,7 @@ class Executor:
         ``dependency``, ``after``, and ``array_parallelism`` (map_array's ``%N``). Each is
         checked as its flag is; ``None`` takes a value back. All or nothing: one bad value leaves
         every parameter as it was. Raises InvalidParameterError (a ValueError)."""
-        unknown = [k for k in kwargs if k not in BY_NAME or not BY_NAME[k].python]
-        if unknown:
-            raise unknown_parameters(unknown, _VALID)
-        checked = {k: (None if v is None else _checked(k, v)) for k, v in kwargs.items()}
-        for k, v in checked.items():
+        for k, v in check_parameters(kwargs).items():
             if v is None:
                 self._params.pop(k, None)
             else:
@@ -405,12 +401,23 @@ class Job:
 
 # ---- helpers ------------------------------------------------------------------------------------
 
-def _checked(name: str, value: Any) -> Any:
+def check_parameters(values: dict[str, Any], where: Callable[[str, Any], str] = given_where,
+                     what: str = "update_parameters") -> dict[str, Any]:
+    """``update_parameters``' checks, for whoever hands hpcring.Executor its parameters: every name
+    one it takes, every value (None: not given, kept) checked as its flag is. Returns the values
+    normalised; raises InvalidParameterError. ``where(name, value)`` and ``what`` name them in
+    messages (defaults: ``update_parameters(nodes=0)``; the Hydra launcher: ``hydra.launcher.nodes=0``)."""
+    unknown = [k for k in values if k not in BY_NAME or not BY_NAME[k].python]
+    if unknown:
+        raise unknown_parameters(unknown, _VALID, what)
+    return {k: (None if v is None else _checked(k, v, where(k, v))) for k, v in values.items()}
+
+
+def _checked(name: str, value: Any, at: str) -> Any:
     """One update_parameters value, checked as its flag is checked (InvalidParameterError)."""
     from hpcring.config.arrays import parse_dependency
     from hpcring.config.jobspec import parse_field
-    v = check_value(name, value)
-    at = given_where(name, value)
+    v = check_value(name, value, at)
     try:
         if BY_NAME[name].spec:
             parse_field(name, v, at)       # bounds, time syntax, the deadline: as every source

@@ -158,13 +158,14 @@ def where(name: str, value: Any) -> str:
     return f"update_parameters({name}={shown(value)})"
 
 
-def check_value(name: str, value: Any) -> Any:
+def check_value(name: str, value: Any, at: str | None = None) -> Any:
     """A value given to ``update_parameters`` for option ``name``, of the right Python type and,
     for what is not a JobSpec field, one line of text; returns it normalised (a list for ``list``,
     ``int`` for numbers). JobSpec fields then go through ``jobspec.parse_field`` as every other
-    source does. Raises InvalidParameterError naming the parameter, the value and what it must be."""
+    source does. Raises InvalidParameterError naming the parameter, the value and what it must be;
+    ``at`` names where the value was given (default :func:`where`: ``update_parameters(nodes=0)``)."""
     opt = BY_NAME[name]
-    at = where(name, value)
+    at = where(name, value) if at is None else at
 
     def refuse(why: str) -> InvalidParameterError:
         return InvalidParameterError(f"{at}: {why}; {name} must be {opt.allowed()}",
@@ -216,9 +217,10 @@ def _text(value: str, refuse, what: str = "") -> str:
     return value
 
 
-def unknown_parameters(names, valid: list[str]) -> InvalidParameterError:
+def unknown_parameters(names, valid: list[str], what: str = "update_parameters") -> InvalidParameterError:
     """The error for keywords ``update_parameters`` does not take (as submitit's: each name, then the
-    valid ones), with what to do instead where the name means something here or in submitit."""
+    valid ones), with what to do instead where the name means something here or in submitit.
+    ``what``: who was given them (the Hydra launcher: ``hydra.launcher``)."""
     notes = []
     for n in names:
         if n in BY_NAME and not BY_NAME[n].python:
@@ -227,7 +229,7 @@ def unknown_parameters(names, valid: list[str]) -> InvalidParameterError:
             notes.append(f"{n} is submitit's: here {SUBMITIT_NAMES[n]}")
     listed = ", ".join(repr(n) for n in names)
     return InvalidParameterError(
-        f"update_parameters: unknown parameter{'s' if len(names) > 1 else ''} {listed}; valid parameters: "
+        f"{what}: unknown parameter{'s' if len(names) > 1 else ''} {listed}; valid parameters: "
         + ", ".join(valid) + ("".join(f"\n  - {note}" for note in notes)),
         hint="the same names as hpcring submit's flags, with _ for - (docs/python-api.md)")
 
