@@ -55,9 +55,12 @@ _WRAPPER_FILES = {__file__, runpy.__file__, "<frozen runpy>"}   # run_as_main's,
 
 def print_user_traceback(exc: BaseException, file=None) -> None:
     """The traceback as if the user had run ``python script.py``: the frames of run_as_main and
-    runpy that lead into the script are left out (chained exceptions keep theirs)."""
+    runpy that lead into the script are left out (chained exceptions keep theirs), and so are the
+    leading frames of a wrapper that sets ``__tracebackhide__ = True`` (pytest's convention; the
+    Hydra launcher's call of the task function)."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in _WRAPPER_FILES:
+    while tb is not None and (tb.tb_frame.f_code.co_filename in _WRAPPER_FILES
+                              or tb.tb_frame.f_locals.get("__tracebackhide__") is True):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb, file=sys.stderr if file is None else file)
 
