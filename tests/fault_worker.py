@@ -4,8 +4,9 @@ Usage: fault_worker.py SCENARIO [VICTIM] [--backend ring|mpi] [--count N]
 Scenarios: none, skip (VICTIM skips one allreduce, then sleeps), different (VICTIM calls a
 barrier instead), mismatch (VICTIM uses another count), dtype (VICTIM uses float64), kill (VICTIM
 SIGKILLs itself inside the collective's time window), sleep (VICTIM sleeps in load_batch), exit
-(VICTIM exits normally before the collective), stop (VICTIM SIGSTOPs itself: a frozen rank, as
-one stuck in the kernel, in swap or on a hung GPU), never (VICTIM never reaches hpcring.init()),
+(VICTIM exits normally before the collective), raise (VICTIM raises an exception in its own
+code before the collective: a rank that fails and tears down while the others wait), stop
+(VICTIM SIGSTOPs itself: a frozen rank, as one stuck in the kernel, in swap or on a hung GPU), never (VICTIM never reaches hpcring.init()),
 late (VICTIM sits in its data loader before its very first collective, the one that connects),
 cut/slow (no fault here: the test cuts or slows a link while every rank loops over large
 allreduces).
@@ -79,6 +80,10 @@ def main():
     elif me and sc == "exit":
         say(rank, "fault")
         return 0
+    elif me and sc == "raise":
+        say(rank, "fault")
+        load_batch(0.2)
+        raise RuntimeError(f"injected fault: rank {rank} gives up before allreduce#{a.loops + 1}")
     elif me and sc == "different":
         say(rank, "fault")
         comm.barrier()

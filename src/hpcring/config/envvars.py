@@ -184,6 +184,9 @@ VARS: tuple[Var, ...] = (
        "the process, `raise` raises CollectiveError", choices=("abort", "raise")),
     _v("HPCRING_FLIGHT_RECORDS", "int", 2048, "collectives kept in each rank's flight recorder",
        16, 1 << 24),
+    _v("HPCRING_FR_TRACE", "bool", True, "wherever flight records are dumped, also write them in torch's "
+       "Flight Recorder format (`<job folder>/diag/fr-trace/fr_trace_rank_<r>`, read by `torchfrtrace`; "
+       "hpcring.diagnostics.fr_trace)"),
     _v("HPCRING_LOCAL_AFTER_TIMEOUT_S", "float", 86400.0, "local backend: how long a job submitted with "
        "--dependency/--after waits for the jobs it depends on, seconds (then it fails)", 0, 10 * 365 * 86400,
        lo_open=True),

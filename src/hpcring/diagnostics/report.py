@@ -11,7 +11,8 @@ other rank is then put in exactly one category, checked in this order:
 =================  ===========================================================================
 dead               no answer, and a peer saw its connection reset/closed (process gone)
 unreachable        no answer, and peers only time out on it (host down or link cut)
-exited             exited normally before joining (its exit record says after which collective)
+exited             exited before joining (its exit record says after which collective, and what
+                   it raised when it ended on an exception)
 mismatch           joined the same op with another count, dtype or root
 different          called another collective at that sequence number
 missing            alive but never reached it (its main thread's location says where it is)
@@ -247,7 +248,8 @@ def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[in
             if r in exits:
                 e = exits[r]
                 cats["exited"].append(r)
-                details[r] = (f"exited (pid {e.get('pid', '?')}) after collective #{e.get('last_done', 0)}; "
+                raised = f"raised {e['error']}{' ' + e['where'] if e.get('where') else ''}; " if e.get("error") else ""
+                details[r] = (f"{raised}exited (pid {e.get('pid', '?')}) after collective #{e.get('last_done', 0)}; "
                               f"never joined #{seq}")
             elif r in seen_gone:
                 cats["dead"].append(r)
@@ -285,7 +287,12 @@ def diagnose(size: int, hosts: list[str], snaps: dict[int, dict], exits: dict[in
             stalled.append({**ln, "from_host": hosts[ln["from"]], "to_host": hosts[ln["to"]], "interface": interface})
     slow = _slow(snaps, at, cats["joined"], ref)
     where = {r: s["where"] for r, s in snaps.items() if s.get("where")}
-    headline = _headline(cats, stalled, slow, ref, seq, hosts)
+    for r in cats["exited"]:          # a rank that ended on an exception: where it raised it
+        e = exits[r]
+        if e.get("error"):
+            where[r] = f"raised {str(e['error']).split(':')[0]}" + (f" {e['where']}" if e.get("where") else "")
+    headline = _headline(cats, stalled, slow, ref, seq, hosts,
+                         raised={r: exits[r]["error"] for r in cats["exited"] if exits[r].get("error")})
     if not side_channel:
         headline = f"{ref.get('op') if ref else 'collective'}#{seq} failed on rank {trigger.get('rank')}: {trigger.get('error')}"
     op = dict(ref) if ref else None
@@ -304,7 +311,8 @@ def _slow(snaps, at, joined, ref) -> list[dict]:
     return [{"rank": r, "late": t - first} for r, t in sorted(starts.items()) if t - first > limit]
 
 
-def _headline(cats, stalled, slow, ref, seq, hosts) -> str:
+def _headline(cats, stalled, slow, ref, seq, hosts, raised: dict | None = None) -> str:
+    """``raised``: exited ranks that ended on an exception -> its text (``ValueError: x``)."""
     name = f"{ref.get('op')}#{seq}" if ref else f"collective #{seq}"
     if ref and ref.get("group"):
         name += f" ({ref['group']})"
@@ -314,6 +322,10 @@ def _headline(cats, stalled, slow, ref, seq, hosts) -> str:
         if cats.get(cat):
             if cat == "missing" and ref and ref.get("op") == "p2p":
                 text = _p2p_missing(ref.get("group") or "", cats[cat])
+            if cat == "exited" and raised:
+                kinds = sorted({str(v).split(":")[0] for v in raised.values()})
+                text = f"raised {'/'.join(kinds)} and exited without joining it" if len(raised) == len(cats[cat]) \
+                    else f"exited without joining it ({_who(sorted(raised), hosts)} raised {'/'.join(kinds)})"
             return f"{name}: {_who(cats[cat], hosts)} {text}"
     if stalled:
         ln = stalled[0]

@@ -42,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from hpcring.diagnostics import jobdir
+from hpcring.diagnostics.fr_trace import FROM_TORCH_DTYPE
 from hpcring.diagnostics.report import Report, _headline, diagnose
 from hpcring.ranks import who as _who
 
@@ -49,8 +50,6 @@ ENABLE_ENV = "HPCRING_TORCH_WATCH"
 SITE_DIR = str(Path(__file__).with_name("torch_site"))
 FR_SIZE = "256"        # entries; each poll dumps them all with the GIL held (torch's 2000: ~6x longer)
 NCCL_MARGIN = 30.0     # seconds after hpcring's report before torch's NCCL watchdog may abort
-_DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Int": "int32",
-           "Long": "int64", "Short": "int16", "Char": "int8", "Byte": "uint8", "Bool": "bool"}
 _TORCH_ERR = re.compile(r"gloo|nccl|c10d|ProcessGroup|Connection closed by peer|Timed out waiting", re.I)
 _GONE = re.compile(r"closed by peer|Connection reset|reset by peer|Broken pipe|remote worker crash", re.I)
 _IN_TORCH = tuple(f"{os.sep}torch{os.sep}{p}" for p in ("distributed", "nn" + os.sep + "parallel", "autograd",
@@ -241,10 +240,15 @@ def _start(dist, deadline: float | None) -> None:
 
 def on_error(exc: BaseException) -> None:
     """The script raised ``exc`` on this rank: when it is a torch distributed error and a watch
-    runs, trigger the job-wide report (with ``HPCRING_ON_FAILURE=abort`` this does not return)."""
+    runs, trigger the job-wide report (with ``HPCRING_ON_FAILURE=abort`` this does not return);
+    any other exception is this rank's end: its flight records are written now and its exit
+    record names what it raised (:func:`hpcring.diagnostics.watchdog.note_raised`)."""
     watch = _note(exc)
     if watch is not None:
         watch.fire(watch.error)
+        return
+    from hpcring.diagnostics.watchdog import note_raised
+    note_raised(exc)
 
 
 def _note(exc: BaseException):
@@ -274,13 +278,30 @@ def is_torch_error(exc: BaseException) -> bool:
 # ---------------------------------------------------------------------------------------------
 # torch's Flight Recorder as an hpcring communicator (what Watchdog.snapshot/dump read)
 # ---------------------------------------------------------------------------------------------
-def fr_dump() -> dict:
-    """torch's Flight Recorder, every group ({} when unavailable)."""
+def fr_dump(stack_traces: bool = False) -> dict:
+    """torch's Flight Recorder, every group ({} when unavailable); ``stack_traces``: with each
+    entry's Python frames (for the dump in torch's format; the monitor's polls go without)."""
     try:
         from torch._C._distributed_c10d import _dump_fr_trace
-        return pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+        return pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=stack_traces,
+                                           onlyActive=False))
     except Exception:  # noqa: BLE001 - an older torch, or a recorder turned off
         return {}
+
+
+def pg_config() -> dict:
+    """torch's process groups as the Flight Recorder's ``pg_config`` ({name: name, desc, global
+    ranks}): gloo's dump leaves it empty, and torchfrtrace cannot match entries without it."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    out: dict = {}
+    if c10d is None:
+        return out
+    world = c10d._world
+    for pg, ranks in dict(world.pg_group_ranks).items():
+        name = world.pg_names.get(pg) or getattr(pg, "group_name", "")
+        desc = getattr(pg, "group_desc", None) or "undefined"
+        out[str(name)] = {"name": str(name), "desc": str(desc), "ranks": str(sorted(int(r) for r in ranks))}
+    return out
 
 
 def to_record(entry: dict, deadline: float | None = None) -> dict:
@@ -292,7 +313,8 @@ def to_record(entry: dict, deadline: float | None = None) -> dict:
     dtypes = entry.get("input_dtypes") or []
     created = (entry.get("time_created_ns") or 0) / 1e9
     done = (entry.get("time_discovered_completed_ns") or 0) / 1e9 or None
-    return {"seq": entry.get("collective_seq_id"), "op": op, "dtype": _DTYPES.get(dtypes[0], dtypes[0]) if dtypes else None,
+    dtype = FROM_TORCH_DTYPE.get(dtypes[0], dtypes[0]) if dtypes else None
+    return {"seq": entry.get("collective_seq_id"), "op": op, "dtype": dtype,
             "count": sum(math.prod(s) for s in sizes), "root": None, "backend": backend or "torch",
             "timeout": deadline or (entry.get("timeout_ms") or 0) / 1000, "site": "?",
             "state": "done" if entry.get("retired") else "started", "t_queued": created, "t_started": created,
@@ -343,6 +365,20 @@ class TorchWatch:
                 "torch": {k: v for k, v in raw.items() if k != "entries"}}
         with open(path, "w") as f:
             json.dump(data, f, indent=1, default=str)
+
+    def fr_trace_dump(self) -> dict | None:
+        """torch's own dump, every group, with Python frames, in its own format (for
+        :mod:`hpcring.diagnostics.fr_trace`); ``pg_config`` completed where torch leaves a group
+        of its entries out (gloo writes one nameless group). None when torch has no recorder."""
+        raw = fr_dump(stack_traces=True)
+        if not raw:
+            return None
+        config = raw.setdefault("pg_config", {})
+        named = {str((e.get("process_group") or ("",))[0]) for e in raw.get("entries", [])}
+        if named - set(config):
+            for name, pg in pg_config().items():
+                config.setdefault(name, pg)
+        return raw
 
     def where(self) -> str:
         """The main thread's location for the snapshot (torch-aware, see :func:`locate_torch`)."""
@@ -436,5 +472,7 @@ def diagnose_torch(size: int, hosts: list[str], snaps: dict[int, dict], exits: d
             cats["dead"] = sorted(cats.get("dead", []) + cats["unreachable"])
             cats["unreachable"] = []
         op = report.op or {}
-        report.headline = _headline(cats, report.links, report.slow, op or None, op.get("seq"), report.hosts)
+        raised = {r: (exits or {})[r]["error"] for r in cats.get("exited", []) if (exits or {}).get(r, {}).get("error")}
+        report.headline = _headline(cats, report.links, report.slow, op or None, op.get("seq"), report.hosts,
+                                    raised=raised)
     return report
