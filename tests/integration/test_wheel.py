@@ -20,6 +20,8 @@ def test_wheel_renders_from_installed_package(tmp_path):
     assert "hpcring/templates/slurm.sh.j2" in names and "hpcring/templates/partials/env.sh.j2" in names
     assert "hpcring/site_configs/devcluster.yaml" in names
     assert "hpcring/diagnostics/torch_site/sitecustomize.py" in names      # hpcring run's torch watch
+    # the Hydra launcher, in the namespace package every Hydra plugin shares (which it must not own)
+    assert "hydra_plugins/hpcring_launcher/hpcring_launcher.py" in names and "hydra_plugins/__init__.py" not in names
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
