@@ -153,3 +153,24 @@ def test_the_plugin_module_imports_nothing_heavy():
                             "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
+
+def test_the_docs_launcher_config_is_accepted(monkeypatch, tmp_path):
+    """docs/python-api.md's launcher YAML: every key the launcher's, every value one the site takes
+    (the job script it would submit, rendered without submitting)."""
+    import os
+    import re
+    for k in list(os.environ):
+        if k.startswith("HPCRING_"):
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("HPCRING_JOB_DIR", str(tmp_path))
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "python-api.md").read_text()
+    block = next(b for b in re.findall(r"^```yaml\n(.*?)^```", doc, re.S | re.M) if "hpcring" in b)
+    keys = OmegaConf.to_container(OmegaConf.create(block).hydra.launcher)
+    OmegaConf.merge(OmegaConf.structured(conf.HpcringLauncherConf), keys)      # Hydra's schema takes them
+    ln = launcher(**keys)
+
+    def main(cfg):
+        return cfg
+    text = ln.executor.render(main)
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --partition=gpu" in text and "#SBATCH --mem=16G" in text
+    assert "#SBATCH --time=02:00:00" in text
