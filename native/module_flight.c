@@ -11,6 +11,9 @@
  *                          t_ended, site, error), ...] oldest first; site (file, line, function)
  *   Flight.get(seq) -> that tuple, or None once overwritten
  *   Flight.seq                         the newest sequence number (0 before the first)
+ *   Flight.totals() -> {"done", "failed", "base", "first_started", "last_ended", "sum_started",
+ *                       "sum_inside", "sum_failed"}   every record ended since the start, overwritten
+ *                                      ones included (hpcring report's rank summary): O(1), kept by fl_end
  *   Comm.allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout) (module.c): the record and
  *                                      the collective in one call
  *
@@ -44,12 +47,24 @@ typedef struct {
     PyObject *error;            /* str or NULL */
 } fl_slot_t;
 
+/* Totals of every record ended (done or failed) since the start: a few adds per record in fl_end,
+ * so what the ring overwrites still counts. Times are sums relative to base (the first ended
+ * record's start): epoch seconds summed over millions of records would lose their microseconds. */
+typedef struct {
+    long long done, failed;
+    double base, first_started, last_ended;
+    double sum_started;         /* sum of (t_started - base) over done records */
+    double sum_inside;          /* sum of (t_ended - t_started) over done records */
+    double sum_failed;          /* the same over failed records */
+} fl_totals_t;
+
 struct FlightObject {
     PyObject_HEAD
     fl_slot_t *slots;
     Py_ssize_t capacity;
     long long seq;
     PyObject *skip;             /* tuple of str */
+    fl_totals_t tot;
 };
 
 static double fl_wall(void) {
@@ -111,12 +126,32 @@ long long fl_begin(FlightObject *f, PyObject *op, PyObject *dtype, long long cou
     return seq;
 }
 
+static void fl_count(fl_totals_t *t, double started, double ended, int failed) {
+    if (t->done + t->failed == 0) {
+        t->base = t->first_started = started;
+        t->last_ended = ended;
+    }
+    if (started < t->first_started) t->first_started = started;
+    if (ended > t->last_ended) t->last_ended = ended;
+    if (failed) {
+        t->failed++;
+        t->sum_failed += ended - started;
+    } else {
+        t->done++;
+        t->sum_started += started - t->base;
+        t->sum_inside += ended - started;
+    }
+}
+
 int fl_end(FlightObject *f, long long seq, PyObject *error) {
     fl_slot_t *s = &f->slots[seq % f->capacity];
+    int first;
     if (seq <= 0 || s->seq != seq || s->state == ST_FREE) return 0;
+    first = s->state == ST_STARTED;       /* ended once: a second end rewrites, never counts twice */
     s->t_ended = fl_wall();
     s->state = error ? ST_FAILED : ST_DONE;
     Py_XSETREF(s->error, Py_XNewRef(error));
+    if (first) fl_count(&f->tot, s->t_started, s->t_ended, error != NULL);
     return 1;
 }
 
@@ -236,6 +271,15 @@ static PyObject *Flight_snapshot(FlightObject *self, PyObject *unused) {
     return out;
 }
 
+static PyObject *Flight_totals(FlightObject *self, PyObject *unused) {
+    const fl_totals_t *t = &self->tot;
+    (void)unused;
+    if (check_ready(self)) return NULL;
+    return Py_BuildValue("{sLsLsdsdsdsdsdsd}", "done", t->done, "failed", t->failed, "base", t->base,
+                         "first_started", t->first_started, "last_ended", t->last_ended,
+                         "sum_started", t->sum_started, "sum_inside", t->sum_inside, "sum_failed", t->sum_failed);
+}
+
 static PyObject *Flight_get_seq(FlightObject *self, void *unused) {
     (void)unused;
     return PyLong_FromLongLong(self->seq);
@@ -257,6 +301,7 @@ static PyMethodDef Flight_methods[] = {
     {"take", (PyCFunction)Flight_take, METH_NOARGS, "the next sequence number"},
     {"get", (PyCFunction)Flight_get, METH_O, "get(seq) -> the record's tuple or None"},
     {"snapshot", (PyCFunction)Flight_snapshot, METH_NOARGS, "every record's tuple, oldest first"},
+    {"totals", (PyCFunction)Flight_totals, METH_NOARGS, "totals of every record ended since the start"},
     {NULL, NULL, 0, NULL}};
 
 PyTypeObject FlightType = {

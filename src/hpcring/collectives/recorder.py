@@ -16,6 +16,12 @@ dumps) see one history, merged by sequence number, with ring slots turned into R
 The recorder is what the hang watchdog exchanges between ranks (the last few records and the
 ones in flight) and what is dumped as JSON to ``<job folder>/diag/flight-rank<r>.json`` on a
 failure, on a timeout and on SIGRTMIN+7 (see :mod:`hpcring.diagnostics.watchdog`).
+
+Besides the bounded history it keeps :meth:`FlightRecorder.totals`: count, start and end of the
+first and last, and sums of start times and of time inside, of every collective ended since the
+start (O(1): the C ring adds each record as it ends; a Python record is added when the deque
+drops it, or when totals are read). ``hpcring report`` splits a rank's time with them
+(:mod:`hpcring.diagnostics.rank_summary`).
 """
 from __future__ import annotations
 
@@ -143,6 +149,57 @@ class Record:
         return f"Record({self.op}#{self.seq} {self.dtype} count={self.count} {self.state})"
 
 
+class Totals:
+    """Sums over ended records (:meth:`FlightRecorder.totals`; the C ring's ``Flight.totals()``
+    keeps the same fields): times relative to ``base``, the first one's start."""
+
+    __slots__ = ("done", "failed", "base", "first_started", "last_ended", "sum_started", "sum_inside",
+                 "sum_failed")
+    FIELDS = __slots__
+
+    def __init__(self, d: dict | None = None) -> None:
+        for k in self.FIELDS:
+            setattr(self, k, (d or {}).get(k, 0))
+
+    def add(self, rec: Record) -> None:
+        """Count ``rec`` if it ended (a record dropped before it ended is not counted)."""
+        if rec.t_ended is None or rec.t_started is None or rec.state not in (DONE, FAILED):
+            return
+        started, ended = rec.t_started, rec.t_ended
+        if self.done + self.failed == 0:
+            self.base = self.first_started = started
+            self.last_ended = ended
+        self.first_started = min(self.first_started, started)
+        self.last_ended = max(self.last_ended, ended)
+        if rec.state == FAILED:
+            self.failed += 1
+            self.sum_failed += ended - started
+        else:
+            self.done += 1
+            self.sum_started += started - self.base
+            self.sum_inside += ended - started
+
+    def merged(self, other: "Totals") -> "Totals":
+        """Both sets of records in one (sums moved to the earlier base)."""
+        if other.done + other.failed == 0:
+            return Totals(self.to_dict())
+        if self.done + self.failed == 0:
+            return Totals(other.to_dict())
+        out = Totals()
+        out.base = min(self.base, other.base)
+        out.done, out.failed = self.done + other.done, self.failed + other.failed
+        out.first_started = min(self.first_started, other.first_started)
+        out.last_ended = max(self.last_ended, other.last_ended)
+        out.sum_started = (self.sum_started + self.done * (self.base - out.base)
+                           + other.sum_started + other.done * (other.base - out.base))
+        out.sum_inside = self.sum_inside + other.sum_inside
+        out.sum_failed = self.sum_failed + other.sum_failed
+        return out
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+
 class FlightRecorder:
     """Bounded, thread-safe history of one communicator's collectives."""
 
@@ -154,6 +211,7 @@ class FlightRecorder:
         self.group = None if group is None else (group, tuple(members or ()))
         self.capacity = capacity or default_capacity()
         self._records: deque[Record] = deque(maxlen=self.capacity)
+        self._dropped = Totals()      # Python records the deque has dropped (totals())
         self._lock = threading.Lock()
         # the short paths' records, and the one sequence counter (module docstring)
         self.flight = _native.Flight(self.capacity, _SKIP)
@@ -166,6 +224,8 @@ class FlightRecorder:
                          site if site is not None else _caller(2))
             if self.group is not None:
                 rec.group = self.group
+            if len(self._records) == self.capacity:       # the oldest goes: its time still counts
+                self._dropped.add(self._records[0])
             self._records.append(rec)
         return rec
 
@@ -177,6 +237,8 @@ class FlightRecorder:
             rec = Record(self.flight.take(), op, dtype, count, root, self.backend, timeout, _caller(3), STARTED)
             if self.group is not None:
                 rec.group = self.group
+            if len(self._records) == self.capacity:       # the oldest goes: its time still counts
+                self._dropped.add(self._records[0])
             self._records.append(rec)
         return rec
 
@@ -235,6 +297,15 @@ class FlightRecorder:
         """Highest sequence number completed successfully (0 if none)."""
         done = [r.seq for r in self.records() if r.state == DONE]
         return max(done, default=0)
+
+    def totals(self) -> Totals:
+        """Every collective ended since the start, the ones no longer kept included (module doc)."""
+        with self._lock:
+            kept = Totals(self._dropped.to_dict())
+            for rec in self._records:
+                kept.add(rec)
+            ring = Totals(self.flight.totals())
+        return ring.merged(kept)
 
     def summary(self, last: int = 8) -> dict:
         """What the watchdog exchanges: the newest records plus the counters."""
