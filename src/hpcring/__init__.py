@@ -6,6 +6,7 @@ from hpcring.errors import (HpcringError, InvalidParameterError, JobFailedError,
 
 _LAZY = {"Session": "hpcring.session", "init": "hpcring.session",
          "preempted": "hpcring.preempt", "on_preempt": "hpcring.preempt", "requeue_count": "hpcring.preempt",
+         "checkpoint_saved": "hpcring.preempt",
          "Executor": "hpcring.executor", "Job": "hpcring.executor"}
 
 

@@ -117,3 +117,19 @@ def requeue_through_submitit() -> None:
         raise SchedulerError("hpcring.Preempted was raised outside a submitted job: nothing can requeue it",
                              hint="submit with `hpcring submit`; under `hpcring run` checkpoint and exit instead")
     handler(sig, None)
+
+
+_checkpoints: dict = {}
+
+
+def checkpoint_saved(step: int | None = None, seconds: float | None = None) -> None:
+    """Note that this rank saved a checkpoint (after step ``step``; saving took ``seconds``):
+    ``hpcring report`` counts them, and a failed attempt of a restarted job loses only the time
+    after its last one. Cheap (a few assignments); call it where the checkpoint is written."""
+    c = _checkpoints
+    c["count"] = c.get("count", 0) + 1
+    c["last_at"] = time.time()
+    if step is not None:
+        c["last_step"] = int(step)
+    if seconds is not None:
+        c["seconds"] = c.get("seconds", 0.0) + max(0.0, float(seconds))

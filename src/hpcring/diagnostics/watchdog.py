@@ -64,7 +64,7 @@ import threading
 import time
 from typing import Callable
 
-from hpcring.diagnostics import fanout, fr_trace, jobdir, teardown
+from hpcring.diagnostics import fanout, fr_trace, jobdir, rank_summary, teardown
 from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
 from hpcring.collectives.recorder import main_thread_location
 from hpcring.diagnostics.report import Report, diagnose, from_wire as _from_wire, to_wire as _to_wire
@@ -252,6 +252,7 @@ class Watchdog:
                 suffix = "" if i == 0 else f"-comm{i}"
                 comm.recorder.dump(folder / f"flight-rank{self.rank}{suffix}.json", {"reason": reason})
             self._dump_fr_trace(folder, reason)
+            self.write_summary(folder, f"dump: {reason}")
             with open(folder / f"stacks-rank{self.rank}.txt", "w") as f:
                 f.write(f"# rank {self.rank} ({self.host}) pid {os.getpid()}: {reason}\n")
                 f.flush()
@@ -260,6 +261,23 @@ class Watchdog:
         except OSError as e:
             print(f"hpcring: rank {self.rank}: could not write diagnostics: {e}", file=sys.stderr)
             return None
+
+    def write_summary(self, folder, why: str) -> None:
+        """This rank's time summary (:mod:`hpcring.diagnostics.rank_summary`: fixed size, for
+        ``hpcring report``) into ``folder``; a failure is one line, never the rank's end."""
+        try:
+            rank_summary.write(folder, self.rank, self.size, self.host, self._comms, why)
+        except Exception as e:  # noqa: BLE001 - a summary must not fail a rank that is ending anyway
+            print(f"hpcring: rank {self.rank}: could not write its time summary: {e}", file=sys.stderr)
+
+    def _exit_summary(self) -> None:
+        """At exit: the summary into the job folder's ``diag/``, for a submitted job only (submitit
+        set SUBMITIT_FOLDER: its folder is the job's and stays); ``hpcring run``, ``hpcring bench``
+        and ranks started by hand keep a folder only for a report, so a clean run leaves nothing."""
+        if os.environ.get("SUBMITIT_FOLDER"):
+            raised = self._raised
+            why = "exit" if raised is None else f"exit: raised {raised['error']}"
+            self.write_summary(jobdir.job_folder() / "diag", why)
 
     def _dump_fr_trace(self, folder, reason: str) -> None:
         if not self._comms or not fr_trace.enabled():
@@ -819,6 +837,7 @@ class Watchdog:
             exc = getattr(sys, "last_value", None)   # set by the interpreter for an uncaught exception
             if isinstance(exc, BaseException):
                 self.note_raised(exc)
+        self._bounded(self._exit_summary, EXIT_DUMP_S)     # hpcring report's numbers (a hung FS: bounded)
         try:
             rec = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": time.time(),
                    "last_done": max((c.recorder.last_done() for c in self._comms), default=0),
