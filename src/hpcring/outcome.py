@@ -53,15 +53,27 @@ def write_record(folder: Path, job_id: str, record: dict) -> None:
         print(f"hpcring: could not write {path}: {exc}", file=sys.stderr)
 
 
-def read_records(folder: Path | str, job_id: str, size: int) -> dict[int, dict]:
+def read_records(folder: Path | str, job_id: str, size: int, problems: list[str] | None = None) -> dict[int, dict]:
     """{rank: record} for the ranks 0..size-1 whose record exists and parses (a rank killed
-    mid-write has none)."""
+    mid-write has none). ``problems``: a record that exists but cannot be read, is no JSON or no
+    record object is added to it as ``<path>: <what is wrong>``."""
     out = {}
     for rank in range(size):
+        path = record_path(folder, job_id, rank)
         try:
-            out[rank] = json.loads(record_path(folder, job_id, rank).read_text())
-        except (OSError, ValueError):
-            pass
+            rec = json.loads(path.read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as exc:
+            if problems is not None:
+                what = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                problems.append(f"{path}: {'cannot be read' if isinstance(exc, OSError) else 'not JSON'}: {what}")
+            continue
+        if not isinstance(rec, dict):
+            if problems is not None:
+                problems.append(f"{path}: a JSON {type(rec).__name__}, not a status record")
+            continue
+        out[rank] = rec
     return out
 
 

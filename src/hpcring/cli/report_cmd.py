@@ -1,0 +1,87 @@
+"""`hpcring report JOB`: where a job's time went, one page (text, --json, --html FILE).
+
+The work is in :mod:`hpcring.jobreport` (and :mod:`hpcring.jobreport_html`)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from hpcring.errors import HpcringError, UsageError
+
+
+def _target(job: str):
+    """(job record, None) for a job id, (None, folder) for a job folder's path."""
+    from hpcring.config.envvars import check_text, shown
+    try:
+        check_text(job)
+    except ValueError as exc:
+        raise UsageError(f"JOB {shown(job)}: {exc}", hint="pass a job id (`hpcring status` lists them) "
+                                                          "or a job folder") from None
+    if "/" in job or job in (".", ".."):
+        folder = Path(job)
+        try:
+            ok = folder.is_dir()
+        except OSError:
+            ok = False
+        if not ok:
+            raise HpcringError(f"job folder {shown(job)} does not exist or is no folder",
+                               hint="pass a job id (`hpcring status` lists them) or the folder `hpcring submit` "
+                                    "printed (`<job_dir>/<job id>`)")
+        return None, folder
+    from hpcring import submit as lib
+    rec = lib.record(job)
+    if rec.array is not None:
+        raise UsageError(f"job {rec.job_id} is an array of {len(rec.array)} tasks, each a whole job",
+                         hint=f"report one task: `hpcring report {rec.job_id}_{rec.array[0]}`")
+    return rec, None
+
+
+def register(app: typer.Typer) -> None:
+    from hpcring.cli.common import command
+
+    @command(app, "report",
+             help="Where a job's time went, one page: wall time, rank-hours, time to the first step, each rank's "
+                  "startup / compute / communication / waiting, time lost to hangs and restarts, checkpoints, "
+                  "the effective training time ratio. JOB: a job id or a job folder.")
+    def report(job: str = typer.Argument(..., help="Job id (or record name), or a job folder."),
+               as_json: bool = typer.Option(False, "--json",
+                                            help="Print the report as JSON (schema hpcring-report/1, "
+                                                 "docs/diagnostics.md) instead of text."),
+               html: Optional[str] = typer.Option(None, "--html",
+                                                  help="Also write the report as one self-contained HTML file "
+                                                       "(inline CSS and SVG, nothing fetched).")):
+        from hpcring import jobreport
+        from hpcring.cli import output
+        from hpcring.fsutil import check_output_path
+        if html is not None:
+            check_output_path(html, "--html")      # before anything is read
+        rec, folder = _target(job)
+        state, finished, requeues, run_start, notes = None, False, 0, None, []
+        if rec is not None:
+            from hpcring import submit as lib
+            try:
+                st = lib.job_state(rec)
+                state, finished = st.state, st.finished
+            except HpcringError as exc:
+                notes.append(f"the scheduler could not say the job's state: {exc.message}")
+            requeues = lib.requeues(rec)
+            run_start = lib.run_started(rec)
+        doc = jobreport.build(rec, folder, state=state, finished=finished, requeues=requeues, run_start=run_start)
+        doc["problems"] = notes + doc["problems"]
+        if html is not None:
+            from hpcring.jobreport_html import render
+            try:
+                Path(html).write_text(render(doc))
+            except OSError as exc:
+                raise HpcringError(f"cannot write the HTML report to {html}: {exc.strerror or exc}",
+                                   hint="pass --html FILE in a writable folder") from None
+        if as_json:
+            sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        else:
+            sys.stdout.write(jobreport.text(doc))
+        if html is not None:
+            output.info(f"wrote {html}")
