@@ -29,6 +29,7 @@ PACKAGES=(
     rsync            # submit --remote copies the script's folder with it
     charliecloud-runtime  # ch-run: ranks inside an image (tests/integration/test_container_devcluster.py)
     debootstrap      # builds that image (scripts/build-ci-image.sh)
+    chromium         # headless browser: `hpcring report --html` pages load and show every rank (tests/integration/test_report_local.py)
 )
 
 if [[ $(id -u) -ne 0 ]]; then

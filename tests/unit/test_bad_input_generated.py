@@ -83,6 +83,7 @@ BASE = {
     ("cancel",): ([], ["1"]),
     ("stacks",): ([], ["1"]),
     ("timeline",): ([], ["1"]),
+    ("report",): ([], ["1"]),
     ("run",): ([], ["--", "true"]),
     ("sites", "show"): ([], ["local"]),
     ("hostlist", "expand"): ([], ["n1"]),
@@ -296,7 +297,7 @@ def test_every_command_and_flag_is_a_target():
     ids = {t.id for t in TARGETS}
     assert {"submit --nodes", "render --time", "bench --maxbytes", "bench --stepfactor", "run --nodes",
             "stacks --timeout", "status --last", "logs --rank", "devcluster up --nodes", "doctor --bw-seconds",
-            "timeline --output"} <= ids
+            "timeline --output", "report --html"} <= ids
     assert len(TARGETS) >= 50 and all(t.kind in ("int", "float", "text", "choice", "size") for t in TARGETS)
 
 
@@ -352,7 +353,7 @@ def test_random_control_characters_in_text_flags(target, value, sandbox):
 
 # ------------------------------------------------------------------------------ arguments
 
-@pytest.mark.parametrize("cmd", ["status", "logs", "cancel", "stacks", "timeline"])
+@pytest.mark.parametrize("cmd", ["status", "logs", "cancel", "stacks", "timeline", "report"])
 def test_bad_job_id(cmd, sandbox):
     failures = []
     for value in JOB_ID_BAD:
