@@ -217,19 +217,10 @@ TRIPWIRE = Tripwire()
 
 
 @pytest.fixture
-def sandbox(tmp_path, monkeypatch):
+def sandbox(local_env, monkeypatch):
     """Empty state, job and working folders; the environment without the developer's HPCRING_*."""
-    for k in list(os.environ):
-        if k.startswith("HPCRING_"):
-            monkeypatch.delenv(k)
-    dirs = {k: tmp_path / k for k in ("state", "jobs", "cwd")}
-    for d in dirs.values():
-        d.mkdir()
-    monkeypatch.setenv("HPCRING_STATE_DIR", str(dirs["state"]))
-    monkeypatch.setenv("HPCRING_JOB_DIR", str(dirs["jobs"]))
-    monkeypatch.setenv("HPCRING_SITE", "local")
-    monkeypatch.chdir(dirs["cwd"])
-    return dirs
+    monkeypatch.chdir(local_env["cwd"])
+    return local_env
 
 
 def _files(dirs) -> list[str]:

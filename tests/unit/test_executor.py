@@ -23,17 +23,9 @@ def work(x=1):
 
 
 @pytest.fixture
-def sandbox(tmp_path, monkeypatch):
+def sandbox(local_env, tmp_path, monkeypatch):
     """Empty state and job folders; Popen is a tripwire unless a test lets the job start."""
-    for k in list(os.environ):
-        if k.startswith("HPCRING_"):
-            monkeypatch.delenv(k)
-    dirs = {k: tmp_path / k for k in ("state", "jobs", "cwd")}
-    for d in dirs.values():
-        d.mkdir()
-    monkeypatch.setenv("HPCRING_STATE_DIR", str(dirs["state"]))
-    monkeypatch.setenv("HPCRING_JOB_DIR", str(dirs["jobs"]))
-    monkeypatch.setenv("HPCRING_SITE", "local")
+    dirs = local_env
     monkeypatch.chdir(dirs["cwd"])
     started = []
 

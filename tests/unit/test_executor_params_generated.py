@@ -86,16 +86,8 @@ GOOD = {"int": lambda o: int(o.lo) or 1, "float": lambda o: 1.5, "time": lambda 
 
 
 @pytest.fixture
-def sandbox(tmp_path, monkeypatch):
-    for k in list(os.environ):
-        if k.startswith("HPCRING_"):
-            monkeypatch.delenv(k)
-    dirs = {k: tmp_path / k for k in ("state", "jobs", "cwd")}
-    for d in dirs.values():
-        d.mkdir()
-    monkeypatch.setenv("HPCRING_STATE_DIR", str(dirs["state"]))
-    monkeypatch.setenv("HPCRING_JOB_DIR", str(dirs["jobs"]))
-    monkeypatch.setenv("HPCRING_SITE", "local")
+def sandbox(local_env, monkeypatch):
+    dirs = local_env
     monkeypatch.chdir(dirs["cwd"])
     started = []
 
