@@ -4,11 +4,10 @@ the other job's outcome (issue 24, items 2 and 5)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from helpers_jobs import hpcring_cli, job_id_of, local_env_for  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "array_worker.py"
@@ -16,18 +15,10 @@ HELLO = ROOT / "examples" / "hello.py"
 
 
 def hpcring(*args, env, timeout=180):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env)
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
+    return hpcring_cli(*args, env={**env}, timeout=timeout)
 
 
-def env_for(tmp_path, **more):
-    return {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
-            "HPCRING_SITE": "local", **more}
-
-
-def job_id_of(r) -> str:
-    return r.stderr.split("Submitted job ")[1].split()[0]
+env_for = local_env_for
 
 
 def local_state(tmp_path, job: str) -> dict:

@@ -6,12 +6,12 @@ and puts the missing rank in compute, the others in waiting; a running job is re
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from helpers_jobs import hpcring_cli, job_id_of, local_env_for  # noqa: F401
 
 import jsonschema
 import pytest
@@ -26,18 +26,10 @@ STEPS, COMPUTE, SLOW = 25, 0.02, 0.06
 
 
 def hpcring(*args, env, timeout=180):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", **env)
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
+    return hpcring_cli(*args, env={"OMP_NUM_THREADS": "1", **env}, timeout=timeout)
 
 
-def env_for(tmp_path, **more):
-    return {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
-            "HPCRING_SITE": "local", **more}
-
-
-def job_id_of(r) -> str:
-    return r.stderr.split("Submitted job ")[1].split()[0]
+env_for = local_env_for
 
 
 @pytest.fixture(scope="module")
