@@ -1,10 +1,12 @@
 """A deterministic training loop for restarts after a node fault (hpcring.restarts).
 
-Usage: restart_train.py OUT_DIR [--steps N] [--sleep S] [--freeze-rank R --freeze-step K] [--fail-step K]
+Usage: restart_train.py OUT_DIR [--steps N] [--sleep S] [--freeze-rank R --freeze-step K] [--kill-rank R]
+       [--fail-step K]
 Each step all-reduces a gradient that depends on the step and the rank and folds it into the
 weights; rank 0 checkpoints (step, weights) to OUT_DIR after every step, so a restart resumes
 from the last one. On the first attempt only (HPCRING_RESTART_COUNT unset or 0), ``--freeze-rank``
-stops that rank with SIGSTOP before step K (a node gone silent); ``--fail-step`` raises on every
+stops that rank with SIGSTOP before step K (a node gone silent), ``--kill-rank`` SIGKILLs it
+there instead (its node lost); ``--fail-step`` raises on every
 rank at step K, on every attempt (a code error). Every rank notes its host per attempt in
 OUT_DIR/hosts-<attempt>-<rank>; rank 0 writes the final weights to OUT_DIR/result.json.
 """
@@ -44,6 +46,7 @@ def main():
     p.add_argument("--sleep", type=float, default=0.2)
     p.add_argument("--freeze-rank", type=int, default=-1)
     p.add_argument("--freeze-step", type=int, default=3)
+    p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=-1)
     a = p.parse_args()
     comm = hpcring.init().communicator()
@@ -58,13 +61,16 @@ def main():
         with np.load(ckpt) as z:
             step, w = int(z["step"]), z["w"].copy()
     print(f"RESTART_TRAIN rank={rank} host={host} attempt={attempt} start step={step} "
-          f"requeue_count={hpcring.requeue_count()}", flush=True)
+          f"requeue_count={hpcring.requeue_count()} size={comm.size} t={time.time():.3f}", flush=True)
     while step < a.steps:
         if step == a.fail_step:
             raise ValueError(f"bad batch at step {step}")
         if attempt == 0 and rank == a.freeze_rank and step == a.freeze_step:
             print(f"RESTART_TRAIN rank={rank} host={host} freezing at step={step}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
+        if attempt == 0 and rank == a.kill_rank and step == a.freeze_step:
+            print(f"RESTART_TRAIN rank={rank} host={host} killed at step={step} t={time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         g = np.arange(8, dtype=np.float32) * (rank + 1) + step
         w = 0.5 * w + comm.allreduce(g).astype(np.float64)
         step += 1

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from hpcring.config import envvars
+from hpcring.config.jobspec import MAX_RESTARTS, max_restarts  # noqa: F401  (the precedence's owner)
 from hpcring.errors import HpcringError, UsageError
 from hpcring.fsutil import write_json
 from hpcring.ranks import rank_ranges
@@ -117,6 +118,29 @@ def classify(state: str, statuses: Mapping[int, dict], size: int, report: dict |
     return Verdict(False, f"the job ended {state} with no diagnosis naming a node")
 
 
+def classify_step(statuses: Mapping[int, dict], size: int, report: dict | None,
+                  killed: list[tuple[str, str, str]], gone: Mapping[str, str], hosts) -> Verdict:
+    """:func:`classify` for one step inside the allocation (hpcring.steps). A step has no
+    scheduler state of its own: nodes the scheduler now holds down stand for NODE_FAIL, and where
+    no report and no rank's own error says more, the launcher's word decides: a node whose tasks
+    were ``Killed`` first (every process there SIGKILLed, the node lost) while others ran on is
+    a node fault; any other signal (a segfault, an abort) is the code's."""
+    v = classify("NODE_FAIL" if gone else "FAILED", statuses, size, report)
+    down = [h for h in gone if h in hosts]
+    if v.restart:
+        return Verdict(True, v.cause, tuple(dict.fromkeys([*v.nodes, *down])))
+    if v.cause.startswith("code error") or report:
+        return v
+    if down:
+        return Verdict(True, "the scheduler holds " + ", ".join(f"{h} {gone[h]}" for h in down), tuple(down))
+    if killed:
+        node, tasks, how = killed[0]
+        if how == "Killed" and node in hosts and set(hosts) != {node}:
+            return Verdict(True, f"task{'s' if not tasks.isdigit() else ''} {tasks} on {node} killed (srun: {how}) "
+                                 "with no record of their own", (node,))
+    return v
+
+
 def node_reasons(report: dict | None, nodes, state: str) -> dict[str, str]:
     """Why :func:`classify` blamed each of ``nodes``, in the report's words: ``unreachable (rank 2)``,
     ``dead (ranks 2-3)``, ``stalled link (rank 1 -> rank 2)``, with ``NODE_FAIL`` when the
@@ -155,21 +179,6 @@ def check_hosts(nodes, where: str) -> list[str]:
                              hint="host names are letters, digits, '.', '_' and '-'")
         out.append(h)
     return out
-
-
-def max_restarts(cli: int | None, site, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """(N, where it came from): ``--max-restarts`` > HPCRING_MAX_RESTARTS > site
-    ``defaults.max_restarts`` > 0."""
-    if cli is not None:
-        return envvars.check_number("--max-restarts", cli, lo=0, hi=MAX_RESTARTS, integer=True), "cli"
-    env = envvars.get("HPCRING_MAX_RESTARTS", environ, default=None)
-    if env is not None:
-        return env, "env HPCRING_MAX_RESTARTS"
-    n = getattr(site.config.defaults, "max_restarts", 0)
-    return (n, f"site {site.name}") if n else (0, "default")
-
-
-MAX_RESTARTS = 100
 
 
 # ---- the chain --------------------------------------------------------------------------------
@@ -213,7 +222,7 @@ def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: C
     from hpcring import submit as lib
     chain = [{"attempt": 0, "job": rec.job_id, "key": rec.key, "folder": rec.folder, "excluded": list(job.exclude)}]
     write_chain(chain) if limit else None
-    attempt = 0
+    attempt, made = 0, 0
     while True:
         oc = follow(rec)
         if oc.ok or not limit:
@@ -228,14 +237,18 @@ def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: C
             write_chain(chain)
             info(f"job {rec.job_id}: not restarted: {v.cause}")
             return rec, oc
-        if attempt >= limit:
+        inside = _inside(rec)          # restarts the job's step loop made inside its allocation
+        made += len(inside["restarts"])
+        if inside["blamed"]:
+            v = Verdict(v.restart, v.cause, tuple(dict.fromkeys([*inside["blamed"], *v.nodes])))
+        if attempt + made >= limit:
             chain[-1]["decision"] = f"not restarted: --max-restarts {limit} used up"
             write_chain(chain)
             info(f"job {rec.job_id}: node-level fault ({v.cause}), but {limit} restart(s) were already made "
                  f"(--max-restarts {limit})")
             return rec, oc
         attempt += 1
-        job = _next_job(site, job, v, attempt)
+        job = _next_job(site, job, v, attempt, limit, made)
         if site.config.scheduler == "local":
             note = "the local backend has one machine, no node to exclude: restarting as is"
         else:
@@ -255,6 +268,15 @@ def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: C
         info(f"Submitted job {rec.job_id} [{rec.key}] (attempt {attempt}); logs in {rec.folder}")
 
 
+def _inside(rec) -> dict:
+    """What the job's step loop did inside its allocation (hpcring.steps): its restarts and every
+    node it blamed (a resubmission leaves them out too)."""
+    from hpcring.steps import read_steps
+    steps = (read_steps(rec.folder) or {}).get("steps") or []
+    blamed = [n for s in steps if isinstance(s, dict) for n in (s.get("blamed") or {}) if is_host_name(n)]
+    return {"restarts": [s for s in steps[1:] if isinstance(s, dict)], "blamed": list(dict.fromkeys(blamed))}
+
+
 def verdict(rec, oc) -> Verdict:
     """:func:`classify` of a finished job, from its folder and ``oc`` (submit.Outcome)."""
     return blamed(rec, oc)[0]
@@ -270,9 +292,11 @@ def blamed(rec, oc) -> tuple[Verdict, dict | None]:
 def status_lines(rec, oc) -> list[str]:
     """What ``hpcring status`` says about restarts: the chain, or for a failed job that was not
     part of one, whether a restart would have avoided a node (and which)."""
+    from hpcring.steps import read_steps, step_lines
     chain = read_chain(rec.folder)
-    if chain or oc is None or oc.ok:
-        return chain_lines(chain)
+    inside = step_lines(read_steps(rec.folder))
+    if chain or inside or oc is None or oc.ok:
+        return inside + chain_lines(chain)
     v = verdict(rec, oc)
     if not v.restart:
         return []
@@ -293,7 +317,7 @@ def _report(rec) -> dict | None:
         return None
 
 
-def _next_job(site, job, v: Verdict, attempt: int):
+def _next_job(site, job, v: Verdict, attempt: int, limit: int = 0, made: int = 0):
     """The same submission, the blamed nodes added to the excluded ones (not on the local
     backend: one machine), a fresh secret (the last one went with the ended job), and the
     restart count the ranks read."""
@@ -301,5 +325,7 @@ def _next_job(site, job, v: Verdict, attempt: int):
     if site.config.scheduler != "local":
         nxt.exclude = list(dict.fromkeys([*job.exclude, *check_hosts(v.nodes, "restart: blamed node")]))
     nxt.env = {k: val for k, val in job.env.items() if k != "HPCRING_SECRET_FILE"}
-    nxt.env["HPCRING_RESTART_COUNT"] = str(attempt)
+    nxt.env["HPCRING_RESTART_COUNT"] = str(attempt + made)
+    if nxt.step_restarts:              # the new allocation's step loop gets what is left
+        nxt.step_restarts = max(0, limit - attempt - made)
     return nxt

@@ -381,11 +381,18 @@ def tagged_lines(rec: JobRecord, rank: int | None = None, raw: bool = False) -> 
 # ---- outcome --------------------------------------------------------------------------------
 
 def rank_statuses(rec: JobRecord) -> dict[int, dict]:
-    return read_records(rec.folder, rec.job_id, rec.ntasks)
+    return read_records(rec.folder, rec.job_id, ranks_of(rec))
+
+
+def ranks_of(rec: JobRecord) -> int:
+    """The ranks of the job's last run: fewer than submitted when a restart inside the allocation
+    went on with fewer nodes (``--min-nodes``; hpcring.steps)."""
+    from hpcring.steps import final_size
+    return final_size(rec.folder, rec.ntasks)
 
 
 def outcome(rec: JobRecord, st: JobState) -> Outcome:
-    return summarize(rank_statuses(rec), rec.ntasks, st)
+    return summarize(rank_statuses(rec), ranks_of(rec), st)
 
 
 def first_casualty(rec: JobRecord) -> str | None:

@@ -232,8 +232,12 @@ def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, 
     # Fold the world size in so two steps of one job with different sizes do not share a port, and
     # the array task: LSF's elements share one job id (and the array's secret) and may run at once
     # on the same hosts, where a rank would find another task's store.
+    # The scheduler's step too: a restart inside the allocation (hpcring.steps) starts while the
+    # failed step's last ranks (and its store) may still be dying on the same nodes.
     task = env.get("HPCRING_ARRAY_TASK")
-    key = f"{topo.job_id}/{topo.size}" + (f"/task{task}" if task else "")
+    step = env.get("SLURM_STEP_ID", "") if topo.launcher == "slurm" else ""
+    step = step if step.isdigit() else None
+    key = f"{topo.job_id}/{topo.size}" + (f"/task{task}" if task else "") + (f"/step{step}" if step else "")
     return candidate_ports(derive_port(key, port_range), port_range)
 
 

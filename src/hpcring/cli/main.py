@@ -39,12 +39,7 @@ def submit(req: JobRequest,
            timeline: bool = typer.Option(False, "--timeline",
                                          help="Record an hpcring.torch timeline on every rank (HPCRING_TIMELINE); "
                                               "merge it with `hpcring timeline JOB`."),
-           remote: Optional[str] = remote_option(),
-           max_restarts: Optional[int] = typer.Option(
-               None, "--max-restarts", min=0, max=100,
-               help="With --wait: after a node-level fault (a rank dead or unreachable, a stalled link, "
-                    "NODE_FAIL), resubmit excluding the blamed nodes, at most N times (HPCRING_MAX_RESTARTS; "
-                    "site defaults.max_restarts).")):
+           remote: Optional[str] = remote_option()):
     if submit_remote(req, remote):     # a login node named: copied and submitted there (docs/remote.md)
         return
     from hpcring import submit as lib
@@ -61,12 +56,14 @@ def submit(req: JobRequest,
     lib.preview(s, job, req.template, warn=False)   # a template that fails or is no job script: refused here
     warnings = lib.node_local_warnings(s, job)
     from hpcring.restarts import max_restarts as restarts_of
-    restarts, restarts_from = restarts_of(max_restarts, s)
-    if restarts and (not wait or job.array is not None) and restarts_from != "cli":
+    restarts, restarts_from = restarts_of(req.max_restarts, s)
+    if job.step_restarts:              # restarts inside the allocation (hpcring.steps); --wait resubmits
+        restarts = restarts if wait else 0     # only once the allocation itself is gone
+    elif restarts and (not wait or job.array is not None) and restarts_from != "cli":
         output.info(f"warning: max_restarts {restarts} ({restarts_from}) applies to `submit --wait` on a single "
                     "job only: this job is not restarted")
         restarts = 0
-    if restarts and (not wait or job.array is not None):   # refused before anything is submitted
+    if restarts and (not wait or job.array is not None) and not job.step_restarts:   # refused before submitting
         raise lib.UsageError(f"--max-restarts {restarts} ({restarts_from}) needs --wait on a single job: the "
                              "follower sees the end and the diagnosis and resubmits",
                              hint="add --wait (keep it running, e.g. under tmux on the login node), or "

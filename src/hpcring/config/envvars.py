@@ -194,6 +194,14 @@ VARS: tuple[Var, ...] = (
        "seconds before the others are stopped (at most 5 s from a hang report's appearance)", 0, 3600),
     _v("HPCRING_END_JOB", "bool", True, "after a diagnosed collective failure the reporting rank asks "
        "the scheduler to end the job (scancel of the step, bkill)"),
+    _v("HPCRING_ELASTIC_TIMEOUT", "float", 600.0, "elastic training (hpcring.elastic.driver, hvd.elastic): "
+       "seconds a round may wait for --min-np workers (Horovod's HOROVOD_ELASTIC_TIMEOUT)", 0, MAX_TIMEOUT,
+       lo_open=True),
+    _v("HPCRING_ELASTIC_DEAD_AFTER", "float", 6.0, "elastic training: seconds without a heartbeat before the "
+       "coordinator counts a worker dead (the driver's own children: at once when they exit)", 0, 3600,
+       lo_open=True),
+    _v("HPCRING_ELASTIC_ADDR", "str", None, "elastic training: the address this worker's peers reach it at "
+       "(default: the one its connection to the elastic driver leaves from)"),
     # -- paths and secrets (set by users or by job scripts) --
     _v("HPCRING_SITE", "str", "local", "site config name or path when --site is absent"),
     _v("HPCRING_SITE_DIRS", "str", None, "extra folders of site configs, colon-separated"),
@@ -225,6 +233,12 @@ VARS: tuple[Var, ...] = (
        "image (--no-container)"),
     _v("HPCRING_MAX_RESTARTS", "int", 0, "`submit --wait`: restarts after a node-level fault, each "
        "excluding the nodes blamed so far (--max-restarts; site: defaults.max_restarts)", 0, 100),
+    _v("HPCRING_SPARE_NODES", "int", 0, "nodes held beside --nodes for restarts inside the allocation (--spare-nodes; "
+       "needs --max-restarts; site: defaults.spare_nodes)", 0, MAX_NODES),
+    _v("HPCRING_MIN_NODES", "int", None, "with no spare left, a restart inside the allocation goes on with as few "
+       "nodes as this (--min-nodes; the world size shrinks; site: defaults.min_nodes)", 1, MAX_NODES),
+    _v("HPCRING_STEP_GRACE", "float", 1.0, "restarts inside the allocation: seconds between a task's failure and "
+       "SIGKILL to the rest of its step (the survivors' report is written meanwhile)", 0, 60),
     _v("HPCRING_BAD_NODE_BLAMES", "int", DEFAULT_BAD_NODE_BLAMES, "a node blamed this many times (one blame per "
        "failed job, from its hang report) within HPCRING_BAD_NODE_DAYS is left out of new jobs (`--exclude`; "
        "0: never; `submit --no-node-history`: not this job; site: bad_nodes.blames; `hpcring nodes`)", 0, 1000),
@@ -254,6 +268,9 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_LOCAL_JOB_ID", "str", None, "local backend supervisor: the job id", set_by="hpcring"),
     _v("HPCRING_TIME_LIMIT_S", "float", 0.0, "local backend supervisor: time limit, seconds (0: none)",
        0, 10 * 365 * 86400, set_by="hpcring"),
+    _v("HPCRING_ELASTIC_STORE", "str", None, "elastic training: host:port of the elastic driver's store "
+       "(its workers ask to join there)", set_by="hpcring"),
+    _v("HPCRING_ELASTIC_ID", "str", None, "elastic training: this worker's name (w0, w1, ...)", set_by="hpcring"),
     _v("HPCRING_SESSION", "str", None, "`hpcring run`: the rank's session, handed to CMD",
        set_by="hpcring"),
     _v("HPCRING_RANK_ERROR_FILE", "path", None, "`hpcring run`: where CMD's Python writes the exception "

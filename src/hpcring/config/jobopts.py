@@ -97,6 +97,16 @@ OPTIONS: tuple[JobOption, ...] = (
     _o("site", "text", ("--site", "-s"), SITE_HELP, python=False,
        python_hint="give the site to the constructor: hpcring.Executor(site=...)"),
     _o("nodes", "int", ("--nodes", "-N"), "Number of nodes.", lo=1, hi=MAX_NODES, spec=True),
+    _o("spare_nodes", "int", ("--spare-nodes",),
+       "Nodes held beside --nodes: with --max-restarts, a node fault restarts the job inside the allocation on "
+       "them (no queue; the job script's step loop).", lo=0, hi=MAX_NODES, spec=True),
+    _o("min_nodes", "int", ("--min-nodes",),
+       "With no spare left, restart inside the allocation on as few as this many nodes (the world size shrinks).",
+       lo=1, hi=MAX_NODES, spec=True),
+    _o("max_restarts", "int", ("--max-restarts",),
+       "After a node-level fault (a rank dead or unreachable, a stalled link, NODE_FAIL): with --spare-nodes or "
+       "--min-nodes, restart inside the allocation on the healthy nodes; with --wait, resubmit excluding the "
+       "blamed nodes; at most N times (HPCRING_MAX_RESTARTS; site defaults.max_restarts).", lo=0, hi=100),
     _o("tasks_per_node", "int", ("--tasks-per-node",), "Ranks per node (default: one per GPU, else 1).",
        lo=1, hi=MAX_TASKS_PER_NODE, spec=True),
     _o("gpus_per_node", "int", ("--gpus-per-node",), "GPUs per node.", lo=0, hi=MAX_GPUS_PER_NODE, spec=True),
@@ -261,6 +271,8 @@ def _resolve(self, *, given: str = "cli", script_file: bool = True, default_name
     job = resolve_job(site, self.script, list(self.args), values, sched_args=list(self.sched_arg),
                       exclusive=self.exclusive, array=self.array, sweep=list(self.sweep),
                       dependency=self.dependency, after=list(self.after), given=given, default_name=default_name)
+    from hpcring.config.jobspec import plan_step_restarts
+    plan_step_restarts(site, job, self.max_restarts, given)
     if script_file:
         check_script(self.script)      # render and --dry-run too: a preview of a job that cannot run misleads
     job.container = container_resolve(site.config.container, self.container_image, list(self.container_mounts),

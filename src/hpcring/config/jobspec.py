@@ -22,6 +22,8 @@ from hpcring.errors import UsageError
 # field -> environment variable that may set it
 ENV_VARS: dict[str, str] = {
     "nodes": "HPCRING_NODES",
+    "spare_nodes": "HPCRING_SPARE_NODES",
+    "min_nodes": "HPCRING_MIN_NODES",
     "tasks_per_node": "HPCRING_TASKS_PER_NODE",
     "gpus_per_node": "HPCRING_GPUS_PER_NODE",
     "cpus_per_task": "HPCRING_CPUS_PER_TASK",
@@ -38,6 +40,7 @@ ENV_VARS: dict[str, str] = {
 _INTS = INT_BOUNDS
 # text fields that end up in a job script: quoted there, but a line break or a control character
 # would still start a new script line (or an #SBATCH line), so they are refused here
+MAX_NODES_ALLOC = envvars.MAX_NODES     # the job's nodes and its spares together
 _TEXTS = ("partition", "account", "qos", "constraint", "name", "job_dir")
 
 
@@ -79,6 +82,14 @@ class JobSpec:
     dependency: Dependency | None = None
     exclude: list[str] = field(default_factory=list)   # nodes not to run on (restarts.py: a restart's bad nodes;
                                                        # nodehistory.py: nodes blamed again and again)
+    spare_nodes: int = 0              # held beside ``nodes`` for restarts inside the allocation (hpcring.steps)
+    min_nodes: int | None = None      # with no spare left, go on with this few (None: ``nodes``)
+    step_restarts: int = 0            # restarts the job script's step loop makes (0: no step loop)
+
+    @property
+    def alloc_nodes(self) -> int:
+        """Nodes the scheduler allocates: the job's and its spares."""
+        return self.nodes + self.spare_nodes
 
     @property
     def ntasks(self) -> int:
@@ -123,7 +134,8 @@ def _site_value(site: Site, name: str, partition: str | None) -> Any:
         return part.qos if part and part.qos else c.qos
     if name in ("account", "constraint", "job_dir", "timeout"):
         return getattr(c, name)
-    if name in ("nodes", "tasks_per_node", "cpus_per_task", "time", "partition", "exclusive"):
+    if name in ("nodes", "tasks_per_node", "cpus_per_task", "time", "partition", "exclusive", "spare_nodes",
+                "min_nodes"):
         return getattr(c.defaults, name)
     return None
 
@@ -204,7 +216,7 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
             values[name], sources[name] = default, "default"
 
     pick("partition", None)
-    for name, default in (("nodes", 1), ("gpus_per_node", 0), ("cpus_per_task", 1), ("time", 30),
+    for name, default in (("nodes", 1), ("spare_nodes", 0), ("min_nodes", None), ("gpus_per_node", 0), ("cpus_per_task", 1), ("time", 30),
                           ("account", None), ("qos", None), ("constraint", None),
                           ("job_dir", DEFAULT_JOB_DIR), ("timeout", envvars.DEFAULT_TIMEOUT)):
         pick(name, default)
@@ -230,7 +242,8 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
                    partition=values["partition"], account=values["account"], qos=values["qos"],
                    constraint=values["constraint"], exclusive=values["exclusive"], name=values["name"],
                    job_dir=values["job_dir"], timeout=values["timeout"],
-                   sched_args=list(site.config.sched_args) + list(sched_args or []), sources=sources)
+                   sched_args=list(site.config.sched_args) + list(sched_args or []), sources=sources,
+                   spare_nodes=values["spare_nodes"], min_nodes=values["min_nodes"])
     combos = parse_sweep(list(sweep)) if sweep else None
     if combos is not None or array is not None:
         spec.array = (parse_array(array, tasks=len(combos) if combos else None) if array is not None
@@ -244,6 +257,48 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
     from hpcring.config.container import resolve as container_of
     spec.container = container_of(site.config.container, environ=env, site_name=site.name)
     return spec
+
+
+MAX_RESTARTS = 100
+
+
+def max_restarts(cli: int | None, site: Site, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """(N, where it came from): ``--max-restarts`` > HPCRING_MAX_RESTARTS > site
+    ``defaults.max_restarts`` > 0."""
+    if cli is not None:
+        return envvars.check_number("--max-restarts", cli, lo=0, hi=MAX_RESTARTS, integer=True), "cli"
+    env = envvars.get("HPCRING_MAX_RESTARTS", environ, default=None)
+    if env is not None:
+        return env, "env HPCRING_MAX_RESTARTS"
+    n = getattr(site.config.defaults, "max_restarts", 0)
+    return (n, f"site {site.name}") if n else (0, "default")
+
+
+def plan_step_restarts(site: Site, job: JobSpec, cli_restarts: int | None, given: str = "cli",
+                       environ: Mapping[str, str] | None = None) -> None:
+    """A job with spares (or a ``min_nodes`` below ``nodes``) restarts inside its allocation: set
+    ``job.step_restarts`` from the max-restarts precedence, or refuse what cannot work (no restart
+    allowed: the spares would only idle; an array; a scheduler without the step loop)."""
+    shrink = job.min_nodes is not None and job.min_nodes < job.nodes
+    if not (job.spare_nodes or shrink):
+        return
+    what = f"{given_as('spare_nodes', given)}{'=' if given == 'python' else ' '}{job.spare_nodes}" if job.spare_nodes \
+        else f"{given_as('min_nodes', given)}{'=' if given == 'python' else ' '}{job.min_nodes}"
+    if site.config.scheduler != "slurm":
+        raise UsageError(f"{what}: restarts inside the allocation run on Slurm sites; site {site.name!r} uses "
+                         f"{site.config.scheduler}",
+                         hint="on LSF, follow the job with `submit --wait --max-restarts N` (each restart is a "
+                              "resubmission), or leave --spare-nodes/--min-nodes out")
+    if job.array is not None:
+        raise UsageError(f"{what}: an array's tasks are not restarted", hint="leave --spare-nodes/--min-nodes out "
+                                                                               "for an array")
+    n, where = max_restarts(cli_restarts, site, environ)
+    if not n:
+        raise UsageError(f"{what} but max-restarts is 0 ({where}): spares serve restarts only",
+                         hint=f"add {given_as('max_restarts', given)}{'=' if given == 'python' else ' '}N (N >= 1: "
+                              "restarts after a node-level fault), or leave the spares out")
+    job.step_restarts = n
+    job.sources["step_restarts"] = where
 
 
 def check_local_ranks(nodes: int, per_node: int, hint: str, where: str = "") -> None:
@@ -275,6 +330,20 @@ def check_limits(site: Site, spec: JobSpec) -> None:
         flag = given_as(name, spec.sources.get(name, "cli"))
         value = spec.time_slurm if name == "time" else getattr(spec, name)
         return f"{flag}{value}" if flag.endswith("=") else f"{flag} {value}"
+    if spec.min_nodes is not None and spec.min_nodes > spec.nodes:
+        raise UsageError(f"{named('min_nodes')} is above {named('nodes')}: a restart never needs more nodes than "
+                         "the job", hint="give --min-nodes at most --nodes (it is how few a restart may go on with)")
+    if (spec.spare_nodes or spec.min_nodes) and c.scheduler == "local":
+        what = named("spare_nodes") if spec.spare_nodes else named("min_nodes")
+        raise UsageError(f"{what}: site {c.name!r} ({site.path}) runs every rank on this machine, which has no "
+                         "spare node", hint="submit to a cluster site, or leave --spare-nodes/--min-nodes out")
+    if spec.spare_nodes and spec.nodes + spec.spare_nodes > MAX_NODES_ALLOC:
+        raise UsageError(f"{named('nodes')} with {named('spare_nodes')} is {spec.nodes + spec.spare_nodes} nodes, "
+                         f"more than {MAX_NODES_ALLOC}", hint="fewer spares")
+    if part and part.max_nodes and spec.spare_nodes and spec.nodes + spec.spare_nodes > part.max_nodes:
+        raise UsageError(f"{named('nodes')} and {named('spare_nodes')} are {spec.nodes + spec.spare_nodes} nodes, "
+                         f"more than partition {spec.partition!r} max_nodes {part.max_nodes} (site {site.path})",
+                         hint=f"at most {part.max_nodes} nodes with the spares there: fewer spares, or fewer nodes")
     if part and part.max_nodes and spec.nodes > part.max_nodes:
         raise UsageError(f"{named('nodes')} exceeds partition {spec.partition!r} max_nodes {part.max_nodes} "
                          f"(site {site.path})",

@@ -134,6 +134,8 @@ class Defaults(_Strict):
     cpus_per_task: int = Field(default=1, ge=1, le=envvars.MAX_CPUS_PER_TASK)
     exclusive: bool = False
     max_restarts: int = Field(default=0, ge=0, le=100)   # submit --wait: restarts after a node fault
+    spare_nodes: int = Field(default=0, ge=0, le=envvars.MAX_NODES)   # restarts inside the allocation
+    min_nodes: int | None = Field(default=None, ge=1, le=envvars.MAX_NODES)
 
     @field_validator("time")
     @classmethod

@@ -30,7 +30,7 @@ from hpcring.config.site import Site
 from hpcring.config.text import shown
 from hpcring.errors import TemplateError
 from hpcring.resources import templates_dir
-from hpcring.schedulers.launch_words import LaunchRequest, Shell, quote_path
+from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, quote_path
 
 SCHEDULER_TEMPLATES = {"slurm": "slurm.sh.j2", "lsf": "lsf.sh.j2", "local": "local.sh.j2"}
 
@@ -56,7 +56,7 @@ def job_env(site: Site, job: JobSpec) -> dict[str, str]:
 
 
 def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = None,
-                   folder: str | None = None) -> str:
+                   folder: str | None = None, python: str | None = None) -> str:
     """The job script's launcher line: the site scheduler's ``launch_argv`` for the whole job.
 
     ``command`` is shell text (submitit's, already quoted); ``logs`` the per-rank log prefix;
@@ -70,7 +70,18 @@ def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = No
     req = LaunchRequest(nodes=job.nodes, tasks_per_node=job.tasks_per_node, command=Shell(command),
                         cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, logs=logs,
                         container=job_container(job, folder or "/"))
-    return build(site.config, req).script()
+    words = build(site.config, req)
+    if job.step_restarts:
+        words = LaunchWords((step_loop_words(job, python or "python3", folder or "."), *words.lines))
+    return words.script()
+
+
+def step_loop_words(job: JobSpec, python: str, folder: str) -> tuple[str, ...]:
+    """The words that put the launcher under hpcring's step loop (hpcring.steps): restarts inside
+    the allocation on spare nodes, or on fewer (``--min-nodes``)."""
+    return (python, "-u", "-m", "hpcring.steps", f"--nodes={job.nodes}",
+            f"--min-nodes={job.min_nodes or job.nodes}", f"--tasks-per-node={job.tasks_per_node}",
+            f"--max-restarts={job.step_restarts}", f"--folder={folder}", "--")
 
 
 def job_container(job: JobSpec, folder: str):
@@ -251,7 +262,7 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
                               keep_trailing_newline=True, autoescape=False)
     jenv.filters["shquote"] = lambda v: shlex.quote(str(v))
     jenv.filters["shquote_path"] = lambda v: quote_path(str(v))   # keeps a leading ~ expandable
-    jenv.globals["launch_command"] = lambda logs=None: launch_command(site, job, command, logs, folder)
+    jenv.globals["launch_command"] = lambda logs=None: launch_command(site, job, command, logs, folder, python)
     jenv.globals["slurm_warning"] = lambda: slurm_warning(site, job)
     jenv.globals["in_container"] = lambda cmd: in_container(site, job, cmd, folder)
     try:

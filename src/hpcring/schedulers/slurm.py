@@ -40,7 +40,7 @@ class Executor(submitit.SlurmExecutor):
         return submitit_command(self.python, str(self.folder))   # submitit's leaves python unquoted
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
-        return render_script(self._site, self._job, command, str(self.folder), self._template)
+        return render_script(self._site, self._job, command, str(self.folder), self._template, python=self.python)
 
 
 def launch_argv(site: SiteConfig, req: LaunchRequest) -> LaunchWords:

@@ -1,0 +1,91 @@
+"""Slurm's side of the step loop (hpcring.steps): the allocation's nodes, one step on some of them,
+what srun said about the tasks it lost, and which nodes Slurm itself holds down.
+
+A job submitted with spares runs with ``--no-kill`` (templates/slurm.sh.j2): a node that fails does
+not end the allocation, and each restart is a new ``srun`` step on a chosen ``--nodelist``.
+Standard library only: this runs in the batch script, before every step.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Mapping, Sequence
+
+from hpcring.bootstrap.hostlist import compress, expand
+
+QUERY_TIMEOUT_S = 10.0
+# srun's line for the tasks of a node that ended by a signal: "srun: error: node2: task 1: Killed"
+CASUALTY = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Terminated|Segmentation fault|Aborted"
+                      r"|Bus error|Stopped)")
+# srun's first word on a failed task (a signal or a non-zero exit): the step is lost from here
+FAILED_TASK = re.compile(r"srun: error: \S+: tasks? [\d,-]+: ")
+# node states (sinfo %T) in which a node cannot take a step: Slurm says it is gone
+_GONE = re.compile(r"down|drain|fail|not_responding|unknown|power", re.I)
+
+
+def allocation_hosts(environ: Mapping[str, str]) -> list[str]:
+    """The job's nodes in Slurm's order (SLURM_JOB_NODELIST expanded as Slurm does)."""
+    text = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or ""
+    return expand(text) if text else []
+
+
+def job_id(environ: Mapping[str, str]) -> str:
+    return environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or ""
+
+
+def step_argv(launch: Sequence[str], hosts: Sequence[str], tasks_per_node: int) -> list[str]:
+    """``launch`` (the job script's srun line, without a size) as a step on exactly ``hosts``.
+
+    ``--nodelist`` with ``--nodes`` equal to its length pins the step; Slurm orders the tasks by
+    the allocation's node order, so rank r runs on the (r // tasks_per_node)-th host of
+    :func:`ordered` ``hosts``."""
+    if not launch or launch[0].rsplit("/", 1)[-1] != "srun":
+        raise ValueError(f"the step loop drives srun, not {launch[:1]}")
+    n = len(hosts)
+    size = [f"--nodes={n}", f"--ntasks={n * tasks_per_node}", f"--ntasks-per-node={tasks_per_node}", "--open-mode=append",
+            "--overlap",
+            f"--nodelist={compress(list(hosts))}"]
+    return [launch[0], *size, *launch[1:]]
+
+
+def casualties(text: str) -> list[tuple[str, str, str]]:
+    """(node, tasks, how) for each task srun reported ended by a signal, in srun's order."""
+    return [m.groups() for m in CASUALTY.finditer(text)]
+
+
+def gone_nodes(hosts: Sequence[str], timeout: float = QUERY_TIMEOUT_S) -> dict[str, str]:
+    """{node: state} for those of ``hosts`` that Slurm holds down, drained, failing or not
+    responding (one ``sinfo`` for all of them). Empty when sinfo cannot say (it is not the
+    step loop's place to fail the job over a query)."""
+    if not hosts:
+        return {}
+    try:
+        p = subprocess.run(["sinfo", "-h", "-N", "-n", compress(list(hosts)), "-o", "%N %T"],
+                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out = {}
+    for line in p.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in hosts and _GONE.search(parts[1]):
+            out[parts[0]] = parts[1]
+    return out
+
+
+def kill_step(job: str, timeout: float = QUERY_TIMEOUT_S) -> list[str]:
+    """SIGKILL to every task of the job's running steps (not the batch step: the loop runs there),
+    sent and not waited for: slurmd answers once the step's own teardown is done. Returns the
+    steps signalled."""
+    try:
+        p = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True,
+                           timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    steps = [w for w in p.stdout.split() if re.fullmatch(rf"{re.escape(job)}\.\d+", w)]
+    for step in steps:
+        try:
+            subprocess.Popen(["scancel", "--signal=KILL", step], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError:
+            pass
+    return steps
