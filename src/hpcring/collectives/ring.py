@@ -811,6 +811,20 @@ class RingBackend(Backend):
         """Receive into ``buf`` from ``peer`` (None: any rank); the request's result is the source."""
         return self._box().recv(buf, peer, tag, timeout, record)
 
+    def abort(self, message: str) -> None:
+        """Fail this communicator from any thread (elastic training: its round is lost): a
+        collective in progress returns with ``message`` (CollectiveError), and so does every later
+        one; the peers' connections are shut, so they fail at once too. A communicator that has
+        not connected yet refuses to."""
+        nc = self._native_comm
+        if nc is None:          # no lock: a lazy setup holds it while it waits for its peers
+            self._setup_error = self._setup_error or message
+            return
+        try:
+            nc.abort(message)
+        except Exception:  # noqa: BLE001 - closed meanwhile: nothing left to abort
+            pass
+
     def close(self) -> None:
         if self._mailbox is not None:
             self._mailbox.close()

@@ -25,6 +25,7 @@ from hpcring.torch.ops import (Adasum, Average, Max, Min, Product, Sum, allgathe
 from hpcring.torch.optimizer import DistributedOptimizer
 from hpcring.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hpcring.torch.sync_batch_norm import SyncBatchNorm
+from hpcring.torch import elastic
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -45,8 +46,12 @@ def init(comm=None, process_sets=None) -> None:
     from hpcring.config import envvars
     from hpcring.torch import process_sets as psets
     from hpcring.torch.engine import Engine
-    _single_process_secret()
-    session = hpcring.init()
+    from hpcring.torch.elastic import _runtime
+    if _runtime.enabled():         # the elastic driver started us: join the next round
+        session = _runtime.join()
+    else:
+        _single_process_secret()
+        session = hpcring.init()
     c = session.communicator()
     timeline = None
     path = (envvars.get("HPCRING_TIMELINE") or "").strip()
@@ -84,13 +89,18 @@ def _single_process_secret() -> None:
 
 def shutdown() -> None:
     """Stop the engine (pending operations fail) and flush the timeline. The bootstrap session
-    stays (it ends with the process)."""
+    stays (it ends with the process); in elastic mode the round's communicator is closed (the
+    next ``init()`` joins the next round)."""
     eng = state._engine
     if eng is not None:
         from hpcring.torch import process_sets as psets
+        session = state._session
         psets.shutdown_all()
         state.set_state(None, None)
         eng.shutdown()
+        if getattr(session, "elastic_round", None) is not None:
+            from hpcring.torch.elastic import _runtime
+            _runtime.leave(session)
 
 
 def is_initialized() -> bool:

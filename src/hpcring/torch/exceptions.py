@@ -17,7 +17,9 @@ class HorovodInternalError(CollectiveError, RuntimeError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's elastic-mode interrupt (never raised: elastic training is not implemented)."""
+    """Elastic mode: the set of workers changes (newcomers wait to join). ``state.commit()`` /
+    ``check_host_updates()`` raise it on every rank at the same call; ``hvd.elastic.run`` then
+    resets without restoring the last commit, and skips the sync when ``skip_sync``."""
 
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("hosts updated")

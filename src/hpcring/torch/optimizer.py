@@ -40,7 +40,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         # a rank outside the set builds the optimizer and steps on its own gradients (Horovod)
-        self._engine = ops.engine_for(process_set) if _included(process_set) else None
+        self._in_set = _included(process_set)
         all_params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -125,6 +125,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     acc.register_hook(self._make_hook(p))
                     self._hook_handles.append(acc)
 
+    @property
+    def _engine(self):
+        """The engine of the optimizer's set now (None outside it): looked up each time, since an
+        elastic reset (shutdown, init) replaces the engines under an optimizer that lives on."""
+        return ops.engine_for(self.process_set) if self._in_set else None
+
     def _submission_names(self) -> list[str]:
         """The names one step submits: each parameter's, or per group ``<first name>.<i>``."""
         names = [self._parameter_names[p] for p in self._requires_update if p not in self._p_to_group]
@@ -135,7 +141,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _expect(self) -> None:
         """Tell the engine which names this step will bring, so that its fusion cycle starts as
         soon as the last gradient is queued instead of waiting out the cycle time."""
-        self._engine.expect(self, self._expected)
+        from hpcring.torch import state
+        if state._engine is not None:      # restore() runs after a failure, with the engine shut down
+            self._engine.expect(self, self._expected)
 
     # -- communication --------------------------------------------------------------------------
     def _factors(self):

@@ -1,0 +1,222 @@
+"""The elastic driver: the store and the coordinator of an elastic job, and (locally) its workers.
+
+    python -m hpcring.elastic.driver --np 3 --min-np 2 --max-np 4 [--reset-limit R] -- CMD...
+    python -m hpcring.elastic.driver --serve --np 3 --min-np 2 --max-np 4 --info FILE
+
+Horovod's ``horovodrun --min-np/--max-np`` on hpcring. The driver serves the rendezvous store
+(authenticated with the job secret: ``HPCRING_SECRET_FILE`` if set, else a fresh one in a private
+folder) and runs the coordinator (:mod:`hpcring.elastic.coordinator`). Without ``--serve`` it starts
+``--np`` workers on this machine, each CMD with ``HPCRING_ELASTIC_STORE``, ``HPCRING_ELASTIC_ID``
+(``w0``, ``w1``, ...) and the secret in its environment, tags their output ``[w0]<stdout>:``, and
+tells the coordinator at once when one exits. More workers may join at any time: any process with
+the variables of ``--info FILE`` (``env``) that calls ``hvd.init()`` asks to join; the running
+workers reset at their next commit and the newcomer receives the committed state.
+
+``--serve`` starts no worker: the job script starts them (``srun``), e.g. on the nodes of
+``submit --spare-nodes``; see docs/from-horovod.md. The driver ends once a round has run and no
+worker is left, or the coordinator gave up. Exit code: 0 when every member of the last round
+ended with 0 (workers lost on the way do not fail the job, as with Horovod), else the first
+failing member's code; 1 when the coordinator gave up (the reason is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from hpcring.bootstrap import auth
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.store_server import StoreServer
+from hpcring.elastic import protocol as P
+from hpcring.elastic.coordinator import Coordinator
+from hpcring.elastic.membership import ALIVE, DEAD, LEFT
+from hpcring.elastic.member import ID_VAR, STORE_VAR
+
+POLL_S = 0.05
+KILL_AFTER_S = 3.0
+
+
+def _pump(src, dst, prefix: bytes) -> None:
+    for line in iter(src.readline, b""):
+        dst.write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
+        dst.flush()
+
+
+def _say(text: str) -> None:
+    print(f"hpcring: {text}", file=sys.stderr, flush=True)
+
+
+def _exit_text(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+class Driver:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.run_dir: Path | None = None
+        secret_file = os.environ.get("HPCRING_SECRET_FILE")
+        if not secret_file and not os.environ.get("HPCRING_SECRET"):
+            self.run_dir = Path(tempfile.mkdtemp(prefix="hpcring-elastic-"))
+            secret_file = str(auth.write_secret_file(self.run_dir / "secret.key", exclusive=True))
+        env = dict(os.environ)
+        if secret_file:
+            env["HPCRING_SECRET_FILE"] = secret_file
+        secret = auth.load_secret(env)
+        self.server = StoreServer(args.bind, args.port, secret=secret, clients=4 * args.max_np + 16)
+        self.address = args.address or ("127.0.0.1" if not args.serve else _host_address())
+        store = f"{self.address}:{self.server.port}"
+        self.worker_env = {STORE_VAR: store, "HPCRING_JOB_ID": os.environ.get("HPCRING_JOB_ID") or
+                           f"elastic{os.getpid()}"}
+        if secret_file:
+            self.worker_env["HPCRING_SECRET_FILE"] = secret_file
+        self.env = {**env, **self.worker_env}
+        self.client = StoreClient("127.0.0.1", self.server.port, secret, timeout=30.0)
+        self.coord = Coordinator(self.client, start_np=args.np, min_np=args.min_np, max_np=args.max_np,
+                                 reset_limit=args.reset_limit, timeout_s=args.timeout, dead_after_s=args.dead_after,
+                                 say=_say)
+        self.children: dict[str, subprocess.Popen] = {}
+        self.codes: dict[str, int] = {}
+        self._stop: str | None = None
+
+    def write_info(self) -> None:
+        if self.args.info:
+            info = {"store": self.worker_env[STORE_VAR], "env": self.worker_env, "pid": os.getpid()}
+            tmp = Path(self.args.info + ".tmp")
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, self.args.info)
+
+    def spawn(self, i: int) -> None:
+        from hpcring.schedulers.supervisor import start
+        wid = f"w{i}"
+        env = {**self.env, ID_VAR: wid}
+        p = start(list(self.args.command), env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.children[wid] = p
+        for src, dst, kind in ((p.stdout, sys.stdout.buffer, "stdout"), (p.stderr, sys.stderr.buffer, "stderr")):
+            threading.Thread(target=_pump, args=(src, dst, f"[{wid}]<{kind}>:".encode()), daemon=True).start()
+
+    def run(self) -> int:
+        self.coord.start()
+        self.write_info()
+        if self.args.serve:
+            print(f"{STORE_VAR}={self.worker_env[STORE_VAR]}", flush=True)
+        else:
+            for i in range(self.args.np):
+                self.spawn(i)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda s, _f: setattr(self, "_stop", signal.Signals(s).name))
+        try:
+            return self._wait()
+        finally:
+            self._end_children()
+            self.coord.stop()
+            self.server.close()
+            if self.run_dir is not None:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _wait(self) -> int:
+        while True:
+            for wid, p in self.children.items():
+                if wid not in self.codes and p.poll() is not None:
+                    self.codes[wid] = p.returncode
+                    if p.returncode == 0:
+                        self.coord.report(wid, LEFT)
+                    else:
+                        self.coord.report(wid, DEAD, _exit_text(p.returncode))
+            snap = self.coord.snapshot()
+            if self._stop:
+                _say(f"elastic: {self._stop}: stopping every worker")
+                return 128 + getattr(signal, self._stop)
+            running = [w for w, p in self.children.items() if w not in self.codes]
+            alive = [w for w, s in snap["status"].items() if s == ALIVE and w not in self.codes]
+            if not running and not alive and (snap["round"] > 0 or snap["error"] or not self.args.serve):
+                time.sleep(2 * POLL_S)          # the coordinator's last reports
+                return self._verdict(self.coord.snapshot())
+            time.sleep(POLL_S)
+
+    def _verdict(self, snap: dict) -> int:
+        if snap["error"]:
+            return 1
+        failed = [(w, self.codes[w]) for w in snap["members"] if self.codes.get(w, 0) != 0]
+        lost = [w for w, c in self.codes.items() if c != 0 and w not in snap["members"]]
+        if lost:
+            _say(f"elastic: training went on without {', '.join(lost)} "
+                 f"({'; '.join(f'{w} {_exit_text(self.codes[w])}' for w in lost)})")
+        if failed:
+            w, code = failed[0]
+            _say(f"elastic: worker {w} of the last round {_exit_text(code)}")
+            return code if code > 0 else 128 - code
+        return 0
+
+    def _end_children(self) -> None:
+        live = [p for p in self.children.values() if p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGCONT)
+            p.terminate()
+        t0 = time.monotonic()
+        while any(p.poll() is None for p in live) and time.monotonic() - t0 < KILL_AFTER_S:
+            time.sleep(POLL_S)
+        for p in live:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=5)
+
+
+def _host_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    from hpcring.config import envvars
+    ap = argparse.ArgumentParser(prog="python -m hpcring.elastic.driver",
+                                 description="Serve an elastic job's rendezvous and (locally) start its workers.")
+    ap.add_argument("--np", type=int, required=True, help="workers the first round waits for (and starts locally)")
+    ap.add_argument("--min-np", type=int, default=None, help="fewest workers to go on with (default: --np)")
+    ap.add_argument("--max-np", type=int, default=None, help="most workers in a round (default: --np)")
+    ap.add_argument("--reset-limit", type=int, default=None, help="resets allowed before the job fails")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds a round may wait for enough workers (default HPCRING_ELASTIC_TIMEOUT, 600)")
+    ap.add_argument("--dead-after", type=float, default=None,
+                    help="seconds without a heartbeat before a worker counts as dead "
+                         "(default HPCRING_ELASTIC_DEAD_AFTER, 6)")
+    ap.add_argument("--serve", action="store_true", help="start no workers: serve the rendezvous only")
+    ap.add_argument("--bind", default="0.0.0.0", help="where the store listens (default all interfaces)")
+    ap.add_argument("--port", type=int, default=0, help="the store's port (default: any free one)")
+    ap.add_argument("--address", default=None, help="the store's address as workers reach it")
+    ap.add_argument("--info", default=None, help="write the workers' variables here (JSON) once serving")
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    a.command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    a.min_np = a.np if a.min_np is None else a.min_np
+    a.max_np = a.np if a.max_np is None else a.max_np
+    if a.timeout is None:
+        a.timeout = envvars.get("HPCRING_ELASTIC_TIMEOUT")
+    if a.dead_after is None:
+        a.dead_after = envvars.get("HPCRING_ELASTIC_DEAD_AFTER")
+    if not 1 <= a.min_np <= a.np <= a.max_np:
+        ap.error(f"need 1 <= --min-np ({a.min_np}) <= --np ({a.np}) <= --max-np ({a.max_np})")
+    if a.reset_limit is not None and a.reset_limit < 0:
+        ap.error("--reset-limit must be >= 0")
+    if not a.serve and not a.command:
+        ap.error("give the command after --, or --serve")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(list(sys.argv[1:] if argv is None else argv))
+    return Driver(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

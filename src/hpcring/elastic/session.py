@@ -1,0 +1,78 @@
+"""One round as a :class:`hpcring.session.Session`: topology, a store client and the round's ring.
+
+hpcring.torch's ``init()`` calls :func:`join` in elastic mode instead of ``hpcring.init()``: the
+job's usual rendezvous (rank 0 hosts the store) cannot outlive rank 0, while this one's store
+lives with the coordinator. Each round gets a communicator of its own under the round's prefix
+(``elastic/<r>/ring``), so the ranks of an old round and a new one never meet by mistake.
+Only the ring can be rebuilt on a new set of ranks: MPI's communicator cannot shrink without ULFM
+(not in Open MPI 4.1), so ``HPCRING_BACKEND=mpi`` is refused here; NCCL: see docs/from-horovod.md.
+"""
+from __future__ import annotations
+
+import os
+
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.topology import Topology
+from hpcring.config import envvars
+from hpcring.elastic import protocol as P
+from hpcring.elastic.member import ElasticJobError, Round, current
+from hpcring.errors import UsageError
+
+
+def topology_of(rnd: Round, address: str, job_id: str | None) -> Topology:
+    hosts = rnd.hosts
+    nodes = list(dict.fromkeys(hosts))
+    mine = hosts[rnd.rank]
+    local = [r for r, h in enumerate(hosts) if h == mine]
+    return Topology(rank=rnd.rank, size=rnd.size, local_rank=local.index(rnd.rank), local_size=len(local),
+                    node_rank=nodes.index(mine), num_nodes=len(nodes), hosts=tuple(hosts), launcher="elastic",
+                    job_id=job_id, master_addr=None, master_port=None, interface=None, address=address,
+                    sources={"*": f"elastic round {rnd.number} (coordinator's store)"})
+
+
+def join(reason: str = "start"):
+    """Wait for the next round that takes this worker; its Session (communicator: the ring)."""
+    backend = envvars.get("HPCRING_BACKEND")
+    if backend not in (None, "", "ring"):
+        raise UsageError(f"elastic training rebuilds the ring communicator on the workers that are left; "
+                         f"HPCRING_BACKEND={backend} cannot do that",
+                         hint="unset HPCRING_BACKEND (MPI cannot shrink without ULFM; for a restart instead, "
+                              "run without the elastic driver and use --max-restarts)")
+    from hpcring.collectives.api import Communicator
+    from hpcring.session import Session
+    member = current()
+    timeout = envvars.get("HPCRING_ELASTIC_TIMEOUT")
+    rnd = member.join(reason, timeout=timeout)
+    job = os.environ.get("HPCRING_JOB_ID") or f"elastic-{member.store_port}"
+    topo = topology_of(rnd, member.address, job)
+    store = StoreClient(member.store_host, member.store_port, member.secret, timeout=60.0)
+    try:
+        comm = Communicator.create(topo, store, member.secret, backend="ring", prefix=P.ring_prefix(rnd.number))
+    except BaseException:
+        store.close()
+        raise
+    session = Session(topo, store, member.secret)
+    session._comms["ring"] = comm
+    session.default_backend = "ring"
+    session.elastic_round = rnd
+    member.on_abort(rnd.number, getattr(comm.backend, "abort", None))
+    return session
+
+
+def leave_round(session) -> None:
+    """Close the round's communicator and store connection (the next round builds new ones)."""
+    member = current()
+    member.on_abort(0, None)
+    for comm in list(session._comms.values()):
+        try:
+            comm.close()
+        except Exception:  # noqa: BLE001 - a failed communicator closes as far as it can
+            pass
+    session._comms.clear()
+    try:
+        session.store.close()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+__all__ = ["ElasticJobError", "join", "leave_round", "topology_of"]
