@@ -19,12 +19,16 @@ What one task does, every wait bounded by ``--deadline`` D (default 30 s) from i
    else HPCRING_IFNAME, else the site's fabric, else automatic: bootstrap/netif_choice), open an
    authenticated probe listener (bootstrap/auth's HMAC handshake, before any byte is read) on each
    candidate address, and write its first file;
-2. in a thread: the versions (python, hpcring, torch imported, Open MPI's ``ompi_info``, NCCL
-   through torch when it has CUDA) and, with ``--gpus N``, the GPU check (device count == N, a
-   256x256 float32 GEMM per device against the CPU's; skipped without a CUDA torch);
-3. wait for its targets' first files (until ``D - max(2.5 * connect timeout + 1, D/4)``), probe
-   each target (connect + handshake; a target's candidates in its order, the first that
-   authenticates counts), then time the ring link to the next node of ``--expect-nodes`` (at most
+2. in a child process (:mod:`hpcring.preflight.local`; importing torch in a thread starved the
+   listener into timeouts, and a child stuck in CUDA can be killed at the deadline): the versions
+   (python, hpcring, torch imported, Open MPI's ``ompi_info``, NCCL through torch when it has
+   CUDA) and, with ``--gpus N``, the GPU check (device count == N, a 256x256 float32 GEMM per
+   device against the CPU's; skipped without a CUDA torch);
+3. wait for its targets' first files (until ``D - max(3 * connect timeout + 1.5, D/4)``), probe
+   each target (connect + handshake with the connect timeout min(3, D/10) s; a target's
+   candidates in its order, the first that authenticates counts; a failure is tried once more
+   when time allows). Connects are not bound to the source address, as the ring's are not: a node
+   whose chosen address is dead may still reach others, but nobody reaches it. Then time the ring link to the next node of ``--expect-nodes`` (at most
    32 MiB or 0.2 s, until the receiver's acknowledgement);
 4. write its final file and stay listening until every node that tests it is done (or never
    showed up), at most until D - 0.5 s. Exit 0 when its part is done, whatever it found.

@@ -328,7 +328,8 @@ def _links(done: Mapping[str, _Node], blame: _Blame, min_gbps: float | None) -> 
     if len(shown) > LIST_LIMIT:
         rates = sorted(bw["gbps"] for _, bw, _ in links if bw.get("error") is None)
         med = f"median {rates[len(rates) // 2]:.3g} Gbit/s, " if rates else ""
-        return [head + med + f"{len(bad_links)} of {len(links)} bad: " + ", ".join(t for _, _, t in bad_links[:LIST_LIMIT])]
+        worst = ": " + ", ".join(t for _, _, t in bad_links[:LIST_LIMIT]) if bad_links else ""
+        return [head + med + f"{len(bad_links)} of {len(links)} bad" + worst]
     return [head + ", ".join(shown)]
 
 
