@@ -130,6 +130,7 @@ class _Launcher:
         self.stopping: int | None = None
         self.proc: subprocess.Popen | None = None
         self.first_error: float | None = None
+        self.lock = threading.Lock()   # no step starts while the last one is being killed
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._signal)
 
@@ -154,25 +155,27 @@ class _Launcher:
                 sys.stderr.flush()
                 if self.first_error is None and self.sched.FAILED_TASK.search(text):
                     self.first_error = time.time()
-                    threading.Timer(self.grace, self._end_step).start()
-        self.proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        reader = threading.Thread(target=copy, args=(self.proc.stderr,), daemon=True)
+                    threading.Timer(self.grace, self._end_step, args=(proc,)).start()
+        with self.lock:
+            self.proc = proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL,
+                                                stderr=subprocess.PIPE)
+        reader = threading.Thread(target=copy, args=(proc.stderr,), daemon=True)
         reader.start()
         rc = self.proc.wait()          # bounded by the job's time limit: the scheduler ends the job
         reader.join(READER_JOIN_S)
         return rc, "".join(lines)
 
-    def _end_step(self) -> None:
+    def _end_step(self, p: subprocess.Popen) -> None:
         """A task failed and the step is lost (``--kill-on-bad-exit``): after ``grace`` seconds (the
         survivors' watchdog writes its report then), SIGKILL the rest and stop waiting for the
         launcher. Its own teardown sends SIGTERM, which submitit's task entry bypasses, and waits
         the scheduler's KillWait (Slurm: 30 s by default) before SIGKILL: seconds lost on every
         restart. The next step starts beside the dying one (``--overlap``); its rendezvous is its own
         (the store port folds the step id in: bootstrap/init.py)."""
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        steps = self.sched.kill_step(self.job)
+        with self.lock:
+            if p is not self.proc or p.poll() is not None:
+                return                 # that step ended (the next one may run now: not ours to kill)
+            steps = self.sched.kill_step(self.job)
         try:
             p.wait(LAUNCHER_EXIT_S)
         except subprocess.TimeoutExpired:
