@@ -40,6 +40,8 @@ STEPS_FILE = "steps.json"
 ARCHIVE = "steps"            # <folder>/steps/<k>/: a failed step's records and diagnosis
 READER_JOIN_S = 5.0          # the launcher's stderr reader, after the launcher ended
 LAUNCHER_EXIT_S = 0.5        # the launcher, after its step was SIGKILLed
+PREFLIGHT_DEADLINE_S = 30.0  # each node's part of the gang check
+PREFLIGHT_LAUNCH_S = 20.0    # the launcher's own start and end around it
 
 
 def log(msg: str) -> None:
@@ -56,6 +58,10 @@ class Plan:
     launch: list[str]
     scheduler: str = "slurm"
     steps: list[dict] = field(default_factory=list)
+    preflight: bool = False
+    gpus: int = 0
+    min_gbps: float = 0.0
+    checked: dict | None = None        # the preflight's outcome, for steps.json
 
 
 def folder_of(pattern: str, environ: Mapping[str, str]) -> Path:
@@ -80,6 +86,8 @@ def write_steps(plan: Plan, allocation: Sequence[str], final: dict | None = None
     from hpcring.fsutil import write_json
     data = {"nodes": plan.nodes, "min_nodes": plan.min_nodes, "tasks_per_node": plan.tasks_per_node,
             "max_restarts": plan.max_restarts, "allocation": list(allocation), "steps": plan.steps}
+    if plan.checked is not None:
+        data["preflight"] = plan.checked
     if final:
         data.update(final)
     try:
@@ -108,6 +116,11 @@ def final_size(folder: str | os.PathLike, default: int) -> int:
 def step_lines(data: dict | None) -> list[str]:
     """``step 0  node[1-2]  4 ranks  FAILED: <cause>  -> restart 1 on node1,node3 (spare node3)``."""
     out = []
+    pre = (data or {}).get("preflight")
+    if isinstance(pre, dict):
+        bad = pre.get("bad") if isinstance(pre.get("bad"), dict) else {}
+        out.append(f"preflight  {pre.get('seconds')} s  " + ("ok" if not bad else "left out " + "; ".join(
+            f"{h} ({why})" for h, why in bad.items())))
     for s in (data or {}).get("steps") or []:
         if not isinstance(s, dict):
             continue
@@ -230,6 +243,38 @@ def _record_blames(plan: Plan, jid: str, environ: Mapping[str, str], blamed: dic
         log(f"warning: the blamed node(s) were not recorded in the node history: {exc.message}")
 
 
+def _preflight(plan: Plan, sched, allocation: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """The gang check (hpcring.preflight) on every node of the allocation, before the script;
+    returns {bad node: why}. Bounded: the check's deadline plus the launcher's start."""
+    from hpcring.preflight import read_verdict
+    out = plan.folder / "preflight"
+    if out.exists():                   # a requeued job's earlier check: kept beside, not mixed in
+        shutil.move(str(out), str(plan.folder / f"preflight.{int(time.time())}"))
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-u", "-m", "hpcring.preflight", "--out", str(out), "--expect-nodes", ",".join(allocation),
+           "--deadline", f"{PREFLIGHT_DEADLINE_S:g}", "--min-gbps", f"{plan.min_gbps:g}", "--gpus", str(plan.gpus),
+           "--quiet"]
+    for item in filter(None, (env.get("HPCRING_PREFLIGHT_IFNAME_FOR") or "").split(";")):
+        cmd += ["--ifname-for", item.strip()]
+    t0 = time.time()
+    log(f"preflight on {len(allocation)} node(s)")
+    try:
+        subprocess.run(sched.gang_argv(allocation, cmd), env=dict(env), stdin=subprocess.DEVNULL,
+                       timeout=PREFLIGHT_DEADLINE_S + PREFLIGHT_LAUNCH_S)
+    except subprocess.TimeoutExpired:
+        log(f"preflight: the check did not end within {PREFLIGHT_DEADLINE_S + PREFLIGHT_LAUNCH_S:g} s; "
+            "judging what it wrote")
+    except OSError as exc:
+        log(f"preflight: could not start the check ({exc}); no node left out")
+        return {}
+    v = read_verdict(out, list(allocation))
+    for line in v.lines:
+        log(f"preflight: {line}")
+    log(f"preflight: {'ok' if v.ok else 'leaving out ' + ', '.join(v.bad)} in {time.time() - t0:.1f} s")
+    plan.checked = {"ok": v.ok, "bad": dict(v.bad), "seconds": round(time.time() - t0, 2), "folder": str(out)}
+    return {h: f"preflight: {why}" for h, why in v.bad.items()}
+
+
 def _grace(env: Mapping[str, str]) -> float:
     """Seconds between a task's failure and the end of its step (HPCRING_STEP_GRACE)."""
     from hpcring.config import envvars
@@ -262,6 +307,19 @@ def run(plan: Plan, environ: Mapping[str, str] | None = None) -> int:
     launcher = _Launcher(sched, jid, _grace(env))
     blamed: dict[str, str] = {}
     hosts = allocation[:plan.nodes]
+    if plan.preflight:
+        bad = _preflight(plan, sched, allocation, env)
+        if bad:
+            _record_blames(plan, jid, env, bad, "preflight", time.time())
+            blamed.update(bad)
+            hosts = choose(allocation, set(blamed), {}, [], plan.nodes, plan.min_nodes)
+            if hosts is None:
+                left = [h for h in allocation if h not in blamed]
+                write_steps(plan, allocation, {"preflight_failed": bad})
+                log(f"preflight: {len(left)} healthy node(s) of {len(allocation)} ({','.join(left) or 'none'}), fewer "
+                    f"than the {plan.min_nodes} the job needs: the script is not started")
+                return 1
+            write_steps(plan, allocation)
     attempt, last_end = 0, None
     while True:
         size = len(hosts) * plan.tasks_per_node
@@ -335,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, required=True)
     p.add_argument("--folder", required=True)
     p.add_argument("--scheduler", default="slurm", choices=("slurm",))
+    p.add_argument("--preflight", action="store_true")
+    p.add_argument("--gpus", type=int, default=0)
+    p.add_argument("--preflight-min-gbps", type=float, default=0.0)
     p.add_argument("launch", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     launch = a.launch[1:] if a.launch[:1] == ["--"] else a.launch
@@ -342,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     if not launch or not 1 <= min_nodes <= a.nodes or a.tasks_per_node < 1 or a.max_restarts < 0:
         p.error("need --nodes >= --min-nodes >= 1, --tasks-per-node >= 1, --max-restarts >= 0 and a launcher after --")
     plan = Plan(a.nodes, min_nodes, a.tasks_per_node, a.max_restarts, folder_of(a.folder, os.environ), launch,
-                a.scheduler)
+                a.scheduler, preflight=a.preflight, gpus=a.gpus, min_gbps=a.preflight_min_gbps)
     return run(plan)
 
 

@@ -5,7 +5,8 @@ On the real dev cluster (3 nodes): a 2-node job with 1 spare node (`--spare-node
 at step 3 goes on in the same allocation on the surviving node and the spare: one job, COMPLETED,
 the restarted step resumes from the checkpoint (HPCRING_RESTART_COUNT 1) and ends with the weights
 of an uninterrupted run; `hpcring status` shows the steps, the blamed node and the spare; the node
-history records the blame. `--min-nodes 1` with no spare goes on with one node (the world shrinks
+history records the blame. `--preflight` leaves a node whose interface routes nowhere out before the
+script starts, the spare taking its place. `--min-nodes 1` with no spare goes on with one node (the world shrinks
 to one rank). A code error is not restarted.
 """
 from __future__ import annotations
@@ -29,13 +30,13 @@ pytestmark = [pytest.mark.devcluster,
               pytest.mark.skipif(not cluster_up(), reason="dev cluster is not up (hpcring devcluster up)")]
 
 
-def submit(tag: str, *flags: str, script_args=(), timeout_s: int = 8):
+def submit(tag: str, *flags: str, script_args=(), timeout_s: int = 8, env_extra=None):
     """`hpcring submit --wait` of restart_train.py in a fresh shared folder; (rc, text, env, out, base)."""
     base = Path("/srv/hpcring/pytest-steps") / f"{tag}-{uuid.uuid4().hex[:8]}"
     out = base / "out"
     out.mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_STATE_DIR=str(base / "state"),
-               HPCRING_JOB_DIR=str(base / "jobs"), HPCRING_TIMEOUT=str(timeout_s))
+               HPCRING_JOB_DIR=str(base / "jobs"), HPCRING_TIMEOUT=str(timeout_s), **(env_extra or {}))
     env.pop("HPCRING_MAX_RESTARTS", None)
     cmd = [sys.executable, "-m", "hpcring", "submit", str(TRAIN), "--site", "devcluster", "--tasks-per-node", "1",
            "--time", "5", "--wait", *flags, "--", str(out), *script_args]
@@ -116,3 +117,23 @@ def test_a_code_error_is_not_restarted_inside_the_allocation():
     assert "code error: rank" in s0["end"] and "bad batch at step 2" in s0["end"], s0
     assert s0["decision"] == "not restarted (no node-level fault)", s0
     assert not (base / "jobs" / ".hpcring" / "node-history.jsonl").exists()
+
+
+def test_preflight_leaves_a_node_on_a_dead_interface_out_before_the_script():
+    """node2's only configured interface is dead0 (routes nowhere): the gang check names it within
+    30 s and the script starts on node1 and the spare."""
+    rc, text, env, out, base = submit("preflight", "--nodes", "2", "--spare-nodes", "1", "--max-restarts", "1",
+                                      "--preflight", script_args=("--steps", "4"),
+                                      env_extra={"HPCRING_PREFLIGHT_IFNAME_FOR": "node2==dead0"})
+    assert rc == 0, text[-5000:]
+    job = job_of(text)[0]
+    data = steps_of(base, job)
+    pre = data["preflight"]
+    assert list(pre["bad"]) == ["node2"] and "dead0" in pre["bad"]["node2"] and pre["seconds"] <= 30, pre
+    assert [s["hosts"] for s in data["steps"]] == [["node1", "node3"]], data
+    assert sorted(hosts(out, 0).values()) == ["node1", "node3"]          # the script never ran on node2
+    st = status(env, job)
+    assert "preflight  " in st and "left out node2 (nobody could connect to it on dead0" in st, st
+    rec = json.loads((base / "jobs" / ".hpcring" / "node-history.jsonl").read_text().splitlines()[0])
+    assert rec["node"] == "node2" and rec["reason"].startswith("preflight: ") and rec["cause"] == "preflight", rec
+

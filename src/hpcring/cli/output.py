@@ -53,8 +53,8 @@ def status(rec, st, oc, requeues: int = 0) -> None:
 
 def restart_chain(lines) -> None:
     """The attempts of a job restarted after node faults (hpcring.restarts), under its status."""
-    if len(lines) > 1 or (lines and lines[0].startswith("attempt ")):
-        print("  restarts (submit --max-restarts):")
+    if len(lines) > 1 or (lines and lines[0].startswith(("attempt ", "step ", "preflight "))):
+        print("  preflight, steps and restarts (--preflight, --spare-nodes, --max-restarts):")
         lines = [f"  {text}" for text in lines]
     for text in lines:
         print(f"  {text}")

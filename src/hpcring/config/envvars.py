@@ -237,6 +237,12 @@ VARS: tuple[Var, ...] = (
        "needs --max-restarts; site: defaults.spare_nodes)", 0, MAX_NODES),
     _v("HPCRING_MIN_NODES", "int", None, "with no spare left, a restart inside the allocation goes on with as few "
        "nodes as this (--min-nodes; the world size shrinks; site: defaults.min_nodes)", 1, MAX_NODES),
+    _v("HPCRING_PREFLIGHT", "bool", False, "run the preflight gang check on every node before the script "
+       "(--preflight; site: defaults.preflight)"),
+    _v("HPCRING_PREFLIGHT_MIN_GBPS", "float", 0.0, "preflight: a ring link below this many Gbit/s leaves its node out "
+       "(0: measured and reported only; site: defaults.preflight_min_gbps)", 0, 100000),
+    _v("HPCRING_PREFLIGHT_IFNAME_FOR", "str", None, "preflight: HOST=SPEC[;HOST=SPEC...], the interface spec of "
+       "single nodes whose configuration differs from the site's (and the dev cluster's fault injection)"),
     _v("HPCRING_STEP_GRACE", "float", 1.0, "restarts inside the allocation: seconds between a task's failure and "
        "SIGKILL to the rest of its step (the survivors' report is written meanwhile)", 0, 60),
     _v("HPCRING_BAD_NODE_BLAMES", "int", DEFAULT_BAD_NODE_BLAMES, "a node blamed this many times (one blame per "

@@ -125,6 +125,10 @@ OPTIONS: tuple[JobOption, ...] = (
        "Run every rank in this image (the site's container runtime)."),
     _o("container_mounts", "list", ("--container-mounts",), "SRC[:DST[:OPTS]],... added to the site's mounts."),
     _o("no_container", "bool", ("--no-container",), "Run the ranks on the host."),
+    _o("preflight", "bool", ("--preflight/--no-preflight",),
+       "Before the script, every node runs a gang check of at most 30 s (versions, all pairs connect on the "
+       "chosen interface, ring link bandwidth, GPUs); a failing node is left out, a spare taking its place "
+       "(HPCRING_PREFLIGHT; site defaults.preflight)."),
     _o("no_node_history", "bool", ("--no-node-history",),
        "Use nodes the site's node history leaves out (blamed by failed jobs again and again; "
        "`hpcring nodes list`)."),
@@ -271,7 +275,8 @@ def _resolve(self, *, given: str = "cli", script_file: bool = True, default_name
     job = resolve_job(site, self.script, list(self.args), values, sched_args=list(self.sched_arg),
                       exclusive=self.exclusive, array=self.array, sweep=list(self.sweep),
                       dependency=self.dependency, after=list(self.after), given=given, default_name=default_name)
-    from hpcring.config.jobspec import plan_step_restarts
+    from hpcring.config.jobspec import plan_preflight, plan_step_restarts
+    plan_preflight(site, job, self.preflight, given)
     plan_step_restarts(site, job, self.max_restarts, given)
     if script_file:
         check_script(self.script)      # render and --dry-run too: a preview of a job that cannot run misleads

@@ -84,7 +84,14 @@ class JobSpec:
                                                        # nodehistory.py: nodes blamed again and again)
     spare_nodes: int = 0              # held beside ``nodes`` for restarts inside the allocation (hpcring.steps)
     min_nodes: int | None = None      # with no spare left, go on with this few (None: ``nodes``)
-    step_restarts: int = 0            # restarts the job script's step loop makes (0: no step loop)
+    step_restarts: int = 0            # restarts the job script's step loop makes
+    preflight: bool = False           # the gang check before the script (hpcring.preflight)
+    preflight_min_gbps: float = 0.0
+
+    @property
+    def step_loop(self) -> bool:
+        """The job script runs its ranks under hpcring.steps (restarts inside the allocation, preflight)."""
+        return bool(self.step_restarts or self.preflight)
 
     @property
     def alloc_nodes(self) -> int:
@@ -272,6 +279,28 @@ def max_restarts(cli: int | None, site: Site, environ: Mapping[str, str] | None 
         return env, "env HPCRING_MAX_RESTARTS"
     n = getattr(site.config.defaults, "max_restarts", 0)
     return (n, f"site {site.name}") if n else (0, "default")
+
+
+def plan_preflight(site: Site, job: JobSpec, cli: bool | None, given: str = "cli",
+                   environ: Mapping[str, str] | None = None) -> None:
+    """``job.preflight`` by precedence: ``--preflight`` > HPCRING_PREFLIGHT > site ``defaults.preflight``;
+    the bandwidth floor: HPCRING_PREFLIGHT_MIN_GBPS > site ``defaults.preflight_min_gbps`` > 0."""
+    env = envvars.get("HPCRING_PREFLIGHT", environ, default=None)
+    if cli is not None:
+        job.preflight, job.sources["preflight"] = bool(cli), GIVEN[given]
+    elif env is not None:
+        job.preflight, job.sources["preflight"] = bool(env), "env HPCRING_PREFLIGHT"
+    else:
+        job.preflight, job.sources["preflight"] = site.config.defaults.preflight, f"site {site.name}"
+    gbps = envvars.get("HPCRING_PREFLIGHT_MIN_GBPS", environ, default=None)
+    job.preflight_min_gbps = float(gbps if gbps is not None else site.config.defaults.preflight_min_gbps)
+    if job.preflight and site.config.scheduler != "slurm":
+        raise UsageError(f"{given_as('preflight', given)}: the preflight runs in the job script's step loop, on "
+                         f"Slurm sites; site {site.name!r} uses {site.config.scheduler}",
+                         hint="leave --preflight out there (`hpcring doctor` checks a node by hand)")
+    if job.preflight and job.array is not None:
+        raise UsageError(f"{given_as('preflight', given)}: not for an array's tasks",
+                         hint="leave --preflight out for an array")
 
 
 def plan_step_restarts(site: Site, job: JobSpec, cli_restarts: int | None, given: str = "cli",

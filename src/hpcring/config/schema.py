@@ -135,6 +135,8 @@ class Defaults(_Strict):
     exclusive: bool = False
     max_restarts: int = Field(default=0, ge=0, le=100)   # submit --wait: restarts after a node fault
     spare_nodes: int = Field(default=0, ge=0, le=envvars.MAX_NODES)   # restarts inside the allocation
+    preflight: bool = False            # the gang check before the script (hpcring.preflight)
+    preflight_min_gbps: float = Field(default=0.0, ge=0, le=100000, allow_inf_nan=False)
     min_nodes: int | None = Field(default=None, ge=1, le=envvars.MAX_NODES)
 
     @field_validator("time")

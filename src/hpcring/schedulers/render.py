@@ -71,7 +71,7 @@ def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = No
                         cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, logs=logs,
                         container=job_container(job, folder or "/"))
     words = build(site.config, req)
-    if job.step_restarts:
+    if job.step_loop:
         words = LaunchWords((step_loop_words(job, python or "python3", folder or "."), *words.lines))
     return words.script()
 
@@ -81,7 +81,9 @@ def step_loop_words(job: JobSpec, python: str, folder: str) -> tuple[str, ...]:
     the allocation on spare nodes, or on fewer (``--min-nodes``)."""
     return (python, "-u", "-m", "hpcring.steps", f"--nodes={job.nodes}",
             f"--min-nodes={job.min_nodes or job.nodes}", f"--tasks-per-node={job.tasks_per_node}",
-            f"--max-restarts={job.step_restarts}", f"--folder={folder}", "--")
+            f"--max-restarts={job.step_restarts}", f"--folder={folder}",
+            *([f"--preflight-min-gbps={job.preflight_min_gbps:g}"] if job.preflight else []),
+            *(["--preflight", f"--gpus={job.gpus_per_node}"] if job.preflight else []), "--")
 
 
 def job_container(job: JobSpec, folder: str):

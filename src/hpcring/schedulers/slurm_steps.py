@@ -48,6 +48,14 @@ def step_argv(launch: Sequence[str], hosts: Sequence[str], tasks_per_node: int) 
     return [launch[0], *size, *launch[1:]]
 
 
+def gang_argv(hosts: Sequence[str], command: Sequence[str]) -> list[str]:
+    """One task of ``command`` on each of ``hosts`` (the preflight), whatever the job's layout; a
+    task's failure ends nothing (each node's own verdict is what counts)."""
+    n = len(hosts)
+    return ["srun", "--unbuffered", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
+            f"--nodelist={compress(list(hosts))}", "--overlap", "--kill-on-bad-exit=0", *command]
+
+
 def casualties(text: str) -> list[tuple[str, str, str]]:
     """(node, tasks, how) for each task srun reported ended by a signal, in srun's order."""
     return [m.groups() for m in CASUALTY.finditer(text)]
