@@ -24,13 +24,27 @@ import pytest
 from hpcring.bootstrap.auth import write_secret_file
 from hpcring.preflight import read_verdict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_submit_devcluster import _cluster_up  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers_jobs import cluster_up, sinfo_states  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTS = ["node1", "node2", "node3"]
+
+
+def _cluster_up_soon(tries: int = 10) -> bool:
+    """cluster_up, waiting out a moment when every node is between jobs ('completing': seen once
+    right after the previous run's srun, which skipped the whole file); no Slurm: False at once."""
+    for _ in range(tries):
+        if cluster_up():
+            return True
+        if sinfo_states() is None:
+            return False
+        time.sleep(2)
+    return False
+
+
 pytestmark = [pytest.mark.devcluster,
-              pytest.mark.skipif(not _cluster_up(), reason="dev cluster is not up (hpcring devcluster up)")]
+              pytest.mark.skipif(not _cluster_up_soon(), reason="dev cluster is not up (hpcring devcluster up)")]
 
 
 @pytest.fixture
