@@ -2,9 +2,13 @@
 
     python tests/mpi_worker.py ops    every op x dtype x size vs numpy; results identical on all ranks
     python tests/mpi_worker.py skip   the last rank skips the second allreduce (deadline test)
-    python tests/mpi_worker.py mismatch|different
-                                      the last rank all-reduces half the count / calls a barrier
-                                      instead of the second allreduce (signature check test)
+    python tests/mpi_worker.py mismatch|different|larger
+                                      the last rank all-reduces half the count / calls a barrier /
+                                      all-reduces twice the count, past the folded check's slot
+                                      (FOLD_BYTES), instead of the second allreduce (signature check)
+
+With ``MPI_WORKER_NOFOLD=1`` the backend's check is the (signature, -signature) allreduce that
+communicators of more than FOLD_RANKS ranks use, and no call rides in the check's slot.
     python tests/mpi_worker.py cost BYTES CALLS
                                       time per allreduce of BYTES with the signature check off
                                       and on (alternating rounds), ``COST`` lines from rank 0
@@ -171,6 +175,8 @@ def run_mismatch(comm: Communicator, mode: str) -> int:
     try:
         if rank == size - 1 and mode == "mismatch":
             comm.allreduce(np.ones(500, np.float32))
+        elif rank == size - 1 and mode == "larger":
+            comm.allreduce(np.ones(2000, np.float32))
         elif rank == size - 1:
             comm.barrier()
         else:
@@ -210,6 +216,8 @@ def run_cost(comm: Communicator, nbytes: int, calls: int) -> int:
 def main() -> int:
     mode = sys.argv[1]
     backend = MpiBackend.create(None, timeout=30.0)
+    if os.environ.get("MPI_WORKER_NOFOLD") == "1":
+        backend.fold = False
     comm = Communicator(backend, timeout=30.0)
     if mode == "ops":
         rc = run_ops(comm)
@@ -217,7 +225,7 @@ def main() -> int:
         return rc
     if mode == "skip":
         return run_skip(comm, float(sys.argv[2]) if len(sys.argv) > 2 else 1.5)
-    if mode in ("mismatch", "different"):
+    if mode in ("mismatch", "different", "larger"):
         return run_mismatch(comm, mode)
     if mode == "cost":
         return run_cost(comm, int(sys.argv[2]), int(sys.argv[3]))

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from hpcring.collectives.backends import DTYPES, OPS
-from hpcring.collectives.mpi import from_float32, mismatch_message, reduce_plan, signature, to_float32
+from hpcring.collectives.mpi import (from_float32, mismatch_message, reduce_plan, reduce_rows, signature,
+                                     to_float32)
 from hpcring.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,11 +96,46 @@ def test_mismatch_message_names_the_first_other_rank_in_the_rings_words():
 
 
 # -- under mpirun -------------------------------------------------------------------------------
+def test_reduce_rows_has_the_mpi_paths_arithmetic():
+    """The folded small calls reduce locally: integers wrap in their width (uint8 too, where Open
+    MPI's AVX sum saturates), 2-byte floats are summed in float32 and rounded once, avg divides."""
+    big = np.array([[250, 3], [10, 255], [1, 1]], np.uint8)
+    out = np.empty(2, np.uint8)
+    reduce_rows(big, out, "uint8", "sum")
+    assert out.tolist() == [(250 + 10 + 1) % 256, (3 + 255 + 1) % 256]
+    i32 = np.array([[2 ** 31 - 1], [1]], np.int32)
+    o32 = np.empty(1, np.int32)
+    reduce_rows(i32, o32, "int32", "sum")
+    assert o32[0] == -2 ** 31
+    reduce_rows(i32, o32, "int32", "min")
+    assert o32[0] == 1
+    # 1 + 2^-11 + 2^-11: in float16 each addition ties back to 1.0; in float32 then one rounding
+    # it is 1 + 2^-10 (float16's spacing at 1)
+    h = np.array([[1.0], [2 ** -11], [2 ** -11]], np.float16)
+    oh = np.empty(1, np.float16)
+    reduce_rows(h, oh, "float16", "sum")
+    assert oh[0] == np.float16(1 + 2 ** -10) and ((h[0] + h[1]) + h[2])[0] == 1.0
+    reduce_rows(np.full((3, 1), 1.5, np.float16), oh, "float16", "avg")
+    assert oh[0] == 1.5
+    bf = np.empty((2, 1), np.uint16)
+    from_float32(np.array([1.0, 2.0], np.float32), bf.reshape(-1), "bfloat16")
+    ob = np.empty(1, np.uint16)
+    reduce_rows(bf, ob, "bfloat16", "prod")
+    assert to_float32(ob, "bfloat16")[0] == 2.0
+    f = np.array([[1.0, 4.0], [3.0, -2.0]], np.float64)
+    of = np.empty(2, np.float64)
+    reduce_rows(f, of, "float64", "avg")
+    assert of.tolist() == [2.0, 1.0]
+    reduce_rows(f, of, "float64", "max")
+    assert of.tolist() == [3.0, 4.0]
+
+
 @needs_mpi
 @pytest.mark.mpi
-@pytest.mark.parametrize("nranks", [2, 3])
-def test_every_op_dtype_size_matches_numpy(nranks):
-    r, _ = mpirun(nranks, "ops")
+@pytest.mark.parametrize("nranks,nofold", [(2, False), (3, False), (3, True)])
+def test_every_op_dtype_size_matches_numpy(nranks, nofold):
+    """Small calls ride in the check's slot (folded) unless MPI_WORKER_NOFOLD: both paths."""
+    r, _ = mpirun(nranks, "ops", env_extra={"MPI_WORKER_NOFOLD": "1"} if nofold else None)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     results = re.findall(r"RESULT rank=(\d+) ok=(\d+) failed=(\d+)", r.stdout)
@@ -140,14 +176,19 @@ def test_skipped_collective_aborts_the_job_by_default():
 
 @needs_mpi
 @pytest.mark.mpi
-@pytest.mark.parametrize("mode", ["mismatch", "different"])
-def test_mismatched_call_is_named_on_every_rank_before_mpi_sees_it(mode):
+@pytest.mark.parametrize("mode,nofold", [("mismatch", False), ("different", False), ("larger", False),
+                                         ("mismatch", True), ("different", True), ("larger", True)])
+def test_mismatched_call_is_named_on_every_rank_before_mpi_sees_it(mode, nofold):
     """Without the signature check Open MPI truncates (small counts), corrupts its heap (large
-    ones) or hangs: here every rank raises at once, in the ring's words, naming the odd rank."""
-    r, _ = mpirun(3, mode)
+    ones) or hangs: here every rank raises at once, in the ring's words, naming the odd rank.
+    Folded (the check is the slot allgather that carries small calls' data) and not (the
+    (signature, -signature) allreduce of larger communicators); "larger": the odd rank's call is
+    past the slot (its data would go in its own MPI call) while the others' fits."""
+    r, _ = mpirun(3, mode, env_extra={"MPI_WORKER_NOFOLD": "1"} if nofold else None)
     caught = {int(c[0]): (float(c[1]), c[2]) for c in re.findall(_CAUGHT, r.stdout)}
     assert sorted(caught) == [0, 1, 2] and r.returncode == 0, r.stdout + r.stderr[-3000:]
-    victim = "allreduce#2(count=500, dtype=float32" if mode == "mismatch" else "barrier#2(count=0"
+    victim = {"mismatch": "allreduce#2(count=500, dtype=float32", "larger": "allreduce#2(count=2000, dtype=float32",
+              "different": "barrier#2(count=0"}[mode]
     for rank in (0, 1):
         elapsed, msg = caught[rank]
         assert msg.startswith(f"allreduce#2 mismatched collective: rank 2 called {victim}"), msg

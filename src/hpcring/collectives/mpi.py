@@ -26,18 +26,30 @@ rounded to nearest-even once at the end (no user-defined MPI op: those run a Pyt
 chunk and hold the GIL). This costs twice the bytes on the wire for 2-byte types but is at least
 as accurate as the ring backend (one rounding instead of one per combination). ``avg`` is ``SUM``
 followed by a division by the world size (in float32 for the 2-byte types). min/max of NaN follow
-the MPI library (Open MPI's ``MPI_MIN``/``MAX`` do not promise NaN propagation, unlike the ring).
+the MPI library (Open MPI's ``MPI_MIN``/``MAX`` do not promise NaN propagation, unlike the ring;
+small calls folded into the signature check, below, propagate NaN as numpy does).
 
-Signature check (``HPCRING_MPI_CHECK_SIGNATURES``, default on): before a call is handed to MPI,
-every rank's (op, count, dtype, reduction, root, sequence number) is agreed on with one small
-``Iallreduce`` of the signature and its negation under ``MPI_MAX`` (max of -s = -min of s: one call
-gives both extremes). Open MPI does not check that ranks pass matching arguments: a rank
-all-reducing another count corrupts its heap (``double free or corruption``, SIGABRT) and another
-collective at the same point hangs until the deadline. With the check, every rank raises at once
-``allreduce#5 mismatched collective: rank 1 (node2) called allreduce#5(count=32768, ...) but this
-rank (0) called allreduce#5(count=65536, ...)``, the ring's wording (after an ``Iallgather`` of the
-signatures, on that failure path only). Cost: one 96-byte allreduce per call (docs/collectives.md);
-a barrier is the check alone.
+Signature check (``HPCRING_MPI_CHECK_SIGNATURES``, default on). Open MPI does not check that
+ranks pass matching arguments: a rank all-reducing another count corrupts its heap (``double free
+or corruption``, SIGABRT) and another collective at the same point hangs until the deadline. So
+every rank's (op, count, dtype, reduction, root, sequence number) is agreed on before MPI sees the
+call's buffers, and a difference raises at once on every rank ``allreduce#5 mismatched collective:
+rank 1 (node2) called allreduce#5(count=32768, ...) but this rank (0) called
+allreduce#5(count=65536, ...)``, the ring's wording. How:
+
+* communicators of at most :data:`FOLD_RANKS` ranks: one ``Iallgather`` of a fixed-size slot per
+  rank (the signature, then room for :data:`FOLD_BYTES` of data). The slot's size never depends on
+  the call, so ranks that disagree still make matching MPI calls, and each one receives every
+  rank's signature (the message needs nothing more). A call whose data fits in the slot (a 4 KiB
+  allreduce, allgather, reduce-scatter, broadcast or alltoall) is **folded** into it: its result
+  is made here from the gathered slots (reductions in rank order, in :func:`reduce_rows`, with the
+  MPI path's arithmetic), so the check *is* the call: one MPI call in all. Larger calls follow
+  with their own MPI call.
+* more ranks (the gathered slots would grow with them): one ``Iallreduce`` of the signature and
+  its negation under ``MPI_MAX`` (max of -s = -min of s: both extremes in one constant-size call),
+  then, on a difference only, an ``Iallgather`` of the signatures for the message.
+
+Cost: see docs/collectives.md (``benchmarks/mpi_check_cost.py``). A barrier is the check alone.
 
 The backend works on a duplicate of ``MPI_COMM_WORLD`` (``Comm.Idup``, polled against the
 creation deadline) whose rank and size must equal the hpcring Topology's.
@@ -46,13 +58,14 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import sys
 import threading
 import time
 
 import numpy as np
 
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, LibraryBackend, chunk_counts
+from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, LazyDesc, LibraryBackend, chunk_counts
 from hpcring.errors import CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.mpi")
@@ -73,6 +86,19 @@ CHECK_SPIN_S = 1e-3
 # SPIN_BYTES): a 4 KiB allreduce takes ~30 us in MPI, while one sleeping poll cost 0.2-2 ms on the
 # loaded 2-core dev machine (benchmarks/per_call.py). Larger ones sleep between polls at once.
 SPIN_BYTES = 256 << 10
+# The check folded into the data (communicators of at most FOLD_RANKS ranks): the check is one
+# Iallgather of a fixed-size slot per rank, the signature (SLOT_HEADER bytes) then up to FOLD_BYTES
+# of the call's data. The slot's size never depends on the call, so ranks that disagree still make
+# matching MPI calls (no truncation, no heap corruption) and each one sees every rank's signature
+# (the named mismatch needs no second call). A call whose data fits (a 4 KiB allreduce, allgather,
+# ...) is then done locally from the gathered slots: one MPI call in all. Above FOLD_RANKS ranks
+# the gathered slots would grow with the ranks: the check is the (signature, -signature) MAX
+# Iallreduce (constant size), and the data goes in its own call.
+FOLD_BYTES = 4096
+FOLD_RANKS = 8
+SLOT_HEADER = 8 * 6             # SIG_LEN int64
+_pack_sig = struct.Struct("=6q").pack_into      # the signature into a slot's header
+_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
 UPCAST_DTYPES = ("float16", "bfloat16")
 
@@ -196,6 +222,24 @@ def from_float32(src: np.ndarray, dst: np.ndarray, dtype: str) -> None:
     dst.view(np.uint16)[...] = rounded
 
 
+def reduce_rows(rows: np.ndarray, dst: np.ndarray, dtype: str, op: str) -> None:
+    """``dst`` = the reduction of ``rows`` (ranks x elements, storage dtype) over the ranks, in the
+    arithmetic of the MPI path (:func:`reduce_plan`): float16/bfloat16 in float32, rounded once;
+    integers wrap in their own width; avg = sum, then a division by the number of rows. Rows are
+    combined in rank order, so every rank computes the same bits."""
+    n = rows.shape[0]
+    uf = _UFUNCS[op]
+    if dtype in UPCAST_DTYPES:
+        acc = uf.reduce(to_float32(rows, dtype), axis=0)
+        if op == "avg":
+            acc /= np.float32(n)
+        from_float32(acc, dst, dtype)
+        return
+    uf.reduce(rows, axis=0, dtype=dst.dtype, out=dst)
+    if op == "avg":
+        dst /= dst.dtype.type(n)
+
+
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.size > 0 and b.size > 0 and np.shares_memory(a, b))
 
@@ -281,6 +325,9 @@ class MpiBackend(LibraryBackend):
         self.abort_on_timeout = abort_default() if abort_on_timeout is None else bool(abort_on_timeout)
         self.check = (check_default() if check is None else bool(check)) and self._size > 1
         self._sig = np.empty(2 * SIG_LEN, np.int64)       # reused: (signature, -signature)
+        self.fold = self._size <= FOLD_RANKS              # the check is the slot Iallgather
+        self._slots = None                                # _make_slots': made at the first check
+        self._views: dict = {}                            # _views_of's cache
         self._plans: dict = {}                            # (dtype, op) -> _plan's answer
         self.abort_code = int(abort_code)
         self._stuck: list = []            # requests (and their buffers) of calls that timed out
@@ -372,6 +419,9 @@ class MpiBackend(LibraryBackend):
         self._stuck = []
         self.check = check_default() and self._size > 1
         self._sig = np.empty(2 * SIG_LEN, np.int64)
+        self.fold = self._size <= FOLD_RANKS
+        self._slots = None
+        self._views = {}
         self._plans = {}
 
     def _start(self, name: str, timeout: float) -> tuple[int, float]:
@@ -459,9 +509,68 @@ class MpiBackend(LibraryBackend):
         raise CollectiveError(msg, hint="MPI cannot cancel a started collective: this communicator is dead; "
                                         "find the missing rank (hpcring stacks) and restart the job")
 
+    def _folds(self, nbytes: int) -> bool:
+        """Does a call with ``nbytes`` of data per rank ride in the check's slot (done locally)?"""
+        return self.check and self.fold and nbytes <= FOLD_BYTES
+
+    def _gather(self, sig, name: str, seq: int, desc, timeout: float, t0: float, payload=None) -> np.ndarray:
+        """The folded check: one Iallgather of every rank's slot (signature, then ``payload``'s
+        bytes, at most FOLD_BYTES); raises the named mismatch on every rank; returns the gathered
+        slots (ranks x slot bytes, uint8) for the call to take its data from."""
+        slot, table, heads, spec = self._slots or self._make_slots()
+        _pack_sig(slot, 0, *sig)
+        if payload is not None and payload.nbytes:
+            slot[SLOT_HEADER:SLOT_HEADER + payload.nbytes] = payload
+        try:
+            req = self._comm.Iallgather(spec[0], spec[1])
+        except self._MPI.Exception as e:
+            self._start_failed(name, seq, desc, e)
+        if not req.Test():
+            self._wait(req, name, seq, desc, timeout, t0, (slot, table), CHECK_SPIN_S)
+        got = heads.tobytes()              # every rank's signature; this rank's own is row rank
+        at = self._rank * SLOT_HEADER
+        if got != got[at:at + SLOT_HEADER] * self._size:
+            self._mismatch(name, seq, np.frombuffer(got, np.int64).reshape(self._size, SIG_LEN))
+        return table
+
+    def _make_slots(self) -> tuple:
+        """The folded check's buffers (made once): this rank's slot, the gathered slots, views of
+        this slot's signature and of every rank's, and the Iallgather's buffer arguments."""
+        width = SLOT_HEADER + FOLD_BYTES
+        table = np.zeros((self._size, width), np.uint8)
+        slot = table[self._rank]            # in place: this rank's slot is its row of the gathered ones
+        self._slots = (slot, table, table[:, :SLOT_HEADER], (self._MPI.IN_PLACE, [table, self._MPI.BYTE]))
+        return self._slots
+
+    def _views_of(self, dtype: str, dt: np.dtype, nb: int) -> tuple:
+        """(this rank's slot data, every rank's gathered data) for ``nb`` bytes of ``dtype`` (``dt``:
+        its storage), then the slot, the Iallgather's arguments and the gathered signatures
+        (cached per (dtype, nb))."""
+        key = (dtype, nb)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) > 256:
+                self._views.clear()
+            slot, table, heads, spec = self._slots or self._make_slots()
+            end = SLOT_HEADER + nb
+            views = self._views[key] = (slot[SLOT_HEADER:end].view(dt),
+                                        [table[r, SLOT_HEADER:end].view(dt) for r in range(self._size)],
+                                        slot, spec, heads)
+        return views
+
+    def _mismatch(self, name: str, seq: int, sigs) -> None:
+        """Every rank has every rank's signature (``sigs``, ranks x SIG_LEN): the sticky, named error."""
+        msg = mismatch_message(sigs, self._rank, self._hosts) or f"{name}#{seq} mismatched collective"
+        self._error = msg
+        raise CollectiveError(msg, hint="every rank must call the same collectives in the same order with "
+                                        f"the same sizes, dtypes and roots (checked before MPI: {CHECK_ENV})")
+
     def _agree(self, sig, name: str, seq: int, desc, timeout: float, t0: float) -> None:
         """The signature check (module docstring): raises the named mismatch on every rank.
         ``sig``: :func:`signature`'s array, or the same values as a tuple of ints (hot path)."""
+        if self.fold:
+            self._gather(sig, name, seq, desc, timeout, t0)
+            return
         buf = self._sig
         if type(sig) is not tuple:
             sig = tuple(int(v) for v in sig)
@@ -483,10 +592,7 @@ class MpiBackend(LibraryBackend):
         mine = np.array(sig, np.int64)
         self._start_wait(name, seq, desc, timeout, t0, (mine, table),
                          lambda: self._comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T]))
-        msg = mismatch_message(table, self._rank, self._hosts) or f"{name}#{seq} mismatched collective"
-        self._error = msg
-        raise CollectiveError(msg, hint="every rank must call the same collectives in the same order with "
-                                        f"the same sizes, dtypes and roots (checked before MPI: {CHECK_ENV})")
+        self._mismatch(name, seq, table)
 
     def _start_wait(self, name, seq, desc, timeout, t0, keep, start, spin: float = 0.0) -> None:
         try:
@@ -529,14 +635,47 @@ class MpiBackend(LibraryBackend):
         plan = self._plans.get((dtype, op))
         if plan is None:                           # argument errors before a sequence number is used
             reduce_plan(dtype, op)
-        seq, timeout = self._start("allreduce", timeout)
+        if self._comm is None or self._error is not None or self._closed:
+            seq, timeout = self._start("allreduce", timeout)
+        else:                                      # _start's common case, inline
+            seq = self._seq = self._seq + 1
         if plan is None:                           # (after _start: a lazy backend imports MPI there)
             plan = self._plan(dtype, op)
         view, mtype, mop, widened, dcode, ocode = plan
         MPI = self._MPI
         n = recvbuf.size
-        desc = self._lazy_desc(n, dtype, op)
+        desc = LazyDesc(n, dtype, op)
         sig = (0, n, dcode, ocode, -1, seq)        # signature("allreduce", seq, n, dtype, op)
+        nb = recvbuf.nbytes
+        if self.check and self.fold and nb <= FOLD_BYTES:
+            # the data rides in the check's slot and is reduced here from every rank's copy: one
+            # MPI call in all (_gather's steps inline: this is the small-message hot path)
+            t0 = time.monotonic()
+            mine, rows, slot, spec, heads = self._views.get((dtype, nb)) or self._views_of(dtype, recvbuf.dtype, nb)
+            mine[...] = sendbuf if sendbuf.ndim == 1 else sendbuf.reshape(-1)
+            _pack_sig(slot, 0, 0, n, dcode, ocode, -1, seq)
+            try:
+                req = self._comm.Iallgather(spec[0], spec[1])
+            except MPI.Exception as e:
+                self._start_failed("allreduce", seq, desc, e)
+            spin_end = t0 + CHECK_SPIN_S
+            while not req.Test():               # _wait's spin, inline; then _wait itself
+                if time.monotonic() > spin_end:
+                    self._wait(req, "allreduce", seq, desc, timeout, t0, spec)
+                    break
+            got = heads.tobytes()
+            at = self._rank * SLOT_HEADER
+            if got != got[at:at + SLOT_HEADER] * self._size:
+                self._mismatch("allreduce", seq, np.frombuffer(got, np.int64).reshape(self._size, SIG_LEN))
+            out = recvbuf if recvbuf.ndim == 1 else recvbuf.reshape(-1)
+            if widened or op == "avg":
+                reduce_rows(np.stack(rows), out, dtype, op)
+                return
+            uf = _UFUNCS[op]                     # in the dtype itself, rank order: as reduce_rows
+            uf(rows[0], rows[1], out)
+            for row in rows[2:]:
+                uf(out, row, out)
+            return
         if widened:
             work = _to_wire(sendbuf, dtype, view)
             self._run("allreduce", seq, desc, timeout,
@@ -569,9 +708,14 @@ class MpiBackend(LibraryBackend):
         s, r = self._bytes(sendbuf), self._bytes(recvbuf)
         if _same_memory(sendbuf, recvbuf):
             s = s.copy()
+        sig = signature("allgather", seq, sendbuf.size, dtype)
+        if self._folds(s.nbytes):
+            nb = s.nbytes
+            table = self._gather(sig, "allgather", seq, desc, timeout, time.monotonic(), s)
+            r.reshape(self._size, nb)[...] = table[:, SLOT_HEADER:SLOT_HEADER + nb]
+            return
         B = self._MPI.BYTE
-        self._run("allgather", seq, desc, timeout, lambda: self._comm.Iallgather([s, B], [r, B]), (s, r),
-                  signature("allgather", seq, sendbuf.size, dtype))
+        self._run("allgather", seq, desc, timeout, lambda: self._comm.Iallgather([s, B], [r, B]), (s, r), sig)
 
     def reduce_scatter(self, sendbuf, recvbuf, dtype: str, op: str, timeout: float) -> None:
         reduce_plan(dtype, op)
@@ -583,6 +727,14 @@ class MpiBackend(LibraryBackend):
         if recvbuf.size != counts[self._rank]:
             raise UsageError(f"reduce_scatter: recvbuf has {recvbuf.size} elements, rank {self._rank} "
                              f"gets {counts[self._rank]} of {n}")
+        sig = signature("reduce_scatter", seq, n, dtype, op)
+        if self._folds(sendbuf.nbytes):
+            table = self._gather(sig, "reduce_scatter", seq, desc, timeout, time.monotonic(),
+                                 self._bytes(sendbuf))
+            off = sum(counts[:self._rank])
+            rows = table[:, SLOT_HEADER:SLOT_HEADER + sendbuf.nbytes].view(sendbuf.dtype)
+            reduce_rows(rows[:, off:off + counts[self._rank]], recvbuf.reshape(-1), dtype, op)
+            return
         widened = _widened(dtype, view)
         if widened:
             s = _to_wire(sendbuf, dtype, view)
@@ -593,8 +745,7 @@ class MpiBackend(LibraryBackend):
                 s = s.copy()
             r = recvbuf.view(view)
         self._run("reduce_scatter", seq, desc, timeout,
-                  lambda: self._comm.Ireduce_scatter([s, mtype], [r, mtype], counts, mop), (s, r),
-                  signature("reduce_scatter", seq, n, dtype, op))
+                  lambda: self._comm.Ireduce_scatter([s, mtype], [r, mtype], counts, mop), (s, r), sig)
         if op == "avg":
             r /= r.dtype.type(self._size)
         if widened:
@@ -606,9 +757,15 @@ class MpiBackend(LibraryBackend):
         seq, timeout = self._start("broadcast", timeout)
         desc = self._desc(buf.size, dtype, root=root)
         b = self._bytes(buf)
+        sig = signature("broadcast", seq, buf.size, dtype, root=root)
+        if self._folds(b.nbytes):
+            table = self._gather(sig, "broadcast", seq, desc, timeout, time.monotonic(),
+                                 b if self._rank == root else None)
+            if self._rank != root:
+                b[...] = table[root, SLOT_HEADER:SLOT_HEADER + b.nbytes]
+            return
         B = self._MPI.BYTE
-        self._run("broadcast", seq, desc, timeout, lambda: self._comm.Ibcast([b, B], root), (b,),
-                  signature("broadcast", seq, buf.size, dtype, root=root))
+        self._run("broadcast", seq, desc, timeout, lambda: self._comm.Ibcast([b, B], root), (b,), sig)
 
     def alltoall(self, sendbuf, recvbuf, dtype: str, timeout: float) -> None:
         if sendbuf.size % self._size:
@@ -616,11 +773,17 @@ class MpiBackend(LibraryBackend):
         seq, timeout = self._start("alltoall", timeout)
         desc = self._desc(sendbuf.size, dtype)
         s, r = self._bytes(sendbuf), self._bytes(recvbuf)
+        sig = signature("alltoall", seq, sendbuf.size, dtype)
+        if self._folds(s.nbytes):
+            blk = s.nbytes // self._size
+            table = self._gather(sig, "alltoall", seq, desc, timeout, time.monotonic(), s)
+            at = SLOT_HEADER + self._rank * blk
+            r.reshape(self._size, blk)[...] = table[:, at:at + blk]
+            return
         if _same_memory(sendbuf, recvbuf):
             s = s.copy()                  # MPI_IN_PLACE for Ialltoall is not reliable in every MPI
         B = self._MPI.BYTE
-        self._run("alltoall", seq, desc, timeout, lambda: self._comm.Ialltoall([s, B], [r, B]), (s, r),
-                  signature("alltoall", seq, sendbuf.size, dtype))
+        self._run("alltoall", seq, desc, timeout, lambda: self._comm.Ialltoall([s, B], [r, B]), (s, r), sig)
 
     # -- point-to-point -----------------------------------------------------------------------
     # MPI_Isend / MPI_Irecv on the communicator (its tags and matching: MPI's non-overtaking rule),
