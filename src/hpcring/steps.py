@@ -128,7 +128,7 @@ def step_lines(data: dict | None) -> list[str]:
         spare = f" (spare {','.join(s['spares'])})" if s.get("spares") else ""
         end = f"  {s['end']}" if s.get("end") else "  running"
         then = f"  -> {s['decision']}" if s.get("decision") else ""
-        lost = f"  ({s['lost_s']:.1f} s from the step's end to the next start)" if isinstance(s.get("lost_s"), (int, float)) else ""
+        lost = f"  ({s['lost_s']:.1f} s from the fault's first sign to the next step)" if isinstance(s.get("lost_s"), (int, float)) else ""
         out.append(f"step {s.get('attempt')}  {hosts}{spare}  {s.get('size')} ranks{end}{then}{lost}")
     return out
 
@@ -334,6 +334,7 @@ def run(plan: Plan, environ: Mapping[str, str] | None = None) -> int:
         log(f"step {attempt} on {','.join(hosts)}: {size} ranks" + (f" (spare {','.join(spares)})" if spares else "")
             + (f", restart count {base + attempt}" if attempt else ""))
         rc, err = launcher.run(sched.step_argv(plan.launch, hosts, plan.tasks_per_node), env)
+        rc = 128 - rc if rc < 0 else rc        # the launcher killed by a signal: the shell's convention
         last_end = time.time()
         step.update(ended=last_end, rc=rc)
         if rc == 0:
