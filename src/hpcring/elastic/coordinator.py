@@ -51,6 +51,7 @@ class Coordinator:
         self._aborted = 0
         self._announced: set[str] = set()
         self._updated = 0
+        self._finished = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpcring-elastic-coordinator", daemon=True)
 
@@ -108,6 +109,10 @@ class Coordinator:
             self._form(d.members)
         elif d.action == "error":
             self._fail(d.message)
+        elif d.action == "finished" and not self._finished:
+            self._finished = True        # late newcomers hear it; the job itself succeeded
+            self.client.set(P.round_key(self.round_no + 1), P.dumps({"round": self.round_no + 1, "error": d.message}))
+            self.say(f"elastic: {d.message}")
         elif d.notify == ADDED:
             new = {w.wid for w in self.workers.values() if w.waiting and w.wid not in self.members}
             if not new <= self._announced:

@@ -40,7 +40,7 @@ class Worker:
 
 @dataclass
 class Decision:
-    action: str                           # "wait", "form", "error"
+    action: str                           # "wait", "form", "error", "finished" (the job is done)
     members: list[str] = field(default_factory=list)
     message: str = ""
     notify: int = NO_UPDATE               # announce to the current members (ADDED), else nothing
@@ -80,6 +80,9 @@ def decide(workers: dict[str, Worker], round_no: int, members: list[str], *, sta
             return Decision("error", message=(
                 f"every member of round {round_no} ended ({', '.join(members)}), some lost: no worker holds "
                 f"the committed state to hand to {', '.join(new)}"))
+        if new:
+            return Decision("finished", message=(
+                f"every member of round {round_no} finished; {', '.join(new)} came too late to join"))
         return Decision("wait")
     if not asked and not lost:
         # a steady round: announce newcomers it has room for

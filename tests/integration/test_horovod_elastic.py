@@ -1,0 +1,259 @@
+"""Horovod Elastic on hpcring, end to end: the elastic driver (python -m hpcring.elastic.driver)
+starts real worker processes (tests/horovod_elastic_worker.py: hpcring.torch, the ring over
+loopback TCP and shared memory); a worker is SIGKILLed from here mid-epoch, or a new one started
+from here joins. Nothing of hpcring is faked.
+
+The final weights are checked exactly against :func:`simulate`, which replays the committed-state
+semantics independently (Horovod's sampler partition, gradients summed over the ranks' batches,
+SGD with momentum): the rounds' sizes and the positions they resumed from (read from the workers'
+logs) determine them. Every number in the worker is an exact binary fraction, so equality is exact.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+WORKER = str(Path(__file__).resolve().parents[1] / "horovod_elastic_worker.py")
+N, BATCH, EPOCHS, COMMIT = 48, 2, 2, 2
+DEADLINE_S = 150          # a whole job, under load
+
+
+class Job:
+    def __init__(self, tmp: Path, mode: str, *driver_args: str, pace: float = 0.15, hold_at: int = -1,
+                 env: dict | None = None) -> None:
+        self.tmp, self.logs, self.info = tmp, tmp / "logs", tmp / "info.json"
+        self.env = {**os.environ, "HPCRING_TIMEOUT": "60", "HPCRING_JOB_DIR": str(tmp), **(env or {})}
+        self.env.pop("HPCRING_SECRET_FILE", None)
+        self.worker_args = [sys.executable, WORKER, mode, str(self.logs), "--epochs", str(EPOCHS), "--n", str(N),
+                            "--batch", str(BATCH), "--commit", str(COMMIT), "--pace", str(pace),
+                            "--hold-at", str(hold_at)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "hpcring.elastic.driver", *driver_args,
+                                      "--info", str(self.info), "--", *self.worker_args], env=self.env, cwd=tmp,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.extra: list[subprocess.Popen] = []
+
+    def records(self) -> dict[str, list[dict]]:
+        out = {}
+        for f in sorted(self.logs.glob("*.jsonl")):
+            lines = f.read_text().splitlines()
+            out[f.stem] = [json.loads(x) for x in lines if x.endswith("}")]
+        return out
+
+    def wait_for(self, what: str, pred, timeout: float = 90.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            got = pred(self.records())
+            if got:
+                return got
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        out, err = self.finish(5)
+        raise AssertionError(f"never saw {what}:\n{out}\n{err}")
+
+    def join(self, wid: str) -> subprocess.Popen:
+        info = json.loads(self.info.read_text())
+        p = subprocess.Popen(self.worker_args, env={**self.env, **info["env"], "HPCRING_ELASTIC_ID": wid}, cwd=self.tmp,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.extra.append(p)
+        return p
+
+    def finish(self, timeout: float = DEADLINE_S) -> tuple[str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            err += "\n[test: the driver did not end in time]"
+        for p in self.extra:
+            try:
+                o, e = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                o, e = p.communicate()
+            out, err = out + o, err + e
+        return out, err
+
+
+@pytest.fixture
+def jobs():
+    made: list[Job] = []
+    yield made
+    for j in made:                      # never leave a driver or worker behind
+        for p in [j.proc, *j.extra]:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def kinds(recs: list[dict], kind: str, **match) -> list[dict]:
+    return [r for r in recs if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())]
+
+
+def features(n: int):
+    i = torch.arange(n, dtype=torch.float64)
+    return torch.stack([i % 7 - 3, i % 5 - 2, i % 3 - 1, torch.ones(n, dtype=torch.float64)], dim=1)
+
+
+def simulate(schedule: list[tuple[int, tuple[int, int]]], seed: int = 3) -> list[float]:
+    """The weights a job must end with: ``schedule`` lists each round's size and the position
+    (epoch, samples processed in it) it resumed from; a round runs until the next one's position.
+    Written from Horovod's documented semantics, not from hpcring's code."""
+    feats = features(N)
+    w = torch.zeros(1, 4, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=0.25, momentum=0.5)
+    pos = (0, 0)
+    for k, (size, start) in enumerate(schedule):
+        assert pos == start, (pos, start)
+        end = schedule[k + 1][1] if k + 1 < len(schedule) else (EPOCHS, 0)
+        while pos < end:
+            epoch, done = pos
+            order = list(range(N))
+            random.Random(seed + epoch).shuffle(order)
+            rest = order[done:]
+            per = math.ceil(len(rest) / size)
+            padded = rest + rest[:per * size - len(rest)]
+            shares = [padded[r:per * size:size] for r in range(size)]
+            for j in range(math.ceil(per / BATCH)):
+                if pos >= end:
+                    break
+                idx = [i for s in shares for i in s[j * BATCH:(j + 1) * BATCH]]
+                opt.zero_grad()
+                (feats[idx] @ w.t()).sum().backward()
+                opt.step()
+                pos = (epoch, pos[1] + BATCH * size)
+            else:
+                pos = (epoch + 1, 0)
+    return w.detach().flatten().tolist()
+
+
+def rounds_of(recs: dict[str, list[dict]]) -> dict[int, dict]:
+    """round -> {size, members (wid by rank), synced position, synced weights}, checked to agree."""
+    out: dict[int, dict] = {}
+    for wid, rs in recs.items():
+        for r in kinds(rs, "synced"):
+            pos = (r["epoch"], r["processed"])
+            o = out.setdefault(r["round"], {"size": r["size"], "members": {}, "pos": pos, "w": r["w"], "t": r["t"]})
+            assert (o["size"], o["pos"], o["w"]) == (r["size"], pos, r["w"]), f"ranks disagree after the sync: {o} {r}"
+            o["members"][r["rank"]] = wid
+            o["t"] = min(o["t"], r["t"])
+    return dict(sorted(out.items()))
+
+
+def counted_samples(recs: dict[str, list[dict]], rounds: dict[int, dict]) -> dict[int, list[int]]:
+    """Per epoch, the samples of every step that was not rolled back: a step of round r counts when
+    its position is before the position round r + 1 resumed from."""
+    per_epoch: dict[int, list[int]] = {}
+    for rs in recs.values():
+        for s in kinds(rs, "step"):
+            nxt = rounds.get(s["round"] + 1)
+            if nxt is None or (s["epoch"], s["processed"]) < nxt["pos"]:
+                per_epoch.setdefault(s["epoch"], []).extend(s["idx"])
+    return per_epoch
+
+
+def check_shrunk(job: Job, victim: str, killed_at: float) -> dict:
+    out, err = job.finish()
+    assert job.proc.returncode == 0, f"{out}\n{err}"
+    assert f"worker {victim} lost (killed by signal 9; a member of round 1)" in err, err
+    recs = job.records()
+    rounds = rounds_of(recs)
+    assert [(r, o["size"]) for r, o in rounds.items()] == [(1, 3), (2, 2)], rounds
+    old = rounds[1]["members"]
+    survivors = [old[k] for k in sorted(old) if old[k] != victim]
+    assert [rounds[2]["members"][k] for k in (0, 1)] == survivors, "survivors keep their order, oldest first"
+    for wid in survivors:
+        rs = recs[wid]
+        assert len(kinds(rs, "restored", round=1)) == 1, "HorovodInternalError -> restore, once"
+        assert [(r["round"], r["size"]) for r in kinds(rs, "reset_cb")] == [(2, 2)]
+        assert kinds(rs, "final")[0]["w"] == simulate([(3, (0, 0)), (2, rounds[2]["pos"])])
+    # the position resumed from is a commit of round 1 that the victim had started working past
+    resumed = rounds[2]["pos"]
+    assert resumed[0] < EPOCHS and (resumed[1] % (COMMIT * BATCH * 3) == 0)
+    # ElasticSampler: within each epoch every sample once, none skipped, across the shrink
+    for epoch, idx in counted_samples(recs, rounds).items():
+        assert sorted(idx) == list(range(N)), f"epoch {epoch}: {sorted(idx)}"
+    first = min(s["t"] for wid in survivors for s in kinds(recs[wid], "step", round=2))
+    took = first - killed_at
+    print(f"kill -> survivors' next step: {took:.2f} s (resumed from {resumed}, "
+          f"rolled back to commit; driver stderr:\n{err})")
+    assert took < 15.0
+    return rounds
+
+
+@pytest.mark.parametrize("victim_rank", [1, 0])
+def test_rank_killed_mid_epoch_survivors_go_on_from_the_last_commit(tmp_path, jobs, victim_rank):
+    job = Job(tmp_path, "train", "--np", "3", "--min-np", "2", "--max-np", "3")
+    jobs.append(job)
+
+    def victim_started(recs):
+        for wid, rs in recs.items():
+            steps = kinds(rs, "step", round=1, rank=victim_rank)
+            if len(steps) >= 3:
+                return wid, steps[0]["pid"]
+        return None
+    wid, pid = job.wait_for(f"round 1's rank {victim_rank} at its third step", victim_started)
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    check_shrunk(job, wid, killed_at)
+
+
+def test_worker_joining_later_receives_the_committed_state(tmp_path, jobs):
+    # round 1 waits at its commit of step 4 (check_host_updates in a loop) until the newcomer asks
+    job = Job(tmp_path, "train", "--np", "2", "--min-np", "2", "--max-np", "3", hold_at=4)
+    jobs.append(job)
+    job.wait_for("round 1 holding at step 4", lambda recs: any(kinds(rs, "holding") for rs in recs.values()))
+    joiner = job.join("w9")
+    out, err = job.finish()
+    assert job.proc.returncode == 0 and joiner.returncode == 0, f"{out}\n{err}"
+    assert "w9 waiting to join: asking round 1's members to reset at their next commit" in err, err
+    recs = job.records()
+    rounds = rounds_of(recs)
+    assert [(r, o["size"]) for r, o in rounds.items()] == [(1, 2), (2, 3)], rounds
+    assert rounds[2]["members"][2] == "w9" and set(rounds[2]["members"].values()) == {"w0", "w1", "w9"}
+    assert [rounds[2]["members"][k] for k in (0, 1)] == [rounds[1]["members"][k] for k in (0, 1)]
+    # HostsUpdatedInterrupt: no restore; the newcomer holds the committed state after the sync
+    # (rounds_of checked that every rank of round 2 synced to the same position and weights)
+    for wid in ("w0", "w1"):
+        assert not kinds(recs[wid], "restored") and [r["size"] for r in kinds(recs[wid], "reset_cb")] == [3]
+    assert kinds(recs["w9"], "synced")[0]["round"] == 2 and rounds[2]["pos"] == (0, 4 * BATCH * 2)
+    asked = kinds(recs["w9"], "start")[0]["t"]
+    first = min(s["t"] for rs in recs.values() for s in kinds(rs, "step", round=2))
+    print(f"newcomer started -> first step of the 3-worker round: {first - asked:.2f} s")
+    want = simulate([(2, (0, 0)), (3, rounds[2]["pos"])])
+    for wid in ("w0", "w1", "w9"):
+        assert kinds(recs[wid], "final")[0]["w"] == want
+
+
+def test_fewer_than_min_np_left_ends_the_job_after_the_elastic_timeout(tmp_path, jobs):
+    job = Job(tmp_path, "train", "--np", "2", "--min-np", "2", "--timeout", "10")
+    jobs.append(job)
+    wid, pid = job.wait_for("a step", lambda recs: next(((w, rs[0]["pid"]) for w, rs in recs.items()
+                                                          if kinds(rs, "step", round=1, rank=1)), None))
+    os.kill(pid, signal.SIGKILL)
+    out, err = job.finish(60)
+    assert job.proc.returncode == 1, f"{out}\n{err}"
+    assert "fewer than min_np 2" in err and "ElasticJobError" in err, err
+
+
+def test_contract_commit_restore_sync_host_updates_reset_callbacks_and_reset_limit(tmp_path, jobs):
+    job = Job(tmp_path, "contract", "--np", "2", "--reset-limit", "2")
+    jobs.append(job)
+    out, err = job.finish()
+    assert "OK contract 0" in out and "OK contract 1" in out, f"{out}\n{err}"
+    # the reset limit ends the job: the workers caught it, the driver fails it
+    assert job.proc.returncode == 1 and "reaches the reset limit 2" in err, err
+    recs = job.records()
+    for wid in ("w0", "w1"):
+        assert [r["what"] for r in kinds(recs[wid], "ok")] == ["torchstate", "objectstate", "check_host_updates",
+                                                              "reset_limit", "run"]
