@@ -72,6 +72,16 @@ def test_a_node_with_no_file_is_no_answer_in_the_deadline():
     assert "node3" not in v.unsure
 
 
+def test_most_nodes_bad_points_at_the_environment():
+    hosts, recs = cluster()
+    del recs["node1"], recs["node2"]
+    v = judge(recs, hosts)
+    assert set(v.bad) == {"node1", "node2"} and any("suspect the environment" in line for line in v.lines)
+    hosts, recs = cluster()
+    del recs["node1"]
+    assert not any("suspect" in line for line in judge(recs, hosts).lines)
+
+
 def test_a_node_that_never_finished():
     hosts, recs = cluster()
     recs["node2"] = {k: recs["node2"][k] for k in ("started", "deadline", "listen")} | {"state": "listening"}

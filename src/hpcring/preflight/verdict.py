@@ -194,6 +194,9 @@ def judge(records: Mapping[str, object], expected: Sequence[str], *, min_gbps: f
         lines.append(f"  BAD {h}: {bad[h]}" + (" [no clear culprit]" if h in unsure else ""))
     if len(bad) > len(shown):
         lines.append(f"  ... and {len(bad) - len(shown)} more bad nodes")
+    if len(expected) > 1 and 2 * len(bad) > len(expected):
+        lines.append("  more than half the nodes failed: suspect the environment (a setting, the shared file "
+                     "system, a deadline too short for the Python and torch imports) before the nodes")
     lines += version_lines + conn_lines + link_lines
     gpus = [n.gpu for n in done.values() if n.gpu]
     if gpus:
