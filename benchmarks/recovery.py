@@ -185,14 +185,15 @@ def torchrun_fault(args, ref: str) -> dict:
     jid = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
                          check=True).stdout.strip().split(";")[0]
     at = wait_for(lambda: any(f"STEP {args.kill_at} rank 1 " in ln for ln in lines_of(base, "node-*.out")), 300)
-    node = None
-    for line in lines_of(base, "node-*.out"):
-        m = START.search(line)
-        if m and int(m.group(1)) == 1:
-            node = m.group(5)
-    if not at or not node or node == "node1":   # node1 holds the c10d store: torchrun's own single point
+    # a worker's node that does not hold the c10d store (the allocation's first node, torchrun's own
+    # single point of failure, which the scenario leaves alone)
+    head = subprocess.run(["squeue", "-h", "-j", jid, "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["scontrol", "show", "hostnames", head], capture_output=True, text=True).stdout.split()[:1]
+    workers = [m.group(5) for m in map(START.search, lines_of(base, "node-*.out")) if m]
+    node = next((h for h in workers if h not in head), None)
+    if not at or not node:
         subprocess.run(["scancel", jid])
-        return {"scenario": "torchrun kill", "error": f"no step {args.kill_at} on a node other than the store's ({node})"}
+        return {"scenario": "torchrun kill", "error": f"no step {args.kill_at} on a node other than the store's"}
     t_fault = time.time()
     n = signal_node(node, signal.SIGKILL)
     done = wait_for(lambda: subprocess.run(["squeue", "-h", "-j", jid], capture_output=True, text=True).stdout.strip() == "",
