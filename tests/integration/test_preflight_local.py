@@ -57,6 +57,18 @@ def test_healthy_nodes_are_ok_within_the_deadline(tmp_path):
     assert done["versions"]["python"] and done["pairs"]["fake1"]["ok"]
 
 
+def test_gpus_without_a_cuda_torch_are_skipped_not_blamed(tmp_path):
+    """--gpus imports torch in the child process; torch here is a CPU build: said, nobody blamed."""
+    pytest.importorskip("torch")
+    hosts = ["fake1", "fake2"]
+    codes, outs, took, secret = run_tasks(tmp_path, hosts, extra={h: ["--gpus", "1"] for h in hosts})
+    assert set(codes.values()) == {0}, outs
+    v = read_verdict(tmp_path, hosts, secret=secret)
+    assert v.ok, v.lines
+    assert any("gpus: 0 nodes passed (count and GEMM); skipped: torch" in line and "has no CUDA support" in line
+               for line in v.lines), v.lines
+
+
 def test_a_node_that_never_starts_is_no_answer(tmp_path):
     hosts = ["fake1", "fake2", "fake3"]
     codes, outs, took, secret = run_tasks(tmp_path, hosts, start=["fake1", "fake3"], deadline=10)

@@ -21,8 +21,9 @@ What one task does, every wait bounded by ``--deadline`` D (default 30 s) from i
    candidate address, and write its first file;
 2. in a child process (:mod:`hpcring.preflight.local`; importing torch in a thread starved the
    listener into timeouts, and a child stuck in CUDA can be killed at the deadline): the versions
-   (python, hpcring, torch imported, Open MPI's ``ompi_info``, NCCL through torch when it has
-   CUDA) and, with ``--gpus N``, the GPU check (device count == N, a 256x256 float32 GEMM per
+   (python, hpcring, torch, Open MPI's ``ompi_info``; with ``--gpus N`` torch is imported and NCCL's
+   version is torch's, without GPUs torch's installed version is read, not imported: seconds of
+   CPU saved) and, with ``--gpus N``, the GPU check (device count == N, a 256x256 float32 GEMM per
    device against the CPU's; skipped without a CUDA torch);
 3. wait for its targets' first files (until ``D - max(3 * connect timeout + 1.5, D/4)``), probe
    each target (connect + handshake with the connect timeout min(3, D/10) s; a target's
@@ -39,7 +40,7 @@ a generator seeded with the host list (every node computes the same graph, so ea
 tests it): about 5 probes per node at any size, each node tested by at least two.
 Each node polls only its targets' and testers' files (every 0.1 s, 0.5 s above 64 nodes).
 
-Healthy, a task takes about its Python start plus the torch import (seconds); a node that never
+Healthy, a task takes about its Python start (plus the torch import with ``--gpus``); a node that never
 starts costs the others until their join limit (about 0.75 D); a dead interface costs the
 connect timeout (min(3, D/10) s). The blame rules are in :mod:`hpcring.preflight.verdict`.
 """

@@ -50,11 +50,22 @@ def openmpi_version(timeout: float = 5.0) -> str | None:
 
 
 def torch_facts(gpus: int) -> tuple[dict, object | None]:
-    """(``{"torch": version or None, "nccl": version or None, "torch_error": ...}``, the module).
+    """(``{"torch": version or None, "nccl": version or None}``, the module or None).
 
-    torch is imported (not only looked up) so that a node where it is installed but broken shows;
-    NCCL's version is torch's (``torch.cuda.nccl.version()``) when torch has CUDA and a device."""
+    With ``gpus`` > 0 torch is imported (so a node where it is installed but broken shows) and
+    NCCL's version is torch's (``torch.cuda.nccl.version()``) when torch has CUDA and a device.
+    Without GPUs, the import (seconds of CPU; far more from a cold shared file system on thousands
+    of nodes at once) is not worth it: the installed version and whether Python finds the package."""
     out: dict = {"torch": None, "nccl": None}
+    if gpus <= 0:
+        import importlib.util
+        version = _dist_version("torch")
+        try:
+            found = importlib.util.find_spec("torch") is not None
+        except (ImportError, ValueError):
+            found = False
+        out["torch"] = version if found and version else ("broken: not importable" if version else None)
+        return out, None
     try:
         import torch
     except Exception as e:   # noqa: BLE001  (a broken install raises anything at import)
