@@ -135,6 +135,8 @@ def classify_step(statuses: Mapping[int, dict], size: int, report: dict | None,
         return Verdict(True, "the scheduler holds " + ", ".join(f"{h} {gone[h]}" for h in down), tuple(down))
     if killed:
         node, tasks, how = killed[0]
+        if how == "Launch failed" and node in hosts:
+            return Verdict(True, f"srun could not start the tasks on {node}", (node,))
         if how == "Killed" and node in hosts and set(hosts) != {node}:
             return Verdict(True, f"task{'s' if not tasks.isdigit() else ''} {tasks} on {node} killed (srun: {how}) "
                                  "with no record of their own", (node,))

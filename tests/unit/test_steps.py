@@ -46,6 +46,10 @@ def test_srun_casualty_lines():
             "srun: error: node1: tasks 0,2-3: Terminated\nsrun: error: node4: task 7: Exited with exit code 1\n")
     assert slurm_steps.casualties(text) == [("node2", "1", "Killed"), ("node1", "0,2-3", "Terminated")]
     assert slurm_steps.FAILED_TASK.search("srun: error: node4: task 7: Exited with exit code 1")
+    launch = "srun: error: Task launch for StepId=9.1 failed on node node3: Communication connection failure\n"
+    assert slurm_steps.casualties(launch + text)[0] == ("node3", "?", "Launch failed")
+    v = restarts.classify_step({}, 2, None, slurm_steps.casualties(launch), {}, ["node1", "node3"])
+    assert v.restart and v.nodes == ("node3",) and "could not start" in v.cause
 
 
 def test_folder_of_expands_job_and_array_ids():

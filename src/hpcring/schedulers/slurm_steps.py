@@ -56,9 +56,17 @@ def gang_argv(hosts: Sequence[str], command: Sequence[str]) -> list[str]:
             f"--nodelist={compress(list(hosts))}", "--overlap", "--kill-on-bad-exit=0", *command]
 
 
+# srun could not start the step's tasks on a node (its slurmd gone, the node unfit): a spare that
+# never starts, in srun 22.05-24.11's words
+LAUNCH_FAILED = re.compile(r"srun: error: Task launch for \S+ failed on node (\S+):")
+
+
 def casualties(text: str) -> list[tuple[str, str, str]]:
-    """(node, tasks, how) for each task srun reported ended by a signal, in srun's order."""
-    return [m.groups() for m in CASUALTY.finditer(text)]
+    """(node, tasks, how) for each task srun reported ended by a signal, and ``(node, "?",
+    "Launch failed")`` for a node where srun could not start them, in srun's order."""
+    found = [(m.start(), m.groups()) for m in CASUALTY.finditer(text)]
+    found += [(m.start(), (m.group(1), "?", "Launch failed")) for m in LAUNCH_FAILED.finditer(text)]
+    return [g for _, g in sorted(found)]
 
 
 def gone_nodes(hosts: Sequence[str], timeout: float = QUERY_TIMEOUT_S) -> dict[str, str]:
