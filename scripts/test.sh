@@ -25,7 +25,20 @@ echo "test.sh: devcluster up took $(( $(date +%s) - t0 )) s"
 
 rc=0
 # Test files that ranks read must be visible on every node: /tmp is node-private there.
-.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp=/srv/hpcring/pytest-tmp "$@" tests || rc=$?
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp=/srv/hpcring/pytest-tmp --durations=30)
+if [[ $# -gt 0 ]]; then
+    "${pytest[@]}" "$@" || rc=$?
+else
+    # the fast in-process tier first: a failure there stops before the ranks and the cluster
+    t0=$(date +%s)
+    "${pytest[@]}" tests/unit || rc=$?
+    echo "test.sh: unit tier $(( $(date +%s) - t0 )) s, exit $rc"
+    if [[ $rc -eq 0 ]]; then
+        t0=$(date +%s)
+        "${pytest[@]}" tests/integration || rc=$?
+        echo "test.sh: integration tier $(( $(date +%s) - t0 )) s, exit $rc"
+    fi
+fi
 
 if [[ "${HPCRING_KEEP_DEVCLUSTER:-1}" == "0" ]]; then
     .venv/bin/hpcring devcluster down || rc=1
