@@ -27,6 +27,7 @@ ap.add_argument("--batch-size", type=int, default=32)
 ap.add_argument("--lr", type=float, default=0.05)
 ap.add_argument("--commit-every", type=int, default=4, help="batches between commits")
 ap.add_argument("--pace", type=float, default=0.0, help="seconds to sleep per batch (to watch it)")
+ap.add_argument("--samples", type=int, default=2048)
 args = ap.parse_args()
 
 hvd.init()
@@ -35,7 +36,7 @@ print(f"worker {os.environ.get('HPCRING_ELASTIC_ID', '?')} pid {os.getpid()}: ra
       flush=True)
 
 g = torch.Generator().manual_seed(42)
-x = torch.randn(2048, 20, generator=g)
+x = torch.randn(args.samples, 20, generator=g)
 y = (x @ torch.randn(20, generator=g) > 0).long()
 dataset = torch.utils.data.TensorDataset(x, y)
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0)

@@ -257,3 +257,59 @@ def test_contract_commit_restore_sync_host_updates_reset_callbacks_and_reset_lim
     for wid in ("w0", "w1"):
         assert [r["what"] for r in kinds(recs[wid], "ok")] == ["torchstate", "objectstate", "check_host_updates",
                                                               "reset_limit", "run"]
+
+
+def test_serve_mode_workers_started_elsewhere_a_silent_one_counted_dead(tmp_path, jobs):
+    """--serve: the driver starts no worker; two started from here with its variables train, one
+    is SIGKILLed: not the driver's child, so the coordinator knows it only by its heartbeat
+    stopping (--dead-after 2); the survivor goes on alone (min_np 1)."""
+    job = Job(tmp_path, "train", "--serve", "--np", "2", "--min-np", "1", "--dead-after", "2")
+    jobs.append(job)
+    end = time.monotonic() + 60
+    while not job.info.exists() and time.monotonic() < end:
+        time.sleep(0.05)
+    a, b = job.join("a"), job.join("b")
+    wid, pid = job.wait_for("round 1 at step 3", lambda recs: next(
+        ((w, rs[0]["pid"]) for w, rs in recs.items() if len(kinds(rs, "step", round=1, rank=1)) >= 3), None))
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    out, err = job.finish()
+    assert job.proc.returncode == 0, f"{out}\n{err}"
+    assert out.startswith("HPCRING_ELASTIC_STORE=127.0.0.1:"), out
+    assert f"worker {wid} lost (no heartbeat for" in err, err
+    recs = job.records()
+    rounds = rounds_of(recs)
+    assert [(r, o["size"]) for r, o in rounds.items()] == [(1, 2), (2, 1)], rounds
+    survivor = rounds[2]["members"][0]
+    assert kinds(recs[survivor], "final")[0]["w"] == simulate([(2, (0, 0)), (1, rounds[2]["pos"])])
+    first = min(s["t"] for s in kinds(recs[survivor], "step", round=2))
+    print(f"kill -> next step without the driver's knowledge (dead after 2 s): {first - killed_at:.2f} s")
+    assert 2.0 <= first - killed_at < 20.0
+
+
+def test_the_example_goes_on_when_a_worker_is_killed(tmp_path, jobs):
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "train_horovod_elastic.py")
+    env = {**os.environ, "HPCRING_TIMEOUT": "60"}
+    env.pop("HPCRING_SECRET_FILE", None)
+    p = subprocess.Popen([sys.executable, "-m", "hpcring.elastic.driver", "--np", "3", "--min-np", "2", "--", sys.executable,
+                          example, "--epochs", "3", "--samples", "384", "--pace", "0.1"], env=env, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    killed = False
+    end = time.monotonic() + DEADLINE_S
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if not killed and "epoch 0: accuracy" in line:
+                pid = next(int(x.split(" pid ")[1].split(":")[0]) for x in lines if "worker w2 pid" in x)
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+            if time.monotonic() > end:
+                break
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    text = "".join(lines)
+    assert p.returncode == 0 and killed, text
+    assert "reset: now 2 workers" in text and "epoch 2: accuracy" in text and "on 2 workers" in text, text
