@@ -236,7 +236,7 @@ def test_worker_joining_later_receives_the_committed_state(tmp_path, jobs):
 
 
 def test_fewer_than_min_np_left_ends_the_job_after_the_elastic_timeout(tmp_path, jobs):
-    job = Job(tmp_path, "train", "--np", "2", "--min-np", "2", "--timeout", "10")
+    job = Job(tmp_path, "train", "--np", "2", "--min-np", "2", "--timeout", "20")
     jobs.append(job)
     wid, pid = job.wait_for("a step", lambda recs: next(((w, rs[0]["pid"]) for w, rs in recs.items()
                                                           if kinds(rs, "step", round=1, rank=1)), None))

@@ -195,8 +195,8 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_END_JOB", "bool", True, "after a diagnosed collective failure the reporting rank asks "
        "the scheduler to end the job (scancel of the step, bkill)"),
     _v("HPCRING_ELASTIC_TIMEOUT", "float", 600.0, "elastic training (hpcring.elastic.driver, hvd.elastic): "
-       "seconds a round may wait for --min-np workers (Horovod's HOROVOD_ELASTIC_TIMEOUT)", 0, MAX_TIMEOUT,
-       lo_open=True),
+       "seconds a round may wait for --min-np workers (Horovod's HOROVOD_ELASTIC_TIMEOUT; the first round: "
+       "counted from the first worker that asks)", 0, MAX_TIMEOUT, lo_open=True),
     _v("HPCRING_ELASTIC_DEAD_AFTER", "float", 6.0, "elastic training: seconds without a heartbeat before the "
        "coordinator counts a worker dead (the driver's own children: at once when they exit)", 0, 3600,
        lo_open=True),

@@ -47,7 +47,7 @@ class Coordinator:
         self._beats: dict[str, tuple[int, float]] = {}   # wid -> (counter, when it last changed)
         self._reports: list[tuple[str, str, str]] = []    # (wid, status, why) from the driver
         self._lock = threading.Lock()
-        self._due_since: float | None = time.monotonic()  # the first round is due from the start
+        self._due_since: float | None = None    # since when a round is due (the first: the first request)
         self._aborted = 0
         self._announced: set[str] = set()
         self._updated = 0
@@ -125,7 +125,9 @@ class Coordinator:
 
     def _due(self, now: float) -> float | None:
         """Since when a round has been due (None: none is)."""
-        if self.round_no == 0:
+        if self.round_no == 0:      # the clock starts with the first worker that asks (not the queue)
+            if self._due_since is None and any(w.waiting for w in self.workers.values()):
+                self._due_since = now
             return self._due_since
         due = any(self.workers[m].status == DEAD or (self.workers[m].status == ALIVE and self.workers[m].waiting)
                   for m in self.members)
