@@ -17,6 +17,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -262,8 +263,8 @@ def test_contract_commit_restore_sync_host_updates_reset_callbacks_and_reset_lim
 def test_serve_mode_workers_started_elsewhere_a_silent_one_counted_dead(tmp_path, jobs):
     """--serve: the driver starts no worker; two started from here with its variables train, one
     is SIGKILLed: not the driver's child, so the coordinator knows it only by its heartbeat
-    stopping (--dead-after 2); the survivor goes on alone (min_np 1)."""
-    job = Job(tmp_path, "train", "--serve", "--np", "2", "--min-np", "1", "--dead-after", "2")
+    stopping (--dead-after 4); the survivor goes on alone (min_np 1)."""
+    job = Job(tmp_path, "train", "--serve", "--np", "2", "--min-np", "1", "--dead-after", "4")
     jobs.append(job)
     end = time.monotonic() + 60
     while not job.info.exists() and time.monotonic() < end:
@@ -283,8 +284,8 @@ def test_serve_mode_workers_started_elsewhere_a_silent_one_counted_dead(tmp_path
     survivor = rounds[2]["members"][0]
     assert kinds(recs[survivor], "final")[0]["w"] == simulate([(2, (0, 0)), (1, rounds[2]["pos"])])
     first = min(s["t"] for s in kinds(recs[survivor], "step", round=2))
-    print(f"kill -> next step without the driver's knowledge (dead after 2 s): {first - killed_at:.2f} s")
-    assert 2.0 <= first - killed_at < 20.0
+    print(f"kill -> next step without the driver's knowledge (dead after 4 s): {first - killed_at:.2f} s")
+    assert 4.0 <= first - killed_at < 25.0
 
 
 def test_the_example_goes_on_when_a_worker_is_killed(tmp_path, jobs):
@@ -296,7 +297,8 @@ def test_the_example_goes_on_when_a_worker_is_killed(tmp_path, jobs):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     killed = False
-    end = time.monotonic() + DEADLINE_S
+    deadline = threading.Timer(DEADLINE_S, p.kill)      # the reads below end when the driver does
+    deadline.start()
     try:
         for line in p.stdout:
             lines.append(line)
@@ -304,12 +306,11 @@ def test_the_example_goes_on_when_a_worker_is_killed(tmp_path, jobs):
                 pid = next(int(x.split(" pid ")[1].split(":")[0]) for x in lines if "worker w2 pid" in x)
                 os.kill(pid, signal.SIGKILL)
                 killed = True
-            if time.monotonic() > end:
-                break
     finally:
+        deadline.cancel()
         if p.poll() is None:
             p.kill()
-        p.wait()
+        p.wait(timeout=30)
     text = "".join(lines)
     assert p.returncode == 0 and killed, text
     assert "reset: now 2 workers" in text and "epoch 2: accuracy" in text and "on 2 workers" in text, text
