@@ -179,6 +179,118 @@ def test_ring_hang_on_the_short_path_is_reported_as_on_the_general_path():
     assert "allreduce#1" in short[3]
 
 
+def host_call(comm, kind: str, x, mode: str, **kw):
+    """allgather, reduce_scatter, broadcast, alltoall or barrier from one call site for both
+    paths; ``mode`` as :func:`call` (``inplace`` only for alltoall; broadcast is in place).
+    Returns (result, the object it must be or None)."""
+    size = comm.size
+    if kind == "barrier":
+        return comm.barrier(**kw), None
+    if kind == "broadcast":
+        return comm.broadcast(x, root=size - 1, **kw), x
+    n_out = {"allgather": x.size * size, "reduce_scatter": x.size // size, "alltoall": x.size}[kind]
+    if mode in ("out", "outflat"):
+        out = np.full(n_out if mode == "outflat" else (n_out // x.shape[-1], x.shape[-1]) if x.ndim > 1
+                      and n_out % x.shape[-1] == 0 else n_out, 99, x.dtype)
+    else:
+        out = x if mode == "inplace" else None
+    fn = getattr(comm, kind)
+    return (fn(x, out=out, **kw) if kind != "reduce_scatter" else fn(x, "sum", out=out, **kw)), out
+
+
+# (kind, mode): in place only for alltoall; broadcast (always in place) and barrier take no out=
+HOST_CALLS = [(k, m) for k in ("allgather", "reduce_scatter", "alltoall") for m in MODES
+              if m != "inplace" or k == "alltoall"] + [("broadcast", "new"), ("barrier", "new")]
+
+
+@pytest.mark.parametrize("kind,mode", HOST_CALLS)
+@pytest.mark.parametrize("tag", ["float32", "float64", "int32", "uint8", "float16"])
+@pytest.mark.parametrize("shape", [(1024,), (16, 8), (4,)])
+def test_ring_other_collectives_short_and_general_paths_agree(group, kind, tag, shape, mode):
+    """The host short path of the other collectives: the same results (shape, dtype, object),
+    the same flight records as the general path, and the general path never runs."""
+
+    def phase(short):
+        def run(comm):
+            comm.short_path = short
+            x = values(tag, comm.rank, shape)
+            r, want = host_call(comm, kind, x, mode)
+            if kind == "barrier":
+                assert r is None
+            else:
+                assert (r is want) if want is not None else (r is not x)
+                assert r.dtype == x.dtype
+            rec = fields(comm.recorder.records(1)[0])
+            comm.short_path = True
+            return (None if r is None else (r.shape, r.copy())), rec
+        return run
+    general = group.run_ok(phase(False))
+    with NoGeneral():
+        short = group.run_ok(phase(True))
+    for (a, ra), (b, rb) in zip(general, short):
+        if a is None:
+            assert b is None
+        else:
+            assert a[0] == b[0]
+            np.testing.assert_array_equal(a[1], b[1])
+        assert ra == rb and ra["state"] == "done" and ra["op"] == kind
+    if kind == "allgather":       # and the values are every rank's, in rank order
+        want = np.stack([values(tag, r, shape) for r in range(2)])
+        np.testing.assert_array_equal(short[0][0][1].reshape(want.shape), want)
+
+
+def test_ring_other_short_paths_refuse_what_the_general_path_refuses(group):
+    comm = group.comms[0]
+    seq = comm.recorder.seq
+    with pytest.raises(UsageError, match="cannot be split"):
+        comm.alltoall(np.ones(3, np.float32))                 # 3 elements over 2 ranks
+    with pytest.raises(UsageError, match="root 2 out of range"):
+        comm.broadcast(np.ones(4, np.float32), root=2)
+    with pytest.raises(UsageError, match="elements"):
+        comm.allgather(np.ones(4, np.float32), out=np.empty(7, np.float32))
+    with pytest.raises(UsageError, match="unsupported op"):
+        comm.reduce_scatter(np.ones(4, np.float32), "xor")
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(UsageError, match="read-only"):
+        comm.broadcast(ro, root=0)
+    with pytest.raises(UsageError, match="timeout"):
+        comm.barrier(timeout=-1.0)
+    assert comm.recorder.seq == seq               # refused calls use no sequence number
+
+
+def hang_other(kind: str, short: bool, timeout: float = 0.6):
+    """Rank 0 calls ``kind``, rank 1 never does: the error, the record and what the watchdog saw."""
+    g = ThreadGroup(2, timeout=timeout)
+    seen = []
+    wd = types.SimpleNamespace(on_failure=lambda comm, rec, e: seen.append((rec.to_dict(), str(e))) or e)
+    comm = g.comms[0]
+    comm.watchdog, comm.short_path = wd, short
+    try:
+        x = np.ones(1000, np.float32)
+        with pytest.raises(CollectiveError) as ei:
+            if short:
+                with NoGeneral():
+                    host_call(comm, kind, x, "new")
+            else:
+                host_call(comm, kind, x, "new")
+        rec = fields(comm.recorder.records()[0])
+    finally:
+        g.close()
+    mask = lambda s: re.sub(r"\d+\.\d+", "N", s)      # noqa: E731 - waited times differ
+    return mask(str(ei.value)), rec, [(d["op"], d["seq"], d["state"]) for d, _ in seen]
+
+
+@pytest.mark.parametrize("kind", ["allgather", "barrier"])
+def test_ring_hang_on_the_other_short_paths_is_reported_as_on_the_general_path(kind):
+    short = hang_other(kind, True)
+    general = hang_other(kind, False)
+    assert f"{kind}#1" in short[0] and "deadline" in short[0]
+    assert short[1]["state"] == "failed" and short[1]["error"]
+    assert short[2][0] == (kind, 1, "failed")
+    assert short == general
+
+
 # ---------------------------------------------------------------------------------------------
 # nccl (fake layer)
 # ---------------------------------------------------------------------------------------------

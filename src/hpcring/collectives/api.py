@@ -414,6 +414,96 @@ class Communicator:
             raise self._failed(rec, e) from None
         return res
 
+    def _short_host(self, kind: str, x, op: str | None, out, root: int | None, timeout: float | None):
+        """The short path on a host backend (ring, mpi) for allgather, reduce_scatter (first
+        dimension divisible by the size), broadcast, alltoall and barrier (``x`` None): a
+        C-contiguous numpy array of a supported dtype (else _GENERAL), a synchronous call with
+        nothing queued. ``out``: None, or a C-contiguous writable numpy array of x's dtype and the
+        result's element count (any shape, as in general); ``x`` itself for alltoall in place
+        (broadcast is always in place). The same steps as the general path (checks, flight
+        record, deadline, precheck, failure path, result) without its per-call machinery, as
+        :meth:`_allreduce_host` does for allreduce."""
+        if self._worker._pending:               # queued async ops: in order, the general way
+            return _GENERAL
+        be = self.backend
+        if kind == "barrier":
+            tag = count = None
+            flat = rflat = res = None
+        else:
+            if type(x) is not np.ndarray:
+                return _GENERAL
+            flags = x.flags
+            tag = _DT2TAG.get(x.dtype)
+            if tag is None or not flags.c_contiguous:
+                return _GENERAL
+            if op is not None and (op, tag) not in (self.__dict__.get("_ok_ops") or self._short_ops()):
+                return _GENERAL             # the general path raises check_op's UsageError
+            flat = x if x.ndim == 1 else x.reshape(-1)
+            count = flat.size
+            inplace = out is x
+            if kind == "broadcast" or inplace:
+                if not flags.writeable or (inplace and kind != "alltoall"):
+                    return _GENERAL
+                res, rflat = x, flat
+            else:
+                if kind == "allgather":
+                    shape = (self.size, *x.shape)
+                    n_out = count * self.size
+                elif kind == "reduce_scatter":
+                    if not x.ndim or x.shape[0] % self.size:
+                        return _GENERAL     # uneven chunks: the general path's own shape
+                    shape = (x.shape[0] // self.size, *x.shape[1:])
+                    n_out = count // self.size
+                else:                       # alltoall
+                    if count % self.size:
+                        return _GENERAL     # the general path's UsageError
+                    shape, n_out = x.shape, count
+                if out is None:
+                    res = np.empty(shape, dtype=x.dtype)
+                elif type(out) is np.ndarray and out.dtype == x.dtype and out.size == n_out:
+                    oflags = out.flags
+                    if not (oflags.c_contiguous and oflags.writeable):
+                        return _GENERAL
+                    res = out
+                else:
+                    return _GENERAL         # other out= forms: the general path checks or explains
+                rflat = res if res.ndim == 1 else res.reshape(-1)
+        t = self.timeout if timeout is None else self._short_deadline(timeout)
+        if self.precheck and self.size > 1:     # the precheck reads a Record: the general store
+            rec = self.recorder.begin(kind, tag, count or 0, root, t)
+            try:
+                self._precheck(rec)
+                self._host_call(be, kind, flat, rflat, tag, op, root, t)
+            except BaseException as e:
+                raise self._failed(rec, e) from None
+            FlightRecorder.finish(rec)
+            return res
+        fl = self.recorder.flight
+        seq = None
+        try:
+            seq = fl.record(kind, tag, count or 0, root, t)
+            self._host_call(be, kind, flat, rflat, tag, op, root, t)
+            fl.end(seq)
+        except BaseException as e:
+            rec = self.recorder.record_of(seq) if seq is not None else None
+            if rec is None:
+                rec = self.recorder.begin(kind, tag, count or 0, root, t)
+            raise self._failed(rec, e) from None
+        return res
+
+    @staticmethod
+    def _host_call(be, kind, flat, rflat, tag, op, root, t) -> None:
+        if kind == "allgather":
+            be.allgather(flat, rflat, tag, t)
+        elif kind == "reduce_scatter":
+            be.reduce_scatter(flat, rflat, tag, op, t)
+        elif kind == "broadcast":
+            be.broadcast(flat, root, tag, t)
+        elif kind == "alltoall":
+            be.alltoall(flat, rflat, tag, t)
+        else:
+            be.barrier(t)
+
     _VIEWS_MAX = 64
 
     def _tensor_view(self, x):
@@ -801,17 +891,18 @@ class Communicator:
     # the synchronous twins of allgather, broadcast and reduce_scatter, spelled out like
     # allreduce's: on a stream-ordered backend the short path is tried first
     def allgather(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
-        if self.short_path and dtype is None and self._ordered is not None:
-            res = self._short_device("allgather", x, None, out, None, timeout)
+        if self.short_path and dtype is None:
+            res = (self._short_host("allgather", x, None, out, None, timeout) if self._ordered is None
+                   else self._short_device("allgather", x, None, out, None, timeout))
             if res is not _GENERAL:
                 return res
         return self._allgather(x, out, timeout=timeout, dtype=dtype)
     allgather.__doc__ = _allgather.__doc__
 
     def broadcast(self, x, root: int = 0, *, timeout: float | None = None, dtype: str | None = None):
-        if (self.short_path and dtype is None and self._ordered is not None and type(root) is int
-                and 0 <= root < self.size):
-            res = self._short_device("broadcast", x, None, None, root, timeout)
+        if self.short_path and dtype is None and type(root) is int and 0 <= root < self.size:
+            res = (self._short_host("broadcast", x, None, None, root, timeout) if self._ordered is None
+                   else self._short_device("broadcast", x, None, None, root, timeout))
             if res is not _GENERAL:
                 return res
         return self._broadcast(x, root, timeout=timeout, dtype=dtype)
@@ -819,14 +910,33 @@ class Communicator:
 
     def reduce_scatter(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
                        dtype: str | None = None):
-        if self.short_path and dtype is None and self._ordered is not None:
-            res = self._short_device("reduce_scatter", x, op, out, None, timeout)
+        if self.short_path and dtype is None:
+            res = (self._short_host("reduce_scatter", x, op, out, None, timeout) if self._ordered is None
+                   else self._short_device("reduce_scatter", x, op, out, None, timeout))
             if res is not _GENERAL:
                 return res
         return self._reduce_scatter(x, op, out, timeout=timeout, dtype=dtype)
     reduce_scatter.__doc__ = _reduce_scatter.__doc__
-    alltoall, alltoall_async = _twins(_alltoall)
-    barrier, barrier_async = _twins(_barrier)
+    _alltoall_sync, alltoall_async = _twins(_alltoall)
+    _barrier_sync, barrier_async = _twins(_barrier)
+    del _alltoall_sync, _barrier_sync
+
+    # alltoall and barrier: on a host backend the short path is tried first
+    def alltoall(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
+        if self.short_path and dtype is None and self._ordered is None:
+            res = self._short_host("alltoall", x, None, out, None, timeout)
+            if res is not _GENERAL:
+                return res
+        return self._alltoall(x, out, timeout=timeout, dtype=dtype)
+    alltoall.__doc__ = _alltoall.__doc__
+
+    def barrier(self, *, timeout: float | None = None):
+        if self.short_path and self._ordered is None:
+            res = self._short_host("barrier", None, None, None, None, timeout)
+            if res is not _GENERAL:
+                return res
+        return self._barrier(timeout=timeout)
+    barrier.__doc__ = _barrier.__doc__
 
 
 __all__ = ["Communicator", "Handle", "HpcringError"]
