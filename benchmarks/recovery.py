@@ -43,9 +43,12 @@ STEP = re.compile(r"STEP (\d+) rank (\d+) size (\d+) t=([\d.]+)")
 START = re.compile(r"START rank (\d+) size (\d+) step (\d+) restarts (\d+) host (\S+) t=([\d.]+)")
 
 
+BACKEND = "ring"
+
+
 def env_for(base: Path, deadline: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_JOB_DIR=str(base / "jobs"),
-               HPCRING_STATE_DIR=str(base / "state"), HPCRING_TIMEOUT=str(deadline))
+               HPCRING_STATE_DIR=str(base / "state"), HPCRING_TIMEOUT=str(deadline), HPCRING_BACKEND=BACKEND)
     for v in ("HPCRING_MAX_RESTARTS", "HPCRING_SPARE_NODES", "HPCRING_MIN_NODES"):
         env.pop(v, None)
     return env
@@ -97,7 +100,13 @@ def wait_for(pred, timeout: float, poll: float = 0.1):
 
 
 def first_step_after(lines: list[str], t: float) -> float | None:
-    ts = [float(m.group(4)) for m in map(STEP.search, lines) if m and float(m.group(4)) > t]
+    """When the first training step after the fault completed on the new set of ranks: the first
+    STEP line after the first (re)start after ``t`` (steps the survivors finished in flight do not
+    count)."""
+    starts = [float(m.group(6)) for m in map(START.search, lines) if m and float(m.group(6)) > t]
+    if not starts:
+        return None
+    ts = [float(m.group(4)) for m in map(STEP.search, lines) if m and float(m.group(4)) > min(starts)]
     return min(ts) if ts else None
 
 
@@ -139,7 +148,7 @@ def hpcring_fault(args, how: str, ref: str) -> dict:
     node = rank_host(base, 1)
     if not at or not node:
         p.kill()
-        return {"scenario": f"hpcring {how}", "error": "the job never reached the step to break"}
+        return {"scenario": f"hpcring {how} ({BACKEND})", "error": "the job never reached the step to break"}
     t_fault = time.time()
     n = signal_node(node, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     try:
@@ -162,6 +171,7 @@ def hpcring_fault(args, how: str, ref: str) -> dict:
 
 TORCHRUN_SCRIPT = """#!/bin/bash
 #SBATCH --nodes=3
+#SBATCH --no-kill
 #SBATCH --ntasks-per-node=1
 #SBATCH --time={time}
 #SBATCH --partition=debug
@@ -196,8 +206,10 @@ def torchrun_fault(args, ref: str) -> dict:
         return {"scenario": "torchrun kill", "error": f"no step {args.kill_at} on a node other than the store's"}
     t_fault = time.time()
     n = signal_node(node, signal.SIGKILL)
-    done = wait_for(lambda: subprocess.run(["squeue", "-h", "-j", jid], capture_output=True, text=True).stdout.strip() == "",
-                    args.torchrun_wait, poll=1.0)
+    def over():
+        q = subprocess.run(["squeue", "-h", "-j", jid, "-o", "%T"], capture_output=True, text=True)
+        return q.returncode == 0 and q.stdout.strip() in ("", "COMPLETED", "FAILED", "CANCELLED")
+    done = wait_for(over, args.torchrun_wait, poll=1.0)
     if not done:
         subprocess.run(["scancel", jid])
     time.sleep(1)
@@ -207,7 +219,7 @@ def torchrun_fault(args, ref: str) -> dict:
     errs = "\n".join(lines_of(base, "node-*.err"))
     why = None
     if not nxt:
-        cands = [ln for ln in errs.splitlines() if re.search(r"Error|error|Timeout|timed out", ln)]
+        cands = [ln for ln in errs.splitlines() if re.search(r"Error|error|Timeout|timed out|CANCELLED", ln)]
         why = (cands[-1].strip()[:300] if cands else "no step after the kill") + \
             ("" if done else f"; still running {args.torchrun_wait:g} s after the kill: cancelled")
     return {"scenario": "torchrun kill", "node": node, "processes": n, "fault_to_next_step_s": nxt and nxt - t_fault,
@@ -257,11 +269,16 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=10.0)
     ap.add_argument("--time", type=int, default=10, help="job time limit, minutes")
     ap.add_argument("--only", default="kill,freeze,torchrun")
+    ap.add_argument("--backend", default="ring", choices=("ring", "mpi"),
+                    help="hpcring's collective backend under the torch backend (the dev cluster's site picks mpi "
+                         "under srun --mpi=pmix; ring notices a dead peer at once, MPI at the deadline)")
     ap.add_argument("--torchrun-wait", type=float, default=150.0)
     ap.add_argument("--long", type=float, default=0.0, help="minutes of the long run (0: skip)")
     ap.add_argument("--every", type=float, default=4.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    global BACKEND
+    BACKEND = args.backend
     SHARED.mkdir(parents=True, exist_ok=True)
     only = set(args.only.split(","))
     t = time.time()
@@ -295,7 +312,7 @@ def main() -> int:
         eq = {True: "equal", False: "DIFFER", None: "-"}[r.get("weights_equal")]
         print(f"{r['scenario']:<40} {nxt:>17} {r['jobs']:>5} {r['state']:>10} {eq:>8}"
               + (f"  ({r['how_it_failed']})" if r.get("how_it_failed") else ""))
-    hp = [r for r in rows if r.get("scenario") == "hpcring kill" and r.get("fault_to_next_step_s")]
+    hp = [r for r in rows if r.get("scenario", "").startswith("hpcring kill") and r.get("fault_to_next_step_s")]
     tr = [r for r in rows if r.get("scenario") == "torchrun kill" and r.get("fault_to_next_step_s")]
     if hp and tr:
         print(f"hpcring / torchrun fault-to-next-step: {hp[0]['fault_to_next_step_s'] / tr[0]['fault_to_next_step_s']:.2f}")

@@ -246,6 +246,7 @@ def _record_blames(plan: Plan, jid: str, environ: Mapping[str, str], blamed: dic
 def _preflight(plan: Plan, sched, allocation: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
     """The gang check (hpcring.preflight) on every node of the allocation, before the script;
     returns {bad node: why}. Bounded: the check's deadline plus the launcher's start."""
+    from hpcring.errors import HpcringError
     from hpcring.preflight import read_verdict
     out = plan.folder / "preflight"
     if out.exists():                   # a requeued job's earlier check: kept beside, not mixed in
@@ -267,11 +268,25 @@ def _preflight(plan: Plan, sched, allocation: Sequence[str], env: Mapping[str, s
     except OSError as exc:
         log(f"preflight: could not start the check ({exc}); no node left out")
         return {}
-    v = read_verdict(out, list(allocation))
+    try:
+        v = read_verdict(out, list(allocation))
+    except (HpcringError, ValueError) as exc:        # no secret, a host name no file may have
+        log(f"preflight: no verdict ({getattr(exc, 'message', exc)}); no node left out")
+        plan.checked = {"ok": False, "bad": {}, "seconds": round(time.time() - t0, 2), "error": str(exc)}
+        return {}
     for line in v.lines:
         log(f"preflight: {line}")
-    log(f"preflight: {'ok' if v.ok else 'leaving out ' + ', '.join(v.bad)} in {time.time() - t0:.1f} s")
-    plan.checked = {"ok": v.ok, "bad": dict(v.bad), "seconds": round(time.time() - t0, 2), "folder": str(out)}
+    took = round(time.time() - t0, 2)
+    if len(v.bad) * 2 > len(allocation):
+        # most of the allocation failing is the environment's doing (a setting, the file system, a
+        # deadline too short for the imports), not most of the nodes: leave nobody out for it
+        log(f"preflight: {len(v.bad)} of {len(allocation)} nodes failed: suspecting the environment, no node "
+            "left out")
+        plan.checked = {"ok": False, "bad": {}, "seconds": took, "suspect_environment": dict(v.bad)}
+        return {}
+    log(f"preflight: {'ok' if v.ok else 'leaving out ' + ', '.join(v.bad)} in {took:.1f} s")
+    plan.checked = {"ok": v.ok, "bad": dict(v.bad), "seconds": took, "folder": str(out),
+                    "unsure": sorted(v.unsure)}
     return {h: f"preflight: {why}" for h, why in v.bad.items()}
 
 
@@ -310,7 +325,9 @@ def run(plan: Plan, environ: Mapping[str, str] | None = None) -> int:
     if plan.preflight:
         bad = _preflight(plan, sched, allocation, env)
         if bad:
-            _record_blames(plan, jid, env, bad, "preflight", time.time())
+            sure = {h: why for h, why in bad.items() if h not in set((plan.checked or {}).get("unsure") or ())}
+            if sure:                   # a node blamed with no clear culprit is left out, not recorded
+                _record_blames(plan, jid, env, sure, "preflight", time.time())
             blamed.update(bad)
             hosts = choose(allocation, set(blamed), {}, [], plan.nodes, plan.min_nodes)
             if hosts is None:
