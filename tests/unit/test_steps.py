@@ -287,3 +287,37 @@ def test_loop_leaves_preflight_failures_out(fake_slurm, monkeypatch):
     assert rc == 0 and ran == ["n[2-3] 0"] and data["preflight"]["bad"] == {"n1": "no answer"}
     assert steps.step_lines(data)[0].startswith("preflight  1.0 s  left out n1 (no answer)")
     assert Verdict  # the real verdict type is what _preflight reads (tests/integration: test_steps_devcluster)
+
+
+def _fake_verdict(monkeypatch, bad, unsure=()):
+    from hpcring import preflight
+    from hpcring.schedulers import slurm_steps as sched
+    v = preflight.Verdict(ok=not bad, bad=dict(bad), seconds=1.0, lines=["preflight: stand-in"], unsure=set(unsure))
+    monkeypatch.setattr(preflight, "read_verdict", lambda out, hosts: v)
+    monkeypatch.setattr(sched, "gang_argv", lambda hosts, cmd: ["true"])
+
+
+def test_preflight_unsure_nodes_are_left_out_but_not_recorded(fake_slurm, tmp_path, monkeypatch):
+    _fake_verdict(monkeypatch, {"n2": "a version tie"}, unsure={"n2"})
+    rc, ran, data = fake_slurm(["ok"], nodes=2, preflight=True)
+    assert rc == 0 and ran == ["n[1,3] 0"] and data["preflight"]["bad"] == {"n2": "a version tie"}
+    assert not (tmp_path / "jobs" / ".hpcring" / "node-history.jsonl").exists()
+
+
+def test_preflight_failing_most_nodes_suspects_the_environment(fake_slurm, monkeypatch):
+    _fake_verdict(monkeypatch, {"n1": "torch 2.12", "n2": "torch 2.12"})
+    rc, ran, data = fake_slurm(["ok"], nodes=2, preflight=True)
+    assert rc == 0 and ran == ["n[1-2] 0"] and data["preflight"]["suspect_environment"]
+
+
+def test_preflight_without_a_verdict_leaves_nobody_out(fake_slurm, monkeypatch):
+    from hpcring import preflight
+    from hpcring.errors import BootstrapError
+    from hpcring.schedulers import slurm_steps as sched
+
+    def no_secret(out, hosts):
+        raise BootstrapError("no secret")
+    monkeypatch.setattr(preflight, "read_verdict", no_secret)
+    monkeypatch.setattr(sched, "gang_argv", lambda hosts, cmd: ["true"])
+    rc, ran, data = fake_slurm(["ok"], nodes=2, preflight=True)
+    assert rc == 0 and ran == ["n[1-2] 0"] and data["preflight"]["error"]
