@@ -151,6 +151,11 @@ class TreeRounds:
         with self.cond:
             return len(self.snaps)
 
+    def lost_ranks(self) -> set[int]:
+        """The ranks below the trigger it could not reach (the root: of the whole tree)."""
+        with self.cond:
+            return set(self.lost)
+
     def accounted(self) -> tuple[int, bool]:
         """At the root: how many ranks are accounted for (itself, snapshots, stored,
         unreachable), and whether any was unreachable."""

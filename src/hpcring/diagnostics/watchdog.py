@@ -67,7 +67,7 @@ from typing import Callable
 from hpcring.diagnostics import fanout, fr_trace, jobdir, rank_summary, teardown
 from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
 from hpcring.collectives.recorder import main_thread_location
-from hpcring.diagnostics.report import Report, diagnose, from_wire as _from_wire, to_wire as _to_wire
+from hpcring.diagnostics.report import Report, diagnose, from_wire as _from_wire, parse_link, to_wire as _to_wire
 from hpcring.bootstrap.store_client import ClientBusy
 from hpcring.errors import CollectiveError, HpcringError
 from hpcring.ranks import rank_ranges
@@ -730,6 +730,11 @@ class Watchdog:
         # at a time) or through the store (group heads, ranks off the tree; counted there).
         start = time.monotonic()
         soft, hard, seen = start + self.grace, start + GRACE_STRETCH * self.grace, -1
+        # peers whose connection the backend saw closed or reset: gone, not starved; an unreachable
+        # rank among them gets no grace (a lost node would cost every restart that much)
+        gone = {ln["peer"] for ln in (parse_link(own.get("error"), self.rank),
+                                      parse_link(trig.get("error"), trig.get("rank", -1)))
+                if ln and ln.get("gone")}
         next_poll = start
         stored = 0
         while True:
@@ -741,7 +746,8 @@ class Watchdog:
             accounted, some_lost = self._tree.accounted()
             if got >= self.size or now >= hard:
                 break
-            if accounted >= self.size and (not some_lost or now >= start + self.grace):
+            if accounted >= self.size and (not some_lost or now >= start + self.grace
+                                           or self._tree.lost_ranks() <= gone):
                 break                    # every rank's snapshot is in, or it was unreachable (those
                 # get the grace: starved, not stopped, they publish through the store instead)
             if got > seen:
