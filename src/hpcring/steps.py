@@ -40,6 +40,7 @@ STEPS_FILE = "steps.json"
 ARCHIVE = "steps"            # <folder>/steps/<k>/: a failed step's records and diagnosis
 READER_JOIN_S = 5.0          # the launcher's stderr reader, after the launcher ended
 LAUNCHER_EXIT_S = 0.5        # the launcher, after its step was SIGKILLed
+REPORT_POLL_S = 0.2          # the step's hang report, looked for while it runs (one stat)
 PREFLIGHT_DEADLINE_S = 30.0  # each node's part of the gang check
 PREFLIGHT_LAUNCH_S = 20.0    # the launcher's own start and end around it
 
@@ -156,9 +157,20 @@ class _Launcher:
             except OSError:
                 pass
 
-    def run(self, argv: list[str], env: Mapping[str, str]) -> tuple[int, str]:
+    def run(self, argv: list[str], env: Mapping[str, str], report: Path | None = None) -> tuple[int, str]:
+        """Run one step; ``report``: the hang report a diagnosed failure writes, watched too (a
+        frozen node's stepd can hold the survivors' exit, and with it srun's word, for the
+        scheduler's UnkillableStepTimeout)."""
         lines: list[str] = []
         self.first_error = None
+        started = time.time()
+        failed = threading.Lock()
+
+        def failure_seen() -> None:
+            with failed:
+                if self.first_error is None:
+                    self.first_error = time.time()
+                    threading.Timer(self.grace, self._end_step, args=(proc,)).start()
 
         def copy(stream) -> None:
             for raw in iter(stream.readline, b""):
@@ -166,14 +178,25 @@ class _Launcher:
                 lines.append(text)
                 sys.stderr.write(text)
                 sys.stderr.flush()
-                if self.first_error is None and self.sched.FAILED_TASK.search(text):
-                    self.first_error = time.time()
-                    threading.Timer(self.grace, self._end_step, args=(proc,)).start()
+                if self.sched.FAILED_TASK.search(text):
+                    failure_seen()
+
+        def watch() -> None:
+            while proc.poll() is None and self.first_error is None:
+                try:
+                    if report.stat().st_mtime >= started:
+                        failure_seen()
+                        return
+                except OSError:
+                    pass
+                time.sleep(REPORT_POLL_S)
         with self.lock:
             self.proc = proc = subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL,
                                                 stderr=subprocess.PIPE)
         reader = threading.Thread(target=copy, args=(proc.stderr,), daemon=True)
         reader.start()
+        if report is not None:
+            threading.Thread(target=watch, daemon=True).start()
         rc = self.proc.wait()          # bounded by the job's time limit: the scheduler ends the job
         reader.join(READER_JOIN_S)
         return rc, "".join(lines)
@@ -350,7 +373,8 @@ def run(plan: Plan, environ: Mapping[str, str] | None = None) -> int:
         write_steps(plan, allocation)
         log(f"step {attempt} on {','.join(hosts)}: {size} ranks" + (f" (spare {','.join(spares)})" if spares else "")
             + (f", restart count {base + attempt}" if attempt else ""))
-        rc, err = launcher.run(sched.step_argv(plan.launch, hosts, plan.tasks_per_node), env)
+        rc, err = launcher.run(sched.step_argv(plan.launch, hosts, plan.tasks_per_node), env,
+                               plan.folder / "diag" / "hang-report.json")
         rc = 128 - rc if rc < 0 else rc        # the launcher killed by a signal: the shell's convention
         last_end = time.time()
         step.update(ended=last_end, rc=rc)

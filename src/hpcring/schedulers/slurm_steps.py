@@ -19,8 +19,10 @@ CASUALTY = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Terminated
                       r"|Bus error|Stopped)")
 # srun's first word on a failed task (a signal or a non-zero exit): the step is lost from here
 FAILED_TASK = re.compile(r"srun: error: \S+: tasks? [\d,-]+: ")
-# node states (sinfo %T) in which a node cannot take a step: Slurm says it is gone
-_GONE = re.compile(r"down|drain|fail|not_responding|unknown|power", re.I)
+# node states (sinfo %T) in which a node cannot take a step: Slurm says it is gone. Not "drain":
+# Slurm drains a node whose step would not end ("Kill task failed"), which a frozen peer node's
+# stepd causes, and an allocation's steps still run on a draining node
+_GONE = re.compile(r"down|fail|not_responding|unknown|power", re.I)
 
 
 def allocation_hosts(environ: Mapping[str, str]) -> list[str]:
