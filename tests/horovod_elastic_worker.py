@@ -16,8 +16,10 @@ sizes and the positions they started at.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 
@@ -255,6 +257,7 @@ def main() -> int:
     os.makedirs(a.logdir, exist_ok=True)
     LOG = open(os.path.join(a.logdir, f"{os.environ.get('HPCRING_ELASTIC_ID', os.getpid())}.jsonl"), "a")
     log("start")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # the test asks for stacks before it gives up
     {"train": train, "contract": contract}[a.mode](a)
     return 0
 

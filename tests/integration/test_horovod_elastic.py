@@ -73,6 +73,12 @@ class Job:
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            for rs in self.records().values():       # every worker's stacks, through the driver's output
+                try:
+                    os.kill(rs[0]["pid"], signal.SIGUSR1)
+                except (OSError, IndexError, KeyError):
+                    pass
+            time.sleep(2)
             self.proc.kill()
             out, err = self.proc.communicate()
             err += "\n[test: the driver did not end in time]"

@@ -22,6 +22,7 @@ from hpcring.errors import BootstrapError
 
 log = logging.getLogger("hpcring.elastic.coordinator")
 TICK_S = 0.05
+REQUEST_GAP_S = 60.0     # a numbered join request still unwritten after this: its worker died
 
 
 class Coordinator:
@@ -44,6 +45,7 @@ class Coordinator:
         self.error: str | None = None
         self.history: list[dict] = []           # every round published (and when)
         self._seen = 0                          # requests read
+        self._gap_since: float | None = None    # when the next numbered request was found unwritten
         self._beats: dict[str, tuple[int, float]] = {}   # wid -> (counter, when it last changed)
         self._reports: list[tuple[str, str, str]] = []    # (wid, status, why) from the driver
         self._lock = threading.Lock()
@@ -140,10 +142,21 @@ class Coordinator:
     def _read_requests(self, now: float) -> None:
         n = self.client.add(P.NREQ, 0)
         while self._seen < n:
+            raw = self.client.check(P.req(self._seen + 1))
+            if raw is None:
+                # numbered but not written yet: a worker between its add and its set (a loaded
+                # machine can stall it for seconds); read it next tick, never skip it, unless it
+                # stays missing long enough that the worker must have died in between
+                since = self._gap_since = self._gap_since or now
+                if now - since < REQUEST_GAP_S:
+                    return
             self._seen += 1
+            self._gap_since = None
             try:
-                req = json.loads(self.client.get(P.req(self._seen), timeout=2.0))
-            except (BootstrapError, ValueError):    # a worker that died between add and set
+                req = json.loads(raw) if raw is not None else None
+            except ValueError:
+                req = None
+            if req is None:
                 continue
             wid = str(req["wid"])
             w = self.workers.get(wid)
@@ -195,8 +208,11 @@ class Coordinator:
         with self._lock:
             self.members = list(members)
         self._due_since = None
+        # every rank must agree on skipping the sync (a removal-only HostsUpdatedInterrupt): only
+        # when every member came back from one; a failed collective or a newcomer means sync
+        sync = any(self.workers[m].reason != "interrupt" for m in members)
         rec = {"round": self.round_no, "members": members, "hosts": hosts, "resets": self.resets,
-               "updated": self._updated}
+               "updated": self._updated, "sync": sync}
         self.client.set(P.round_key(self.round_no), P.dumps(rec))
         self.client.set(P.CURRENT, str(self.round_no).encode())
         self.history.append({**rec, "at": time.time()})

@@ -45,6 +45,7 @@ class Round:
     hosts: tuple[str, ...]
     resets: int
     updated: int             # the newest hosts-updated notification this round already answers
+    sync: bool = True        # some member failed or is new: every rank syncs (no skip_sync)
 
     @property
     def size(self) -> int:
@@ -129,7 +130,7 @@ class Member:
             if self.wid in rec["members"]:
                 members = tuple(rec["members"])
                 self.round = Round(k, members.index(self.wid), members, tuple(rec["hosts"]), int(rec["resets"]),
-                                   int(rec.get("updated", 0)))
+                                   int(rec.get("updated", 0)), bool(rec.get("sync", True)))
                 return self.round
             k += 1
 

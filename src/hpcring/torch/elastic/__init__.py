@@ -55,6 +55,8 @@ def run(func):
                 except HostsUpdatedInterrupt as e:
                     skip_sync, _runtime.next_reason = e.skip_sync, "interrupt"
                 _reset()
+                if skip_sync and _runtime.round_needs_sync():
+                    skip_sync = False      # another member failed or is new: all ranks sync alike
                 state.on_reset()
         finally:
             _runtime.unlisten(state)

@@ -57,3 +57,10 @@ def _notify(stamp: int, res: int) -> None:
         states = list(_listeners)
     for s in states:
         s.on_hosts_updated(stamp, res)
+
+
+def round_needs_sync() -> bool:
+    """Whether the current round must sync even after a removal-only interrupt: some member came
+    from a failure (it restored its commit) or is new, so ranks skipping it would diverge."""
+    m = _member._MEMBER
+    return bool(enabled() and m is not None and m.round is not None and m.round.sync)
