@@ -309,3 +309,19 @@ def test_driver_defaults_min_and_max_to_np():
     from hpcring.elastic.driver import parse
     a = parse(["--np", "3", "--", "python", "t.py"])
     assert (a.min_np, a.max_np, a.command) == (3, 3, ["python", "t.py"])
+
+
+def test_a_request_numbered_but_not_yet_written_is_read_later_not_dropped(store):
+    coord = Coordinator(StoreClient("127.0.0.1", store.port, SECRET), start_np=1, min_np=1, max_np=1,
+                        say=lambda s: None)
+    client = StoreClient("127.0.0.1", store.port, SECRET)
+    n = client.add(P.NREQ, 1)                      # a worker stalled between its add and its set
+    t0 = time.monotonic()
+    coord.tick(t0)
+    coord.tick(t0 + 5.0)
+    assert coord.round_no == 0 and coord._seen == 0
+    client.set(P.req(n), P.dumps({"wid": "w0", "host": "h", "after": 0, "reason": "start"}))
+    coord.tick(t0 + 6.0)
+    assert coord.round_no == 1 and coord.members == ["w0"]
+    rec = P.loads(client.check(P.round_key(1)))
+    assert rec["sync"] is True                      # a newcomer: every rank syncs
