@@ -410,8 +410,9 @@ def main() -> int:
                 if impl not in res:
                     continue
                 print()
-                for line in nccl_table(f"{impl}: {layout}, {coll} float32" + (" sum" if coll in ("allreduce", "reduce_scatter") else ""),
-                                       [r for r in res[impl] if r["collective"] == coll], coll, n):
+                title = f"{impl}: {layout}, {coll}" + ("" if coll == "barrier" else " float32") + \
+                    (" sum" if coll in ("allreduce", "reduce_scatter") else "")
+                for line in nccl_table(title, [r for r in res[impl] if r["collective"] == coll], coll, n):
                     print(line)
     for layout, res, n in layouts:
         print()
