@@ -293,7 +293,7 @@ def plan_preflight(site: Site, job: JobSpec, cli: bool | None, given: str = "cli
     else:
         job.preflight, job.sources["preflight"] = site.config.defaults.preflight, f"site {site.name}"
     gbps = envvars.get("HPCRING_PREFLIGHT_MIN_GBPS", environ, default=None)
-    job.preflight_min_gbps = float(gbps if gbps is not None else site.config.defaults.preflight_min_gbps)
+    job.preflight_min_gbps = float(gbps if gbps is not None else site.config.defaults.preflight_min_gbps or 0.0)
     if job.preflight and site.config.scheduler != "slurm":
         raise UsageError(f"{given_as('preflight', given)}: the preflight runs in the job script's step loop, on "
                          f"Slurm sites; site {site.name!r} uses {site.config.scheduler}",

@@ -136,7 +136,7 @@ class Defaults(_Strict):
     max_restarts: int = Field(default=0, ge=0, le=100)   # submit --wait: restarts after a node fault
     spare_nodes: int = Field(default=0, ge=0, le=envvars.MAX_NODES)   # restarts inside the allocation
     preflight: bool = False            # the gang check before the script (hpcring.preflight)
-    preflight_min_gbps: float = Field(default=0.0, ge=0, le=100000, allow_inf_nan=False)
+    preflight_min_gbps: float | None = Field(default=None, gt=0, le=100000, allow_inf_nan=False)  # None: report only
     min_nodes: int | None = Field(default=None, ge=1, le=envvars.MAX_NODES)
 
     @field_validator("time")
