@@ -297,8 +297,8 @@ def _preflight(plan: Plan, sched, allocation: Sequence[str], env: Mapping[str, s
         log(f"preflight: no verdict ({getattr(exc, 'message', exc)}); no node left out")
         plan.checked = {"ok": False, "bad": {}, "seconds": round(time.time() - t0, 2), "error": str(exc)}
         return {}
-    for line in v.lines:
-        log(f"preflight: {line}")
+    for line in v.lines:               # the verdict's lines name the check themselves
+        log(line if line.startswith("preflight") else f"preflight: {line}")
     took = round(time.time() - t0, 2)
     if len(v.bad) * 2 > len(allocation):
         # most of the allocation failing is the environment's doing (a setting, the file system, a
