@@ -142,9 +142,11 @@ class StateHandler:
         self.save()
 
 
-class ModelStateHandler(StateHandler):
-    def __init__(self, model) -> None:
-        super().__init__(model)
+class _StateDictHandler(StateHandler):
+    """An object with ``state_dict``/``load_state_dict``: saved as a deep copy of its state dict."""
+
+    def __init__(self, value) -> None:
+        super().__init__(value)
         self.save()
 
     def save(self) -> None:
@@ -153,38 +155,20 @@ class ModelStateHandler(StateHandler):
     def restore(self) -> None:
         self.value.load_state_dict(self._saved)
 
+
+class ModelStateHandler(_StateDictHandler):
     def sync(self) -> None:
         from hpcring.torch.functions import broadcast_parameters
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class OptimizerStateHandler(StateHandler):
-    def __init__(self, optimizer) -> None:
-        super().__init__(optimizer)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
+class OptimizerStateHandler(_StateDictHandler):
     def sync(self) -> None:
         from hpcring.torch.functions import broadcast_optimizer_state
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
-class SamplerStateHandler(StateHandler):
-    def __init__(self, sampler) -> None:
-        super().__init__(sampler)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
+class SamplerStateHandler(_StateDictHandler):
     def sync(self) -> None:
         from hpcring.torch.functions import broadcast_object
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
