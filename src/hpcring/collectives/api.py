@@ -336,6 +336,18 @@ class Communicator:
                                              if o != "avg" or d in FLOAT_DTYPES}
         return ok
 
+    def _prechecked(self, kind: str, tag, count: int, root, t: float, res, call):
+        """The short path's call under the precheck, which reads a Record (the general store):
+        the record begun, the precheck, ``call()``, the record finished; ``res`` returned."""
+        rec = self.recorder.begin(kind, tag, count, root, t)
+        try:
+            self._precheck(rec)
+            call()
+        except BaseException as e:
+            raise self._failed(rec, e) from None
+        FlightRecorder.finish(rec)
+        return res
+
     def _short_deadline(self, timeout: float | None) -> float:
         """:meth:`_deadline`, validated once per distinct ``timeout=`` value (the last few kept)."""
         if timeout is None:
@@ -387,15 +399,9 @@ class Communicator:
         else:
             return _GENERAL                # other out= forms: the general path checks or explains
         be = self.backend
-        if self.precheck and self.size > 1:     # the precheck reads a Record: the general store
-            rec = self.recorder.begin("allreduce", tag, flat.size, None, t)
-            try:
-                self._precheck(rec)
-                be.allreduce(flat, rflat, tag, op, t)
-            except BaseException as e:
-                raise self._failed(rec, e) from None
-            FlightRecorder.finish(rec)
-            return res
+        if self.precheck and self.size > 1:
+            return self._prechecked("allreduce", tag, flat.size, None, t, res,
+                                    lambda: be.allreduce(flat, rflat, tag, op, t))
         # the record is a slot of the recorder's C ring (recorder.py): written by the ring's
         # native call itself, or around the backend's call here
         fl = self.recorder.flight
@@ -469,15 +475,9 @@ class Communicator:
                     return _GENERAL         # other out= forms: the general path checks or explains
                 rflat = res if res.ndim == 1 else res.reshape(-1)
         t = self.timeout if timeout is None else self._short_deadline(timeout)
-        if self.precheck and self.size > 1:     # the precheck reads a Record: the general store
-            rec = self.recorder.begin(kind, tag, count or 0, root, t)
-            try:
-                self._precheck(rec)
-                self._host_call(be, kind, flat, rflat, tag, op, root, t)
-            except BaseException as e:
-                raise self._failed(rec, e) from None
-            FlightRecorder.finish(rec)
-            return res
+        if self.precheck and self.size > 1:
+            return self._prechecked(kind, tag, count or 0, root, t, res,
+                                    lambda: self._host_call(be, kind, flat, rflat, tag, op, root, t))
         fl = self.recorder.flight
         seq = None
         try:
