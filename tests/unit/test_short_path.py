@@ -145,28 +145,37 @@ def test_ring_short_path_with_timeout_keeps_that_deadline(group):
         assert ra == rb and ra["timeout"] == 7.5
 
 
-def hang(short: bool, timeout: float = 0.6):
-    """Rank 0 calls allreduce, rank 1 never does: the error, the record and what the watchdog saw."""
+def _hang(short: bool, invoke, timeout: float, sticky: bool):
+    """Rank 0 calls ``invoke(comm, x)``, rank 1 never does: the error, the record, what the
+    watchdog saw and (``sticky``) the error of the next allreduce, else None."""
     g = ThreadGroup(2, timeout=timeout)
     seen = []
     wd = types.SimpleNamespace(on_failure=lambda comm, rec, e: seen.append((rec.to_dict(), str(e))) or e)
     comm = g.comms[0]
     comm.watchdog, comm.short_path = wd, short
+    after = None
     try:
         x = np.ones(1000, np.float32)
         with pytest.raises(CollectiveError) as ei:
             if short:
                 with NoGeneral():
-                    call(comm, x, "sum", "inplace")
+                    invoke(comm, x)
             else:
-                call(comm, x, "sum", "inplace")
-        with pytest.raises(CollectiveError) as sticky:
-            comm.allreduce(x)                     # the communicator stays failed
+                invoke(comm, x)
+        if sticky:
+            with pytest.raises(CollectiveError) as after:
+                comm.allreduce(x)                 # the communicator stays failed
         rec = fields(comm.recorder.records()[0])
     finally:
         g.close()
     mask = lambda s: re.sub(r"\d+\.\d+", "N", s)      # noqa: E731 - waited times differ
-    return mask(str(ei.value)), rec, [(d["op"], d["seq"], d["state"]) for d, _ in seen], mask(str(sticky.value))
+    return (mask(str(ei.value)), rec, [(d["op"], d["seq"], d["state"]) for d, _ in seen],
+            mask(str(after.value)) if after is not None else None)
+
+
+def hang(short: bool, timeout: float = 0.6):
+    """An allreduce that rank 1 never joins (:func:`_hang`), then the sticky error."""
+    return _hang(short, lambda comm, x: call(comm, x, "sum", "inplace"), timeout, True)
 
 
 def test_ring_hang_on_the_short_path_is_reported_as_on_the_general_path():
@@ -260,25 +269,8 @@ def test_ring_other_short_paths_refuse_what_the_general_path_refuses(group):
 
 
 def hang_other(kind: str, short: bool, timeout: float = 0.6):
-    """Rank 0 calls ``kind``, rank 1 never does: the error, the record and what the watchdog saw."""
-    g = ThreadGroup(2, timeout=timeout)
-    seen = []
-    wd = types.SimpleNamespace(on_failure=lambda comm, rec, e: seen.append((rec.to_dict(), str(e))) or e)
-    comm = g.comms[0]
-    comm.watchdog, comm.short_path = wd, short
-    try:
-        x = np.ones(1000, np.float32)
-        with pytest.raises(CollectiveError) as ei:
-            if short:
-                with NoGeneral():
-                    host_call(comm, kind, x, "new")
-            else:
-                host_call(comm, kind, x, "new")
-        rec = fields(comm.recorder.records()[0])
-    finally:
-        g.close()
-    mask = lambda s: re.sub(r"\d+\.\d+", "N", s)      # noqa: E731 - waited times differ
-    return mask(str(ei.value)), rec, [(d["op"], d["seq"], d["state"]) for d, _ in seen]
+    """Rank 0 calls ``kind``, rank 1 never does (:func:`_hang`): the error, the record, what the watchdog saw."""
+    return _hang(short, lambda comm, x: host_call(comm, kind, x, "new"), timeout, False)[:3]
 
 
 @pytest.mark.parametrize("kind", ["allgather", "barrier"])
