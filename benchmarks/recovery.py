@@ -30,7 +30,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -163,7 +162,7 @@ def hpcring_fault(args, how: str, ref: str) -> dict:
     res = json.loads((base / "out" / "result.json").read_text()) if (base / "out" / "result.json").exists() else {}
     steps = json.loads((folders[-1] / "steps.json").read_text()) if folders and (folders[-1] / "steps.json").exists() else {}
     return {"scenario": f"hpcring {how}", "node": node, "processes": n, "fault_to_next_step_s": nxt and nxt - t_fault,
-            "jobs": len(re.findall(r"Submitted job", text)), "state": "COMPLETED" if f"COMPLETED: 2 ranks" in text
+            "jobs": len(re.findall(r"Submitted job", text)), "state": "COMPLETED" if "COMPLETED: 2 ranks" in text
             else "FAILED", "weights_equal": res.get("sha256") == ref, "restarts": res.get("restarts"),
             "steps": [(s.get("hosts"), s.get("end"), s.get("lost_s")) for s in steps.get("steps", [])],
             "folder": str(base)}

@@ -27,7 +27,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from hpcring.config import envvars
 from hpcring.config.jobspec import MAX_RESTARTS, max_restarts  # noqa: F401  (the precedence's owner)
@@ -221,7 +221,6 @@ def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: C
     """Follow ``rec`` (``follow(rec) -> Outcome``); while it ends with a node-level fault and
     fewer than ``limit`` restarts were made, resubmit it (``submit(site, job, template) ->
     JobRecord``) with the blamed nodes excluded and follow that. Returns (last record, its outcome)."""
-    from hpcring import submit as lib
     chain = [{"attempt": 0, "job": rec.job_id, "key": rec.key, "folder": rec.folder, "excluded": list(job.exclude)}]
     write_chain(chain) if limit else None
     attempt, made = 0, 0

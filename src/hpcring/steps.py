@@ -220,7 +220,7 @@ class _Launcher:
             p.kill()
 
 
-def _archive(plan: Plan, jid: str, attempt: int, size: int) -> str:
+def _archive(plan: Plan, jid: str, attempt: int) -> str:
     """Move the failed step's records, results and diagnosis to ``steps/<attempt>/``: the next
     step starts with a clean folder and nothing of this one is lost."""
     dest = plan.folder / ARCHIVE / str(attempt)
@@ -418,7 +418,7 @@ def run(plan: Plan, environ: Mapping[str, str] | None = None) -> int:
             write_steps(plan, allocation)
             log(f"step {attempt} failed: {v.cause}; {step['decision']}")
             return rc
-        step["archived"] = _archive(plan, jid, attempt, size)
+        step["archived"] = _archive(plan, jid, attempt)
         attempt += 1
         step["decision"] = f"restart {attempt} of at most {plan.max_restarts} on {','.join(nxt)}"
         log(f"step {attempt - 1} failed: {v.cause}; blamed {', '.join(f'{n} ({why})' for n, why in reasons.items())}; "

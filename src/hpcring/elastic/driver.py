@@ -36,7 +36,6 @@ from pathlib import Path
 from hpcring.bootstrap import auth
 from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.store_server import StoreServer
-from hpcring.elastic import protocol as P
 from hpcring.elastic.coordinator import Coordinator
 from hpcring.elastic.membership import ALIVE, DEAD, LEFT
 from hpcring.elastic.member import ID_VAR, STORE_VAR
