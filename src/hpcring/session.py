@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-import time
 
 from hpcring.bootstrap.topology import Topology
 from hpcring.collectives.choice import BACKENDS, auto_backend
@@ -169,13 +168,7 @@ def _release(session: Session) -> None:
     """
     topo, store = session.topology, session.store
     try:
-        linger = envvars.get("HPCRING_STORE_LINGER")
-        if topo.rank != 0:
-            store.add("session/left", 1)
-            return
-        deadline = time.monotonic() + linger
-        while store.add("session/left", 0) < topo.size - 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        store.leave(topo.rank, topo.size, envvars.get("HPCRING_STORE_LINGER"))
     except Exception:  # exiting anyway: never turn a clean exit into a traceback
         pass
 

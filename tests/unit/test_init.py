@@ -34,7 +34,7 @@ print(json.dumps({"rank": topo.rank, "hosts": topo.hosts, "launcher": topo.launc
                   "master_port": topo.master_port, "node_rank": topo.node_rank, "num_nodes": topo.num_nodes,
                   "local_rank": topo.local_rank, "store_port": client.port if topo.rank else client.server.port,
                   "MASTER_ADDR": client.get("MASTER_ADDR").decode(), "env": framework_env(topo, 2)}))
-client.barrier("before-exit", topo.size, timeout=20)   # rank 0 hosts the store: leave together
+client.leave(topo.rank, topo.size, linger=20)   # rank 0 hosts the store: it leaves last
 """
 
 

@@ -421,7 +421,10 @@ class StoreClient:
         self.multi_get(keys, timeout, values=False)
 
     def barrier(self, name: str, size: int, timeout: float | None = None) -> None:
-        """Return once ``size`` participants have entered barrier ``name`` (one use per name)."""
+        """Return once ``size`` participants have entered barrier ``name`` (one use per name).
+
+        Not a way to leave together: the store's host must not exit straight after one (see
+        :meth:`leave`)."""
         wait = self.timeout if timeout is None else _seconds(f"barrier {name!r} timeout", timeout)
         deadline = time.monotonic() + wait
         count_key, done_key = f"__barrier/{name}/count", f"__barrier/{name}/done"
@@ -445,6 +448,22 @@ class StoreClient:
                                  f"{got} of {size} ranks arrived (waiting for key {done_key!r})",
                                  hint="the missing ranks never reached this barrier: check that every "
                                       "rank started and look at the logs of the slowest ones") from e
+
+    def leave(self, rank: int, size: int, linger: float) -> None:
+        """At exit: every rank but 0 says it is done with the store; rank 0, which serves it, waits
+        up to ``linger`` seconds until the other ``size - 1`` have said so.
+
+        A barrier is not enough before exit: the last rank in may be rank 0, and a slower rank's
+        wait for the barrier's key may reach the store only after rank 0 has exited with it (seen
+        under load: 'closed the connection while waiting for key __barrier/.../done'). Waits
+        once, under one deadline; never raises for a rank that is already gone.
+        """
+        if rank != 0:
+            self.add("__leave/count", 1)
+            return
+        deadline = time.monotonic() + linger
+        while self.add("__leave/count", 0) < size - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def ping(self, timeout: float = 5.0) -> float:
         """Round-trip time in seconds."""
