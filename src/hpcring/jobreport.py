@@ -350,6 +350,11 @@ def build(rec=None, folder: Path | None = None, *, state: str | None = None, fin
                           hint="ranks write them as they start and end (summaries need hpcring's watchdog, "
                                "HPCRING_WATCHDOG not 0); a job submitted by an older hpcring has none")
     _lost(attempts)
+    stragglers = []
+    for a in attempts:
+        entries, bad = read_stragglers(Path(a["folder"]))
+        stragglers += [{**e, "attempt": a["attempt"]} for e in entries]
+        problems += bad
     final = attempts[-1]
     if len(attempts) > 1:     # a restart's count is also in requeue_count (preempt.py): not a requeue
         requeues = max(0, requeues - int(final.get("attempt") or 0))
@@ -375,9 +380,31 @@ def build(rec=None, folder: Path | None = None, *, state: str | None = None, fin
         "productive_rank_s": sum(kept) if kept else None,
         "allocated_rank_s": allocated or None,
         "effective_ratio": (sum(kept) / allocated) if kept and allocated else None,
+        "stragglers": stragglers,
         "problems": problems,
     }
     return _rounded(report)
+
+
+def read_stragglers(folder: Path) -> tuple[list[dict], list[str]]:
+    """The straggler verdicts rank 0 recorded in ``<folder>/diag/stragglers.jsonl``
+    (:mod:`hpcring.diagnostics.straggler_watch`), oldest first: ``at``, ``line`` and ``verdict``
+    (None when the straggler cleared); and a problem for each line that cannot be read."""
+    path = folder / "diag" / "stragglers.jsonl"
+    entries, problems = [], []
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return [], []
+    except OSError as e:
+        return [], [f"{path}: cannot be read ({e.strerror})"]
+    for n, line in enumerate(text.splitlines(), 1):
+        try:
+            e = json.loads(line)
+            entries.append({"at": float(e["at"]), "line": str(e["line"]), "verdict": e.get("verdict")})
+        except (ValueError, KeyError, TypeError):
+            problems.append(f"{path}:{n}: not a straggler record (left out)")
+    return entries, problems
 
 
 def _sum_split(ranks: list[dict]) -> dict | None:
@@ -508,6 +535,12 @@ def text(report: dict) -> str:
         lines.append(f"  checkpoints   : {cp['count']} noted, the last{extra} at {_clock(cp['last_at'])}{spent}")
     else:
         lines.append("  checkpoints   : none noted (hpcring.checkpoint_saved)")
+    named = report.get("stragglers") or []
+    if not named:
+        lines.append("  stragglers    : none named")
+    for i, e in enumerate(named):
+        head = "  stragglers    : " if i == 0 else "                  "
+        lines.append(f"{head}{_clock(e['at'])} {e['line']}")
     if report["requeues"]:
         lines.append(f"  requeued      : {report['requeues']} time(s): the numbers are the latest run's")
     if len(report["attempts"]) > 1:

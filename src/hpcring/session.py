@@ -28,6 +28,7 @@ class Session:
         self._secret = secret
         self._comms: dict[str, object] = {}
         self.watchdog = None
+        self.stragglers: dict[str, object] = {}   # backend -> its StragglerWatch (or None: off)
         self.default_backend: str | None = None   # init(backend=...): what "auto" means here
 
     @property
@@ -70,6 +71,8 @@ class Session:
             self._comms[backend] = Communicator.create(self.topology, self.store, self._secret,
                                                        timeout=timeout, backend=backend,
                                                        watchdog=self.watchdog, **options)
+            from hpcring.diagnostics.straggler_watch import start_for
+            self.stragglers[backend] = start_for(self, self._comms[backend], backend)
         return self._comms[backend]
 
     def group(self, ranks):

@@ -289,6 +289,19 @@ class FlightRecorder:
             recs = sorted(recs + [self._from_slot(t) for t in slots], key=lambda r: r.seq)[-self.capacity:]
         return recs if last is None else recs[-last:]
 
+    def span(self, first: int, count: int) -> list[Record]:
+        """The kept records of collectives ``first .. first+count-1``, any order: the straggler
+        watcher's window, without turning every kept ring slot into a Record."""
+        with self._lock:
+            recs = [r for r in self._records if first <= r.seq < first + count]
+        have = {r.seq for r in recs}
+        for s in range(first, first + count):
+            if s not in have:
+                t = self.flight.get(s)
+                if t is not None:
+                    recs.append(self._from_slot(t))
+        return recs
+
     def in_flight(self) -> list[Record]:
         """Records queued or started and not ended, oldest first."""
         return [r for r in self.records() if r.state in (QUEUED, STARTED)]

@@ -182,6 +182,17 @@ VARS: tuple[Var, ...] = (
        "before reporting, seconds", 0.5, 3600),
     _v("HPCRING_ON_FAILURE", "choice", "abort", "after a diagnosed collective failure: `abort` ends "
        "the process, `raise` raises CollectiveError", choices=("abort", "raise")),
+    _v("HPCRING_STRAGGLERS", "bool", True, "name a rank or node that arrives last in most collectives "
+       "(one line on rank 0's stderr when the verdict changes; hpcring.diagnostics.stragglers)"),
+    _v("HPCRING_STRAGGLER_WINDOW", "int", 50, "collectives per straggler window (every rank's time "
+       "inside each is compared)", 8, 2000),
+    _v("HPCRING_STRAGGLER_SHARE", "float", 0.75, "share of a window's collectives a rank (or node) "
+       "must arrive last in to be named", 0.5, 1.0),
+    _v("HPCRING_STRAGGLER_MIN_MS", "float", 2.0, "median lateness, ms, below which nobody is named", 0, 1e6),
+    _v("HPCRING_STRAGGLER_MIN_FRAC", "float", 0.05, "median lateness, as a share of the time from one "
+       "collective to the next, below which nobody is named", 0, 10),
+    _v("HPCRING_STRAGGLER_PERIOD", "float", 0.0, "seconds between the straggler watcher's looks at the "
+       "store (0: 0.5 s, or size/1000 s in larger jobs)", 0, 3600),
     _v("HPCRING_FLIGHT_RECORDS", "int", 2048, "collectives kept in each rank's flight recorder",
        16, 1 << 24),
     _v("HPCRING_FR_TRACE", "bool", True, "wherever flight records are dumped, also write them in torch's "

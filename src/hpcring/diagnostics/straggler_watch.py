@@ -1,0 +1,227 @@
+"""The straggler watcher: every rank's rows of a window reach rank 0, which judges them.
+
+No collective is added and nothing runs on the collective's path: the flight recorder already
+keeps each collective's start and end. One background thread per rank looks at the rendezvous
+store every ``period`` seconds (HPCRING_STRAGGLER_PERIOD; 0.5 s, or size/1000 s above 500
+ranks, so the store sees at most about 1000 small requests a second however large the job):
+
+1. rank 0 names the next window: ``strag/<comm>/want`` = its sequence number now + 1 and W
+   (HPCRING_STRAGGLER_WINDOW), so every rank will reach it;
+2. each rank, once its recorder has ended all W of them, writes its row (W float32 times inside
+   and its compute, about 0.2 KiB; :class:`~hpcring.diagnostics.stragglers.Row`) to
+   ``strag/<comm>/row/<rank>``, replacing its previous one (the store holds one row per rank);
+3. rank 0 reads every row in one batched request; when all are for the window it judges it
+   (:func:`~hpcring.diagnostics.stragglers.judge`), prints a line on its stderr when the
+   verdict changes (a new straggler, or none any more), appends it to
+   ``<job folder>/diag/stragglers.jsonl`` (read by ``hpcring report``), writes the window's
+   per-rank figures to ``<job folder>/live.json`` for ``hpcring top`` where the job has a
+   folder, and names the next window.
+
+A rank that has no row for the window (its records were overwritten: more than
+HPCRING_FLIGHT_RECORDS collectives in one period) writes an empty one and the window is
+skipped; a window that not every rank reaches within 30 periods (a rank is stuck, which the
+hang watchdog names, or the job is ending) is given up and the next named.
+
+Cost: per rank, one store round trip a period and one write a window, off the training thread
+(it takes the GIL for about 0.1 ms a window); rank 0 reads n rows a window (0.9 MiB at 4096
+ranks) and judges them with numpy (an n x W array). Measured in benchmarks/stragglers.py.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+from hpcring.config import envvars
+from hpcring.diagnostics import stragglers as sg
+
+log = logging.getLogger(__name__)
+GIVE_UP_PERIODS = 30
+
+
+def rules_from_env() -> sg.Rules:
+    return sg.Rules(share=envvars.get("HPCRING_STRAGGLER_SHARE"), min_ms=envvars.get("HPCRING_STRAGGLER_MIN_MS"),
+                    min_frac=envvars.get("HPCRING_STRAGGLER_MIN_FRAC"))
+
+
+def period_for(size: int) -> float:
+    p = envvars.get("HPCRING_STRAGGLER_PERIOD")
+    return p if p > 0 else max(0.5, size / 1000.0)
+
+
+class StragglerWatch:
+    """One communicator's watcher on one rank (see the module doc); :meth:`start`, :meth:`stop`."""
+
+    def __init__(self, comm, store, hosts, *, name: str = "world", window: int | None = None,
+                 rules: sg.Rules | None = None, period: float | None = None, folder=None,
+                 out=None) -> None:
+        self.comm, self.store, self.hosts = comm, store, tuple(hosts)
+        self.rank, self.size = comm.rank, comm.size
+        self.window = window or envvars.get("HPCRING_STRAGGLER_WINDOW")
+        self.rules = rules or rules_from_env()
+        self.period = period if period is not None else period_for(self.size)
+        self.folder = folder            # the job folder (rank 0 writes there), or None
+        self.out = out if out is not None else sys.stderr
+        self._key = f"strag/{name}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._want: tuple[int, int] | None = None       # rank 0: the window named; others: seen
+        self._named_at = 0.0
+        self._sent: int | None = None                   # the first seq of the last row written
+        self.current: sg.Verdict | None = None          # rank 0: the verdict in force
+        self.history: list[dict] = []                   # rank 0: every change, as written
+        self.windows = 0                                # rank 0: windows judged
+
+    def start(self) -> "StragglerWatch":
+        if self._thread is None and self.size > 1:
+            self._thread = threading.Thread(target=self._run, name=f"hpcring-stragglers:{self.rank}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- loop -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.tick()
+            except Exception as e:   # noqa: BLE001 - the store gone (job ending): stop quietly
+                log.debug("rank %d: straggler watcher stops: %s", self.rank, e)
+                return
+
+    def tick(self) -> None:
+        """One look (the thread calls it every period; tests call it directly)."""
+        if self.rank == 0:
+            self._lead()
+        else:
+            self._follow()
+
+    def _follow(self) -> None:
+        raw = self.store.multi_check([f"{self._key}/want"])[0]
+        if not raw:
+            return
+        first, w = (int(v) for v in raw.split())
+        if first == self._sent:
+            return
+        row = self._row(first, w)
+        if row is not None:
+            self.store.set(f"{self._key}/row/{self.rank}", row.encode())
+            self._sent = first
+
+    def _row(self, first: int, w: int) -> sg.Row | None:
+        """This rank's row for the window; None while some of it has not ended; an empty row
+        when its records are gone."""
+        if self.comm.recorder.seq < first + w - 1:
+            return None
+        recs = self.comm.recorder.span(first, w)
+        if any(r.state in ("queued", "started") for r in recs):
+            return None
+        return sg.window_of(recs, first, w, self.rank) or sg.Row(self.rank, first, _empty(), 0.0)
+
+    def _lead(self) -> None:
+        rec = self.comm.recorder
+        now = time.monotonic()
+        if self._want is None:
+            self._name(rec.seq + 1, now)
+            return
+        first, w = self._want
+        own = self._row(first, w)
+        if own is None:
+            if now - self._named_at > GIVE_UP_PERIODS * self.period and rec.seq >= first:
+                self._name(rec.seq + 1, now)
+            return
+        keys = [f"{self._key}/row/{r}" for r in range(1, self.size)]
+        blobs = self.store.multi_check(keys)
+        rows = [own]
+        for blob in blobs:
+            row = sg.Row.decode(blob) if blob else None
+            if row is None or row.first != first:
+                if now - self._named_at > GIVE_UP_PERIODS * self.period:
+                    self._name(rec.seq + 1, now)
+                return
+            rows.append(row)
+        self._judge(rows, first, w)
+        self._name(max(rec.seq + 1, first + w), now)
+
+    def _name(self, first: int, now: float) -> None:
+        self._want = (first, self.window)
+        self._named_at = now
+        self.store.set(f"{self._key}/want", f"{first} {self.window}".encode())
+
+    # -- rank 0: verdicts ---------------------------------------------------------------------
+    def _judge(self, rows: list[sg.Row], first: int, w: int) -> None:
+        self.windows += 1
+        if any(len(r.inside) != w for r in rows):
+            return                                     # a rank's records were gone: skip the window
+        verdict = sg.judge(rows, self.hosts, self.rules, self._op_names(first, w))
+        self._live(rows, first, w, verdict)
+        old = self.current
+        if (verdict is None) == (old is None) and (verdict is None or verdict.key == old.key):
+            return
+        self.current = verdict
+        line = verdict.line() if verdict is not None else sg.cleared_line(old, w)
+        entry = {"at": time.time(), "first": first, "ops": w, "line": line,
+                 "verdict": verdict.to_dict() if verdict is not None else None}
+        self.history.append(entry)
+        print(f"hpcring: {line}", file=self.out, flush=True)
+        self._append(entry)
+
+    def _op_names(self, first: int, w: int) -> str:
+        names = sorted({r.op for r in self.comm.recorder.span(first, w)})
+        return "collectives" if len(names) != 1 else f"{names[0]}s"
+
+    def _append(self, entry: dict) -> None:
+        if self.folder is None:
+            return
+        try:
+            diag = os.path.join(self.folder, "diag")
+            os.makedirs(diag, exist_ok=True)
+            with open(os.path.join(diag, "stragglers.jsonl"), "a") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as e:
+            log.warning("rank 0: could not record the straggler verdict: %s", e)
+
+    def _live(self, rows: list[sg.Row], first: int, w: int, verdict) -> None:
+        if self.folder is None or not os.path.isdir(self.folder):
+            return
+        late = sg.lateness(rows)
+        ranks = []
+        for r in rows:
+            span = float(r.inside.sum()) + r.compute
+            ranks.append({"rank": r.rank, "host": self.hosts[r.rank], "lateness_ms": round(late.get(r.rank, 0.0), 3),
+                          "inside_s": round(float(r.inside.sum()), 6), "compute_s": round(r.compute, 6),
+                          "ops_per_s": round(w / span, 3) if span > 0 else None})
+        recs = self.comm.recorder.span(first + w - 1, 1)
+        data = {"written": time.time(), "first": first, "ops": w, "size": self.size,
+                "last_op": recs[0].op if recs else None, "ranks": ranks,
+                "verdict": verdict.to_dict() if verdict is not None else None}
+        from hpcring.fsutil import write_json
+        try:
+            write_json(os.path.join(self.folder, "live.json"), data)
+        except OSError as e:
+            log.debug("rank 0: live.json not written: %s", e)
+
+
+def _empty():
+    import numpy as np
+    return np.zeros(0)
+
+
+def start_for(session, comm, name: str):
+    """Start the watcher for ``comm`` (a job-wide communicator of ``session``) unless
+    HPCRING_STRAGGLERS=0 or the job has one rank; None then."""
+    if not envvars.get("HPCRING_STRAGGLERS") or comm.size < 2:
+        return None
+    folder = None
+    if session.topology.rank == 0:
+        from hpcring.diagnostics.jobdir import job_folder
+        path = job_folder()
+        folder = str(path) if (os.environ.get("SUBMITIT_FOLDER") or os.environ.get("HPCRING_JOB_DIR")
+                               or path.is_dir()) else None
+    return StragglerWatch(comm, session.store, session.topology.hosts, name=name, folder=folder).start()

@@ -1,0 +1,214 @@
+"""Straggler verdicts: who arrives last, from the time each rank spent inside each collective.
+
+No clock is compared across hosts. A collective ends on every rank at about the same moment (no
+rank can finish before the last one has arrived), so a rank that arrives ``d`` seconds after the
+others spends ``d`` seconds less inside it. For each collective of a window the rank with the
+shortest time inside arrived last, and the gap to the next shortest is how late it was (a lower
+bound: its lateness behind the second-last rank). A rank's compute is its time in the window
+spent outside any collective.
+
+A window is ``W`` collectives of one communicator, the same sequence numbers on every rank (see
+:mod:`hpcring.diagnostics.straggler_watch`, which gathers them). The rules, each a setting:
+
+* **rank**: one rank arrived last in at least ``share`` of the window's collectives (default 75%)
+  and its median lateness there is at least ``min_ms`` (default 2 ms) and at least ``min_frac``
+  (default 5%) of the window's median time from one collective to the next;
+* **node**: no rank qualifies, but the last rank was on one host (of several, holding more than
+  one rank) in at least ``share`` of them, with the same lateness rule: a slow node whose ranks
+  take turns at being last.
+
+Why these defaults: when nobody is slow the last rank is whoever the scheduler woke last, a
+uniform draw; with 2 ranks, 75% of 50 is 3.5 standard deviations above the 50% of chance, and
+with more ranks chance falls further away, so a uniformly loaded job gets no verdict (measured:
+docs/diagnostics.md). A rank slowed to 1.3x arrives last in nearly every collective.
+
+Pure functions over arrays: :func:`window_of` turns one rank's records into its row,
+:func:`judge` turns every rank's rows into a :class:`Verdict` (or None).
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAGIC = b"HRS1"
+_HEAD = struct.Struct("<4sqiid")     # magic, first seq, W, rank, compute seconds
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The thresholds of the module doc (HPCRING_STRAGGLER_* set them)."""
+    share: float = 0.75
+    min_ms: float = 2.0
+    min_frac: float = 0.05
+
+
+@dataclass
+class Row:
+    """One rank's view of a window: its time inside each collective (NaN where not kept) and its
+    compute (time in the window outside every collective)."""
+    rank: int
+    first: int
+    inside: np.ndarray
+    compute: float
+
+    def encode(self) -> bytes:
+        return _HEAD.pack(MAGIC, self.first, len(self.inside), self.rank, self.compute) + \
+            self.inside.astype("<f4").tobytes()
+
+    @classmethod
+    def decode(cls, blob: bytes) -> "Row | None":
+        """The row in ``blob``, or None when it is not one (a short or foreign value)."""
+        if len(blob) < _HEAD.size or blob[:4] != MAGIC:
+            return None
+        _, first, w, rank, compute = _HEAD.unpack_from(blob)
+        if w < 0 or len(blob) != _HEAD.size + 4 * w:
+            return None
+        return cls(rank, first, np.frombuffer(blob, "<f4", w, _HEAD.size).astype(np.float64), compute)
+
+
+@dataclass
+class Verdict:
+    """One straggler finding: ``kind`` is ``rank`` or ``node``; ``ranks`` the ranks named."""
+    kind: str
+    ranks: list[int]
+    host: str
+    share: float
+    median_ms: float
+    compute_ratio: float | None
+    ops: int
+    op_names: str
+    figures: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple:
+        """What makes two verdicts the same (a verdict is printed again only when this changes)."""
+        return (self.kind, tuple(self.ranks))
+
+    def line(self) -> str:
+        who = (f"rank {self.ranks[0]} ({self.host})" if self.kind == "rank"
+               else f"node {self.host} (ranks {_ranges(self.ranks)})")
+        text = (f"straggler: {who} arrived last in {self.share:.0%} of the last {self.ops} "
+                f"{self.op_names}, median +{self.median_ms:.1f} ms behind the median rank")
+        if self.compute_ratio is not None:
+            text += f"; its compute between collectives is {self.compute_ratio:.2f}x the others'"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "ranks": self.ranks, "host": self.host, "share": round(self.share, 4),
+                "median_ms": round(self.median_ms, 3),
+                "compute_ratio": None if self.compute_ratio is None else round(self.compute_ratio, 3),
+                "ops": self.ops, "op_names": self.op_names, "line": self.line()}
+
+
+def window_of(records, first: int, w: int, rank: int) -> Row | None:
+    """Rank ``rank``'s row for collectives ``first .. first+w-1`` from its flight records (any
+    order), or None unless every one of them is kept and ended done."""
+    by_seq = {r.seq: r for r in records if first <= r.seq < first + w}
+    if len(by_seq) != w:
+        return None
+    recs = [by_seq[s] for s in range(first, first + w)]
+    if any(r.state != "done" or r.t_started is None or r.t_ended is None for r in recs):
+        return None
+    starts = np.array([r.t_started for r in recs])
+    ends = np.array([r.t_ended for r in recs])
+    inside = np.maximum(ends - starts, 0.0)
+    return Row(rank, first, inside, _outside(starts, ends))
+
+
+def _outside(starts: np.ndarray, ends: np.ndarray) -> float:
+    """Time from the first start to the last end not covered by any [start, end] (async
+    collectives overlap: their union is what is inside)."""
+    order = np.argsort(starts, kind="stable")
+    covered, cur_s, cur_e = 0.0, None, None
+    for i in order:
+        s, e = starts[i], ends[i]
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                covered += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        covered += cur_e - cur_s
+    return max(0.0, float(ends.max() - starts.min()) - covered)
+
+
+def judge(rows: list[Row], hosts, rules: Rules = Rules(), op_names: str = "collectives") -> Verdict | None:
+    """The verdict for one window from every rank's row (``rows[i].rank`` indexes ``hosts``), or
+    None: nobody is late by the rules, fewer than 2 ranks, or too few collectives kept by all."""
+    if len(rows) < 2:
+        return None
+    x = np.vstack([r.inside for r in rows])                   # ranks x collectives
+    keep = ~np.isnan(x).any(axis=0)
+    x = x[:, keep]
+    ops = x.shape[1]
+    if ops < 8:
+        return None
+    ranks = np.array([r.rank for r in rows])
+    order = np.argsort(x, axis=0, kind="stable")
+    last = order[0]                                           # row index of the last to arrive
+    med = np.median(x, axis=0)
+    behind = med[None, :] - x                                 # > 0: arrived after the median rank
+    late = np.median(behind, axis=1)                          # each rank's median lateness
+    after = (behind > 0).mean(axis=1)                         # share of collectives it was behind in
+    compute = np.array([r.compute for r in rows])
+    gap = float(np.median(compute)) / ops + float(np.median(x))   # one collective to the next
+    need = max(rules.min_ms / 1e3, rules.min_frac * gap)
+    figures = {"need_ms": need * 1e3, "gap_ms": gap * 1e3}
+    slow = (after >= rules.share) & (late >= need)
+    if not slow.any():
+        return None
+    host_of = np.array([hosts[int(r)] for r in ranks])
+    for h in sorted(set(host_of[slow])):
+        on = host_of == h
+        if on.sum() >= 2 and slow[on].all() and (~on).any():        # the whole node, not one rank
+            share = float(np.isin(last, np.flatnonzero(on)).mean())
+            ratio = _ratio(compute[on], compute[~on])
+            return Verdict("node", sorted(int(r) for r in ranks[on]), str(h), share,
+                           float(np.median(late[on])) * 1e3, ratio, ops, op_names, figures)
+    top = int(np.argmax(np.where(slow, late, -np.inf)))
+    r = int(ranks[top])
+    return Verdict("rank", [r], hosts[r], float((last == top).mean()), float(late[top]) * 1e3,
+                   _ratio(compute[[top]], np.delete(compute, top)), ops, op_names,
+                   {**figures, "behind_share": float(after[top])})
+
+
+def _ratio(mine: np.ndarray, others: np.ndarray) -> float | None:
+    if not len(others):
+        return None
+    base = float(np.median(others))
+    return float(np.median(mine)) / base if base > 0 else None
+
+
+def lateness(rows: list[Row]) -> dict[int, float]:
+    """Each rank's median lateness in ms behind the median rank (negative: early), for the live view."""
+    if not rows:
+        return {}
+    x = np.vstack([r.inside for r in rows])
+    x = x[:, ~np.isnan(x).any(axis=0)]
+    if x.shape[1] == 0:
+        return {}
+    med = np.median(x, axis=0)
+    return {r.rank: float(np.median(med - x[i])) * 1e3 for i, r in enumerate(rows)}
+
+
+def cleared_line(previous: Verdict, ops: int) -> str:
+    who = (f"rank {previous.ranks[0]} ({previous.host})" if previous.kind == "rank"
+           else f"node {previous.host}")
+    return f"straggler: none in the last {ops} collectives ({who} no longer arrives last)"
+
+
+def _ranges(ranks: list[int]) -> str:
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+__all__ = ["Rules", "Row", "Verdict", "window_of", "judge", "lateness", "cleared_line"]

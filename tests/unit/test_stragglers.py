@@ -1,0 +1,207 @@
+"""Straggler verdicts: the rules on generated windows, the rows on the wire, and the watcher's rounds
+over a real store with real flight recorders."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.store_server import StoreServer
+from hpcring.collectives.recorder import FlightRecorder
+from hpcring.diagnostics import stragglers as sg
+from hpcring.diagnostics.straggler_watch import StragglerWatch
+from hpcring.jobreport import read_stragglers
+
+SECRET = b"s" * 32
+
+
+def rows_for(rng, n, w=50, late=None, noise_ms=3.0, transfer_ms=1.0, compute_ms=20.0, slow_compute=None):
+    """Rows of a window in which rank r arrives ``late[r]`` ms after the others (plus noise): the
+    others wait that long inside each collective, so their time inside grows by it."""
+    late = late or {}
+    arrive = rng.exponential(noise_ms, size=(n, w))
+    for r, ms in late.items():
+        arrive[r] += ms
+    last = arrive.max(axis=0)
+    inside = (last - arrive + transfer_ms) / 1e3
+    out = []
+    for r in range(n):
+        c = (slow_compute or {}).get(r, 1.0) * compute_ms * w / 1e3
+        out.append(sg.Row(r, 100, inside[r], c))
+    return out
+
+
+HOSTS6 = ("node1", "node1", "node2", "node2", "node3", "node3")
+
+
+def test_a_late_rank_is_named_with_its_host_share_lateness_and_compute():
+    rng = np.random.default_rng(1)
+    v = sg.judge(rows_for(rng, 6, late={4: 6.0}, slow_compute={4: 1.3}), HOSTS6, op_names="allreduces")
+    assert v is not None and v.kind == "rank" and v.ranks == [4] and v.host == "node3"
+    assert v.share > 0.5 and v.figures["behind_share"] > 0.95 and 4.0 < v.median_ms < 9.0 and v.compute_ratio == pytest.approx(1.3, rel=0.01)
+    line = v.line()
+    assert line.startswith("straggler: rank 4 (node3) arrived last in ") and "of the last 50 allreduces" in line
+    assert "1.30x the others'" in line
+
+
+def test_a_slow_node_whose_ranks_take_turns_is_named_as_the_node():
+    rng = np.random.default_rng(2)
+    v = sg.judge(rows_for(rng, 6, late={2: 8.0, 3: 8.0}), HOSTS6)
+    assert v is not None and v.kind == "node" and v.host == "node2" and v.ranks == [2, 3]
+    assert v.line().startswith("straggler: node node2 (ranks 2-3) arrived last")
+
+
+@pytest.mark.parametrize("n", [2, 3, 6, 8])
+@pytest.mark.parametrize("noise_ms", [0.3, 3.0, 30.0])
+def test_uniform_noise_gives_no_verdict_in_500_windows(n, noise_ms):
+    rng = np.random.default_rng(n * 100 + int(noise_ms * 10))
+    hosts = tuple(f"node{r // 2}" for r in range(n))
+    found = [sg.judge(rows_for(rng, n, noise_ms=noise_ms), hosts) for _ in range(500)]
+    assert [v.line() for v in found if v] == []
+
+
+def test_lateness_below_the_floor_is_not_named():
+    rng = np.random.default_rng(3)
+    rows = rows_for(rng, 4, late={1: 1.0}, noise_ms=0.05)
+    assert sg.judge(rows, ("a",) * 4) is None                            # 1 ms < min_ms 2 ms
+    assert sg.judge(rows, ("a",) * 4, sg.Rules(min_ms=0.5, min_frac=0)).ranks == [1]
+
+
+def test_the_floor_grows_with_the_time_between_collectives():
+    rng = np.random.default_rng(4)
+    rows = rows_for(rng, 4, late={1: 6.0}, noise_ms=0.05, compute_ms=1000.0)   # 6 ms late in 1 s steps
+    assert sg.judge(rows, ("a",) * 4) is None                            # under 5% of the gap
+    assert sg.judge(rows, ("a",) * 4, sg.Rules(min_frac=0.001)).ranks == [1]
+
+
+def test_windows_with_records_missing_on_a_rank_are_not_judged():
+    rng = np.random.default_rng(5)
+    rows = rows_for(rng, 3, late={0: 10.0})
+    rows[2].inside[:45] = np.nan                  # only 5 collectives kept by every rank
+    assert sg.judge(rows, ("a", "b", "c")) is None
+    assert sg.judge(rows[:1], ("a",)) is None
+
+
+def test_a_row_survives_the_wire_and_foreign_values_are_refused():
+    row = sg.Row(7, 1234, np.array([0.001, 0.5, 2.0]), 3.25)
+    back = sg.Row.decode(row.encode())
+    assert (back.rank, back.first, back.compute) == (7, 1234, 3.25)
+    assert np.allclose(back.inside, row.inside, rtol=1e-6)
+    blob = row.encode()
+    for bad in (b"", b"HRS1", b"XXXX" + blob[4:], blob[:-1], blob + b"\0"):
+        assert sg.Row.decode(bad) is None
+
+
+class Rec:
+    def __init__(self, seq, start, end, state="done", op="allreduce"):
+        self.seq, self.t_started, self.t_ended, self.state, self.op = seq, start, end, state, op
+
+
+def test_window_of_takes_exactly_the_window_and_counts_overlap_once():
+    recs = [Rec(10, 0.0, 1.0), Rec(11, 0.5, 2.0), Rec(12, 3.0, 3.5), Rec(9, -5, -4), Rec(13, 9, 10)]
+    row = sg.window_of(recs, 10, 3, rank=2)
+    assert row.rank == 2 and row.first == 10 and list(row.inside) == [1.0, 1.5, 0.5]
+    assert row.compute == pytest.approx(1.0)      # 0..3.5 less the union [0,2] and [3,3.5]
+    assert sg.window_of(recs[:2], 10, 3, 0) is None                   # one not kept
+    assert sg.window_of([Rec(10, 0, 1), Rec(11, 1, 2, "failed"), Rec(12, 2, 3)], 10, 3, 0) is None
+
+
+# ---------------------------------------------------------------------------- the watcher's rounds
+
+class FakeComm:
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+        self.recorder = FlightRecorder(rank, size, "ring", capacity=256)
+
+
+def run_ops(comms, count, t0, late=None, compute=0.02):
+    """``count`` allreduces on every rank's recorder, rank r arriving ``late[r]`` s after the others."""
+    late = late or {}
+    for k in range(count):
+        start = t0 + k * (compute + 0.005)
+        end = start + 0.005 + max(late.values(), default=0)
+        for c in comms:
+            rec = c.recorder.begin("allreduce", "float32", 4, None, 10.0)
+            c.recorder.finish(rec)
+            rec.t_started, rec.t_ended = start + late.get(c.rank, 0.0), end
+    return t0 + count * (compute + 0.005)
+
+
+def watchers(tmp_path, n=4, window=20):
+    server = StoreServer("127.0.0.1", 0, secret=SECRET)
+    comms = [FakeComm(r, n) for r in range(n)]
+    out = io.StringIO()
+    hosts = tuple(f"node{r // 2 + 1}" for r in range(n))
+    ws = [StragglerWatch(c, StoreClient("127.0.0.1", server.port, SECRET, timeout=5.0), hosts, window=window,
+                         period=0.1, folder=str(tmp_path) if c.rank == 0 else None, out=out) for c in comms]
+    return server, comms, ws, out
+
+
+def round_(ws):
+    ws[0].tick()
+    for w in ws[1:]:
+        w.tick()
+    ws[0].tick()
+
+
+def test_rank_0_names_the_straggler_once_records_it_and_says_when_it_clears(tmp_path):
+    server, comms, ws, out = watchers(tmp_path)
+    try:
+        t = run_ops(comms, 3, 1000.0)
+        ws[0].tick()                                   # names the window starting at seq 4
+        assert ws[0]._want == (4, 20)
+        t = run_ops(comms, 20, t, late={3: 0.008})
+        for w in ws[1:]:
+            w.tick()
+        ws[0].tick()
+        assert out.getvalue().count("straggler:") == 1 and "rank 3 (node2)" in out.getvalue()
+        for _ in range(2):                             # the same verdict: not printed again
+            t = run_ops(comms, 20, t, late={3: 0.008})
+            round_(ws)
+        assert out.getvalue().count("straggler:") == 1
+        assert ws[0].windows >= 2
+        t = run_ops(comms, 60, t)                      # nobody late any more
+        round_(ws)
+        round_(ws)
+        text = out.getvalue()
+        assert text.count("straggler:") == 2 and "none in the last 20 collectives (rank 3 (node2)" in text
+        entries, problems = read_stragglers(tmp_path)
+        assert problems == [] and [e["verdict"] and e["verdict"]["ranks"] for e in entries] == [[3], None]
+        live = json.loads((tmp_path / "live.json").read_text())
+        assert [r["rank"] for r in live["ranks"]] == [0, 1, 2, 3] and live["last_op"] == "allreduce"
+    finally:
+        for w in ws:
+            w.store.close()
+        server.close()
+
+
+def test_a_window_a_rank_never_finishes_is_given_up_and_the_next_is_named(tmp_path):
+    server, comms, ws, out = watchers(tmp_path, n=3, window=10)
+    try:
+        ws[0].tick()
+        first, _ = ws[0]._want
+        t = run_ops(comms[:2], 12, 2000.0)            # rank 2 never gets there
+        ws[1].tick()
+        ws[0].tick()
+        assert ws[0]._want == (first, 10) and ws[0].windows == 0
+        ws[0]._named_at -= 60                          # 30 periods later
+        ws[0].tick()
+        assert ws[0]._want[0] > first and ws[0].windows == 0 and out.getvalue() == ""
+        del t
+    finally:
+        for w in ws:
+            w.store.close()
+        server.close()
+
+
+def test_report_reader_keeps_good_lines_and_names_bad_ones(tmp_path):
+    (tmp_path / "diag").mkdir()
+    good = {"at": 5.0, "line": "straggler: rank 1 (a) ...", "verdict": {"kind": "rank"}}
+    (tmp_path / "diag" / "stragglers.jsonl").write_text(json.dumps(good) + "\n{oops\n" + json.dumps({"at": 1}) + "\n")
+    entries, problems = read_stragglers(tmp_path)
+    assert entries == [{"at": 5.0, "line": good["line"], "verdict": {"kind": "rank"}}]
+    assert len(problems) == 2 and "stragglers.jsonl:2" in problems[0] and "stragglers.jsonl:3" in problems[1]
+    assert read_stragglers(tmp_path / "nothing") == ([], [])
