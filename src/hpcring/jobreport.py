@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 import time
 from pathlib import Path
 
@@ -539,8 +540,9 @@ def text(report: dict) -> str:
     if not named:
         lines.append("  stragglers    : none named")
     for i, e in enumerate(named):
-        head = "  stragglers    : " if i == 0 else "                  "
-        lines.append(f"{head}{_clock(e['at'])} {e['line']}")
+        head = "  stragglers    : " if i == 0 else " " * 18
+        lines += textwrap.wrap(f"{_clock(e['at'])} {e['line']}", 118, initial_indent=head,
+                               subsequent_indent=" " * 20)
     if report["requeues"]:
         lines.append(f"  requeued      : {report['requeues']} time(s): the numbers are the latest run's")
     if len(report["attempts"]) > 1:

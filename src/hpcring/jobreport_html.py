@@ -138,6 +138,13 @@ def render(report: dict) -> str:
                            escape(fmt_s(a["wall_s"])), escape(fmt_s(a["gap_s"])), escape(fmt_s(a["lost_s"])),
                            escape(hang)], left=(0, 1, 2, 6)))
         h.append("</tbody></table>")
+    named = report.get("stragglers") or []
+    h.append("<h2>Stragglers</h2>")
+    if named:
+        h.append('<ul class="stragglers">' + "".join(
+            f'<li class="straggler">{escape(_clock(e["at"]))} {escape(e["line"])}</li>' for e in named) + "</ul>")
+    else:
+        h.append('<p class="note">None named.</p>')
     notes = report["problems"] + [f"rank {e['rank']}: {n}" for e in final["ranks"] for n in e["notes"]]
     if notes:
         h.append("<h2>Notes</h2><ul>" + "".join(f'<li class="note">{escape(n)}</li>' for n in notes) + "</ul>")

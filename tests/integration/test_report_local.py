@@ -36,7 +36,7 @@ env_for = local_env_for
 def slow_rank_job(tmp_path_factory):
     """(env, job id, report JSON, text, html path) of one 3-rank job with a slow rank 1."""
     tmp = tmp_path_factory.mktemp("report")
-    env = env_for(tmp)
+    env = env_for(tmp, HPCRING_STRAGGLER_WINDOW="10")     # 25 steps: two windows for the verdict
     r = hpcring("submit", str(WORKER), "--nodes", "1", "--tasks-per-node", "3", "--wait", "--",
                 "--steps", str(STEPS), "--compute", str(COMPUTE), "--slow-rank", "1", "--slow", str(SLOW),
                 "--checkpoint-every", "5", env=env)
@@ -98,6 +98,16 @@ def test_the_text_report_is_one_page_naming_every_rank(slow_rank_job):
         row = next(ln for ln in lines if ln.startswith(f"  {e['rank']:>4}  local0"))
         assert row.endswith("|") and row.count("|") == 2
     assert f"{STEPS} on ring (exact)" in text and "checkpoints   : 5 noted" in text
+    assert "stragglers    : " in text and "straggler: rank 1 (local0) arrived last in " in " ".join(text.split()), text
+
+
+def test_the_slow_rank_is_named_a_straggler_in_the_report(slow_rank_job):
+    _, _, doc, _, html, _ = slow_rank_job
+    first = doc["stragglers"][0]
+    assert first["attempt"] == 0 and first["verdict"]["kind"] == "rank" and first["verdict"]["ranks"] == [1]
+    assert first["verdict"]["median_ms"] > 0.5 * SLOW * 1e3 and first["verdict"]["compute_ratio"] > 1.5
+    assert doc["started"] <= first["at"] <= doc["ended"]
+    assert "straggler: rank 1 (local0)" in html.read_text()
 
 
 def chromium() -> str | None:

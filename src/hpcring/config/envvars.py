@@ -192,7 +192,7 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_STRAGGLER_MIN_FRAC", "float", 0.05, "median lateness, as a share of the time from one "
        "collective to the next, below which nobody is named", 0, 10),
     _v("HPCRING_STRAGGLER_PERIOD", "float", 0.0, "seconds between the straggler watcher's looks at the "
-       "store (0: 0.5 s, or size/1000 s in larger jobs)", 0, 3600),
+       "store (0: 0.25 s, or size/1000 s in larger jobs)", 0, 3600),
     _v("HPCRING_FLIGHT_RECORDS", "int", 2048, "collectives kept in each rank's flight recorder",
        16, 1 << 24),
     _v("HPCRING_FR_TRACE", "bool", True, "wherever flight records are dumped, also write them in torch's "

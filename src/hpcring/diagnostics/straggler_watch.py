@@ -2,7 +2,7 @@
 
 No collective is added and nothing runs on the collective's path: the flight recorder already
 keeps each collective's start and end. One background thread per rank looks at the rendezvous
-store every ``period`` seconds (HPCRING_STRAGGLER_PERIOD; 0.5 s, or size/1000 s above 500
+store every ``period`` seconds (HPCRING_STRAGGLER_PERIOD; 0.25 s, or size/1000 s above 250
 ranks, so the store sees at most about 1000 small requests a second however large the job):
 
 1. rank 0 names the next window: ``strag/<comm>/want`` = its sequence number now + 1 and W
@@ -49,7 +49,7 @@ def rules_from_env() -> sg.Rules:
 
 def period_for(size: int) -> float:
     p = envvars.get("HPCRING_STRAGGLER_PERIOD")
-    return p if p > 0 else max(0.5, size / 1000.0)
+    return p if p > 0 else max(0.25, size / 1000.0)
 
 
 class StragglerWatch:
@@ -88,6 +88,12 @@ class StragglerWatch:
 
     # -- loop -----------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.rank == 0:                   # the first window starts with the next collective
+            try:
+                self._name(self.comm.recorder.seq + 1, time.monotonic())
+            except Exception as e:   # noqa: BLE001
+                log.debug("rank 0: straggler watcher does not start: %s", e)
+                return
         while not self._stop.wait(self.period):
             try:
                 self.tick()

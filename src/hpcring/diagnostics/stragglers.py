@@ -38,7 +38,7 @@ _HEAD = struct.Struct("<4sqiid")     # magic, first seq, W, rank, compute second
 
 @dataclass(frozen=True)
 class Rules:
-    """The thresholds of the module doc (HPCRING_STRAGGLER_* set them)."""
+    """The thresholds of the module doc (set by the HPCRING_STRAGGLER_SHARE, _MIN_MS and _MIN_FRAC variables)."""
     share: float = 0.75
     min_ms: float = 2.0
     min_frac: float = 0.05

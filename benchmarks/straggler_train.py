@@ -1,0 +1,79 @@
+"""The job benchmarks/stragglers.py runs on every rank: steps of "compute" then collectives.
+
+    STEPS=300 SLOW_RANK=5 SLOW_FACTOR=1.3 MODE=sleep python benchmarks/straggler_train.py
+
+MODE ``sleep``: compute is a sleep of WORK_MS (a GPU computing while the host waits, so that 8
+ranks on 2 cores do not fight for them), then a 256 KiB float32 allreduce on the ring.
+MODE ``ddp``: torch DDP on the ``hpcring`` backend, a small MLP on CPU (the overhead figure).
+The slow rank's compute takes SLOW_FACTOR times as long. Rank 0 prints one ``RESULT {json}``
+line: steps, median step seconds, the step at which the first straggler verdict was in force
+(None: never) and every verdict line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+import hpcring
+
+
+def main() -> None:
+    steps = int(os.environ.get("STEPS", "300"))
+    slow = int(os.environ.get("SLOW_RANK", "-1"))
+    factor = float(os.environ.get("SLOW_FACTOR", "1.3"))
+    work = float(os.environ.get("WORK_MS", "20")) / 1e3
+    mode = os.environ.get("MODE", "sleep")
+    session = hpcring.init(backend="ring")
+    mine = work * (factor if session.rank == slow else 1.0)
+    times, first = [], None
+    if mode == "ddp":
+        step = _ddp_step(session, mine)
+    else:
+        x = np.ones(64 * 1024, np.float32)
+
+        def step():
+            time.sleep(mine)
+            session.allreduce(x)
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+        watch = session.stragglers.get("ring")
+        if first is None and watch is not None and watch.history:
+            first = i + 1
+    session.barrier()
+    time.sleep(3 * (watch.period if watch is not None else 0))      # the last window's verdict
+    if session.rank == 0:
+        lines = [e["line"] for e in watch.history] if watch is not None else []
+        print("RESULT " + json.dumps({"steps": steps, "size": session.size, "median_step_s": float(np.median(times)),
+                                      "first_verdict_step": first, "lines": lines,
+                                      "windows": watch.windows if watch is not None else 0,
+                                      "on": watch is not None}), flush=True)
+
+
+def _ddp_step(session, compute_s: float):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import hpcring.distributed  # noqa: F401 - registers the backend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("hpcring")
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(32, 256)
+
+    def step():
+        time.sleep(compute_s)
+        opt.zero_grad()
+        model(data).square().mean().backward()
+        opt.step()
+    return step
+
+
+if __name__ == "__main__":
+    main()
