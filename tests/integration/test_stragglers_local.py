@@ -1,0 +1,51 @@
+"""Straggler verdicts in real local jobs (``hpcring run``, 4 ranks, ring): a rank whose compute
+takes 1.5x as long is named by rank 0, with its host, while the job runs; a job where every rank
+computes alike gets no verdict; HPCRING_STRAGGLERS=0 starts no watcher.
+
+The job is benchmarks/straggler_train.py (compute is a sleep, so that 4 ranks on 2 cores do not
+fight for them)."""
+from __future__ import annotations
+
+import json
+import re
+
+from helpers_jobs import hpcring_cli
+
+import pytest
+
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parents[2] / "benchmarks" / "straggler_train.py"
+
+
+def run(tmp_path, steps, **env):
+    import sys
+    r = hpcring_cli("run", "--tasks-per-node", "4", "--", sys.executable, str(TRAIN),
+                    env={"STEPS": str(steps), "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
+                         "HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_SITE": "local", **env},
+                    timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = re.search(r"RESULT (\{.*\})", r.stdout)
+    assert m, r.stdout[-2000:] + r.stderr[-2000:]
+    return json.loads(m.group(1)), r.stderr
+
+
+def test_a_rank_computing_1_5x_as_long_is_named_with_its_host_while_the_job_runs(tmp_path):
+    res, err = run(tmp_path, 160, SLOW_RANK="3", SLOW_FACTOR="1.5", WORK_MS="20")
+    named = [ln for ln in err.splitlines() if "straggler:" in ln]
+    assert named and "[0]" in named[0] and "straggler: rank 3 (local0) arrived last in " in named[0], err[-3000:]
+    assert "its compute between collectives is" in named[0]
+    assert res["first_verdict_step"] is not None and res["first_verdict_step"] <= 150, res
+    assert all("rank 3" in ln or "none in the last" in ln for ln in named), named
+
+
+def test_ranks_computing_alike_get_no_verdict(tmp_path):
+    res, err = run(tmp_path, 300, WORK_MS="10")
+    assert res["windows"] >= 2, res                 # windows were judged ...
+    assert res["lines"] == [] and "straggler:" not in err, err[-3000:]     # ... and nobody named
+
+
+@pytest.mark.parametrize("value", ["0", "false"])
+def test_the_watcher_can_be_turned_off(tmp_path, value):
+    res, err = run(tmp_path, 20, SLOW_RANK="1", SLOW_FACTOR="3", HPCRING_STRAGGLERS=value)
+    assert res["on"] is False and "straggler:" not in err
