@@ -74,6 +74,9 @@ class StragglerWatch:
         self.current: sg.Verdict | None = None          # rank 0: the verdict in force
         self.history: list[dict] = []                   # rank 0: every change, as written
         self.windows = 0                                # rank 0: windows judged
+        # rank 0: called with each judged window's figures (the dict live.json holds); metrics
+        # exporters hook in here. A listener that raises is logged and dropped.
+        self.listeners: list = []
 
     def start(self) -> "StragglerWatch":
         if self._thread is None and self.size > 1:
@@ -194,7 +197,8 @@ class StragglerWatch:
             log.warning("rank 0: could not record the straggler verdict: %s", e)
 
     def _live(self, rows: list[sg.Row], first: int, w: int, verdict) -> None:
-        if self.folder is None or not os.path.isdir(self.folder):
+        to_file = self.folder is not None and os.path.isdir(self.folder)
+        if not to_file and not self.listeners:
             return
         late = sg.lateness(rows)
         ranks = []
@@ -207,6 +211,14 @@ class StragglerWatch:
         data = {"written": time.time(), "first": first, "ops": w, "size": self.size,
                 "last_op": recs[0].op if recs else None, "ranks": ranks,
                 "verdict": verdict.to_dict() if verdict is not None else None}
+        for fn in list(self.listeners):
+            try:
+                fn(data)
+            except Exception as e:   # noqa: BLE001 - an exporter's bug must not stop the verdicts
+                log.warning("rank 0: straggler listener %r failed and is dropped: %s", fn, e)
+                self.listeners.remove(fn)
+        if not to_file:
+            return
         from hpcring.fsutil import write_json
         try:
             write_json(os.path.join(self.folder, "live.json"), data)
