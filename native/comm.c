@@ -79,6 +79,22 @@ int hr_op_fail(hr_op_t *op, const char *fmt, ...) {
     return hr_comm_fail(op->c, msg);
 }
 
+void hr_link_add(hr_comm_t *c, int peer, double send_wait, double recv_wait) {
+    int i;
+    for (i = 0; i < c->nlinks && c->links[i].peer != peer; i++)
+        ;
+    if (i == c->nlinks) {
+        if (c->nlinks < HR_LINK_SLOTS) c->nlinks++;
+        else i = HR_LINK_SLOTS - 1;
+        if (c->links[i].peer != peer) {
+            c->links[i].peer = peer;
+            c->links[i].send_wait = c->links[i].recv_wait = 0.0;
+        }
+    }
+    c->links[i].send_wait += send_wait;
+    c->links[i].recv_wait += recv_wait;
+}
+
 int hr_comm_fail(hr_comm_t *c, const char *msg) {
     pthread_mutex_lock(&c->errlock);
     if (c->failed) {

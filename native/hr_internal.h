@@ -86,6 +86,15 @@ typedef struct hr_hdr {
 
 #define HR_HDR_MAGIC 0xA7
 
+/* Time a ring pass spent waiting on one peer, summed over the communicator's life: sends the
+ * peer's link would not take (socket buffer full) and receives it had not sent yet. The straggler
+ * watcher tells a slow link from a slow rank with it. A few slots: a rank's ring peers are few. */
+#define HR_LINK_SLOTS 8
+typedef struct hr_link {
+    int peer;
+    double send_wait, recv_wait;    /* seconds */
+} hr_link_t;
+
 typedef struct hr_comm {
     int rank, size;
     hr_tcp_t tcp;
@@ -108,6 +117,8 @@ typedef struct hr_comm {
     unsigned char *tmp;         /* scratch (recursive doubling, in-place alltoall) */
     size_t tmp_cap;
     hr_shm_t shm;               /* ranks of this node, when attached (shm.base != NULL) */
+    hr_link_t links[HR_LINK_SLOTS]; /* waits per ring peer (hr_link_add); nlinks used */
+    int nlinks;
 } hr_comm_t;
 
 /* One collective in flight. */
@@ -144,6 +155,9 @@ int hr_op_fail_stream(hr_op_t *op, int is_recv, int peer, int stream, int nstrea
                       size_t total, const char *why);
 /* Validate a received header against op->hdr; on mismatch records the error. */
 int hr_op_check_hdr(hr_op_t *op, const hr_hdr_t *got, int peer);
+/* Add a ring pass's waits on peer to its slot (a new slot for a new peer; once all are taken
+ * the last is reused). Called by the pass's own thread after its I/O threads have joined. */
+void hr_link_add(hr_comm_t *c, int peer, double send_wait, double recv_wait);
 /* Grow the staging / scratch buffers. */
 int hr_comm_stage(hr_op_t *op, size_t bytes);
 int hr_comm_tmp(hr_op_t *op, size_t bytes);

@@ -560,6 +560,26 @@ static PyObject *Comm_peers(CommObject *self, PyObject *unused) {
     return out;
 }
 
+/* links() -> [(peer, send_wait_s, recv_wait_s), ...]: the ring passes' waits per peer so far
+ * (hr_link_t). Read without a lock while a collective may run: a figure may lag by one pass. */
+static PyObject *Comm_links(CommObject *self, PyObject *unused) {
+    PyObject *out;
+    int i;
+    (void)unused;
+    if (check_open(self) || !(out = PyList_New(0))) return NULL;
+    for (i = 0; i < self->c.nlinks; i++) {
+        hr_link_t l = self->c.links[i];
+        PyObject *x = Py_BuildValue("(idd)", l.peer, l.send_wait, l.recv_wait);
+        if (!x || PyList_Append(out, x) < 0) {
+            Py_XDECREF(x);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(x);
+    }
+    return out;
+}
+
 /* abort(message): make message the sticky error and shut every connection, as a failing
  * collective does (the Python side failed to open a connection an op needs). */
 static PyObject *Comm_abort(CommObject *self, PyObject *args) {
@@ -712,6 +732,7 @@ static PyMethodDef Comm_methods[] = {
     {"set_peer", (PyCFunction)Comm_set_peer, METH_VARARGS, "set_peer(peer, fds)"},
     {"drop_peer", (PyCFunction)Comm_drop_peer, METH_VARARGS, "drop_peer(peer)"},
     {"peers", (PyCFunction)Comm_peers, METH_NOARGS, "connected peer ranks"},
+    {"links", (PyCFunction)Comm_links, METH_NOARGS, "[(peer, send_wait_s, recv_wait_s)] of the ring passes"},
     {"abort", (PyCFunction)Comm_abort, METH_VARARGS, "abort(message): sticky error, shut all"},
     {NULL, NULL, 0, NULL}};
 

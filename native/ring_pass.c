@@ -25,6 +25,9 @@
  * full, so every stream can always make progress until its peer's buffer fills; all lanes run at
  * once (a thread that cannot be started fails the collective instead of serialising lanes).
  *
+ * Waits: thread 0 adds its time in poll() to the communicator's per-peer waits (hr_link_add):
+ * with a send blocked, to the right peer's send wait; receiving only, to the left's receive wait.
+ *
  * Errors: the first failing lane records the sticky error (peer, stream, bytes of that stream
  * done) and shuts every socket down, which wakes the other threads and the peers at once. Every
  * poll() has the collective's deadline.
@@ -73,6 +76,7 @@ typedef struct pass {
     size_t esz, hl;
     lane_t *lanes;
     int rc[HR_MAX_STREAMS];         /* per thread */
+    double send_wait, recv_wait;    /* thread 0's time in poll() with a send blocked / receiving only */
 } pass_t;
 
 /* Element offset and count of lane k's slice of chunk ci. */
@@ -190,8 +194,8 @@ static int run_lanes(pass_t *p, int t) {
     lane_t *who[2 * HR_MAX_STREAMS];
 
     for (;;) {
-        int busy = 0, progressed = 0, np = 0, i, r;
-        double left;
+        int busy = 0, progressed = 0, np = 0, sending = 0, i, r;
+        double left, t0;
         if (__atomic_load_n(&c->failed, __ATOMIC_ACQUIRE)) return HR_ERR;
         for (i = t; i < p->nlanes; i += p->nthreads) {
             lane_t *l = &p->lanes[i];
@@ -206,6 +210,7 @@ static int run_lanes(pass_t *p, int t) {
         for (i = t; i < p->nlanes; i += p->nthreads) {
             lane_t *l = &p->lanes[i];
             if (l->ss < n - 1 && l->want_send) {
+                sending = 1;
                 pf[np].fd = hr_tcp_fdk(&c->tcp, p->right, l->k);
                 pf[np].events = POLLOUT;
                 who[np++] = l;
@@ -226,7 +231,12 @@ static int run_lanes(pass_t *p, int t) {
                        : hr_op_fail_stream(op, 0, p->right, l->k, p->nlanes, l->tx_done, l->tx_total, why);
         }
         /* re-check the clock and the sticky flag at least every 200 ms */
+        t0 = hr_now();
         r = poll(pf, (nfds_t)np, left > 0.2 ? 200 : (int)ceil(left * 1000.0));
+        if (t == 0) { /* every lane crosses the same links: one thread's view says it */
+            if (sending) p->send_wait += hr_now() - t0;
+            else p->recv_wait += hr_now() - t0;
+        }
         if (r < 0 && errno != EINTR)
             return hr_op_fail(op, "poll() on %d stream(s) to ranks %d/%d failed: %s", np, p->left,
                               p->right, strerror(errno));
@@ -320,5 +330,7 @@ int hr_ring_pass_in(hr_op_t *op, const int *members, int nm, int pos, unsigned c
         op->tx_done += lanes[i].tx_done;
         op->rx_done += lanes[i].rx_done;
     }
+    hr_link_add(c, p.right, p.send_wait, 0.0);
+    hr_link_add(c, p.left, 0.0, p.recv_wait);
     return rc;
 }

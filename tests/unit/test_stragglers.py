@@ -205,3 +205,29 @@ def test_report_reader_keeps_good_lines_and_names_bad_ones(tmp_path):
     assert entries == [{"at": 5.0, "line": good["line"], "verdict": {"kind": "rank"}}]
     assert len(problems) == 2 and "stragglers.jsonl:2" in problems[0] and "stragglers.jsonl:3" in problems[1]
     assert read_stragglers(tmp_path / "nothing") == ([], [])
+
+
+def test_a_link_whose_sends_wait_is_named_when_nobody_is_late():
+    rng = np.random.default_rng(6)
+    rows = rows_for(rng, 6, noise_ms=1.0)
+    for r in rows:
+        r.peer, r.send_share = (r.rank + 1) % 6, rng.uniform(0.0, 0.03)
+    rows[3].send_share = 0.45                                          # node2 -> node3
+    v = sg.judge(rows, HOSTS6, op_names="allreduces")
+    assert v is not None and v.kind == "link" and v.ranks == [3, 4] and v.host == "node2 -> node3"
+    assert v.line().startswith("straggler: the link node2 -> node3 (rank 3 to rank 4) is the slow part: "
+                               "rank 3's sends on it waited 45% of the time")
+    rows[3].send_share = 0.1                                           # under link_share
+    assert sg.judge(rows, HOSTS6) is None
+    for r in rows:                                                     # everyone waits alike: not one link
+        r.send_share = 0.4 + rng.uniform(0, 0.05)
+    assert sg.judge(rows, HOSTS6) is None
+    rows = rows_for(rng, 6, late={1: 8.0})                            # a late rank wins over a link
+    rows[3].peer, rows[3].send_share = 4, 0.9
+    assert sg.judge(rows, HOSTS6).ranks == [1]
+
+
+def test_link_fields_survive_the_wire():
+    row = sg.Row(2, 10, np.array([0.5]), 1.0, peer=5, send_share=0.375)
+    back = sg.Row.decode(row.encode())
+    assert (back.peer, back.send_share) == (5, 0.375)

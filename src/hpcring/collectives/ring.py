@@ -633,6 +633,13 @@ class RingBackend(Backend):
         return (f"ring: {where}; {self._comm.streams} stream(s)/peer, {self._comm.threads} I/O thread(s); "
                 f"{c['descriptors']} connection(s) to {len(c['peers'])} of {self.size - 1} peers")
 
+    def link_waits(self) -> list[tuple[int, float, float]]:
+        """``(peer, send_wait_s, recv_wait_s)`` per ring peer so far: the ring passes' time with a
+        send to that peer blocked (its link would not take more) and waiting to receive from it
+        (native/ring_pass.c); empty before the ring connects. For the straggler watcher."""
+        c = self._native_comm
+        return c.links() if c is not None else []
+
     def connections(self) -> dict:
         """This rank's TCP connections to its peers now: ``peers`` (sorted ranks connected),
         ``descriptors`` (connections, all streams: the descriptors the Comm holds), ``static``

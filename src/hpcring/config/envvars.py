@@ -188,6 +188,8 @@ VARS: tuple[Var, ...] = (
        "inside each is compared)", 8, 2000),
     _v("HPCRING_STRAGGLER_SHARE", "float", 0.75, "share of a window's collectives a rank (or node) "
        "must arrive last in to be named", 0.5, 1.0),
+    _v("HPCRING_STRAGGLER_LINK_SHARE", "float", 0.2, "share of the time a rank's ring sends to one peer "
+       "must wait (and 3x the median rank's) for the link between them to be named", 0.01, 1.0),
     _v("HPCRING_STRAGGLER_MIN_MS", "float", 2.0, "median lateness, ms, below which nobody is named", 0, 1e6),
     _v("HPCRING_STRAGGLER_MIN_FRAC", "float", 0.05, "median lateness, as a share of the time from one "
        "collective to the next, below which nobody is named", 0, 10),

@@ -7,8 +7,9 @@ ranks, so the store sees at most about 1000 small requests a second however larg
 
 1. rank 0 names the next window: ``strag/<comm>/want`` = its sequence number now + 1 and W
    (HPCRING_STRAGGLER_WINDOW), so every rank will reach it;
-2. each rank, once its recorder has ended all W of them, writes its row (W float32 times inside
-   and its compute, about 0.2 KiB; :class:`~hpcring.diagnostics.stragglers.Row`) to
+2. each rank, once its recorder has ended all W of them, writes its row (W float32 times inside,
+   its compute and its ring sends' blocked share, about 0.2 KiB;
+   :class:`~hpcring.diagnostics.stragglers.Row`) to
    ``strag/<comm>/row/<rank>``, replacing its previous one (the store holds one row per rank);
 3. rank 0 reads every row in one batched request; when all are for the window it judges it
    (:func:`~hpcring.diagnostics.stragglers.judge`), prints a line on its stderr when the
@@ -44,7 +45,8 @@ GIVE_UP_PERIODS = 30
 
 def rules_from_env() -> sg.Rules:
     return sg.Rules(share=envvars.get("HPCRING_STRAGGLER_SHARE"), min_ms=envvars.get("HPCRING_STRAGGLER_MIN_MS"),
-                    min_frac=envvars.get("HPCRING_STRAGGLER_MIN_FRAC"))
+                    min_frac=envvars.get("HPCRING_STRAGGLER_MIN_FRAC"),
+                    link_share=envvars.get("HPCRING_STRAGGLER_LINK_SHARE"))
 
 
 def period_for(size: int) -> float:
@@ -71,6 +73,7 @@ class StragglerWatch:
         self._want: tuple[int, int] | None = None       # rank 0: the window named; others: seen
         self._named_at = 0.0
         self._sent: int | None = None                   # the first seq of the last row written
+        self._links_prev: tuple = (None, {})            # (monotonic, {peer: send wait s}) at the last row
         self.current: sg.Verdict | None = None          # rank 0: the verdict in force
         self.history: list[dict] = []                   # rank 0: every change, as written
         self.windows = 0                                # rank 0: windows judged
@@ -80,6 +83,7 @@ class StragglerWatch:
 
     def start(self) -> "StragglerWatch":
         if self._thread is None and self.size > 1:
+            self._link_share()                           # the baseline of the first row's link waits
             self._thread = threading.Thread(target=self._run, name=f"hpcring-stragglers:{self.rank}", daemon=True)
             self._thread.start()
         return self
@@ -131,7 +135,27 @@ class StragglerWatch:
         recs = self.comm.recorder.span(first, w)
         if any(r.state in ("queued", "started") for r in recs):
             return None
-        return sg.window_of(recs, first, w, self.rank) or sg.Row(self.rank, first, _empty(), 0.0)
+        row = sg.window_of(recs, first, w, self.rank) or sg.Row(self.rank, first, _empty(), 0.0)
+        row.peer, row.send_share = self._link_share()
+        return row
+
+    def _link_share(self) -> tuple[int, float]:
+        """The ring peer this rank's sends waited on most since the last row, and the share of the
+        wall time they waited; (-1, 0.0) for a backend that does not count it."""
+        waits = getattr(getattr(self.comm, "backend", None), "link_waits", None)
+        if waits is None:
+            return -1, 0.0
+        now = time.monotonic()
+        cur = {peer: send for peer, send, _ in waits()}
+        t_prev, prev = self._links_prev
+        self._links_prev = (now, cur)
+        if t_prev is None or now <= t_prev:
+            return -1, 0.0
+        delta = {p: v - prev.get(p, 0.0) for p, v in cur.items()}
+        if not delta:
+            return -1, 0.0
+        peer = max(delta, key=delta.get)
+        return peer, max(0.0, delta[peer]) / (now - t_prev)
 
     def _lead(self) -> None:
         rec = self.comm.recorder

@@ -10,12 +10,16 @@ spent outside any collective.
 A window is ``W`` collectives of one communicator, the same sequence numbers on every rank (see
 :mod:`hpcring.diagnostics.straggler_watch`, which gathers them). The rules, each a setting:
 
-* **rank**: one rank arrived last in at least ``share`` of the window's collectives (default 75%)
-  and its median lateness there is at least ``min_ms`` (default 2 ms) and at least ``min_frac``
-  (default 5%) of the window's median time from one collective to the next;
-* **node**: no rank qualifies, but the last rank was on one host (of several, holding more than
-  one rank) in at least ``share`` of them, with the same lateness rule: a slow node whose ranks
-  take turns at being last.
+* **rank**: a rank arrived after the median rank in at least ``share`` of the window's
+  collectives (default 75%) and its median lateness behind the median rank is at least
+  ``min_ms`` (default 2 ms) and at least ``min_frac`` (default 5%) of the window's median time
+  from one collective to the next (the line also says in how many it arrived last);
+* **node**: every rank of one host (of several, holding more than one rank) qualifies: a slow
+  node, whose ranks take turns at being last;
+* **link**: nobody is late, but one rank's sends to its ring peer were blocked (the link would not
+  take more) for at least ``link_share`` (default 20%) of the time and at least 3x the median
+  rank's share plus 2 points: a slow link slows every rank alike, so only the sender's blocked
+  sends tell it (the ring backend counts them, native/ring_pass.c; other backends do not say).
 
 Why these defaults: when nobody is slow the last rank is whoever the scheduler woke last, a
 uniform draw; with 2 ranks, 75% of 50 is 3.5 standard deviations above the 50% of chance, and
@@ -32,8 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MAGIC = b"HRS1"
-_HEAD = struct.Struct("<4sqiid")     # magic, first seq, W, rank, compute seconds
+MAGIC = b"HRS2"
+_HEAD = struct.Struct("<4sqiidid")   # magic, first seq, W, rank, compute s, peer, send share
 
 
 @dataclass(frozen=True)
@@ -42,30 +46,35 @@ class Rules:
     share: float = 0.75
     min_ms: float = 2.0
     min_frac: float = 0.05
+    link_share: float = 0.2
 
 
 @dataclass
 class Row:
-    """One rank's view of a window: its time inside each collective (NaN where not kept) and its
-    compute (time in the window outside every collective)."""
+    """One rank's view of a window: its time inside each collective (NaN where not kept), its
+    compute (time in the window outside every collective) and the ring peer its sends waited on
+    most, with the share of the time they waited (-1 and 0 where the backend does not say)."""
     rank: int
     first: int
     inside: np.ndarray
     compute: float
+    peer: int = -1
+    send_share: float = 0.0
 
     def encode(self) -> bytes:
-        return _HEAD.pack(MAGIC, self.first, len(self.inside), self.rank, self.compute) + \
-            self.inside.astype("<f4").tobytes()
+        return _HEAD.pack(MAGIC, self.first, len(self.inside), self.rank, self.compute, self.peer,
+                          self.send_share) + self.inside.astype("<f4").tobytes()
 
     @classmethod
     def decode(cls, blob: bytes) -> "Row | None":
         """The row in ``blob``, or None when it is not one (a short or foreign value)."""
         if len(blob) < _HEAD.size or blob[:4] != MAGIC:
             return None
-        _, first, w, rank, compute = _HEAD.unpack_from(blob)
+        _, first, w, rank, compute, peer, send_share = _HEAD.unpack_from(blob)
         if w < 0 or len(blob) != _HEAD.size + 4 * w:
             return None
-        return cls(rank, first, np.frombuffer(blob, "<f4", w, _HEAD.size).astype(np.float64), compute)
+        return cls(rank, first, np.frombuffer(blob, "<f4", w, _HEAD.size).astype(np.float64), compute,
+                   peer, send_share)
 
 
 @dataclass
@@ -87,6 +96,11 @@ class Verdict:
         return (self.kind, tuple(self.ranks))
 
     def line(self) -> str:
+        if self.kind == "link":
+            return (f"straggler: the link {self.host} (rank {self.ranks[0]} to rank {self.ranks[1]}) is the slow "
+                    f"part: rank {self.ranks[0]}'s sends on it waited {self.share:.0%} of the time, the other "
+                    f"ranks' {self.figures.get('others_share', 0.0):.0%} (median) over the last {self.ops} "
+                    f"{self.op_names}")
         who = (f"rank {self.ranks[0]} ({self.host})" if self.kind == "rank"
                else f"node {self.host} (ranks {_ranges(self.ranks)})")
         text = (f"straggler: {who} arrived last in {self.share:.0%} of the last {self.ops} "
@@ -159,7 +173,7 @@ def judge(rows: list[Row], hosts, rules: Rules = Rules(), op_names: str = "colle
     figures = {"need_ms": need * 1e3, "gap_ms": gap * 1e3}
     slow = (after >= rules.share) & (late >= need)
     if not slow.any():
-        return None
+        return _link(rows, hosts, rules, ops, op_names)
     host_of = np.array([hosts[int(r)] for r in ranks])
     for h in sorted(set(host_of[slow])):
         on = host_of == h
@@ -173,6 +187,20 @@ def judge(rows: list[Row], hosts, rules: Rules = Rules(), op_names: str = "colle
     return Verdict("rank", [r], hosts[r], float((last == top).mean()), float(late[top]) * 1e3,
                    _ratio(compute[[top]], np.delete(compute, top)), ops, op_names,
                    {**figures, "behind_share": float(after[top])})
+
+
+def _link(rows: list[Row], hosts, rules: Rules, ops: int, op_names: str) -> Verdict | None:
+    """Nobody arrives late but one rank's sends wait on its ring peer far longer than anyone
+    else's: the link between them is slow (every rank then waits alike, so no rank is late)."""
+    share = np.array([r.send_share for r in rows])
+    top = int(np.argmax(share))
+    others = float(np.median(np.delete(share, top)))
+    row = rows[top]
+    if row.peer < 0 or share[top] < rules.link_share or share[top] < 3 * others + 0.02:
+        return None
+    a, b = row.rank, row.peer
+    return Verdict("link", [a, b], f"{hosts[a]} -> {hosts[b]}", float(share[top]), 0.0, None, ops, op_names,
+                   {"others_share": others})
 
 
 def _ratio(mine: np.ndarray, others: np.ndarray) -> float | None:
