@@ -219,6 +219,8 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
             np.copyto(big, rows[rank % 17])
         rec["big_s"] = (time.perf_counter() - t) / a.iters_big
         del big
+    if a.straggler_ops:
+        _straggler_phase(rank, n, a, comm, client, hosts, rec)
     client.barrier("sim/freeze", n, timeout=a.timeout)
     rec["t_freeze"], rec["pcpu_freeze"], rec["tcpu_freeze"] = time.time(), time.process_time(), time.thread_time()
     if rank == n - 1:
@@ -230,6 +232,30 @@ def rank_main(rank: int, a: argparse.Namespace, env: dict, shared: dict, out: di
         except CollectiveError:
             pass
     _finish(rank, n, a, wd, comm, client, rec, shared, t0)
+
+
+def _straggler_phase(rank, n, a, comm, client, hosts, rec) -> None:
+    """``--straggler-ops`` 4-byte allreduces after a 5 ms sleep each, rank n-2's sleep
+    ``--straggler-ms`` longer, with the real straggler watcher on every rank: rank 0 notes after
+    how many of them it first held a verdict, and the verdict's line."""
+    import io
+
+    import numpy as np
+
+    from hpcring.diagnostics.straggler_watch import StragglerWatch
+    watch = StragglerWatch(comm, client, hosts, name="sim", out=io.StringIO()).start()
+    small = np.array([1], np.float32)
+    client.barrier("sim/straggler", n, timeout=a.timeout)
+    pause = 0.005 + (a.straggler_ms / 1e3 if rank == n - 2 else 0.0)
+    for i in range(a.straggler_ops):
+        time.sleep(pause)
+        comm.allreduce(small)
+        if rank == 0 and "straggler_at" not in rec and watch.history:
+            rec["straggler_at"] = i + 1
+    if rank == 0:
+        rec["straggler_line"] = watch.history[0]["line"] if watch.history else None
+        rec["straggler_windows"] = watch.windows
+    watch.stop()
 
 
 def _finish(rank, n, a, wd, comm, client, rec, shared, t0) -> None:
@@ -371,7 +397,7 @@ def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 
             timeout: float = 600.0, iters_small: int = 20, iters_big: int = 3, big: int = 1 << 20,
             ring_fds: float | None = None, no_ring: bool = False,
             log_dir: str | None = None, store_nice: int | None = None, switch_interval: float = 0.005,
-            handshake_timeout: float | None = None) -> dict:
+            handshake_timeout: float | None = None, straggler_ops: int = 0, straggler_ms: float = 10.0) -> dict:
     """Run N ranks; returns the row (see the module doc) plus ``errors`` and the report text."""
     per_rank = ring_fds if ring_fds is not None else n + 3
     fit = max(1, int((_hard_fd_limit() - PROC_RESERVE) // (per_rank + 8)))
@@ -398,7 +424,8 @@ def run_one(n: int, *, per_proc: int = 64, per_host: int = 8, deadline: float = 
             argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--n", str(n), "--first", str(first),
                     "--count", str(count), "--per-host", str(per_host), "--deadline", str(deadline),
                     "--grace", str(grace), "--timeout", str(timeout), "--iters-small", str(iters_small),
-                    "--iters-big", str(iters_big), "--big", str(big), "--switch-interval", str(switch_interval)] \
+                    "--iters-big", str(iters_big), "--big", str(big), "--switch-interval", str(switch_interval),
+                    "--straggler-ops", str(straggler_ops), "--straggler-ms", str(straggler_ms)] \
                 + (["--no-ring"] if no_ring else [])
             err = open(logs / f"worker-{first}.log", "w")
             procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
@@ -513,6 +540,8 @@ def _row(n, k, per_host, results, t_go, t_spawn, logs, deadline) -> dict:
     row["frozen_named"] = all(isinstance(v.get("headline"), str) and f"rank {n - 1} ({host}) never joined" in v["headline"]
                               for v in ranks.values()) and len(ranks) == n
     row["report"] = ranks.get(0, {}).get("report")
+    row["straggler_at"] = ranks.get(0, {}).get("straggler_at")
+    row["straggler_line"] = ranks.get(0, {}).get("straggler_line")
     return row
 
 
@@ -523,7 +552,7 @@ COLUMNS = [("N", "N", "{}"), ("ranks/proc", "ranks/proc", "{}"), ("hosts", "host
            ("4 B us", "small_us", "{:.0f}"), ("1 MiB ms", "big_ms", "{:.1f}"),
            ("frozen->report s", "frozen_to_report_s", "{:.2f}"), ("failure CPU s", "failure_cpu_s", "{:.1f}"),
            ("#wrong", "wrong", "{}"),
-           ("named", "frozen_named", "{}")]
+           ("named", "frozen_named", "{}"), ("straggler at", "straggler_at", "{}")]
 
 
 def _cell(row, key, fmt) -> str:
@@ -569,6 +598,9 @@ def main(argv=None) -> int:
     ap.add_argument("--handshake-timeout", type=float, default=120.0,
                     help="HPCRING_HANDSHAKE_TIMEOUT for the ranks, s (10 s in a real job; thousands of rank "
                          "threads on a few cores wait longer than that for the CPU mid-handshake)")
+    ap.add_argument("--straggler-ops", type=int, default=0,
+                    help="collectives of the straggler phase (0: none); rank N-2 is the slow one")
+    ap.add_argument("--straggler-ms", type=float, default=10.0, help="rank N-2's extra sleep per collective, ms")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", help="append each row as a JSON line to this file")
     ap.add_argument("--show-report", action="store_true", help="print rank 0's report text per N")
@@ -623,7 +655,8 @@ def main(argv=None) -> int:
                       timeout=a.timeout, iters_small=a.iters_small, iters_big=a.iters_big, big=a.big,
                       ring_fds=need if not a.no_ring else 0, no_ring=a.no_ring,
                       store_nice=a.store_nice if os.geteuid() == 0 else None, switch_interval=a.switch_interval,
-                      handshake_timeout=a.handshake_timeout)
+                      handshake_timeout=a.handshake_timeout, straggler_ops=a.straggler_ops,
+                      straggler_ms=a.straggler_ms)
         print_row(row, a.markdown, header)
         header = False
         if a.json:

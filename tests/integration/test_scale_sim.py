@@ -1,6 +1,6 @@
 """The scale harness (benchmarks/scale_sim.py) at 256 ranks: threads in 4 processes, each rank
-running the real bootstrap against the real store (its own process), the real watchdog and the
-real C ring over loopback TCP. Asserts correctness only (every allreduce result exact, every rank
+running the real bootstrap against the real store (its own process), the real watchdog, the
+real straggler watcher and the real C ring over loopback TCP. Asserts correctness only (every allreduce result exact, every rank
 through every phase, the frozen rank named by every rank's report), never time: the machine is
 shared."""
 from __future__ import annotations
@@ -22,14 +22,18 @@ def _harness():
 def test_256_ranks_exact_results_and_the_frozen_rank_is_named():
     sim = _harness()
     row = sim.run_one(256, per_proc=64, per_host=8, deadline=5.0, grace=5.0, timeout=240.0,
-                      iters_small=3, iters_big=1, big=1 << 20)
+                      iters_small=3, iters_big=1, big=1 << 20, straggler_ops=150, straggler_ms=10.0)
     assert row["n_errors"] == 0, row["errors"]
     assert row["ok_ranks"] == 256 and row["procs"] == 4 and row["hosts"] == 32
     assert row["wrong"] == 0                      # every 4 B and 1 MiB result equals the exact sum
     assert row["small_us"] is not None and row["big_ms"] is not None
     assert row["frozen_named"], row["headline"]
-    # collective 1 connects, 2-4 are the 4-byte ones, 5 the 1 MiB one: the frozen rank skips 6
-    assert row["headline"] == "allreduce#6: rank 255 (node32) never joined"
+    # the straggler phase's slow rank is named by rank 0's watcher while the collectives run
+    assert row["straggler_at"] is not None and row["straggler_at"] <= 150, row["straggler_line"]
+    assert row["straggler_line"].startswith("straggler: rank 254 (node32) arrived last in "), row["straggler_line"]
+    # collective 1 connects, 2-4 are the 4-byte ones, 5 the 1 MiB one, 6-155 the straggler
+    # phase's: the frozen rank skips 156
+    assert row["headline"] == "allreduce#156: rank 255 (node32) never joined"
     report = row["report"].splitlines()
     assert "  joined    : ranks 0-254 (node[1-32])" in report
     assert any(line.startswith("  missing   : rank 255 (node32): never joined") and "in load_batch" in line
