@@ -265,11 +265,11 @@ def sites_validate(sites: Optional[List[str]] = typer.Argument(None, help="Names
 def _add_subapps() -> None:
     """The other layers' commands (each module imports its library only when it runs)."""
     from hpcring.cli import (bench_cmd, devcluster_cmd, doctor_cmd, hostlist_cmd, nodes_cmd, report_cmd, run_cmd,
-                             stacks_cmd, timeline_cmd)
+                             stacks_cmd, timeline_cmd, top_cmd)
     app.add_typer(hostlist_cmd.app, name="hostlist")
     app.add_typer(nodes_cmd.app, name="nodes")
     app.add_typer(devcluster_cmd.app, name="devcluster")
-    for mod in (run_cmd, bench_cmd, stacks_cmd, doctor_cmd, timeline_cmd, report_cmd):
+    for mod in (run_cmd, bench_cmd, stacks_cmd, doctor_cmd, timeline_cmd, report_cmd, top_cmd):
         mod.register(app)
 
 
