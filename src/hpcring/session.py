@@ -73,6 +73,8 @@ class Session:
                                                        watchdog=self.watchdog, **options)
             from hpcring.diagnostics.straggler_watch import start_for
             self.stragglers[backend] = start_for(self, self._comms[backend], backend)
+            from hpcring.diagnostics.metrics import start_for as export_metrics   # HPCRING_METRICS (off: nothing)
+            export_metrics(self, self._comms[backend], backend, self.stragglers[backend])
         return self._comms[backend]
 
     def group(self, ranks):

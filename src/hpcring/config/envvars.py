@@ -195,6 +195,10 @@ VARS: tuple[Var, ...] = (
        "collective to the next, below which nobody is named", 0, 10),
     _v("HPCRING_STRAGGLER_PERIOD", "float", 0.0, "seconds between the straggler watcher's looks at the "
        "store (0: 0.25 s, or size/1000 s in larger jobs)", 0, 3600),
+    _v("HPCRING_METRICS", "str", "off", "Prometheus figures of each rank (needs `pip install 'hpcring[metrics]'`): "
+       "`off`, `http:HOST:PORT` (each rank serves /metrics on PORT + its local rank, bound to HOST) or "
+       "`textfile:DIR` (each rank rewrites `DIR/hpcring_rank<r>.prom` for node-exporter's textfile collector); "
+       "a site sets it in its `env:` (hpcring.diagnostics.metrics)"),
     _v("HPCRING_FLIGHT_RECORDS", "int", 2048, "collectives kept in each rank's flight recorder",
        16, 1 << 24),
     _v("HPCRING_FR_TRACE", "bool", True, "wherever flight records are dumped, also write them in torch's "
