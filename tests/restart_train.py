@@ -1,13 +1,14 @@
 """A deterministic training loop for restarts after a node fault (hpcring.restarts).
 
 Usage: restart_train.py OUT_DIR [--steps N] [--sleep S] [--freeze-rank R --freeze-step K] [--kill-rank R]
-       [--fail-step K]
+       [--fail-step K] [--slow-rank R --slow S]
 Each step all-reduces a gradient that depends on the step and the rank and folds it into the
 weights; rank 0 checkpoints (step, weights) to OUT_DIR after every step, so a restart resumes
 from the last one. On the first attempt only (HPCRING_RESTART_COUNT unset or 0), ``--freeze-rank``
 stops that rank with SIGSTOP before step K (a node gone silent), ``--kill-rank`` SIGKILLs it
 there instead (its node lost); ``--fail-step`` raises on every
-rank at step K, on every attempt (a code error). Every rank notes its host per attempt in
+rank at step K, on every attempt (a code error); ``--slow-rank`` sleeps ``--slow`` s longer each
+step (a straggler, on every attempt). Every rank notes its host per attempt in
 OUT_DIR/hosts-<attempt>-<rank>; rank 0 writes the final weights to OUT_DIR/result.json.
 """
 import argparse
@@ -48,6 +49,8 @@ def main():
     p.add_argument("--freeze-step", type=int, default=3)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=-1)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow", type=float, default=0.0)
     a = p.parse_args()
     comm = hpcring.init().communicator()
     rank = comm.rank
@@ -76,7 +79,8 @@ def main():
         step += 1
         if rank == 0:
             save(ckpt, step, w)
-        time.sleep(a.sleep)
+            hpcring.checkpoint_saved(step)
+        time.sleep(a.sleep + (a.slow if rank == a.slow_rank else 0.0))
     if rank == 0:
         with open(os.path.join(a.out, "result.json"), "w") as f:
             json.dump({"w": w.tolist(), "steps": step, "attempt": attempt,

@@ -193,3 +193,33 @@ def test_a_job_id_that_does_not_exist_is_one_line_and_exit_1(tmp_path):
     r = hpcring("report", "4242", env=env_for(tmp_path))
     assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: job 4242 was not submitted through hpcring") and "hint:" in r.stderr
+
+
+def test_a_restarted_job_with_a_straggler_reports_both(tmp_path):
+    """Attempt 0 freezes rank 1 at step 12 (a node gone silent: the hang is diagnosed and the job
+    restarted as is, the local backend having no node to exclude); rank 2 is slow on every
+    attempt. One report covers the chain: the restart, the hang, the straggler, and each rank's
+    split adding up to its wall time."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = env_for(tmp_path, HPCRING_STRAGGLER_WINDOW="8", HPCRING_TIMEOUT="4", HPCRING_DIAG_GRACE="1")
+    r = hpcring("submit", str(ROOT / "tests" / "restart_train.py"), "--nodes", "3", "--tasks-per-node", "1",
+                "--wait", "--max-restarts", "1", "--", str(out), "--steps", "30", "--sleep", "0.03",
+                "--freeze-rank", "1", "--freeze-step", "12", "--slow-rank", "2", "--slow", "0.05", env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    job = job_id_of(r)
+    j = hpcring("report", job, "--json", env=env)
+    assert j.returncode == 0 and "Traceback" not in j.stderr, j.stderr
+    doc = json.loads(j.stdout)
+    jsonschema.validate(doc, SCHEMA)
+    assert len(doc["attempts"]) == 2 and doc["attempts"][0]["hang"] is not None, doc["attempts"]
+    assert doc["lost"]["restarts_s"] > 0 and doc["attempts"][-1]["state"] == "COMPLETED"
+    named = [e for e in doc["stragglers"] if e["verdict"]]
+    assert named and all(e["verdict"]["ranks"] == [2] for e in named), doc["stragglers"]
+    assert {e["attempt"] for e in named} <= {0, 1} and 1 in {e["attempt"] for e in named}
+    for e in doc["ranks"]:
+        parts = sum(e[f"{p}_s"] for p in PARTS)
+        assert abs(parts - e["wall_s"]) <= 0.02 * e["wall_s"], e
+    t = hpcring("report", job, env=env)
+    flat = " ".join(t.stdout.split())
+    assert "lost :" in flat and "to restarts" in flat and "straggler: rank 2 (local2)" in flat, t.stdout
