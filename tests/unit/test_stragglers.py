@@ -172,6 +172,8 @@ def test_rank_0_names_the_straggler_once_records_it_and_says_when_it_clears(tmp_
         assert problems == [] and [e["verdict"] and e["verdict"]["ranks"] for e in entries] == [[3], None]
         live = json.loads((tmp_path / "live.json").read_text())
         assert [r["rank"] for r in live["ranks"]] == [0, 1, 2, 3] and live["last_op"] == "allreduce"
+        logged = [json.loads(ln) for ln in (tmp_path / "diag" / "windows.jsonl").read_text().splitlines()]
+        assert len(logged) == 1 and logged[0]["ops"] == 20 and logged[0]["ops_per_s"] > 0   # at most one per 5 s
     finally:
         for w in ws:
             w.store.close()

@@ -16,7 +16,8 @@ ranks, so the store sees at most about 1000 small requests a second however larg
    verdict changes (a new straggler, or none any more), appends it to
    ``<job folder>/diag/stragglers.jsonl`` (read by ``hpcring report``), writes the window's
    per-rank figures to ``<job folder>/live.json`` for ``hpcring top`` where the job has a
-   folder, and names the next window.
+   folder (and, at most every 5 s, the median rank's collective rate to
+   ``diag/windows.jsonl``: the report's rate over the run), and names the next window.
 
 A rank that has no row for the window (its records were overwritten: more than
 HPCRING_FLIGHT_RECORDS collectives in one period) writes an empty one and the window is
@@ -41,6 +42,7 @@ from hpcring.diagnostics import stragglers as sg
 
 log = logging.getLogger(__name__)
 GIVE_UP_PERIODS = 30
+WINDOW_LOG_EVERY = 5.0      # s between lines of diag/windows.jsonl (the report's rate over the run)
 
 
 def rules_from_env() -> sg.Rules:
@@ -80,6 +82,7 @@ class StragglerWatch:
         # rank 0: called with each judged window's figures (the dict live.json holds); metrics
         # exporters hook in here. A listener that raises is logged and dropped.
         self.listeners: list = []
+        self._logged = 0.0                              # rank 0: when windows.jsonl last got a line
 
     def start(self) -> "StragglerWatch":
         if self._thread is None and self.size > 1:
@@ -246,6 +249,15 @@ class StragglerWatch:
         from hpcring.fsutil import write_json
         try:
             write_json(os.path.join(self.folder, "live.json"), data)
+            if data["written"] - self._logged >= WINDOW_LOG_EVERY:
+                self._logged = data["written"]
+                rates = sorted(r["ops_per_s"] for r in ranks if r["ops_per_s"])
+                line = {"at": round(data["written"], 3), "first": first, "ops": w,
+                        "ops_per_s": rates[len(rates) // 2] if rates else None,
+                        "max_lateness_ms": round(max(late.values(), default=0.0), 3)}
+                os.makedirs(os.path.join(self.folder, "diag"), exist_ok=True)
+                with open(os.path.join(self.folder, "diag", "windows.jsonl"), "a") as f:
+                    f.write(json.dumps(line) + "\n")
         except OSError as e:
             log.debug("rank 0: live.json not written: %s", e)
 
