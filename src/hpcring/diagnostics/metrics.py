@@ -286,12 +286,15 @@ def start_for(session, comm, name: str, watch=None) -> Exporter | None:
         return None
     global _EXPORTER
     with _START:
-        if _EXPORTER is None:
+        if _EXPORTER is not None:
+            _EXPORTER.attach(name, comm, watch)
+        else:
             from hpcring.diagnostics.jobdir import job_id
             topo = session.topology
-            _EXPORTER = Exporter(setting, job=job_id(), rank=topo.rank, host=topo.host,
-                                 local_rank=topo.local_rank, raw=raw).start()
-        _EXPORTER.attach(name, comm, watch)
+            exporter = Exporter(setting, job=job_id(), rank=topo.rank, host=topo.host,
+                                local_rank=topo.local_rank, raw=raw)
+            exporter.attach(name, comm, watch)        # before the first textfile is written
+            _EXPORTER = exporter.start()
     return _EXPORTER
 
 
