@@ -89,6 +89,16 @@ def test_more_nodes_than_rows_keep_the_latest_and_say_how_many_are_left_out():
     assert f.more.startswith("... 36 more nodes not shown (40 in all")
 
 
+def test_a_link_verdict_marks_both_ends_as_the_slow_link():
+    doc = live_doc(4)
+    doc["verdict"] = {"kind": "link", "ranks": [1, 2], "host": "node0->node1", "share": 0.4, "median_ms": 0.0,
+                      "compute_ratio": None, "ops": 10, "op_names": "allreduces",
+                      "line": "straggler: the link node0->node1 (rank 1 to rank 2) is the slow part: ..."}
+    f = frame_of(doc)
+    assert f.verdict.startswith("straggler: the link") and f.marked == [False, True, True, False]
+    assert [r[6] for r in f.rows] == ["", lv.SLOW_LINK, lv.SLOW_LINK, ""]
+
+
 def test_a_finished_job_frame_is_marked_final():
     f = frame_of(live_doc(2), state="COMPLETED", final=True)
     assert f.final and f.header.startswith("FINAL (the job has ended): job 38, COMPLETED")
@@ -132,7 +142,7 @@ def test_a_frame_of_4096_ranks_is_quick():
 REQUIRED = ("written", "first", "ops", "size", "last_op", "ranks", "verdict")
 WRONG = {"written": ["1", None, True, [], {}], "first": [-1, 1.5, "1", None, True], "ops": [0, "10", 2.5, None],
          "size": [0, -4, "4", 4.0, None, False], "last_op": [3, [], {}, "a\x1b[2Jb"], "ranks": [None, {}, "x", [], 7],
-         "verdict": [1, "rank", [], {"kind": "rank"}, {"kind": "x", "ranks": [1], "host": "h", "line": "l"},
+         "verdict": [1, "rank", [], {"kind": "rank"}, {"kind": "", "ranks": [1], "host": "h", "line": "l"},
                      {"kind": "rank", "ranks": [9], "host": "h", "line": "l"},
                      {"kind": "rank", "ranks": [True], "host": "h", "line": "l"},
                      {"kind": "rank", "ranks": [1], "host": 5, "line": "l"}]}

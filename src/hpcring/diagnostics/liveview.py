@@ -30,6 +30,7 @@ RANK_COLUMNS = ("rank", "host", "ops/s", "lateness ms", "compute s", "inside s",
 NODE_COLUMNS = ("host", "ranks", "min ops/s", "lateness ms min", "median", "max", "latest rank", "")
 _FIGURES = ("lateness_ms", "inside_s", "compute_s", "ops_per_s")
 STRAGGLER = "<- straggler"
+SLOW_LINK = "<- slow link"      # a link verdict names the sender and its peer
 
 
 class LiveError(HpcringError):
@@ -180,9 +181,9 @@ def _verdict(v, size: int) -> dict | None:
     if not isinstance(v, dict):
         raise ValueError(f"`verdict` is a {_kind(v)}, not an object or null")
     where = "verdict "
-    kind = _text(v, "kind", where)
-    if kind not in ("rank", "node"):
-        raise ValueError(f"verdict `kind` is {kind!r}, not rank or node")
+    kind = _text(v, "kind", where)              # rank, node, link (a later hpcring may add kinds)
+    if not kind:
+        raise ValueError("verdict `kind` is empty")
     named = _get(v, "ranks", where)
     if not isinstance(named, list) or not named or any(
             isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < size for r in named):
@@ -227,12 +228,13 @@ def build_frame(live: dict, *, job: str, now: float, state: str | None = None, n
         header = "FINAL (the job has ended): " + header
     verdict = live["verdict"]
     named = set(verdict["ranks"]) if verdict else set()
+    mark = SLOW_LINK if verdict and verdict["kind"] == "link" else STRAGGLER
     frame = Frame(header, verdict["line"] if verdict else None, RANK_COLUMNS, [], final=final)
     if max_rows is None or len(live["ranks"]) <= max_rows:
         for r in live["ranks"]:
             frame.rows.append((str(r["rank"]), r["host"], _fmt(r["ops_per_s"], 1), _fmt(r["lateness_ms"], 2),
                                _fmt(r["compute_s"], 3), _fmt(r["inside_s"], 3),
-                               STRAGGLER if r["rank"] in named else ""))
+                               mark if r["rank"] in named else ""))
             frame.marked.append(r["rank"] in named)
         return frame
     frame.by_node, frame.columns = True, NODE_COLUMNS
@@ -247,7 +249,7 @@ def build_frame(live: dict, *, job: str, now: float, state: str | None = None, n
     for n in nodes:
         frame.rows.append((n["host"], n["ranks"], _fmt(n["ops_min"], 1), _fmt(n["late_min"], 2),
                            _fmt(n["late_med"], 2), _fmt(n["late_max"], 2),
-                           "-" if n["latest"] is None else str(n["latest"]), STRAGGLER if n["named"] else ""))
+                           "-" if n["latest"] is None else str(n["latest"]), mark if n["named"] else ""))
         frame.marked.append(n["named"])
     return frame
 
