@@ -3,7 +3,8 @@
     STEPS=300 SLOW_RANK=5 SLOW_FACTOR=1.3 MODE=sleep python benchmarks/straggler_train.py
 
 MODE ``sleep``: compute is a sleep of WORK_MS (a GPU computing while the host waits, so that 8
-ranks on 2 cores do not fight for them), then a 256 KiB float32 allreduce on the ring.
+ranks on 2 cores do not fight for them), then a NBYTES (default 256 KiB) float32 allreduce on
+the ring.
 MODE ``ddp``: torch DDP on the ``hpcring`` backend, a small MLP on CPU (the overhead figure).
 The slow rank's compute takes SLOW_FACTOR times as long. Rank 0 prints one ``RESULT {json}``
 line: steps, median step seconds, the step at which the first straggler verdict was in force
@@ -32,7 +33,7 @@ def main() -> None:
     if mode == "ddp":
         step = _ddp_step(session, mine)
     else:
-        x = np.ones(64 * 1024, np.float32)
+        x = np.ones(int(os.environ.get("NBYTES", 256 * 1024)) // 4, np.float32)
 
         def step():
             time.sleep(mine)

@@ -11,6 +11,8 @@ cluster, ``hpcring devcluster up``; the job inherits this environment). One line
   a verdict, and whether it named that rank and its host (target: within 100 steps);
 * ``clean``: ``--clean-steps`` steps with nobody slow; the verdicts (target: none);
 * ``loaded``: the same with ``--busy`` busy processes on this machine (uniform load);
+* ``link`` (dev cluster only): node2's ``eth0`` throttled with tc's ``tbf`` (``--rate``) while
+  every rank computes alike and all-reduces 4 MiB; the verdict must name the link from node2;
 * ``overhead``: DDP (torch, ``hpcring`` backend) step time with the watcher on and off, in
   ``--pairs`` alternating pairs of runs; the median of the on/off ratios (target: at most 1.005).
 
@@ -62,10 +64,30 @@ def run_job(args, env_extra: dict, steps: int, busy: int = 0) -> dict:
     return json.loads(m.group(1))
 
 
+class throttled:
+    """tc tbf on ``node``'s eth0 (its egress) for the block's duration, removed however it ends."""
+
+    def __init__(self, node: str, rate: str) -> None:
+        self.node, self.rate = node, rate
+
+    def _tc(self, *words: str, check: bool = True) -> None:
+        subprocess.run([PY, "-m", "hpcring", "devcluster", "exec", self.node, "--", "tc", *words],
+                       check=check, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+
+    def __enter__(self):
+        self._tc("qdisc", "del", "dev", "eth0", "root", check=False)
+        self._tc("qdisc", "add", "dev", "eth0", "root", "tbf", "rate", self.rate, "burst", "32kbit", "latency", "400ms")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tc("qdisc", "del", "dev", "eth0", "root", check=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--where", choices=("local", "devcluster"), default="local")
     ap.add_argument("--only", default="slow,clean,loaded,overhead")
+    ap.add_argument("--rate", default="200mbit", help="tbf rate of node2's eth0 in the link scenario")
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--factor", type=float, default=1.3)
     ap.add_argument("--steps", type=int, default=100)
@@ -97,6 +119,15 @@ def main() -> None:
                   f"{time.monotonic() - t0:.0f} s", flush=True)
             for ln in r["lines"]:
                 print(f"         {ln}")
+    if "link" in only and args.where == "devcluster":
+        with throttled("node2", args.rate):
+            r = run_job(args, {"NBYTES": str(4 << 20), "WORK_MS": "20"}, args.steps)
+        links = [ln for ln in r["lines"] if "the link node2 -> " in ln]
+        print(f"link     node2 eth0 at {args.rate}: first verdict at step {r['first_verdict_step']} of {args.steps}, "
+              f"{'named as a link' if links else 'NOT named as a link'}; step {r['median_step_s'] * 1e3:.1f} ms",
+              flush=True)
+        for ln in r["lines"]:
+            print(f"         {ln}")
     if "overhead" in only:
         ratios, on_s, off_s = [], [], []
         for _ in range(args.pairs):
