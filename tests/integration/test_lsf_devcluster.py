@@ -243,3 +243,23 @@ def test_hpcring_run_inside_an_lsf_job_leaves_the_launch_node_out(env):
     finally:
         for p in (site, out, script):
             p.unlink(missing_ok=True)
+
+
+def test_a_straggler_is_named_and_reported_on_lsf(env):
+    """A 6-rank LSF job (3 nodes) whose rank 5 computes 1.5x as long: rank 0's watcher names it
+    with its node while it runs, and `hpcring report` shows the verdict and each rank's split
+    adding up to its wall time."""
+    train = ROOT / "benchmarks" / "straggler_train.py"
+    r = hpcring("submit", str(train), "--site", "devcluster-lsf", "--nodes", "3", "--tasks-per-node", "2", "--wait",
+                env=dict(env, STEPS="160", SLOW_RANK="5", SLOW_FACTOR="1.5", WORK_MS="20"), timeout=400)
+    assert r.returncode == 0, r.stderr + r.stdout
+    jid = job_id_of(r)
+    rep = hpcring("report", jid, "--json", env=env, timeout=120)
+    assert rep.returncode == 0 and "Traceback" not in rep.stderr, rep.stderr
+    doc = json.loads(rep.stdout)
+    named = [e["verdict"] for e in doc["stragglers"] if e["verdict"]]
+    assert named and named[0]["kind"] == "rank" and named[0]["ranks"] == [5] and named[0]["host"] == "node3", named
+    assert doc["job"]["scheduler"] == "lsf" and len(doc["ranks"]) == 6
+    for e in doc["ranks"]:
+        parts = sum(e[f"{p}_s"] for p in ("startup", "compute", "communication", "waiting"))
+        assert abs(parts - e["wall_s"]) <= 0.02 * e["wall_s"], e
