@@ -27,7 +27,7 @@ def main() -> None:
     factor = float(os.environ.get("SLOW_FACTOR", "1.3"))
     work = float(os.environ.get("WORK_MS", "20")) / 1e3
     mode = os.environ.get("MODE", "sleep")
-    session = hpcring.init(backend="ring")
+    session = hpcring.init(backend=os.environ.get("BACKEND", "ring"))
     mine = work * (factor if session.rank == slow else 1.0)
     times, first = [], None
     if mode == "ddp":
@@ -42,7 +42,7 @@ def main() -> None:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-        watch = session.stragglers.get("ring")
+        watch = session.stragglers.get(os.environ.get("BACKEND", "ring"))
         if first is None and watch is not None and watch.history:
             first = i + 1
     session.barrier()

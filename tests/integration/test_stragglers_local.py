@@ -1,25 +1,30 @@
 """Straggler verdicts in real local jobs (``hpcring run``, 4 ranks, ring): a rank whose compute
 takes 1.5x as long is named by rank 0, with its host, while the job runs; a job where every rank
-computes alike gets no verdict; HPCRING_STRAGGLERS=0 starts no watcher.
+computes alike gets no verdict; HPCRING_STRAGGLERS=0 starts no watcher; on the MPI backend
+(mpirun) the slow rank is named too.
 
 The job is benchmarks/straggler_train.py (compute is a sleep, so that 4 ranks on 2 cores do not
 fight for them)."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import re
-
-from helpers_jobs import hpcring_cli
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from pathlib import Path
+from helpers_jobs import hpcring_cli
 
-TRAIN = Path(__file__).resolve().parents[2] / "benchmarks" / "straggler_train.py"
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "benchmarks" / "straggler_train.py"
 
 
 def run(tmp_path, steps, **env):
-    import sys
     r = hpcring_cli("run", "--tasks-per-node", "4", "--", sys.executable, str(TRAIN),
                     env={"STEPS": str(steps), "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
                          "HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_SITE": "local", **env},
@@ -49,3 +54,26 @@ def test_ranks_computing_alike_get_no_verdict(tmp_path):
 def test_the_watcher_can_be_turned_off(tmp_path, value):
     res, err = run(tmp_path, 20, SLOW_RANK="1", SLOW_FACTOR="3", HPCRING_STRAGGLERS=value)
     assert res["on"] is False and "straggler:" not in err
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
+                    reason="mpirun or mpi4py is not installed")
+def test_a_slow_rank_is_named_on_the_mpi_backend_too(tmp_path):
+    """The watcher reads the flight recorder, which every backend writes: under mpirun, on hpcring's
+    MPI backend, the slow rank is named as on the ring."""
+    from hpcring.bootstrap.auth import new_secret
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_SECRET=new_secret(), HPCRING_MASTER_ADDR="127.0.0.1",
+               BACKEND="mpi", STEPS="160", SLOW_RANK="2", SLOW_FACTOR="1.5", WORK_MS="20",
+               OMPI_MCA_mpi_yield_when_idle="1", OMPI_MCA_btl_tcp_if_include="eth0",
+               OMPI_MCA_oob_tcp_if_include="eth0")
+    env.pop("HPCRING_SECRET_FILE", None)
+    names = ["HPCRING_SECRET", "HPCRING_MASTER_ADDR", "BACKEND", "STEPS", "SLOW_RANK", "SLOW_FACTOR", "WORK_MS",
+             "PYTHONPATH"]
+    cmd = ["mpirun", "-np", "3", "--allow-run-as-root", "--oversubscribe"]
+    for k in names:
+        cmd += ["-x", k]
+    r = subprocess.run([*cmd, sys.executable, str(TRAIN)], capture_output=True, text=True, env=env, timeout=240,
+                       cwd=str(tmp_path), stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(re.search(r"RESULT (\{.*\})", r.stdout).group(1))
+    assert res["lines"] and res["lines"][0].startswith("straggler: rank 2 ("), res
