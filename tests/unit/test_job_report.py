@@ -102,6 +102,7 @@ def test_a_summary_is_written_read_back_and_bounded(tmp_path):
     c = got[1]["comms"][0]
     assert c["name"] == "ring" and c["totals"]["done"] == rank_summary.TAIL + 40
     assert len(c["tail"]["seq"]) == rank_summary.TAIL and c["tail"]["seq"][-1] == rank_summary.TAIL + 40
+    assert c["tail"]["bytes"] == [16] * rank_summary.TAIL        # 4 float32 each (older tails have none)
 
 
 @pytest.mark.parametrize("text,what", [

@@ -17,7 +17,9 @@ comms              one entry per communicator: ``name`` (the backend for the job
                    ``first_started``, ``last_ended``, ``sum_started``, ``sum_inside``,
                    ``sum_failed``; sums relative to ``base``) and ``tail``: the last
                    :data:`TAIL` collectives that ended done, ``seq``, ``started`` and ``ended``
-                   (seconds after ``base``, to the microsecond)
+                   (seconds after ``base``, to the microsecond) and ``bytes`` (the message:
+                   element count times the dtype's size; null where the dtype is not known;
+                   absent in summaries of older hpcring versions, which readers accept)
 checkpoints        what the script noted with ``hpcring.checkpoint_saved``: ``count``,
                    ``last_step``, ``last_at`` (epoch s), ``seconds`` (time spent saving, when
                    given); absent when it noted none
@@ -40,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpcring.collectives.dtypes import ITEMSIZE
 from hpcring.fsutil import write_json
 
 VERSION = 1
@@ -64,6 +67,16 @@ def process_started() -> float | None:
         return None
 
 
+def message_bytes(rec) -> int | None:
+    """A record's message in bytes (count times its dtype's size; 0 for no elements), or None
+    where the dtype is not one of hpcring's."""
+    count = rec.count or 0
+    if count <= 0:
+        return 0
+    size = ITEMSIZE.get(rec.dtype)
+    return None if size is None else int(count) * size
+
+
 def comm_entry(comm) -> dict:
     """The summary of one communicator (its recorder's totals and tail)."""
     rec = comm.recorder
@@ -74,7 +87,8 @@ def comm_entry(comm) -> dict:
              "rank": rec.rank, "size": rec.size, "totals": tot.to_dict(),
              "tail": {"seq": [r.seq for r in done],
                       "started": [round(r.t_started - base, 6) for r in done],
-                      "ended": [round(r.t_ended - base, 6) for r in done]}}
+                      "ended": [round(r.t_ended - base, 6) for r in done],
+                      "bytes": [message_bytes(r) for r in done]}}
     if rec.group is not None:
         entry["members"] = list(rec.group[1])
     return entry
@@ -163,6 +177,13 @@ def check(data) -> dict:
             for v in tail[k]:
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                     raise Bad(f"{where}tail.{k} holds {json.dumps(v)[:40]}")
+        sizes = tail.get("bytes")          # optional: summaries of older versions have none
+        if sizes is not None:
+            if not isinstance(sizes, list) or len(sizes) != len(tail["seq"]):
+                raise Bad(f"{where}tail.bytes is not a list as long as tail.seq")
+            for v in sizes:
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                    raise Bad(f"{where}tail.bytes holds {json.dumps(v)[:40]}")
     cp = data.get("checkpoints")
     if cp is not None:
         if not isinstance(cp, dict):
