@@ -1,6 +1,6 @@
-"""`hpcring report JOB`: where a job's time went, one page (text, --json, --html FILE).
+"""`hpcring report JOB`: where a job's time went, one page (text, --json, --html FILE, --plots DIR).
 
-The work is in :mod:`hpcring.jobreport` (and :mod:`hpcring.jobreport_html`)."""
+The work is in :mod:`hpcring.jobreport` (and :mod:`hpcring.jobreport_html`, :mod:`hpcring.jobreport_plots`)."""
 from __future__ import annotations
 
 import json
@@ -53,12 +53,19 @@ def register(app: typer.Typer) -> None:
                                                  "docs/diagnostics.md) instead of text."),
                html: Optional[str] = typer.Option(None, "--html",
                                                   help="Also write the report as one self-contained HTML file "
-                                                       "(inline CSS and SVG, nothing fetched).")):
-        from hpcring import jobreport
+                                                       "(inline CSS and SVG, nothing fetched)."),
+               plots: Optional[str] = typer.Option(None, "--plots",
+                                                   help="Also draw split, rate and bandwidth pictures, each as "
+                                                        "PNG and SVG, into this folder (made when missing; "
+                                                        "needs matplotlib: pip install 'hpcring[plots]').")):
+        from hpcring import jobreport, jobreport_plots
         from hpcring.cli import output
         from hpcring.fsutil import check_output_path
         if html is not None:
             check_output_path(html, "--html")      # before anything is read
+        if plots is not None:                       # matplotlib and the folder, before anything is read too
+            jobreport_plots.require_matplotlib()
+            jobreport_plots.check_folder(plots)
         rec, folder = _target(job)
         state, finished, requeues, run_start, notes = None, False, 0, None, []
         if rec is not None:
@@ -79,9 +86,13 @@ def register(app: typer.Typer) -> None:
             except OSError as exc:
                 raise HpcringError(f"cannot write the HTML report to {html}: {exc.strerror or exc}",
                                    hint="pass --html FILE in a writable folder") from None
+        drawn = jobreport_plots.write_all(doc, plots) if plots is not None else []
         if as_json:
             sys.stdout.write(json.dumps(doc, indent=1) + "\n")
         else:
             sys.stdout.write(jobreport.text(doc))
         if html is not None:
             output.info(f"wrote {html}")
+        for d in drawn:
+            lacks = f" (without: {'; '.join(d.missing)})" if d.missing else ""
+            output.info(f"wrote {', '.join(str(f) for f in d.files)}{lacks}")
