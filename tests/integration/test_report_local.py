@@ -110,6 +110,24 @@ def test_the_slow_rank_is_named_a_straggler_in_the_report(slow_rank_job):
     assert "straggler: rank 1 (local0)" in html.read_text()
 
 
+def test_plots_draws_the_three_pictures_of_the_job(slow_rank_job):
+    import xml.etree.ElementTree as ET
+    pytest.importorskip("matplotlib")
+    env, job, doc, _, _, tmp = slow_rank_job
+    out = tmp / "plots"
+    r = hpcring("report", job, "--plots", str(out), env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{n}.{f}" for n in ("split", "rate", "bandwidth")
+                                                           for f in ("png", "svg"))
+    for name in ("split", "rate", "bandwidth"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        ET.parse(out / f"{name}.svg")
+    split = (out / "split.svg").read_text()
+    assert all(f"rank {e['rank']} (local0)" in split for e in doc["ranks"]) and "straggler" in split
+    # the job's windows.jsonl and its summaries' message sizes were there: nothing said missing
+    assert "without:" not in r.stderr and "no diag/windows.jsonl" not in (out / "rate.svg").read_text(), r.stderr
+
+
 def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
