@@ -133,6 +133,7 @@ class Exporter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
+        self._writing = threading.Lock()            # a write and close's removal never interleave
         if setting.kind == "http":
             self.port = setting.port + local_rank
             if self.port > 65535:
@@ -188,15 +189,16 @@ class Exporter:
     def write(self) -> None:
         """Rewrite the textfile now (atomically); a failure is said once on stderr, then retried quietly."""
         from prometheus_client import write_to_textfile
-        if self.path is None or self._stop.is_set():
-            return
-        try:
-            write_to_textfile(self.path, self.registry)
-        except OSError as exc:
-            if not self._warned:
-                self._warned = True
-                print(f"hpcring: rank {self.rank}: {VAR}: cannot write {self.path}: {exc.strerror or exc}",
-                      file=sys.stderr, flush=True)
+        with self._writing:
+            if self.path is None or self._stop.is_set():
+                return
+            try:
+                write_to_textfile(self.path, self.registry)
+            except OSError as exc:
+                if not self._warned:
+                    self._warned = True
+                    print(f"hpcring: rank {self.rank}: {VAR}: cannot write {self.path}: {exc.strerror or exc}",
+                          file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """Stop serving or writing; the textfile is removed (an ended job leaves no figures)."""
@@ -208,10 +210,11 @@ class Exporter:
             self._server.server_close()
             self._server = None
         if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+            with self._writing:           # a write under way (rank 0's window) ends first
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
 
     # -- the figures -------------------------------------------------------------------------
     def families(self):
