@@ -125,7 +125,7 @@ def test_plots_draws_the_three_pictures_of_the_job(slow_rank_job):
     split = (out / "split.svg").read_text()
     assert all(f"rank {e['rank']} (local0)" in split for e in doc["ranks"]) and "straggler" in split
     # the job's windows.jsonl and its summaries' message sizes were there: nothing said missing
-    assert "without:" not in r.stderr and "no diag/windows.jsonl" not in (out / "rate.svg").read_text(), r.stderr
+    assert "missing:" not in r.stderr and "no diag/windows.jsonl" not in (out / "rate.svg").read_text(), r.stderr
 
 
 def chromium() -> str | None:

@@ -188,7 +188,9 @@ def test_the_command_writes_six_files_and_says_so(env):
     r = run(str(folder), "--json", "--plots", str(out))
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["job"]["id"] == "7"          # stdout stays the JSON
-    assert len(list(out.iterdir())) == 6 and "split.svg" in r.stderr
+    assert len(list(out.iterdir())) == 6 and "split.svg" in r.stderr and "missing:" not in r.stderr
+    r = run(str(write_job(env / "jobs" / "8", windows=False)), "--plots", str(out))
+    assert r.exit_code == 0 and "rate.svg; missing: no diag/windows.jsonl" in r.stderr, r.output
 
 
 @pytest.mark.parametrize("case", ["file", "under_a_file", "unwritable", "unwritable_parent"])

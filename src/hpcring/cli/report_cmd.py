@@ -94,5 +94,5 @@ def register(app: typer.Typer) -> None:
         if html is not None:
             output.info(f"wrote {html}")
         for d in drawn:
-            lacks = f" (without: {'; '.join(d.missing)})" if d.missing else ""
+            lacks = f"; missing: {'; '.join(d.missing)}" if d.missing else ""
             output.info(f"wrote {', '.join(str(f) for f in d.files)}{lacks}")
