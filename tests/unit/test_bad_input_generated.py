@@ -537,6 +537,11 @@ def env_mutations(v: envvars.Var) -> tuple[list[str], list[str]]:
         return ["nope", "\u00fcn\u00efc\u00f8d\u00e9", "ri\x07ng", "x" * LONG], []
     if v.kind == "time":
         return ["abc", "0", "-5", "UNLIMITED", "1_0", "\uff11\uff10", "99999999999", "1:2:3:4", "1\x072"], []
+    if v.kind == "metrics":
+        return (["on", "http", "http:9400", "http::9400", "http:host:0", "http:host:65536", "http:host:94_00",
+                 "http:a b:1", "textfile:", "ftp:x", "\u00fcn\u00efc\u00f8d\u00e9", "http:h:\uff19", "a\x07b",
+                 "x" * LONG],
+                ["OFF", "http:127.0.0.1:9400", "http:[::1]:9400", "textfile:/var/lib/\u00fcn\u00efc\u00f8d\u00e9"])
     bad = ["a\x07b", "a\x1b[31mb", "a\nb", "a\tb"] + (["x" * LONG] if v.max_len is not None else [])
     return bad, ["\u00fcn\u00efc\u00f8d\u00e9", "\u540d\u524d"]
 

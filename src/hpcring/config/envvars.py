@@ -55,7 +55,7 @@ _FALSE = ("0", "false", "no", "off")
 @dataclass(frozen=True)
 class Var:
     name: str
-    kind: str                  # float, int, bool, choice, str, path, time
+    kind: str                  # float, int, bool, choice, str, path, time, metrics
     default: Any
     meaning: str
     lo: float | None = None    # inclusive lower bound (numbers)
@@ -81,6 +81,9 @@ class Var:
             return what + (lo + ("," if lo and hi else "") + hi)
         if self.kind == "time":
             return "a Slurm time limit"
+        if self.kind == "metrics":
+            from hpcring.config.metrics_form import FORMS
+            return FORMS
         return "text without control characters" + (f", at most {self.max_len} characters" if self.max_len else "")
 
 
@@ -195,7 +198,7 @@ VARS: tuple[Var, ...] = (
        "collective to the next, below which nobody is named", 0, 10),
     _v("HPCRING_STRAGGLER_PERIOD", "float", 0.0, "seconds between the straggler watcher's looks at the "
        "store (0: 0.25 s, or size/1000 s in larger jobs)", 0, 3600),
-    _v("HPCRING_METRICS", "str", "off", "Prometheus figures of each rank (needs `pip install 'hpcring[metrics]'`): "
+    _v("HPCRING_METRICS", "metrics", "off", "Prometheus figures of each rank (needs `pip install 'hpcring[metrics]'`): "
        "`off`, `http:HOST:PORT` (each rank serves /metrics on PORT + its local rank, bound to HOST) or "
        "`textfile:DIR` (each rank rewrites `DIR/hpcring_rank<r>.prom` for node-exporter's textfile collector); "
        "a site sets it in its `env:` (hpcring.diagnostics.metrics)"),
@@ -409,6 +412,9 @@ def _convert(var: Var, text: str) -> Any:
         _check_bounds(var, value)
         return value
     check_text(text, var.max_len)
+    if var.kind == "metrics":
+        from hpcring.config.metrics_form import parse   # same layer; the grammar has its own module
+        parse(text)
     if var.kind == "time":
         from hpcring.config.slurmtime import time_to_minutes   # standard library only
         time_to_minutes(text)

@@ -38,27 +38,17 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
-from hpcring.config import envvars
+from hpcring.config import envvars, metrics_form
 from hpcring.config.envvars import shown
+from hpcring.config.metrics_form import Setting
 from hpcring.errors import UsageError
 
 log = logging.getLogger(__name__)
 VAR = "HPCRING_METRICS"
 TEXTFILE_PERIOD = 1.0          # seconds between textfile rewrites
-_FORMS = ("off, http:HOST:PORT (each rank serves on PORT + its local rank, bound to HOST) or textfile:DIR "
-          "(node-exporter's textfile collector folder)")
+_FORMS = metrics_form.FORMS
 _HINT = f"fix or unset {VAR} (docs/diagnostics.md, Prometheus)"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """A parsed HPCRING_METRICS: ``kind`` http (``host``, ``port``) or textfile (``folder``)."""
-    kind: str
-    host: str = ""
-    port: int = 0
-    folder: str = ""
 
 
 def _refused(raw: str, why: str) -> UsageError:
@@ -67,35 +57,14 @@ def _refused(raw: str, why: str) -> UsageError:
 
 def parse_setting(raw: str | None) -> Setting | None:
     """The setting in ``raw`` (None for off, unset or blank); UsageError for anything else."""
-    if raw is None or not raw.strip() or raw.strip().lower() == "off":
+    if raw is None or not raw.strip():
         return None
     text = raw.strip()
     try:
         envvars.check_text(text)
+        return metrics_form.parse(text)
     except ValueError as exc:
         raise _refused(raw, str(exc)) from None
-    kind, sep, rest = text.partition(":")
-    kind = kind.lower()
-    if not sep or kind not in ("http", "textfile"):
-        raise _refused(raw, "not a known form")
-    if kind == "textfile":
-        if not rest.strip():
-            raise _refused(raw, "textfile: names no folder")
-        return Setting("textfile", folder=rest)
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host:
-        raise _refused(raw, "http: needs a host and a port, e.g. http:0.0.0.0:9400")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host or any(c.isspace() or c in "/[]@?#" for c in host):
-        raise _refused(raw, f"{shown(host)} is no host to bind to")
-    try:
-        number = envvars.parse_int_text(port)
-    except ValueError as exc:
-        raise _refused(raw, f"port {shown(port)}: {exc}") from None
-    if not 1 <= number <= 65535:
-        raise _refused(raw, f"port {number} is not in 1-65535")
-    return Setting("http", host=host, port=number)
 
 
 def setting_from_env(environ=None) -> Setting | None:
