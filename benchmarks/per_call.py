@@ -21,10 +21,10 @@ Three loops per backend, interleaved over ``--rounds`` rounds (the median round 
 * ``native``: the library alone (ring: ``_native.Comm.allreduce``; mpi: mpi4py's blocking
   ``Allreduce``; nccl: the fake ``NcclCommunicator.allReduce``).
 
-``overhead = total - native`` is hpcring's own per-call cost (issue 23's target: <= 10 us);
+``overhead = total - native`` is hpcring's own per-call cost (target: <= 10 us);
 ``api = total - backend`` is the Communicator layer (adaptation, flight record, deadline,
 dispatch). Measured on the 2-core dev machine, load average 3, before (commit 30594d6) and after
-issue 23, back to back (benchmarks/per_call-before.json, per_call-after.json), us per call:
+the short paths, back to back (``--save``/``--before``; the JSON is not kept), us per call:
 
     backend   total before -> after   own (in-call) before -> after   total - native after
     ring            20.6 -> 13.0              6.0 -> 3.1                     7.0
