@@ -70,7 +70,9 @@ def test_each_rank_split_adds_up_to_its_wall_time(slow_rank_job):
         # the wall time is the rank's own: from its process's start to its status record's end
         st = json.loads((tmp / "jobs" / job / f"{job}_{e['rank']}_status.json").read_text())
         assert e["ended"] == pytest.approx(st["ended"], abs=1e-5)
-        assert st["ended"] - st["started"] <= e["wall_s"] <= st["ended"] - st["started"] + 3.0, (e, st)
+        # ... which starts before its status record (interpreter, imports): that part is startup
+        # (not a fixed bound: under load the imports alone took over 3 s)
+        assert 0 <= e["wall_s"] - (st["ended"] - st["started"]) <= e["startup_s"], (e, st)
 
 
 def test_the_slow_rank_computes_and_the_others_wait(slow_rank_job):
