@@ -189,7 +189,7 @@ def test_a_window_a_rank_never_finishes_is_given_up_and_the_next_is_named(tmp_pa
         ws[1].tick()
         ws[0].tick()
         assert ws[0]._want == (first, 10) and ws[0].windows == 0
-        ws[0]._named_at -= 60                          # 30 periods later
+        ws[0]._ready_at -= 60                          # 30 periods after rank 0 ended it
         ws[0].tick()
         assert ws[0]._want[0] > first and ws[0].windows == 0 and out.getvalue() == ""
         del t
@@ -233,3 +233,26 @@ def test_link_fields_survive_the_wire():
     row = sg.Row(2, 10, np.array([0.5]), 1.0, peer=5, send_share=0.375)
     back = sg.Row.decode(row.encode())
     assert (back.peer, back.send_share) == (5, 0.375)
+
+
+def test_a_window_rank_0_itself_takes_long_to_end_is_waited_for(tmp_path, monkeypatch):
+    """Slow steps (a throttled link: 0.3 s each) make a window last longer than the give-up time:
+    rank 0 waits for its own end of the window, however long, and then judges it."""
+    import hpcring.diagnostics.straggler_watch as swm
+    server, comms, ws, out = watchers(tmp_path, n=3, window=10)
+    try:
+        ws[0].tick()
+        first, _ = ws[0]._want
+        t = run_ops(comms, 5, 3000.0)
+        real = swm.time.monotonic
+        monkeypatch.setattr(swm.time, "monotonic", lambda: real() + 1000.0)   # long past 30 periods
+        for w in ws:
+            w.tick()
+        assert ws[0]._want == (first, 10) and ws[0].windows == 0
+        run_ops(comms, 6, t)
+        round_(ws)
+        assert ws[0].windows == 1 and ws[0]._want[0] > first
+    finally:
+        for w in ws:
+            w.store.close()
+        server.close()

@@ -21,8 +21,9 @@ ranks, so the store sees at most about 1000 small requests a second however larg
 
 A rank that has no row for the window (its records were overwritten: more than
 HPCRING_FLIGHT_RECORDS collectives in one period) writes an empty one and the window is
-skipped; a window that not every rank reaches within 30 periods (a rank is stuck, which the
-hang watchdog names, or the job is ending) is given up and the next named.
+skipped; a window whose rows do not all come within 30 periods of rank 0's own (a rank is
+stuck, which the hang watchdog names, or the job is ending) is given up and the next named.
+However long rank 0 itself takes to end a window (slow steps), it waits for it.
 
 Cost: per rank, one store round trip a period and one write a window, off the training thread
 (it takes the GIL for about 0.1 ms a window); rank 0 reads n rows a window (0.9 MiB at 4096
@@ -73,7 +74,8 @@ class StragglerWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._want: tuple[int, int] | None = None       # rank 0: the window named; others: seen
-        self._named_at = 0.0
+        self._own: sg.Row | None = None                 # rank 0: its row of the named window
+        self._ready_at = 0.0                            # ... and when it had it (the give-up clock)
         self._sent: int | None = None                   # the first seq of the last row written
         self._links_prev: tuple = (None, {})            # (monotonic, {peer: send wait s}) at the last row
         self.current: sg.Verdict | None = None          # rank 0: the verdict in force
@@ -167,18 +169,18 @@ class StragglerWatch:
             self._name(rec.seq + 1, now)
             return
         first, w = self._want
-        own = self._row(first, w)
-        if own is None:
-            if now - self._named_at > GIVE_UP_PERIODS * self.period and rec.seq >= first:
-                self._name(rec.seq + 1, now)
-            return
+        if self._own is None or self._own.first != first:
+            own = self._row(first, w)
+            if own is None:
+                return                  # rank 0 is still in the window: wait, however long it takes
+            self._own, self._ready_at = own, now    # once: its link share covers the whole window
         keys = [f"{self._key}/row/{r}" for r in range(1, self.size)]
         blobs = self.store.multi_check(keys)
-        rows = [own]
+        rows = [self._own]
         for blob in blobs:
             row = sg.Row.decode(blob) if blob else None
             if row is None or row.first != first:
-                if now - self._named_at > GIVE_UP_PERIODS * self.period:
+                if now - self._ready_at > GIVE_UP_PERIODS * self.period:
                     self._name(rec.seq + 1, now)
                 return
             rows.append(row)
@@ -187,7 +189,6 @@ class StragglerWatch:
 
     def _name(self, first: int, now: float) -> None:
         self._want = (first, self.window)
-        self._named_at = now
         self.store.set(f"{self._key}/want", f"{first} {self.window}".encode())
 
     # -- rank 0: verdicts ---------------------------------------------------------------------
