@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -54,7 +55,7 @@ def test_a_rank_computing_1_5x_as_long_is_named_with_its_node():
     named = [v for v in verdicts(base) if v["verdict"]]
     assert named and named[0]["verdict"]["kind"] == "rank" and named[0]["verdict"]["ranks"] == [3], named
     assert named[0]["verdict"]["host"] == "node2" and "straggler: rank 3 (node2) arrived last in " in named[0]["line"]
-    job = next((base / "jobs").iterdir()).name
+    job = re.findall(r"Submitted job (\S+)", text)[0]
     rep = subprocess.run([sys.executable, "-m", "hpcring", "report", job], capture_output=True, text=True,
                          env=env, timeout=120)
     assert rep.returncode == 0 and "straggler: rank 3 (node2)" in " ".join(rep.stdout.split()), rep.stdout + rep.stderr
