@@ -8,7 +8,8 @@ the ring.
 MODE ``ddp``: torch DDP on the ``hpcring`` backend, a small MLP on CPU (the overhead figure).
 The slow rank's compute takes SLOW_FACTOR times as long. Rank 0 prints one ``RESULT {json}``
 line: steps, median step seconds, the step at which the first straggler verdict was in force
-(None: never) and every verdict line.
+(None: never), every verdict line and the most CPU any rank's watcher thread used, as a share of
+the steps' wall time (an upper bound on what it can take from a step).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def main() -> None:
         def step():
             time.sleep(mine)
             session.allreduce(x)
+    t_start = time.perf_counter()
     for i in range(steps):
         t0 = time.perf_counter()
         step()
@@ -45,13 +47,16 @@ def main() -> None:
         watch = session.stragglers.get(os.environ.get("BACKEND", "ring"))
         if first is None and watch is not None and watch.history:
             first = i + 1
+    wall = time.perf_counter() - t_start
     session.barrier()
     time.sleep(3 * (watch.period if watch is not None else 0))      # the last window's verdict
+    cpu = session.allreduce(np.array([watch.cpu_s if watch is not None else 0.0]), op="max")[0]
     if session.rank == 0:
         lines = [e["line"] for e in watch.history] if watch is not None else []
         print("RESULT " + json.dumps({"steps": steps, "size": session.size, "median_step_s": float(np.median(times)),
                                       "first_verdict_step": first, "lines": lines,
                                       "windows": watch.windows if watch is not None else 0,
+                                      "watcher_cpu_share": float(cpu) / wall,
                                       "on": watch is not None}), flush=True)
 
 

@@ -14,7 +14,9 @@ cluster, ``hpcring devcluster up``; the job inherits this environment). One line
 * ``link`` (dev cluster only): node2's ``eth0`` throttled with tc's ``tbf`` (``--rate``) while
   every rank computes alike and all-reduces 4 MiB; the verdict must name the link from node2;
 * ``overhead``: DDP (torch, ``hpcring`` backend) step time with the watcher on and off, in
-  ``--pairs`` alternating pairs of runs; the median of the on/off ratios (target: at most 1.005).
+  ``--pairs`` alternating pairs of runs; the median of the on/off ratios (target: at most 1.005),
+  and the most CPU any rank's watcher thread used as a share of the run's wall time (the most it
+  can take from the steps: it holds the GIL only while it runs).
 
 Compute is a sleep (a GPU computing while its host waits), so 8 ranks on 2 cores do not fight
 for them; the allreduce is 256 KiB on the ring. Figures from one run of each; on this 2-core
@@ -129,9 +131,11 @@ def main() -> None:
         for ln in r["lines"]:
             print(f"         {ln}")
     if "overhead" in only:
-        ratios, on_s, off_s = [], [], []
+        ratios, on_s, off_s, cpu = [], [], [], []
         for _ in range(args.pairs):
-            on = run_job(args, {"MODE": "ddp", "WORK_MS": "5"}, args.overhead_steps)["median_step_s"]
+            res = run_job(args, {"MODE": "ddp", "WORK_MS": "5"}, args.overhead_steps)
+            on = res["median_step_s"]
+            cpu.append(res["watcher_cpu_share"])
             off = run_job(args, {"MODE": "ddp", "WORK_MS": "5", "HPCRING_STRAGGLERS": "0"},
                           args.overhead_steps)["median_step_s"]
             ratios.append(on / off)
@@ -139,7 +143,8 @@ def main() -> None:
             off_s.append(off)
         print(f"overhead DDP step on/off: median ratio {statistics.median(ratios):.4f} over {args.pairs} pairs "
               f"(target <= 1.005); on {statistics.median(on_s) * 1e3:.2f} ms, off {statistics.median(off_s) * 1e3:.2f} ms; "
-              f"ratios {', '.join(f'{x:.3f}' for x in ratios)}", flush=True)
+              f"ratios {', '.join(f'{x:.3f}' for x in ratios)}; the busiest watcher thread's CPU: "
+              f"{100 * max(cpu):.3f}% of the run's wall time", flush=True)
 
 
 if __name__ == "__main__":

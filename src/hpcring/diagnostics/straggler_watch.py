@@ -25,9 +25,10 @@ skipped; a window whose rows do not all come within 30 periods of rank 0's own (
 stuck, which the hang watchdog names, or the job is ending) is given up and the next named.
 However long rank 0 itself takes to end a window (slow steps), it waits for it.
 
-Cost: per rank, one store round trip a period and one write a window, off the training thread
-(it takes the GIL for about 0.1 ms a window); rank 0 reads n rows a window (0.9 MiB at 4096
-ranks) and judges them with numpy (an n x W array). Measured in benchmarks/stragglers.py.
+Cost: a rank asks the store only once its recorder has passed the end of the window named (until
+then a tick reads one counter), so per window about one round trip to learn the next window and
+one write, off the training thread; rank 0 reads n rows a window (0.9 MiB at 4096 ranks) and
+judges them with numpy (an n x W array). Measured in benchmarks/stragglers.py.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class StragglerWatch:
         self._own: sg.Row | None = None                 # rank 0: its row of the named window
         self._ready_at = 0.0                            # ... and when it had it (the give-up clock)
         self._sent: int | None = None                   # the first seq of the last row written
+        self._seen: tuple[int, int] | None = None       # others: the last window rank 0 named
         self._links_prev: tuple = (None, {})            # (monotonic, {peer: send wait s}) at the last row
         self.current: sg.Verdict | None = None          # rank 0: the verdict in force
         self.history: list[dict] = []                   # rank 0: every change, as written
@@ -85,6 +87,7 @@ class StragglerWatch:
         # exporters hook in here. A listener that raises is logged and dropped.
         self.listeners: list = []
         self._logged = 0.0                              # rank 0: when windows.jsonl last got a line
+        self.cpu_s = 0.0                                # CPU this watcher's thread used (its cost)
 
     def start(self) -> "StragglerWatch":
         if self._thread is None and self.size > 1:
@@ -107,11 +110,14 @@ class StragglerWatch:
                 log.debug("rank 0: straggler watcher does not start: %s", e)
                 return
         while not self._stop.wait(self.period):
+            c0 = time.thread_time()
             try:
                 self.tick()
             except Exception as e:   # noqa: BLE001 - the store gone (job ending): stop quietly
                 log.debug("rank %d: straggler watcher stops: %s", self.rank, e)
                 return
+            finally:
+                self.cpu_s += time.thread_time() - c0
 
     def tick(self) -> None:
         """One look (the thread calls it every period; tests call it directly)."""
@@ -121,10 +127,15 @@ class StragglerWatch:
             self._follow()
 
     def _follow(self) -> None:
+        if self._seen is not None:
+            first, w = self._seen
+            if first != self._sent and self.comm.recorder.seq < first + w - 1:
+                return            # the window named is not over here yet: nothing to ask or to tell
         raw = self.store.multi_check([f"{self._key}/want"])[0]
         if not raw:
             return
         first, w = (int(v) for v in raw.split())
+        self._seen = (first, w)
         if first == self._sent:
             return
         row = self._row(first, w)
