@@ -41,6 +41,38 @@ def newest_job():
     return rec
 
 
+def job_target(job: str, one_task: str):
+    """What a JOB argument names: (job record, None) for a job id or record name, (None, folder)
+    for a job folder's path (a job run by `hpcring run` has no record, only the folder
+    HPCRING_JOB_DIR gave it). ``one_task``: the command's verb for an array's hint ("report", "top")."""
+    from pathlib import Path
+
+    from hpcring.config.envvars import shown
+    from hpcring.errors import UsageError
+    try:
+        check_text(job)
+    except ValueError as exc:
+        raise UsageError(f"JOB {shown(job)}: {exc}", hint="pass a job id (`hpcring status` lists them) "
+                                                          "or a job folder") from None
+    if "/" in job or job in (".", ".."):
+        folder = Path(job)
+        try:
+            ok = folder.is_dir()
+        except OSError:
+            ok = False
+        if not ok:
+            raise HpcringError(f"job folder {shown(job)} does not exist or is no folder",
+                               hint="pass a job id (`hpcring status` lists them) or the folder `hpcring submit` "
+                                    "printed (`<job_dir>/<job id>`)")
+        return None, folder
+    from hpcring import submit as lib
+    rec = lib.record(job)
+    if rec.array is not None:
+        raise UsageError(f"job {rec.job_id} is an array of {len(rec.array)} tasks, each a whole job",
+                         hint=f"one task at a time: `hpcring {one_task} {rec.job_id}_{rec.array[0]}`")
+    return rec, None
+
+
 def exit_for(exc: HpcringError) -> typer.Exit:
     """Print ``error: <message>`` for a library error and return the Exit to raise."""
     output.error(str(exc))

@@ -10,34 +10,7 @@ from typing import Optional
 
 import typer
 
-from hpcring.errors import HpcringError, UsageError
-
-
-def _target(job: str):
-    """(job record, None) for a job id, (None, folder) for a job folder's path."""
-    from hpcring.config.envvars import check_text, shown
-    try:
-        check_text(job)
-    except ValueError as exc:
-        raise UsageError(f"JOB {shown(job)}: {exc}", hint="pass a job id (`hpcring status` lists them) "
-                                                          "or a job folder") from None
-    if "/" in job or job in (".", ".."):
-        folder = Path(job)
-        try:
-            ok = folder.is_dir()
-        except OSError:
-            ok = False
-        if not ok:
-            raise HpcringError(f"job folder {shown(job)} does not exist or is no folder",
-                               hint="pass a job id (`hpcring status` lists them) or the folder `hpcring submit` "
-                                    "printed (`<job_dir>/<job id>`)")
-        return None, folder
-    from hpcring import submit as lib
-    rec = lib.record(job)
-    if rec.array is not None:
-        raise UsageError(f"job {rec.job_id} is an array of {len(rec.array)} tasks, each a whole job",
-                         hint=f"report one task: `hpcring report {rec.job_id}_{rec.array[0]}`")
-    return rec, None
+from hpcring.errors import HpcringError
 
 
 def register(app: typer.Typer) -> None:
@@ -66,7 +39,8 @@ def register(app: typer.Typer) -> None:
         if plots is not None:                       # matplotlib and the folder, before anything is read too
             jobreport_plots.require_matplotlib()
             jobreport_plots.check_folder(plots)
-        rec, folder = _target(job)
+        from hpcring.cli.common import job_target
+        rec, folder = job_target(job, "report")
         state, finished, requeues, run_start, notes = None, False, 0, None, []
         if rec is not None:
             from hpcring import submit as lib

@@ -12,38 +12,17 @@ from pathlib import Path
 
 import typer
 
-from hpcring.errors import HpcringError, UsageError
+from hpcring.errors import HpcringError
 
 STATE_EVERY = 10.0     # seconds between questions to the scheduler while the view runs (sacct is not free)
 _HEAD_LINES = 5        # header, verdict, table heading and rule, a spare line
 
 
 def _target(job: str):
-    """(job record, its folder): a job id or record name; (None, folder) for a job folder's path
-    (a job run by `hpcring run` has no record, only the folder HPCRING_JOB_DIR gave it)."""
-    from hpcring.config.envvars import check_text, shown
-    try:
-        check_text(job)
-    except ValueError as exc:
-        raise UsageError(f"JOB {shown(job)}: {exc}", hint="pass a job id (`hpcring status` lists them) "
-                                                          "or a job folder") from None
-    if "/" in job or job in (".", ".."):
-        folder = Path(job)
-        try:
-            ok = folder.is_dir()
-        except OSError:
-            ok = False
-        if not ok:
-            raise HpcringError(f"job folder {shown(job)} does not exist or is no folder",
-                               hint="pass a job id (`hpcring status` lists them) or a job folder "
-                                    "(`<job_dir>/<job id>`)")
-        return None, folder
-    from hpcring import submit as lib
-    rec = lib.record(job)
-    if rec.array is not None:
-        raise UsageError(f"job {rec.job_id} is an array of {len(rec.array)} tasks, each a whole job",
-                         hint=f"watch one task: `hpcring top {rec.job_id}_{rec.array[0]}`")
-    return rec, Path(rec.folder)
+    """(job record, its folder), or (None, folder) for a job folder's path."""
+    from hpcring.cli.common import job_target
+    rec, folder = job_target(job, "top")
+    return rec, (Path(rec.folder) if rec is not None else folder)
 
 
 def _state(rec) -> tuple[str | None, bool]:

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hpcring.ranks import rank_ranges
+
 MAGIC = b"HRS2"
 _HEAD = struct.Struct("<4sqiidid")   # magic, first seq, W, rank, compute s, peer, send share
 
@@ -102,7 +104,7 @@ class Verdict:
                     f"ranks' {self.figures.get('others_share', 0.0):.0%} (median) over the last {self.ops} "
                     f"{self.op_names}")
         who = (f"rank {self.ranks[0]} ({self.host})" if self.kind == "rank"
-               else f"node {self.host} (ranks {_ranges(self.ranks)})")
+               else f"node {self.host} (ranks {rank_ranges(self.ranks)})")
         text = (f"straggler: {who} arrived last in {self.share:.0%} of the last {self.ops} "
                 f"{self.op_names}, median +{self.median_ms:.1f} ms behind the median rank")
         if self.compute_ratio is not None:
@@ -226,17 +228,6 @@ def cleared_line(previous: Verdict, ops: int) -> str:
     who = (f"rank {previous.ranks[0]} ({previous.host})" if previous.kind == "rank"
            else f"node {previous.host}")
     return f"straggler: none in the last {ops} collectives ({who} no longer arrives last)"
-
-
-def _ranges(ranks: list[int]) -> str:
-    out, i = [], 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 __all__ = ["Rules", "Row", "Verdict", "window_of", "judge", "lateness", "cleared_line"]
