@@ -77,3 +77,29 @@ def test_a_slow_rank_is_named_on_the_mpi_backend_too(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.loads(re.search(r"RESULT (\{.*\})", r.stdout).group(1))
     assert res["lines"] and res["lines"][0].startswith("straggler: rank 2 ("), res
+
+
+HVD_SCRIPT = """
+import os, time, torch
+import hpcring.torch as hvd
+hvd.init()
+t = torch.ones(1024)
+for step in range(160):
+    time.sleep(0.02 * (1.5 if hvd.rank() == 2 else 1.0))
+    hvd.allreduce(t, name=f"g{step}")
+print("HVD_DONE", hvd.rank(), flush=True)
+"""
+
+
+def test_a_horovod_style_script_gets_the_verdict_unchanged(tmp_path):
+    """A script written for horovod.torch (hpcring.torch) is watched like any other: its slow
+    rank is named, with no change to the script."""
+    pytest.importorskip("torch")
+    script = tmp_path / "hvd_slow.py"
+    script.write_text(HVD_SCRIPT)
+    r = hpcring_cli("run", "--tasks-per-node", "3", "--", sys.executable, str(script),
+                    env={"HPCRING_SITE": "local", "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
+                         "HPCRING_STATE_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "1"}, timeout=240)
+    assert r.returncode == 0 and r.stdout.count("HVD_DONE") == 3, r.stdout[-2000:] + r.stderr[-3000:]
+    named = [ln for ln in r.stderr.splitlines() if "straggler:" in ln]
+    assert named and "straggler: rank 2 (local0) arrived last in " in named[0], r.stderr[-3000:]

@@ -256,3 +256,35 @@ def test_a_window_rank_0_itself_takes_long_to_end_is_waited_for(tmp_path, monkey
         for w in ws:
             w.store.close()
         server.close()
+
+
+def test_binomial_tail_matches_exact_counts():
+    import math
+    for m in (1, 8, 17, 50):
+        t = sg.binomial_tail(m)
+        for k in range(m + 1):
+            exact = sum(math.comb(m, i) for i in range(k, m + 1)) / 2 ** m
+            assert t[k] == pytest.approx(exact, rel=1e-9, abs=1e-15)
+    assert sg.binomial_tail(2000)[1500] < 1e-100 and sg.binomial_tail(2000)[0] == pytest.approx(1.0)
+
+
+def test_a_rank_late_only_for_the_first_collective_of_each_step_is_named():
+    """Horovod-style steps: a negotiation and the reductions back to back after the compute. The
+    slow rank is late for the first of every three only; the others find everyone there."""
+    rng = np.random.default_rng(7)
+    w = 60
+    rows = rows_for(rng, 4, w=w, noise_ms=0.2)
+    for k in range(0, w, 3):                           # the first collective of each step
+        for r in rows:
+            r.inside[k] += 0.010 if r.rank != 2 else 0.0   # the others wait 10 ms for rank 2
+    v = sg.judge(rows, ("a", "a", "b", "b"), op_names="collectives")
+    assert v is not None and v.ranks == [2] and v.figures["told"] == 20, v
+    assert "arrived last in 100% of the 20 of the last 60 collectives someone was late for" in v.line()
+
+
+def test_a_few_late_collectives_are_not_enough_to_name_anyone():
+    rng = np.random.default_rng(8)
+    rows = rows_for(rng, 2, w=50, noise_ms=0.05)
+    for k in range(6):                                  # 6 < 8 collectives anyone was late for
+        rows[1].inside[k] += 0.01
+    assert sg.judge(rows, ("a", "b")) is None

@@ -10,10 +10,12 @@ spent outside any collective.
 A window is ``W`` collectives of one communicator, the same sequence numbers on every rank (see
 :mod:`hpcring.diagnostics.straggler_watch`, which gathers them). The rules, each a setting:
 
-* **rank**: a rank arrived after the median rank in at least ``share`` of the window's
-  collectives (default 75%) and its median lateness behind the median rank is at least
-  ``min_ms`` (default 2 ms) and at least ``min_frac`` (default 5%) of the window's median time
-  from one collective to the next (the line also says in how many it arrived last);
+* **rank**: among the window's collectives someone was late for (some rank at least the
+  lateness floor behind the median rank; at least 8 of them), a rank arrived after the median
+  rank in at least ``share`` of them (default 75%), a count that fair coin tosses reach with
+  probability under 1e-4, and its median lateness behind the median rank is at least ``min_ms``
+  (default 2 ms) and at least ``min_frac`` (default 5%) of the window's median time from one
+  collective to the next (the line also says in how many it arrived last);
 * **node**: every rank of one host (of several, holding more than one rank) qualifies: a slow
   node, whose ranks take turns at being last;
 * **link**: nobody is late, but one rank's sends to its ring peer were blocked (the link would not
@@ -31,6 +33,7 @@ Pure functions over arrays: :func:`window_of` turns one rank's records into its 
 """
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -38,6 +41,8 @@ import numpy as np
 
 from hpcring.ranks import rank_ranges
 
+MIN_TOLD = 8            # collectives someone was late for, below which a window says nothing
+P_MAX = 1e-4            # a rank's count of "behind" must be that unlikely by chance to be named
 MAGIC = b"HRS2"
 _HEAD = struct.Struct("<4sqiidid")   # magic, first seq, W, rank, compute s, peer, send share
 
@@ -105,8 +110,11 @@ class Verdict:
                     f"{self.op_names}")
         who = (f"rank {self.ranks[0]} ({self.host})" if self.kind == "rank"
                else f"node {self.host} (ranks {rank_ranges(self.ranks)})")
-        text = (f"straggler: {who} arrived last in {self.share:.0%} of the last {self.ops} "
-                f"{self.op_names}, median +{self.median_ms:.1f} ms behind the median rank")
+        told = self.figures.get("told", self.ops)
+        among = (f"the last {self.ops} {self.op_names}" if told >= self.ops else
+                 f"the {told} of the last {self.ops} {self.op_names} someone was late for")
+        text = (f"straggler: {who} arrived last in {self.share:.0%} of {among}, "
+                f"median +{self.median_ms:.1f} ms behind the median rank")
         if self.compute_ratio is not None:
             text += f"; its compute between collectives is {self.compute_ratio:.2f}x the others'"
         return text
@@ -163,17 +171,27 @@ def judge(rows: list[Row], hosts, rules: Rules = Rules(), op_names: str = "colle
     if ops < 8:
         return None
     ranks = np.array([r.rank for r in rows])
-    order = np.argsort(x, axis=0, kind="stable")
-    last = order[0]                                           # row index of the last to arrive
-    med = np.median(x, axis=0)
-    behind = med[None, :] - x                                 # > 0: arrived after the median rank
-    late = np.median(behind, axis=1)                          # each rank's median lateness
-    after = (behind > 0).mean(axis=1)                         # share of collectives it was behind in
     compute = np.array([r.compute for r in rows])
     gap = float(np.median(compute)) / ops + float(np.median(x))   # one collective to the next
     need = max(rules.min_ms / 1e3, rules.min_frac * gap)
-    figures = {"need_ms": need * 1e3, "gap_ms": gap * 1e3}
-    slow = (after >= rules.share) & (late >= need)
+    med = np.median(x, axis=0)
+    behind = med[None, :] - x                                 # > 0: arrived after the median rank
+    # Only the collectives someone was late for say who is slow: in a step of several collectives
+    # back to back (Horovod's negotiation, an optimizer's), only the first after the compute
+    # carries the lateness, and the others (everyone already there) would dilute any share.
+    told = behind.max(axis=0) >= need
+    m = int(told.sum())
+    if m < MIN_TOLD:
+        return _link(rows, hosts, rules, ops, op_names)
+    x, behind = x[:, told], behind[:, told]
+    last = np.argmin(x, axis=0)                               # row index of the last to arrive
+    late = np.median(behind, axis=1)                          # each rank's median lateness
+    count = (behind > 0).sum(axis=1)                          # collectives it was behind in
+    after = count / m
+    figures = {"need_ms": need * 1e3, "gap_ms": gap * 1e3, "told": m}
+    # ... and a share that chance does not give: behind the median is a coin toss for a rank that
+    # is not slow, so its count must be beyond what P_MAX of coin tosses reach
+    slow = (after >= rules.share) & (late >= need) & (binomial_tail(m)[count] <= P_MAX)
     if not slow.any():
         return _link(rows, hosts, rules, ops, op_names)
     host_of = np.array([hosts[int(r)] for r in ranks])
@@ -189,6 +207,14 @@ def judge(rows: list[Row], hosts, rules: Rules = Rules(), op_names: str = "colle
     return Verdict("rank", [r], hosts[r], float((last == top).mean()), float(late[top]) * 1e3,
                    _ratio(compute[[top]], np.delete(compute, top)), ops, op_names,
                    {**figures, "behind_share": float(after[top])})
+
+
+def binomial_tail(m: int) -> np.ndarray:
+    """``t[k]`` = P(at least k heads in m fair coin tosses), k = 0 .. m (from log-gamma: no big
+    integers however large m)."""
+    lg = np.array([math.lgamma(i + 1) for i in range(m + 1)])
+    pmf = np.exp(lg[m] - lg - lg[::-1] - m * math.log(2.0))
+    return np.minimum(1.0, np.cumsum(pmf[::-1])[::-1])
 
 
 def _link(rows: list[Row], hosts, rules: Rules, ops: int, op_names: str) -> Verdict | None:
