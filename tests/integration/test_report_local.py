@@ -22,7 +22,7 @@ FAULT = ROOT / "tests" / "fault_worker.py"
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
 PARTS = ("startup", "compute", "communication", "waiting")
 
-STEPS, COMPUTE, SLOW = 25, 0.02, 0.06
+STEPS, COMPUTE, SLOW = 40, 0.02, 0.06
 
 
 def hpcring(*args, env, timeout=180):
@@ -36,7 +36,7 @@ env_for = local_env_for
 def slow_rank_job(tmp_path_factory):
     """(env, job id, report JSON, text, html path) of one 3-rank job with a slow rank 1."""
     tmp = tmp_path_factory.mktemp("report")
-    env = env_for(tmp, HPCRING_STRAGGLER_WINDOW="10")     # 25 steps: two windows for the verdict
+    env = env_for(tmp, HPCRING_STRAGGLER_WINDOW="20")     # 40 steps: the first window is judged while it runs
     r = hpcring("submit", str(WORKER), "--nodes", "1", "--tasks-per-node", "3", "--wait", "--",
                 "--steps", str(STEPS), "--compute", str(COMPUTE), "--slow-rank", "1", "--slow", str(SLOW),
                 "--checkpoint-every", "5", env=env)
@@ -99,7 +99,7 @@ def test_the_text_report_is_one_page_naming_every_rank(slow_rank_job):
     for e in doc["ranks"]:
         row = next(ln for ln in lines if ln.startswith(f"  {e['rank']:>4}  local0"))
         assert row.endswith("|") and row.count("|") == 2
-    assert f"{STEPS} on ring (exact)" in text and "checkpoints   : 5 noted" in text
+    assert f"{STEPS} on ring (exact)" in text and f"checkpoints   : {STEPS // 5} noted" in text
     assert "stragglers    : " in text and "straggler: rank 1 (local0) arrived last in " in " ".join(text.split()), text
 
 
@@ -222,9 +222,9 @@ def test_a_restarted_job_with_a_straggler_reports_both(tmp_path):
     split adding up to its wall time."""
     out = tmp_path / "out"
     out.mkdir()
-    env = env_for(tmp_path, HPCRING_STRAGGLER_WINDOW="8", HPCRING_TIMEOUT="4", HPCRING_DIAG_GRACE="1")
+    env = env_for(tmp_path, HPCRING_STRAGGLER_WINDOW="20", HPCRING_TIMEOUT="4", HPCRING_DIAG_GRACE="1")
     r = hpcring("submit", str(ROOT / "tests" / "restart_train.py"), "--nodes", "3", "--tasks-per-node", "1",
-                "--wait", "--max-restarts", "1", "--", str(out), "--steps", "30", "--sleep", "0.03",
+                "--wait", "--max-restarts", "1", "--", str(out), "--steps", "60", "--sleep", "0.03",
                 "--freeze-rank", "1", "--freeze-step", "12", "--slow-rank", "2", "--slow", "0.05", env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     job = job_id_of(r)

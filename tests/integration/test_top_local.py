@@ -46,7 +46,7 @@ def figures(path: Path) -> dict:
 def test_top_shows_a_running_job_and_says_when_it_finished(tmp_path):
     prom = tmp_path / "prom"
     prom.mkdir()
-    env = local_env_for(tmp_path, OMP_NUM_THREADS="1", HPCRING_STRAGGLER_WINDOW="10", STEPS="300",
+    env = local_env_for(tmp_path, OMP_NUM_THREADS="1", HPCRING_STRAGGLER_WINDOW="20", STEPS="300",
                         SLOW_RANK=str(SLOW), SLOW_FACTOR="3", WORK_MS="20", HPCRING_METRICS=f"textfile:{prom}")
     r = hpcring("submit", str(TRAIN), "--nodes", "1", "--tasks-per-node", "4", env=env)
     assert r.returncode == 0, r.stderr

@@ -311,13 +311,13 @@ def test_the_straggler_watcher_feeds_rank_0s_exporter(tmp_path):
     server = StoreServer("127.0.0.1", 0, secret=secret)
     comms = [FakeComm(r, 3) for r in range(3)]
     hosts = ("node1", "node1", "node2")
-    ws = [StragglerWatch(c, StoreClient("127.0.0.1", server.port, secret, timeout=5.0), hosts, window=10,
+    ws = [StragglerWatch(c, StoreClient("127.0.0.1", server.port, secret, timeout=5.0), hosts, window=20,
                          period=0.1, folder=None, out=io.StringIO()) for c in comms]
     ex = Exporter(Setting("textfile", folder=str(tmp_path)), job="38", rank=0, host="node1")
     ex.attach("ring", comms[0], ws[0])
     try:
         ws[0].tick()                                     # names the window from seq 1
-        for k in range(10):                              # rank 2 arrives 8 ms late in every one
+        for k in range(20):                              # rank 2 arrives 8 ms late in every one
             start = 2000.0 + k * 0.03
             for c in comms:
                 rec = c.recorder.queue("allreduce", "float32", 4, None, 10.0)

@@ -188,7 +188,7 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_STRAGGLERS", "bool", True, "name a rank or node that arrives last in most collectives "
        "(one line on rank 0's stderr when the verdict changes; hpcring.diagnostics.stragglers)"),
     _v("HPCRING_STRAGGLER_WINDOW", "int", 50, "collectives per straggler window (every rank's time "
-       "inside each is compared)", 8, 2000),
+       "inside each is compared; below 14 nobody can be named: chance reaches 2^-13)", 16, 2000),
     _v("HPCRING_STRAGGLER_SHARE", "float", 0.75, "share of a window's collectives a rank (or node) "
        "must arrive last in to be named", 0.5, 1.0),
     _v("HPCRING_STRAGGLER_LINK_SHARE", "float", 0.2, "share of the time a rank's ring sends to one peer "
