@@ -162,10 +162,16 @@ def split_attempt(statuses: dict[int, dict], summaries: dict[int, dict], ntasks:
             wall = entry["wall_s"]
             tots = [c["totals"] for c in sm["comms"]]
             n = sum(t["done"] for t in tots)
-            nf = sum(t["failed"] for t in tots)
+            # collectives it was inside when its summary was written (a dump's rank is stuck in
+            # one): time inside them up to its end is waiting; once it or the job has ended, they
+            # failed (before, a live dump's rank may still finish them)
+            open_ = [t0 for c in sm["comms"] for t0 in c.get("in_flight") or () if t0 <= end]
+            stuck = sum(end - t0 for t0 in open_)
+            over = finished or isinstance(st.get("ended"), (int, float))
+            nf = sum(t["failed"] for t in tots) + (len(open_) if over else 0)
             entry["collectives"], entry["failed_collectives"] = n, nf
-            inside = sum(t["sum_inside"] + t["sum_failed"] for t in tots)
-            firsts = [t["first_started"] for t in tots if t["done"] + t["failed"]]
+            inside = sum(t["sum_inside"] + t["sum_failed"] for t in tots) + stuck
+            firsts = [t["first_started"] for t in tots if t["done"] + t["failed"]] + open_
             if firsts:
                 entry["first_collective"] = min(firsts)
                 startup = min(wall, max(0.0, min(firsts) - start))
@@ -174,11 +180,11 @@ def split_attempt(statuses: dict[int, dict], summaries: dict[int, dict], ntasks:
                 notes.append("no collective recorded: all of it counts as compute")
             m = methods.get(r, set())
             if None in m:
-                waited = sum(t["sum_failed"] for t in tots)
+                waited = sum(t["sum_failed"] for t in tots) + stuck
                 notes.append("waiting not split from communication: " + "; ".join(
                     c["not_split"] for c in collectives.values() if c["not_split"] and r in c["ranks"]))
             else:
-                waited = waits.get(r, 0.0) + sum(t["sum_failed"] for t in tots)
+                waited = waits.get(r, 0.0) + sum(t["sum_failed"] for t in tots) + stuck
                 entry["waiting_method"] = "partial" if "partial" in m else "estimated" if "estimated" in m else "exact"
             inside = min(inside, wall - startup)
             waited = min(waited, inside)

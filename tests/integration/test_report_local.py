@@ -178,7 +178,7 @@ def test_a_hung_job_is_reported_with_its_hang(tmp_path):
         assert abs(sum(e[f"{p}_s"] for p in PARTS) - e["wall_s"]) <= 0.02 * e["wall_s"]
         assert e["summary"].startswith("dump:"), e
     assert missing["compute_s"] >= 2.5 and missing["waiting_s"] < 0.5
-    assert all(e["waiting_s"] >= 2.5 and e["failed_collectives"] == 1 for e in joined)
+    assert all(e["waiting_s"] >= 2.5 and e["failed_collectives"] == 1 for e in joined), joined
     t = hpcring("report", job, env=env)
     assert "hang          : allreduce#4: rank 2 (local0) never joined" in t.stdout, t.stdout
 

@@ -105,6 +105,16 @@ def test_a_summary_is_written_read_back_and_bounded(tmp_path):
     assert c["tail"]["bytes"] == [16] * rank_summary.TAIL        # 4 float32 each (older tails have none)
 
 
+def test_a_summary_written_inside_a_collective_records_its_start(tmp_path):
+    rec = FlightRecorder(0, 2, "ring", capacity=64)
+    rec.flight.end(rec.flight.record("allreduce", "float32", 4, None, 5.0))
+    stuck = rec.begin("allreduce", "float32", 4, None, 5.0)     # a dump's rank is stuck in one
+    path = rank_summary.write(tmp_path / "diag", 0, 2, "node1", [_comm(rec)], "dump: hang")
+    c = rank_summary.check(json.loads(path.read_text()))["comms"][0]
+    assert c["totals"]["done"] == 1 and c["totals"]["failed"] == 0
+    assert c["in_flight"] == [pytest.approx(stuck.t_started, abs=1e-5)]
+
+
 @pytest.mark.parametrize("text,what", [
     ("{", "not JSON"), ("[]", "not an object"), ('{"version": 2}', "version 2"),
     ("\xff\xfe", "not text"),
@@ -137,6 +147,17 @@ def _valid_summary(rank=0, **over):
 def test_check_names_the_bad_field(field, value, what):
     with pytest.raises(rank_summary.Bad, match=what):
         rank_summary.check(_valid_summary(**{field: value}))
+
+
+@pytest.mark.parametrize("value,what", [
+    ("1.0", "not a list"), ([1.0] * (rank_summary.TAIL + 1), "at most"), ([-1.0], "holds -1.0"),
+    ([True], "holds true"), ([None], "holds null"),
+])
+def test_check_refuses_a_bad_in_flight(value, what):
+    s = _valid_summary()
+    s["comms"][0]["in_flight"] = value
+    with pytest.raises(rank_summary.Bad, match=rf"comms\[0\]\.in_flight .*{what}"):
+        rank_summary.check(s)
 
 
 def test_check_refuses_a_tail_of_unequal_lists_and_bad_totals():
@@ -239,6 +260,26 @@ def test_the_split_adds_up_to_each_rank_wall_time():
     slow, fast = att["ranks"][2], att["ranks"][0]
     assert slow["compute_s"] > fast["compute_s"] + 29 * 0.07 and fast["waiting_s"] > 29 * 0.079
     assert att["time_to_first_step_s"] == pytest.approx(1.58, abs=1e-6)
+
+
+@pytest.mark.parametrize("ended", [True, False])
+def test_a_rank_stuck_in_a_collective_at_its_dump_waits_in_it_to_its_end(ended):
+    arrivals = {r: [0.5 + k * 0.2 for k in range(10)] for r in range(2)}   # together: no waiting
+    statuses, summaries, _ = make_summaries(arrivals)
+    t0 = 1.8e9
+    stuck_at, dumped, end = t0 + 2.6, t0 + 5.6, t0 + 7.0       # its 11th never ended; killed at `end`
+    summaries[0]["comms"][0]["in_flight"] = [stuck_at]
+    summaries[0]["why"], summaries[0]["written"] = "dump: hang", dumped
+    if not ended:                  # a live dump (SIGRTMIN+7): the rank may yet finish it
+        statuses[0]["ended"] = None
+    else:
+        statuses[0]["ended"] = end
+    att = jobreport.split_attempt(statuses, summaries, 2)
+    e, other = att["ranks"]
+    assert e["failed_collectives"] == (1 if ended else 0) and other["failed_collectives"] == 0
+    assert e["waiting_s"] == pytest.approx((end if ended else dumped) - stuck_at, abs=1e-6)
+    assert sum(e[f"{p}_s"] for p in jobreport.PARTS) == pytest.approx(e["wall_s"], rel=1e-9)
+    assert e["collectives"] == 10 and other["waiting_s"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_a_rank_without_summary_is_named_and_the_others_still_split():

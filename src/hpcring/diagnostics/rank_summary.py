@@ -19,7 +19,11 @@ comms              one entry per communicator: ``name`` (the backend for the job
                    :data:`TAIL` collectives that ended done, ``seq``, ``started`` and ``ended``
                    (seconds after ``base``, to the microsecond) and ``bytes`` (the message:
                    element count times the dtype's size; null where the dtype is not known;
-                   absent in summaries of older hpcring versions, which readers accept)
+                   absent in summaries of older hpcring versions, which readers accept) and
+                   ``in_flight``: the starts (epoch s) of the collectives begun and not ended
+                   when this was written, at most :data:`TAIL` (a dump's rank is stuck in one:
+                   the report counts it as failed once the rank has ended; absent in older
+                   summaries)
 checkpoints        what the script noted with ``hpcring.checkpoint_saved``: ``count``,
                    ``last_step``, ``last_at`` (epoch s), ``seconds`` (time spent saving, when
                    given); absent when it noted none
@@ -82,13 +86,16 @@ def comm_entry(comm) -> dict:
     rec = comm.recorder
     tot = rec.totals()
     base = tot.base
-    done = [r for r in rec.records() if r.state == "done" and r.t_ended is not None][-TAIL:]
+    records = rec.records()
+    done = [r for r in records if r.state == "done" and r.t_ended is not None][-TAIL:]
+    open_ = [r.t_started for r in records if r.state == "started" and r.t_started is not None][-TAIL:]
     entry = {"name": rec.group[0] if rec.group is not None else rec.backend, "backend": rec.backend,
              "rank": rec.rank, "size": rec.size, "totals": tot.to_dict(),
              "tail": {"seq": [r.seq for r in done],
                       "started": [round(r.t_started - base, 6) for r in done],
                       "ended": [round(r.t_ended - base, 6) for r in done],
-                      "bytes": [message_bytes(r) for r in done]}}
+                      "bytes": [message_bytes(r) for r in done]},
+             "in_flight": [round(t, 6) for t in open_]}
     if rec.group is not None:
         entry["members"] = list(rec.group[1])
     return entry
@@ -184,6 +191,13 @@ def check(data) -> dict:
             for v in sizes:
                 if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                     raise Bad(f"{where}tail.bytes holds {json.dumps(v)[:40]}")
+        open_ = c.get("in_flight")         # optional: summaries of older versions have none
+        if open_ is not None:
+            if not isinstance(open_, list) or len(open_) > TAIL:
+                raise Bad(f"{where}in_flight is not a list of at most {TAIL} starts")
+            for v in open_:
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                    raise Bad(f"{where}in_flight holds {json.dumps(v)[:40]}")
     cp = data.get("checkpoints")
     if cp is not None:
         if not isinstance(cp, dict):
