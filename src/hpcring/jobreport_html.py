@@ -31,6 +31,9 @@ td.l, th.l { text-align: left; }
 .note { color: #8a4b00; }
 svg text { font: 12px system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; fill: #1d232b; }
 svg .axis { stroke: #c5cbd2; stroke-width: 1; }
+figure.plot { margin: 8px 0 18px; }
+figure.plot figcaption { color: #5b6570; margin-bottom: 4px; }
+figure.plot svg { max-width: 100%; height: auto; }
 footer { color: #8a939c; font-size: 12px; margin-top: 24px; }
 """
 
@@ -84,8 +87,10 @@ def _checkpoints(cp: dict | None) -> str:
     return f"{cp['count']} noted, the last{step} at {_clock(cp['last_at'])}"
 
 
-def render(report: dict) -> str:
-    """The whole page (a str of HTML)."""
+def render(report: dict, figures: list[tuple[str, str, list[str]]] | None = None, figures_note: str = "") -> str:
+    """The whole page (a str of HTML). ``figures``: (title, SVG markup, what it lacks) of the
+    pictures drawn beside the page's own (``hpcring.jobreport_plots.inline``); None with
+    ``figures_note`` saying why there are none."""
     j = report["job"]
     final = report["attempts"][-1]
     title = f"hpcring report: job {j['id']}"
@@ -138,6 +143,14 @@ def render(report: dict) -> str:
                            escape(fmt_s(a["wall_s"])), escape(fmt_s(a["gap_s"])), escape(fmt_s(a["lost_s"])),
                            escape(hang)], left=(0, 1, 2, 6)))
         h.append("</tbody></table>")
+    if figures:
+        h.append("<h2>Over the run</h2>")
+        for title, svg, lacks in figures:
+            h.append(f'<figure class="plot"><figcaption>{escape(title)}</figcaption>{svg}')
+            h += [f'<p class="note">missing: {escape(m)}</p>' for m in lacks]
+            h.append("</figure>")
+    elif figures_note:
+        h.append(f'<p class="note">{escape(figures_note)}</p>')
     named = report.get("stragglers") or []
     h.append("<h2>Stragglers</h2>")
     if named:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,8 @@ from hpcring.jobreport import PARTS
 from hpcring.jobreport_html import COLORS
 
 NAMES = ("split", "rate", "bandwidth")
+TITLES = {"split": "Where each rank's time went", "rate": "Collectives a second over the run",
+          "bandwidth": "Bandwidth against the message size (each rank's last collectives)"}
 FORMATS = ("png", "svg")
 EXTRA = "plots"                  # pyproject.toml's optional dependency that brings matplotlib
 INSTALL = f"pip install 'hpcring[{EXTRA}]'"
@@ -189,14 +193,14 @@ def _title(ax, head: str, missing: list[str]) -> None:
     ax.set_title("\n".join(lines), fontsize=10, loc="left")
 
 
-def _save(fig, out: Path, name: str) -> list[Path]:
+def _save(fig, out: Path, name: str, formats=FORMATS) -> list[Path]:
     """``out/name.png`` and ``out/name.svg`` (the SVG keeps its text as text: searchable, small)."""
     import matplotlib
     files = []
     try:
         out.mkdir(parents=True, exist_ok=True)
         with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "hpcring"}):
-            for fmt in FORMATS:
+            for fmt in formats:
                 path = out / f"{name}.{fmt}"
                 fig.savefig(path, format=fmt, dpi=110, metadata={"Date": None} if fmt == "svg" else None)
                 files.append(path)
@@ -250,7 +254,7 @@ def split(report: dict, out: Path) -> Drawn:
     return drawn
 
 
-def rate(report: dict, out: Path, folders: list[Path] | None = None) -> Drawn:
+def rate(report: dict, out: Path, folders: list[Path] | None = None, formats=FORMATS) -> Drawn:
     """``rate.{png,svg}``: the median rank's collectives a second over the run, from each attempt's
     ``diag/windows.jsonl`` (``folders``: the attempts' folders, default the report's)."""
     drawn = Drawn("rate")
@@ -313,11 +317,11 @@ def rate(report: dict, out: Path, folders: list[Path] | None = None) -> Drawn:
         ax.legend(fontsize=8, loc="lower right")
     _title(ax, f"job {report['job']['id']}: collective rate over the run", drawn.missing)
     fig.tight_layout()
-    drawn.files = _save(fig, out, "rate")
+    drawn.files = _save(fig, out, "rate", formats)
     return drawn
 
 
-def bandwidth(report: dict, out: Path, folders: list[Path] | None = None) -> Drawn:
+def bandwidth(report: dict, out: Path, folders: list[Path] | None = None, formats=FORMATS) -> Drawn:
     """``bandwidth.{png,svg}``: bytes per collective over its time inside (GB/s) against the message
     size, for the collectives in each rank's time summary tail (every attempt's ``diag/``)."""
     from hpcring.diagnostics import rank_summary
@@ -375,7 +379,7 @@ def bandwidth(report: dict, out: Path, folders: list[Path] | None = None) -> Dra
            f"{rank_summary.TAIL} of each rank; a rank's time inside counts its waiting for late ranks)",
            drawn.missing)
     fig.tight_layout()
-    drawn.files = _save(fig, out, "bandwidth")
+    drawn.files = _save(fig, out, "bandwidth", formats)
     return drawn
 
 
@@ -383,3 +387,36 @@ def write_all(report: dict, out: Path | str) -> list[Drawn]:
     """The three pictures into ``out`` (made when missing)."""
     out = Path(out)
     return [split(report, out), rate(report, out), bandwidth(report, out)]
+
+
+# ---- the pictures inside the HTML page ----------------------------------------------------------
+
+_PROLOG = re.compile(r"\A.*?(?=<svg[\s>])", re.S)
+_METADATA = re.compile(r"<metadata>.*?</metadata>\s*", re.S)
+_XMLNS = re.compile(r'\s+xmlns(?::\w+)?="[^"]*"')
+_ID = re.compile(r'\bid="([^"]+)"')
+
+
+def for_html(svg: str, prefix: str) -> str:
+    """A matplotlib SVG as markup inside an HTML page: no XML prolog, no metadata (it names web
+    addresses the page must not hold), no namespace declarations (HTML knows SVG's), and every id
+    (clip paths, markers) prefixed, so two pictures' ids cannot meet."""
+    svg = _METADATA.sub("", _PROLOG.sub("", svg, count=1))
+    svg = _XMLNS.sub("", svg)
+    for old in sorted(set(_ID.findall(svg)), key=len, reverse=True):
+        new = f"{prefix}-{old}"
+        svg = svg.replace(f'id="{old}"', f'id="{new}"').replace(f"#{old})", f"#{new})").replace(
+            f'href="#{old}"', f'href="#{new}"')
+    return svg.strip()
+
+
+def inline(report: dict) -> list[tuple[Drawn, str]]:
+    """The rate and bandwidth pictures (the page draws the split itself) as (what was drawn, SVG
+    markup for :func:`for_html`'s page), drawn in a folder of their own that is then removed."""
+    require_matplotlib("--html")
+    out = []
+    with tempfile.TemporaryDirectory(prefix="hpcring-report-") as tmp:
+        for draw in (rate, bandwidth):
+            d = draw(report, Path(tmp), formats=("svg",))
+            out.append((d, for_html((Path(tmp) / f"{d.name}.svg").read_text(), f"fig-{d.name}")))
+    return out

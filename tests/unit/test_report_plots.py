@@ -6,8 +6,10 @@ them still read."""
 from __future__ import annotations
 
 import builtins
+import html
 import json
 import os
+import re
 import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -236,6 +238,49 @@ def test_without_matplotlib_the_usage_error_names_the_extra(env, monkeypatch):
     r = run(str(folder), "--plots", str(env / "p"))
     assert r.exit_code == 2 and "pip install 'hpcring[plots]'" in r.output and r.stdout == ""
     assert not (env / "p").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the pictures inside --html
+# ---------------------------------------------------------------------------------------------
+def test_html_holds_the_rate_and_bandwidth_pictures_inline_with_ids_of_their_own(env):
+    folder = write_job(env / "jobs" / "7")
+    page_path = env / "r.html"
+    r = run(str(folder), "--html", str(page_path))
+    assert r.exit_code == 0, r.output
+    page = page_path.read_text()
+    assert page.count("<svg") == 3 and page.count('<figure class="plot">') == 2      # the split, rate, bandwidth
+    assert all(html.escape(plots.TITLES[k]) in page for k in ("rate", "bandwidth"))
+    for outside in ("http:", "https:", "<?xml", "<!DOCTYPE svg", "<metadata", "xmlns"):
+        assert outside not in page, outside
+    assert all(ref.startswith("#") for ref in re.findall(r"url\(([^)]*)\)", page))
+    ids = re.findall(r'\bid="([^"]+)"', page)
+    assert ids and len(ids) == len(set(ids))                     # no two pictures share an id
+    refs = set(re.findall(r'url\(#([^)]+)\)', page)) | set(re.findall(r'href="#([^"]+)"', page))
+    assert refs and refs <= set(ids)                             # every reference still finds its target
+    assert not (env / "plots").exists() and not list(env.glob("hpcring-report-*"))
+
+
+def test_for_html_prefixes_every_id_and_reference_and_drops_the_prolog():
+    svg = ('<?xml version="1.0"?>\n<!DOCTYPE svg PUBLIC "-//W3C//DTD SVG 1.1//EN" "http://x">\n'
+           '<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink" width="1">'
+           '<metadata><rdf>http://purl.org</rdf></metadata><defs><clipPath id="p1"><rect/></clipPath>'
+           '<path id="m1"/><path id="m10"/></defs><g clip-path="url(#p1)"><use xlink:href="#m1"/>'
+           '<use xlink:href="#m10"/></g></svg>')
+    out = plots.for_html(svg, "fig-a")
+    assert out.startswith("<svg width=") and "http" not in out and "metadata" not in out
+    assert 'id="fig-a-p1"' in out and "url(#fig-a-p1)" in out
+    assert 'href="#fig-a-m1"' in out and 'href="#fig-a-m10"' in out and 'id="fig-a-m10"' in out
+    assert "fig-a-fig-a" not in out
+
+
+def test_html_without_matplotlib_is_written_and_says_how_to_get_the_pictures(env, monkeypatch):
+    folder = write_job(env / "jobs" / "7")
+    _no_matplotlib(monkeypatch)
+    r = run(str(folder), "--html", str(env / "r.html"))
+    assert r.exit_code == 0, r.output
+    page = (env / "r.html").read_text()
+    assert page.count("<svg") == 1 and "pip install &#x27;hpcring[plots]&#x27;" in page
 
 
 def test_the_plots_extra_is_declared_and_in_the_test_extra():

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from hpcring.errors import HpcringError
+from hpcring.errors import HpcringError, UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -26,7 +26,8 @@ def register(app: typer.Typer) -> None:
                                                  "docs/diagnostics.md) instead of text."),
                html: Optional[str] = typer.Option(None, "--html",
                                                   help="Also write the report as one self-contained HTML file "
-                                                       "(inline CSS and SVG, nothing fetched)."),
+                                                       "(inline CSS and SVG, nothing fetched; with matplotlib, "
+                                                       "the step-rate and bandwidth pictures too)."),
                plots: Optional[str] = typer.Option(None, "--plots",
                                                    help="Also draw split, rate and bandwidth pictures, each as "
                                                         "PNG and SVG, into this folder (made when missing; "
@@ -55,8 +56,14 @@ def register(app: typer.Typer) -> None:
         doc["problems"] = notes + doc["problems"]
         if html is not None:
             from hpcring.jobreport_html import render
+            figures, why = None, ""
             try:
-                Path(html).write_text(render(doc))
+                figures = [(jobreport_plots.TITLES[d.name], svg, d.missing) for d, svg in jobreport_plots.inline(doc)]
+            except UsageError:              # matplotlib is optional: the page says how to get them
+                why = ("the step-rate and bandwidth pictures need matplotlib: "
+                       f"{jobreport_plots.INSTALL}")
+            try:
+                Path(html).write_text(render(doc, figures, why))
             except OSError as exc:
                 raise HpcringError(f"cannot write the HTML report to {html}: {exc.strerror or exc}",
                                    hint="pass --html FILE in a writable folder") from None
