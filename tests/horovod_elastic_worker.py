@@ -129,7 +129,8 @@ def _round() -> int:
 def contract(a) -> None:
     """Horovod's documented edge cases: commit/restore round trips, ObjectState, all ranks raising
     HostsUpdatedInterrupt at the same check (rank 0's notification only), skip_sync, reset
-    callbacks, and the reset limit ending the job (driver --reset-limit 2)."""
+    callbacks, process sets gone after a reset and registered again, and the reset limit ending
+    the job (driver --reset-limit 2)."""
     hvd.init()
     r = hvd.rank()
     # TorchState: model + optimizer + extra attributes; differing values until the sync
@@ -219,6 +220,28 @@ def contract(a) -> None:
         real_sync()
     counter.sync = sync
     counter.register_reset_callbacks([lambda: cbs.append((_round(), hvd.size()))])
+    # process sets: Horovod's reset is shutdown() then init(), so every set but the global one is
+    # gone after it; the script registers its sets again (a reset callback, or the body)
+    before = hvd.add_process_set([1])
+    assert before.process_set_id == 1 and before.size() == 1
+    sets = []
+
+    def again():
+        stale = None
+        try:
+            hvd.allreduce(torch.ones(1), process_set=before, name=f"stale.{_round()}")
+        except ValueError as e:                  # Horovod: ValueError for a set it does not know
+            stale = str(e)
+        assert stale is not None and "not registered" in stale, stale
+        assert before.process_set_id is None and before.size() is None and before.included() is None
+        ps = hvd.add_process_set([0])            # [0, 1] is the global set's: Horovod refuses it too
+        assert ps.size() == 1 and ps.included() == (hvd.rank() == 0)
+        if hvd.rank() == 0:
+            got = hvd.allreduce(torch.tensor([5.0]), op=hvd.Sum, process_set=ps, name=f"again.{_round()}")
+            assert got.item() == 5.0, got
+        sets.append((_round(), ps.process_set_id))
+        hvd.remove_process_set(ps)
+    counter.register_reset_callbacks([again])
 
     @hvd.elastic.run
     def body(state, tag):
@@ -238,6 +261,7 @@ def contract(a) -> None:
     assert [c[1] for c in calls] == [1, 2, 3], calls
     assert syncs == [1, 3], syncs                 # not after the first (removal-only) interrupt
     assert cbs == [(2, 2), (3, 2)], cbs           # after each reset, with the new round up
+    assert sets == [(2, 1), (3, 1)], sets         # registered again after each reset, ids from 1 again
     log("ok", what="run")
     print(f"OK contract {r}", flush=True)
 
