@@ -90,6 +90,9 @@ def train(a) -> None:
                 if state.step % a.commit == 0:
                     state.commit()
                     log("commit", round=_round(), step=state.step)
+                    if a.die and _round() == 1 and state.step == a.die[1] and a.die[0] in _names():
+                        log("dying", round=_round(), step=state.step)
+                        os.kill(os.getpid(), signal.SIGKILL)      # as a lost node: no exit handler runs
                     if state.step == a.hold_at and _round() == 1:
                         hold(state)
                 time.sleep(a.pace)
@@ -118,6 +121,11 @@ def hold(state, limit_s: float = 120.0) -> None:
         time.sleep(0.1)
         state.check_host_updates()
     raise RuntimeError(f"no worker joined within {limit_s} s")
+
+
+def _names() -> set[str]:
+    """This worker's names for --die: its driver id (local) and its node (a launcher's step)."""
+    return {os.environ.get("HPCRING_ELASTIC_ID", ""), os.environ.get("SLURMD_NODENAME", "")} - {""}
 
 
 def _round() -> int:
@@ -277,7 +285,10 @@ def main() -> int:
     ap.add_argument("--commit", type=int, default=2)
     ap.add_argument("--pace", type=float, default=0.05)
     ap.add_argument("--hold-at", type=int, default=-1, help="in round 1, wait at this commit for a newcomer")
+    ap.add_argument("--die", default="", help="NAME:STEP: the worker whose id or node is NAME SIGKILLs itself "
+                                              "after the commit at STEP of round 1")
     a = ap.parse_args()
+    a.die = (a.die.split(":")[0], int(a.die.split(":")[1])) if a.die else None
     os.makedirs(a.logdir, exist_ok=True)
     LOG = open(os.path.join(a.logdir, f"{os.environ.get('HPCRING_ELASTIC_ID', os.getpid())}.jsonl"), "a")
     log("start")

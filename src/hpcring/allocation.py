@@ -77,8 +77,11 @@ def launch_words(alloc: launchers.Allocation, site: Site, job: JobSpec, nodes: i
 
 
 def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
-        environ: Mapping[str, str] | None = None, container=None, timeout: float | None = None) -> int:
+        environ: Mapping[str, str] | None = None, container=None, timeout: float | None = None,
+        elastic: bool = False, min_nodes: int | None = None, reset_limit: int | None = None) -> int:
     """Start the ranks, wait for them, and return 0 or raise JobFailedError naming the first failure.
+    ``elastic`` (--elastic, with --min-nodes and --reset-limit): workers of an hpcring.torch.elastic
+    script under the elastic driver instead (:mod:`hpcring.elastic.run`).
     ``timeout`` (--timeout): the collective deadline, applied as submit does (CLI > HPCRING_TIMEOUT >
     site > default) and handed to the ranks as HPCRING_TIMEOUT.
     ``container`` (config.container.ContainerRun): every rank, hpcring's rank_exec included,
@@ -102,6 +105,14 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     if alloc is None:
         check_local_ranks(nodes, per_node, hint="lower --nodes or --tasks-per-node, or run inside an allocation "
                                                 "(salloc, bsub -Is) to start the ranks on its nodes")
+    if elastic:
+        from hpcring.elastic import run as elastic_run
+        min_nodes = elastic_run.check(nodes, min_nodes, reset_limit)
+        if container is not None:
+            raise UsageError("--elastic runs its workers on the host: a container is not supported with it yet",
+                             hint="add --no-container")
+    elif min_nodes is not None or reset_limit is not None:
+        raise UsageError("--min-nodes and --reset-limit are options of --elastic", hint="add --elastic")
     # only the deadline takes the caller's environment: the job's size comes from the allocation;
     # resolved (and a bad value refused) before the run folder and its secret exist
     job = resolve_job(site, "run", [], {"timeout": timeout},
@@ -126,6 +137,10 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
         if alloc is None else env
     diag = jobdir.diag_dir(ranks_env, create=False)
     try:
+        if elastic:
+            from hpcring.schedulers.slurm_steps import allocation_hosts
+            return elastic_run.run(cmd, env, nodes, per_node, min_nodes, reset_limit, alloc,
+                                   allocation_hosts(env_in) if alloc is not None else None)
         if alloc is None:
             pre = LaunchRequest(nodes, per_node, (), gpus_per_node=job.gpus_per_node,
                                 container=container).container_prefix()

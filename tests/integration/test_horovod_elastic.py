@@ -11,9 +11,7 @@ logs) determine them. Every number in the worker is an exact binary fraction, so
 from __future__ import annotations
 
 import json
-import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -24,8 +22,8 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-WORKER = str(Path(__file__).resolve().parents[1] / "horovod_elastic_worker.py")
-N, BATCH, EPOCHS, COMMIT = 48, 2, 2, 2
+from helpers_elastic import (BATCH, COMMIT, EPOCHS, N, WORKER, counted_samples, kinds, logs_of,  # noqa: E402
+                             rounds_of, simulate)
 DEADLINE_S = 150          # a whole job, under load
 
 
@@ -101,72 +99,6 @@ def jobs():
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-
-
-def kinds(recs: list[dict], kind: str, **match) -> list[dict]:
-    return [r for r in recs if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())]
-
-
-def features(n: int):
-    i = torch.arange(n, dtype=torch.float64)
-    return torch.stack([i % 7 - 3, i % 5 - 2, i % 3 - 1, torch.ones(n, dtype=torch.float64)], dim=1)
-
-
-def simulate(schedule: list[tuple[int, tuple[int, int]]], seed: int = 3) -> list[float]:
-    """The weights a job must end with: ``schedule`` lists each round's size and the position
-    (epoch, samples processed in it) it resumed from; a round runs until the next one's position.
-    Written from Horovod's documented semantics, not from hpcring's code."""
-    feats = features(N)
-    w = torch.zeros(1, 4, dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.SGD([w], lr=0.25, momentum=0.5)
-    pos = (0, 0)
-    for k, (size, start) in enumerate(schedule):
-        assert pos == start, (pos, start)
-        end = schedule[k + 1][1] if k + 1 < len(schedule) else (EPOCHS, 0)
-        while pos < end:
-            epoch, done = pos
-            order = list(range(N))
-            random.Random(seed + epoch).shuffle(order)
-            rest = order[done:]
-            per = math.ceil(len(rest) / size)
-            padded = rest + rest[:per * size - len(rest)]
-            shares = [padded[r:per * size:size] for r in range(size)]
-            for j in range(math.ceil(per / BATCH)):
-                if pos >= end:
-                    break
-                idx = [i for s in shares for i in s[j * BATCH:(j + 1) * BATCH]]
-                opt.zero_grad()
-                (feats[idx] @ w.t()).sum().backward()
-                opt.step()
-                pos = (epoch, pos[1] + BATCH * size)
-            else:
-                pos = (epoch + 1, 0)
-    return w.detach().flatten().tolist()
-
-
-def rounds_of(recs: dict[str, list[dict]]) -> dict[int, dict]:
-    """round -> {size, members (wid by rank), synced position, synced weights}, checked to agree."""
-    out: dict[int, dict] = {}
-    for wid, rs in recs.items():
-        for r in kinds(rs, "synced"):
-            pos = (r["epoch"], r["processed"])
-            o = out.setdefault(r["round"], {"size": r["size"], "members": {}, "pos": pos, "w": r["w"], "t": r["t"]})
-            assert (o["size"], o["pos"], o["w"]) == (r["size"], pos, r["w"]), f"ranks disagree after the sync: {o} {r}"
-            o["members"][r["rank"]] = wid
-            o["t"] = min(o["t"], r["t"])
-    return dict(sorted(out.items()))
-
-
-def counted_samples(recs: dict[str, list[dict]], rounds: dict[int, dict]) -> dict[int, list[int]]:
-    """Per epoch, the samples of every step that was not rolled back: a step of round r counts when
-    its position is before the position round r + 1 resumed from."""
-    per_epoch: dict[int, list[int]] = {}
-    for rs in recs.values():
-        for s in kinds(rs, "step"):
-            nxt = rounds.get(s["round"] + 1)
-            if nxt is None or (s["epoch"], s["processed"]) < nxt["pos"]:
-                per_epoch.setdefault(s["epoch"], []).extend(s["idx"])
-    return per_epoch
 
 
 def check_shrunk(job: Job, victim: str, killed_at: float) -> dict:
@@ -320,3 +252,44 @@ def test_the_example_goes_on_when_a_worker_is_killed(tmp_path, jobs):
     text = "".join(lines)
     assert p.returncode == 0 and killed, text
     assert "reset: now 2 workers" in text and "epoch 2: accuracy" in text and "on 2 workers" in text, text
+
+
+# ---------------------------------------------------------------------------------------------
+# hpcring run --elastic (the same driver behind the CLI; its dev-cluster side, spare nodes, is in
+# test_elastic_devcluster.py)
+# ---------------------------------------------------------------------------------------------
+def _run_cli(tmp: Path, *args: str, timeout: float = DEADLINE_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HPCRING_TIMEOUT": "60", "HPCRING_JOB_DIR": str(tmp)}
+    env.pop("HPCRING_SECRET_FILE", None)
+    return subprocess.run([sys.executable, "-m", "hpcring", "run", *args], env=env, cwd=tmp, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_hpcring_run_elastic_goes_on_without_a_killed_worker(tmp_path):
+    logs = tmp_path / "logs"
+    r = _run_cli(tmp_path, "--elastic", "-N", "3", "--tasks-per-node", "1", "--min-nodes", "2", "--",
+                 sys.executable, WORKER, "train", str(logs), "--epochs", str(EPOCHS), "--n", str(N), "--batch",
+                 str(BATCH), "--commit", str(COMMIT), "--pace", "0.1", "--die", "w1:4")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "worker w1 lost (killed by signal 9; a member of round 1)" in r.stderr, r.stderr[-4000:]
+    recs = logs_of(logs)
+    assert kinds(recs["w1"], "dying")
+    rounds = rounds_of(recs)
+    assert [(k, o["size"]) for k, o in rounds.items()] == [(1, 3), (2, 2)], rounds
+    for wid in set(rounds[2]["members"].values()):
+        assert kinds(recs[wid], "final")[0]["w"] == simulate([(3, (0, 0)), (2, rounds[2]["pos"])])
+    for epoch, idx in counted_samples(recs, rounds).items():
+        assert sorted(idx) == list(range(N)), f"epoch {epoch}: {sorted(idx)}"
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--elastic", "-N", "2", "--min-nodes", "3"), "--min-nodes 3 must be between 1 and --nodes (2)"),
+    (("-N", "2", "--min-nodes", "1"), "--min-nodes and --reset-limit are options of --elastic"),
+    (("--reset-limit", "2"), "--min-nodes and --reset-limit are options of --elastic"),
+    (("--elastic", "--reset-limit", "-1"), "-1"),
+    (("--elastic", "--min-nodes", "0"), "0"),
+])
+def test_hpcring_run_elastic_bad_options_start_nothing(tmp_path, args, words):
+    r = _run_cli(tmp_path, *args, "--", sys.executable, "-c", "open('started', 'w')", timeout=60)
+    assert r.returncode == 2 and words in " ".join(r.stderr.split()), r.stderr
+    assert not (tmp_path / "started").exists() and not list(tmp_path.glob("hpcring-run-*"))

@@ -23,7 +23,16 @@ def register(app: typer.Typer) -> None:
                                                           help="Run every rank in this image (the site's runtime)."),
             container_mounts: Optional[List[str]] = typer.Option(None, "--container-mounts",
                                                                  help="SRC[:DST[:OPTS]],... added to the site's mounts."),
-            no_container: Optional[bool] = typer.Option(None, "--no-container", help="Run the ranks on the host.")):
+            no_container: Optional[bool] = typer.Option(None, "--no-container", help="Run the ranks on the host."),
+            elastic: bool = typer.Option(False, "--elastic",
+                                         help="CMD is an hpcring.torch.elastic (Horovod Elastic) script: workers lost "
+                                              "with their node are replaced from the allocation's spare nodes (those "
+                                              "beyond --nodes) and the others go on (docs/from-horovod.md)."),
+            min_nodes: Optional[int] = typer.Option(None, "--min-nodes", min=1, max=MAX_NODES,
+                                                    help="With --elastic: the fewest nodes to go on with (default: --nodes)."),
+            reset_limit: Optional[int] = typer.Option(None, "--reset-limit", min=0,
+                                                      help="With --elastic: resets allowed before the job fails "
+                                                           "(Horovod's --reset-limit; default none).")):
         import sys
 
         from hpcring.config.jobspec import parse_field
@@ -33,4 +42,5 @@ def register(app: typer.Typer) -> None:
         parse_field("timeout", timeout, "--timeout")   # refused before anything starts, as submit does
         s = load_site(site)
         box = container_of(s, container_image, list(container_mounts or []), no_container)
-        sys.exit(allocation.run(cmd, s, nodes, tasks_per_node, container=box, timeout=timeout))
+        sys.exit(allocation.run(cmd, s, nodes, tasks_per_node, container=box, timeout=timeout,
+                                elastic=elastic, min_nodes=min_nodes, reset_limit=reset_limit))

@@ -25,6 +25,14 @@ TICK_S = 0.05
 REQUEST_GAP_S = 60.0     # a numbered join request still unwritten after this: its worker died
 
 
+HOST = "host:"            # a driver's report about every worker of one host (report_host)
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether two names are one host (a worker may say node1.cluster where the launcher said node1)."""
+    return a == b or a.split(".", 1)[0] == b.split(".", 1)[0]
+
+
 class Coordinator:
     """Decides the rounds. ``client``: a StoreClient of the store (used from this thread only).
     ``say``: where one-line events go (the driver prints them)."""
@@ -71,10 +79,17 @@ class Coordinator:
         with self._lock:
             self._reports.append((wid, status, why))
 
+    def report_host(self, host: str, status: str, why: str = "") -> None:
+        """The driver saw the launcher step of ``host`` end: every live worker there is DEAD or
+        LEFT (a node's workers are one step: their exits are not seen one by one)."""
+        with self._lock:
+            self._reports.append((HOST + host, status, why))
+
     def snapshot(self) -> dict:
         with self._lock:
             return {"round": self.round_no, "members": list(self.members), "resets": self.resets,
-                    "error": self.error, "status": {w.wid: w.status for w in self.workers.values()}}
+                    "error": self.error, "status": {w.wid: w.status for w in self.workers.values()},
+                    "hosts": {w.wid: w.host for w in self.workers.values()}}
 
     # -- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -96,7 +111,12 @@ class Coordinator:
         with self._lock:
             reports, self._reports = self._reports, []
         for wid, status, why in reports:
-            self._mark(wid, status, why)
+            if wid.startswith(HOST):
+                host = wid[len(HOST):]
+                for w in [w for w in self.workers.values() if w.status == ALIVE and same_host(w.host, host)]:
+                    self._mark(w.wid, status, why)
+            else:
+                self._mark(wid, status, why)
         if self.error is not None:
             return None
         due = self._due(now)

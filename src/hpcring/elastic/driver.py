@@ -13,7 +13,9 @@ the variables of ``--info FILE`` (``env``) that calls ``hvd.init()`` asks to joi
 workers reset at their next commit and the newcomer receives the committed state.
 
 ``--serve`` starts no worker: the job script starts them (``srun``), e.g. on the nodes of
-``submit --spare-nodes``; see docs/from-horovod.md. The driver ends once a round has run and no
+``submit --spare-nodes``; see docs/from-horovod.md. ``hpcring run --elastic`` inside an allocation
+gives the driver :class:`Nodes`: one launcher step per node (its workers), and when a node's step
+fails, a step on the next spare node of the allocation, whose workers join the running job. The driver ends once a round has run and no
 worker is left, or the coordinator gave up. Exit code: 0 when every member of the last round
 ended with 0 (workers lost on the way do not fail the job, as with Horovod), else the first
 failing member's code; 1 when the coordinator gave up (the reason is printed).
@@ -31,12 +33,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcring.bootstrap import auth
 from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.store_server import StoreServer
-from hpcring.elastic.coordinator import Coordinator
+from hpcring.elastic.coordinator import Coordinator, same_host
 from hpcring.elastic.membership import ALIVE, DEAD, LEFT
 from hpcring.elastic.member import ID_VAR, STORE_VAR
 
@@ -58,22 +62,38 @@ def _exit_text(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
+@dataclass
+class Nodes:
+    """Workers as launcher steps, one per node: ``hosts`` in the allocation's order, the first
+    ``use`` started at once, the others spares taken in order when a node's step fails;
+    ``argv(host)`` the launcher's words for one node's step (its workers)."""
+    hosts: list[str]
+    use: int
+    argv: Callable[[str], list[str]]
+    started: list[str] = field(default_factory=list)
+
+    def next_spare(self) -> str | None:
+        return next((h for h in self.hosts if h not in self.started), None)
+
+
 class Driver:
-    def __init__(self, args) -> None:
+    def __init__(self, args, nodes: Nodes | None = None, environ: dict | None = None) -> None:
         self.args = args
+        self.nodes = nodes
         self.run_dir: Path | None = None
-        secret_file = os.environ.get("HPCRING_SECRET_FILE")
-        if not secret_file and not os.environ.get("HPCRING_SECRET"):
+        environ = dict(os.environ if environ is None else environ)
+        secret_file = environ.get("HPCRING_SECRET_FILE")
+        if not secret_file and not environ.get("HPCRING_SECRET"):
             self.run_dir = Path(tempfile.mkdtemp(prefix="hpcring-elastic-"))
             secret_file = str(auth.write_secret_file(self.run_dir / "secret.key", exclusive=True))
-        env = dict(os.environ)
+        env = environ
         if secret_file:
             env["HPCRING_SECRET_FILE"] = secret_file
         secret = auth.load_secret(env)
         self.server = StoreServer(args.bind, args.port, secret=secret, clients=4 * args.max_np + 16)
         self.address = args.address or ("127.0.0.1" if not args.serve else _host_address())
         store = f"{self.address}:{self.server.port}"
-        self.worker_env = {STORE_VAR: store, "HPCRING_JOB_ID": os.environ.get("HPCRING_JOB_ID") or
+        self.worker_env = {STORE_VAR: store, "HPCRING_JOB_ID": env.get("HPCRING_JOB_ID") or
                            f"elastic{os.getpid()}"}
         if secret_file:
             self.worker_env["HPCRING_SECRET_FILE"] = secret_file
@@ -102,11 +122,23 @@ class Driver:
         for src, dst, kind in ((p.stdout, sys.stdout.buffer, "stdout"), (p.stderr, sys.stderr.buffer, "stderr")):
             threading.Thread(target=_pump, args=(src, dst, f"[{wid}]<{kind}>:".encode()), daemon=True).start()
 
+    def spawn_step(self, host: str) -> None:
+        """The workers of ``host``: one launcher step, its output tagged with the host."""
+        from hpcring.schedulers.supervisor import start
+        self.nodes.started.append(host)
+        p = start(self.nodes.argv(host), self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.children[host] = p
+        for src, dst, kind in ((p.stdout, sys.stdout.buffer, "stdout"), (p.stderr, sys.stderr.buffer, "stderr")):
+            threading.Thread(target=_pump, args=(src, dst, f"[{host}]<{kind}>:".encode()), daemon=True).start()
+
     def run(self) -> int:
         self.coord.start()
         self.write_info()
         if self.args.serve:
             print(f"{STORE_VAR}={self.worker_env[STORE_VAR]}", flush=True)
+        elif self.nodes is not None:
+            for host in self.nodes.hosts[:self.nodes.use]:
+                self.spawn_step(host)
         else:
             for i in range(self.args.np):
                 self.spawn(i)
@@ -121,15 +153,29 @@ class Driver:
             if self.run_dir is not None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    def _ended(self, label: str, code: int) -> None:
+        """A child ended: a worker (``w3``) or a node's step (its host)."""
+        self.codes[label] = code
+        if self.nodes is None:
+            self.coord.report(label, LEFT if code == 0 else DEAD, "" if code == 0 else _exit_text(code))
+            return
+        self.coord.report_host(label, LEFT if code == 0 else DEAD, "" if code == 0 else f"its node's step {_exit_text(code)}")
+        snap = self.coord.snapshot()
+        if code == 0 or snap["error"]:
+            return
+        spare = self.nodes.next_spare()
+        if spare is None:
+            _say(f"elastic: {label}'s step {_exit_text(code)}; no spare node left: going on with the others "
+                 f"(at least --min-np {self.args.min_np} workers)")
+            return
+        _say(f"elastic: {label}'s step {_exit_text(code)}: starting its workers on spare node {spare}")
+        self.spawn_step(spare)
+
     def _wait(self) -> int:
         while True:
-            for wid, p in self.children.items():
-                if wid not in self.codes and p.poll() is not None:
-                    self.codes[wid] = p.returncode
-                    if p.returncode == 0:
-                        self.coord.report(wid, LEFT)
-                    else:
-                        self.coord.report(wid, DEAD, _exit_text(p.returncode))
+            for label, p in list(self.children.items()):
+                if label not in self.codes and p.poll() is not None:
+                    self._ended(label, p.returncode)
             snap = self.coord.snapshot()
             if self._stop:
                 _say(f"elastic: {self._stop}: stopping every worker")
@@ -144,14 +190,18 @@ class Driver:
     def _verdict(self, snap: dict) -> int:
         if snap["error"]:
             return 1
-        failed = [(w, self.codes[w]) for w in snap["members"] if self.codes.get(w, 0) != 0]
-        lost = [w for w, c in self.codes.items() if c != 0 and w not in snap["members"]]
+        last = snap["members"]
+        if self.nodes is not None:      # children are steps: the last round's by their hosts
+            last = [h for h in self.children if any(same_host(snap["hosts"].get(m, ""), h) for m in snap["members"])]
+        failed = [(w, self.codes[w]) for w in last if self.codes.get(w, 0) != 0]
+        lost = [w for w, c in self.codes.items() if c != 0 and w not in last]
         if lost:
             _say(f"elastic: training went on without {', '.join(lost)} "
                  f"({'; '.join(f'{w} {_exit_text(self.codes[w])}' for w in lost)})")
         if failed:
             w, code = failed[0]
-            _say(f"elastic: worker {w} of the last round {_exit_text(code)}")
+            what = f"the step of node {w}" if self.nodes is not None else f"worker {w}"
+            _say(f"elastic: {what} of the last round {_exit_text(code)}")
             return code if code > 0 else 128 - code
         return 0
 

@@ -72,7 +72,9 @@ class Member:
                  connect_timeout: float = 30.0) -> None:
         self.store_host, self.store_port = parse_address(address)
         self.secret = secret
-        self.host = host or os.environ.get("HPCRING_HOSTNAME") or socket.gethostname()
+        # the launcher's name for this node first (the driver names a node's step by it)
+        self.host = (host or os.environ.get("HPCRING_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
+                     or socket.gethostname())
         self.wid = wid or f"{self.host}:{os.getpid()}:{secrets.token_hex(2)}"
         self.store = StoreClient(self.store_host, self.store_port, secret, timeout=connect_timeout)
         self._beat_store = StoreClient(self.store_host, self.store_port, secret, timeout=connect_timeout)

@@ -1,0 +1,78 @@
+"""``hpcring run --elastic``: the elastic driver (:mod:`hpcring.elastic.driver`) over this machine or
+the current allocation's nodes, for scripts on ``hpcring.torch.elastic`` (Horovod Elastic's API).
+
+- Outside an allocation: ``--nodes x --tasks-per-node`` workers on this machine (the driver's local
+  mode).
+- Inside a Slurm allocation (``salloc --no-kill``: a lost node must not end the allocation): the
+  driver serves the rendezvous from this process; each of the first ``--nodes`` nodes of the
+  allocation runs one ``srun`` step of ``--tasks-per-node`` workers (``--kill-on-bad-exit=0``,
+  pinned with ``--nodelist``); the allocation's other nodes are spares. When a node's step fails,
+  its workers are counted lost at once (not after the heartbeat's silence) and a step starts on
+  the next spare, whose workers join the job at the survivors' next commit. With no spare left the
+  job goes on while at least ``--min-nodes`` nodes' workers are left.
+- Inside an LSF job: refused (the per-host step and its failure are not emulated yet).
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+
+from hpcring.config.envvars import get as env_get
+from hpcring.elastic.driver import Driver, Nodes
+from hpcring.errors import JobFailedError, UsageError
+
+
+def _source_address(host: str) -> str | None:
+    """This machine's address on the route to ``host`` (where ``host``'s workers reach the store)."""
+    try:
+        target = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(target)           # UDP: picks the route, sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _args(cmd: list[str], np_: int, min_np: int, reset_limit: int | None, address: str | None) -> argparse.Namespace:
+    return argparse.Namespace(np=np_, min_np=min_np, max_np=np_, reset_limit=reset_limit,
+                              timeout=env_get("HPCRING_ELASTIC_TIMEOUT"), dead_after=env_get("HPCRING_ELASTIC_DEAD_AFTER"),
+                              serve=False, bind="0.0.0.0" if address else "127.0.0.1", port=0, address=address,
+                              info=None, command=list(cmd))
+
+
+def check(nodes: int, min_nodes: int | None, reset_limit: int | None) -> int:
+    """``min_nodes`` checked against ``nodes`` (a usage error before anything starts); its value."""
+    min_nodes = nodes if min_nodes is None else min_nodes
+    if not 1 <= min_nodes <= nodes:
+        raise UsageError(f"--min-nodes {min_nodes} must be between 1 and --nodes ({nodes})",
+                         hint="--min-nodes is the fewest nodes the elastic job may go on with")
+    if reset_limit is not None and reset_limit < 0:
+        raise UsageError(f"--reset-limit {reset_limit} must be 0 or more")
+    return min_nodes
+
+
+def run(cmd: list[str], env: dict, nodes: int, per_node: int, min_nodes: int, reset_limit: int | None,
+        alloc=None, hosts: list[str] | None = None) -> int:
+    """Run the elastic job; 0, or JobFailedError with the driver's exit code. ``alloc``: the
+    allocation (None: this machine); ``hosts``: its nodes in order (the first ``nodes`` start)."""
+    np_, min_np = nodes * per_node, min_nodes * per_node
+    if alloc is None:
+        driver = Driver(_args(cmd, np_, min_np, reset_limit, None), environ=env)
+    else:
+        if alloc.scheduler != "slurm":
+            raise UsageError("hpcring run --elastic inside an LSF job is not supported yet",
+                             hint="start the elastic driver with --serve and its workers with blaunch "
+                                  "(docs/from-horovod.md), or run inside a Slurm allocation")
+        if not hosts or len(hosts) < nodes:
+            raise UsageError(f"--nodes {nodes} but this allocation lists {len(hosts or [])} node(s)")
+        from hpcring.schedulers.slurm_steps import step_argv
+        launch = ["srun", "--unbuffered", "--kill-on-bad-exit=0", *cmd]
+        plan = Nodes(hosts=list(hosts), use=nodes, argv=lambda host: step_argv(launch, [host], per_node))
+        address = _source_address(hosts[0]) or socket.gethostname()
+        driver = Driver(_args(cmd, np_, min_np, reset_limit, address), nodes=plan, environ=env)
+    code = driver.run()
+    if code:
+        raise JobFailedError(f"the elastic job failed (exit code {code}): the lines above say why",
+                             exit_code=code)
+    return 0
+
