@@ -91,8 +91,9 @@ def train(a) -> None:
                     state.commit()
                     log("commit", round=_round(), step=state.step)
                     if a.die and _round() == 1 and state.step == a.die[1] and a.die[0] in _names():
-                        log("dying", round=_round(), step=state.step)
-                        os.kill(os.getpid(), signal.SIGKILL)      # as a lost node: no exit handler runs
+                        log("dying", round=_round(), step=state.step, how=a.die_how)
+                        # kill: a lost node (no exit handler runs); stop: a frozen one (no exit at all)
+                        os.kill(os.getpid(), signal.SIGKILL if a.die_how == "kill" else signal.SIGSTOP)
                     if state.step == a.hold_at and _round() == 1:
                         hold(state)
                 time.sleep(a.pace)
@@ -287,6 +288,7 @@ def main() -> int:
     ap.add_argument("--hold-at", type=int, default=-1, help="in round 1, wait at this commit for a newcomer")
     ap.add_argument("--die", default="", help="NAME:STEP: the worker whose id or node is NAME SIGKILLs itself "
                                               "after the commit at STEP of round 1")
+    ap.add_argument("--die-how", choices=("kill", "stop"), default="kill")
     a = ap.parse_args()
     a.die = (a.die.split(":")[0], int(a.die.split(":")[1])) if a.die else None
     os.makedirs(a.logdir, exist_ok=True)

@@ -104,6 +104,7 @@ class Driver:
                                  say=_say)
         self.children: dict[str, subprocess.Popen] = {}
         self.codes: dict[str, int] = {}
+        self._ending: dict[str, float] = {}        # children being ended (counted dead), since when
         self._stop: str | None = None
 
     def write_info(self) -> None:
@@ -171,12 +172,36 @@ class Driver:
         _say(f"elastic: {label}'s step {_exit_text(code)}: starting its workers on spare node {spare}")
         self.spawn_step(spare)
 
+    def _end_the_dead(self, snap: dict) -> None:
+        """A child whose workers the coordinator counts dead (a frozen process: no heartbeat) but
+        that still runs is ended (SIGKILL; a node's step: SIGTERM, then SIGKILL after
+        KILL_AFTER_S): its slot then goes to a spare, and the job can end."""
+        now = time.monotonic()
+        for label, p in self.children.items():
+            if label in self.codes or p.poll() is not None:
+                continue
+            if self.nodes is None:
+                dead = snap["status"].get(label) == DEAD
+            else:
+                mine = [w for w, h in snap["hosts"].items() if same_host(h, label)]
+                dead = bool(mine) and all(snap["status"][w] == DEAD for w in mine)
+            if not dead:
+                continue
+            since = self._ending.setdefault(label, now)
+            if since == now:
+                _say(f"elastic: ending {label}: counted dead by the coordinator but still running (frozen?)")
+                p.send_signal(signal.SIGCONT)
+                p.kill() if self.nodes is None else p.terminate()
+            elif now - since > KILL_AFTER_S:
+                p.kill()
+
     def _wait(self) -> int:
         while True:
             for label, p in list(self.children.items()):
                 if label not in self.codes and p.poll() is not None:
                     self._ended(label, p.returncode)
             snap = self.coord.snapshot()
+            self._end_the_dead(snap)
             if self._stop:
                 _say(f"elastic: {self._stop}: stopping every worker")
                 return 128 + getattr(signal, self._stop)
