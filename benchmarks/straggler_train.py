@@ -6,6 +6,7 @@ MODE ``sleep``: compute is a sleep of WORK_MS (a GPU computing while the host wa
 ranks on 2 cores do not fight for them), then a NBYTES (default 256 KiB) float32 allreduce on
 the ring.
 MODE ``ddp``: torch DDP on the ``hpcring`` backend, a small MLP on CPU (the overhead figure).
+GROUP=1,2,3: the allreduces run on a group of those global ranks (the others only compute).
 The slow rank's compute takes SLOW_FACTOR times as long. Rank 0 prints one ``RESULT {json}``
 line: steps, median step seconds, the step at which the first straggler verdict was in force
 (None: never), every verdict line and the most CPU any rank's watcher thread used, as a share of
@@ -35,10 +36,15 @@ def main() -> None:
         step = _ddp_step(session, mine)
     else:
         x = np.ones(int(os.environ.get("NBYTES", 256 * 1024)) // 4, np.float32)
+        comm = session
+        if os.environ.get("GROUP"):     # the collectives on a group of these global ranks (HSDP-like)
+            g = session.group([int(r) for r in os.environ["GROUP"].split(",")])
+            comm = g.communicator(os.environ.get("BACKEND", "ring")) if g is not None else None
 
         def step():
             time.sleep(mine)
-            session.allreduce(x)
+            if comm is not None:
+                comm.allreduce(x)
     t_start = time.perf_counter()
     for i in range(steps):
         t0 = time.perf_counter()

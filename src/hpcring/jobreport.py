@@ -394,23 +394,26 @@ def build(rec=None, folder: Path | None = None, *, state: str | None = None, fin
 
 
 def read_stragglers(folder: Path) -> tuple[list[dict], list[str]]:
-    """The straggler verdicts rank 0 recorded in ``<folder>/diag/stragglers.jsonl``
-    (:mod:`hpcring.diagnostics.straggler_watch`), oldest first: ``at``, ``line`` and ``verdict``
+    """The straggler verdicts recorded in ``<folder>/diag/stragglers.jsonl`` (rank 0's, job-wide)
+    and ``stragglers-<group>.jsonl`` (each group's rank 0's;
+    :mod:`hpcring.diagnostics.straggler_watch`), oldest first: ``at``, ``line`` and ``verdict``
     (None when the straggler cleared); and a problem for each line that cannot be read."""
-    path = folder / "diag" / "stragglers.jsonl"
     entries, problems = [], []
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return [], []
-    except OSError as e:
-        return [], [f"{path}: cannot be read ({e.strerror})"]
-    for n, line in enumerate(text.splitlines(), 1):
+    for path in sorted((folder / "diag").glob("stragglers*.jsonl")):
         try:
-            e = json.loads(line)
-            entries.append({"at": float(e["at"]), "line": str(e["line"]), "verdict": e.get("verdict")})
-        except (ValueError, KeyError, TypeError):
-            problems.append(f"{path}:{n}: not a straggler record (left out)")
+            text = path.read_text()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            problems.append(f"{path}: cannot be read ({e.strerror})")
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            try:
+                e = json.loads(line)
+                entries.append({"at": float(e["at"]), "line": str(e["line"]), "verdict": e.get("verdict")})
+            except (ValueError, KeyError, TypeError):
+                problems.append(f"{path}:{n}: not a straggler record (left out)")
+    entries.sort(key=lambda e: e["at"])
     return entries, problems
 
 

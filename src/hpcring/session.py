@@ -83,7 +83,10 @@ class Session:
         only, or None on a rank that is not a member. Every member must create the same groups in
         the same order; the other ranks may call too (they get None and take no part)."""
         from hpcring.collectives.groups import group_session
-        return group_session(self, ranks)
+        g = group_session(self, ranks)
+        if g is not None:
+            g.on_communicator = _watch_group
+        return g
 
     def use(self, backend: str, *, timeout: float | None = None):
         """Create ``backend``'s communicator (collectively) and make it the default: what
@@ -99,6 +102,14 @@ class Session:
         t = self.topology
         return (f"<hpcring session rank {t.rank}/{t.size} local {t.local_rank}/{t.local_size} on {t.host} "
                 f"via {t.launcher}, iface {t.interface} {t.address}, master {t.master_addr}:{t.master_port}>")
+
+
+def _watch_group(group, backend: str, comm):
+    """A group's communicator gets its straggler watcher, as the job-wide ones do (HSDP, tensor and
+    pipeline groups carry most of such a job's collectives)."""
+    from hpcring.diagnostics.straggler_watch import start_for
+    tag = f"group{group.key.rsplit('/', 1)[-1]}-{backend}"
+    return start_for(group.parent, comm, f"{group.key}/{backend}", group.members, group.name, tag)
 
 
 def init(backend: str | None = None, *, timeout: float | None = None, interface: str | None = None,

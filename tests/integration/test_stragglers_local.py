@@ -50,6 +50,20 @@ def test_ranks_computing_alike_get_no_verdict(tmp_path):
     assert res["lines"] == [] and "straggler:" not in err, err[-3000:]     # ... and nobody named
 
 
+def test_a_slow_rank_in_a_group_is_named_with_its_global_rank_and_the_group(tmp_path):
+    """The collectives run on a group of global ranks 1-3 only (as HSDP's shard groups carry most
+    of a job's): the group's rank 0 (global rank 1) judges it; the line names global rank 3 and
+    the group, and the verdict is kept in the group's own file for the report."""
+    res, err = run(tmp_path, 160, SLOW_RANK="3", SLOW_FACTOR="1.5", WORK_MS="20", GROUP="1,2,3")
+    named = [ln for ln in err.splitlines() if "straggler:" in ln]
+    assert named and named[0].startswith("[1]") and "straggler: rank 3 (local0) arrived last in " in named[0], \
+        err[-3000:]
+    assert "allreduces of group" in named[0] and "of ranks 1-3" in named[0], named[0]
+    assert res["lines"] == []                        # the job-wide communicator ran no collective to judge
+    files = list((tmp_path / "jobs").rglob("stragglers-group*-ring.jsonl"))
+    assert len(files) == 1 and json.loads(files[0].read_text().splitlines()[0])["verdict"]["ranks"] == [3]
+
+
 @pytest.mark.parametrize("value", ["0", "false"])
 def test_the_watcher_can_be_turned_off(tmp_path, value):
     res, err = run(tmp_path, 20, SLOW_RANK="1", SLOW_FACTOR="3", HPCRING_STRAGGLERS=value)

@@ -209,6 +209,50 @@ def test_report_reader_keeps_good_lines_and_names_bad_ones(tmp_path):
     assert read_stragglers(tmp_path / "nothing") == ([], [])
 
 
+def test_a_group_watcher_names_global_ranks_and_its_group_in_a_file_of_its_own(tmp_path):
+    """A group of global ranks 1, 3, 5, 7 (group ranks 0-3); its rank 2 (global 5) is late."""
+    server = StoreServer("127.0.0.1", 0, secret=SECRET)
+    members, name = (1, 3, 5, 7), "group 4 of ranks 1,3,5,7"
+    comms = [FakeComm(r, 4) for r in range(4)]
+    out = io.StringIO()
+    hosts = ("node1", "node2", "node3", "node4")           # the members' hosts, by group rank
+    ws = [StragglerWatch(c, StoreClient("127.0.0.1", server.port, SECRET, timeout=5.0), hosts, window=20,
+                         period=0.1, folder=str(tmp_path) if c.rank == 0 else None, out=out, name="pg/4/ring",
+                         members=members, group=name, tag="group4-ring") for c in comms]
+    try:
+        t = run_ops(comms, 3, 1000.0)
+        ws[0].tick()
+        t = run_ops(comms, 20, t, late={2: 0.008})
+        round_(ws)
+        text = out.getvalue()
+        assert text.count("straggler:") == 1 and "rank 5 (node3)" in text and f"allreduces of {name}" in text, text
+        assert ws[0].current.ranks == [5] and ws[0].current.group == name
+        t = run_ops(comms, 60, t)
+        round_(ws)
+        round_(ws)
+        assert out.getvalue().count("straggler:") == 2 and out.getvalue().rstrip().endswith(f"({name})")
+        assert (tmp_path / "diag" / "stragglers-group4-ring.jsonl").exists()
+        assert not (tmp_path / "diag" / "stragglers.jsonl").exists() and not (tmp_path / "live.json").exists()
+        entries, problems = read_stragglers(tmp_path)
+        assert problems == [] and entries[0]["verdict"]["ranks"] == [5] and entries[0]["verdict"]["group"] == name
+    finally:
+        for w in ws:
+            w.store.close()
+        server.close()
+
+
+def test_the_report_merges_the_job_and_group_verdicts_oldest_first(tmp_path):
+    (tmp_path / "diag").mkdir()
+    world = [{"at": 1.0, "line": "a", "verdict": None}, {"at": 9.0, "line": "d", "verdict": None}]
+    group = [{"at": 2.0, "line": "b", "verdict": {"kind": "rank", "group": "g"}}, {"at": 3.0, "line": "c", "verdict": None}]
+    (tmp_path / "diag" / "stragglers.jsonl").write_text("".join(json.dumps(e) + "\n" for e in world))
+    (tmp_path / "diag" / "stragglers-group2-ring.jsonl").write_text("".join(json.dumps(e) + "\n" for e in group)
+                                                                    + "{bad\n")
+    entries, problems = read_stragglers(tmp_path)
+    assert [e["line"] for e in entries] == ["a", "b", "c", "d"]
+    assert len(problems) == 1 and "stragglers-group2-ring.jsonl:3" in problems[0]
+
+
 def test_a_link_whose_sends_wait_is_named_when_nobody_is_late():
     rng = np.random.default_rng(6)
     rows = rows_for(rng, 6, noise_ms=1.0)

@@ -104,6 +104,10 @@ class GroupSession:
         self.name = name_of(members, key)
         self.topology = subtopology(parent.topology, members)
         self._comms: dict[str, object] = {}
+        # set by the session: called with (self, backend, communicator) as each is created; what
+        # it returns is stopped at close (the straggler watcher: diagnostics sit above this layer)
+        self.on_communicator = None
+        self._watches: dict[str, object] = {}
         self._lock = threading.Lock()
 
     @property
@@ -132,9 +136,15 @@ class GroupSession:
                 comm = self._comms[backend] = create_communicator(
                     p.topology, p.store, p.secret, self.members, self.key, backend=backend, timeout=timeout,
                     watchdog=p.watchdog, **options)
+                if self.on_communicator is not None:     # the session's watchers (stragglers)
+                    self._watches[backend] = self.on_communicator(self, backend, comm)
         return comm
 
     def close(self) -> None:
+        for watch in self._watches.values():
+            if watch is not None:
+                watch.stop()
+        self._watches.clear()
         for comm in self._comms.values():
             comm.close()
         self._comms.clear()

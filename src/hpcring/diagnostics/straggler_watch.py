@@ -63,8 +63,13 @@ class StragglerWatch:
 
     def __init__(self, comm, store, hosts, *, name: str = "world", window: int | None = None,
                  rules: sg.Rules | None = None, period: float | None = None, folder=None,
-                 out=None) -> None:
+                 out=None, members=None, group: str | None = None, tag: str = "") -> None:
+        """``hosts``: by the communicator's ranks. A group's watcher (``members``: its global
+        ranks, ``group``: its name) names global ranks and the group, and keeps its verdicts in
+        ``diag/stragglers-<tag>.jsonl`` (one writer a file); the job's rate and live.json stay the
+        job-wide watcher's."""
         self.comm, self.store, self.hosts = comm, store, tuple(hosts)
+        self.members, self.group, self.tag = (tuple(members) if members is not None else None), group, tag
         self.rank, self.size = comm.rank, comm.size
         self.window = window or envvars.get("HPCRING_STRAGGLER_WINDOW")
         self.rules = rules or rules_from_env()
@@ -208,12 +213,17 @@ class StragglerWatch:
         if any(len(r.inside) != w for r in rows):
             return                                     # a rank's records were gone: skip the window
         verdict = sg.judge(rows, self.hosts, self.rules, self._op_names(first, w))
-        self._live(rows, first, w, verdict)
+        if verdict is not None and self.members is not None:
+            verdict = verdict.in_group(self.members, self.group)
+        if self.members is None:
+            self._live(rows, first, w, verdict)
         old = self.current
         if (verdict is None) == (old is None) and (verdict is None or verdict.key == old.key):
             return
         self.current = verdict
         line = verdict.line() if verdict is not None else sg.cleared_line(old, w)
+        if verdict is None and self.group:
+            line += f" ({self.group})"
         entry = {"at": time.time(), "first": first, "ops": w, "line": line,
                  "verdict": verdict.to_dict() if verdict is not None else None}
         self.history.append(entry)
@@ -230,7 +240,8 @@ class StragglerWatch:
         try:
             diag = os.path.join(self.folder, "diag")
             os.makedirs(diag, exist_ok=True)
-            with open(os.path.join(diag, "stragglers.jsonl"), "a") as f:
+            name = f"stragglers-{self.tag}.jsonl" if self.members is not None else "stragglers.jsonl"
+            with open(os.path.join(diag, name), "a") as f:
                 f.write(json.dumps(entry) + "\n")
         except OSError as e:
             log.warning("rank 0: could not record the straggler verdict: %s", e)
@@ -279,15 +290,21 @@ def _empty():
     return np.zeros(0)
 
 
-def start_for(session, comm, name: str):
-    """Start the watcher for ``comm`` (a job-wide communicator of ``session``) unless
-    HPCRING_STRAGGLERS=0 or the job has one rank; None then."""
+def start_for(session, comm, name: str, members=None, group: str | None = None, tag: str = ""):
+    """Start the watcher for ``comm`` (a job-wide communicator of ``session``; or a group's, given
+    its global ``members``, its name and a file ``tag``) unless HPCRING_STRAGGLERS=0 or it has one
+    rank; None then. A group's windows are timed on the job's size, as the job-wide one's (the
+    store's load is what the period bounds)."""
     if not envvars.get("HPCRING_STRAGGLERS") or comm.size < 2:
         return None
     folder = None
-    if session.topology.rank == 0:
+    if comm.rank == 0:
         from hpcring.diagnostics.jobdir import job_folder
         path = job_folder()
         folder = str(path) if (os.environ.get("SUBMITIT_FOLDER") or os.environ.get("HPCRING_JOB_DIR")
                                or path.is_dir()) else None
-    return StragglerWatch(comm, session.store, session.topology.hosts, name=name, folder=folder).start()
+    hosts = session.topology.hosts
+    if members is not None:
+        hosts = [hosts[m] for m in members]
+    return StragglerWatch(comm, session.store, hosts, name=name, folder=folder, members=members, group=group,
+                          tag=tag, period=period_for(session.topology.size)).start()

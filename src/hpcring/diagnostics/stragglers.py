@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -96,23 +96,25 @@ class Verdict:
     ops: int
     op_names: str
     figures: dict = field(default_factory=dict)
+    group: str | None = None      # a group's verdict: its name (``ranks`` are then global ranks)
 
     @property
     def key(self) -> tuple:
         """What makes two verdicts the same (a verdict is printed again only when this changes)."""
-        return (self.kind, tuple(self.ranks))
+        return (self.kind, tuple(self.ranks), self.group)
 
     def line(self) -> str:
+        of = f" of {self.group}" if self.group else ""
         if self.kind == "link":
             return (f"straggler: the link {self.host} (rank {self.ranks[0]} to rank {self.ranks[1]}) is the slow "
                     f"part: rank {self.ranks[0]}'s sends on it waited {self.share:.0%} of the time, the other "
                     f"ranks' {self.figures.get('others_share', 0.0):.0%} (median) over the last {self.ops} "
-                    f"{self.op_names}")
+                    f"{self.op_names}{of}")
         who = (f"rank {self.ranks[0]} ({self.host})" if self.kind == "rank"
                else f"node {self.host} (ranks {rank_ranges(self.ranks)})")
         told = self.figures.get("told", self.ops)
-        among = (f"the last {self.ops} {self.op_names}" if told >= self.ops else
-                 f"the {told} of the last {self.ops} {self.op_names} someone was late for")
+        among = (f"the last {self.ops} {self.op_names}{of}" if told >= self.ops else
+                 f"the {told} of the last {self.ops} {self.op_names}{of} someone was late for")
         text = (f"straggler: {who} arrived last in {self.share:.0%} of {among}, "
                 f"median +{self.median_ms:.1f} ms behind the median rank")
         if self.compute_ratio is not None:
@@ -123,7 +125,13 @@ class Verdict:
         return {"kind": self.kind, "ranks": self.ranks, "host": self.host, "share": round(self.share, 4),
                 "median_ms": round(self.median_ms, 3),
                 "compute_ratio": None if self.compute_ratio is None else round(self.compute_ratio, 3),
-                "ops": self.ops, "op_names": self.op_names, "line": self.line()}
+                "ops": self.ops, "op_names": self.op_names, "line": self.line(),
+                **({"group": self.group} if self.group else {})}
+
+    def in_group(self, members, group: str) -> "Verdict":
+        """This verdict of a group's watcher (group ranks) with the members' global ranks and the
+        group named: what a reader of the job's output can act on."""
+        return replace(self, ranks=[int(members[r]) for r in self.ranks], group=group)
 
 
 def window_of(records, first: int, w: int, rank: int) -> Row | None:
