@@ -41,7 +41,7 @@ def frames_seen(srv) -> int:
 
 
 def parked_state_is_empty(srv) -> bool:
-    return not srv._groups and not srv._waiters
+    return not srv._ops.groups and not srv._ops.waiters
 
 
 def raw_request(s, key, seq, op, args=b""):
@@ -132,8 +132,8 @@ def test_parked_multi_get_is_answered_when_the_last_key_arrives(server):
             errors.append(e)
     ts = [threading.Thread(target=wait, args=(cl,)) for cl in waiters]
     [t.start() for t in ts]
-    assert wait_for(lambda: sum(len(g.members) for g in server._groups.values()) == 16)
-    assert len(server._groups) == 1   # one key list: one shared wait group
+    assert wait_for(lambda: sum(len(g.members) for g in server._ops.groups.values()) == 16)
+    assert len(server._ops.groups) == 1   # one key list: one shared wait group
     setter.multi_set({"x": b"1", "y": b"2"})
     time.sleep(0.2)
     assert not got
@@ -148,7 +148,7 @@ def test_a_key_deleted_before_the_last_one_arrives_is_waited_for_again(server):
     got = []
     t = threading.Thread(target=lambda: got.append(c.multi_get(["a", "b"], timeout=5)))
     t.start()
-    assert wait_for(lambda: server._groups)
+    assert wait_for(lambda: server._ops.groups)
     other.set("a", b"1")
     other.delete("a")
     other.set("b", b"2")
@@ -193,7 +193,7 @@ def test_parked_waits_honour_their_own_deadlines_without_threads(server):
     got = []
     t = threading.Thread(target=lambda: got.append(c.get("late", timeout=5)))
     t.start()
-    assert wait_for(lambda: server._groups)
+    assert wait_for(lambda: server._ops.groups)
     other.set("late", b"v")
     t.join(5)
     assert got == [b"v"] and parked_state_is_empty(server)
@@ -203,7 +203,7 @@ def test_a_client_that_leaves_while_parked_is_forgotten(server):
     s, key = raw_session(server)
     s.sendall(st.encode_frame(key, b"C", 0, st.encode_request(
         st.OP_MGET, "", struct.pack(">d", 30.0) + bytes([st.MGET_VALUES]) + st.encode_keys(["p", "q"]))))
-    assert wait_for(lambda: server._groups)
+    assert wait_for(lambda: server._ops.groups)
     s.close()
     assert wait_for(lambda: parked_state_is_empty(server))
     client(server).multi_set({"p": b"1", "q": b"2"})   # nothing left to wake

@@ -86,7 +86,7 @@ def test_idle_unauthenticated_flood_does_not_lock_out_a_rank():
         assert wait_for(lambda: srv.stats["evicted"] >= 100, timeout=5)
         c = StoreClient("127.0.0.1", srv.port, SECRET, timeout=20)
         assert c.add("n", 2) == 2
-        assert len(srv._conns) <= 50
+        assert len(srv._loop.conns) <= 50
     finally:
         for s in socks:
             s.close()
@@ -129,7 +129,7 @@ def test_bad_get_timeout_on_the_wire_is_refused(timeout):
         head = recv_exact(s, 36)
         body = recv_exact(s, struct.unpack(">I", head[:4])[0])
         assert body[0] == st.ST_ERROR and b"timeout" in body
-        assert not srv._timers or all(math.isfinite(d) for d, _, _ in srv._timers)
+        assert not srv._loop.timers or all(math.isfinite(d) for d, _, _ in srv._loop.timers)
         c = StoreClient("127.0.0.1", srv.port, SECRET, timeout=5)   # the store still serves
         c.set("after", b"1")
         assert c.get("after", timeout=1) == b"1"

@@ -392,7 +392,7 @@ def test_48_watchdogs_use_the_store_only_to_trigger_and_all_get_the_report(tmp_p
             dogs.append(d.start())
             comms.append(c)
         time.sleep(0.3)
-        assert len(srv._conns) == 0, "the watchdogs keep no idle connection to the store"
+        assert len(srv._loop.conns) == 0, "the watchdogs keep no idle connection to the store"
         before = srv.stats["connections"]          # each published its address at start, then hung up
         err = CollectiveError("allreduce#4: recv from rank 47 (node12) timed out")
         threads = [threading.Thread(target=dogs[r].on_failure, args=(comms[r], comms[r].stuck, err))
