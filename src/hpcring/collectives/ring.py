@@ -47,13 +47,14 @@ import socket
 import threading
 import time
 
-from hpcring.bootstrap import auth
-from hpcring.collectives.handshake import authenticate_connector, authenticate_listener, handshake_timeout
 from hpcring.collectives.backends import FLOAT_DTYPES, Backend
 from hpcring.collectives.dtypes import DTYPE_CODES, OP_CODES   # checked against the C enums at import
-from hpcring.bootstrap.store_wire import StoreTimeoutError
+from hpcring.collectives.ring_links import _NATIVE_ENV, RingConnections, _Links, _Missing, _advertised_host
+from hpcring.collectives.ring_peers import (DEFAULT_MAX_CONNECTIONS, FULL_MESH_MAX_RANKS, UNLIMITED, HostLayout,
+                                            node_layout, static_bound, static_peers)
+from hpcring.collectives.ring_shm import default_shm_piece, shm_name
 from hpcring.config import envvars
-from hpcring.errors import BootstrapError, CollectiveError, HpcringError, UsageError
+from hpcring.errors import BootstrapError, CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.ring")
 
@@ -72,57 +73,6 @@ except ImportError as e:  # pragma: no cover - only without a built extension
 MAX_STREAMS = 16      # HR_MAX_STREAMS in native/hr_internal.h
 
 
-def default_shm_piece(local_ranks: int) -> int:
-    """1 MiB per rank on the host, 1-8 MiB: fewer barriers per byte as ranks get more (measured on
-    2 cores, 64 MiB: 2 ranks 2 MiB 0.76-1.51 vs 1 MiB 0.50-0.54 GB/s; 4 ranks 2-4 MiB 0.30-0.50 vs
-    1 MiB 0.22-0.37 GB/s). The segment holds 2 pieces per rank (8 ranks: 128 MiB of /dev/shm)."""
-    return min(8, max(1, local_ranks)) << 20
-
-
-
-
-
-
-def node_layout(hosts, rank: int) -> tuple[list[int], list[int] | None]:
-    """(ranks on this rank's host, ranks with this rank's local index on every host in order of
-    first appearance, or None when hosts differ in rank count: no two-level allreduce then)."""
-    local = [r for r in range(len(hosts)) if hosts[r] == hosts[rank]]
-    per_node: dict[str, list[int]] = {}
-    for r, h in enumerate(hosts):
-        per_node.setdefault(h, []).append(r)
-    if len({len(v) for v in per_node.values()}) != 1:
-        return local, None
-    return local, [v[local.index(rank)] for v in per_node.values()]
-
-
-def _advertised_host(topology) -> str:
-    if topology.address:
-        return topology.address
-    try:
-        return socket.gethostbyname(topology.host)
-    except OSError:
-        pass
-    if topology.num_nodes == 1 or len(set(topology.hosts)) == 1:
-        return "127.0.0.1"
-    raise BootstrapError(
-        f"rank {topology.rank}: no address to publish for the ring (Topology.address is unset and "
-        f"host {topology.host!r} does not resolve)",
-        hint="run hpcring.init() (it picks and verifies an interface) or set Topology.address")
-
-
-class _Missing(Exception):
-    """Peers that did not connect (or publish an address) by the setup's deadline."""
-
-    def __init__(self, missing: list[int]) -> None:
-        super().__init__(missing)
-        self.missing = missing
-
-
-def _who(ranks: list[int], hosts) -> str:
-    return (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)} "
-            f"({', '.join(sorted({hosts[r] for r in ranks}))})")
-
-
 def _translate(e: Exception) -> CollectiveError:
     msg = str(e)
     if "mismatched collective" in msg or "out of step" in msg:
@@ -135,238 +85,7 @@ def _translate(e: Exception) -> CollectiveError:
     return CollectiveError(msg, hint=hint)
 
 
-class HostLayout:
-    """The ranks of each host, computed once (O(n)); what :func:`node_layout` says of one rank."""
-
-    def __init__(self, hosts) -> None:
-        self.per_node: dict[str, list[int]] = {}
-        for r, h in enumerate(hosts):
-            self.per_node.setdefault(h, []).append(r)
-        self.nodes = list(self.per_node.values())
-        self.node_of = {h: i for i, h in enumerate(self.per_node)}
-        self.hosts = hosts
-        self.uniform = len({len(v) for v in self.nodes}) == 1
-
-    def local(self, rank: int) -> list[int]:
-        return self.per_node[self.hosts[rank]]
-
-    def column_neighbours(self, rank: int) -> tuple[int, ...]:
-        """The two-level ring's neighbours of ``rank`` (same local index, next/previous host)."""
-        if not self.uniform or len(self.nodes) < 2:
-            return ()
-        i = self.node_of[self.hosts[rank]]
-        li = self.nodes[i].index(rank)
-        return (self.nodes[(i + 1) % len(self.nodes)][li], self.nodes[(i - 1) % len(self.nodes)][li])
-
-
-# Cut-overs and striping in native/ that an environment variable may override (unset: the
-# measured defaults there): variable, the native Comm's attribute.
-_NATIVE_ENV = (("HPCRING_RING_STRIPE_MIN", "stripe_min"), ("HPCRING_TWOLEVEL_MIN", "twolevel_min"),
-               ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max"), ("HPCRING_RH_CHUNK", "rh_chunk"),
-               ("HPCRING_DIRECT_MAX", "direct_max"))
-
-
-def static_peers(rank: int, size: int, hosts, shm: bool, streams: int = 1,
-                 layout: HostLayout | None = None) -> dict[int, int]:
-    """The peers ``rank``'s collectives other than alltoall use -> connections to each (``streams``
-    for the ring passes' neighbours, 1 for the latency-bound algorithms). Symmetric: q is in
-    rank's set iff rank is in q's, with the same count, so both sides of a pair agree without a
-    word. Must follow native/: allreduce_ring / allgather_ring / reduce_scatter_ring /
-    broadcast_pipeline (r +- 1), broadcast_tree (any root: r +- 2^i), barrier (r +- 2^i),
-    allreduce_rd and allreduce_rh (fold r^1 below 2 rem, partners v ^ 2^i), allreduce_direct
-    (every rank, in a job of at most DIRECT_MAX_RANKS = 3: the ring's neighbours), shared memory (the
-    host's ranks: the liveness signal) and allreduce_shm's two-level ring (column neighbours)."""
-    out: dict[int, int] = {}
-
-    def add(q: int, k: int = 1) -> None:
-        q %= size
-        if q != rank:
-            out[q] = max(out.get(q, 0), k)
-
-    if size < 2:
-        return out
-    add(rank + 1, streams)
-    add(rank - 1, streams)
-    d = 2
-    while d < size:
-        add(rank + d)
-        add(rank - d)
-        d *= 2
-    p = 1
-    while p * 2 <= size:
-        p *= 2
-    rem = size - p
-    if rank < 2 * rem and rank % 2 == 0:
-        add(rank + 1)                      # folds into its odd partner and sits out
-    else:
-        v = rank // 2 if rank < 2 * rem else rank - rem
-        if rank < 2 * rem:
-            add(rank - 1)
-        m = 1
-        while m < p:
-            pv = v ^ m
-            add(pv * 2 + 1 if pv < rem else pv + rem)
-            m *= 2
-    if shm:
-        layout = layout or HostLayout(hosts)
-        local = layout.local(rank)
-        if len(local) > 1:        # shared memory: every host of a uniform job has >= 2 ranks
-            for q in local:
-                add(q)
-            for q in layout.column_neighbours(rank):
-                add(q, streams)
-    return out
-
-
-FULL_MESH_MAX_RANKS = 256          # default budget: no limit up to this many ranks ...
-DEFAULT_MAX_CONNECTIONS = 48       # ... and this many connections beyond
-UNLIMITED = 1 << 20                # (a rank never holds more than (n - 1) x streams)
-
-
-def static_bound(size: int, layout: HostLayout, shm: bool, streams: int = 1) -> int:
-    """At least every rank's static connections (sum of :func:`static_peers` counts), the same
-    on every rank and O(log n) once the layout is known: +-1 and +-2^i (translation invariant),
-    log2 p + 1 recursive-doubling partners, the largest host's ranks and two column neighbours.
-    Alltoall's window width comes from it, so it must not depend on the rank asking."""
-    if size < 2:
-        return 0
-    offs = {d % size for i in range(size.bit_length()) for d in (1 << i, -(1 << i)) if (1 << i) < size} - {0}
-    ring = {1 % size, (size - 1) % size} - {0}
-    n = len(offs - ring) + len(ring) * streams + (size.bit_length() - 1) + 1
-    if shm:
-        most = max(len(v) for v in layout.nodes)
-        if most > 1:
-            n += most - 1 + (2 * streams if layout.uniform and len(layout.nodes) > 1 else 0)
-    return n
-
-
-def shm_name(secret: bytes, job: str, base: str, host: str) -> str:
-    """The POSIX name of a host's shared-memory segment: the same on the ranks of one communicator
-    on one host, another for every other job, array task (an array's tasks share the secret and
-    may run at once on one host), communicator generation or host."""
-    parts = (job, base, host)
-    return "/hpcring-" + auth.mac(secret, b"hpcring-ring-v1 shm", *(s.encode() + b"\0" for s in parts)).hex()[:32]
-
-
-class _Links:
-    """A communicator's connections: its listener (open for the communicator's life, served by
-    the process's shared acceptor, each handshake on a short thread of its own) and what it needs
-    to open connections on demand, plus the settings of :meth:`RingBackend.create` the first
-    collective needs when it was created ``lazy``."""
-
-    def __init__(self, **kw) -> None:
-        self.__dict__.update(kw)
-        self.addrs: dict[int, tuple[str, int]] = {}
-        self.inbox: dict[tuple[int, int], list[socket.socket]] = {}   # accepted, not yet taken
-        self.cond = threading.Condition()
-        self.closed = False
-        self.handshakes: list[threading.Thread] = []
-
-    def start(self) -> None:
-        from hpcring.collectives.mailbox import ACCEPTOR
-        self.lsock.setblocking(False)
-        ACCEPTOR.register(self.lsock, self._on_accept)
-
-    def _on_accept(self, s: socket.socket, addr) -> None:
-        t = threading.Thread(target=self._handshake, args=(s, addr), daemon=True,
-                             name=f"hpcring-ring-auth:{self.rank}")
-        self.handshakes = [x for x in self.handshakes if x.is_alive()] + [t]
-        t.start()
-
-    def _handshake(self, s: socket.socket, addr) -> None:
-        try:
-            s.setblocking(True)
-            s.settimeout(handshake_timeout())
-            peer, k = authenticate_listener(s, self.secret, f"{self.base}/{self.rank}".encode(), self.size,
-                                     self.streams)
-            if peer <= self.rank:              # the higher rank of a pair connects
-                raise ConnectionError(f"unexpected connection from lower rank {peer}")
-        except (OSError, ConnectionError) as e:
-            log.warning("ring rank %d: refused connection from %s:%s: %s", self.rank, addr[0], addr[1], e)
-            s.close()
-            return
-        with self.cond:
-            q = self.inbox.setdefault((peer, k), [])
-            if self.closed or len(q) >= 2:     # a peer opens a pair's connection once per use
-                log.warning("ring rank %d: refused a surplus connection from rank %d", self.rank, peer)
-                s.close()
-                return
-            q.append(s)
-            self.cond.notify_all()
-
-    def connect(self, need: dict[int, int], deadline: float) -> dict[int, list[socket.socket]]:
-        """Open ``need`` (peer -> connections) by ``deadline``: connect to the lower peers as their
-        addresses appear (in any order: one late peer must not keep this rank from the others,
-        or they would name this rank missing too), take the higher peers' from the acceptor.
-        Raises :class:`_Missing` naming the peers that did not come; sockets opened are closed
-        on any failure."""
-        got: dict[int, list[socket.socket]] = {}
-        try:
-            self._connect_lower({q: k for q, k in need.items() if q < self.rank}, deadline, got)
-            higher = {q: k for q, k in need.items() if q > self.rank}
-            with self.cond:
-                while True:
-                    for q, k in list(higher.items()):
-                        if all(self.inbox.get((q, j)) for j in range(k)):
-                            got[q] = [self.inbox[(q, j)].pop(0) for j in range(k)]
-                            del higher[q]
-                    left = deadline - time.monotonic()
-                    if not higher or left <= 0:
-                        break
-                    self.cond.wait(min(left, 1.0))
-            if higher:
-                raise _Missing(sorted(higher))
-        except BaseException:
-            for socks in got.values():
-                for s in socks:
-                    s.close()
-            raise
-        return got
-
-    def _connect_lower(self, need: dict[int, int], deadline: float, got: dict) -> None:
-        todo = [q for q in sorted(need) if q not in self.addrs]
-        delay = 0.002
-        while todo:               # one round trip per poll for all addresses still missing
-            for q, text in zip(list(todo), self.store.multi_check([f"{self.base}/addr/{q}" for q in todo])):
-                if text is not None:
-                    host, _, port = text.decode().rpartition(":")
-                    self.addrs[q] = (host, int(port))
-                    todo.remove(q)
-            if not todo:
-                break
-            if time.monotonic() >= deadline:
-                raise _Missing(todo)
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(0.1, delay * 2)
-        for q in sorted(need):
-            host, port = self.addrs[q]
-            got[q] = socks = []
-            for k in range(need[q]):
-                s = RingBackend._connect(host, port, deadline, q, self.hosts[q])
-                socks.append(s)
-                try:
-                    s.settimeout(max(0.1, min(handshake_timeout(), deadline - time.monotonic())))
-                    authenticate_connector(s, self.secret, f"{self.base}/{q}".encode(), self.rank, k)
-                except socket.timeout:          # accepted by its kernel, never answered: stalled
-                    raise _Missing([q]) from None
-                except (OSError, ConnectionError) as e:
-                    raise BootstrapError(
-                        f"ring setup: rank {q} ({self.hosts[q]}) at {host}:{port} refused rank "
-                        f"{self.rank}: {e}", hint="all ranks must use the same per-job secret") from None
-
-    def close(self) -> None:
-        from hpcring.collectives.mailbox import ACCEPTOR
-        ACCEPTOR.unregister(self.lsock)
-        self.lsock.close()
-        with self.cond:
-            self.closed = True
-            socks = [s for q in self.inbox.values() for s in q]
-            self.inbox.clear()
-        for s in socks:
-            s.close()
-
-
-class RingBackend(Backend):
+class RingBackend(RingConnections, Backend):
     """Compiled ring/recursive-doubling collectives over TCP (host memory)."""
 
     name = "ring"
@@ -482,132 +201,6 @@ class RingBackend(Backend):
                     f"{', '.join(f'{m} ({hosts[m]})' for m in e.missing)} within {timeout:.1f} s",
                     hint="those ranks did not start, crashed, or cannot reach this host's address") from None
         return be
-
-    # -- connections (at creation, or on the first collective when lazy; alltoall's on demand) ---
-    def _connect_static(self, deadline: float) -> None:
-        """Open the connections the algorithms use, then build the native Comm (the other
-        peers' entries empty). Raises :class:`_Missing` naming the peers that did not come by
-        ``deadline``, BootstrapError for any other setup failure; the listener is closed on
-        failure."""
-        p = self._links
-        rank, size, hosts = p.rank, p.size, p.hosts
-        need = static_peers(rank, size, hosts, p.shm, p.streams)
-        try:
-            socks = p.connect(need, deadline)
-            fds: list = [None] * size
-            for q, ss in socks.items():
-                fds[q] = [s.fileno() for s in ss] + [-1] * (p.streams - len(ss))
-            try:
-                comm = _native.Comm(rank, size, fds, list(hosts), p.timeout, p.sockbuf)
-            except BaseException:
-                for ss in socks.values():
-                    for s in ss:
-                        s.close()
-                raise
-        except BaseException:
-            p.close()
-            self._links = None
-            raise
-        for ss in socks.values():          # the Comm owns the descriptors now
-            for s in ss:
-                s.detach()
-        self._static = need
-        if p.rd_threshold is not None:
-            comm.rd_threshold = int(p.rd_threshold)
-        comm.threads = p.threads
-        for var, attr in _NATIVE_ENV:
-            if envvars.get(var) is not None:           # unset: the measured defaults in native/
-                setattr(comm, attr, envvars.get(var))
-        if p.shm:
-            try:
-                self._attach_shm(comm, p.store, p.secret, p.base, rank, hosts, deadline, job=p.job)
-            except BaseException:
-                comm.close()
-                p.close()
-                self._links = None
-                raise
-        self._native_comm = comm
-
-    def _ensure(self, name: str, timeout: float) -> float:
-        """Connect on the first collective (lazy); returns the time left of ``timeout`` for the
-        collective itself. A peer that never connects is that collective's missing rank."""
-        if self._native_comm is not None:
-            return timeout
-        with self._setup_lock:
-            if self._native_comm is not None:
-                return timeout
-            if self._setup_error is not None:
-                raise CollectiveError(self._setup_error)
-            t0 = time.monotonic()
-            p = self._links
-            try:
-                self._connect_static(t0 + timeout)
-            except _Missing as e:
-                self._setup_error = (
-                    f"{name}#1 never joined by {_who(e.missing, p.hosts)}: no ring connection from "
-                    f"{'it' if len(e.missing) == 1 else 'them'} within the {timeout:g} s deadline "
-                    f"(rank {p.rank} waited)")
-                raise CollectiveError(self._setup_error, hint="that rank is late to its first collective, "
-                                      "hung or dead: look at its log (hpcring stacks JOB)") from None
-            except (HpcringError, OSError, _native.NativeError) as e:
-                self._setup_error = f"{name}#1 ring setup failed on rank {p.rank}: {getattr(e, 'message', e)}"
-                raise CollectiveError(self._setup_error, hint=getattr(e, "hint", None)) from None
-            return max(0.001, timeout - (time.monotonic() - t0))
-
-    @property
-    def _comm(self):
-        """The native communicator; a lazy one connects here (collectively, with the default
-        deadline) when something needs it before the first collective."""
-        if self._native_comm is None:
-            self._ensure("setup", self._links.timeout if self._links else 1.0)
-        return self._native_comm
-
-    @staticmethod
-    def _attach_shm(comm, store, secret: bytes, base: str, rank: int, hosts: tuple[str, ...],
-                    deadline: float, job: str = "") -> None:
-        """Map the host's shared-memory segment (see the module docstring); no-op for a rank
-        alone on its host."""
-        local, column = node_layout(hosts, rank)
-        if len(local) < 2:
-            return
-        piece = (envvars.get("HPCRING_RING_SHM_PIECE") or default_shm_piece(len(local))) // 64 * 64
-        name = shm_name(secret, job, base, hosts[rank])
-        leader = local[0]
-        try:
-            if rank == leader:
-                _native.shm_unlink(name)      # a leftover of this very job's earlier attempt
-                comm.shm_attach(name, True, local, column, piece)
-                store.set(f"{base}/shm/created/{leader}", b"1")
-            else:
-                store.get(f"{base}/shm/created/{leader}", timeout=max(0.1, deadline - time.monotonic()))
-                comm.shm_attach(name, False, local, column, piece)
-            store.set(f"{base}/shm/mapped/{rank}", b"1")
-            store.gather([f"{base}/shm/mapped/{r}" for r in local], timeout=max(0.1, deadline - time.monotonic()))
-        except _native.NativeError as e:
-            raise BootstrapError(f"ring setup: rank {rank} ({hosts[rank]}): shared memory: {e}",
-                                 hint="check /dev/shm (size, permissions), or turn shared memory "
-                                      "off on every rank with HPCRING_RING_SHM=0") from None
-        except StoreTimeoutError as e:
-            raise BootstrapError(f"ring setup: rank {rank} ({hosts[rank]}): the ranks of this host "
-                                 f"did not all map the shared-memory segment in time "
-                                 f"(missing: {', '.join(e.missing or [])})",
-                                 hint="a rank of this host did not start or failed; see its log") from None
-        finally:
-            _native.shm_unlink(name)          # on every path: no name outlives the setup
-
-    @staticmethod
-    def _connect(host: str, port: int, deadline: float, peer: int, peer_host: str) -> socket.socket:
-        delay = 0.01
-        while True:
-            try:
-                return socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-            except OSError as e:
-                if time.monotonic() + delay >= deadline:
-                    raise BootstrapError(
-                        f"ring setup: cannot connect to rank {peer} ({peer_host}) at {host}:{port}: {e}",
-                        hint="is that rank alive, and is the address reachable from here?") from None
-                time.sleep(delay)
-                delay = min(0.5, delay * 2)
 
     # -- Backend ------------------------------------------------------------------------------
     @property
@@ -774,27 +367,6 @@ class RingBackend(Backend):
                 self._plan = (max(1, room // 2), False)
         return self._plan
 
-    def _open(self, nc, need: dict[int, int], deadline: float, name: str) -> None:
-        """Connect ``need`` for the collective about to run; a peer that does not come fails the
-        communicator (sticky, every connection shut so its other peers stop too) naming it."""
-        p = self._links
-        try:
-            socks = p.connect(need, deadline)
-        except _Missing as e:
-            msg = (f"{name} never joined by {_who(e.missing, p.hosts)}: no ring connection "
-                   f"{'with it' if len(e.missing) == 1 else 'with them'} within the deadline (rank {p.rank} waited)")
-            nc.abort(msg)
-            raise CollectiveError(msg, hint="that rank is late, hung or dead: look at its log "
-                                  "(hpcring stacks JOB)") from None
-        except (HpcringError, OSError) as e:
-            msg = f"{name} connecting on rank {p.rank} failed: {getattr(e, 'message', e)}"
-            nc.abort(msg)
-            raise CollectiveError(msg, hint=getattr(e, "hint", None)) from None
-        for q, ss in socks.items():
-            nc.set_peer(q, [s.fileno() for s in ss])
-            for s in ss:
-                s.detach()
-
     def barrier(self, timeout):
         self._call("barrier", _N.barrier, timeout)
 
@@ -841,3 +413,8 @@ class RingBackend(Backend):
         if self._links is not None:
             self._links.close()
             self._links = None
+
+
+__all__ = ["RingBackend", "MAX_STREAMS", "DTYPE_CODES", "OP_CODES", "HostLayout", "node_layout", "static_peers",
+           "static_bound", "FULL_MESH_MAX_RANKS", "DEFAULT_MAX_CONNECTIONS", "UNLIMITED", "default_shm_piece",
+           "shm_name"]
