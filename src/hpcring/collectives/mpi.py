@@ -58,14 +58,18 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import sys
-import threading
 import time
 
 import numpy as np
 
-from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS, LazyDesc, LibraryBackend, chunk_counts
+from hpcring.collectives.backends import DTYPES, OPS, LazyDesc, LibraryBackend, chunk_counts
+from hpcring.collectives.mpi_check import (CHECK_SPIN_S, FOLD_BYTES, FOLD_RANKS, SIG_LEN, SLOT_HEADER, SPIN_BYTES,
+                                           SignatureCheck, _pack_sig, check_default, mismatch_message, signature)
+from hpcring.collectives.mpi_datatypes import (_UFUNCS, _from_wire, _to_wire, _widened, from_float32, reduce_plan,
+                                               reduce_rows, to_float32)
+from hpcring.collectives.mpi_p2p import MpiPointToPoint
+from hpcring.collectives.mpi_setup import _all_arrived, _import_mpi, _skip_finalize_at_exit
 from hpcring.errors import CollectiveError, UsageError
 
 log = logging.getLogger("hpcring.collectives.mpi")
@@ -74,60 +78,6 @@ ABORT_CODE = 124
 POLL_MIN = 50e-6
 POLL_MAX = 1e-3
 ABORT_ENV = "HPCRING_MPI_ABORT_ON_TIMEOUT"
-CHECK_ENV = "HPCRING_MPI_CHECK_SIGNATURES"
-
-# signature: (kind, count, dtype, reduction, root, seq) as int64; -1 = none
-KINDS = ("allreduce", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier")
-SIG_LEN = 6
-# The check's allreduce is polled without sleeping for its first 1 ms: ranks in step finish it in
-# that time, and a sleeping poll would add its latency to every call (measured, docs/collectives.md).
-CHECK_SPIN_S = 1e-3
-# The same holds for the collective itself when it is small (its buffers, all together, at most
-# SPIN_BYTES): a 4 KiB allreduce takes ~30 us in MPI, while one sleeping poll cost 0.2-2 ms on the
-# loaded 2-core dev machine (benchmarks/per_call.py). Larger ones sleep between polls at once.
-SPIN_BYTES = 256 << 10
-# The check folded into the data (communicators of at most FOLD_RANKS ranks): the check is one
-# Iallgather of a fixed-size slot per rank, the signature (SLOT_HEADER bytes) then up to FOLD_BYTES
-# of the call's data. The slot's size never depends on the call, so ranks that disagree still make
-# matching MPI calls (no truncation, no heap corruption) and each one sees every rank's signature
-# (the named mismatch needs no second call). A call whose data fits (a 4 KiB allreduce, allgather,
-# ...) is then done locally from the gathered slots: one MPI call in all. Above FOLD_RANKS ranks
-# the gathered slots would grow with the ranks: the check is the (signature, -signature) MAX
-# Iallreduce (constant size), and the data goes in its own call.
-FOLD_BYTES = 4096
-FOLD_RANKS = 8
-SLOT_HEADER = 8 * 6             # SIG_LEN int64
-_pack_sig = struct.Struct("=6q").pack_into      # the signature into a slot's header
-_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
-
-UPCAST_DTYPES = ("float16", "bfloat16")
-
-
-def _widened(dtype: str, view: str) -> bool:
-    """True when the reduction runs on a converted copy (not a view) of the buffer."""
-    return dtype in UPCAST_DTYPES or (dtype == "uint8" and view != "uint8")
-
-
-def _to_wire(buf: np.ndarray, dtype: str, view: str) -> np.ndarray:
-    if dtype in UPCAST_DTYPES:
-        return to_float32(buf, dtype)
-    return buf.astype(view)
-
-
-def _from_wire(wire: np.ndarray, dst: np.ndarray, dtype: str) -> None:
-    if dtype in UPCAST_DTYPES:
-        from_float32(wire, dst, dtype)
-    else:
-        dst[...] = wire.astype(dst.dtype)       # uint32 -> uint8 keeps the value mod 256 (wrap)
-
-
-def _import_mpi():
-    try:
-        from mpi4py import MPI
-    except ImportError as e:
-        raise CollectiveError(f"the 'mpi' backend needs mpi4py, which does not import here: {e}",
-                              hint="pip install mpi4py (against the cluster's MPI), or use backend='ring'") from None
-    return MPI
 
 
 def abort_default() -> bool:
@@ -136,181 +86,11 @@ def abort_default() -> bool:
     return get(ABORT_ENV)
 
 
-def check_default() -> bool:
-    """HPCRING_MPI_CHECK_SIGNATURES (0/false/no/off disable), default on."""
-    from hpcring.config.envvars import get
-    return get(CHECK_ENV)
-
-
-def signature(kind: str, seq: int, count: int = 0, dtype: str | None = None, op: str | None = None,
-              root: int | None = None) -> np.ndarray:
-    """The call's signature as int64 (see :data:`KINDS`)."""
-    return np.array([KINDS.index(kind), count, DTYPES.index(dtype) if dtype in DTYPES else -1,
-                     OPS.index(op) if op in OPS else -1, -1 if root is None else root, seq], np.int64)
-
-
-def describe_signature(sig) -> str:
-    """``allreduce#5(count=.., dtype=.., op=.., root=..)`` as the ring's mismatch message has it."""
-    kind, count, dtype, op, root, seq = (int(v) for v in sig)
-    name = KINDS[kind] if 0 <= kind < len(KINDS) else f"op{kind}"
-    return (f"{name}#{seq}(count={count}, dtype={DTYPES[dtype] if 0 <= dtype < len(DTYPES) else 'none'}, "
-            f"op={OPS[op] if 0 <= op < len(OPS) else 'none'}, root={root})")
-
-
-def mismatch_message(table, rank: int, hosts=None) -> str | None:
-    """The ring's wording for the first rank whose signature (a row of ``table``) differs from
-    ``rank``'s; None when all agree."""
-    mine = tuple(int(v) for v in table[rank])
-    for r, row in enumerate(table):
-        if tuple(int(v) for v in row) != mine:
-            host = f" ({hosts[r]})" if hosts and r < len(hosts) else ""
-            return (f"{KINDS[mine[0]]}#{mine[5]} mismatched collective: rank {r}{host} called "
-                    f"{describe_signature(row)} but this rank ({rank}) called {describe_signature(mine)}")
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# dtype/op mapping (pure; unit-tested without MPI)
-# ---------------------------------------------------------------------------------------------
-def reduce_plan(dtype: str, op: str) -> tuple[str, str, str]:
-    """(numpy view dtype of the wire buffer, MPI datatype name, MPI op name) for a reduction.
-
-    The view dtype is what the (possibly upcast) buffer is reinterpreted as before it is handed
-    to MPI; the 2-byte floats are upcast to float32 and ``avg`` is SUM then a division."""
-    if dtype not in DTYPES:
-        raise UsageError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-    if op not in OPS:
-        raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
-    if op == "avg" and dtype not in FLOAT_DTYPES:
-        raise UsageError(f"op 'avg' needs a floating-point dtype, got {dtype}")
-    mop = {"sum": "SUM", "prod": "PROD", "min": "MIN", "max": "MAX", "avg": "SUM"}[op]
-    if dtype in ("float16", "bfloat16", "float32"):
-        return "float32", "FLOAT", mop
-    if dtype == "float64":
-        return "float64", "DOUBLE", mop
-    if dtype == "uint8":
-        if op in ("sum", "prod"):           # widened: Open MPI 4.1's AVX uint8 SUM saturates
-            return "uint32", "UINT32_T", mop
-        return "uint8", "UINT8_T", mop
-    bits = 32 if dtype == "int32" else 64
-    if op in ("sum", "prod"):               # wrap-around, defined on unsigned types
-        return f"uint{bits}", f"UINT{bits}_T", mop
-    return f"int{bits}", f"INT{bits}_T", mop
-
-
-def to_float32(buf: np.ndarray, dtype: str) -> np.ndarray:
-    """A new float32 copy of a float16 array or of bfloat16 (uint16 storage)."""
-    if dtype == "float16":
-        return buf.view(np.float16).astype(np.float32)
-    if dtype == "bfloat16":
-        return (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    raise ValueError(dtype)
-
-
-def from_float32(src: np.ndarray, dst: np.ndarray, dtype: str) -> None:
-    """Round float32 ``src`` to nearest-even into ``dst`` (float16, or bfloat16 as uint16)."""
-    if dtype == "float16":
-        dst.view(np.float16)[...] = src.astype(np.float16)
-        return
-    if dtype != "bfloat16":
-        raise ValueError(dtype)
-    bits = src.view(np.uint32)
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(src)
-    if nan.any():                            # keep NaN a (quiet) NaN: never round into Inf
-        rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
-    dst.view(np.uint16)[...] = rounded
-
-
-def reduce_rows(rows: np.ndarray, dst: np.ndarray, dtype: str, op: str) -> None:
-    """``dst`` = the reduction of ``rows`` (ranks x elements, storage dtype) over the ranks, in the
-    arithmetic of the MPI path (:func:`reduce_plan`): float16/bfloat16 in float32, rounded once;
-    integers wrap in their own width; avg = sum, then a division by the number of rows. Rows are
-    combined in rank order, so every rank computes the same bits."""
-    n = rows.shape[0]
-    uf = _UFUNCS[op]
-    if dtype in UPCAST_DTYPES:
-        acc = uf.reduce(to_float32(rows, dtype), axis=0)
-        if op == "avg":
-            acc /= np.float32(n)
-        from_float32(acc, dst, dtype)
-        return
-    uf.reduce(rows, axis=0, dtype=dst.dtype, out=dst)
-    if op == "avg":
-        dst /= dst.dtype.type(n)
-
-
 def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.size > 0 and b.size > 0 and np.shares_memory(a, b))
 
 
-def _all_arrived(store, topology, timeout: float, key: str = "hpcring/mpi/arrived") -> None:
-    """Every rank of ``topology`` reached MPI setup within ``timeout`` s, else CollectiveError
-    naming the ranks (and hosts) that did not.
-
-    The last rank to arrive sets one key every rank waits on: the store answers all waiters at
-    once, and no rank needs the store afterwards -- rank 0 serves it from a thread, which
-    MPI_Init (holding the GIL until every rank has called it) would starve."""
-    from hpcring.errors import HpcringError
-    store.set(f"{key}/{topology.rank}", b"1")
-    if store.add(key, 1) >= topology.size:
-        store.set(f"{key}/all", b"1")
-    try:
-        store.get(f"{key}/all", timeout=timeout)
-        if topology.rank != 0:
-            store.add(f"{key}/ack", 1)
-            return
-        # rank 0 serves the store: it enters MPI_Init only once every rank has its answer (the
-        # answers go out one by one, and MPI_Init may starve the store thread of the GIL)
-        end = time.monotonic() + timeout
-        while store.add(f"{key}/ack", 0) < topology.size - 1:
-            if time.monotonic() > end:
-                raise CollectiveError("MPI setup: not every rank acknowledged the meeting within "
-                                      f"{timeout:g} s (rank 0 waited)")
-            time.sleep(0.005)
-        return
-    except HpcringError:
-        pass
-    from hpcring.ranks import rank_ranges
-    try:                 # a timed-out client is closed (its answer may still come): ask on a new one
-        probe = type(store)(store.host, store.port, store._secret, timeout=5.0)
-        missing = [r for r in range(topology.size) if probe.check(f"{key}/{r}") is None]
-        probe.close()
-    except (HpcringError, AttributeError, TypeError):
-        missing = []
-    who = (f"rank{'s' if len(missing) > 1 else ''} {rank_ranges(missing)} "
-           f"({', '.join(sorted({topology.hosts[r] for r in missing if r < len(topology.hosts)}))})"
-           if missing else "some rank")
-    raise CollectiveError(f"MPI setup: {who} never reached it within {timeout:g} s (rank {topology.rank} waited)",
-                          hint="those ranks did not start, crashed or hang before their first collective: "
-                               "see their logs (hpcring logs JOB --rank R)")
-
-
-_SKIP_FINALIZE: list = []
-
-
-def _skip_finalize_at_exit() -> None:
-    """A collective is stuck (it cannot be cancelled): MPI_Finalize, which mpi4py runs after the
-    interpreter's atexit handlers, would wait for it forever and the rank would never exit (seen on
-    the dev cluster: a rank that never started kept its peers alive until the time limit). So at
-    interpreter exit the process ends with code 1 without finalizing; this handler, registered
-    last, runs first: the others (the store's linger, exit records) would wait on peers too.
-    Results, status files and logs are written before interpreter exit."""
-    if _SKIP_FINALIZE:
-        return
-    _SKIP_FINALIZE.append(True)
-    import atexit
-
-    def leave() -> None:
-        sys.stdout.flush()
-        sys.stderr.write("hpcring: MPI communicator is dead (a collective timed out): exiting without "
-                         "MPI_Finalize, which would hang\n")
-        sys.stderr.flush()
-        os._exit(1)
-    atexit.register(leave)
-
-
-class MpiBackend(LibraryBackend):
+class MpiBackend(SignatureCheck, MpiPointToPoint, LibraryBackend):
     """Collectives over a duplicate of MPI_COMM_WORLD (host memory, numpy buffers)."""
 
     name = "mpi"
@@ -509,91 +289,6 @@ class MpiBackend(LibraryBackend):
         raise CollectiveError(msg, hint="MPI cannot cancel a started collective: this communicator is dead; "
                                         "find the missing rank (hpcring stacks) and restart the job")
 
-    def _folds(self, nbytes: int) -> bool:
-        """Does a call with ``nbytes`` of data per rank ride in the check's slot (done locally)?"""
-        return self.check and self.fold and nbytes <= FOLD_BYTES
-
-    def _gather(self, sig, name: str, seq: int, desc, timeout: float, t0: float, payload=None) -> np.ndarray:
-        """The folded check: one Iallgather of every rank's slot (signature, then ``payload``'s
-        bytes, at most FOLD_BYTES); raises the named mismatch on every rank; returns the gathered
-        slots (ranks x slot bytes, uint8) for the call to take its data from."""
-        slot, table, heads, spec = self._slots or self._make_slots()
-        _pack_sig(slot, 0, *sig)
-        if payload is not None and payload.nbytes:
-            slot[SLOT_HEADER:SLOT_HEADER + payload.nbytes] = payload
-        try:
-            req = self._comm.Iallgather(spec[0], spec[1])
-        except self._MPI.Exception as e:
-            self._start_failed(name, seq, desc, e)
-        if not req.Test():
-            self._wait(req, name, seq, desc, timeout, t0, (slot, table), CHECK_SPIN_S)
-        got = heads.tobytes()              # every rank's signature; this rank's own is row rank
-        at = self._rank * SLOT_HEADER
-        if got != got[at:at + SLOT_HEADER] * self._size:
-            self._mismatch(name, seq, np.frombuffer(got, np.int64).reshape(self._size, SIG_LEN))
-        return table
-
-    def _make_slots(self) -> tuple:
-        """The folded check's buffers (made once): this rank's slot, the gathered slots, views of
-        this slot's signature and of every rank's, and the Iallgather's buffer arguments."""
-        width = SLOT_HEADER + FOLD_BYTES
-        table = np.zeros((self._size, width), np.uint8)
-        slot = table[self._rank]            # in place: this rank's slot is its row of the gathered ones
-        self._slots = (slot, table, table[:, :SLOT_HEADER], (self._MPI.IN_PLACE, [table, self._MPI.BYTE]))
-        return self._slots
-
-    def _views_of(self, dtype: str, dt: np.dtype, nb: int) -> tuple:
-        """(this rank's slot data, every rank's gathered data) for ``nb`` bytes of ``dtype`` (``dt``:
-        its storage), then the slot, the Iallgather's arguments and the gathered signatures
-        (cached per (dtype, nb))."""
-        key = (dtype, nb)
-        views = self._views.get(key)
-        if views is None:
-            if len(self._views) > 256:
-                self._views.clear()
-            slot, table, heads, spec = self._slots or self._make_slots()
-            end = SLOT_HEADER + nb
-            views = self._views[key] = (slot[SLOT_HEADER:end].view(dt),
-                                        [table[r, SLOT_HEADER:end].view(dt) for r in range(self._size)],
-                                        slot, spec, heads)
-        return views
-
-    def _mismatch(self, name: str, seq: int, sigs) -> None:
-        """Every rank has every rank's signature (``sigs``, ranks x SIG_LEN): the sticky, named error."""
-        msg = mismatch_message(sigs, self._rank, self._hosts) or f"{name}#{seq} mismatched collective"
-        self._error = msg
-        raise CollectiveError(msg, hint="every rank must call the same collectives in the same order with "
-                                        f"the same sizes, dtypes and roots (checked before MPI: {CHECK_ENV})")
-
-    def _agree(self, sig, name: str, seq: int, desc, timeout: float, t0: float) -> None:
-        """The signature check (module docstring): raises the named mismatch on every rank.
-        ``sig``: :func:`signature`'s array, or the same values as a tuple of ints (hot path)."""
-        if self.fold:
-            self._gather(sig, name, seq, desc, timeout, t0)
-            return
-        buf = self._sig
-        if type(sig) is not tuple:
-            sig = tuple(int(v) for v in sig)
-        k, n, d, o, root, q = sig
-        full = [k, n, d, o, root, q, -k, -n, -d, -o, -root, -q]    # (signature, -signature)
-        buf[:] = full                   # one assignment: cheaper than numpy ops
-        MPI = self._MPI
-        try:
-            req = self._comm.Iallreduce(MPI.IN_PLACE, [buf, MPI.INT64_T], MPI.MAX)
-        except MPI.Exception as e:
-            self._start_failed(name, seq, desc, e)
-        self._wait(req, name, seq, desc, timeout, t0, (buf,), CHECK_SPIN_S)
-        # MAX of the signatures and of their negations (= -MIN): equal to this rank's own
-        # (signature, -signature) exactly when every rank's signature is this one
-        if buf.tolist() == full:
-            return
-        # every rank saw the difference (same allreduce result): all gather the signatures
-        table = np.empty((self._size, SIG_LEN), np.int64)
-        mine = np.array(sig, np.int64)
-        self._start_wait(name, seq, desc, timeout, t0, (mine, table),
-                         lambda: self._comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T]))
-        self._mismatch(name, seq, table)
-
     def _start_wait(self, name, seq, desc, timeout, t0, keep, start, spin: float = 0.0) -> None:
         try:
             req = start()
@@ -785,139 +480,12 @@ class MpiBackend(LibraryBackend):
         B = self._MPI.BYTE
         self._run("alltoall", seq, desc, timeout, lambda: self._comm.Ialltoall([s, B], [r, B]), (s, r), sig)
 
-    # -- point-to-point -----------------------------------------------------------------------
-    # MPI_Isend / MPI_Irecv on the communicator (its tags and matching: MPI's non-overtaking rule),
-    # completed by one poller thread per communicator; the deadline is the keeper's
-    # (hpcring.collectives.p2p). Needs MPI_THREAD_MULTIPLE: the poller tests while collectives run.
-    def p2p_send(self, buf, peer: int, tag: int, timeout: float, record=None):
-        return self._p2p("send", buf, peer, tag, timeout, record)
-
-    def p2p_recv(self, buf, peer, tag: int, timeout: float, record=None):
-        return self._p2p("recv", buf, peer, tag, timeout, record)
-
-    def _p2p(self, kind: str, buf, peer, tag: int, timeout: float, record):
-        from hpcring.collectives.p2p import KEEPER, Request
-        if self._comm is None:
-            timeout = self._setup("p2p", timeout)       # collective, as MPI_Comm_dup is
-        MPI = self._MPI
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise UsageError("point-to-point on the MPI backend needs MPI_THREAD_MULTIPLE",
-                             hint="use an MPI built with thread support (Open MPI is), or the ring backend")
-        ub = self._comm.Get_attr(MPI.TAG_UB)
-        if ub is not None and tag > ub:
-            raise UsageError(f"{kind}: tag {tag} is above this MPI's MPI_TAG_UB ({ub})")
-        req = Request(kind, buf, peer, tag, timeout, rank=self._rank, hosts=self._hosts, record=record)
-        B = MPI.BYTE
-        try:
-            if kind == "send":
-                mreq = self._comm.Isend([buf, B], peer, tag)
-            else:
-                mreq = self._comm.Irecv([buf, B], MPI.ANY_SOURCE if peer is None else peer, tag)
-        except MPI.Exception as e:
-            req.fail(f"MPI error {e.Get_error_class()}: {e.Get_error_string()}")
-            return req
-        KEEPER.watch(req, self._p2p_expired)
-        self._p2p_poller().add(req, mreq)
-        return req
-
-    def _p2p_poller(self):
-        p = getattr(self, "_poller", None)
-        if p is None:
-            p = self._poller = _Poller(self._MPI, f"hpcring-mpi-p2p:{self._rank}")
-        return p
-
-    def _p2p_expired(self, req) -> None:
-        """The deadline passed: MPI cannot take back a started send; a receive is cancelled."""
-        mreq = self._p2p_poller().forget(req)
-        if mreq is not None:
-            self._stuck.append((mreq, (req.buf,)))
-            if req.kind == "recv":
-                try:
-                    mreq.Cancel()
-                except self._MPI.Exception:
-                    pass
-        who = f"rank {req.peer} ({self._host_of(req.peer)})"
-        if req.kind == "recv":
-            req.fail(f"{'no rank sent it' if req.peer is None else who + ' did not send it'} within the "
-                     f"{req.timeout:g} s deadline",
-                     hint="the sender is late, hung, or sends with another tag or to another rank: look at its "
-                          "log and stack (hpcring stacks JOB)")
-        else:
-            req.fail(f"{who} did not receive it within the {req.timeout:g} s deadline",
-                     hint="the receiver is late, hung, or receives with another tag: look at its log")
-
-    def _host_of(self, r: int) -> str:
-        return self._hosts[r] if self._hosts and r < len(self._hosts) else "?"
-
     def barrier(self, timeout: float) -> None:
         seq, timeout = self._start("barrier", timeout)
         if self.check:          # the check's allreduce needs every rank's input: it is a barrier
             self._agree(signature("barrier", seq), "barrier", seq, "", timeout, time.monotonic())
             return
         self._run("barrier", seq, "", timeout, lambda: self._comm.Ibarrier(), ())
-
-
-class _Poller:
-    """Completes point-to-point requests: tests each pending MPI request, backing off while none
-    completes (50 us to 2 ms), and sleeps while there are none."""
-
-    def __init__(self, MPI, name: str) -> None:
-        self._MPI = MPI
-        self._lock = threading.Lock()
-        self._pending: dict = {}          # Request -> MPI request
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def add(self, req, mreq) -> None:
-        with self._lock:
-            self._pending[req] = mreq
-        self._wake.set()
-
-    def forget(self, req):
-        with self._lock:
-            return self._pending.pop(req, None)
-
-    def _run(self) -> None:
-        MPI = self._MPI
-        delay = 50e-6
-        while True:
-            with self._lock:
-                items = list(self._pending.items())
-            if not items:
-                self._wake.wait(1.0)
-                self._wake.clear()
-                continue
-            progressed = False
-            for req, mreq in items:
-                status = MPI.Status()
-                try:
-                    done = mreq.Test(status)
-                except MPI.Exception as e:
-                    self.forget(req)
-                    req.fail(f"MPI error {e.Get_error_class()}: {e.Get_error_string()}",
-                             hint="a message larger than the receive (MPI_ERR_TRUNCATE) means the sizes differ")
-                    progressed = True
-                    continue
-                if not done:
-                    continue
-                progressed = True
-                if self.forget(req) is None:
-                    continue                      # expired meanwhile
-                if req.kind == "recv":
-                    n = status.Get_count(MPI.BYTE)
-                    if n != req.nbytes:
-                        req.fail(f"rank {status.Get_source()} sent {n} bytes but this receive takes {req.nbytes}",
-                                 hint="send and receive tensors of the same size and dtype")
-                        continue
-                    req.complete(status.Get_source())
-                else:
-                    req.complete()
-            if progressed:
-                delay = 50e-6
-            else:
-                time.sleep(delay)
-                delay = min(delay * 2, 2e-3)
 
 
 __all__ = ["MpiBackend", "ABORT_CODE", "reduce_plan", "to_float32", "from_float32", "abort_default", "check_default",
