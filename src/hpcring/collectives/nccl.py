@@ -47,8 +47,8 @@ import numpy as np
 
 from hpcring.collectives.arrays import active_dev
 from hpcring.collectives.backends import ITEMSIZE, LibraryBackend, chunk_counts
-from hpcring.collectives.nccl_lib import (NCCL_DTYPE, NCCL_OP, SENDRECV_MIN_VERSION, _import_cupy, check_gpu_sharing,
-                                          format_version, gpu_count, nccl_dtype, nccl_op, uid_from_bytes,
+from hpcring.collectives.nccl_lib import (NCCL_DTYPE, NCCL_OP, SENDRECV_MIN_VERSION, _check_one_gpu_per_rank,
+                                          _import_cupy, _init_rank, format_version, gpu_count, nccl_dtype, nccl_op,
                                           uid_takes_bytes, uid_to_bytes, wait_for)
 from hpcring.errors import CollectiveError, UsageError
 
@@ -468,43 +468,6 @@ class NcclBackend(LibraryBackend):
             self._ptr(one), self._ptr(one), 1, f32, NCCL_OP["sum"], stream.ptr))
         self._pending = None
         self.wait(p)
-
-
-def _check_one_gpu_per_rank(topology, store, gen: int, cupy, device_id: int, timeout: float) -> None:
-    """Every rank publishes its GPU's PCI bus id; each compares with the ranks of its own host
-    (from the topology), so the check costs local_size store reads per rank."""
-    try:
-        bus = str(cupy.cuda.runtime.deviceGetPCIBusId(device_id))
-    except Exception:  # noqa: BLE001 - an old driver API: fall back on the visible index
-        bus = f"visible device {device_id}"
-    store.set(f"nccl/{gen}/gpu/{topology.rank}", bus.encode())
-    hosts = list(topology.hosts or ())
-    peers = [r for r, h in enumerate(hosts) if h == topology.host] or [topology.rank]
-    try:
-        values = store.gather([f"nccl/{gen}/gpu/{r}" for r in peers], timeout=timeout)
-    except Exception as e:  # noqa: BLE001 - StoreTimeoutError names the missing keys
-        raise CollectiveError(f"NCCL communicator {gen}: rank {topology.rank} ({topology.host}) did not hear "
-                              f"from the other ranks of its host within {timeout:g} s: {e}") from None
-    check_gpu_sharing(topology.rank, {r: v.decode() for r, v in zip(peers, values)}, topology.host)
-
-
-def _init_rank(nccl, topology, raw: bytes, as_bytes: bool, device_id: int):
-    """``NcclCommunicator(size, uid, rank)`` with the unique id in the type this CuPy takes; a
-    TypeError about ``commId`` (a CuPy whose version we misjudged) retries with the other type."""
-    last = None
-    for form in (as_bytes, not as_bytes):
-        try:
-            return nccl.NcclCommunicator(topology.size, uid_from_bytes(raw, as_bytes=form), topology.rank)
-        except TypeError as e:
-            if "commId" not in str(e):
-                last = e
-                break
-            last = e
-        except Exception as e:  # noqa: BLE001 - NcclError / CUDA errors
-            last = e
-            break
-    raise CollectiveError(f"ncclCommInitRank failed on rank {topology.rank} ({topology.host}, GPU "
-                          f"{device_id}): {last}", hint="NCCL_DEBUG=INFO shows why")
 
 
 __all__ = ["NcclBackend", "Pending"]
