@@ -280,7 +280,7 @@ def test_a_rank_that_raised_writes_its_dump_and_the_report_names_it(job, monkeyp
 
 
 def test_an_uncaught_exception_is_found_at_exit_and_the_dump_is_bounded(job, monkeypatch):
-    from hpcring.diagnostics import watchdog
+    from hpcring.diagnostics.watchdog import dumps
     dog = _dog(job, 2).start()
     dog.register(_comm(_recorder(2, ops=[("allreduce", "float32", 8, None, "done")])))
     try:
@@ -289,7 +289,7 @@ def test_an_uncaught_exception_is_found_at_exit_and_the_dump_is_bounded(job, mon
         monkeypatch.setattr(sys, "last_value", exc, raising=False)   # as the interpreter leaves it
     stuck = threading.Event()
     monkeypatch.setattr(dog, "dump", lambda reason: stuck.wait(60))  # a file system that hangs
-    monkeypatch.setattr(watchdog, "EXIT_DUMP_S", 0.3)
+    monkeypatch.setattr(dumps, "EXIT_DUMP_S", 0.3)
     t0 = time.monotonic()
     dog._on_exit()
     assert time.monotonic() - t0 < 5.0                                # the exit is not held by the dump

@@ -19,7 +19,7 @@ import pytest
 
 from hpcring.bootstrap import auth
 from hpcring.bootstrap.store_server import StoreServer
-from hpcring.diagnostics import fanout
+from hpcring.diagnostics.watchdog import fanout, listener, wire
 from hpcring.diagnostics.report import diagnose
 from hpcring.diagnostics.watchdog import Watchdog, _from_wire, _to_wire
 from hpcring.errors import CollectiveError
@@ -70,7 +70,7 @@ class _Ranks:
                 self.parked.append(s)
                 self.addrs[r] = f"127.0.0.1:{s.getsockname()[1]}"
                 continue
-            lst = fanout.Listener("127.0.0.1", SECRET, lambda m, r=r: self._on(r, m)).start()
+            lst = listener.Listener("127.0.0.1", SECRET, lambda m, r=r: self._on(r, m)).start()
             self.listeners[r] = lst
             self.addrs[r] = f"127.0.0.1:{lst.port}"
         for r in dead:            # its port is closed: connection refused
@@ -142,28 +142,28 @@ def _until(ready, timeout: float = 5) -> None:
 
 def test_the_listener_parses_nothing_before_the_mac_and_caps_the_body():
     seen = []
-    lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()
+    lst = listener.Listener("127.0.0.1", SECRET, seen.append).start()
     try:
         body = json.dumps({"root": 0}).encode()
         # wrong secret: the MAC fails, the body is never read
         with pytest.raises((ConnectionError, OSError)):
-            fanout.send(f"127.0.0.1:{lst.port}", body, b"x" * 32, timeout=3)
+            wire.send(f"127.0.0.1:{lst.port}", body, b"x" * 32, timeout=3)
         # garbage of the right size
         _raw(lst.port, lambda ns: b"\0" * auth.DIAG.proof_len)
         # a valid MAC over a length past the cap: refused without reading the body
 
         def huge(ns):
             nc = b"n" * auth.NONCE_LEN
-            extra = fanout._EXTRA.pack(fanout.MAX_BODY + 1, b"d" * 32)
+            extra = wire._EXTRA.pack(wire.MAX_BODY + 1, b"d" * 32)
             return nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra
         _raw(lst.port, huge)
         # a valid MAC whose digest does not match the body sent
         def swapped(ns):
             nc = b"m" * auth.NONCE_LEN
-            extra = fanout._EXTRA.pack(len(body), b"\1" * 32)
+            extra = wire._EXTRA.pack(len(body), b"\1" * 32)
             return nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra + body
         _raw(lst.port, swapped)
-        fanout.send(f"127.0.0.1:{lst.port}", body, SECRET, timeout=5)     # the real one still gets in
+        wire.send(f"127.0.0.1:{lst.port}", body, SECRET, timeout=5)     # the real one still gets in
         _until(lambda: seen)
         assert seen == [{"root": 0}]
     finally:
@@ -174,17 +174,17 @@ def test_one_listener_thread_reads_many_senders_at_once_and_a_silent_one_blocks_
     """The listener is one thread whatever arrives: 60 messages from 20 senders at once all get
     in, no thread is started for them, and a connection that never answers the greeting holds
     up nobody else (it is dropped after its step)."""
-    monkeypatch.setattr(fanout, "step", lambda: 1.0)
+    monkeypatch.setattr(wire, "step", lambda: 1.0)
     seen: list = []
-    lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()
+    lst = listener.Listener("127.0.0.1", SECRET, seen.append).start()
     silent = socket.create_connection(("127.0.0.1", lst.port), timeout=5)   # greeted, never answers
     try:
         threads = threading.active_count()
         t0 = time.monotonic()
         for batch in range(3):
-            jobs = [(f"127.0.0.1:{lst.port}", fanout.pack({"i": batch * 20 + i, "pad": "x" * (i * 997)}))
+            jobs = [(f"127.0.0.1:{lst.port}", wire.pack({"i": batch * 20 + i, "pad": "x" * (i * 997)}))
                     for i in range(20)]
-            assert fanout.send_many(jobs, SECRET, timeout=5) == [None] * 20
+            assert wire.send_many(jobs, SECRET, timeout=5) == [None] * 20
         assert time.monotonic() - t0 < 1.0                       # not behind the silent one
         assert threading.active_count() == threads
         _until(lambda: len(seen) >= 60)
@@ -202,15 +202,15 @@ def test_a_full_listener_leaves_the_rest_in_the_backlog_without_spinning(monkeyp
     """At MAX_PENDING connections being read the listener stops accepting (the kernel's backlog
     holds the rest) instead of polling a readable socket in a loop; a slot freed by a silent
     connection's deadline lets the next one in."""
-    monkeypatch.setattr(fanout, "step", lambda: 1.0)
-    monkeypatch.setattr(fanout, "MAX_PENDING", 2)
+    monkeypatch.setattr(wire, "step", lambda: 1.0)
+    monkeypatch.setattr(listener, "MAX_PENDING", 2)
     seen: list = []
-    lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()
+    lst = listener.Listener("127.0.0.1", SECRET, seen.append).start()
     silent = [socket.create_connection(("127.0.0.1", lst.port), timeout=5) for _ in range(2)]
     try:
         time.sleep(0.2)
         cpu, t0 = time.process_time(), time.monotonic()
-        fanout.send(f"127.0.0.1:{lst.port}", json.dumps({"late": 1}).encode(), SECRET, timeout=5)
+        wire.send(f"127.0.0.1:{lst.port}", json.dumps({"late": 1}).encode(), SECRET, timeout=5)
         took, used = time.monotonic() - t0, time.process_time() - cpu
         assert 0.5 < took < 4.0, took              # waited for a silent one's deadline
         assert used < 0.5 * took, (used, took)     # ... blocked, not spinning
@@ -224,16 +224,16 @@ def test_a_full_listener_leaves_the_rest_in_the_backlog_without_spinning(monkeyp
 
 def test_the_listener_drops_bytes_past_the_authenticated_length():
     seen: list = []
-    lst = fanout.Listener("127.0.0.1", SECRET, seen.append).start()
+    lst = listener.Listener("127.0.0.1", SECRET, seen.append).start()
     try:
         body = json.dumps({"root": 1}).encode()
 
         def trailing(ns):
             nc = b"t" * auth.NONCE_LEN
-            extra = fanout._EXTRA.pack(len(body), hashlib.sha256(body).digest())
+            extra = wire._EXTRA.pack(len(body), hashlib.sha256(body).digest())
             return nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra + body + b"{}"
         _raw(lst.port, trailing)
-        fanout.send(f"127.0.0.1:{lst.port}", json.dumps({"root": 2}).encode(), SECRET, timeout=5)
+        wire.send(f"127.0.0.1:{lst.port}", json.dumps({"root": 2}).encode(), SECRET, timeout=5)
         _until(lambda: seen)
         assert seen == [{"root": 2}]
     finally:
@@ -245,14 +245,14 @@ def test_a_listener_replies_with_its_acknowledgement_and_a_forged_reply_is_refus
     replies; a leaf's snapshot rides on the trigger's delivery); the reply is covered by the
     listener's proof and digest: a wrong proof, a reply over the cap or one that does not match
     its digest is an error on the sender's side, never handed on."""
-    lst = fanout.Listener("127.0.0.1", SECRET, lambda m: fanout.pack({"echo": m["i"]}) if m["i"] else None).start()
+    lst = listener.Listener("127.0.0.1", SECRET, lambda m: wire.pack({"echo": m["i"]}) if m["i"] else None).start()
     try:
-        assert fanout.unpack(fanout.send(f"127.0.0.1:{lst.port}", json.dumps({"i": 7}).encode(), SECRET)) == {"echo": 7}
-        assert fanout.send(f"127.0.0.1:{lst.port}", json.dumps({"i": 0}).encode(), SECRET) == b""
+        assert wire.unpack(wire.send(f"127.0.0.1:{lst.port}", json.dumps({"i": 7}).encode(), SECRET)) == {"echo": 7}
+        assert wire.send(f"127.0.0.1:{lst.port}", json.dumps({"i": 0}).encode(), SECRET) == b""
         replies: list = []
         jobs = [(f"127.0.0.1:{lst.port}", json.dumps({"i": i}).encode()) for i in range(4)]
-        assert fanout.send_many(jobs, SECRET, timeout=5, replies=replies) == [None] * 4
-        assert replies[0] == b"" and [fanout.unpack(r)["echo"] for r in replies[1:]] == [1, 2, 3]
+        assert wire.send_many(jobs, SECRET, timeout=5, replies=replies) == [None] * 4
+        assert replies[0] == b"" and [wire.unpack(r)["echo"] for r in replies[1:]] == [1, 2, 3]
     finally:
         lst.close()
 
@@ -274,26 +274,26 @@ def test_a_listener_replies_with_its_acknowledgement_and_a_forged_reply_is_refus
         return srv
 
     def bad_proof(ns, nc, extra):
-        return b"\0" * auth.MAC_LEN + fanout._EXTRA.pack(0, hashlib.sha256(b"").digest())
+        return b"\0" * auth.MAC_LEN + wire._EXTRA.pack(0, hashlib.sha256(b"").digest())
 
     def over_cap(ns, nc, extra):
-        rx = fanout._EXTRA.pack(fanout.MAX_BODY + 1, b"d" * 32)
+        rx = wire._EXTRA.pack(wire.MAX_BODY + 1, b"d" * 32)
         return auth.DIAG.server_proof(SECRET, ns, nc, b"", extra + rx) + rx
 
     def wrong_digest(ns, nc, extra):
-        rx = fanout._EXTRA.pack(2, hashlib.sha256(b"ok").digest())
+        rx = wire._EXTRA.pack(2, hashlib.sha256(b"ok").digest())
         return auth.DIAG.server_proof(SECRET, ns, nc, b"", extra + rx) + rx + b"no"
     for forge in (bad_proof, over_cap, wrong_digest):
         srv = fake_listener(forge)
         try:
             with pytest.raises(ConnectionError):
-                fanout.send(f"127.0.0.1:{srv.getsockname()[1]}", b"{}", SECRET, timeout=3)
+                wire.send(f"127.0.0.1:{srv.getsockname()[1]}", b"{}", SECRET, timeout=3)
         finally:
             srv.close()
         srv = fake_listener(forge)
         try:
             replies = []
-            errs = fanout.send_many([(f"127.0.0.1:{srv.getsockname()[1]}", b"{}")], SECRET, timeout=3, replies=replies)
+            errs = wire.send_many([(f"127.0.0.1:{srv.getsockname()[1]}", b"{}")], SECRET, timeout=3, replies=replies)
             assert isinstance(errs[0], ConnectionError) and replies == [b""], (forge.__name__, errs)
         finally:
             srv.close()
@@ -301,9 +301,9 @@ def test_a_listener_replies_with_its_acknowledgement_and_a_forged_reply_is_refus
 
 def test_a_reply_the_sender_does_not_take_is_reported_unsent():
     unsent: list = []
-    big = fanout.pack({"pad": base64.b64encode(os.urandom(5 << 20)).decode()})   # ~5 MiB that will not fit
-    assert len(big) < fanout.MAX_BODY                                          # the socket buffers at once
-    lst = fanout.Listener("127.0.0.1", SECRET, lambda m: big, unsent.append).start()
+    big = wire.pack({"pad": base64.b64encode(os.urandom(5 << 20)).decode()})   # ~5 MiB that will not fit
+    assert len(big) < wire.MAX_BODY                                          # the socket buffers at once
+    lst = listener.Listener("127.0.0.1", SECRET, lambda m: big, unsent.append).start()
     try:
         body = json.dumps({"i": 1}).encode()
         with socket.socket() as s:
@@ -312,7 +312,7 @@ def test_a_reply_the_sender_does_not_take_is_reported_unsent():
             s.connect(("127.0.0.1", lst.port))
             ns = auth.DIAG.read_hello(s)
             nc = b"u" * auth.NONCE_LEN
-            extra = fanout._EXTRA.pack(len(body), hashlib.sha256(body).digest())
+            extra = wire._EXTRA.pack(len(body), hashlib.sha256(body).digest())
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close with a reset
             s.sendall(nc + auth.DIAG.client_proof(SECRET, ns, nc, b"", extra) + extra + body)
             time.sleep(0.3)
@@ -327,8 +327,8 @@ def test_send_many_delivers_to_all_at_once_and_types_each_failure():
     that never greets, one with another secret and a malformed address each fail on their own,
     with send()'s error types, and the whole call lasts one timeout, not one per failure."""
     seen: list = []
-    good = [fanout.Listener("127.0.0.1", SECRET, seen.append).start() for _ in range(5)]
-    other = fanout.Listener("127.0.0.1", b"o" * 32, seen.append).start()
+    good = [listener.Listener("127.0.0.1", SECRET, seen.append).start() for _ in range(5)]
+    other = listener.Listener("127.0.0.1", b"o" * 32, seen.append).start()
     mute = socket.socket()
     mute.bind(("127.0.0.1", 0))
     mute.listen(8)                                          # accepts (kernel backlog), never greets
@@ -341,7 +341,7 @@ def test_send_many_delivers_to_all_at_once_and_types_each_failure():
         jobs += [(f"127.0.0.1:{closed_port}", b"{}"), (f"127.0.0.1:{mute.getsockname()[1]}", b"{}"),
                  (f"127.0.0.1:{other.port}", b"{}"), ("no-port-here", b"{}")]
         t0 = time.monotonic()
-        errs = fanout.send_many(jobs, SECRET, timeout=1.5)
+        errs = wire.send_many(jobs, SECRET, timeout=1.5)
         took = time.monotonic() - t0
         assert errs[:5] == [None] * 5
         assert isinstance(errs[5], ConnectionRefusedError)
@@ -351,7 +351,7 @@ def test_send_many_delivers_to_all_at_once_and_types_each_failure():
         assert took < 3.0, took                             # one timeout for all, not per failure
         _until(lambda: len(seen) >= 5)
         assert sorted(m["to"] for m in seen) == [0, 1, 2, 3, 4]    # the other secret's listener got nothing
-        assert fanout.send_many([], SECRET, timeout=1.0) == []
+        assert wire.send_many([], SECRET, timeout=1.0) == []
     finally:
         for g in good + [other]:
             g.close()
@@ -361,10 +361,10 @@ def test_send_many_delivers_to_all_at_once_and_types_each_failure():
 @pytest.mark.parametrize("size", [100, 20_000, 3 << 20])
 def test_send_many_carries_bodies_of_any_size(size):
     seen: list = []
-    lst = [fanout.Listener("127.0.0.1", SECRET, seen.append).start() for _ in range(3)]
+    lst = [listener.Listener("127.0.0.1", SECRET, seen.append).start() for _ in range(3)]
     try:
-        body = fanout.pack({"pad": "x" * size})             # compressed above 16 KiB
-        assert fanout.send_many([(f"127.0.0.1:{x.port}", body) for x in lst], SECRET, timeout=10) == [None] * 3
+        body = wire.pack({"pad": "x" * size})             # compressed above 16 KiB
+        assert wire.send_many([(f"127.0.0.1:{x.port}", body) for x in lst], SECRET, timeout=10) == [None] * 3
         _until(lambda: len(seen) >= 3)
         assert [len(m["pad"]) for m in seen] == [size] * 3
     finally:
@@ -496,7 +496,7 @@ def test_the_reporter_waits_past_the_grace_only_while_snapshots_still_arrive(tmp
         own = {"rank": 0, "records": [], "where": "x"}        # the root's own, which it never waits for
         t = threading.Thread(target=arrive, args=(range(1, n), 0.9))    # slow but alive: 2.7 s > grace
         t.start()
-        rep = dog._collect(client, {"rank": 0, "error": "x"}, None, own)
+        rep = dog._fallback.collect(client, {"rank": 0, "error": "x"}, None, own)
         t.join()
         assert sorted(rep.where) == list(range(n)), rep.categories      # none named unreachable
         for k in ("diag/nsnap",) + tuple(f"diag/snap/{r}" for r in range(n)):
@@ -504,7 +504,7 @@ def test_the_reporter_waits_past_the_grace_only_while_snapshots_still_arrive(tmp
         t = threading.Thread(target=arrive, args=([1], 0.1))           # one comes, two never will
         start = time.monotonic()
         t.start()
-        rep = dog._collect(client, {"rank": 0, "error": "x"}, None, own)
+        rep = dog._fallback.collect(client, {"rank": 0, "error": "x"}, None, own)
         took = time.monotonic() - start
         t.join()
         assert sorted(rep.where) == [0, 1] and rep.categories["unreachable"] == [2, 3]

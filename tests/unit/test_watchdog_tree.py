@@ -1,4 +1,4 @@
-"""The rounds after the trigger on the watchdog's tree (hpcring.diagnostics.tree_rounds): snapshots
+"""The rounds after the trigger on the watchdog's tree (hpcring.diagnostics.watchdog.tree_rounds): snapshots
 up, the report down, acknowledgements up and the exit down, with the store as the fallback of a
 rank the tree loses; the wait budgets per level; compressed bodies with a bound on inflation."""
 from __future__ import annotations
@@ -12,8 +12,10 @@ import zlib
 import pytest
 
 from hpcring.bootstrap.store_server import StoreServer
-from hpcring.diagnostics import fanout, watchdog as wdmod
-from hpcring.diagnostics.tree_rounds import TreeRounds, gather_budget
+from hpcring.diagnostics import watchdog as wdmod
+from hpcring.diagnostics.watchdog import ending, fanout, wire
+from hpcring.diagnostics.watchdog.store_fallback import StoreFallback
+from hpcring.diagnostics.watchdog.tree_rounds import TreeRounds, gather_budget
 from hpcring.diagnostics.watchdog import Watchdog
 from hpcring.errors import CollectiveError
 from helpers_watchdog import WatchedComm
@@ -102,7 +104,7 @@ def test_a_rank_whose_parent_is_gone_sends_its_subtree_through_the_store(store):
     n = 16
     job = _Job(store, n, frozen=15, grace=2.0)
     try:
-        real = job.dogs[8]._on_message
+        real = job.dogs[8]._tree_path.on_message
 
         def dying(msg):
             real(msg)
@@ -148,8 +150,8 @@ def test_abort_mode_every_rank_prints_before_any_rank_exits(store, monkeypatch):
         exits[threading.current_thread().name] = time.monotonic()
         release.wait(60)             # parked like an ended process, returns at the test's end
 
-    monkeypatch.setattr(wdmod.os, "_exit", fake_exit)
-    monkeypatch.setattr(wdmod.teardown, "end_job", lambda *a, **k: None)
+    monkeypatch.setattr(ending.os, "_exit", fake_exit)
+    monkeypatch.setattr(ending.teardown, "end_job", lambda *a, **k: None)
     hook = lambda headline: lines.setdefault(threading.current_thread().name, time.monotonic())  # noqa: E731
     wdmod.add_exit_hook(hook)
     job = _Job(store, 12, frozen=11, abort=True, grace=1.5)
@@ -169,16 +171,16 @@ def test_abort_mode_every_rank_prints_before_any_rank_exits(store, monkeypatch):
 def test_compressed_bodies_are_inflated_only_within_the_bound(monkeypatch):
     snaps = {str(r): {"rank": r, "where": "in allreduce at train.py:10", "records": [{"seq": 1}] * 8}
              for r in range(4096)}
-    body = fanout.pack({"kind": "gather", "snaps": snaps})
+    body = wire.pack({"kind": "gather", "snaps": snaps})
     assert body[:1] == b"x" and len(body) < len(json.dumps(snaps)) / 10      # snapshots differ little
-    assert fanout.unpack(body)["snaps"]["4095"]["rank"] == 4095
-    assert fanout.pack({"kind": "exit"})[:1] == b"{"                       # small ones stay plain
-    monkeypatch.setattr(fanout, "MAX_INFLATED", 1 << 16)
+    assert wire.unpack(body)["snaps"]["4095"]["rank"] == 4095
+    assert wire.pack({"kind": "exit"})[:1] == b"{"                       # small ones stay plain
+    monkeypatch.setattr(wire, "MAX_INFLATED", 1 << 16)
     with pytest.raises(ValueError, match="inflates past"):
-        fanout.unpack(zlib.compress(b"{" + b" " * (1 << 20) + b"}"))         # a bomb stops at the bound
+        wire.unpack(zlib.compress(b"{" + b" " * (1 << 20) + b"}"))         # a bomb stops at the bound
     for junk in (b"x\x00garbage", b"[1, 2]", b"\xff\xfe"):
         with pytest.raises(ValueError):
-            fanout.unpack(junk)
+            wire.unpack(junk)
 
 
 def test_a_stopped_rank_is_accounted_for_and_costs_the_grace_alone(store):
@@ -214,7 +216,7 @@ def test_the_tree_step_follows_a_raised_handshake_timeout(monkeypatch, value, st
         monkeypatch.delenv("HPCRING_HANDSHAKE_TIMEOUT", raising=False)
     else:
         monkeypatch.setenv("HPCRING_HANDSHAKE_TIMEOUT", value)
-    assert fanout.step() == step
+    assert wire.step() == step
 
 
 def test_failing_threads_do_the_trees_work_and_claim_on_their_session_connection(store, monkeypatch):
@@ -235,15 +237,15 @@ def test_failing_threads_do_the_trees_work_and_claim_on_their_session_connection
     # every failing thread is inside trigger() before the first claim: a rank the tree reaches
     # before its own collective failed rightly starts a thread (a loaded machine does that)
     entered = threading.Barrier(n - 1, timeout=20)
-    real_claim = wdmod.Watchdog._claim_trigger
+    real_claim = StoreFallback.claim_trigger
 
     def claim_together(self):
         entered.wait()
         return real_claim(self)
-    monkeypatch.setattr(wdmod.Watchdog, "_claim_trigger", claim_together)
+    monkeypatch.setattr(StoreFallback, "claim_trigger", claim_together)
     sent_up: list = []
-    real_send = fanout.send
-    monkeypatch.setattr(fanout, "send", lambda *a, **k: sent_up.append(a[0]) or real_send(*a, **k))
+    real_send = wire.send
+    monkeypatch.setattr(wire, "send", lambda *a, **k: sent_up.append(a[0]) or real_send(*a, **k))
     try:
         before = store.stats["connections"]
         monkeypatch.setattr(threading.Thread, "start", start)

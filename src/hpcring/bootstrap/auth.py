@@ -231,5 +231,5 @@ STORE = Handshake(b"HRS1", b"hpcring-store-v1 client", b"hpcring-store-v1 server
 STORE_SESSION_LABEL = b"hpcring-store-v1 session"
 RING = Handshake(b"HRR1", b"hpcring-ring-v1 connect", b"hpcring-ring-v1 accept", extra_len=8)
 PROBE = Handshake(b"", b"hpcring-probe-v1 client", b"hpcring-probe-v1 server")
-# the watchdog's trigger fan-out (hpcring.diagnostics.fanout): extra = body length + its SHA-256
+# the watchdog's trigger fan-out (hpcring.diagnostics.watchdog.wire): extra = body length + its SHA-256
 DIAG = Handshake(b"HRD1", b"hpcring-diag-v1 trigger", b"hpcring-diag-v1 listener", extra_len=36)

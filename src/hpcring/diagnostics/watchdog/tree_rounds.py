@@ -1,6 +1,6 @@
 """One rank's place in a failure's tree, and what comes back up and down it after the trigger.
 
-The trigger goes down the k-nomial tree of :mod:`hpcring.diagnostics.fanout`; this module is the
+The trigger goes down the k-nomial tree of :mod:`hpcring.diagnostics.watchdog.fanout`; this module is the
 state of the rounds that follow on the same tree, so that rank 0's store serves one connection
 per failure instead of one per rank (at 4096 ranks the per-rank store connections and snapshots
 were most of the time from a frozen rank to its report):
@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 
-from hpcring.diagnostics import fanout
+from hpcring.diagnostics.watchdog import fanout
 from hpcring.ranks import expand_ranges
 
 
