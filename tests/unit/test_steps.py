@@ -41,6 +41,13 @@ def test_step_argv_pins_the_step_to_the_chosen_nodes():
         slurm_steps.step_argv(["mpirun", "x"], ["n1"], 1)
 
 
+def test_an_elastic_node_step_runs_its_workers_on_that_node_alone_and_survives_their_failures():
+    argv = slurm_steps.node_step_argv("node3", 2, ["python", "train.py", "--lr", "0.1"])
+    assert argv[0] == "srun" and argv[-4:] == ["python", "train.py", "--lr", "0.1"]
+    assert {"--nodes=1", "--ntasks=2", "--ntasks-per-node=2", "--nodelist=node3", "--kill-on-bad-exit=0"} <= set(argv)
+    assert "--kill-on-bad-exit=1" not in argv
+
+
 def test_srun_casualty_lines():
     text = ("srun: error: node2: task 1: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=1.0\n"
             "srun: error: node1: tasks 0,2-3: Terminated\nsrun: error: node4: task 7: Exited with exit code 1\n")

@@ -65,9 +65,8 @@ def run(cmd: list[str], env: dict, nodes: int, per_node: int, min_nodes: int, re
                                   "(docs/from-horovod.md), or run inside a Slurm allocation")
         if not hosts or len(hosts) < nodes:
             raise UsageError(f"--nodes {nodes} but this allocation lists {len(hosts or [])} node(s)")
-        from hpcring.schedulers.slurm_steps import step_argv
-        launch = ["srun", "--unbuffered", "--kill-on-bad-exit=0", *cmd]
-        plan = Nodes(hosts=list(hosts), use=nodes, argv=lambda host: step_argv(launch, [host], per_node))
+        from hpcring.schedulers.slurm_steps import node_step_argv
+        plan = Nodes(hosts=list(hosts), use=nodes, argv=lambda host: node_step_argv(host, per_node, cmd))
         address = _source_address(hosts[0]) or socket.gethostname()
         driver = Driver(_args(cmd, np_, min_np, reset_limit, address), nodes=plan, environ=env)
     code = driver.run()

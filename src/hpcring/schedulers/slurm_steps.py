@@ -50,6 +50,12 @@ def step_argv(launch: Sequence[str], hosts: Sequence[str], tasks_per_node: int) 
     return [launch[0], *size, *launch[1:]]
 
 
+def node_step_argv(host: str, tasks_per_node: int, command: Sequence[str]) -> list[str]:
+    """``tasks_per_node`` tasks of ``command`` as a step on ``host`` alone (hpcring run --elastic:
+    a node's workers); a task's failure ends none of the others (the elastic driver decides)."""
+    return step_argv(["srun", "--unbuffered", "--kill-on-bad-exit=0", *command], [host], tasks_per_node)
+
+
 def gang_argv(hosts: Sequence[str], command: Sequence[str]) -> list[str]:
     """One task of ``command`` on each of ``hosts`` (the preflight), whatever the job's layout; a
     task's failure ends nothing (each node's own verdict is what counts)."""
