@@ -241,8 +241,8 @@ class Job:
 
     # state
     def _state(self):
-        from hpcring import submit as lib
-        return lib.job_state(self._rec)
+        from hpcring import jobstatus
+        return jobstatus.job_state(self._rec)
 
     @property
     def state(self) -> str:
@@ -303,26 +303,26 @@ class Job:
 
     def _completed(self, timeout: float | None) -> list[int]:
         """Wait; the ranks to read when the job completed, else raise its failure."""
-        from hpcring import submit as lib
+        from hpcring import jobstatus
         if self._rec.array is not None:
             raise UsageError(f"job {self.job_id} is an array of {len(self._rec.array)} tasks: each task has its results",
                              hint=f"job.tasks()[i].results(), or `hpcring.Job('{self.job_id}_{self._rec.array[0]}')`")
         self.wait(timeout)
         st = self._state()
-        oc = lib.outcome(self._rec, st)
+        oc = jobstatus.outcome(self._rec, st)
         if not oc.ok:
-            raise self._failure(lib, oc)
+            raise self._failure(oc)
         return list(range(self._rec.ntasks))
 
-    def _failure(self, lib, oc) -> JobFailedError:
+    def _failure(self, oc) -> JobFailedError:
         """The CLI's verdict on the job (``describe_failure``), with the first failing rank, its
         host and, for a function, its traceback text."""
-        from hpcring import nodehistory
+        from hpcring import jobstatus, nodehistory
         try:
             _say(nodehistory.record_ended(self._rec, oc))   # as `submit --wait` and `status` do
         except HpcringError as exc:
             log.warning("warning: %s", exc)
-        exc = lib.describe_failure(self._rec, oc)
+        exc = jobstatus.describe_failure(self._rec, oc)
         if oc.failed:
             first = oc.failed[0]
             exc.rank, exc.host = first.get("rank"), first.get("host")
@@ -392,8 +392,8 @@ class Job:
     def logs(self, rank: int | None = None) -> str:
         """Every rank's lines so far, tagged ``[rank]<stdout>:`` as ``hpcring logs`` prints them
         (an array: ``[task:rank]``)."""
-        from hpcring import submit as lib
-        return "".join(line + "\n" for line in lib.tagged_lines(self._rec, rank))
+        from hpcring import jobfollow
+        return "".join(line + "\n" for line in jobfollow.tagged_lines(self._rec, rank))
 
     def __repr__(self) -> str:
         return f"hpcring.Job({self.key!r}, name={self.name!r})"

@@ -304,7 +304,7 @@ def build(rec=None, folder: Path | None = None, *, state: str | None = None, fin
     """The report (a JSON-able dict, schema :data:`SCHEMA`, docs/report.schema.json) of job record
     ``rec`` (a schedulers.base.JobRecord) or of a job ``folder`` given by path. ``state``: the
     scheduler's word for the job (None: not known); ``finished``: whether that state is final;
-    ``run_start``: when its latest run started (submit.run_started), for a running job whose
+    ``run_start``: when its latest run started (jobstatus.run_started), for a running job whose
     ranks wrote nothing yet. Raises :class:`ReportError` when there is nothing to report or a
     record is corrupt."""
     from hpcring.restarts import CHAIN_FILE, read_chain

@@ -279,15 +279,15 @@ def _inside(rec) -> dict:
 
 
 def verdict(rec, oc) -> Verdict:
-    """:func:`classify` of a finished job, from its folder and ``oc`` (submit.Outcome)."""
+    """:func:`classify` of a finished job, from its folder and ``oc`` (outcome.Outcome)."""
     return blamed(rec, oc)[0]
 
 
 def blamed(rec, oc) -> tuple[Verdict, dict | None]:
     """(:func:`verdict`, the hang report it read: None when there is none)."""
-    from hpcring import submit as lib
+    from hpcring import jobstatus
     report = _report(rec)
-    return classify(oc.state.state, lib.rank_statuses(rec), rec.ntasks, report), report
+    return classify(oc.state.state, jobstatus.rank_statuses(rec), rec.ntasks, report), report
 
 
 def status_lines(rec, oc) -> list[str]:
@@ -307,9 +307,9 @@ def status_lines(rec, oc) -> list[str]:
 
 
 def _report(rec) -> dict | None:
-    """The latest run's hang report (submit.hang_headline's freshness rule), as a dict."""
-    from hpcring import submit as lib
-    hang = lib.hang_headline(rec)
+    """The latest run's hang report (jobstatus.hang_headline's freshness rule), as a dict."""
+    from hpcring import jobstatus
+    hang = jobstatus.hang_headline(rec)
     if hang is None:
         return None
     try:

@@ -125,7 +125,7 @@ def test_status_of_several_real_jobs_is_one_scheduler_query(env, monkeypatch):
     wait_for(lambda: all(sacct(j, "State") == ["COMPLETED"] for j in ids), 180, "4 jobs completed")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    from hpcring import submit
+    from hpcring import jobstatus
     from hpcring.schedulers import slurm
     calls = []
     real = slurm.run_command
@@ -134,7 +134,7 @@ def test_status_of_several_real_jobs_is_one_scheduler_query(env, monkeypatch):
         calls.append(cmd)
         return real(cmd, **kw)
     monkeypatch.setattr(slurm, "run_command", recording)
-    rows = submit.recent(10)
+    rows = jobstatus.recent(10)
     assert sorted(r.job_id for r, _, _ in rows) == sorted(ids)
     assert all(st is not None and st.state == "COMPLETED" for _, st, _ in rows), rows
     assert [c[0] for c in calls] == ["sacct"], calls

@@ -3,7 +3,6 @@ batched state query (issue 25): spec parsing over generated inputs, the rendered
 task records, `status` of an array, and one scheduler query for many jobs."""
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -13,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from hpcring import submit
+from hpcring import jobstatus, submit
 from hpcring.cli.main import app
 from hpcring.config.arrays import (MAX_ARRAY_INDEX, ArraySpec, Dependency, parse_array, parse_dependency,
                                    parse_sweep, sweep_args)
@@ -22,7 +21,7 @@ from hpcring.config.site import load_site
 from hpcring.errors import UsageError
 from hpcring.schedulers.render import render_script
 from hpcring.schedulers import base, get
-from hpcring.schedulers.base import JobRecord, new_record
+from hpcring.schedulers.base import new_record
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 COMMAND = "/usr/bin/python3 -u -m submitit.core._submit /jobs/%j"
@@ -220,7 +219,7 @@ def test_live_jobs_add_one_squeue_for_them_all(state_dir, tmp_path, monkeypatch)
     rec = Recorder(answers)
     from hpcring.schedulers import slurm
     monkeypatch.setattr(slurm, "run_command", rec)
-    rows = {r.job_id: st for r, st, _ in submit.recent(10)}
+    rows = {r.job_id: st for r, st, _ in jobstatus.recent(10)}
     assert [c[0] for c in rec.calls] == ["sacct", "squeue"]
     assert set(rec.calls[1][rec.calls[1].index("-j") + 1].split(",")) == {"2001", "2002", "2003", "2004"}
     assert (rows["2000"].state, rows["2001"].state, rows["2002"].state, rows["2003"].state) == \

@@ -66,15 +66,15 @@ def failed_job(tmp_path: Path, job_id="1361", *, frozen: int | None = 1, link: b
     rec = JobRecord(job_id=job_id, scheduler=scheduler, site=str(ROOT / f"site_configs/{site_name}.yaml"),
                     folder=str(folder), ntasks=3, name="train", script="train.py", submitted_at=NOW - 600,
                     cluster="devcluster")
-    from hpcring.submit import rank_statuses
+    from hpcring.jobstatus import rank_statuses
     return rec, summarize(rank_statuses(rec), 3, JobState(state, state, 1))
 
 
 @pytest.fixture(autouse=True)
 def _no_scheduler(monkeypatch, tmp_path):
     """No sacct: the report's freshness needs no queue time; every HPCRING_ setting unset; jobs under tmp."""
-    import hpcring.submit as sub
-    monkeypatch.setattr(sub, "run_started", lambda rec: None)
+    from hpcring import jobstatus
+    monkeypatch.setattr(jobstatus, "run_started", lambda rec: None)
     for k in list(os.environ):
         if k.startswith("HPCRING_"):
             monkeypatch.delenv(k)
@@ -297,12 +297,12 @@ def test_status_of_an_array_records_each_failed_task(tmp_path, monkeypatch):
 
 
 def test_submit_wait_records_before_it_reports_the_failure(tmp_path, monkeypatch):
-    import hpcring.submit as sub
+    from hpcring import jobfollow, jobstatus
     from hpcring.cli import main
     from hpcring.errors import JobFailedError
     rec, oc = failed_job(tmp_path, "43")
-    monkeypatch.setattr(sub, "follow", lambda rec, **kw: oc)
-    monkeypatch.setattr(sub, "first_casualty", lambda rec: None)
+    monkeypatch.setattr(jobfollow, "follow", lambda rec, **kw: oc)
+    monkeypatch.setattr(jobstatus, "first_casualty", lambda rec: None)
     with pytest.raises(JobFailedError):
         main._wait(rec)
     assert [(b.node, b.job) for b in nh.read(tmp_path / "jobs")] == [("node2", "43")]

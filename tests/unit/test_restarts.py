@@ -178,8 +178,8 @@ def test_attempts_stop_at_the_limit_or_on_success(tmp_path, monkeypatch, limit, 
                      Verdict(True, "rank 0 (node1) unreachable", ("node1",))])
     monkeypatch.setattr(restarts, "classify", lambda *a: next(verdicts))
     monkeypatch.setattr(restarts, "_report", lambda rec: None)
-    import hpcring.submit as sub
-    monkeypatch.setattr(sub, "rank_statuses", lambda rec: {})
+    from hpcring import jobstatus
+    monkeypatch.setattr(jobstatus, "rank_statuses", lambda rec: {})
     said = []
     rec, oc = restarts.follow_restarting(_site(), _job(_site()), lib.rec(100), limit, submit=lib.submit,
                                          follow=lib.follow, info=said.append)
@@ -198,8 +198,8 @@ def test_attempts_stop_at_the_limit_or_on_success(tmp_path, monkeypatch, limit, 
 def test_code_error_is_recorded_and_not_resubmitted(tmp_path, monkeypatch):
     lib = _FakeLib(tmp_path, [False])
     monkeypatch.setattr(restarts, "_report", lambda rec: None)
-    import hpcring.submit as sub
-    monkeypatch.setattr(sub, "rank_statuses", lambda rec: {0: {"rank": 0, "host": "n", "exit_code": 1,
+    from hpcring import jobstatus
+    monkeypatch.setattr(jobstatus, "rank_statuses", lambda rec: {0: {"rank": 0, "host": "n", "exit_code": 1,
                                                                 "error": "ValueError: x"}})
     said = []
     restarts.follow_restarting(_site(), _job(_site()), lib.rec(7), 5, submit=lib.submit, follow=lib.follow,

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from hpcring import preempt
-from hpcring.diagnostics import teardown
 from hpcring.errors import JobNotFoundError, UsageError
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.fsutil import write_json
@@ -138,28 +137,30 @@ def test_hang_headline(tmp_path):
 
 
 def test_timeout_is_not_blamed_on_a_collective(tmp_path, state_dir):
-    from hpcring import submit
+    from hpcring import jobstatus
+    from hpcring.outcome import Outcome
     rec = JobRecord("9", "slurm", "s", str(tmp_path), 2, "train", "t.py", 0.0, "c1")
     (tmp_path / "diag").mkdir()
     (tmp_path / "diag" / "hang-report.json").write_text(json.dumps({"headline": "allreduce#9: rank 0 exited"}))
     write_json(tmp_path / "9_preempt.json", {"signal": "SIGUSR2", "at": time.time()})
-    err = submit.describe_failure(rec, submit.Outcome(JobState("TIMEOUT", "TIMEOUT", 0), [], [0, 1]))
+    err = jobstatus.describe_failure(rec, Outcome(JobState("TIMEOUT", "TIMEOUT", 0), [], [0, 1]))
     assert "TIMEOUT: the job reached its time limit after the SIGUSR2 warning" in str(err)
     assert "collective" not in str(err).split("warning")[0] and "allreduce" not in str(err)
-    err = submit.describe_failure(rec, submit.Outcome(JobState("FAILED", "FAILED", 1), [], [0, 1]))
+    err = jobstatus.describe_failure(rec, Outcome(JobState("FAILED", "FAILED", 1), [], [0, 1]))
     assert "collective failure: allreduce#9: rank 0 exited" in str(err)
 
 
 def test_srun_kills_are_not_blamed_when_a_rank_reported_its_own_failure(tmp_path, state_dir):
     """hpcring's teardown kills the step after a rank records its failure: srun's "Killed" lines
     are then the consequence; with no rank's own record they are the diagnosis."""
-    from hpcring import submit
+    from hpcring import jobstatus
+    from hpcring.outcome import Outcome
     rec = JobRecord("7", "slurm", "s", str(tmp_path), 3, "train", "t.py", 0.0, "c1")
     (tmp_path / "7_0_log.err").write_text("srun: error: node1: task 0: Killed\n")
     own = {"rank": 2, "host": "node3", "exit_code": 2, "error": "the script /x/t.py does not exist on node3"}
-    err = str(submit.describe_failure(rec, submit.Outcome(JobState("FAILED", "FAILED", 1), [own], [0, 1])))
+    err = str(jobstatus.describe_failure(rec, Outcome(JobState("FAILED", "FAILED", 1), [own], [0, 1])))
     assert "rank 2 on node3: the script /x/t.py does not exist on node3" in err and "killed" not in err, err
-    err = str(submit.describe_failure(rec, submit.Outcome(JobState("FAILED", "FAILED", 1), [], [0, 1, 2])))
+    err = str(jobstatus.describe_failure(rec, Outcome(JobState("FAILED", "FAILED", 1), [], [0, 1, 2])))
     assert "rank 0 (node1) was killed first (srun: Killed)" in err, err
 
 

@@ -12,9 +12,10 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from hpcring import submit
+from hpcring import jobfollow, jobstatus
 from hpcring.cli.main import app
 from hpcring.fsutil import write_json
+from hpcring.outcome import Outcome
 from hpcring.schedulers import slurm
 from hpcring.schedulers.base import JobRecord, JobState, new_record
 
@@ -76,10 +77,10 @@ def test_status_shows_no_exit_code_where_there_is_none(tmp_path, state_dir, line
 
 def test_local_timeout_hint_offers_no_requeue(tmp_path, state_dir):
     rec = JobRecord("8", "local", "local", str(tmp_path), 1, "sleep", "/x/sleep.py", 0.0)
-    err = submit.describe_failure(rec, submit.Outcome(JobState("TIMEOUT", "TIMEOUT", 143), [], [0]))
+    err = jobstatus.describe_failure(rec, Outcome(JobState("TIMEOUT", "TIMEOUT", 143), [], [0]))
     assert "requeue" in err.hint and "neither warns nor requeues" in err.hint and "--time" in err.hint
     rec = JobRecord("8", "slurm", "dev", str(tmp_path), 1, "sleep", "/x/sleep.py", 0.0, "dev")
-    err = submit.describe_failure(rec, submit.Outcome(JobState("TIMEOUT", "TIMEOUT", None), [], [0]))
+    err = jobstatus.describe_failure(rec, Outcome(JobState("TIMEOUT", "TIMEOUT", None), [], [0]))
     assert "checkpoint on the warning" in err.hint
 
 
@@ -94,12 +95,12 @@ def test_a_hang_report_of_an_earlier_run_is_not_the_cause(tmp_path, state_dir, m
     write_json(tmp_path / "9_requeues.json", {"count": 1})
     old = time.time() - 600
     os.utime(report, (old, old))
-    cancelled = submit.Outcome(JobState("CANCELLED", "CANCELLED by 0", None), [], [0, 1])
-    assert "allreduce" not in str(submit.describe_failure(rec, cancelled))
-    assert submit.hang_headline(rec) is None
+    cancelled = Outcome(JobState("CANCELLED", "CANCELLED by 0", None), [], [0, 1])
+    assert "allreduce" not in str(jobstatus.describe_failure(rec, cancelled))
+    assert jobstatus.hang_headline(rec) is None
     now = time.time() + 1
     os.utime(report, (now, now))                  # this run's own report: cited
-    assert "collective failure: allreduce#3" in str(submit.describe_failure(rec, cancelled))
+    assert "collective failure: allreduce#3" in str(jobstatus.describe_failure(rec, cancelled))
 
 
 def test_a_requeued_job_cancelled_before_it_ran_again_cites_no_report(tmp_path, state_dir, monkeypatch):
@@ -117,12 +118,12 @@ def test_a_requeued_job_cancelled_before_it_ran_again_cites_no_report(tmp_path, 
     for k, v in fake_sacct(tmp_path, f"19|{requeued}").items():
         monkeypatch.setenv(k, v)
     assert slurm.queued_at("19") == pytest.approx(then + 30, abs=1)
-    cancelled = submit.Outcome(JobState("CANCELLED", "CANCELLED by 0", None), [], [0, 1])
-    assert "allreduce" not in str(submit.describe_failure(rec, cancelled))
+    cancelled = Outcome(JobState("CANCELLED", "CANCELLED by 0", None), [], [0, 1])
+    assert "allreduce" not in str(jobstatus.describe_failure(rec, cancelled))
     requeued = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(then - 30))   # never requeued
     for k, v in fake_sacct(tmp_path, f"19|{requeued}").items():
         monkeypatch.setenv(k, v)
-    assert "collective failure: allreduce#3" in str(submit.describe_failure(rec, cancelled))
+    assert "collective failure: allreduce#3" in str(jobstatus.describe_failure(rec, cancelled))
 
 
 def test_slurms_own_lines_are_not_tagged_as_a_ranks(tmp_path):
@@ -130,7 +131,7 @@ def test_slurms_own_lines_are_not_tagged_as_a_ranks(tmp_path):
     (tmp_path / "5_0_log.err").write_text("rank0 says\nsrun: error: node2: task 1: Killed\n")
     (tmp_path / "5_1_log.err").write_text("srun: not srun's: rank 1 printed this\n"
                                           "slurmstepd-node2: error: *** STEP 5.0 ON node2 CANCELLED ***\n")
-    lines = [submit.tag(*x) for x in submit.LogTail(rec).poll(final=True)]
+    lines = [jobfollow.tag(*x) for x in jobfollow.LogTail(rec).poll(final=True)]
     assert lines == ["[0]<stderr>:rank0 says", "[slurm]<stderr>:srun: error: node2: task 1: Killed",
                      "[1]<stderr>:srun: not srun's: rank 1 printed this",
                      "[slurm]<stderr>:slurmstepd-node2: error: *** STEP 5.0 ON node2 CANCELLED ***"]
@@ -147,10 +148,10 @@ def test_follow_prints_the_end_state_after_the_last_output(tmp_path, state_dir, 
             log.write_text("last words\n")
         return JobState(st, st, None if st == "RUNNING" else 1)
 
-    monkeypatch.setattr(submit, "job_state", state)
+    monkeypatch.setattr(jobfollow, "job_state", state)
     events = []
-    submit.follow(rec, on_state=lambda st: events.append(st.state), on_line=lambda *x: events.append(x[2]),
-                  poll_s=0.01)
+    jobfollow.follow(rec, on_state=lambda st: events.append(st.state), on_line=lambda *x: events.append(x[2]),
+                     poll_s=0.01)
     assert events == ["RUNNING", "last words", "FAILED"]
 
 
@@ -158,7 +159,7 @@ def test_a_traceback_every_rank_printed_is_shown_once():
     tb = ["Traceback (most recent call last):", '  File "/x/t.py", line 3, in <module>', "    f()",
           "RuntimeError: every rank"]
     out = []
-    sink = submit.SameTracebackOnce(lambda r, s, line: out.append(submit.tag(r, s, line)))
+    sink = jobfollow.SameTracebackOnce(lambda r, s, line: out.append(jobfollow.tag(r, s, line)))
     for rank in (0, 1):
         sink(rank, "stdout", "step 1")
         for line in tb:

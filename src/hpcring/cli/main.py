@@ -16,7 +16,7 @@ from hpcring.cli.common import StrictGroup, command, newest_job
 from hpcring.cli.jobopts import JobRequest, job_options
 from hpcring.cli.remote_opts import remote_aware, remote_option, submit_remote
 from hpcring.config.envvars import MAX_RANKS
-from hpcring.errors import HpcringError
+from hpcring.errors import HpcringError, JobFailedError
 
 # The library is imported inside each command: `hpcring --help` and `hpcring hostlist` must not
 # pay for submitit, pydantic or numpy.
@@ -106,39 +106,41 @@ def _settle(rec, oc) -> None:
 
 def _settle_tasks(rec, states) -> None:
     """:func:`_settle` for each task of an array that ended other than COMPLETED."""
-    from hpcring import submit as lib
+    from hpcring import jobstatus
     for task in rec.tasks():
         st = states.get(task.job_id)
         if st is not None and st.finished and st.state != "COMPLETED":
-            _settle(task, lib.outcome(task, st))
+            _settle(task, jobstatus.outcome(task, st))
 
 
 def _wait(rec, site=None, job=None, restarts: int = 0, template=None) -> None:
-    from hpcring import submit as lib
+    from hpcring import jobfollow, jobstatus
     if rec.array is not None:
         try:
-            st = lib.wait_array(rec, on_change=lambda st: output.info(f"job {rec.job_id}: {st.raw}"))
+            st = jobfollow.wait_array(rec, on_change=lambda st: output.info(f"job {rec.job_id}: {st.raw}"))
         except KeyboardInterrupt:       # as for one job: stop following, not the tasks
             output.info(f"\nstopped following array job {rec.job_id}; its tasks keep running. "
                         f"`hpcring status {rec.key}` shows them, `hpcring cancel {rec.key}` stops them.")
             raise typer.Exit(130) from None
         if st.state != "COMPLETED":
-            states, _ = lib.job_states([rec])
+            states, _ = jobstatus.job_states([rec])
             _settle_tasks(rec, states)
-            raise lib.JobFailedError(f"array job {rec.job_id} ({rec.name}) {st.state}: {st.raw}",
-                                     exit_code=st.exit_code or 1, hint=f"`hpcring status {rec.job_id}` names each task")
+            raise JobFailedError(f"array job {rec.job_id} ({rec.name}) {st.state}: {st.raw}",
+                                 exit_code=st.exit_code or 1, hint=f"`hpcring status {rec.job_id}` names each task")
         output.info(f"job {rec.job_id} COMPLETED: {len(rec.array)} tasks")
         return
     now = [rec]                        # the attempt being followed (a restart is another job)
 
     def follow(rec):
         now[0] = rec
-        oc = lib.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"), tracebacks_once=True,
-                        on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+        oc = jobfollow.follow(rec, on_state=lambda st: output.info(f"job {rec.job_id}: {st.state}"),
+                              tracebacks_once=True,
+                              on_line=lambda r, stream, line: output.line(jobfollow.tag(r, stream, line)))
         _settle(rec, oc)               # before a restart is decided: its blame is on record
         return oc
     try:
         if restarts:                   # hpcring.restarts: resubmit after a node-level fault, bad nodes excluded
+            from hpcring import submit as lib
             from hpcring.restarts import follow_restarting
             rec, oc = follow_restarting(site, job, rec, restarts, submit=lib.submit, follow=follow,
                                         info=output.info, template=template)
@@ -152,7 +154,7 @@ def _wait(rec, site=None, job=None, restarts: int = 0, template=None) -> None:
                     f"Follow it again with `hpcring logs -f {rec.key}`, stop it with `hpcring cancel {rec.key}`.")
         raise typer.Exit(130) from None
     if not oc.ok:
-        raise lib.describe_failure(rec, oc)
+        raise jobstatus.describe_failure(rec, oc)
     output.info(f"job {rec.job_id} COMPLETED: {rec.ntasks} ranks exited 0")
 
 
@@ -173,21 +175,21 @@ def render(req: JobRequest):
 @remote_aware()
 def status(job_id: Optional[str] = typer.Argument(None, help="A job id or record name; none: list the newest jobs."),
            last: int = typer.Option(10, "--last", "-n", min=1, help="How many jobs to list without JOB_ID.")):
-    from hpcring import submit as lib
+    from hpcring import jobstatus, submit as lib
     if job_id is None:
-        output.jobs_table(lib.recent(last))
+        output.jobs_table(jobstatus.recent(last))
         return
     rec = lib.record(job_id)
     if rec.array is not None:          # one line per state, then one per task
-        states, why = lib.job_states([rec])
+        states, why = jobstatus.job_states([rec])
         if why:
             raise why[rec.job_id]
-        output.array_status(rec, lib.array_state(states), states)
+        output.array_status(rec, jobstatus.array_state(states), states)
         _settle_tasks(rec, states)
         return
-    st = lib.job_state(rec)
-    oc = lib.outcome(rec, st) if st.finished else None
-    output.status(rec, st, oc, lib.requeues(rec))
+    st = jobstatus.job_state(rec)
+    oc = jobstatus.outcome(rec, st) if st.finished else None
+    output.status(rec, st, oc, jobstatus.requeues(rec))
     _settle(rec, oc)
     from hpcring.restarts import status_lines
     output.restart_chain(status_lines(rec, oc))    # restarts after node faults (--max-restarts)
@@ -200,16 +202,16 @@ def logs(job_id: Optional[str] = typer.Argument(None, help="A job id or record n
                                             help="Only this rank (0 to the job's size - 1)."),
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
          raw: bool = typer.Option(False, "--raw", help="Keep submitit's own log lines.")):
-    from hpcring import submit as lib
+    from hpcring import jobfollow, jobstatus, submit as lib
     rec = lib.record(job_id) if job_id is not None else newest_job()
     if follow:
-        oc = lib.follow(rec, on_state=lambda st: None, rank=rank, tracebacks_once=True,
-                        on_line=lambda r, stream, line: output.line(lib.tag(r, stream, line)))
+        oc = jobfollow.follow(rec, on_state=lambda st: None, rank=rank, tracebacks_once=True,
+                              on_line=lambda r, stream, line: output.line(jobfollow.tag(r, stream, line)))
         _settle(rec, oc)
         if not oc.ok:      # as `submit --wait`: the verdict, and the failing rank's exit code
-            raise lib.describe_failure(rec, oc)
+            raise jobstatus.describe_failure(rec, oc)
         return
-    for line in lib.tagged_lines(rec, rank, raw=raw):    # an array: every task, task by task
+    for line in jobfollow.tagged_lines(rec, rank, raw=raw):    # an array: every task, task by task
         output.line(line)
 
 

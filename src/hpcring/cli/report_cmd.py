@@ -44,14 +44,14 @@ def register(app: typer.Typer) -> None:
         rec, folder = job_target(job, "report")
         state, finished, requeues, run_start, notes = None, False, 0, None, []
         if rec is not None:
-            from hpcring import submit as lib
+            from hpcring import jobstatus
             try:
-                st = lib.job_state(rec)
+                st = jobstatus.job_state(rec)
                 state, finished = st.state, st.finished
             except HpcringError as exc:
                 notes.append(f"the scheduler could not say the job's state: {exc.message}")
-            requeues = lib.requeues(rec)
-            run_start = lib.run_started(rec)
+            requeues = jobstatus.requeues(rec)
+            run_start = jobstatus.run_started(rec)
         doc = jobreport.build(rec, folder, state=state, finished=finished, requeues=requeues, run_start=run_start)
         doc["problems"] = notes + doc["problems"]
         if html is not None:

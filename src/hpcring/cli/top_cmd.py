@@ -29,9 +29,9 @@ def _state(rec) -> tuple[str | None, bool]:
     """(the scheduler's state, finished); (None, False) when it cannot say (the view goes on)."""
     if rec is None:
         return None, False
-    from hpcring import submit as lib
+    from hpcring import jobstatus
     try:
-        st = lib.job_state(rec)
+        st = jobstatus.job_state(rec)
     except HpcringError:
         return None, False
     return st.state, st.finished
