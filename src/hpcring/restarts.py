@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from hpcring.config import envvars
-from hpcring.config.jobspec import MAX_RESTARTS, max_restarts  # noqa: F401  (the precedence's owner)
+from hpcring.config.jobspec import max_restarts  # the precedence's owner
 from hpcring.errors import HpcringError, UsageError
 from hpcring.fsutil import write_json
 from hpcring.ranks import rank_ranges
@@ -212,6 +212,29 @@ def chain_lines(chain: list[dict]) -> list[str]:
         then = f"  -> {a['decision']}" if a.get("decision") else ""
         out.append(f"attempt {a['attempt']}  job {a['job']}{excl}{end}{then}")
     return out
+
+
+# ---- the policy --------------------------------------------------------------------------------
+
+def restarts_to_make(cli: int | None, site, job, wait: bool) -> tuple[int, list[str]]:
+    """``submit --max-restarts``: (how many resubmissions after a node-level fault ``--wait`` may
+    make, the warnings to print). The count's precedence is :func:`max_restarts`'s; one from the
+    environment or the site on a job nobody follows (no ``--wait``, or an array) is dropped with a
+    warning, one given on the command line is refused (UsageError) before anything is submitted."""
+    restarts, restarts_from = max_restarts(cli, site)
+    notes = []
+    if job.step_restarts:              # restarts inside the allocation (hpcring.steps); --wait resubmits
+        restarts = restarts if wait else 0     # only once the allocation itself is gone
+    elif restarts and (not wait or job.array is not None) and restarts_from != "cli":
+        notes.append(f"warning: max_restarts {restarts} ({restarts_from}) applies to `submit --wait` on a single "
+                     "job only: this job is not restarted")
+        restarts = 0
+    if restarts and (not wait or job.array is not None) and not job.step_restarts:   # refused before submitting
+        raise UsageError(f"--max-restarts {restarts} ({restarts_from}) needs --wait on a single job: the "
+                         "follower sees the end and the diagnosis and resubmits",
+                         hint="add --wait (keep it running, e.g. under tmux on the login node), or "
+                              "--max-restarts 0" + (" (arrays are not restarted)" if job.array is not None else ""))
+    return restarts, notes
 
 
 # ---- the follow loop --------------------------------------------------------------------------

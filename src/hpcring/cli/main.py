@@ -55,19 +55,10 @@ def submit(req: JobRequest,
         return
     lib.preview(s, job, req.template, warn=False)   # a template that fails or is no job script: refused here
     warnings = lib.node_local_warnings(s, job)
-    from hpcring.restarts import max_restarts as restarts_of
-    restarts, restarts_from = restarts_of(req.max_restarts, s)
-    if job.step_restarts:              # restarts inside the allocation (hpcring.steps); --wait resubmits
-        restarts = restarts if wait else 0     # only once the allocation itself is gone
-    elif restarts and (not wait or job.array is not None) and restarts_from != "cli":
-        output.info(f"warning: max_restarts {restarts} ({restarts_from}) applies to `submit --wait` on a single "
-                    "job only: this job is not restarted")
-        restarts = 0
-    if restarts and (not wait or job.array is not None) and not job.step_restarts:   # refused before submitting
-        raise lib.UsageError(f"--max-restarts {restarts} ({restarts_from}) needs --wait on a single job: the "
-                             "follower sees the end and the diagnosis and resubmits",
-                             hint="add --wait (keep it running, e.g. under tmux on the login node), or "
-                                  "--max-restarts 0" + (" (arrays are not restarted)" if job.array is not None else ""))
+    from hpcring.restarts import restarts_to_make
+    restarts, notes = restarts_to_make(req.max_restarts, s, job, wait)   # refused here, before submitting
+    for note in notes:
+        output.info(note)
     try:
         rec = lib.submit(s, job, req.template)
     except HpcringError:
