@@ -2,10 +2,10 @@
 
 ``hpcring submit --remote user@host[:port]`` (else ``HPCRING_REMOTE``, else the site's ``remote:``
 section) copies the script's folder to the login node with rsync over ssh (leaving out what
-``.hpcringignore`` and :data:`DEFAULT_EXCLUDES` name), runs the login node's own ``hpcring
-submit`` there and passes its output and exit code on. ``status``, ``logs``, ``cancel`` and
-``stacks`` go through the same ssh connection: every ssh (rsync's too) shares one ControlMaster
-whose socket lives in a private 0700 folder, so a password is asked for once at most.
+``.hpcringignore`` and :data:`hpcring.remote_ignore.DEFAULT_EXCLUDES` name), runs the login
+node's own ``hpcring submit`` there and passes its output and exit code on. ``status``, ``logs``,
+``cancel`` and ``stacks`` go through the same ssh connection: every ssh (rsync's too) shares one
+ControlMaster whose socket lives in a private 0700 folder, so a password is asked for once at most.
 
 Nothing typed by a user reaches a shell unquoted: ssh and rsync get argv lists, the one line the
 login node's shell runs is built with :func:`shlex.quote` word by word, and host, user, port and
@@ -31,14 +31,11 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from hpcring.errors import RemoteError, UsageError
+from hpcring.remote_ignore import ignore_rules, read_ignore
 
 ENV_REMOTE, ENV_REMOTE_HPCRING = "HPCRING_REMOTE", "HPCRING_REMOTE_HPCRING"
 NONE = "none"                       # --remote none: run here even if the site names a login node
 DEFAULT_WORKDIR = "hpcring-remote"  # relative: under the login user's home
-IGNORE_FILE = ".hpcringignore"
-# Left out of every copy unless .hpcringignore re-includes them (gitignore order: later lines win).
-DEFAULT_EXCLUDES = (".git/", ".hg/", ".svn/", "__pycache__/", "*.pyc", ".venv/", ".tox/", ".mypy_cache/",
-                    ".pytest_cache/", ".ipynb_checkpoints/", ".DS_Store", "*.egg-info/")
 CONNECT_TIMEOUT_S = 20          # ssh ConnectTimeout: an unreachable host fails within this
 ALIVE_INTERVAL_S, ALIVE_COUNT = 15, 4    # a dead connection is noticed within about a minute
 CONTROL_PERSIST_S = 600         # the shared master outlives the last command by at most this
@@ -330,63 +327,6 @@ def rsync_argv(target: Target, control: Path, local_dir: Path, rules: Sequence[s
             f"--timeout={COPY_IO_TIMEOUT_S}", "-e", shlex.join(ssh_argv(target, control))]
     argv += [f"--filter={r}" for r in rules]
     return argv + ["--", f"{local_dir}/", f"{host}:{dest}/"]
-
-
-# -- .hpcringignore ----------------------------------------------------------------------------------
-
-def ignore_rules(lines: Sequence[str], defaults: Sequence[str] = DEFAULT_EXCLUDES) -> list[str]:
-    """gitignore-style patterns (``defaults`` first, then ``lines``) as rsync filter rules.
-
-    git lets the last matching pattern win and rsync the first, so the rules come out in reverse;
-    ``!pat`` re-includes (``+``). A pattern with a '/' before its end is anchored at the folder
-    (as git does; rsync would match it at any depth), a leading ``**/`` matches at any depth.
-    """
-    rules = []
-    for raw in [*defaults, *lines]:
-        text = raw.rstrip("\n").rstrip("\r")
-        stripped = re.sub(r"(?<!\\) +$", "", text)       # trailing spaces go unless escaped
-        if not stripped or stripped.startswith("#"):
-            continue
-        include = stripped.startswith("!")
-        pat = stripped[1:] if include else stripped
-        if pat.startswith(("\\#", "\\!")):
-            pat = pat[1:]
-        pat = pat.replace("\\ ", " ")
-        while pat.startswith("**/"):
-            pat = pat[3:]
-            if "/" in pat.rstrip("/"):
-                pat = "**/" + pat      # still has a slash: rsync matches ** against the full path
-                break
-        if not pat or pat == "/":
-            continue
-        if "/" in pat.rstrip("/") and not pat.startswith(("/", "**/")):
-            pat = "/" + pat
-        rules.append(("+ " if include else "- ") + pat)
-    return rules[::-1]
-
-
-def read_ignore(folder: Path) -> list[str]:
-    """The lines of ``folder/.hpcringignore`` (none: an empty list); a file that cannot be read is
-    an error naming it."""
-    path = folder / IGNORE_FILE
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror or exc}",
-                         hint="fix its permissions or remove it") from None
-    if len(data) > 1 << 20:
-        raise UsageError(f"{path} is {len(data)} bytes; an ignore file is a list of patterns (at most 1 MiB)",
-                         hint="keep one gitignore-style pattern per line")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}: not UTF-8 at byte {exc.start}", hint="save it as UTF-8 text") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if any(ord(c) < 0x20 and c != "\t" for c in line):
-            raise UsageError(f"{path}:{n}: a control character in a pattern", hint="one plain pattern per line")
-    return text.splitlines()
 
 
 # -- running ---------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from typer.testing import CliRunner
 
-from hpcring import remote
+from hpcring import remote, remote_ignore
 from hpcring.cli.main import app
 from hpcring.errors import RemoteError, UsageError
 
@@ -73,7 +73,7 @@ def test_the_remote_line_runs_exactly_the_words_and_nothing_else(tmp_path, words
 
 
 def test_rsync_argv_hands_rsync_the_same_ssh_and_protected_paths():
-    rules = remote.ignore_rules(["data/"])
+    rules = remote_ignore.ignore_rules(["data/"])
     argv = remote.rsync_argv(T, CONTROL, Path("/home/a/proj x"), rules, "runs/proj x")
     e = argv[argv.index("-e") + 1]
     # rsync splits -e on spaces honouring quotes, as shlex does
@@ -110,7 +110,7 @@ def _git_kept(root: Path, lines: list[str]) -> set[str]:
 
 
 def _rsync_kept(root: Path, dest: Path, lines: list[str]) -> set[str]:
-    rules = remote.ignore_rules(lines, defaults=())
+    rules = remote_ignore.ignore_rules(lines, defaults=())
     subprocess.run(["rsync", "-r", *[f"--filter={r}" for r in rules], "--exclude=/.gitignore", "--exclude=/.git/",
                     f"{root}/", f"{dest}/"], check=True, timeout=30)
     return {str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()}
@@ -133,25 +133,25 @@ def tree(tmp_path_factory):
 @given(lines=st.lists(st.sampled_from(PATTERNS), max_size=6))
 def test_ignore_rules_leave_out_what_git_leaves_out(tree, tmp_path_factory, lines):
     dest = tmp_path_factory.mktemp("copy")
-    assert _rsync_kept(tree, dest, lines) == _git_kept(tree, lines), (lines, remote.ignore_rules(lines, defaults=()))
+    assert _rsync_kept(tree, dest, lines) == _git_kept(tree, lines), (lines, remote_ignore.ignore_rules(lines, defaults=()))
 
 
 def test_defaults_and_a_reinclude(tree, tmp_path):
-    rules = remote.ignore_rules(["!.venv/"])
+    rules = remote_ignore.ignore_rules(["!.venv/"])
     assert rules[0] == "+ .venv/" and "- .git/" in rules and "- __pycache__/" in rules
 
 
 def test_read_ignore_refuses_what_is_no_pattern_list(tmp_path):
-    assert remote.read_ignore(tmp_path) == []
+    assert remote_ignore.read_ignore(tmp_path) == []
     (tmp_path / ".hpcringignore").write_bytes(b"ok\n\xff\n")
     with pytest.raises(UsageError, match=r"\.hpcringignore: not UTF-8 at byte 3"):
-        remote.read_ignore(tmp_path)
+        remote_ignore.read_ignore(tmp_path)
     (tmp_path / ".hpcringignore").write_text("a\nb\x1b[31m\n")
     with pytest.raises(UsageError, match=r"\.hpcringignore:2: a control character"):
-        remote.read_ignore(tmp_path)
+        remote_ignore.read_ignore(tmp_path)
     (tmp_path / ".hpcringignore").write_text("x" * (2 << 20))
     with pytest.raises(UsageError, match="at most 1 MiB"):
-        remote.read_ignore(tmp_path)
+        remote_ignore.read_ignore(tmp_path)
 
 
 # -- the target ------------------------------------------------------------------------------------
