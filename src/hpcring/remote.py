@@ -356,7 +356,9 @@ _PACKAGES = {"ssh": "openssh-client", "rsync": "rsync"}
 
 
 @dataclass
-class Outcome:
+class CommandResult:
+    """How one ssh or rsync run ended: its exit code and output."""
+
     code: int
     stdout: str = ""
     stderr: str = ""
@@ -376,7 +378,7 @@ def _pump(src, dst, keep: list[str], on_line: Callable[[str], None] | None) -> N
 
 
 def run(argv: list[str], *, timeout: float | None, stream: bool = False,
-        on_stderr_line: Callable[[str], None] | None = None) -> Outcome:
+        on_stderr_line: Callable[[str], None] | None = None) -> CommandResult:
     """Run ``argv``; with ``stream`` its output goes on to ours as it comes (logs -f, submit --wait).
     ``timeout`` None only for streams, whose end is the job's end and whose connection is watched by
     ssh's keepalives. Raises RemoteError when ``argv[0]`` is missing or the deadline passes."""
@@ -410,10 +412,10 @@ def run(argv: list[str], *, timeout: float | None, stream: bool = False,
         raise
     for t in pumps:
         t.join(timeout=10)
-    return Outcome(code, "".join(out), "".join(err), out, streamed=stream)
+    return CommandResult(code, "".join(out), "".join(err), out, streamed=stream)
 
 
-def check_ssh(target: Target, res: Outcome, what: str) -> Outcome:
+def check_ssh(target: Target, res: CommandResult, what: str) -> CommandResult:
     """ssh's own failure (255) as a RemoteError with a hint; the remote command's codes pass."""
     if res.code == 255:
         raise _ssh_failure(target, res.stderr, what, shown=res.streamed)
@@ -438,7 +440,7 @@ def prepare(target: Target, control: Path, dest: str | None) -> None:
                           hint="set remote.workdir to a folder you may write there")
 
 
-def copy(target: Target, control: Path, local_dir: Path, dest: str) -> Outcome:
+def copy(target: Target, control: Path, local_dir: Path, dest: str) -> CommandResult:
     rules = ignore_rules(read_ignore(local_dir))
     res = run(rsync_argv(target, control, local_dir, rules, dest), timeout=COPY_TIMEOUT_S)
     if res.code == 255 or "connection unexpectedly closed" in res.stderr:

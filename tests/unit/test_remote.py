@@ -363,11 +363,11 @@ def test_a_plain_id_of_a_job_here_and_there_is_ambiguous(tmp_path, monkeypatch):
     ("kex_exchange_identification: weird", "failed")])
 def test_ssh_failures_are_told_apart(stderr, want):
     with pytest.raises(RemoteError, match=want) as exc:
-        remote.check_ssh(T, remote.Outcome(255, "", stderr), "submitting")
+        remote.check_ssh(T, remote.CommandResult(255, "", stderr), "submitting")
     assert exc.value.hint and "submitting" in str(exc.value)
-    assert remote.check_ssh(T, remote.Outcome(3, "", stderr), "x").code == 3   # the remote command's own code
+    assert remote.check_ssh(T, remote.CommandResult(3, "", stderr), "x").code == 3   # the remote command's own code
     with pytest.raises(RemoteError) as exc:           # printed as it came: not twice
-        remote.check_ssh(T, remote.Outcome(255, "", stderr, streamed=True), "submitting")
+        remote.check_ssh(T, remote.CommandResult(255, "", stderr, streamed=True), "submitting")
     assert want in str(exc.value) and stderr not in str(exc.value) and "ssh's message above" in str(exc.value)
 
 

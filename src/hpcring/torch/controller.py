@@ -51,7 +51,9 @@ def decode(code: int) -> tuple[str, str, int, int]:
     return KINDS[(code >> 12) & 15], OPS[(code >> 8) & 15], (code >> 16) - 1, code & 255
 
 
-class Outcome:
+class Negotiation:
+    """What one negotiation cycle decided: the entries ready on every rank, in order, and those failed."""
+
     __slots__ = ("ready", "failed", "all_joined", "last_joined", "full", "collectives")
 
     def __init__(self) -> None:
@@ -86,8 +88,8 @@ class Controller:
                                        f"({waiting or 'join'}) when the negotiation failed: {err.message}",
                                        hint=err.hint) from None
 
-    def negotiate(self, pending: list, joined_cycle: int, stalled: bool, threshold: int, cycle_us: int) -> Outcome:
-        out = Outcome()
+    def negotiate(self, pending: list, joined_cycle: int, stalled: bool, threshold: int, cycle_us: int) -> Negotiation:
+        out = Negotiation()
         if self.cache is not None:
             vec, uncached, by_slot = self.cache.bits(pending)
             small = np.zeros(HDR + self.cache.words, dtype=np.int64)
@@ -105,7 +107,7 @@ class Controller:
         self._full(pending[:CAP], joined_cycle, stalled, threshold, cycle_us, out)
         return out
 
-    def _full(self, batch, joined_cycle, stalled, threshold, cycle_us, out: Outcome) -> None:
+    def _full(self, batch, joined_cycle, stalled, threshold, cycle_us, out: Negotiation) -> None:
         out.full = True
         msg = np.zeros(HDR + FIELDS * CAP, dtype=np.int64)
         msg[:HDR] = (int(stalled), len(batch), joined_cycle, threshold, cycle_us, 0)

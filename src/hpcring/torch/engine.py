@@ -26,7 +26,7 @@ import time
 from hpcring.errors import CollectiveError, HpcringError
 from hpcring.torch import executor, fusion
 from hpcring.torch.controller import Controller
-from hpcring.torch.entry import FUSABLE, Entry, Handle, StandIn, h63
+from hpcring.torch.entry import FUSABLE, AsyncHandle, Entry, StandIn, h63
 from hpcring.torch.exceptions import (HorovodInternalError, InvalidArgumentError, JoinedRankError, StallError,
                                       internal)
 
@@ -67,7 +67,7 @@ class Engine:
         self._progress = time.monotonic()       # last sign of life of the engine thread
         self._error: BaseException | None = None
         self._stop = False
-        self._join_handle: Handle | None = None
+        self._join_handle: AsyncHandle | None = None
         self._joined_cycle = 0
         self._cycle = 0
         self._auto: dict[str, int] = {}          # kind -> automatic names given on this set
@@ -77,7 +77,7 @@ class Engine:
         self._thread.start()
 
     # -- submission (any thread) ------------------------------------------------------------
-    def submit(self, e: Entry) -> Handle:
+    def submit(self, e: Entry) -> AsyncHandle:
         e.handle._engine = self
         e.pset = self.pset_id
         with self._cv:
@@ -156,15 +156,15 @@ class Engine:
         if self._stop:
             raise HorovodInternalError("hpcring.torch is shut down", hint="call hvd.init() again")
 
-    def join(self) -> Handle:
+    def join(self) -> AsyncHandle:
         with self._cv:
             self._check_usable()
             if self._join_handle is None:
-                self._join_handle = Handle("join", engine=self)
+                self._join_handle = AsyncHandle("join", engine=self)
                 self._cv.notify()
             return self._join_handle
 
-    def check_alive(self, handle: Handle) -> None:
+    def check_alive(self, handle: AsyncHandle) -> None:
         """Raise (for ``handle``'s waiter) when the engine cannot finish it: it failed, stopped, or
         made no progress for longer than its deadline plus a grace (a frozen engine thread)."""
         if handle.done():

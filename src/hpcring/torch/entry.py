@@ -41,7 +41,7 @@ def dtype_name(code: int) -> str:
     return DTYPE_NAMES[DTYPES[code]] if code < len(DTYPES) else "?"
 
 
-class Handle:
+class AsyncHandle:
     """What ``*_async`` returns; pass it to :func:`hpcring.torch.synchronize` / ``poll``.
 
     ``wait`` never blocks without a bound: it checks every half second that the engine that owns
@@ -81,12 +81,12 @@ class Handle:
         return self._result
 
 
-class GroupHandle(Handle):
+class GroupHandle(AsyncHandle):
     """A handle over several (grouped operations): the result is the list of their results."""
 
     __slots__ = ("members",)
 
-    def __init__(self, name: str, members: list[Handle]) -> None:
+    def __init__(self, name: str, members: list[AsyncHandle]) -> None:
         super().__init__(name)
         self.members = members
 
@@ -120,7 +120,7 @@ class Entry:
         self.kind, self.tensor, self.output = kind, tensor, output
         self.op, self.pre, self.post, self.root, self.splits = op, pre, post, root, splits
         self.pset = pset
-        self.handle = Handle(name)
+        self.handle = AsyncHandle(name)
         self.name, self.name_hash = None, 0
         self.auto = None               # (kind, n): the automatic name it took (Engine.take_auto)
         if name is not None:

@@ -14,7 +14,7 @@ import torch
 
 from hpcring.torch import state
 from hpcring.torch.compression import Compression
-from hpcring.torch.entry import Entry, GroupHandle, Handle
+from hpcring.torch.entry import AsyncHandle, Entry, GroupHandle
 from hpcring.torch.exceptions import InvalidArgumentError, InvalidTypeError, NotSupportedError
 from hpcring.torch.executor import check_reducible
 from hpcring.torch.process_sets import engine_for, global_process_set
@@ -31,7 +31,7 @@ def _name(name, op: str, eng=None) -> str:
     return (eng or state.engine()).take_auto(op)[0]
 
 
-def _submit_parts(eng, entries: list[Entry], name, kind: str, suffixes=None) -> tuple[str, list[Handle]]:
+def _submit_parts(eng, entries: list[Entry], name, kind: str, suffixes=None) -> tuple[str, list[AsyncHandle]]:
     """Submit checked entries as the parts ``<name>.<suffix>`` of one operation (by default
     suffixes 0, 1, ...); an automatic name is taken only now, and its parts carry its mark."""
     mark = None
@@ -43,7 +43,7 @@ def _submit_parts(eng, entries: list[Entry], name, kind: str, suffixes=None) -> 
     return name, [eng.submit(e) for e in entries]
 
 
-def _submit_group(eng, entries: list[Entry], name, kind: str) -> Handle:
+def _submit_group(eng, entries: list[Entry], name, kind: str) -> AsyncHandle:
     """Submit checked entries as one grouped operation (its result: the list of results)."""
     base, handles = _submit_parts(eng, entries, name, kind)
     return _group(handles, base)
@@ -90,7 +90,7 @@ def _allreduce_entry(eng, tensor, name, op, prescale_factor, postscale_factor, i
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set) -> Handle:
+                    process_set=global_process_set) -> AsyncHandle:
     eng = engine_for(process_set)
     op = _resolve_op(average, op)
     return eng.submit(_allreduce_entry(eng, tensor, name, op, prescale_factor, postscale_factor, False))
@@ -105,7 +105,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set) -> Handle:
+                     process_set=global_process_set) -> AsyncHandle:
     eng = engine_for(process_set)
     op = _resolve_op(average, op)
     return eng.submit(_allreduce_entry(eng, tensor, name, op, prescale_factor, postscale_factor, True))
@@ -116,13 +116,13 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def _group(handles: list[Handle], name: str) -> Handle:
+def _group(handles: list[AsyncHandle], name: str) -> AsyncHandle:
     """One handle over several (grouped ops): its result is the list of results."""
     return GroupHandle(name, handles)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set) -> Handle:
+                            postscale_factor=1.0, process_set=global_process_set) -> AsyncHandle:
     eng = engine_for(process_set)
     op = _resolve_op(average, op)
     return _submit_group(eng, [_allreduce_entry(eng, t, name, op, prescale_factor, postscale_factor, False)
@@ -138,7 +138,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
+                             postscale_factor=1.0, process_set=global_process_set) -> AsyncHandle:
     eng = engine_for(process_set)
     op = _resolve_op(average, op)
     return _submit_group(eng, [_allreduce_entry(eng, t, name, op, prescale_factor, postscale_factor, True)
@@ -151,7 +151,7 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                                                 process_set))
 
 
-def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> AsyncHandle:
     """A sparse tensor reduced as Horovod does: its indices and values allgathered (every rank's
     entries concatenated, not coalesced), values divided by the set's size for Average."""
     eng = engine_for(process_set)
@@ -179,7 +179,7 @@ class _Deferred(GroupHandle):
 
     __slots__ = ("_fn",)
 
-    def __init__(self, name: str, members: list[Handle], fn) -> None:
+    def __init__(self, name: str, members: list[AsyncHandle], fn) -> None:
         super().__init__(name, members)
         self._fn = fn
 
@@ -197,7 +197,7 @@ def _allgather_entry(tensor, name) -> Entry:
     return Entry(name, "allgather", t.reshape(1) if t.dim() == 0 else t)
 
 
-def allgather_async(tensor, name=None, process_set=global_process_set, *, mark=None) -> Handle:
+def allgather_async(tensor, name=None, process_set=global_process_set, *, mark=None) -> AsyncHandle:
     """``mark``: the automatic name (Engine.take_auto) this call is the first part of."""
     e = _allgather_entry(tensor, name)
     e.auto = mark
@@ -209,7 +209,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
     return synchronize(allgather_async(tensor, name, process_set))
 
 
-def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> AsyncHandle:
     return _submit_group(engine_for(process_set), [_allgather_entry(t, name) for t in tensors], name,
                          "grouped_allgather")
 
@@ -234,7 +234,7 @@ def _root(eng, process_set, root_rank) -> int:
     return members.index(root)
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> AsyncHandle:
     eng = engine_for(process_set)
     root = _root(eng, process_set, root_rank)
     t = _tensor(tensor, "broadcast").detach().contiguous().clone()
@@ -245,7 +245,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set, *, mark=None) -> Handle:
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set, *, mark=None) -> AsyncHandle:
     eng = engine_for(process_set)
     root = _root(eng, process_set, root_rank)
     if not _tensor(tensor, "broadcast_").is_contiguous():
@@ -283,7 +283,7 @@ def _splits(splits, rows: int, size: int) -> list[int]:
     return sp
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> AsyncHandle:
     eng = engine_for(process_set)
     t = _tensor(tensor, "alltoall").detach().contiguous()
     if t.dim() == 0:
@@ -310,7 +310,7 @@ def _reducescatter_entry(eng, tensor, name, op, prescale_factor, postscale_facto
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0) -> Handle:
+                        postscale_factor=1.0) -> AsyncHandle:
     eng = engine_for(process_set)
     return eng.submit(_reducescatter_entry(eng, tensor, name, op, prescale_factor, postscale_factor))
 
@@ -325,7 +325,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+                                prescale_factor=1.0, postscale_factor=1.0) -> AsyncHandle:
     eng = engine_for(process_set)
     return _submit_group(eng, [_reducescatter_entry(eng, t, name, op, prescale_factor, postscale_factor)
                                for t in tensors], name, "grouped_reducescatter")
@@ -351,12 +351,12 @@ def join(device=-1) -> int:
     return synchronize(state.engine().join())
 
 
-def poll(handle: Handle) -> bool:
+def poll(handle: AsyncHandle) -> bool:
     return handle.done()
 
 
-def synchronize(handle: Handle):
+def synchronize(handle: AsyncHandle):
     """Wait for ``handle`` and return its result."""
-    if not isinstance(handle, Handle):
+    if not isinstance(handle, AsyncHandle):
         raise InvalidArgumentError(f"synchronize: expected a handle from an *_async call, got {type(handle).__name__}")
     return handle.wait()
