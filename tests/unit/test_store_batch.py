@@ -94,8 +94,8 @@ def test_exchange_publishes_and_reads_in_one_round_trip(server):
     c = client(server)
     c.set("peer", b"p")
     reads = []
-    real = c._read_reply
-    c._read_reply = lambda sock: reads.append(1) or real(sock)
+    real = c._conn._read_reply
+    c._conn._read_reply = lambda sock: reads.append(1) or real(sock)
     sent = []
     real_pipeline = c._pipeline
     c._pipeline = lambda reqs, wait, key, *rest: sent.append(len(reqs)) or real_pipeline(reqs, wait, key, *rest)

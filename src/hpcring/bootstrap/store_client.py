@@ -1,27 +1,30 @@
-"""The rendezvous store's blocking client, used by every rank (see store_wire for the protocol)."""
+"""The rendezvous store's blocking client, used by every rank (see store_wire for the protocol).
+
+The store's operations; the connection they travel on (connect, handshake, frames) is
+:class:`~hpcring.bootstrap.store_connection.StoreConnection`."""
 from __future__ import annotations
 
-import hmac
-import socket
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from hpcring.bootstrap import auth
-from hpcring.bootstrap.store_wire import (COUNT, DEFAULT_MAX_FRAME, F64, HEADER, I64, KEYLEN, MAC_LEN,
-                                          MAX_GET_TIMEOUT, MGET_RANGE, MGET_VALUES, OP_ADD, OP_CHECK, OP_DELETE,
-                                          OP_GET, OP_MCHECK, OP_MGET, OP_MSET, OP_PING, OP_SET,
-                                          SECRET_HINT, ST_ERROR, ST_OK, ST_TIMEOUT, ST_TOOBIG, _DIR_TO_CLIENT,
-                                          _DIR_TO_SERVER, StoreAuthError, StoreTimeoutError,
-                                          decode_indices, decode_values, encode_frame, encode_items,
-                                          encode_key_range, encode_keys, encode_request, frame_mac,
-                                          key_range, session_key)
+from hpcring.bootstrap.store_batches import as_items, item_batches, key_batches, label
+from hpcring.bootstrap.store_connection import ClientBusy, StoreConnection
+from hpcring.bootstrap.store_wire import (DEFAULT_MAX_FRAME, F64, I64, MAX_GET_TIMEOUT, MGET_RANGE, MGET_VALUES,
+                                          OP_ADD, OP_CHECK, OP_DELETE, OP_GET, OP_MCHECK, OP_MGET, OP_MSET, OP_PING,
+                                          OP_SET, ST_ERROR, ST_OK, ST_TIMEOUT, ST_TOOBIG, StoreTimeoutError,
+                                          decode_indices, decode_values, encode_key_range, encode_keys,
+                                          encode_request, key_range)
 from hpcring.errors import BootstrapError
-from hpcring.netio import recv_exact, time_left
+from hpcring.netio import time_left
 
 if TYPE_CHECKING:
+    import socket
+
     from hpcring.bootstrap.store_server import StoreServer
+
+__all__ = ["StoreClient", "ClientBusy"]
+
 
 def _seconds(what: str, value) -> float:
     """A wait in seconds from a caller: finite and in [0, MAX_GET_TIMEOUT], else UsageError."""
@@ -31,19 +34,6 @@ def _seconds(what: str, value) -> float:
 
 class _ReplyTooBig(BootstrapError):
     """The server would not fit a batched read's reply in one frame (ST_TOOBIG): ask in halves."""
-
-
-class ClientBusy(BootstrapError):
-    """Another thread held this client for longer than the call's ``timeout``: nothing was sent
-    (the caller may use a connection of its own)."""
-
-
-class _StoreBusy(ConnectionResetError):
-    """The server closed a new connection before its hello: full, or pausing accepts (retryable)."""
-
-
-_RETRYABLE_CONNECT = (ConnectionRefusedError, ConnectionResetError, ConnectionAbortedError,
-                      TimeoutError, socket.timeout)
 
 
 class StoreClient:
@@ -70,83 +60,21 @@ class StoreClient:
         self.timeout = _seconds("StoreClient timeout", timeout)
         self.max_frame = max_frame
         self._secret = bytes(secret)
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._key = b""
-        self._send_seq = 0
-        self._recv_seq = 0
+        self._conn = StoreConnection(host, port, self._secret, max_frame)
         self.server: StoreServer | None = None   # set by init_bootstrap on rank 0 to keep it alive
-        self._connect(time.monotonic() + self.timeout, retry=connect_retry)
+        self._conn.connect(time.monotonic() + self.timeout, self.timeout, retry=connect_retry)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    # -- connection -------------------------------------------------------------------------
-    def _connect(self, deadline: float, retry: bool = True) -> None:
-        delay, last_error = 0.02, None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise BootstrapError(
-                    f"could not connect to the rendezvous store at {self.address} "
-                    f"within {self.timeout:.0f}s (last error: {last_error})",
-                    hint="check that rank 0 is running and reached init_bootstrap, that the master "
-                         "address is reachable from this host (interface, firewall) and that "
-                         "HPCRING_MASTER_ADDR/MASTER_ADDR point at rank 0's node")
-            try:
-                self._sock = self._open(min(remaining, 5.0))
-                return
-            except StoreAuthError:
-                raise
-            except (OSError, *_RETRYABLE_CONNECT) as e:
-                last_error = f"{type(e).__name__}: {e}"
-                if not retry:   # the caller runs its own loop over several ports
-                    raise BootstrapError(f"could not connect to the rendezvous store at {self.address}: "
-                                         f"{last_error}") from e
-            time.sleep(min(delay, time_left(deadline)))
-            delay = min(delay * 2, 1.0)
-
-    def _open(self, budget: float) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=budget)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(max(budget, 1.0))
-            self._handshake(sock)
-            return sock
-        except BaseException:
-            sock.close()
-            raise
-
-    def _handshake(self, sock: socket.socket) -> None:
-        try:
-            ns = auth.STORE.read_hello(sock)
-        except auth.NotAPeer as e:
-            raise StoreAuthError(f"peer at {self.address} is not an hpcring store (bad hello)",
-                                 hint=SECRET_HINT) from e
-        except (EOFError, ConnectionResetError, TimeoutError, socket.timeout) as e:
-            # An hpcring store under a flood drops (or is slow to greet) new connections: retry.
-            raise _StoreBusy(f"the store closed the connection before its hello (busy, or not an "
-                             f"hpcring store): {e or type(e).__name__}") from e
-        except OSError as e:
-            raise StoreAuthError(f"peer at {self.address} is not an hpcring store (no hello: {e})",
-                                 hint=SECRET_HINT) from e
-        try:
-            nc = auth.STORE.prove(sock, self._secret, ns)
-        except auth.BadProof as e:
-            raise StoreAuthError(f"the server at {self.address} could not prove it knows this job's secret",
-                                 hint=SECRET_HINT) from e
-        except (EOFError, OSError) as e:
-            raise StoreAuthError(f"the store at {self.address} rejected this rank's handshake",
-                                 hint=SECRET_HINT) from e
-        self._key = session_key(self._secret, ns, nc)
-        self._send_seq = self._recv_seq = 0
+    @property
+    def _sock(self) -> socket.socket | None:
+        """The connection's socket; None once closed (elastic's member reads its local address)."""
+        return self._conn.sock
 
     def close(self) -> None:
-        with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
+        self._conn.close()
 
     def __enter__(self) -> "StoreClient":
         return self
@@ -165,48 +93,7 @@ class StoreClient:
         ``limit``: a bound on the whole call, the wait for another thread's call included
         (:class:`ClientBusy` when that wait alone passes it); None: ``wait`` + 5 s per read."""
         bodies = [encode_request(op, k, args) for op, k, args in requests]
-        for body in bodies:
-            if len(body) > self.max_frame:
-                raise BootstrapError(f"request for key {key!r} is {len(body)} bytes, over the store's "
-                                     f"frame cap of {self.max_frame}", hint="the store is for small metadata")
-        end = None if limit is None else time.monotonic() + limit
-        if not self._lock.acquire(timeout=-1 if limit is None else limit):
-            raise ClientBusy(f"store client for {self.address} busy in another thread for {limit:g} s (key {key!r})")
-        try:
-            sock = self._sock
-            if sock is None:
-                raise BootstrapError(f"store client for {self.address} is closed (key {key!r})")
-            frames = []
-            for body in bodies:
-                frames.append(encode_frame(self._key, _DIR_TO_SERVER, self._send_seq, body))
-                self._send_seq += 1
-            # The server answers a blocked GET at its own deadline; the slack covers the round trip.
-            reply_wait = wait + 5.0 if end is None else max(0.05, end - time.monotonic())
-            sock.settimeout(reply_wait)
-            try:
-                sock.sendall(b"".join(frames))
-                replies = [self._read_reply(sock) for _ in bodies]
-            except (EOFError, ConnectionError) as e:
-                self._sock = None
-                sock.close()
-                raise BootstrapError(
-                    f"the rendezvous store at {self.address} closed the connection while this rank "
-                    f"was waiting for key {key!r} ({type(e).__name__})",
-                    hint="rank 0 runs the store: check whether rank 0 exited or crashed (its log and exit "
-                         "code), or was killed by the scheduler") from e
-            except (TimeoutError, socket.timeout) as e:
-                self._sock = None
-                sock.close()
-                raise BootstrapError(
-                    f"no answer from the rendezvous store at {self.address} for key {key!r} "
-                    f"within {reply_wait:.1f}s", hint="rank 0 may be hung or the network path dropped") from e
-            except OSError as e:
-                self._sock = None
-                sock.close()
-                raise BootstrapError(f"talking to the rendezvous store at {self.address} failed for "
-                                     f"key {key!r}: {e}", hint="check rank 0 and the network path") from e
-        finally:
-            self._lock.release()
+        replies = self._conn.round_trip(bodies, wait, key, limit)
         for status, payload in replies:   # every reply is read first: the stream stays in step
             if status == ST_TOOBIG:
                 raise _ReplyTooBig(payload.decode("utf-8", "replace"))
@@ -214,17 +101,6 @@ class StoreClient:
                 raise BootstrapError(f"store at {self.address} refused the request on key {key!r}: "
                                      f"{payload.decode('utf-8', 'replace')}")
         return replies
-
-    def _read_reply(self, sock: socket.socket) -> tuple[int, bytes]:
-        head = recv_exact(sock, HEADER.size + MAC_LEN)
-        (length,) = HEADER.unpack_from(head, 0)
-        if length > self.max_frame or length < 1:
-            raise ConnectionAbortedError(f"reply frame length {length} out of range")
-        body = recv_exact(sock, length)
-        if not hmac.compare_digest(head[HEADER.size:], frame_mac(self._key, _DIR_TO_CLIENT, self._recv_seq, body)):
-            raise ConnectionAbortedError("reply frame has a bad MAC")
-        self._recv_seq += 1
-        return body[0], body[1:]
 
     # -- API --------------------------------------------------------------------------------
     def set(self, key: str, value: bytes) -> None:
@@ -261,9 +137,9 @@ class StoreClient:
     # -- batched ----------------------------------------------------------------------------
     def multi_set(self, items: Mapping[str, bytes] | Iterable[tuple[str, bytes]]) -> None:
         """Store every ``(key, value)`` and wake the ranks blocked on them, in one round trip."""
-        items = self._items(items)
-        self._pipeline([(OP_MSET, "", args) for args in self._item_batches(items)], self.timeout,
-                       self._label([k for k, _ in items]))
+        items = as_items(items)
+        self._pipeline([(OP_MSET, "", args) for args in item_batches(items, self.max_frame)], self.timeout,
+                       label([k for k, _ in items]))
 
     def multi_get(self, keys: Iterable[str], timeout: float | None = None, *, values: bool = True) -> list[bytes]:
         """The values of ``keys`` in order, blocking until all exist, in one round trip (the
@@ -278,7 +154,7 @@ class StoreClient:
         """The value of each key, or None where it does not exist; never blocks on the keys."""
         keys = list(keys)
         out: list[bytes | None] = []
-        for chunk in self._key_batches(keys):
+        for chunk in key_batches(keys, self.max_frame):
             out += self._mcheck(chunk)
         return out
 
@@ -296,53 +172,15 @@ class StoreClient:
         """Publish ``publish`` and read ``keys`` (waiting until all exist), in one round trip: the
         MSET and the MGET travel together and the server answers them in order. A rendezvous
         ("my address; everyone's addresses") in one call. Errors as :meth:`multi_get`."""
-        items, keys = self._items(publish), list(keys)
+        items, keys = as_items(publish), list(keys)
         wait = self.timeout if timeout is None else self._wait_arg(timeout, "store exchange timeout")
         deadline = time.monotonic() + wait
-        pre = [(OP_MSET, "", args) for args in self._item_batches(items)] if items else []
+        pre = [(OP_MSET, "", args) for args in item_batches(items, self.max_frame)] if items else []
         return self._mget(keys, wait, deadline, True, pre)
 
     def _wait_arg(self, timeout, what: str) -> float:
         negative = isinstance(timeout, (int, float)) and timeout < 0   # a deadline already passed
         return _seconds(what, 0.0 if negative else timeout)
-
-    @staticmethod
-    def _items(items) -> list[tuple[str, bytes]]:
-        items = list(items.items() if isinstance(items, Mapping) else items)
-        for key, value in items:
-            if not isinstance(value, (bytes, bytearray, memoryview)):
-                raise TypeError(f"store values are bytes, not {type(value).__name__} (key {key!r})")
-        return [(k, bytes(v)) for k, v in items]
-
-    @staticmethod
-    def _label(keys: list[str]) -> str:
-        return keys[0] if len(keys) == 1 else f"{keys[0]} (and {len(keys) - 1} more)" if keys else "(none)"
-
-    def _budget(self) -> int:
-        return self.max_frame - 64   # room for the request header and the MGET's fixed fields
-
-    def _key_batches(self, keys: list[str]) -> list[list[str]]:
-        """``keys`` split so that each request fits the frame cap (almost always one batch)."""
-        out, cur, size = [], [], COUNT.size
-        for k in keys:
-            n = KEYLEN.size + len(k.encode("utf-8"))
-            if cur and size + n > self._budget():
-                out.append(cur)
-                cur, size = [], COUNT.size
-            cur.append(k)
-            size += n
-        return out + [cur] if cur or not out else out
-
-    def _item_batches(self, items: list[tuple[str, bytes]]) -> list[bytes]:
-        out, cur, size = [], [], COUNT.size
-        for k, v in items:
-            n = KEYLEN.size + len(k.encode("utf-8")) + COUNT.size + len(v)
-            if cur and size + n > self._budget():
-                out.append(encode_items(cur))
-                cur, size = [], COUNT.size
-            cur.append((k, v))
-            size += n
-        return out + [encode_items(cur)] if cur or not out else out
 
     def _values(self, payload: bytes, n: int) -> list[bytes | None]:
         try:
@@ -360,7 +198,7 @@ class StoreClient:
         flag = MGET_VALUES if values else 0
         out: list[bytes] = []
         rng = key_range(keys)   # "every rank's key": sent as prefix + range, a few bytes
-        batches = [keys] if rng else self._key_batches(keys) if keys else []
+        batches = [keys] if rng else key_batches(keys, self.max_frame) if keys else []
         for i, chunk in enumerate(batches):
             left = time_left(deadline)
             if rng:
@@ -369,7 +207,7 @@ class StoreClient:
                 args = bytes([flag]) + encode_keys(chunk)
             reqs = (pre if i == 0 else []) + [(OP_MGET, "", F64.pack(left) + args)]
             try:
-                status, payload = self._pipeline(reqs, left, self._label(chunk))[-1]
+                status, payload = self._pipeline(reqs, left, label(chunk))[-1]
             except _ReplyTooBig:   # the values pass one frame (``pre`` went through): ask in halves
                 if len(chunk) == 1:
                     out.append(self.get(chunk[0], timeout=time_left(deadline)))
@@ -440,7 +278,7 @@ class StoreClient:
         try:
             self.get(done_key, timeout=time_left(deadline))
         except BootstrapError as e:
-            arrived = self.check(count_key) if self._sock is not None else None
+            arrived = self.check(count_key) if self._conn.sock is not None else None
             got = arrived.decode() if arrived else "?"
             if "timed out" not in e.message:   # the store went away: that error says it better
                 raise
