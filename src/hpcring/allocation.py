@@ -7,9 +7,9 @@ Where the ranks start, in this order:
     resource sets, or blaunch/mpirun over a host file written into the run folder: the first
     ``--nodes`` hosts of the job's slot list, launch node left out, ``--tasks-per-node`` lines each);
   - otherwise on this machine, with the local backend's per-rank environment.
-The allocation's size comes from the launcher tables (``launchers.allocation``). Every rank runs
-``python -m hpcring.rank_exec`` which bootstraps, exports MASTER_ADDR & co. and tags CMD's output
-by rank. The exit code is that of the first failing rank, which is named.
+The allocation's size comes from the launcher tables (``allocation_size.allocation``). Every rank
+runs ``python -m hpcring.rank_exec`` which bootstraps, exports MASTER_ADDR & co. and tags CMD's
+output by rank. The exit code is that of the first failing rank, which is named.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
-from hpcring.bootstrap import auth, launchers, lsf_slots
+from hpcring.bootstrap import allocation_size, auth, lsf_slots
 from hpcring.config.jobspec import JobSpec, check_local_ranks, resolve_job
 from hpcring.config.schema import Fabric, Launcher
 from hpcring.config.site import Site
@@ -38,7 +38,7 @@ from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords
 _PLAIN_LAUNCHER = {"slurm": "srun", "lsf": "blaunch"}
 
 
-def for_allocation(site: Site, alloc: launchers.Allocation) -> Site:
+def for_allocation(site: Site, alloc: allocation_size.Allocation) -> Site:
     """``site`` as used inside ``alloc``. A site of another scheduler (the ``local`` default inside
     salloc or bsub -Is, when no site names this cluster) describes another machine: its launcher
     becomes the allocation's plain one (srun, blaunch) and its fabric the automatic interface
@@ -50,7 +50,7 @@ def for_allocation(site: Site, alloc: launchers.Allocation) -> Site:
     return replace(site, config=cfg)
 
 
-def launch_words(alloc: launchers.Allocation, site: Site, job: JobSpec, nodes: int, per_node: int,
+def launch_words(alloc: allocation_size.Allocation, site: Site, job: JobSpec, nodes: int, per_node: int,
                  rank_cmd: list[str], run_dir: Path, container=None) -> tuple[LaunchWords, dict[str, str]]:
     """The scheduler's launcher line for ``nodes x per_node`` ranks in ``alloc``, and the variables
     the ranks need besides (LSF: the host file, written into ``run_dir``).
@@ -90,7 +90,7 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     if not cmd:
         raise UsageError("nothing to run: give a command after --, e.g. hpcring run -- python train.py")
     drop = site.config.scheduler == "lsf" and site.config.lsf.drop_launch_node
-    alloc = launchers.allocation(env_in, lsf_drop_launch_node=drop)
+    alloc = allocation_size.allocation(env_in, lsf_drop_launch_node=drop)
     if alloc is not None:
         site = for_allocation(site, alloc)
     if container is not None and container.runtime == "pyxis" and (alloc is None or alloc.scheduler != "slurm"):

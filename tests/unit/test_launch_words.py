@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hpcring import allocation as run_alloc
-from hpcring.bootstrap import launchers, lsf_slots
+from hpcring.bootstrap import allocation_size, launchers, lsf_slots
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import BootstrapError, ConfigError, SchedulerError, UsageError
@@ -115,7 +115,7 @@ def test_script_and_hpcring_run_give_the_same_words(tmp_path, kind, drop):
     slots = ["batch1"] * drop + ["n1", "n1", "n2", "n2"]
     env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "2"} if kind == "srun" else \
         {"LSB_JOBID": "5", "LSB_MCPU_HOSTS": " ".join(f"{h} {slots.count(h)}" for h in dict.fromkeys(slots))}
-    alloc = launchers.allocation(env, lsf_drop_launch_node=drop)
+    alloc = allocation_size.allocation(env, lsf_drop_launch_node=drop)
     assert alloc.num_nodes == 2
     words, extra = run_alloc.launch_words(alloc, site, job, 2, 2, list(CMD), tmp_path)
     hostfile = extra.get("HPCRING_LSF_HOSTFILE", "/no/hostfile")
@@ -136,7 +136,7 @@ def test_hpcring_run_host_file_is_the_ranks_slot_list(tmp_path):
     site = _site(tmp_path, "blaunch", drop=True)
     job = resolve_job(site, "t.py", [], {}, environ={})
     env = {"LSB_JOBID": "9", "LSB_MCPU_HOSTS": "batch1 1 n1 2 n2 2 n3 2"}
-    alloc = launchers.allocation(env, lsf_drop_launch_node=True)
+    alloc = allocation_size.allocation(env, lsf_drop_launch_node=True)
     assert (alloc.num_nodes, alloc.slots[0]) == (3, "n1")
     words, extra = run_alloc.launch_words(alloc, site, job, 2, 1, ["a"], tmp_path)
     assert Path(extra["HPCRING_LSF_HOSTFILE"]).read_text() == "n1\nn2\n"
@@ -156,9 +156,9 @@ def test_host_file_refuses_more_than_the_allocation():
 def test_local_site_in_an_allocation_gets_the_plain_launcher(tmp_path):
     site = load_site("local", {})
     job = resolve_job(site, "t.py", [], {}, environ={})
-    alloc = launchers.allocation({"SLURM_JOB_ID": "1", "SLURM_NNODES": "3"})
+    alloc = allocation_size.allocation({"SLURM_JOB_ID": "1", "SLURM_NNODES": "3"})
     assert run_alloc.launch_words(alloc, site, job, 3, 1, ["a"], tmp_path)[0].argv[0] == "srun"
-    alloc = launchers.allocation({"LSB_JOBID": "1", "LSB_HOSTS": "h1 h2"})
+    alloc = allocation_size.allocation({"LSB_JOBID": "1", "LSB_HOSTS": "h1 h2"})
     words, extra = run_alloc.launch_words(alloc, site, job, 2, 1, ["a"], tmp_path)
     assert words.argv[:2] == ["blaunch", "-u"] and Path(extra["HPCRING_LSF_HOSTFILE"]).read_text() == "h1\nh2\n"
 
@@ -169,7 +169,7 @@ def test_local_site_in_an_allocation_chooses_the_interface_itself():
     site = load_site("local", {})
     job = resolve_job(site, "t.py", [], {}, environ={})
     assert job_env(site, job).get("HPCRING_IFNAME") == "=lo"
-    alloc = launchers.allocation({"SLURM_JOB_ID": "1", "SLURM_NNODES": "3"})
+    alloc = allocation_size.allocation({"SLURM_JOB_ID": "1", "SLURM_NNODES": "3"})
     used = run_alloc.for_allocation(site, alloc)
     assert used.config.launcher.kind == "srun" and used.config.fabric.data_interfaces == []
     assert "HPCRING_IFNAME" not in job_env(used, resolve_job(used, "t.py", [], {}, environ={}))
@@ -200,19 +200,19 @@ def test_the_slurm_cluster_names_the_default_site():
     ({"LSB_JOBID": "8", "LSB_HOSTS": "h1 h1 h2"}, ("lsf", 2, "LSB_HOSTS")),
 ])
 def test_allocation_size_from_the_tables(env, expected):
-    alloc = launchers.allocation(env)
+    alloc = allocation_size.allocation(env)
     assert (alloc and (alloc.scheduler, alloc.num_nodes, alloc.source)) == expected
 
 
 def test_allocation_reads_the_lsf_host_file_and_names_bad_values(tmp_path):
     (tmp_path / "hosts").write_text("b\nh1\nh1\nh2\n")
-    alloc = launchers.allocation({"LSB_JOBID": "8", "LSB_DJOB_HOSTFILE": str(tmp_path / "hosts")},
+    alloc = allocation_size.allocation({"LSB_JOBID": "8", "LSB_DJOB_HOSTFILE": str(tmp_path / "hosts")},
                                  lsf_drop_launch_node=True)
     assert (alloc.num_nodes, alloc.slots) == (2, ("h1", "h1", "h2"))
     with pytest.raises(BootstrapError, match="SLURM_JOB_NUM_NODES='two'"):
-        launchers.allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "two"})
+        allocation_size.allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "two"})
     with pytest.raises(BootstrapError, match="LSB_MCPU_HOSTS"):
-        launchers.allocation({"LSB_JOBID": "8", "LSB_MCPU_HOSTS": "h1 x"})
+        allocation_size.allocation({"LSB_JOBID": "8", "LSB_MCPU_HOSTS": "h1 x"})
 
 
 # -- lsf.drop_launch_node reaches the ranks -------------------------------------------------------

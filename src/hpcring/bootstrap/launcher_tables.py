@@ -2,8 +2,9 @@
 
 :data:`TABLES` (one :class:`LauncherTable` per launcher, in :data:`DETECTION_ORDER`) tells a rank
 who it is; :data:`ALLOCATIONS` tells a process inside an allocation (salloc, bsub -Is, a batch
-script) how big the allocation is. The logic that reads them is in launchers.py, LSF's slot lists
-in lsf_slots.py. Standard library only.
+script) how big the allocation is. The logic that reads them is in launchers.py (with
+launcher_reading.py and launcher_corroborate.py) and allocation_size.py, LSF's slot lists in
+lsf_slots.py. Standard library only.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ TABLES: dict[str, LauncherTable] = {
 
 
 DETECTION_ORDER = ("local", "torchrun", "openmpi", "mvapich", "pmi", "pmix", "jsrun", "blaunch", "slurm")
-OUTER = ("jsrun", "slurm")                         # may corroborate an inner launcher (launchers.py)
+OUTER = ("jsrun", "slurm")                         # may corroborate an inner launcher (launcher_corroborate.py)
 INNER_MPI = ("openmpi", "mvapich", "pmi", "pmix")  # must agree on the rank when several are set
 # LSF's lists of the job's slots (one host per slot), first one set wins. A rank reads hpcring's
 # own host file first: the one `hpcring run` started it from (launch node already left out).

@@ -1,6 +1,6 @@
 """Slurm's task layout: tasks per node (``2(x3),1``) and which node each rank is on.
 
-Pure functions, standard library only; launchers.py checks a step's variables with them.
+Pure functions, standard library only; launcher_reading.py checks a step's variables with them.
 """
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ class LsfJobEnvironment(job_environment.JobEnvironment):
 
     @property
     def hostnames(self) -> list[str]:
-        from hpcring.bootstrap.launchers import allocation
+        from hpcring.bootstrap.allocation_size import allocation
         alloc = allocation()   # the job's hosts from the slot list, a launch node left out
         return list(dict.fromkeys(alloc.slots)) if alloc and alloc.slots else [self.hostname]
 
