@@ -304,8 +304,8 @@ def worker(a: argparse.Namespace) -> None:
     """One process of ``a.count`` ranks from ``a.first``: 'ready', wait for 'go', run, one JSON line."""
     import numpy as np  # noqa: F401 - imported before "ready": the clock measures hpcring, not imports
 
-    from hpcring.bootstrap import init as binit
-    binit.OWN_PROCESS_MIN_RANKS = 1                   # the store in its own process: its CPU is readable
+    from hpcring.bootstrap import init_store
+    init_store.OWN_PROCESS_MIN_RANKS = 1                  # the store in its own process: its CPU is readable
     sys.setswitchinterval(a.switch_interval)          # one rank per process in a real job: no GIL to share
     env = dict(os.environ)
     shared = {"first": a.first}

@@ -37,7 +37,7 @@ class RankLife:
         (then recorded, said, and kept in ``self.failure``). ``gpus_per_node`` None: the job's
         HPCRING_GPUS_PER_NODE. ``watchdog``: this process runs the collectives (a failure the
         watchdog reports then ends this rank with its headline recorded)."""
-        from hpcring.bootstrap.init import apply_framework_env
+        from hpcring.bootstrap.frameworks import apply_framework_env
         from hpcring.config import envvars
         from hpcring.session import init
         try:

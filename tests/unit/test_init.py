@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcring.bootstrap import init as bi
+from hpcring.bootstrap import frameworks, init_store
 from hpcring.bootstrap.auth import new_secret_file
 from hpcring.bootstrap.topology import Topology
 from hpcring.errors import BootstrapError, UsageError
@@ -22,7 +22,8 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 RANK_SCRIPT = r"""
 import json, sys
-from hpcring.bootstrap.init import init_bootstrap, framework_env
+from hpcring.bootstrap.init import init_bootstrap
+from hpcring.bootstrap.frameworks import framework_env
 from hpcring.errors import BootstrapError
 try:
     topo, client = init_bootstrap(timeout=float(sys.argv[1]), port_range=(int(sys.argv[2]), int(sys.argv[3])))
@@ -87,13 +88,13 @@ def test_four_local_ranks_meet_and_agree(tmp_path):
 def test_store_port_collision_moves_to_the_next_port(tmp_path):
     lo = free_port_block(8)
     job = f"c{uuid.uuid4().hex[:8]}"
-    taken = bi.derive_port(f"{job}/2", (lo, lo + 7))
+    taken = init_store.derive_port(f"{job}/2", (lo, lo + 7))
     with socket.socket() as squatter:   # a foreign listener that never speaks our protocol
         squatter.bind(("0.0.0.0", taken))
         squatter.listen(16)
         results = run_job(tmp_path, nodes=1, per_node=2, port_range=(lo, lo + 7), job_id=job, timeout=30)
     assert "error" not in results[0], results
-    assert results[0]["store_port"] == results[1]["store_port"] == bi.candidate_ports(taken, (lo, lo + 7))[1]
+    assert results[0]["store_port"] == results[1]["store_port"] == init_store.candidate_ports(taken, (lo, lo + 7))[1]
 
 
 def test_missing_rank_times_out_naming_the_key(tmp_path):
@@ -151,7 +152,7 @@ def topo(**kw):
 def test_framework_env_contents(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")          # the user's choice stands
-    env = bi.framework_env(topo(), gpus_per_node=4)
+    env = frameworks.framework_env(topo(), gpus_per_node=4)
     assert env == {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29601", "RANK": "1", "WORLD_SIZE": "4",
                    "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0",
                    "NCCL_SOCKET_IFNAME": "=ib0", "GLOO_SOCKET_IFNAME": "ib0", "CUDA_VISIBLE_DEVICES": "1"}
@@ -159,26 +160,26 @@ def test_framework_env_contents(monkeypatch):
 
 def test_framework_env_respects_existing_cuda_devices_and_cpu_jobs(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    assert "CUDA_VISIBLE_DEVICES" not in bi.framework_env(topo(), gpus_per_node=4)
+    assert "CUDA_VISIBLE_DEVICES" not in frameworks.framework_env(topo(), gpus_per_node=4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert "CUDA_VISIBLE_DEVICES" not in bi.framework_env(topo(), gpus_per_node=0)
+    assert "CUDA_VISIBLE_DEVICES" not in frameworks.framework_env(topo(), gpus_per_node=0)
 
 
 def test_omp_threads_follow_the_cpus_a_rank_has(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-    assert bi.framework_env(topo(), 0)["OMP_NUM_THREADS"] == str(bi.threads_per_rank(2))
+    assert frameworks.framework_env(topo(), 0)["OMP_NUM_THREADS"] == str(frameworks.threads_per_rank(2))
     machine = set(range(16))
-    assert bi.threads_per_rank(4, {}, machine, 16) == 4          # 4 unpinned ranks share 16 CPUs
-    assert bi.threads_per_rank(4, {}, {2, 3, 4}, 16) == 3         # pinned by the launcher: all of its own
-    assert bi.threads_per_rank(8, {}, set(range(2)), 2) == 1      # never 0
-    assert bi.threads_per_rank(4, {"SLURM_CPUS_PER_TASK": "6"}, machine, 16) == 6
-    assert bi.threads_per_rank(4, {"SLURM_CPUS_PER_TASK": "junk"}, machine, 16) == 4
+    assert frameworks.threads_per_rank(4, {}, machine, 16) == 4          # 4 unpinned ranks share 16 CPUs
+    assert frameworks.threads_per_rank(4, {}, {2, 3, 4}, 16) == 3         # pinned by the launcher: all of its own
+    assert frameworks.threads_per_rank(8, {}, set(range(2)), 2) == 1      # never 0
+    assert frameworks.threads_per_rank(4, {"SLURM_CPUS_PER_TASK": "6"}, machine, 16) == 6
+    assert frameworks.threads_per_rank(4, {"SLURM_CPUS_PER_TASK": "junk"}, machine, 16) == 4
 
 
 def test_framework_env_needs_a_completed_topology():
     with pytest.raises(BootstrapError, match="init_bootstrap"):
-        bi.framework_env(topo(master_addr=None))
+        frameworks.framework_env(topo(master_addr=None))
 
 
 def test_apply_framework_env_exports(monkeypatch):
@@ -187,26 +188,26 @@ def test_apply_framework_env_exports(monkeypatch):
     # every variable it exports (RANK, LOCAL_RANK, WORLD_SIZE, ...) must vanish after the test:
     # later tests start fake ranks from this process's environment
     monkeypatch.setattr(os, "environ", os.environ.copy())
-    bi.apply_framework_env(topo(rank=2, local_rank=0))
+    frameworks.apply_framework_env(topo(rank=2, local_rank=0))
     assert os.environ["RANK"] == "2" and os.environ["NCCL_SOCKET_IFNAME"] == "=ib0"
 
 
 def test_derive_port_is_stable_and_in_range():
-    ports = {bi.derive_port(f"job{i}", (29500, 29999)) for i in range(200)}
+    ports = {init_store.derive_port(f"job{i}", (29500, 29999)) for i in range(200)}
     assert all(29500 <= p <= 29999 for p in ports) and len(ports) > 100
-    assert bi.derive_port("42") == bi.derive_port("42")
-    assert bi.candidate_ports(29998, (29500, 29999), 4) == [29998, 29999, 29500, 29501]
+    assert init_store.derive_port("42") == init_store.derive_port("42")
+    assert init_store.candidate_ports(29998, (29500, 29999), 4) == [29998, 29999, 29500, 29501]
     with pytest.raises(BootstrapError):
-        bi.derive_port("x", (0, 10))
+        init_store.derive_port("x", (0, 10))
 
 
 def test_bootstrap_master_addr_precedence():
     t = topo(master_addr=None, hosts=("localhost", "x", "y", "z"))
-    assert bi.bootstrap_master_addr(t, {"HPCRING_MASTER_ADDR": "10.1.1.1", "MASTER_ADDR": "10.2.2.2"}) == "10.1.1.1"
-    assert bi.bootstrap_master_addr(t, {"MASTER_ADDR": "10.2.2.2"}) == "10.2.2.2"
-    assert bi.bootstrap_master_addr(t, {}) == "127.0.0.1"   # first host resolved
+    assert init_store.bootstrap_master_addr(t, {"HPCRING_MASTER_ADDR": "10.1.1.1", "MASTER_ADDR": "10.2.2.2"}) == "10.1.1.1"
+    assert init_store.bootstrap_master_addr(t, {"MASTER_ADDR": "10.2.2.2"}) == "10.2.2.2"
+    assert init_store.bootstrap_master_addr(t, {}) == "127.0.0.1"   # first host resolved
     with pytest.raises(BootstrapError, match="cannot tell where rank 0 runs"):
-        bi.bootstrap_master_addr(topo(master_addr=None, hosts=("?", "a", "b", "c")), {})
+        init_store.bootstrap_master_addr(topo(master_addr=None, hosts=("?", "a", "b", "c")), {})
 
 
 def test_backend_given_to_init_becomes_the_sessions_default(monkeypatch):
@@ -238,7 +239,7 @@ def test_backend_given_to_init_becomes_the_sessions_default(monkeypatch):
 def test_refused_store_connects_back_off_more_in_large_jobs(monkeypatch):
     """Until rank 0's store listens, a rank retries with jittered waits whose cap grows with the job
     size: 0.2 s up to RETRY_RANKS ranks, up to 1 s beyond (4096 ranks at 0.2 s: 20 000 connects/s)."""
-    from hpcring.bootstrap import init as binit
+    from hpcring.bootstrap import init_store
     from hpcring.errors import BootstrapError
 
     def refused(*a, **k):
@@ -246,16 +247,16 @@ def test_refused_store_connects_back_off_more_in_large_jobs(monkeypatch):
     for ranks, cap in ((8, 0.2), (256, 0.2), (1024, 0.8), (8192, 1.0)):
         waits: list[float] = []
         clock = [0.0]
-        monkeypatch.setattr(binit, "StoreClient", refused)
-        monkeypatch.setattr(binit.time, "monotonic", lambda: clock[0])
-        monkeypatch.setattr(binit, "time_left", lambda deadline: deadline - clock[0])
+        monkeypatch.setattr(init_store, "StoreClient", refused)
+        monkeypatch.setattr(init_store.time, "monotonic", lambda: clock[0])
+        monkeypatch.setattr(init_store, "time_left", lambda deadline: deadline - clock[0])
 
         def sleep(s, waits=waits):
             waits.append(s)
             clock[0] += s
-        monkeypatch.setattr(binit.time, "sleep", sleep)
+        monkeypatch.setattr(init_store.time, "sleep", sleep)
         with pytest.raises(BootstrapError, match="could not reach the rendezvous store"):
-            binit._connect_any("127.0.0.1", [29500], b"s" * 32, 60.0, ranks=ranks)
+            init_store._connect_any("127.0.0.1", [29500], b"s" * 32, 60.0, ranks=ranks)
         late = waits[10:-1]
         assert late and max(late) <= cap + 1e-9 and min(late) >= cap / 2 - 1e-9, (ranks, late[:5])
         assert len(set(late)) > 1                     # jittered: ranks do not retry in step
@@ -270,13 +271,13 @@ def test_refused_store_connects_back_off_more_in_large_jobs(monkeypatch):
     [f"n{r}" for r in random.Random(7).sample(range(10_000), 300)],     # random order
 ])
 def test_init_hosts_round_trip_exactly_and_stay_small(hosts):
-    from hpcring.bootstrap.init import decode_hosts, encode_hosts
+    from hpcring.bootstrap.init_hosts import decode_hosts, encode_hosts
     wire = encode_hosts(hosts)
     assert decode_hosts(wire, len(hosts)) == hosts
     assert len(wire) <= len(json.dumps(hosts)) + 16
 
 
 def test_init_hosts_of_a_block_layout_are_a_few_bytes_at_any_size():
-    from hpcring.bootstrap.init import encode_hosts
+    from hpcring.bootstrap.init_hosts import encode_hosts
     assert encode_hosts([f"node{r // 8 + 1}" for r in range(4096)]) == b'{"runs": [["node[1-512]", 8]]}'
     assert len(encode_hosts([f"node{r // 8 + 1}" for r in range(65536)])) < 40

@@ -6,7 +6,6 @@ import ctypes
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcring.bootstrap import init as binit
+from hpcring.bootstrap import init_pmix
 from hpcring.bootstrap import pmix
 from hpcring.bootstrap.topology import Topology
 from hpcring.errors import BootstrapError
@@ -187,39 +186,39 @@ def test_auto_uses_the_store_below_the_size_where_pmix_pays_off(monkeypatch, cap
     monkeypatch.setattr(pmix, "PmixClient", lambda *a, **k: pytest.fail("PMIx used below HPCRING_PMIX_MIN_RANKS"))
     env = {k: v for k, v in PMIX_ENV.items() if k != "HPCRING_PMIX_MIN_RANKS"}     # the default, 256
     with caplog.at_level(logging.INFO, logger="hpcring.bootstrap.init"):
-        assert binit._pmix_client(_topo(), env, SECRET, time.monotonic() + 5) is None
+        assert init_pmix._pmix_client(_topo(), env, SECRET, time.monotonic() + 5) is None
     assert any("auto meets through PMIx from HPCRING_PMIX_MIN_RANKS=256" in r.getMessage() for r in caplog.records)
     def tried(*a, **k):
         raise BootstrapError("tried")
     monkeypatch.setattr(pmix, "PmixClient", tried)
     with pytest.raises(BootstrapError, match="PMIx cannot be used: tried"):   # pmix mode: asked for, no size rule
-        binit._pmix_client(_topo(), {**env, "HPCRING_RENDEZVOUS": "pmix"}, SECRET, time.monotonic() + 5)
+        init_pmix._pmix_client(_topo(), {**env, "HPCRING_RENDEZVOUS": "pmix"}, SECRET, time.monotonic() + 5)
 
 
 def test_auto_without_pmix_uses_the_store_and_says_why(caplog):
     with caplog.at_level(logging.INFO, logger="hpcring.bootstrap.init"):
-        assert binit._pmix_client(_topo(), {}, SECRET, time.monotonic() + 5) is None
+        assert init_pmix._pmix_client(_topo(), {}, SECRET, time.monotonic() + 5) is None
     assert any("rendezvous through the store: no PMIx server" in r.getMessage() for r in caplog.records)
 
 
 def test_store_mode_never_touches_pmix(monkeypatch):
     monkeypatch.setattr(pmix, "PmixClient", lambda *a, **k: pytest.fail("PMIx used in store mode"))
-    assert binit._pmix_client(_topo(), {**PMIX_ENV, "HPCRING_RENDEZVOUS": "store"}, SECRET, time.monotonic() + 5) is None
+    assert init_pmix._pmix_client(_topo(), {**PMIX_ENV, "HPCRING_RENDEZVOUS": "store"}, SECRET, time.monotonic() + 5) is None
 
 
 def test_pmix_mode_without_pmix_is_an_error():
     with pytest.raises(BootstrapError, match="HPCRING_RENDEZVOUS=pmix, but PMIx cannot be used: no PMIx server"):
-        binit._pmix_client(_topo(), {"HPCRING_RENDEZVOUS": "pmix"}, SECRET, time.monotonic() + 5)
+        init_pmix._pmix_client(_topo(), {"HPCRING_RENDEZVOUS": "pmix"}, SECRET, time.monotonic() + 5)
 
 
 def test_unloadable_library_falls_back_with_a_warning_in_auto_and_fails_in_pmix_mode(caplog):
     env = {**PMIX_ENV, "HPCRING_PMIX_LIBRARY": "/nonexistent/libpmix.so.2"}
     with caplog.at_level(logging.INFO, logger="hpcring.bootstrap.init"):
-        assert binit._pmix_client(_topo(), env, SECRET, time.monotonic() + 5) is None
+        assert init_pmix._pmix_client(_topo(), env, SECRET, time.monotonic() + 5) is None
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warned and "cannot load libpmix" in warned[0].getMessage()
     with pytest.raises(BootstrapError, match="PMIx cannot be used: cannot load libpmix"):
-        binit._pmix_client(_topo(), {**env, "HPCRING_RENDEZVOUS": "pmix"}, SECRET, time.monotonic() + 5)
+        init_pmix._pmix_client(_topo(), {**env, "HPCRING_RENDEZVOUS": "pmix"}, SECRET, time.monotonic() + 5)
 
 
 @pytest.mark.parametrize("launcher,rank", [("torchrun", 0), ("local", 0), ("slurm", 1)])
@@ -227,14 +226,14 @@ def test_ranks_not_started_by_the_pmix_launcher_do_not_use_it(monkeypatch, caplo
     """torchrun under srun --mpi=pmix: its children inherit one PMIX_RANK; PMIx must not be used."""
     monkeypatch.setattr(pmix, "PmixClient", lambda *a, **k: pytest.fail("PMIx used"))
     with caplog.at_level(logging.INFO, logger="hpcring.bootstrap.init"):
-        assert binit._pmix_client(_topo(launcher, rank), PMIX_ENV, SECRET, time.monotonic() + 5) is None
+        assert init_pmix._pmix_client(_topo(launcher, rank), PMIX_ENV, SECRET, time.monotonic() + 5) is None
     assert any("not from the PMIx launcher" in r.getMessage() for r in caplog.records)
 
 
 def test_bad_setting_is_a_usage_error():
     from hpcring.errors import UsageError
     with pytest.raises(UsageError, match="HPCRING_RENDEZVOUS"):
-        binit._pmix_client(_topo(), {"HPCRING_RENDEZVOUS": "mpi"}, SECRET, time.monotonic() + 5)
+        init_pmix._pmix_client(_topo(), {"HPCRING_RENDEZVOUS": "mpi"}, SECRET, time.monotonic() + 5)
 
 
 def test_store_address_from_pmix_is_authenticated_by_the_store_handshake():
@@ -244,8 +243,8 @@ def test_store_address_from_pmix_is_authenticated_by_the_store_handshake():
     fake = StoreServer("127.0.0.1", 0, secret=b"x" * 32)
     try:
         with pytest.raises(BootstrapError, match="could not reach rank 0's rendezvous store"):
-            binit._connect_store_at(["127.0.0.1"], fake.port, SECRET, time.monotonic() + 0.5)
-        c = binit._connect_store_at(["127.0.0.1"], real.port, SECRET, time.monotonic() + 5)
+            init_pmix._connect_store_at(["127.0.0.1"], fake.port, SECRET, time.monotonic() + 0.5)
+        c = init_pmix._connect_store_at(["127.0.0.1"], real.port, SECRET, time.monotonic() + 5)
         c.set("k", b"v")
         assert c.get("k") == b"v"
         c.close()

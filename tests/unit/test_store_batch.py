@@ -467,10 +467,10 @@ def test_the_store_process_reports_a_descriptor_limit_too_low():
 
 
 def test_rank_0_serves_large_jobs_from_a_store_process_and_small_ones_in_process():
-    from hpcring.bootstrap import init as bi
+    from hpcring.bootstrap import init_store
     from hpcring.bootstrap.store_server import StoreServerProcess
-    for ranks, kind in ((4, StoreServer), (bi.OWN_PROCESS_MIN_RANKS, StoreServerProcess)):
-        srv = bi._start_server([0], SECRET, ranks=ranks)
+    for ranks, kind in ((4, StoreServer), (init_store.OWN_PROCESS_MIN_RANKS, StoreServerProcess)):
+        srv = init_store._start_server([0], SECRET, ranks=ranks)
         try:
             assert type(srv) is kind and srv.port
         finally:

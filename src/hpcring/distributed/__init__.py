@@ -62,7 +62,7 @@ def init_process_group(backend: str = BACKEND_NAME, **kwargs) -> None:
     none of torch's env:// variables: bootstrap hpcring first (:func:`hpcring.init`), export
     RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (a free port on rank 0's verified
     interface) from the session where the launcher did not set them, then call torch."""
-    from hpcring.bootstrap.init import framework_env
+    from hpcring.bootstrap.frameworks import framework_env
     from hpcring.session import init
     session = init()
     for key, value in framework_env(session.topology).items():
