@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcring.bootstrap import netif, netif_list
-from hpcring.bootstrap.netif import Interface, InterfaceSpec, parse_spec, select_candidates
+from hpcring.bootstrap import netif_choice, netif_list, netif_probe
+from hpcring.bootstrap.netif_choice import InterfaceSpec, parse_spec, select_candidates
+from hpcring.bootstrap.netif_list import Interface
 from hpcring.bootstrap.store_server import StoreServer
 from hpcring.errors import BootstrapError
 from hpcring.netio import recv_exact
@@ -71,7 +71,7 @@ def test_auto_rules_drop_loopback_bridges_linklocal_down_and_order_by_fabric_the
     (FAKE[0], "loopback"), (FAKE[1], "container"), (FAKE[2], "container"), (FAKE[3], "veth"),
     (FAKE[4], "link-local"), (FAKE[5], "down"), (FAKE[6], None)])
 def test_auto_reject_reasons(iface, reason):
-    got = netif.auto_reject_reason(iface)
+    got = netif_choice.auto_reject_reason(iface)
     assert (got is None) if reason is None else (reason in got)
 
 
@@ -111,7 +111,7 @@ def test_ip_json_parsing():
 
 
 def test_this_machine_lists_loopback_both_ways():
-    for listing in (netif.list_interfaces(), netif_list._from_ioctl()):
+    for listing in (netif_list.list_interfaces(), netif_list._from_ioctl()):
         lo = [f for f in listing if f.name == "lo"]
         assert lo and lo[0].address == "127.0.0.1" and lo[0].up and lo[0].prefixlen == 8
 
@@ -119,11 +119,11 @@ def test_this_machine_lists_loopback_both_ways():
 # ------------------------------------------------------------------------------------ probes
 
 def test_probe_succeeds_with_right_secret_and_fails_with_wrong_one(caplog):
-    lst = netif.ProbeListener("127.0.0.1", SECRET)
+    lst = netif_probe.ProbeListener("127.0.0.1", SECRET)
     try:
-        assert netif.probe("127.0.0.1", lst.port, SECRET) is None
+        assert netif_probe.probe("127.0.0.1", lst.port, SECRET) is None
         with caplog.at_level("WARNING", logger="hpcring.bootstrap.netif"):
-            err = netif.probe("127.0.0.1", lst.port, b"other job", timeout=1)
+            err = netif_probe.probe("127.0.0.1", lst.port, b"other job", timeout=1)
             time.sleep(0.2)
         assert err is not None
         assert any("unauthenticated peer 127.0.0.1" in r.getMessage() for r in caplog.records)
@@ -138,33 +138,33 @@ def test_probe_connect_hands_the_authenticated_socket_to_both_sides():
         got.append(conn.recv(5))
         conn.sendall(b"back")
 
-    lst = netif.ProbeListener("127.0.0.1", SECRET, on_authenticated=echo_once)
+    lst = netif_probe.ProbeListener("127.0.0.1", SECRET, on_authenticated=echo_once)
     try:
-        with netif.probe_connect("127.0.0.1", lst.port, SECRET) as s:
+        with netif_probe.probe_connect("127.0.0.1", lst.port, SECRET) as s:
             s.sendall(b"hello")
             assert recv_exact(s, 4) == b"back"
-        with pytest.raises(netif.ProbeFailed):
-            netif.probe_connect("127.0.0.1", lst.port, b"other job", timeout=1)
+        with pytest.raises(netif_probe.ProbeFailed):
+            netif_probe.probe_connect("127.0.0.1", lst.port, b"other job", timeout=1)
     finally:
         lst.close()
     assert got == [b"hello"]   # the hook never ran for the unauthenticated peer
 
 
 def test_list_links_includes_loopback_with_state_and_mtu():
-    lo = [link for link in netif.list_links() if link.name == "lo"]
+    lo = [link for link in netif_list.list_links() if link.name == "lo"]
     assert lo and lo[0].state == "up" and lo[0].mtu > 0
-    assert netif.Link("x", up=True, carrier=False, mtu=1500).state == "no-carrier"
-    assert netif.Link("x", up=False, carrier=False, mtu=1500).state == "down"
+    assert netif_list.Link("x", up=True, carrier=False, mtu=1500).state == "no-carrier"
+    assert netif_list.Link("x", up=False, carrier=False, mtu=1500).state == "down"
 
 
 def test_probe_refused_and_blackholed_fail_within_the_connect_timeout():
-    refused = netif.ProbeListener("127.0.0.1", SECRET, listen=False)
-    hole = netif.ProbeListener("127.0.0.1", SECRET, listen="blackhole")
+    refused = netif_probe.ProbeListener("127.0.0.1", SECRET, listen=False)
+    hole = netif_probe.ProbeListener("127.0.0.1", SECRET, listen="blackhole")
     try:
         t0 = time.monotonic()
-        assert "Refused" in netif.probe("127.0.0.1", refused.port, SECRET, timeout=1.0)
+        assert "Refused" in netif_probe.probe("127.0.0.1", refused.port, SECRET, timeout=1.0)
         t1 = time.monotonic()
-        assert "timed out" in netif.probe("127.0.0.1", hole.port, SECRET, timeout=1.0)
+        assert "timed out" in netif_probe.probe("127.0.0.1", hole.port, SECRET, timeout=1.0)
         t2 = time.monotonic()
     finally:
         refused.close()
@@ -177,19 +177,19 @@ def test_probe_refused_and_blackholed_fail_within_the_connect_timeout():
 RANK_SCRIPT = r"""
 import json, sys, time
 from hpcring.bootstrap.store_client import StoreClient
-from hpcring.bootstrap import netif
+from hpcring.bootstrap import netif_choice, netif_list, netif_verify
 from hpcring.errors import BootstrapError
 a = json.loads(sys.argv[1])
 c = StoreClient("127.0.0.1", a["port"], a["secret"].encode(), timeout=30)
 if a["cands"] is None:
-    cands = netif.select_candidates(netif.list_interfaces(), a["spec"])
+    cands = netif_choice.select_candidates(netif_list.list_interfaces(), a["spec"])
 else:
-    cands = [netif.Interface(**d) for d in a["cands"]]
+    cands = [netif_list.Interface(**d) for d in a["cands"]]
 t0 = time.monotonic()
 try:
-    choice = netif.verify_interfaces(c, rank=a["rank"], size=a["size"], host=f"h{a['rank']}",
-                                     candidates=cands, secret=a["secret"].encode(), mode=a["mode"],
-                                     timeout=30, connect_timeout=2.0, prefix=a["prefix"], _dead=a["dead"])
+    choice = netif_verify.verify_interfaces(c, rank=a["rank"], size=a["size"], host=f"h{a['rank']}",
+                                            candidates=cands, secret=a["secret"].encode(), mode=a["mode"],
+                                            timeout=30, connect_timeout=2.0, prefix=a["prefix"], _dead=a["dead"])
     print(json.dumps({"ok": list(choice.mine.__dict__.values()), "summary": choice.summary,
                       "s": time.monotonic() - t0}))
 except BootstrapError as e:

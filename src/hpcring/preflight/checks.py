@@ -13,7 +13,7 @@ import subprocess
 import time
 from collections.abc import Mapping
 
-from hpcring.bootstrap import netif
+from hpcring.bootstrap import netif_choice, netif_list, netif_probe
 
 VERSION_KEYS = ("python", "hpcring", "torch", "openmpi", "nccl")
 BW_MAX_BYTES = 32 << 20        # a ring link's transfer: at most 32 MiB ...
@@ -145,9 +145,9 @@ def interface_spec(explicit: str | None, environ: Mapping[str, str]) -> tuple[st
     return None, "automatic"
 
 
-def candidates(spec: str | None) -> list[netif.Interface]:
+def candidates(spec: str | None) -> list[netif_list.Interface]:
     """hpcring's own choice (bootstrap/netif_choice): the candidates in preference order."""
-    return netif.select_candidates(netif.list_interfaces(), spec)
+    return netif_choice.select_candidates(netif_list.list_interfaces(), spec)
 
 
 # ---------------------------------------------------------------------------------- bandwidth
@@ -177,7 +177,7 @@ def send_bulk(address: str, port: int, secret: bytes, deadline: float, *, connec
         return {"error": "no time left before the deadline"}
     chunk = memoryview(bytes(_CHUNK))
     try:
-        with netif.probe_connect(address, port, secret, timeout=min(connect_timeout, left)) as s:
+        with netif_probe.probe_connect(address, port, secret, timeout=min(connect_timeout, left)) as s:
             s.settimeout(max(0.2, deadline - time.monotonic()))
             t0 = time.perf_counter()
             sent = 0
@@ -187,7 +187,7 @@ def send_bulk(address: str, port: int, secret: bytes, deadline: float, *, connec
             s.shutdown(socket.SHUT_WR)
             (got,) = _COUNT.unpack(recv_exact(s, _COUNT.size))
             dt = time.perf_counter() - t0
-    except netif.ProbeFailed as e:
+    except netif_probe.ProbeFailed as e:
         return {"error": str(e)}
     except (OSError, EOFError) as e:
         return {"error": f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"}

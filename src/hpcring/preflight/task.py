@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcring.bootstrap import netif
+from hpcring.bootstrap import netif_probe
 from hpcring.errors import HpcringError
 from hpcring.preflight import checks
 from hpcring.preflight.record import BadRecord, read_record, write_record
@@ -90,7 +90,7 @@ class _Task:
         self.poll = 0.1 if len(opts.expect) <= 64 else 0.5
         self.seen: dict[str, dict] = {}       # host -> its latest verified record
         self.bad_files: dict[str, str] = {}
-        self.listeners: list[netif.ProbeListener] = []
+        self.listeners: list[netif_probe.ProbeListener] = []
         self.local: dict = {}
         self.pairs: dict[str, dict] = {}
 
@@ -141,7 +141,7 @@ class _Task:
             return [], e.message
         out = []
         for c in cands:
-            lst = netif.ProbeListener(c.address, self.secret, on_authenticated=checks.sink,
+            lst = netif_probe.ProbeListener(c.address, self.secret, on_authenticated=checks.sink,
                                       listen="blackhole" if self.o.blackhole else True,
                                       io_timeout=self.o.connect_timeout)
             self.listeners.append(lst)
@@ -208,7 +208,7 @@ class _Task:
                     errs.append(f"{name} {addr}: no time left")
                     break
                 t = time.perf_counter()
-                err = netif.probe(addr, port, self.secret, min(self.o.connect_timeout, left))
+                err = netif_probe.probe(addr, port, self.secret, min(self.o.connect_timeout, left))
                 if err is None:
                     return {"ok": True, "iface": name, "address": addr, "port": port, "tries": attempt + 1,
                             "ms": round((time.perf_counter() - t) * 1e3, 2)}

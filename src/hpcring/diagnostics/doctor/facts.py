@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hpcring.bootstrap import netif
+from hpcring.bootstrap import netif_choice, netif_list
 from hpcring.errors import BootstrapError, HpcringError
 from hpcring.diagnostics.doctor.model import CHOSEN, ENV_VARS, IFACE_VARS
 
@@ -17,11 +17,11 @@ def collect_facts(topology, environ: Mapping[str, str] | None = None) -> dict:
     addresses, InfiniBand devices, the framework variables, and the site config's interface spec."""
     env = os.environ if environ is None else environ
     addrs: dict[str, list[str]] = {}
-    for f in netif.list_interfaces():
+    for f in netif_list.list_interfaces():
         addrs.setdefault(f.name, []).append(f"{f.address}/{f.prefixlen}")
     return {"rank": topology.rank, "host": topology.host, "interface": topology.interface,
             "address": topology.address,
-            "links": {lk.name: {"state": lk.state, "mtu": lk.mtu} for lk in netif.list_links()},
+            "links": {lk.name: {"state": lk.state, "mtu": lk.mtu} for lk in netif_list.list_links()},
             "addrs": addrs, "hcas": _hcas(), "env": {v: env[v] for v in ENV_VARS if v in env},
             "site": site_facts(env)}
 
@@ -73,19 +73,19 @@ def select(syntax: str, value: str, links: Mapping[str, dict], addrs: Mapping[st
     ({name: ["a.b.c.d/len", ...]}), the way the framework that reads it would."""
     if syntax == "nccl":
         try:
-            spec = netif.parse_spec(value)
+            spec = netif_choice.parse_spec(value)
         except BootstrapError as e:
             return Selection((), (), (), e.message)
         if spec is None:
             return Selection((), (), ())
         if spec.exclude:
             matched = [n for n in links if not spec.matches(n) and n != "lo"
-                       and not n.startswith(netif.AUTO_EXCLUDED_PREFIXES)]
+                       and not n.startswith(netif_choice.AUTO_EXCLUDED_PREFIXES)]
             absent: list[str] = []
         else:
             matched = sorted((n for n in links if spec.matches(n)), key=spec.rank_of)
             absent = [p for p in spec.names
-                      if not any(netif.InterfaceSpec((p,), exact=spec.exact).matches(n) for n in links)]
+                      if not any(netif_choice.InterfaceSpec((p,), exact=spec.exact).matches(n) for n in links)]
     else:
         matched, absent = [], []
         for entry in (e.strip() for e in value.split(",") if e.strip()):

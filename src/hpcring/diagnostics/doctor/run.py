@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from hpcring.bootstrap import netif
+from hpcring.bootstrap import netif_probe as netif
 from hpcring.bootstrap.store_wire import StoreTimeoutError, from_json, json_value
 from hpcring.errors import BootstrapError, UsageError
 from hpcring.netio import recv_exact
