@@ -4,7 +4,7 @@ Every rank runs :func:`run_doctor` (collectively: ``hpcring run -- hpcring docto
 ``mpirun``, or a submitted script); each gets the same :class:`DoctorReport`, rank 0 prints it.
 The side channel is the session's authenticated store (``hpcring.init()``); every connection
 between ranks is authenticated with the job secret by the interface probe of
-:mod:`hpcring.bootstrap.netif` before a byte of payload flows. Steps, each bounded by one deadline
+:mod:`hpcring.bootstrap.netif_probe` before a byte of payload flows. Steps, each bounded by one deadline
 (``Options.timeout`` from the start):
 
 1. facts: each rank lists its node's interfaces (name, state, MTU, IPv4 addresses), InfiniBand
