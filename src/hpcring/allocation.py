@@ -24,13 +24,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
+from hpcring import jobdir
 from hpcring.bootstrap import allocation_size, auth, lsf_slots
 from hpcring.config.jobspec import JobSpec, check_local_ranks, resolve_job
 from hpcring.config.schema import Fabric, Launcher
 from hpcring.config.site import Site
-from hpcring.diagnostics import jobdir
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
-from hpcring.outcome import hang_headline, rank_failure, read_records, summarize
+from hpcring.jobdir import hang_headline
+from hpcring.outcome import rank_failure, read_records, summarize
 from hpcring.schedulers.render import job_env
 from hpcring.schedulers import supervisor
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords

@@ -18,9 +18,9 @@ import time
 import traceback
 from pathlib import Path
 
-from hpcring.diagnostics.jobdir import array_task, job_folder
 from hpcring.errors import HpcringError, Preempted
 from hpcring.fsutil import write_json
+from hpcring.jobdir import array_task, job_folder
 
 READY_WAIT_S = 60.0   # rank 0 waits this long for every rank to stop before it requeues
 

@@ -1,4 +1,5 @@
-"""Where a job's diagnostics go: ``<job folder>/diag/`` (flight records, stacks, hang reports).
+"""A job's id and folder, and where its diagnostics go: ``<job folder>/diag/`` (flight records, stacks,
+hang reports). A leaf (standard library only): schedulers, ranks and commands all name jobs this way.
 
 The job folder is, in order: the submitit folder of a submitted job (``SUBMITIT_FOLDER`` with
 ``%j`` resolved, ``<job_dir>/<job id>``); else ``<HPCRING_JOB_DIR>/<job id>`` (HPCRING_JOB_DIR is
@@ -9,6 +10,7 @@ because they share the environment.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,3 +68,15 @@ def remove_if_empty(folder: Path) -> None:
             path.rmdir()          # only succeeds when empty
         except OSError:
             pass
+
+
+def hang_headline(diag: Path, since: float | None = None) -> tuple[str, Path] | None:
+    """(headline, text report) of the watchdog's report in the job's ``diag`` folder, if any;
+    with ``since`` (a file mtime), only a report written at or after it."""
+    path = Path(diag) / "hang-report.json"
+    try:
+        if since is not None and path.stat().st_mtime < since:
+            return None
+        return json.loads(path.read_text())["headline"], path.with_suffix(".txt")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -13,7 +13,8 @@ from hpcring import schedulers
 from hpcring.ranks import rank_ranges
 from hpcring.errors import HpcringError, JobFailedError
 from hpcring.bootstrap.auth import delete_secret_file
-from hpcring.outcome import Outcome, hang_headline as outcome_hang_headline, rank_failure, read_records, summarize
+from hpcring.jobdir import hang_headline as diag_hang_headline
+from hpcring.outcome import Outcome, rank_failure, read_records, summarize
 from hpcring.schedulers.base import JobRecord, JobState, TERMINAL, recent_records
 
 
@@ -120,7 +121,7 @@ def hang_headline(rec: JobRecord) -> tuple[str, Path] | None:
     """(headline, report path) of the hang report (``<folder>/diag/hang-report.json``) of the
     job's latest run: a requeued job keeps its folder, and a report older than the run's start
     (rank 0's requeue count, written at each start) belongs to an earlier run."""
-    return outcome_hang_headline(Path(rec.folder) / "diag", since=run_started(rec))
+    return diag_hang_headline(Path(rec.folder) / "diag", since=run_started(rec))
 
 
 def run_started(rec: JobRecord) -> float | None:

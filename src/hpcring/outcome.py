@@ -2,7 +2,7 @@
 and the one status record format it is built from.
 
 The status record: each rank of a submitted job or of ``hpcring run`` leaves one JSON file,
-``<folder>/<job id>_<rank>_status.json`` (folder: the job folder, ``diagnostics/jobdir.job_folder``,
+``<folder>/<job id>_<rank>_status.json`` (folder: the job folder, ``jobdir.job_folder``,
 of a submitted job; the run's ``status/`` folder for ``hpcring run``; job id: ``jobdir.job_id`` of
 the rank's environment). Written only by :func:`write_record` (through ``rank_life``), read only by
 :func:`read_records`. Fields:
@@ -111,26 +111,3 @@ def rank_failure(s: dict, what: str | None = None) -> str:
     """``rank 3 on node2: ValueError: ...`` (or ``... exited with code N``)."""
     text = s.get("error") or what or f"exited with code {s.get('exit_code')}"
     return f"rank {s['rank']} on {s.get('host', '?')}: {text}"
-
-
-def bootstrap_failure(exc: BaseException, *, first_line: bool = False) -> dict:
-    """The record fields of a rank whose ``hpcring.init()`` failed: the launcher's rank and host
-    (the topology never formed), exit code 1, the error (its first line only when asked)."""
-    import time
-
-    from hpcring.bootstrap.launchers import detect
-    t = detect()
-    error = str(exc).splitlines()[0] if first_line and str(exc) else str(exc)
-    return {"rank": t.rank, "host": t.hosts[t.rank], "exit_code": 1, "error": error, "ended": time.time()}
-
-
-def hang_headline(diag: Path, since: float | None = None) -> tuple[str, Path] | None:
-    """(headline, text report) of the watchdog's report in the job's ``diag`` folder, if any;
-    with ``since`` (a file mtime), only a report written at or after it."""
-    path = Path(diag) / "hang-report.json"
-    try:
-        if since is not None and path.stat().st_mtime < since:
-            return None
-        return json.loads(path.read_text())["headline"], path.with_suffix(".txt")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None

@@ -17,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from hpcring.diagnostics.jobdir import job_folder
+from hpcring.jobdir import job_folder
 
 
 def _pump(src, dst, prefix: bytes) -> None:

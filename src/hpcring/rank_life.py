@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from hpcring.diagnostics.jobdir import job_id
 from hpcring.errors import HpcringError
-from hpcring.outcome import bootstrap_failure, write_record
+from hpcring.jobdir import job_id
+from hpcring.outcome import write_record
 
 
 class RankLife:
@@ -63,15 +63,15 @@ class RankLife:
     def watch_torch(self, *, child: bool = False) -> None:
         """A torch process group in the work gets hpcring's hang report. ``child``: the work is a
         child process started with this environment (its Python starts the watch from
-        ``torch_site``, which also registers the backend when the watch is off)."""
+        ``rank_site``, which also registers the backend when the watch is off)."""
         from hpcring.diagnostics import torch_watch
         if not child:
             torch_watch.install()
             return
-        os.environ.update(torch_watch.child_env())
+        os.environ.update(child_env())
         path = os.environ.get("PYTHONPATH", "")
-        if torch_watch.SITE_DIR not in path.split(os.pathsep):
-            os.environ["PYTHONPATH"] = torch_watch.SITE_DIR + (os.pathsep + path if path else "")
+        if SITE_DIR not in path.split(os.pathsep):
+            os.environ["PYTHONPATH"] = SITE_DIR + (os.pathsep + path if path else "")
 
     def child_error_file(self) -> None:
         """Name to the child, in the environment, where its Python writes the exception that ends
@@ -112,6 +112,18 @@ class RankLife:
 
 
 ERROR_FILE_VAR = "HPCRING_RANK_ERROR_FILE"
+SITE_DIR = str(Path(__file__).with_name("rank_site"))   # its sitecustomize.py: CMD's Python's rank hooks
+
+
+def child_env(environ=None) -> dict[str, str]:
+    """What ``hpcring run`` adds to CMD's environment for the torch watch: torch's variables
+    (:func:`torch_watch.fr_env`) and :data:`SITE_DIR` first on PYTHONPATH; nothing when it is off."""
+    from hpcring.diagnostics import torch_watch
+    env = os.environ if environ is None else environ
+    if not torch_watch.enabled(env):
+        return {}
+    path = env.get("PYTHONPATH", "")
+    return {**torch_watch.fr_env(env), "PYTHONPATH": SITE_DIR + (os.pathsep + path if path else "")}
 
 
 def error_text(exc: BaseException) -> str:
@@ -119,8 +131,17 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def bootstrap_failure(exc: BaseException, *, first_line: bool = False) -> dict:
+    """The record fields of a rank whose ``hpcring.init()`` failed: the launcher's rank and host
+    (the topology never formed), exit code 1, the error (its first line only when asked)."""
+    from hpcring.bootstrap.launchers import detect
+    t = detect()
+    error = str(exc).splitlines()[0] if first_line and str(exc) else str(exc)
+    return {"rank": t.rank, "host": t.hosts[t.rank], "exit_code": 1, "error": error, "ended": time.time()}
+
+
 def record_uncaught() -> None:
-    """In ``hpcring run``'s CMD (its Python, from ``torch_site``): an exception that ends the
+    """In ``hpcring run``'s CMD (its Python, from ``rank_site``): an exception that ends the
     program is written where the rank entry reads it, so both entries record the same error.
     The first writer wins: a Python that CMD starts in turn inherits the variable."""
     path = os.environ.get(ERROR_FILE_VAR)

@@ -4,8 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,7 +17,7 @@ def test_wheel_renders_from_installed_package(tmp_path):
     names = zipfile.ZipFile(whl).namelist()
     assert "hpcring/templates/slurm.sh.j2" in names and "hpcring/templates/partials/env.sh.j2" in names
     assert "hpcring/site_configs/devcluster.yaml" in names
-    assert "hpcring/diagnostics/torch_site/sitecustomize.py" in names      # hpcring run's torch watch
+    assert "hpcring/rank_site/sitecustomize.py" in names      # hpcring run's rank hooks in CMD's Python
     # the Hydra launcher, in the namespace package every Hydra plugin shares (which it must not own)
     assert "hydra_plugins/hpcring_launcher/hpcring_launcher.py" in names and "hydra_plugins/__init__.py" not in names
 

@@ -539,7 +539,7 @@ def test_local_run_leaves_its_job_folder_only_with_a_report(tmp_path, report):
     from hpcring.config.site import load_site
     jobs = tmp_path / "jobs"
     jobs.mkdir()
-    code = ("from hpcring.diagnostics import jobdir; d = jobdir.diag_dir()"
+    code = ("from hpcring import jobdir; d = jobdir.diag_dir()"
             + ("; (d / 'hang-report.txt').write_text('x')" if report else ""))
     env = {k: v for k, v in os.environ.items() if not k.startswith("HPCRING_")}
     env["HPCRING_JOB_DIR"] = str(jobs)

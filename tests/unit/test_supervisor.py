@@ -17,7 +17,8 @@ from hpcring import preempt
 from hpcring.errors import JobNotFoundError, UsageError
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.fsutil import write_json
-from hpcring.outcome import hang_headline, rank_failure, read_records, record_path, summarize, write_record
+from hpcring.jobdir import hang_headline
+from hpcring.outcome import rank_failure, read_records, record_path, summarize, write_record
 from hpcring.schedulers import supervisor
 from hpcring.schedulers.base import JobRecord, JobState, load_record, new_record
 
@@ -260,7 +261,7 @@ def test_runscript_checkpoint_is_the_same_script_one_requeue_later():
 
 
 def test_bootstrap_failure_is_recorded_under_the_launchers_rank(monkeypatch):
-    from hpcring.outcome import bootstrap_failure
+    from hpcring.rank_life import bootstrap_failure
     for var in [v for v in os.environ if v.startswith(("SLURM_", "OMPI_", "PMIX_", "LSB_", "HPCRING_", "JSM_"))]:
         monkeypatch.delenv(var)
     monkeypatch.setenv("HPCRING_LAUNCHER", "local")

@@ -52,16 +52,17 @@ def test_torch_error_filter():
 
 
 def test_env_respects_what_the_user_set(monkeypatch, tmp_path):
+    from hpcring import rank_life      # hpcring run's CMD: the torch variables and the rank site
     env = {"HPCRING_JOB_DIR": str(tmp_path), "PYTHONPATH": "/mine"}
-    out = tw.child_env(env)
+    out = rank_life.child_env(env)
     assert out["TORCH_FR_BUFFER_SIZE"] == tw.FR_SIZE and out["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert out["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "0" / "diag" / "torch-fr-rank")   # job id "0"
-    assert out["PYTHONPATH"] == tw.SITE_DIR + os.pathsep + "/mine"
-    assert os.path.isfile(os.path.join(tw.SITE_DIR, "sitecustomize.py"))
-    mine = tw.child_env({**env, "TORCH_NCCL_TRACE_BUFFER_SIZE": "5", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
+    assert out["PYTHONPATH"] == rank_life.SITE_DIR + os.pathsep + "/mine"
+    assert os.path.isfile(os.path.join(rank_life.SITE_DIR, "sitecustomize.py"))
+    mine = rank_life.child_env({**env, "TORCH_NCCL_TRACE_BUFFER_SIZE": "5", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
     assert "TORCH_FR_BUFFER_SIZE" not in mine and "TORCH_NCCL_DUMP_ON_TIMEOUT" not in mine
-    assert tw.child_env({**env, "HPCRING_TORCH_WATCH": "0"}) == {}
-    assert tw.child_env({**env, "HPCRING_TORCH_WATCH": "maybe"})["PYTHONPATH"].startswith(tw.SITE_DIR)
+    assert rank_life.child_env({**env, "HPCRING_TORCH_WATCH": "0"}) == {}
+    assert rank_life.child_env({**env, "HPCRING_TORCH_WATCH": "maybe"})["PYTHONPATH"].startswith(rank_life.SITE_DIR)
 
 
 def test_process_group_timeout_follows_the_deadline(monkeypatch):
@@ -77,11 +78,12 @@ def test_site_hook_wraps_init_process_group_and_runs_the_sitecustomize_it_shadow
 
     import pytest
     pytest.importorskip("torch")
+    from hpcring.rank_life import child_env
     (tmp_path / "sitecustomize.py").write_text("print('SHADOWED SITECUSTOMIZE RAN')\n")
     code = ("import torch.distributed as dist\n"
             "from torch.distributed import init_process_group\n"
             "print(getattr(dist.init_process_group, '_hpcring', False), getattr(init_process_group, '_hpcring', False))\n")
-    env = {**os.environ, **tw.child_env({"HPCRING_JOB_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}),
+    env = {**os.environ, **child_env({"HPCRING_JOB_DIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}),
            "HPCRING_SESSION": "{}"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

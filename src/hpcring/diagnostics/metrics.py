@@ -261,7 +261,7 @@ def start_for(session, comm, name: str, watch=None) -> Exporter | None:
         if _EXPORTER is not None:
             _EXPORTER.attach(name, comm, watch)
         else:
-            from hpcring.diagnostics.jobdir import job_id
+            from hpcring.jobdir import job_id
             topo = session.topology
             exporter = Exporter(setting, job=job_id(), rank=topo.rank, host=topo.host,
                                 local_rank=topo.local_rank, raw=raw)

@@ -239,7 +239,7 @@ def _live_path(path_or_dir: str | os.PathLike | None, rank: int) -> Path:
     """None: ``<diag dir>/stacks-live-rank<r>.txt``; a directory (existing, or a name without a
     suffix): that file in it; else the path itself."""
     if path_or_dir is None:
-        from hpcring.diagnostics.jobdir import diag_dir
+        from hpcring.jobdir import diag_dir
         return diag_dir(create=False) / live_file_name(rank)
     p = Path(path_or_dir)
     if p.is_dir() or not p.suffix:

@@ -299,7 +299,7 @@ def start_for(session, comm, name: str, members=None, group: str | None = None, 
         return None
     folder = None
     if comm.rank == 0:
-        from hpcring.diagnostics.jobdir import job_folder
+        from hpcring.jobdir import job_folder
         path = job_folder()
         folder = str(path) if (os.environ.get("SUBMITIT_FOLDER") or os.environ.get("HPCRING_JOB_DIR")
                                or path.is_dir()) else None

@@ -3,7 +3,7 @@
 torch's collectives do not go through hpcring, so hpcring's flight recorder never sees them. What
 this module adds to a rank that calls ``torch.distributed.init_process_group`` inside an hpcring
 job (``hpcring submit``: in the rank process; ``hpcring run``: in CMD's Python, through
-:mod:`hpcring.diagnostics.torch_site`):
+``hpcring/rank_site/sitecustomize.py``):
 
 1. **The deadline.** Without ``timeout=``, the process group's collectives get hpcring's deadline
    (``HPCRING_TIMEOUT``, else 300 s) instead of torch's default (30 min for gloo, 10 min for NCCL,
@@ -39,15 +39,13 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
-from hpcring.diagnostics import jobdir
+from hpcring import jobdir
 from hpcring.diagnostics.fr_trace import FROM_TORCH_DTYPE
 from hpcring.diagnostics.report import Report, _headline, diagnose
 from hpcring.ranks import who as _who
 
 ENABLE_ENV = "HPCRING_TORCH_WATCH"
-SITE_DIR = str(Path(__file__).with_name("torch_site"))
 FR_SIZE = "256"        # entries; each poll dumps them all with the GIL held (torch's 2000: ~6x longer)
 NCCL_MARGIN = 30.0     # seconds after hpcring's report before torch's NCCL watchdog may abort
 _TORCH_ERR = re.compile(r"gloo|nccl|c10d|ProcessGroup|Connection closed by peer|Timed out waiting", re.I)
@@ -84,16 +82,6 @@ def fr_env(environ=None) -> dict[str, str]:
         prefix = str(jobdir.diag_dir(env, create=False) / "torch-fr-rank")   # torch appends the rank
         out["TORCH_FR_DUMP_TEMP_FILE"] = out["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = prefix
     return out
-
-
-def child_env(environ=None) -> dict[str, str]:
-    """What ``hpcring run`` adds to CMD's environment: :func:`fr_env`, and this package's
-    ``torch_site`` folder first on PYTHONPATH so CMD's Python runs :func:`install` at start."""
-    env = os.environ if environ is None else environ
-    if not enabled(env):
-        return {}
-    path = env.get("PYTHONPATH", "")
-    return {**fr_env(env), "PYTHONPATH": SITE_DIR + (os.pathsep + path if path else "")}
 
 
 def pg_timeout(backend) -> timedelta:

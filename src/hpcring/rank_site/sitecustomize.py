@@ -1,7 +1,7 @@
-"""Run by the Python of ``hpcring run``'s CMD at start (rank_exec puts this folder first on
-PYTHONPATH): hand an exception that ends it to the rank's status record
-(:func:`hpcring.rank_life.record_uncaught`), register the ``hpcring`` torch.distributed backend
-once the script imports torch, as ``hpcring submit`` does
+"""Run by the Python of ``hpcring run``'s CMD at start (rank_exec puts this folder,
+``rank_life.SITE_DIR``, first on PYTHONPATH): a rank entry's hook. Hand an exception that ends it
+to the rank's status record (:func:`hpcring.rank_life.record_uncaught`), register the ``hpcring``
+torch.distributed backend once the script imports torch, as ``hpcring submit`` does
 (:func:`hpcring.job.register_torch_backend_on_import`), watch the torch process group the script
 may create (:func:`hpcring.diagnostics.torch_watch.install`), then run the ``sitecustomize`` this
 file shadows, if any. A Python without hpcring just skips all that."""

@@ -45,7 +45,7 @@ def run_ending(environ: Mapping[str, str], timeout: float = RUN_ENDING_TIMEOUT) 
             count = environ.get("SLURM_RESTART_COUNT", "0")
             return slurm.run_ending(environ["SLURM_JOB_ID"], int(count) if count.isdigit() else 0, timeout)
         if environ.get("LSB_JOBID"):
-            from hpcring.diagnostics.jobdir import job_id   # an array element's: <id>_<task>
+            from hpcring.jobdir import job_id   # an array element's: <id>_<task>
             return get("lsf").run_ending(job_id(environ))   # bjobs: its own, longer bound
     except HpcringError:
         return None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.fsutil import write_json
-from hpcring.outcome import hang_headline
+from hpcring.jobdir import hang_headline
 from hpcring.schedulers.supervisor import Supervisor, grace_s, start
 
 

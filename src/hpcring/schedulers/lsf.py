@@ -131,7 +131,7 @@ class LsfJobEnvironment(job_environment.JobEnvironment):
     @property
     def job_id(self) -> str:
         """``<LSB_JOBID>_<task>`` for an array task (0-based, as its folder is named), else LSB_JOBID."""
-        from hpcring.diagnostics.jobdir import job_id
+        from hpcring.jobdir import job_id
         return job_id()
 
     def activated(self) -> bool:
@@ -363,7 +363,7 @@ def end_job_argv(environ: Mapping[str, str]) -> list[str] | None:
 
 
 def _environment_job_id(environ: Mapping[str, str]) -> str:
-    from hpcring.diagnostics.jobdir import job_id
+    from hpcring.jobdir import job_id
     return job_id(environ)
 
 

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
         print("hpcring.schedulers.lsf_task: LSB_JOBID is not set: this runs inside an LSF job only",
               file=sys.stderr)
         return 2
-    from hpcring.diagnostics.jobdir import job_id as hpcring_job_id
+    from hpcring.jobdir import job_id as hpcring_job_id
     job_id = hpcring_job_id()           # an array task's is <id>_<task>, as its folder
     rank = detect().rank
     pattern = os.environ.get("HPCRING_LOG_PATTERN") or f"{argv[0]}/%j_%t_log"

@@ -56,7 +56,7 @@ def init(comm=None, process_sets=None) -> None:
     timeline = None
     path = (envvars.get("HPCRING_TIMELINE") or "").strip()
     if path == "job":              # hpcring submit --timeline: <job folder>/timeline.json
-        from hpcring.diagnostics.jobdir import job_folder
+        from hpcring.jobdir import job_folder
         path = str(job_folder() / "timeline.json")
     if path:
         from hpcring.diagnostics.timeline import Timeline, measure_offset

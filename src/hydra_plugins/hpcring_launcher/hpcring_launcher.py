@@ -190,7 +190,7 @@ class SweepPoint:
 
     def __call__(self, overrides: list[str], job_num: int, singleton_state: dict) -> JobReturn:
         import hpcring
-        from hpcring.diagnostics.jobdir import job_id
+        from hpcring.jobdir import job_id
 
         Singleton.set_state(singleton_state)
         setup_globals()

@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 
-from hpcring.diagnostics import fr_trace, jobdir, rank_summary
+from hpcring import jobdir
+from hpcring.diagnostics import fr_trace, rank_summary
 from hpcring.diagnostics.report import Report
 from hpcring.diagnostics.watchdog.settings import log
 
