@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from typer.testing import CliRunner
 
 from hpcring import remote, remote_ignore
+from hpcring.config import remote_checks
 from hpcring.cli.main import app
 from hpcring.errors import RemoteError, UsageError
 
@@ -410,7 +411,7 @@ def test_ssh_options_mapping_is_refused_naming_the_key_or_normalised(tmp_path, o
     assert len(got) == len(options)
     for item in got:
         key, _, value = item.partition("=")
-        assert key in remote.SSH_KEYWORDS.values() and key.lower() not in ("controlpath", "user", "port")
+        assert key in remote_checks.SSH_KEYWORDS.values() and key.lower() not in ("controlpath", "user", "port")
         assert value and value == value.strip() and '"' not in value
         assert not any(ord(c) < 0x20 or c in "\x7f\u2028\u2029" for c in value)
 

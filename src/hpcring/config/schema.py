@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from hpcring.config import envvars
+from hpcring.config import envvars, remote_checks
 from hpcring.config.container import RUNTIMES
 from hpcring.config.text import shown, text_problem
 from hpcring.config.envvars import DEFAULT_TIMEOUT, MAX_TIMEOUT
@@ -314,7 +314,6 @@ class Remote(_Strict):
     @field_validator("ssh_options", mode="before")
     @classmethod
     def _options_mapping(cls, v):
-        from hpcring.remote import ssh_option_pair      # standard library only
         if not isinstance(v, dict):
             return v
         out = []
@@ -327,7 +326,7 @@ class Remote(_Strict):
             try:
                 if why:
                     raise ValueError(why)
-                out.append("=".join(ssh_option_pair(k, str(val))))
+                out.append("=".join(remote_checks.ssh_option_pair(k, str(val))))
             except ValueError as exc:
                 raise PydanticCustomError("site_ssh_option", "{why}", {"why": str(exc), "sub": (k,)}) from None
         return out
@@ -335,11 +334,10 @@ class Remote(_Strict):
     @field_validator("ssh_options")
     @classmethod
     def _options(cls, v):
-        from hpcring.remote import ssh_option
         out = []
         for i, text in enumerate(v):
             try:
-                out.append("=".join(ssh_option(text)) if not text_problem(text) else text)
+                out.append("=".join(remote_checks.ssh_option(text)) if not text_problem(text) else text)
             except ValueError as exc:
                 raise PydanticCustomError("site_ssh_option", "{why}", {"why": str(exc), "sub": (i,)}) from None
         return out
@@ -347,9 +345,8 @@ class Remote(_Strict):
     @field_validator("host", "user", "workdir", "hpcring")
     @classmethod
     def _words(cls, v, info):
-        from hpcring import remote
-        check = {"host": remote.host_problem, "user": remote.user_problem, "workdir": remote.workdir_problem,
-                 "hpcring": remote.hpcring_problem}[info.field_name]
+        check = {"host": remote_checks.host_problem, "user": remote_checks.user_problem,
+                 "workdir": remote_checks.workdir_problem, "hpcring": remote_checks.hpcring_problem}[info.field_name]
         why = v is not None and not text_problem(v) and check(v)
         if why:
             raise ValueError(why)
