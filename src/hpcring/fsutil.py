@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from hpcring.config.envvars import check_text, shown
+from hpcring.config.text import check_text, shown
 from hpcring.errors import UsageError
 
 

@@ -63,7 +63,7 @@ def require_matplotlib(flag: str = "--plots") -> None:
 def check_folder(path: str, flag: str = "--plots") -> None:
     """``path`` is a folder that exists or can be made (its nearest existing parent is a writable
     folder); nothing is created here."""
-    from hpcring.config.envvars import check_text, shown
+    from hpcring.config.text import check_text, shown
     hint = f"give {flag} a folder (it is made when missing) in a writable place"
     try:
         check_text(path)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from hpcring.config import envvars
 from hpcring.config.jobspec import max_restarts  # the precedence's owner
+from hpcring.config.text import shown
 from hpcring.errors import HpcringError, UsageError
 from hpcring.fsutil import write_json
 from hpcring.ranks import rank_ranges
@@ -177,7 +177,7 @@ def check_hosts(nodes, where: str) -> list[str]:
     out = []
     for h in nodes:
         if not is_host_name(h):
-            raise UsageError(f"{where}: {envvars.shown(h)} is not a host name a scheduler accepts",
+            raise UsageError(f"{where}: {shown(h)} is not a host name a scheduler accepts",
                              hint="host names are letters, digits, '.', '_' and '-'")
         out.append(h)
     return out

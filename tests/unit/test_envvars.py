@@ -59,7 +59,7 @@ def test_each_variable_is_registered_once():
 def test_variables_refuse_what_site_values_refuse(bad):
     """One definition of a control character (hpcring.config.text) for variables and site values:
     C1 controls, line separators and bidi overrides too, not only ASCII's."""
-    from hpcring.config.text import text_problem
+    from hpcring.config.text import check_text, text_problem
     assert text_problem(bad)
     with pytest.raises(ValueError, match="control character"):
-        envvars.check_text(bad)
+        check_text(bad)

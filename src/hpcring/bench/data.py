@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 from hpcring.collectives.dtypes import FLOAT_DTYPES, TABLE
-from hpcring.config.envvars import shown
+from hpcring.config.text import shown
 from hpcring.errors import UsageError
 
 

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcring.config.envvars import shown
+from hpcring.config.text import shown
 from hpcring.errors import UsageError
 from hpcring.fsutil import check_output_path
 from hpcring.bench.data import is_float, normalize_dtype

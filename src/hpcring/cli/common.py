@@ -19,9 +19,9 @@ import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from hpcring.cli import output
-from hpcring.config.envvars import (MAX_TEXT, check_environ, check_text, parse_float_text, parse_int_text,
-                                    shown)
+from hpcring.config.envvars import check_environ
 from hpcring.config.jobopts import SITE_HELP
+from hpcring.config.text import MAX_TEXT, check_text, parse_float_text, parse_int_text, shown
 from hpcring.errors import HpcringError
 
 INT_MAX = 2**63 - 1     # an int flag without a declared max still fits every C and numpy integer
@@ -47,7 +47,6 @@ def job_target(job: str, one_task: str):
     HPCRING_JOB_DIR gave it). ``one_task``: the command's verb for an array's hint ("report", "top")."""
     from pathlib import Path
 
-    from hpcring.config.envvars import shown
     from hpcring.errors import UsageError
     try:
         check_text(job)

@@ -16,7 +16,7 @@ _WHITESPACE_AS_SPACE = str.maketrans("\t\n\r\v\f", "     ")
 def _check(what: str, text: str) -> str:
     """No control characters but whitespace (a separator, as in Slurm): no host name has one, and a
     terminal would act on it when printed."""
-    from hpcring.config.envvars import check_text, shown
+    from hpcring.config.text import check_text, shown
     from hpcring.errors import HostlistError
     try:
         check_text(text.translate(_WHITESPACE_AS_SPACE), max_len=None)   # a big job's node list is long, and fine

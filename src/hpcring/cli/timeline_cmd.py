@@ -15,7 +15,7 @@ from hpcring.errors import HpcringError, UsageError
 
 def _check_text_arg(what: str, value: str) -> None:
     """A path or job id argument: no control characters, not longer than a path can be."""
-    from hpcring.config.envvars import check_text, shown
+    from hpcring.config.text import check_text, shown
     try:
         check_text(value)
     except ValueError as exc:

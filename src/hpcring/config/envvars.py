@@ -14,11 +14,10 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from hpcring.config.text import MAX_TEXT, control_character
+from hpcring.config.text import MAX_TEXT, check_text, parse_float_text, parse_int_text, shown
 from hpcring.errors import UsageError
 
 DEFAULT_TIMEOUT = 300.0          # per-collective deadline (s): site config, CLI and ring all use this
@@ -41,12 +40,6 @@ MAX_LOCAL_RANKS = 256
 
 # Longest text value: PATH_MAX for paths, the same for user-set text (partition, account, site
 # dirs...); what hpcring itself exports (HPCRING_SESSION, node lists) is bounded by the kernel.
-
-# Numbers as people type them, ASCII only: Python's int()/float() also take "1_0" (10), "١٢"
-# (Arabic-Indic digits), "nan" and "infinity", none of which is a sane job size or deadline.
-_INT_TEXT = re.compile(r"[+-]?[0-9]+", re.ASCII)
-_FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
-_MAX_NUMBER_TEXT = 64     # characters; longer is a typo or an attack, never a value in bounds
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -351,46 +344,6 @@ def _parse(name: str, raw: str) -> Any:
                               + (f" {var.default!r})" if var.default is not None else ")")) from None
 
 
-def parse_int_text(text: str) -> int:
-    """A whole number written with ASCII digits and an optional sign; ValueError otherwise."""
-    if len(text) > _MAX_NUMBER_TEXT:
-        raise ValueError(f"too long ({len(text)} characters)")
-    if not _INT_TEXT.fullmatch(text):
-        raise ValueError("not a whole number" + _why_not_number(text))
-    return int(text, 10)
-
-
-def parse_float_text(text: str) -> float:
-    """A finite decimal number (``1``, ``0.5``, ``1e-3``); ValueError for nan, inf, ``1_0``, ``1e400``."""
-    if len(text) > _MAX_NUMBER_TEXT:
-        raise ValueError(f"too long ({len(text)} characters)")
-    if not _FLOAT_TEXT.fullmatch(text):
-        raise ValueError("not finite" if text.strip("+-").lower() in ("nan", "inf", "infinity")
-                         else "not a number" + _why_not_number(text))
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError("out of range (overflows to infinity)")
-    return value
-
-
-def _why_not_number(text: str) -> str:
-    if "_" in text:
-        return " (no underscores)"
-    if not text.isascii():
-        return " (ASCII digits only)"
-    return ""
-
-
-def check_text(text: str, max_len: int | None = MAX_TEXT) -> str:
-    """Text for a name or path: no control characters (they break job scripts and logs), bounded."""
-    bad = control_character(text)
-    if bad:
-        raise ValueError(f"contains a control character ({bad[1]!r} at position {bad[0]})")
-    if max_len is not None and len(text) > max_len:
-        raise ValueError(f"too long ({len(text)} characters, at most {max_len})")
-    return text
-
-
 def _convert(var: Var, text: str) -> Any:
     if var.kind == "bool":
         low = text.lower()
@@ -419,15 +372,6 @@ def _convert(var: Var, text: str) -> Any:
         from hpcring.config.slurmtime import time_to_minutes   # standard library only
         time_to_minutes(text)
     return text
-
-
-def shown(value: Any, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters: an error about a 5000-character value must
-    still be one readable line."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(str(value))} characters)"
 
 
 def _check_bounds(var: Var, value: float) -> None:

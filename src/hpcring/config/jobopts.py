@@ -292,7 +292,7 @@ def check_script(script: str) -> None:
     import os
     from pathlib import Path
 
-    from hpcring.config.envvars import check_text
+    from hpcring.config.text import check_text
     hint = "pass the path of the Python script each rank runs"
     try:
         check_text(script)

@@ -44,7 +44,7 @@ MAX_NODES_ALLOC = envvars.MAX_NODES     # the job's nodes and its spares togethe
 _TEXTS = ("partition", "account", "qos", "constraint", "name", "job_dir")
 
 
-def check_text(what: str, value: str, where: str) -> str:
+def check_script_value(what: str, value: str, where: str) -> str:
     """Refuse a value with a line break or another control character (it would reach a job script)."""
     bad = control_character(value)
     if bad:
@@ -174,7 +174,7 @@ def parse_field(name: str, raw: Any, where: str) -> Any:
         return envvars.check_number(f"{where}: timeout", raw, lo=0, lo_open=True, hi=envvars.MAX_TIMEOUT,
                                     hint="the per-collective deadline is seconds, e.g. 300")
     if name in _TEXTS:
-        return check_text(flag.replace("-", " "), str(raw), where)
+        return check_script_value(flag.replace("-", " "), str(raw), where)
     return raw
 
 
@@ -242,7 +242,7 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
             raise UsageError(f"script argument {i + 1} {a!r} contains a NUL byte",
                              hint="a command-line argument cannot carry NUL bytes")
     for i, a in enumerate(sched_args or []):
-        check_text("scheduler argument", a, f"--sched-arg #{i + 1}")
+        check_script_value("scheduler argument", a, f"--sched-arg #{i + 1}")
     spec = JobSpec(script=script, args=list(args or []), nodes=values["nodes"],
                    tasks_per_node=values["tasks_per_node"], gpus_per_node=values["gpus_per_node"],
                    cpus_per_task=values["cpus_per_task"], time_min=values["time"],

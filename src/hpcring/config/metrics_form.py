@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpcring.config.text import parse_int_text, shown
+
 FORMS = ("off, http:HOST:PORT (each rank serves on PORT + its local rank, bound to HOST) or textfile:DIR "
          "(node-exporter's textfile collector folder)")
 
@@ -21,7 +23,6 @@ class Setting:
 def parse(text: str) -> Setting | None:
     """The setting in ``text`` (stripped, checked for control characters by the caller); None for
     ``off``; ValueError saying why for anything else."""
-    from hpcring.config.envvars import parse_int_text, shown
     if text.lower() == "off":
         return None
     kind, sep, rest = text.partition(":")

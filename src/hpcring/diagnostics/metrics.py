@@ -40,7 +40,7 @@ import threading
 import time
 
 from hpcring.config import envvars, metrics_form
-from hpcring.config.envvars import shown
+from hpcring.config.text import check_text, shown
 from hpcring.config.metrics_form import Setting
 from hpcring.errors import UsageError
 
@@ -61,7 +61,7 @@ def parse_setting(raw: str | None) -> Setting | None:
         return None
     text = raw.strip()
     try:
-        envvars.check_text(text)
+        check_text(text)
         return metrics_form.parse(text)
     except ValueError as exc:
         raise _refused(raw, str(exc)) from None

@@ -13,10 +13,11 @@ import os
 import re
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from hpcring.config.text import shown
 from hpcring.errors import HpcringError, JobNotFoundError, SchedulerError, UsageError
 from hpcring.fsutil import write_json
 
@@ -154,7 +155,6 @@ MAX_JOB_REF = 200
 
 def check_job_ref(ref: str) -> str:
     """``ref`` if it can be a job id or record name; UsageError otherwise."""
-    from hpcring.config.envvars import shown
     ref = str(ref)
     why = ("empty" if not ref else f"too long ({len(ref)} characters, at most {MAX_JOB_REF})"
            if len(ref) > MAX_JOB_REF else None if _JOB_REF.fullmatch(ref) else

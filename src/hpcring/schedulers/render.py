@@ -24,7 +24,7 @@ import jinja2.meta
 
 from hpcring import __version__
 from hpcring.config.fabric import bootstrap_spec, fabric_env
-from hpcring.config.jobspec import JobSpec, check_text
+from hpcring.config.jobspec import JobSpec, check_script_value
 from hpcring.config.schema import slurm_signal_spec
 from hpcring.config.site import Site
 from hpcring.config.text import shown
@@ -256,7 +256,7 @@ def render_script(site: Site, job: JobSpec, command: str, folder: str,
     """
     for what, value in (("script path", job.script), ("job folder", folder), ("site path", str(site.path)),
                         ("python", python or "python3"), ("command", command)):
-        check_text(what, value, "job script")
+        check_script_value(what, value, "job script")
     path = template_path(site, template)
     where = _template_where(site, path, template)
     loader = jinja2.FileSystemLoader([str(path.parent), str(templates_dir())])
