@@ -16,6 +16,7 @@ from hpcring.bootstrap.auth import delete_secret_file
 from hpcring.jobdir import hang_headline as diag_hang_headline
 from hpcring.outcome import Outcome, rank_failure, read_records, summarize
 from hpcring.schedulers.base import JobRecord, JobState, TERMINAL, recent_records
+from hpcring.steps_record import final_size
 
 
 def recent(limit: int = 10) -> list[tuple[JobRecord, JobState | None, str | None]]:
@@ -104,7 +105,6 @@ def rank_statuses(rec: JobRecord) -> dict[int, dict]:
 def ranks_of(rec: JobRecord) -> int:
     """The ranks of the job's last run: fewer than submitted when a restart inside the allocation
     went on with fewer nodes (``--min-nodes``; hpcring.steps)."""
-    from hpcring.steps import final_size
     return final_size(rec.folder, rec.ntasks)
 
 

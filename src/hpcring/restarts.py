@@ -34,6 +34,7 @@ from hpcring.config.text import shown
 from hpcring.errors import HpcringError, UsageError
 from hpcring.fsutil import write_json
 from hpcring.ranks import rank_ranges
+from hpcring.steps_record import read_steps, step_lines
 
 CHAIN_FILE = "restarts.json"
 NODE_CATEGORIES = ("dead", "unreachable")
@@ -295,7 +296,6 @@ def follow_restarting(site, job, rec, limit: int, *, submit: Callable, follow: C
 def _inside(rec) -> dict:
     """What the job's step loop did inside its allocation (hpcring.steps): its restarts and every
     node it blamed (a resubmission leaves them out too)."""
-    from hpcring.steps import read_steps
     steps = (read_steps(rec.folder) or {}).get("steps") or []
     blamed = [n for s in steps if isinstance(s, dict) for n in (s.get("blamed") or {}) if is_host_name(n)]
     return {"restarts": [s for s in steps[1:] if isinstance(s, dict)], "blamed": list(dict.fromkeys(blamed))}
@@ -316,7 +316,6 @@ def blamed(rec, oc) -> tuple[Verdict, dict | None]:
 def status_lines(rec, oc) -> list[str]:
     """What ``hpcring status`` says about restarts: the chain, or for a failed job that was not
     part of one, whether a restart would have avoided a node (and which)."""
-    from hpcring.steps import read_steps, step_lines
     chain = read_chain(rec.folder)
     inside = step_lines(read_steps(rec.folder))
     if chain or inside or oc is None or oc.ok:

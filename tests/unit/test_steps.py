@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-import sys
 from pathlib import Path
 
 import pytest
 
-from hpcring import restarts, steps
+from hpcring import restarts, steps, steps_record
 from hpcring.config.jobspec import plan_step_restarts, resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import UsageError
@@ -96,13 +95,13 @@ def test_classify_step_sides():
 @pytest.mark.parametrize("text", ["", "{", "[]", '{"steps": 3}', '{"steps": [1, "x", {"size": "2"}]}',
                                   '{"steps": [{"size": 99}]}', '{"steps": [{"size": -1}]}'])
 def test_a_bad_steps_file_never_breaks_status(tmp_path, text):
-    (tmp_path / steps.STEPS_FILE).write_text(text)
-    assert steps.final_size(tmp_path, 4) == 4
-    assert isinstance(steps.step_lines(steps.read_steps(tmp_path)), list)
+    (tmp_path / steps_record.STEPS_FILE).write_text(text)
+    assert steps_record.final_size(tmp_path, 4) == 4
+    assert isinstance(steps_record.step_lines(steps_record.read_steps(tmp_path)), list)
 
 
 def test_final_size_is_the_last_steps():
-    assert steps.final_size("/nonexistent", 4) == 4
+    assert steps_record.final_size("/nonexistent", 4) == 4
 
 
 # ---- the options -------------------------------------------------------------------------------
@@ -210,7 +209,7 @@ def fake_slurm(tmp_path, monkeypatch):
         plan = steps.Plan(nodes, min_nodes or nodes, 1, max_restarts, folder, ["srun", "true"], preflight=preflight)
         rc = steps.run(plan, env)
         ran = (state / "steps").read_text().splitlines() if (state / "steps").exists() else []
-        return rc, ran, json.loads((folder / steps.STEPS_FILE).read_text())
+        return rc, ran, json.loads((folder / steps_record.STEPS_FILE).read_text())
     return run
 
 
@@ -292,7 +291,7 @@ def test_loop_leaves_preflight_failures_out(fake_slurm, monkeypatch):
         setattr(plan, "checked", {"ok": False, "bad": {"n1": "no answer"}, "seconds": 1.0}) or {"n1": "preflight: no answer"}))
     rc, ran, data = fake_slurm(["ok"], preflight=True)
     assert rc == 0 and ran == ["n[2-3] 0"] and data["preflight"]["bad"] == {"n1": "no answer"}
-    assert steps.step_lines(data)[0].startswith("preflight  1.0 s  left out n1 (no answer)")
+    assert steps_record.step_lines(data)[0].startswith("preflight  1.0 s  left out n1 (no answer)")
     assert Verdict  # the real verdict type is what _preflight reads (tests/integration: test_steps_devcluster)
 
 
