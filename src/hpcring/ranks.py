@@ -48,7 +48,7 @@ def hosts_of(ranks: Iterable[int], hosts: Sequence[str], *, compress: bool = Fal
     or in hostlist syntax (``node[1-3]``) with ``compress``."""
     hs = sorted({hosts[r] for r in ranks if r < len(hosts)})
     if compress and hs:
-        from hpcring.bootstrap.hostlist import compress as to_hostlist
+        from hpcring.hostlist import compress as to_hostlist
         from hpcring.errors import HpcringError
         try:
             return to_hostlist(hs)

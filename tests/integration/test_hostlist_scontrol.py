@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcring.bootstrap.hostlist import expand
+from hpcring.hostlist import expand
 from hpcring.errors import HostlistError
 
 SCONTROL = shutil.which("scontrol")
@@ -175,7 +175,7 @@ def test_deliberately_stricter_cases_are_documented(scontrol_env):
     """Slurm accepts these but returns surprising hosts; we refuse (see hostlist module docstring)."""
     surprising = {"n[ 1-2]": ["n01", "n02"], "n[1, 2]": ["n1", "n02"], "n[+1]": ["n01"],
                   "n[1-]": ["n1"], "a]b": ["a]b"]}
-    doc = (Path(__file__).resolve().parents[2] / "src/hpcring/bootstrap/hostlist.py").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "src/hpcring/hostlist.py").read_text()
     for expr, slurm_gives in surprising.items():
         assert scontrol_hosts(expr, scontrol_env) == slurm_gives
         assert f"``{expr}``" in doc

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hpcring.bootstrap import hostlist
+from hpcring import hostlist
 from hpcring.bootstrap import auth
 from hpcring.bootstrap import store_wire as st
 from hpcring.bootstrap.store_client import StoreClient

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from hpcring.bootstrap.hostlist import MAX_DIGITS, MAX_RANGE, compress, expand
+from hpcring.hostlist import MAX_DIGITS, MAX_RANGE, compress, expand
 from hpcring.cli.hostlist_cmd import app
 from hpcring.errors import HostlistError
 

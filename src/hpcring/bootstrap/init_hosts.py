@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import socket
 
-from hpcring.bootstrap.hostlist import compress, expand
+from hpcring.hostlist import compress, expand
 from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.store_wire import StoreTimeoutError
 from hpcring.bootstrap.topology import Topology

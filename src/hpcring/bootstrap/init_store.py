@@ -11,7 +11,7 @@ import socket
 import time
 from collections.abc import Mapping
 
-from hpcring.bootstrap.hostlist import expand
+from hpcring.hostlist import expand
 from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.store_server import CONNECTIONS_PER_RANK, StoreServer, StoreServerProcess
 from hpcring.bootstrap.store_wire import StoreAuthError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hpcring.bootstrap import hostlist
+from hpcring import hostlist
 from hpcring.bootstrap.launcher_tables import SLURM_MAX_TASK_STEP, UNKNOWN, LauncherTable, env_get, first
 from hpcring.bootstrap.slurm_layout import block, cyclic, parse_tasks_per_node
 from hpcring.errors import BootstrapError, HostlistError

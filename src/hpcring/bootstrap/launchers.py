@@ -63,7 +63,8 @@ import os
 import socket
 from collections.abc import Mapping
 
-from hpcring.bootstrap import hostlist, lsf_slots
+from hpcring import hostlist
+from hpcring.bootstrap import lsf_slots
 from hpcring.bootstrap.launcher_corroborate import (_blaunch_size, _check_inner_agree, _corroborate, _local_from_hosts,
                                                     _lsf_hosts)
 from hpcring.bootstrap.launcher_reading import _INT_FIELDS, _check_ranges, _marker_text, _matches, _read, _Reading

@@ -1,10 +1,10 @@
 """``hpcring hostlist``: expand and compress Slurm hostlist expressions (thin wrapper over
-:mod:`hpcring.bootstrap.hostlist`). Errors: ``error: <message>`` on stderr, the error's exit code."""
+:mod:`hpcring.hostlist`). Errors: ``error: <message>`` on stderr, the error's exit code."""
 from __future__ import annotations
 
 import typer
 
-from hpcring.bootstrap import hostlist
+from hpcring import hostlist
 from hpcring.cli.common import command
 
 app = typer.Typer(help="Expand and compress Slurm hostlist expressions.", no_args_is_help=True)

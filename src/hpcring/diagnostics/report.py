@@ -57,7 +57,7 @@ def _who(ranks, hosts) -> str:
     seen = list(dict.fromkeys(hosts[r] for r in sorted(ranks) if r < len(hosts)))
     if len(seen) <= 4 and len(rank_ranges(ranks).split(",")) <= MAX_RANGES:
         return who(ranks, hosts)
-    from hpcring.bootstrap.hostlist import compress
+    from hpcring.hostlist import compress
     from hpcring.errors import HpcringError
     try:
         names = compress(seen) if len(seen) > 4 else ", ".join(seen)

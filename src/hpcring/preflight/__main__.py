@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from hpcring.bootstrap.hostlist import expand
+from hpcring.hostlist import expand
 from hpcring.errors import HpcringError
 
 EXIT_BAD_NODES = 3

@@ -11,7 +11,7 @@ import re
 import subprocess
 from collections.abc import Mapping, Sequence
 
-from hpcring.bootstrap.hostlist import compress, expand
+from hpcring.hostlist import compress, expand
 
 QUERY_TIMEOUT_S = 10.0
 # srun's line for the tasks of a node that ended by a signal: "srun: error: node2: task 1: Killed"

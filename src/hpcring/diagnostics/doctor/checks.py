@@ -290,7 +290,7 @@ def _hosts(hosts) -> str:
     """node[1-3] for node1, node2, node3 (hostlist syntax), else a comma list."""
     hosts = _distinct(hosts)
     try:
-        from hpcring.bootstrap.hostlist import compress
+        from hpcring.hostlist import compress
         return compress(hosts)
     except HpcringError:
         return ", ".join(hosts)
