@@ -1,4 +1,4 @@
-"""The Communicator's short path (issue 23): a common synchronous call without the general
+"""The Communicator's short path: a common synchronous call without the general
 path's per-call machinery; mixed into :class:`~hpcring.collectives.api.Communicator`."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _GENERAL = object()      # a short path's answer: "take the general path"
 class ShortPath:
     """The short path's steps; the Communicator's public synchronous collectives try them first."""
 
-    # The short path (issue 23): the common call -- one C-contiguous array of a supported dtype,
+    # The short path: the common call -- one C-contiguous array of a supported dtype,
     # out=None, out=x or an out= of the same type and dtype with the result's element count, no dtype=,
     # a synchronous call with nothing queued -- runs
     # the same steps as the general one (same checks, flight record, deadline, precheck,

@@ -379,7 +379,7 @@ class MpiBackend(SignatureCheck, MpiPointToPoint, LibraryBackend):
                 work /= np.float32(self._size)
             _from_wire(work, recvbuf, dtype)
             return
-        # the common case, inline (issue 23's per-call path): _run's steps without its closures
+        # the common case, inline (the per-call path): _run's steps without its closures
         t0 = time.monotonic()
         if self.check:
             self._agree(sig, "allreduce", seq, desc, timeout, t0)

@@ -297,7 +297,7 @@ class RingBackend(RingConnections, Backend):
 
     def allreduce_rec(self, flight, sendbuf, recvbuf, dtype, op, timeout) -> bool:
         """allreduce with its flight record written in C, in the same call (``flight``: the
-        recorder's ``_native.Flight``; issue 23's per-call path). False, with nothing done or
+        recorder's ``_native.Flight``; the per-call path). False, with nothing done or
         recorded, until the lazy setup has run (the caller records and calls :meth:`allreduce`).
         A failure raises allreduce's errors, with ``.seq`` the failed record's."""
         nc = self._native_comm

@@ -1,6 +1,6 @@
 """The rendezvous store's server: one selector thread in rank 0 (see store_wire for the protocol).
 
-Scale (issue 21): one thread and one epoll loop serve every connection (no thread per client);
+Scale: one thread and one epoll loop serve every connection (no thread per client);
 a blocking GET/MGET on keys not yet set is parked in a *wait group* (all requests for the same
 key list share one, so 8192 ranks reading the same N keys cost O(N) bookkeeping, not O(N^2)),
 and answered when the last key arrives or at its deadline by the timer heap. The process's soft
