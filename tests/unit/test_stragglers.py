@@ -130,13 +130,14 @@ def run_ops(comms, count, t0, late=None, compute=0.02):
     return t0 + count * (compute + 0.005)
 
 
-def watchers(tmp_path, n=4, window=20):
+def watchers(tmp_path, n=4, window=20, hosts=None, **group):
+    """``group``: a group watcher's ``name``, ``members``, ``group`` and ``tag``."""
     server = StoreServer("127.0.0.1", 0, secret=SECRET)
     comms = [FakeComm(r, n) for r in range(n)]
     out = io.StringIO()
-    hosts = tuple(f"node{r // 2 + 1}" for r in range(n))
+    hosts = hosts or tuple(f"node{r // 2 + 1}" for r in range(n))
     ws = [StragglerWatch(c, StoreClient("127.0.0.1", server.port, SECRET, timeout=5.0), hosts, window=window,
-                         period=0.1, folder=str(tmp_path) if c.rank == 0 else None, out=out) for c in comms]
+                         period=0.1, folder=str(tmp_path) if c.rank == 0 else None, out=out, **group) for c in comms]
     return server, comms, ws, out
 
 
@@ -211,14 +212,9 @@ def test_report_reader_keeps_good_lines_and_names_bad_ones(tmp_path):
 
 def test_a_group_watcher_names_global_ranks_and_its_group_in_a_file_of_its_own(tmp_path):
     """A group of global ranks 1, 3, 5, 7 (group ranks 0-3); its rank 2 (global 5) is late."""
-    server = StoreServer("127.0.0.1", 0, secret=SECRET)
     members, name = (1, 3, 5, 7), "group 4 of ranks 1,3,5,7"
-    comms = [FakeComm(r, 4) for r in range(4)]
-    out = io.StringIO()
-    hosts = ("node1", "node2", "node3", "node4")           # the members' hosts, by group rank
-    ws = [StragglerWatch(c, StoreClient("127.0.0.1", server.port, SECRET, timeout=5.0), hosts, window=20,
-                         period=0.1, folder=str(tmp_path) if c.rank == 0 else None, out=out, name="pg/4/ring",
-                         members=members, group=name, tag="group4-ring") for c in comms]
+    server, comms, ws, out = watchers(tmp_path, hosts=("node1", "node2", "node3", "node4"),   # by group rank
+                                      name="pg/4/ring", members=members, group=name, tag="group4-ring")
     try:
         t = run_ops(comms, 3, 1000.0)
         ws[0].tick()
