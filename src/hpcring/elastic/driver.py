@@ -15,9 +15,10 @@ workers reset at their next commit and the newcomer receives the committed state
 ``--serve`` starts no worker: the job script starts them (``srun``), e.g. on the nodes of
 ``submit --spare-nodes``; see docs/from-horovod.md. ``hpcring run --elastic`` inside an allocation
 gives the driver :class:`Nodes`: one launcher step per node (its workers), and when a node's step
-fails, a step on the next spare node of the allocation, whose workers join the running job. The driver ends once a round has run and no
-worker is left, or the coordinator gave up. Exit code: 0 when every member of the last round
-ended with 0 (workers lost on the way do not fail the job, as with Horovod), else the first
+fails, a step on the next spare node of the allocation, whose workers join the running job.
+The driver ends once a round has run and no worker is left, or the coordinator gave up. Exit
+code: 0 when every member of the last round ended with 0 (workers lost on the way do not fail the
+job, as with Horovod), else the first
 failing member's code; 1 when the coordinator gave up (the reason is printed).
 """
 from __future__ import annotations
@@ -114,23 +115,22 @@ class Driver:
             tmp.write_text(json.dumps(info))
             os.replace(tmp, self.args.info)
 
-    def spawn(self, i: int) -> None:
+    def _start(self, label: str, argv: list[str], env: dict) -> None:
+        """A child named ``label``, its output tagged with it."""
         from hpcring.schedulers.supervisor import start
-        wid = f"w{i}"
-        env = {**self.env, ID_VAR: wid}
-        p = start(list(self.args.command), env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.children[wid] = p
+        p = start(argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.children[label] = p
         for src, dst, kind in ((p.stdout, sys.stdout.buffer, "stdout"), (p.stderr, sys.stderr.buffer, "stderr")):
-            threading.Thread(target=_pump, args=(src, dst, f"[{wid}]<{kind}>:".encode()), daemon=True).start()
+            threading.Thread(target=_pump, args=(src, dst, f"[{label}]<{kind}>:".encode()), daemon=True).start()
+
+    def spawn(self, i: int) -> None:
+        """Local worker ``w<i>``."""
+        self._start(f"w{i}", list(self.args.command), {**self.env, ID_VAR: f"w{i}"})
 
     def spawn_step(self, host: str) -> None:
-        """The workers of ``host``: one launcher step, its output tagged with the host."""
-        from hpcring.schedulers.supervisor import start
+        """The workers of ``host``: one launcher step."""
         self.nodes.started.append(host)
-        p = start(self.nodes.argv(host), self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.children[host] = p
-        for src, dst, kind in ((p.stdout, sys.stdout.buffer, "stdout"), (p.stderr, sys.stderr.buffer, "stderr")):
-            threading.Thread(target=_pump, args=(src, dst, f"[{host}]<{kind}>:".encode()), daemon=True).start()
+        self._start(host, self.nodes.argv(host), self.env)
 
     def run(self) -> int:
         self.coord.start()
