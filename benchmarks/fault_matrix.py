@@ -3,7 +3,7 @@
     python benchmarks/fault_matrix.py                          # everything (about 15-25 min)
     python benchmarks/fault_matrix.py --where local --backends ring --faults stop,kill
 
-Faults (tests/fault_worker.py; the victim is rank 1, on node2 on the dev cluster):
+Faults (tests/workers/fault_worker.py; the victim is rank 1, on node2 on the dev cluster):
   stop       the victim SIGSTOPs itself inside an allreduce (a frozen rank)
   kill       the victim SIGKILLs itself inside an allreduce
   exit       the victim exits 0 before the collective
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "fault_worker.py"
+WORKER = ROOT / "tests" / "workers" / "fault_worker.py"
 FAULTS = ["stop", "kill", "exit", "different", "mismatch", "late", "cut", "slow", "never"]
 LINK_FAULTS = {"cut", "slow"}
 VICTIM = 1

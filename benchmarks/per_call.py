@@ -7,9 +7,9 @@
 A 4 KiB float32 sum allreduce (``--bytes``), in place (``comm.allreduce(x, out=x)``), 2 ranks:
 
 * ring: 2 forked processes over a socketpair (tcp only, no shared memory), as
-  tests/helpers_ring.py ThreadGroup builds the native communicators;
+  tests/helpers/ring.py ThreadGroup builds the native communicators;
 * mpi: ``mpirun -np 2 --allow-run-as-root --oversubscribe`` (Open MPI, mpi4py; vader/self);
-* nccl: the real NcclBackend over the fake CuPy/NCCL layer (tests/helpers_fake_cuda.py), 2
+* nccl: the real NcclBackend over the fake CuPy/NCCL layer (tests/helpers/fake_cuda.py), 2
   mirror ranks in this process, as tests/unit/test_device_buffers.py builds it.
 
 Three loops per backend, interleaved over ``--rounds`` rounds (the median round is printed):
@@ -299,7 +299,7 @@ def run_mpi(args) -> dict:
 # nccl: the fake layer
 # ---------------------------------------------------------------------------------------------
 def run_nccl(args) -> dict:
-    import helpers_fake_cuda as F
+    import helpers.fake_cuda as F
     cp = F.make_cupy(ngpus=2)
     sys.modules["cupy"] = cp
     sys.modules.setdefault("torch", F.make_torch(cp))

@@ -1,6 +1,6 @@
 """Rendezvous time through PMIx vs the store on the dev cluster: srun --mpi=pmix -N NODES.
 
-For each ranks-per-node count and each HPCRING_RENDEZVOUS mode, runs tests/pmix_rendezvous_worker.py
+For each ranks-per-node count and each HPCRING_RENDEZVOUS mode, runs tests/workers/pmix_rendezvous_worker.py
 (hpcring.init() then an exact-checked ring allreduce). --overcommit: more ranks per node than the dev cluster's nodes declare CPUs. Ranks import first and then wait for a common
 wall-clock gate (one machine: one clock), so interpreter start-up is not counted; the figure is the
 slowest rank's time from the gate to "all ranks met" (hosts known, store connected:
@@ -30,7 +30,7 @@ def one(nodes: int, per_node: int, mode: str, secret: Path, lead: float) -> tupl
                HPCRING_RENDEZVOUS=mode, PMIX_WORKER_GATE=str(time.time() + lead))
     try:
         r = subprocess.run(["srun", "--mpi=pmix", "--overcommit", f"-N{nodes}", f"-n{nodes * per_node}", "--time=3",
-                            sys.executable, str(ROOT / "tests" / "pmix_rendezvous_worker.py")],
+                            sys.executable, str(ROOT / "tests" / "workers" / "pmix_rendezvous_worker.py")],
                            capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired as e:
         raise SystemExit(f"{mode} {nodes}x{per_node}: srun did not end in 240 s:\n"

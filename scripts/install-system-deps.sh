@@ -27,7 +27,7 @@ PACKAGES=(
     openssh-server   # sshd as a login node for the submit-from-a-laptop test (not started by the package)
     openssh-client   # ssh: submit --remote and its ControlMaster
     rsync            # submit --remote copies the script's folder with it
-    charliecloud-runtime  # ch-run: ranks inside an image (tests/integration/test_container_devcluster.py)
+    charliecloud-runtime  # ch-run: ranks inside an image (tests/devcluster/test_container_devcluster.py)
     debootstrap      # builds that image (scripts/build-ci-image.sh)
     chromium         # headless browser: `hpcring report --html` pages load and show every rank (tests/integration/test_report_local.py)
 )

@@ -1,14 +1,9 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT / "src") not in sys.path:  # tests also run from a checkout without install
-    sys.path.insert(0, str(ROOT / "src"))
-if str(ROOT / "tests") not in sys.path:  # the helpers_*.py modules
-    sys.path.insert(0, str(ROOT / "tests"))
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ import json
 import time
 from pathlib import Path
 
-from helpers_jobs import hpcring_cli, job_id_of, local_env_for  # noqa: F401
+from helpers.jobs import hpcring_cli, job_id_of, local_env_for  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "array_worker.py"
+WORKER = ROOT / "tests" / "workers" / "array_worker.py"
 HELLO = ROOT / "examples" / "hello.py"
 
 

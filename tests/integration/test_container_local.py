@@ -1,6 +1,6 @@
 """Ranks inside the CI image on this machine (no dev cluster): `hpcring run` outside an allocation
 and `hpcring submit` on the local backend, each rank through Charliecloud's ch-run with the
-checkout's venv bound in (tests/helpers_container.py; the dev-cluster versions are in
+checkout's venv bound in (tests/helpers/container.py; the dev-cluster versions are in
 test_container_devcluster.py)."""
 from __future__ import annotations
 
@@ -9,16 +9,14 @@ import os
 import pwd
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from helpers_container import ci_image, mounts  # noqa: E402
+from helpers.container import ci_image, mounts  # noqa: E402
 
-WORKER = ROOT / "tests" / "container_worker.py"
+WORKER = ROOT / "tests" / "workers" / "container_worker.py"
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from helpers_jobs import hang_report
+from helpers.jobs import hang_report
 
 ROOT = Path(__file__).resolve().parents[2]
 

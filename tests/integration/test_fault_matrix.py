@@ -1,10 +1,9 @@
-"""A representative subset of the fault matrix (benchmarks/fault_matrix.py runs all of it and prints
-the table): a frozen rank (SIGSTOP) ends the whole job -- local backend, Slurm dev cluster with the
-ring and MPI backends, LSF emulation -- with the victim named, every rank gone and the job out of
-the queue within deadline + 30 s, FAILED; a different count or collective on MPI is named at once
-(the signature check) and leaves every node usable; a rank late to its very first collective is
-"never joined" at the deadline, like any later one; and nothing outlives ``hpcring run`` or a local
-cancel."""
+"""A representative subset of the fault matrix on this machine (benchmarks/fault_matrix.py runs all
+of it and prints the table; tests/devcluster/test_fault_matrix_devcluster.py is the Slurm and LSF
+half): a frozen rank (SIGSTOP) ends the local job with the victim named, every rank gone and the
+job over within deadline + 30 s, FAILED; a different count or collective under mpirun is named at
+once (the signature check); a rank late to its very first collective is "never joined" at the
+deadline, like any later one; and nothing outlives ``hpcring run`` or a local cancel."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,28 +16,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fault_matrix  # noqa: E402
-from test_submit_devcluster import _cluster_up  # noqa: E402
+from helpers.faults import DEADLINE, check, fault_matrix
 
-DEADLINE = 6.0
-devcluster = [pytest.mark.devcluster,
-              pytest.mark.skipif(not _cluster_up(), reason="dev cluster is not up (hpcring devcluster up)")]
 mpi = pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="mpi4py is not installed")
 shared = pytest.mark.skipif(not os.access("/srv/hpcring", os.W_OK), reason="/srv/hpcring is not writable")
-
-
-def check(res: fault_matrix.Result) -> None:
-    print(f"\n[{res.where}/{res.backend}/{res.fault}] ->report {fault_matrix._fmt(res.dt(res.report_at))} s, "
-          f"->gone {fault_matrix._fmt(res.dt(res.gone_at))} s, ->queue {fault_matrix._fmt(res.dt(res.queue_at))} s")
-    assert res.fault_at is not None, res.out[-3000:]
-    assert res.named, (res.headline, res.out[-3000:])
-    assert res.state == "FAILED", (res.state, res.out[-3000:])
-    assert res.dt(res.gone_at) is not None and res.dt(res.gone_at) <= DEADLINE + 30, res.out[-3000:]
-    assert res.dt(res.queue_at) is not None and res.dt(res.queue_at) <= DEADLINE + 30, res.out[-3000:]
-    assert res.rc != 0
 
 
 @shared
@@ -47,25 +28,6 @@ def test_local_frozen_rank_ends_the_job():
     check(res)
     assert "unreachable" in res.headline and "rank 1" in res.headline
     assert "collective failure: allreduce#4: rank 1 (local0) unreachable" in res.out   # submit --wait
-
-
-@pytest.mark.parametrize("backend", ["ring", pytest.param("mpi", marks=mpi)])
-@pytest.mark.devcluster
-def test_slurm_frozen_rank_ends_the_job(backend):
-    if not _cluster_up():
-        pytest.skip("dev cluster is not up (hpcring devcluster up)")
-    res = fault_matrix.run_one("slurm", backend, "stop", DEADLINE)
-    check(res)
-    assert "rank 1 (node2) unreachable" in res.headline
-
-
-@pytest.mark.devcluster
-def test_lsf_frozen_rank_ends_the_job():
-    if not _cluster_up():
-        pytest.skip("dev cluster is not up (hpcring devcluster up)")
-    res = fault_matrix.run_one("lsf", "ring", "stop", DEADLINE)
-    check(res)
-    assert "ending the job: bkill" in fault_matrix._rank_logs(res.folder)
 
 
 @shared
@@ -92,25 +54,6 @@ def test_mpirun_mismatch_is_named_at_once(fault, what):
     assert res.headline == f"allreduce#4: rank 1 ({os.uname().nodename}) {what}", res.headline
     assert res.dt(res.report_at) < 3.0, res.dt(res.report_at)         # not at the deadline
     assert "double free" not in res.out and "corruption" not in res.out, res.out[-3000:]
-
-
-@mpi
-@pytest.mark.devcluster
-@pytest.mark.parametrize("fault", ["different", "mismatch"])
-def test_slurm_mpi_mismatch_is_named_and_leaves_every_node_usable(fault):
-    if not _cluster_up():
-        pytest.skip("dev cluster is not up (hpcring devcluster up)")
-    bad = fault_matrix.unusable_nodes()
-    if bad:
-        pytest.skip(f"dev cluster nodes not usable before the test: {bad}")
-    res = fault_matrix.run_one("slurm", "mpi", fault, DEADLINE)
-    check(res)
-    assert "rank 1 (node2) called" in res.headline, res.headline
-    assert res.dt(res.report_at) < 3.0, res.dt(res.report_at)
-    # every rank ends itself: the reporter no longer sits in a scancel of its own step until
-    # slurmstepd's KillWait SIGKILL (5 s here: ->gone was report + 5.0 s in every run before)
-    assert res.dt(res.gone_at) - res.dt(res.report_at) < 3.0, (res.dt(res.report_at), res.dt(res.gone_at))
-    assert fault_matrix.unusable_nodes() == []      # no "Kill task failed" drain
 
 
 def test_a_rank_still_finishing_the_previous_collective_does_not_hide_the_failed_one():

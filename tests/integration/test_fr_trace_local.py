@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers_jobs import diag_folder, hang_report
+from helpers.jobs import diag_folder, hang_report
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(ROOT / "tests" / "fault_worker.py")
+WORKER = str(ROOT / "tests" / "workers" / "fault_worker.py")
 ENV = {"HPCRING_TIMEOUT": "5", "HPCRING_DIAG_GRACE": "3", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 
 pytest.importorskip("torch.distributed.flight_recorder.fr_trace")
@@ -82,7 +82,7 @@ def test_a_ddp_job_on_gloo_gets_torchs_own_dump_that_torchfrtrace_can_match(tmp_
     # groups that gloo leaves out of pg_config filled in, so torchfrtrace can match the entries
     env = {**os.environ, **ENV, "HPCRING_JOB_DIR": str(tmp_path / "jobs")}
     p = subprocess.run([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", "3", "--",
-                        sys.executable, str(ROOT / "tests" / "torch_ddp_worker.py"), "sleep", "2"], env=env,
+                        sys.executable, str(ROOT / "tests" / "workers" / "torch_ddp_worker.py"), "sleep", "2"], env=env,
                        capture_output=True, text=True, timeout=180, cwd=tmp_path, stdin=subprocess.DEVNULL)
     assert p.returncode != 0, p.stdout + p.stderr
     rep = hang_report(tmp_path / "jobs")

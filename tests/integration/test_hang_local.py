@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 
-from helpers_jobs import diag_folder, hang_report  # noqa: E402
+from helpers.jobs import diag_folder, hang_report  # noqa: E402
 
-WORKER = str(Path(__file__).resolve().parents[1] / "fault_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "fault_worker.py")
 
 
 def run_job(tmp_path, *worker_args, ranks=4, env=None, timeout=90):

@@ -1,5 +1,5 @@
 """Horovod's contract for hpcring.torch (issue 22), on 2 and 3 real local ranks: one long process
-per rank runs every check of tests/horovod_contract_worker.py in turn (as horovodrun runs a test
+per rank runs every check of tests/workers/horovod_contract_worker.py in turn (as horovodrun runs a test
 file), so a check whose error poisoned the engine would fail the checks after it. Covered:
 exception classes and per-op failure (mismatch, stall, bad arguments), join semantics, every
 dtype and Horovod's integer arithmetic, process sets (static, dynamic, on every op and on
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-WORKER = str(Path(__file__).resolve().parents[1] / "horovod_contract_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "horovod_contract_worker.py")
 CHECKS = ["mismatch", "args", "stall", "join", "dtypes", "int_arith", "process_sets", "grouped_rs", "autograd",
           "sparse", "optstate_nograd", "cache",
           # what Horovod's own test file relies on (issue 36), then a long mixed sequence

@@ -1,5 +1,5 @@
 """Horovod Elastic on hpcring, end to end: the elastic driver (python -m hpcring.elastic.driver)
-starts real worker processes (tests/horovod_elastic_worker.py: hpcring.torch, the ring over
+starts real worker processes (tests/workers/horovod_elastic_worker.py: hpcring.torch, the ring over
 loopback TCP and shared memory); a worker is SIGKILLed from here mid-epoch, or a new one started
 from here joins. Nothing of hpcring is faked.
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-from helpers_elastic import (BATCH, COMMIT, EPOCHS, N, WORKER, counted_samples, kinds, logs_of,  # noqa: E402
+from helpers.elastic import (BATCH, COMMIT, EPOCHS, N, WORKER, counted_samples, kinds, logs_of,  # noqa: E402
                              rounds_of, simulate)
 DEADLINE_S = 150          # a whole job, under load
 

@@ -1,5 +1,5 @@
 """hpcring.torch (the Horovod API) end to end: `hpcring run` starts real ranks on this machine
-(ring backend over loopback TCP, real torch) running tests/horovod_worker.py."""
+(ring backend over loopback TCP, real torch) running tests/workers/horovod_worker.py."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-WORKER = str(Path(__file__).resolve().parents[1] / "horovod_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "horovod_worker.py")
 
 
 def run_job(tmp_path, *args, ranks=2, env=None, timeout=180):
@@ -73,7 +73,7 @@ def test_missing_rank_is_named(tmp_path):
     p = run_job(tmp_path, "missing", env={"HPCRING_TIMEOUT": "3", "HPCRING_DIAG_GRACE": "3"})
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
-    from helpers_jobs import hang_report
+    from helpers.jobs import hang_report
     rep = hang_report(tmp_path)
     assert rep["categories"]["missing"] == [1], rep
     assert "in allreduce at horovod_worker.py" in out          # where rank 0 waits

@@ -12,14 +12,14 @@ import subprocess
 import time
 from pathlib import Path
 
-from helpers_jobs import hpcring_cli, job_id_of, local_env_for  # noqa: F401
+from helpers.jobs import hpcring_cli, job_id_of, local_env_for  # noqa: F401
 
 import jsonschema
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "report_worker.py"
-FAULT = ROOT / "tests" / "fault_worker.py"
+WORKER = ROOT / "tests" / "workers" / "report_worker.py"
+FAULT = ROOT / "tests" / "workers" / "fault_worker.py"
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
 PARTS = ("startup", "compute", "communication", "waiting")
 
@@ -225,7 +225,7 @@ def test_a_restarted_job_with_a_straggler_reports_both(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = env_for(tmp_path, HPCRING_STRAGGLER_WINDOW="20", HPCRING_TIMEOUT="4", HPCRING_DIAG_GRACE="1")
-    r = hpcring("submit", str(ROOT / "tests" / "restart_train.py"), "--nodes", "3", "--tasks-per-node", "1",
+    r = hpcring("submit", str(ROOT / "tests" / "workers" / "restart_train.py"), "--nodes", "3", "--tasks-per-node", "1",
                 "--wait", "--max-restarts", "1", "--", str(out), "--steps", "60", "--sleep", "0.03",
                 "--freeze-rank", "1", "--freeze-step", "12", "--slow-rank", "2", "--slow", "0.05", env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

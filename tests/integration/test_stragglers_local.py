@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers_jobs import hpcring_cli
+from helpers.jobs import hpcring_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "benchmarks" / "straggler_train.py"

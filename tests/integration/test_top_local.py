@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from helpers_jobs import hpcring_cli, job_id_of, local_env_for
+from helpers.jobs import hpcring_cli, job_id_of, local_env_for
 
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -1,5 +1,5 @@
 """The ``hpcring`` torch.distributed backend with real torch: `hpcring run` starts local ranks
-(ring over loopback TCP) running tests/torch_worker.py; gloo over the same ranks is the reference."""
+(ring over loopback TCP) running tests/workers/torch_worker.py; gloo over the same ranks is the reference."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(ROOT / "tests" / "torch_worker.py")
+WORKER = str(ROOT / "tests" / "workers" / "torch_worker.py")
 
 
 def run_job(tmp_path, *args, ranks=2, env=None, timeout=240, script=WORKER):
@@ -74,7 +74,7 @@ def _since_fault(out: str) -> float:
 
 
 def _report(tmp_path) -> dict:
-    from helpers_jobs import hang_report
+    from helpers.jobs import hang_report
     return hang_report(tmp_path)
 
 
@@ -118,7 +118,7 @@ def test_submit_registers_backend_when_script_imports_torch(tmp_path):
 
 def test_lightning_ddp_strategy_on_hpcring(tmp_path):
     pytest.importorskip("lightning")
-    script = ROOT / "tests" / "lightning_worker.py"
+    script = ROOT / "tests" / "workers" / "lightning_worker.py"
     p, _ = run_job(tmp_path, script=str(script))
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]

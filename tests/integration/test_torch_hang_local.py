@@ -1,4 +1,4 @@
-"""Hang reports for a plain DDP-on-gloo script (tests/torch_ddp_worker.py, no hpcring import)
+"""Hang reports for a plain DDP-on-gloo script (tests/workers/torch_ddp_worker.py, no hpcring import)
 under `hpcring run`: 3 real ranks, real torch and gloo over loopback, one rank misbehaves."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-WORKER = str(Path(__file__).resolve().parents[1] / "torch_ddp_worker.py")
+WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "torch_ddp_worker.py")
 DEADLINE, GRACE = 4, 3
 LINES = Path(WORKER).read_text().splitlines()
 SLEEP_AT = f"torch_ddp_worker.py:{next(i for i, ln in enumerate(LINES, 1) if 'time.sleep(3600)' in ln)}"
@@ -32,7 +32,7 @@ def run_job(tmp_path, *worker_args, ranks=3, timeout=120):
     return p, time.time() - float(fault.group(1)) if fault else None   # seconds from the fault to the job's end
 
 
-from helpers_jobs import diag_folder as diag, hang_report as report  # noqa: E402
+from helpers.jobs import diag_folder as diag, hang_report as report  # noqa: E402
 
 
 def test_ddp_rank_stuck_in_its_data_loader_is_named_with_its_location(tmp_path):

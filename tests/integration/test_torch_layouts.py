@@ -1,5 +1,5 @@
 """Real parallel layouts on the ``hpcring`` torch backend, each equal to the same layout on gloo
-groups over the same ranks (tests/torch_layouts_worker.py, started by `hpcring run` on local
+groups over the same ranks (tests/workers/torch_layouts_worker.py, started by `hpcring run` on local
 ranks): FSDP1 HYBRID_SHARD / _HYBRID_SHARD_ZERO2 and FSDP2 HSDP on a 2-D mesh, DTensor tensor
 parallelism (alone and under FSDP2), a 3-D DeviceMesh, and monitored_barrier (torch allows it on
 gloo only). Also examples/train_hsdp.py through `hpcring run` on 4 ranks.
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(ROOT / "tests" / "torch_layouts_worker.py")
+WORKER = str(ROOT / "tests" / "workers" / "torch_layouts_worker.py")
 MODES = ("fsdp1", "fsdp2", "tp", "mesh3d", "monitored")
 
 
@@ -79,7 +79,7 @@ def test_train_hsdp_example_on_4_local_ranks(tmp_path):
 def test_rank_missing_from_a_mesh_group_barrier_is_named(tmp_path):
     """What monitored_barrier is for, on hpcring: the last rank never reaches a barrier of its
     (2, 2) mesh "shard" group; the deadline's report names it by global rank and host."""
-    from helpers_jobs import hang_report
+    from helpers.jobs import hang_report
     env_extra = {"HPCRING_TIMEOUT": "4", "HPCRING_DIAG_GRACE": "3"}
     tmp_path.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HPCRING_JOB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",

@@ -2,15 +2,12 @@
 recv from any source and torch.distributed.pipelining (GPipe, 1F1B), every result equal to the
 same calls on gloo, on the ring (hpcring run) and on MPI (plain mpirun); a receive whose sender
 never sends is reported by the pair, tag and size, within the deadline + 30 s.
-`hpcring run` starts local ranks running tests/torch_p2p_worker.py."""
+`hpcring run` starts local ranks running tests/workers/torch_p2p_worker.py."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,11 +16,11 @@ import pytest
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(ROOT / "tests" / "torch_p2p_worker.py")
+WORKER = str(ROOT / "tests" / "workers" / "torch_p2p_worker.py")
 
 
 def run_job(tmp_path, *args, ranks, env=None, timeout=300):
-    from helpers_jobs import run_local
+    from helpers.jobs import run_local
     return run_local(WORKER, tmp_path, *args, ranks=ranks, env=env, timeout=timeout)
 
 
@@ -50,7 +47,7 @@ def test_pipelining_gpipe_and_1f1b_match_gloo(tmp_path, ranks):
                     reason="mpi4py or mpirun is not installed")
 @pytest.mark.parametrize("mode", ["p2p", "pipeline"])
 def test_point_to_point_on_the_mpi_backend_under_plain_mpirun(tmp_path, mode):
-    from helpers_jobs import run_mpirun
+    from helpers.jobs import run_mpirun
     p = run_mpirun(WORKER, tmp_path, mode, ranks=3)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     ok_lines(p.stdout, mode, 3, "mpi")
@@ -58,7 +55,7 @@ def test_point_to_point_on_the_mpi_backend_under_plain_mpirun(tmp_path, mode):
 
 @pytest.mark.parametrize("where", ["world", "group"])
 def test_a_receive_whose_sender_never_sends_is_named_by_pair_tag_and_size(tmp_path, where):
-    from helpers_jobs import hang_report
+    from helpers.jobs import hang_report
     p = run_job(tmp_path, "hang", "1", where, ranks=3, env={"HPCRING_TIMEOUT": "5", "HPCRING_DIAG_GRACE": "3"})
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]

@@ -1,5 +1,5 @@
 """Defects of the ``hpcring`` torch.distributed backend (issue 20), with real torch on 2 and 3 local
-ranks through `hpcring run` (tests/torch_defects_worker.py); gloo over the same ranks is the
+ranks through `hpcring run` (tests/workers/torch_defects_worker.py); gloo over the same ranks is the
 reference: every dtype and reduce op, 0-dim broadcasts, empty inputs, PowerSGD's comm hook
 (collectives inside Future.then callbacks), torch.compile(DDP), Lightning sync_dist."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(ROOT / "tests" / "torch_defects_worker.py")
+WORKER = str(ROOT / "tests" / "workers" / "torch_defects_worker.py")
 
 
 def run_job(tmp_path, *args, ranks=2, timeout=240, env=None):

@@ -1,14 +1,11 @@
 """Subgroups on the ``hpcring`` torch backend (new_group, new_subgroups, a 2-D DeviceMesh), each
 op equal to gloo over the same ranks; a rank missing from a subgroup's collective is reported by
-its global rank and host. `hpcring run` starts local ranks running tests/torch_subgroup_worker.py."""
+its global rank and host. `hpcring run` starts local ranks running tests/workers/torch_subgroup_worker.py."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,11 +14,11 @@ import pytest
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(ROOT / "tests" / "torch_subgroup_worker.py")
+WORKER = str(ROOT / "tests" / "workers" / "torch_subgroup_worker.py")
 
 
 def run_job(tmp_path, *args, ranks, env=None, timeout=300):
-    from helpers_jobs import run_local
+    from helpers.jobs import run_local
     return run_local(WORKER, tmp_path, *args, ranks=ranks, env=env, timeout=timeout)
 
 
@@ -38,7 +35,7 @@ def test_new_group_new_subgroups_and_2d_mesh_match_gloo(tmp_path, ranks):
                     reason="mpi4py or mpirun is not installed")
 def test_subgroups_on_the_mpi_backend_under_plain_mpirun(tmp_path):
     """The session picks MPI under mpirun: groups are MPI_Comm_create_group communicators."""
-    from helpers_jobs import run_mpirun
+    from helpers.jobs import run_mpirun
     p = run_mpirun(WORKER, tmp_path, "groups", ranks=4)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
@@ -47,7 +44,7 @@ def test_subgroups_on_the_mpi_backend_under_plain_mpirun(tmp_path):
 
 
 def test_rank_missing_from_a_subgroup_collective_is_named_by_global_rank_and_host(tmp_path):
-    from helpers_jobs import hang_report
+    from helpers.jobs import hang_report
     p = run_job(tmp_path, "hang", "2", ranks=4, env={"HPCRING_TIMEOUT": "4", "HPCRING_DIAG_GRACE": "3"})
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]

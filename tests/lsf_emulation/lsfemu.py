@@ -40,7 +40,17 @@ documentation:
   only inside a job and only on the job's hosts; with no host, one task per slot; stdin is
   /dev/null; every task gets LSF_PM_TASKID, the 1-based task id that LSF's RES sets (Open MPI's
   ess/lsf component and openlava's res read it the same way); blaunch waits for all tasks and exits
-  with the first non-zero task status.
+  with the first non-zero task status. Several blaunch may run at once in one job, each on its own
+  hosts (``blaunch -z HOST`` per host: hpcring run --elastic), and a task's exit ends neither the
+  other blaunches' tasks nor the job, as with LSB_DJOB_RTASK_GONE_ACTION=IGNORE_TASKCRASH
+  (lsb.applications RTASK_GONE_ACTION; hpcring run --elastic sets it); its KILLJOB_TASKEXIT and
+  KILLJOB_TASKDONE are not emulated. SIGINT, SIGTERM, SIGHUP and SIGCONT sent to blaunch alone go
+  on to its tasks ("blaunch processing": blaunch registers as the tasks' signal handler); those LSF
+  sends the whole job (bkill, the run limit) reach the tasks once, directly, and a signal the job
+  script ignores stays ignored. SIGKILL to blaunch leaves its tasks to the job's end (the job's
+  process group is killed then).
+  A host failure (LSB_DJOB_COMMFAIL_ACTION: by default LSF shuts the whole job down, KILL_TASKS
+  ends only the lost host's tasks) is not emulated: the dev cluster's nodes do not fail under it.
 
 * Job arrays (job_array_create, bsub.j.1): ``-J "name[1-16:2,20]%4"`` makes one element job per
   index (indices from 1, at most 1000 elements), at most ``%N`` running at once; an element runs
@@ -758,6 +768,20 @@ def brequeue(argv: list[str]) -> int:
 
 # -------------------------------------------------------------------------------- blaunch
 
+# Signals blaunch passes on to its tasks (it is their signal handler in LSF's blaunch framework);
+# SIGKILL and SIGSTOP cannot be caught: the job's process group gets those (bkill, bstop).
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCONT)
+
+
+def _job_wide(job_id: str) -> bool:
+    """Whether LSF itself is signalling the whole job's process group now (bkill, brequeue, the run
+    limit, bstop/bresume), so that blaunch's tasks got the signal directly."""
+    job = load(job_id)
+    if job is None or job["stat"] != "RUN" or {"kill", "requeue"} & set(job.get("requests") or []):
+        return True
+    return bool(job.get("limit_min")) and time.time() >= job["started"] + job["limit_min"] * MINUTE_S - 1
+
+
 def blaunch(argv: list[str]) -> int:
     job_id = os.environ.get("LSB_JOBID")
     if job_id and os.environ.get("LSB_JOBINDEX", "0") not in ("", "0"):
@@ -800,7 +824,20 @@ def blaunch(argv: list[str]) -> int:
         raise LsfError(f"blaunch: host {outside[0]} is not part of job <{job_id}>'s allocation "
                        f"({' '.join(dict.fromkeys(job['hosts']))})")
     cmd = ["/bin/sh", "-c", " ".join(rest)] if shell else rest
-    procs = []
+    procs: list[subprocess.Popen] = []
+
+    def forward(sig, _frame):
+        if _job_wide(job_id):
+            return                      # LSF is signalling the whole job: the tasks have it already
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+    for sig in FORWARDED:
+        if signal.getsignal(sig) == signal.SIG_DFL:     # a signal the job script ignores stays ignored
+            signal.signal(sig, forward)
     for task_id, host in enumerate(targets, start=1):
         env = dict(os.environ, LSF_PM_TASKID=str(task_id))
         procs.append(subprocess.Popen(exec_argv(host, os.getcwd(), job.get("sbatchd")) + cmd, env=env, stdin=subprocess.DEVNULL))

@@ -39,7 +39,7 @@ from typer.testing import CliRunner
 from hpcring.cli.main import app
 from hpcring.config import envvars
 from hpcring.config.jobspec import ENV_VARS as JOB_ENV_VARS
-from helpers_site_fields import schema_fields, write_site
+from helpers.site_fields import schema_fields, write_site
 
 ROOT = Path(__file__).resolve().parents[2]
 HELLO = str(ROOT / "examples" / "hello.py")

@@ -348,11 +348,9 @@ def test_in_rank_detection():
 
 def test_gpu_backend_times_device_buffers_by_default_and_labels_host_staging(monkeypatch):
     """nccl-tests times device memory: on a cuda backend the buffers are CuPy arrays (here the fake
-    CuPy/NCCL of helpers_fake_cuda, one rank), every row is checked, and host buffers only on request."""
+    CuPy/NCCL of helpers.fake_cuda, one rank), every row is checked, and host buffers only on request."""
     import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import helpers_fake_cuda as F
+    import helpers.fake_cuda as F
 
     from hpcring.collectives import nccl as N
     from hpcring.collectives.api import Communicator

@@ -1,5 +1,4 @@
 """The CLI through typer's runner: thin commands, errors mapped to messages and exit codes."""
-import pytest
 from typer.testing import CliRunner
 
 from hpcring.cli.main import app

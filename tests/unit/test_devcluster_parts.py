@@ -1,5 +1,5 @@
 """The dev cluster's pure parts, without root or the running cluster: the /etc/hosts block, config
-writes and sinfo state parsing (the running cluster is covered by tests/integration/test_devcluster.py)."""
+writes and sinfo state parsing (the running cluster is covered by tests/devcluster/test_devcluster.py)."""
 from __future__ import annotations
 
 import stat

@@ -1,7 +1,7 @@
 """Device buffers through the Communicator.
 
 Without a GPU (always run): fake ``cupy``/``torch`` modules and a fake NCCL communicator
-(tests/helpers_fake_cuda.py) injected into the real NcclBackend the way test_nccl_backend.py
+(tests/helpers/fake_cuda.py) injected into the real NcclBackend the way test_nccl_backend.py
 injects fakes. They assert that on a cuda backend CuPy arrays and CUDA torch tensors reach NCCL
 as the very same device memory (pointers) with no host copy, that results come back in the
 caller's type on the backend's GPU, that the caller's stream is used (also from the worker
@@ -12,17 +12,14 @@ real one-rank NCCL communicator for cupy and torch, every op and dtype.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import helpers_fake_cuda as F  # noqa: E402
+import helpers.fake_cuda as F  # noqa: E402
 
 from hpcring.collectives import nccl as N
 from hpcring.collectives import nccl_lib as NL  # noqa: E402

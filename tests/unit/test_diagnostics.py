@@ -162,7 +162,7 @@ def test_call_site_and_locate_name_user_code():
 
 # -- pre-collective check on a real (socketpair) ring -------------------------------------------
 def test_precheck_fails_at_once_on_every_rank():
-    from tests.helpers_ring import ThreadGroup
+    from helpers.ring import ThreadGroup
     g = ThreadGroup(3, timeout=20.0)
     for c in g.comms:
         c.precheck = True

@@ -7,13 +7,11 @@ import random
 import sys
 import threading
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from helpers_ring import ThreadGroup  # noqa: E402
+from helpers.ring import ThreadGroup  # noqa: E402
 
 from hpcring import _native  # noqa: E402
 from hpcring.collectives.recorder import FlightRecorder, _SKIP  # noqa: E402

@@ -11,11 +11,8 @@ when it is up).
 """
 from __future__ import annotations
 
-import os
 import shlex
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,8 @@ from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import ConfigError
 from hpcring.schedulers import local as local_mod, lsf as lsf_mod, slurm as slurm_mod
-from helpers_site_fields import Field, applies, schema_fields, write_site, yaml_text
+from helpers.injection import WEIRD_DIR
+from helpers.site_fields import Field, applies, schema_fields, write_site, yaml_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULERS = ("slurm", "lsf", "local")
@@ -171,7 +169,6 @@ def test_shell_text_in_a_site_value_never_runs(tmp_path, monkeypatch, field, sch
         _directive_words(text, prefix, skip=tuple(site.config.sched_args))
 
 
-WEIRD_DIR = "jd space 'single' \"double\" $(touch {marker}) `touch {marker}` ;x"
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
@@ -199,49 +196,6 @@ def test_job_dir_with_spaces_and_quotes_renders_on_every_backend(tmp_path, monke
         words = _directive_words(text, "#BSUB", skip=tuple(site.config.sched_args))
         assert ["-o", f"{jd}/%J/%J_batch.out"] in words, text
         assert box.env()["HPCRING_LOG_PATTERN"] == f"{folder}/%j_%t_log"
-
-
-def _submit_hello(tmp_path: Path, site: str, timeout: int) -> tuple[subprocess.CompletedProcess, Path]:
-    marker = tmp_path / "INJECTED"
-    jd = tmp_path / WEIRD_DIR.format(marker=marker)
-    env = dict(os.environ, HPCRING_JOB_DIR=str(jd), HPCRING_STATE_DIR=str(tmp_path / "state"),
-               PYTHONPATH=str(ROOT / "src"))
-    env.pop("HPCRING_SITE", None)
-    r = subprocess.run([sys.executable, "-m", "hpcring", "submit", str(ROOT / "examples" / "hello.py"),
-                        "--site", site, "--nodes", "2", "--wait"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=timeout)
-    assert not marker.exists(), r.stdout + r.stderr
-    return r, jd
-
-
-def test_job_dir_with_spaces_and_quotes_runs_on_the_local_backend(tmp_path):
-    r, jd = _submit_hello(tmp_path, "local", 120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("HELLO") == 2 and "COMPLETED" in r.stdout + r.stderr, r.stdout + r.stderr
-    assert len(list(jd.glob("*/*_1_status.json"))) == 1
-
-
-def _slurm_up() -> bool:
-    if shutil.which("sinfo") is None or not Path("/srv/hpcring").is_dir():
-        return False
-    try:
-        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0 and any(s.rstrip("*~#") in ("idle", "mixed", "allocated", "completing")
-                                     for s in r.stdout.split())
-
-
-@pytest.mark.devcluster
-@pytest.mark.skipif(not _slurm_up(), reason="dev cluster is not up (hpcring devcluster up)")
-def test_job_dir_with_spaces_and_quotes_runs_on_the_dev_cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dc")
-    if not str(tmp).startswith("/srv/hpcring/"):   # the nodes share /srv/hpcring only
-        tmp = Path(os.path.realpath("/srv/hpcring")) / "pytest-injection" / tmp.name
-        tmp.mkdir(parents=True, exist_ok=True)
-    r, jd = _submit_hello(tmp, "devcluster", 300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("HELLO") == 2, r.stdout + r.stderr
 
 
 # -- issue 19, part 4: a scheduler argument that replaces the site's warning signal is named ----------

@@ -20,6 +20,8 @@ from hpcring.collectives.recorder import FlightRecorder, Totals
 from hpcring.diagnostics import rank_summary
 from hpcring.jobreport_html import render
 
+from helpers.summaries import make_summaries, valid_summary
+
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
 runner = CliRunner()
@@ -128,25 +130,13 @@ def test_a_corrupt_summary_is_a_problem_naming_the_file(tmp_path, text, what):
     assert str(d / "summary-rank0.json") in problems[0] and what in problems[0], problems
 
 
-def _valid_summary(rank=0, **over):
-    base = 1.8e9
-    d = {"version": 1, "rank": rank, "size": 2, "host": "n1", "pid": 1, "written": base + 10, "why": "exit",
-         "process_started": base,
-         "comms": [{"name": "ring", "backend": "ring", "rank": rank, "size": 2,
-                    "totals": {"done": 2, "failed": 0, "base": base + 1, "first_started": base + 1,
-                               "last_ended": base + 3, "sum_started": 1.0, "sum_inside": 0.5, "sum_failed": 0.0},
-                    "tail": {"seq": [1, 2], "started": [0.0, 1.0], "ended": [0.2, 1.3]}}]}
-    d.update(over)
-    return d
-
-
 @pytest.mark.parametrize("field,value,what", [
     ("rank", -1, "negative"), ("rank", True, "not a whole number"), ("written", float("nan"), "not a number"),
     ("host", None, "host is missing"), ("comms", {}, "comms is missing"),
 ])
 def test_check_names_the_bad_field(field, value, what):
     with pytest.raises(rank_summary.Bad, match=what):
-        rank_summary.check(_valid_summary(**{field: value}))
+        rank_summary.check(valid_summary(**{field: value}))
 
 
 @pytest.mark.parametrize("value,what", [
@@ -154,18 +144,18 @@ def test_check_names_the_bad_field(field, value, what):
     ([True], "holds true"), ([None], "holds null"),
 ])
 def test_check_refuses_a_bad_in_flight(value, what):
-    s = _valid_summary()
+    s = valid_summary()
     s["comms"][0]["in_flight"] = value
     with pytest.raises(rank_summary.Bad, match=rf"comms\[0\]\.in_flight .*{what}"):
         rank_summary.check(s)
 
 
 def test_check_refuses_a_tail_of_unequal_lists_and_bad_totals():
-    s = _valid_summary()
+    s = valid_summary()
     s["comms"][0]["tail"]["ended"].append(2.0)
     with pytest.raises(rank_summary.Bad, match="differ in length"):
         rank_summary.check(s)
-    s = _valid_summary()
+    s = valid_summary()
     s["comms"][0]["totals"]["sum_inside"] = "0.5"
     with pytest.raises(rank_summary.Bad, match=r"comms\[0\]\.totals\.sum_inside"):
         rank_summary.check(s)
@@ -174,31 +164,6 @@ def test_check_refuses_a_tail_of_unequal_lists_and_bad_totals():
 # ---------------------------------------------------------------------------------------------
 # the split
 # ---------------------------------------------------------------------------------------------
-def make_summaries(arrivals: dict[int, list[float]], comm_s: float = 0.001, t0: float = 1.8e9,
-                   tail: int = rank_summary.TAIL) -> tuple[dict, dict, dict]:
-    """Summaries of ranks whose k-th collective starts at t0 + arrivals[r][k] and ends comm_s after
-    the last rank arrived; and the true waiting per rank."""
-    ranks = sorted(arrivals)
-    n = len(arrivals[ranks[0]])
-    last = [max(arrivals[r][k] for r in ranks) for k in range(n)]
-    out, truth = {}, {}
-    for r in ranks:
-        tot = Totals()
-        for k in range(n):
-            tot.add(types.SimpleNamespace(t_started=t0 + arrivals[r][k], t_ended=t0 + last[k] + comm_s, state="done"))
-        keep = range(max(0, n - tail), n)
-        out[r] = {"version": 1, "rank": r, "size": len(ranks), "host": f"n{r}", "pid": 1, "why": "exit",
-                  "written": t0 + last[-1] + 1.0, "process_started": t0 - 1.0,
-                  "comms": [{"name": "ring", "backend": "ring", "rank": r, "size": len(ranks), "totals": tot.to_dict(),
-                             "tail": {"seq": [k + 1 for k in keep],
-                                      "started": [t0 + arrivals[r][k] - tot.base for k in keep],
-                                      "ended": [t0 + last[k] + comm_s - tot.base for k in keep]}}]}
-        truth[r] = sum(last[k] - arrivals[r][k] for k in range(n))
-    statuses = {r: {"rank": r, "host": f"n{r}", "started": t0 - 1.0, "ended": t0 + last[-1] + 1.0, "exit_code": 0}
-                for r in ranks}
-    return statuses, out, truth
-
-
 def _members(summaries):
     return {r: s["comms"][0] for r, s in summaries.items()}
 

@@ -149,7 +149,7 @@ def test_template_launchers(tmp_path, site_file):
 def test_task_log_base_and_redirect(tmp_path):
     assert lsf_task.log_base("/j/%j/%j_%t_log", "42", 3) == Path("/j/42/42_3_log")
     # redirect in a child so this test's own stdout stays put
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'src')!r}); from pathlib import Path; "
+    code = (f"import sys; from pathlib import Path; "
             f"from hpcring.schedulers.lsf_task import redirect_output as r; r(Path({str(tmp_path / 'a' / 'x')!r})); "
             "print('to out'); print('to err', file=sys.stderr)")
     assert os.system(f"{sys.executable} -c \"{code}\"") == 0

@@ -4,18 +4,14 @@ messages for one group."""
 from __future__ import annotations
 
 import socket
-import sys
-import threading
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import helpers_fake_cuda as F  # noqa: E402
-from helpers_ring import SECRET, topology  # noqa: E402
+import helpers.fake_cuda as F  # noqa: E402
+from helpers.ring import SECRET, topology  # noqa: E402
 
 from hpcring.bootstrap.store_client import StoreClient  # noqa: E402
 from hpcring.bootstrap.store_server import StoreServer  # noqa: E402
@@ -280,7 +276,7 @@ def _nccl_pair(rank, port, q):
 def test_nccl_send_recv_between_two_gpus():
     import multiprocessing as mp
 
-    from helpers_ring import collect
+    from helpers.ring import collect
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with StoreServer("127.0.0.1", 0, secret=SECRET) as srv:

@@ -106,7 +106,6 @@ def test_pmix_init_against_a_silent_server_hits_its_deadline():
     child process: the abandoned PMIx thread stays behind)."""
     code = textwrap.dedent(f"""
         import os, socket, sys, time
-        sys.path.insert(0, {str(ROOT / 'src')!r})
         ls = socket.socket(); ls.bind(("127.0.0.1", 0)); ls.listen(8)
         uri = "pmix-server.%d;tcp4://127.0.0.1:%d" % (os.getpid(), ls.getsockname()[1])
         for k in ("PMIX_SERVER_URI41", "PMIX_SERVER_URI4", "PMIX_SERVER_URI3", "PMIX_SERVER_URI2", "PMIX_SERVER_URI21"):

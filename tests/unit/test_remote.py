@@ -1,7 +1,7 @@
 """hpcring.remote without a network: the ssh/rsync argv builders, the one line the login node's shell
 runs, .hpcringignore (checked against git's own reading of the same patterns, with real rsync), the
 target syntax, the site section and the --remote flag's bad input, and what the CLI forwards.
-The real sshd test is tests/integration/test_remote_devcluster.py."""
+The real sshd test is tests/devcluster/test_remote_devcluster.py."""
 from __future__ import annotations
 
 import os

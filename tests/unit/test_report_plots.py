@@ -25,7 +25,7 @@ from hpcring.errors import UsageError
 
 pytest.importorskip("matplotlib")          # the test extra installs it (pyproject.toml)
 
-from test_job_report import make_summaries  # noqa: E402  (the synthetic summaries of that file)
+from helpers.summaries import make_summaries, valid_summary
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SVG_NS = "{http://www.w3.org/2000/svg}"
@@ -327,16 +327,14 @@ def test_a_tail_without_bytes_is_still_read_and_split(tmp_path):
 @pytest.mark.parametrize("sizes,what", [([1], "as long as"), ([1, -2], "holds -2"), ([1, 2.5], "holds 2.5"),
                                         ("12", "as long as"), ([True, 1], "holds true")])
 def test_a_bad_bytes_list_is_named(sizes, what):
-    from test_job_report import _valid_summary
-    s = _valid_summary()
+    s = valid_summary()
     s["comms"][0]["tail"]["bytes"] = sizes
     with pytest.raises(rank_summary.Bad, match=what):
         rank_summary.check(s)
 
 
 def test_null_bytes_are_accepted_and_left_out_of_the_bandwidth():
-    from test_job_report import _valid_summary
-    s = rank_summary.check({**_valid_summary(), "comms": _valid_summary()["comms"]})
+    s = rank_summary.check({**valid_summary(), "comms": valid_summary()["comms"]})
     s["comms"][0]["tail"]["bytes"] = [None, 64]
     rank_summary.check(s)
     pts, sized = plots.tail_points({0: s})

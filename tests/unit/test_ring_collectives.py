@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import helpers_ring as H  # noqa: E402
+import helpers.ring as H  # noqa: E402
 
 from hpcring import _native  # noqa: E402
 from hpcring.collectives import Communicator  # noqa: E402

@@ -10,15 +10,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import helpers_ring as H  # noqa: E402
+import helpers.ring as H  # noqa: E402
 
 from hpcring.bootstrap.store_client import StoreClient  # noqa: E402
 from hpcring.bootstrap.store_server import StoreServer  # noqa: E402

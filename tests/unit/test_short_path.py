@@ -2,20 +2,18 @@
 and op, out=None or out=x, the communicator's deadline, a synchronous call) against the general
 path (``short_path = False``): identical results, identical flight records, the same failure
 report (watchdog, sticky error), and the short path really taken. Ring (threads over
-socketpairs) and NCCL (the fake layer of tests/helpers_fake_cuda.py)."""
+socketpairs) and NCCL (the fake layer of tests/helpers/fake_cuda.py)."""
 from __future__ import annotations
 
 import re
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import helpers_fake_cuda as F  # noqa: E402
-from helpers_ring import ThreadGroup  # noqa: E402
+import helpers.fake_cuda as F  # noqa: E402
+from helpers.ring import ThreadGroup  # noqa: E402
 
 from hpcring.collectives import api  # noqa: E402
 from hpcring.collectives import nccl as N  # noqa: E402

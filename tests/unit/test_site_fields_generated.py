@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from hpcring.cli.main import app
 from hpcring.config.text import MAX_TEXT
-from helpers_site_fields import Field, schema_fields, write_site, yaml_text
+from helpers.site_fields import Field, schema_fields, write_site, yaml_text
 
 runner = CliRunner()
 EXAMPLES = int(os.environ.get("HPCRING_SITE_FIELD_EXAMPLES", "5"))

@@ -4,7 +4,6 @@ The dumps in tests/data/stacks/ are real: faulthandler-rank<r>.txt is what the t
 r appended, pyspy-rank<r>.txt is `py-spy dump --full-filenames`, both taken from one local-backend
 job (tests/data/stacks/train_hang.py) where ranks 0-2 waited in an allreduce and rank 3 in load_batch.
 """
-import faulthandler
 import os
 import signal
 import subprocess
@@ -207,8 +206,7 @@ def allreduce_alone(comm) -> None:
 def test_where_names_a_communicator_collective_not_its_wrapper():
     """Communicator.allreduce is generated (sync/async twins): a thread blocked in it must read
     "in allreduce", as users wrote it, not the wrapper's own name."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import helpers_ring as H
+    import helpers.ring as H
     g = H.ThreadGroup(2, timeout=30)
     t = threading.Thread(target=lambda: pytest.raises(Exception, allreduce_alone, g.comms[0]), daemon=True)
     t.start()

@@ -2,7 +2,7 @@
 
 The loop's decisions run against a stand-in ``srun`` (a shell script on PATH that prints srun's
 own casualty line and exits as srun does); the real one is tested on the dev cluster
-(tests/integration/test_steps_devcluster.py).
+(tests/devcluster/test_steps_devcluster.py).
 """
 from __future__ import annotations
 

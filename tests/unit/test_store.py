@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import stat
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from hpcring.bootstrap import auth
 from hpcring.bootstrap import store_wire as st
 from hpcring.netio import recv_exact
 from hpcring.bootstrap.auth import load_secret, new_secret_file
@@ -22,8 +19,7 @@ from hpcring.bootstrap.store_server import StoreServer
 from hpcring.bootstrap.store_wire import StoreAuthError
 from hpcring.errors import BootstrapError
 
-SECRET = b"0123456789abcdef" * 4
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+from helpers.store import SECRET, SRC, client, is_closed_by_server, raw_session, wait_for
 
 
 @pytest.fixture
@@ -31,40 +27,6 @@ def server():
     srv = StoreServer("127.0.0.1", 0, secret=SECRET)
     yield srv
     srv.close()
-
-
-def client(srv, secret=SECRET, timeout=5.0):
-    return StoreClient("127.0.0.1", srv.port, secret, timeout=timeout)
-
-
-def raw_session(srv, secret=SECRET):
-    """Do the handshake by hand; returns (socket, session key) so tests can forge frames."""
-    s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
-    hello = recv_exact(s, 4 + 32)
-    assert hello[:4] == st.MAGIC
-    ns, nc = hello[4:], secrets.token_bytes(32)
-    s.sendall(nc + auth.STORE.client_proof(secret, ns, nc))
-    assert recv_exact(s, 32) == auth.STORE.server_proof(secret, ns, nc)
-    return s, st.session_key(secret, ns, nc)
-
-
-def is_closed_by_server(s, within=3.0) -> bool:
-    s.settimeout(within)
-    try:
-        return s.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except (TimeoutError, socket.timeout):
-        return False
-
-
-def wait_for(pred, timeout=3.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 # ------------------------------------------------------------------------------------ API

@@ -26,7 +26,7 @@ from hpcring.bootstrap.store_server import StoreServer
 from hpcring.errors import BootstrapError
 from hpcring.bootstrap.store_server import ensure_fd_limit
 
-from test_store import SECRET, SRC, client, is_closed_by_server, raw_session, wait_for
+from helpers.store import SECRET, SRC, client, is_closed_by_server, raw_session, wait_for
 
 
 @pytest.fixture

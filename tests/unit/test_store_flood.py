@@ -24,7 +24,7 @@ from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.store_server import StoreServer
 from hpcring.errors import UsageError
 
-from test_store import SECRET, SRC, is_closed_by_server, raw_session, wait_for
+from helpers.store import SECRET, SRC, is_closed_by_server, raw_session, wait_for
 
 SERVER_CHILD = textwrap.dedent("""
     import logging, resource, sys, time

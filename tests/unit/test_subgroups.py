@@ -12,7 +12,7 @@ import pytest
 from hpcring.collectives.groups import check_members, subtopology
 from hpcring.ranks import globalize
 from hpcring.errors import UsageError
-from helpers_ring import SECRET, collect, topology
+from helpers.ring import SECRET, collect, topology
 
 
 HOSTS4 = ("node0", "node0", "node1", "node1")
@@ -218,7 +218,7 @@ def test_nccl_group_gets_its_own_unique_id_through_the_store(monkeypatch):
     from hpcring.bootstrap.store_server import StoreServer
     from hpcring.collectives import nccl as N
     from hpcring.collectives.groups import create_communicator, next_key
-    from helpers_fake_cuda import make_cupy
+    from helpers.fake_cuda import make_cupy
     inits = []
     ids = iter(bytes([i]) * 128 for i in range(1, 100))
 

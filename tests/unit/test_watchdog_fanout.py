@@ -23,7 +23,7 @@ from hpcring.diagnostics.watchdog import fanout, listener, wire
 from hpcring.diagnostics.report import diagnose
 from hpcring.diagnostics.watchdog import Watchdog, _from_wire, _to_wire
 from hpcring.errors import CollectiveError
-from helpers_watchdog import WatchedComm
+from helpers.watchdog import WatchedComm
 
 SECRET = b"f" * 32
 

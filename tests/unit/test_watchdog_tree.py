@@ -18,7 +18,7 @@ from hpcring.diagnostics.watchdog.store_fallback import StoreFallback
 from hpcring.diagnostics.watchdog.tree_rounds import TreeRounds, gather_budget
 from hpcring.diagnostics.watchdog import Watchdog
 from hpcring.errors import CollectiveError
-from helpers_watchdog import WatchedComm
+from helpers.watchdog import WatchedComm
 
 SECRET = b"t" * 32
 

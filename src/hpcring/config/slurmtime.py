@@ -10,7 +10,7 @@ minutes 99 seconds). Seconds round the total up to the next minute (``99:99`` ->
 Where Slurm's answer is not a usable limit, hpcring refuses with a clear error instead of passing
 it on: ``0`` (Slurm: no limit), ``-1``/``INFINITE``/``UNLIMITED``, a leading ``-`` (sbatch turns
 ``-5`` into a 2982611-day limit) and totals that overflow Slurm's 32-bit seconds.
-Checked against the installed sbatch by tests/integration/test_slurmtime_devcluster.py.
+Checked against the installed sbatch by tests/devcluster/test_slurmtime_devcluster.py.
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Code the tests share that is not a fixture (fixtures live in the conftest files)."""
