@@ -139,9 +139,8 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
     diag = jobdir.diag_dir(ranks_env, create=False)
     try:
         if elastic:
-            from hpcring.schedulers.slurm_steps import allocation_hosts
             return elastic_run.run(cmd, env, nodes, per_node, min_nodes, reset_limit, alloc,
-                                   allocation_hosts(env_in) if alloc is not None else None)
+                                   _hosts(alloc, env_in) if alloc is not None else None)
         if alloc is None:
             pre = LaunchRequest(nodes, per_node, (), gpus_per_node=job.gpus_per_node,
                                 container=container).container_prefix()
@@ -160,6 +159,18 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
         shutil.rmtree(run_dir, ignore_errors=True)
         if alloc is None:     # run<pid> is this run's alone: kept only when it holds a report
             jobdir.remove_if_empty(diag.parent)
+
+
+def _hosts(alloc: allocation_size.Allocation, environ: Mapping[str, str]) -> list[str]:
+    """The allocation's nodes in the scheduler's order: Slurm's node list, or an LSF job's slot
+    list as :func:`allocation_size.allocation` read it (a launch node left out), once per host."""
+    if alloc.scheduler == "lsf":
+        if not alloc.slots:
+            raise SchedulerError("this LSF job lists no slots (LSB_DJOB_HOSTFILE, LSB_MCPU_HOSTS and "
+                                 "LSB_HOSTS are unset)", hint="run `hpcring run --elastic` inside `bsub -Is` or a batch job")
+        return list(dict.fromkeys(alloc.slots))
+    from hpcring.schedulers.slurm_steps import allocation_hosts
+    return allocation_hosts(environ)
 
 
 def _local_job_id() -> str:

@@ -20,6 +20,7 @@ import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -125,8 +126,10 @@ def hold(state, limit_s: float = 120.0) -> None:
 
 
 def _names() -> set[str]:
-    """This worker's names for --die: its driver id (local) and its node (a launcher's step)."""
-    return {os.environ.get("HPCRING_ELASTIC_ID", ""), os.environ.get("SLURMD_NODENAME", "")} - {""}
+    """This worker's names for --die: its driver id (local) and its node (a launcher's step: srun
+    names it; blaunch does not, so the host's own name)."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".", 1)[0]
+    return {os.environ.get("HPCRING_ELASTIC_ID", ""), node} - {""}
 
 
 def _round() -> int:

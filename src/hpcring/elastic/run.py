@@ -10,7 +10,9 @@ the current allocation's nodes, for scripts on ``hpcring.torch.elastic`` (Horovo
   its workers are counted lost at once (not after the heartbeat's silence) and a step starts on
   the next spare, whose workers join the job at the survivors' next commit. With no spare left the
   job goes on while at least ``--min-nodes`` nodes' workers are left.
-- Inside an LSF job: refused (the per-host step and its failure are not emulated yet).
+- Inside an LSF job (``bsub -Is`` or a batch job): the same, with one ``blaunch -z HOST`` per node
+  (:func:`hpcring.schedulers.lsf.node_step_argv`, which asks LSF to end only that host's tasks when
+  one fails); the hosts are the job's slot list in order (a launch node left out as the site says).
 """
 from __future__ import annotations
 
@@ -51,6 +53,18 @@ def check(nodes: int, min_nodes: int | None, reset_limit: int | None) -> int:
     return min_nodes
 
 
+def _node_step_argv(scheduler: str):
+    """The scheduler's words for one node's step (its module owns them)."""
+    if scheduler == "slurm":
+        from hpcring.schedulers.slurm_steps import node_step_argv
+    elif scheduler == "lsf":
+        from hpcring.schedulers.lsf import node_step_argv
+    else:
+        raise UsageError(f"hpcring run --elastic does not run inside a {scheduler} allocation",
+                         hint="run it inside a Slurm allocation or an LSF job, or outside any")
+    return node_step_argv
+
+
 def run(cmd: list[str], env: dict, nodes: int, per_node: int, min_nodes: int, reset_limit: int | None,
         alloc=None, hosts: list[str] | None = None) -> int:
     """Run the elastic job; 0, or JobFailedError with the driver's exit code. ``alloc``: the
@@ -59,13 +73,10 @@ def run(cmd: list[str], env: dict, nodes: int, per_node: int, min_nodes: int, re
     if alloc is None:
         driver = Driver(_args(cmd, np_, min_np, reset_limit, None), environ=env)
     else:
-        if alloc.scheduler != "slurm":
-            raise UsageError("hpcring run --elastic inside an LSF job is not supported yet",
-                             hint="start the elastic driver with --serve and its workers with blaunch "
-                                  "(docs/from-horovod.md), or run inside a Slurm allocation")
+        node_step_argv = _node_step_argv(alloc.scheduler)
         if not hosts or len(hosts) < nodes:
-            raise UsageError(f"--nodes {nodes} but this allocation lists {len(hosts or [])} node(s)")
-        from hpcring.schedulers.slurm_steps import node_step_argv
+            raise UsageError(f"--nodes {nodes} but this {alloc.scheduler} allocation lists {len(hosts or [])} node(s)",
+                             hint="lower --nodes, or ask the scheduler for more nodes (spares beyond --nodes)")
         plan = Nodes(hosts=list(hosts), use=nodes, argv=lambda host: node_step_argv(host, per_node, cmd))
         address = _source_address(hosts[0]) or socket.gethostname()
         driver = Driver(_args(cmd, np_, min_np, reset_limit, address), nodes=plan, environ=env)

@@ -13,7 +13,8 @@ The interface of schedulers/base.py (:class:`~hpcring.schedulers.base.Scheduler`
   watcher would take it for finished); array element ``ID[i+1]`` is hpcring's task ``ID_i``;
 * cancel: ``bkill``; requeue on preemption or timeout (the -wa warning signal): ``brequeue``;
 * the line that starts the ranks (:func:`launch_argv`, for job scripts and ``hpcring run``):
-  jsrun resource sets, ``blaunch -u HOSTFILE`` or ``mpirun --hostfile HOSTFILE``.
+  jsrun resource sets, ``blaunch -u HOSTFILE`` or ``mpirun --hostfile HOSTFILE``; one node's
+  workers of ``hpcring run --elastic``: ``blaunch -z HOST`` (:func:`node_step_argv`).
 """
 from __future__ import annotations
 
@@ -273,6 +274,23 @@ def launch_argv(site: SiteConfig, req: LaunchRequest) -> LaunchWords:
     else:   # the site schema refuses other kinds for LSF; a programming error if reached
         raise SchedulerError(f"launcher kind {lau.kind!r} does not run under LSF")
     return LaunchWords((head, *((a,) for a in args), *cmd))
+
+
+# What a node's elastic step asks of LSF (lsb.applications, overridable from the job's environment):
+# a task that crashes or a host that stops answering ends that host's tasks, not the whole job (by
+# default LSF shuts the job down when it loses a task's RES), as salloc --no-kill does on Slurm.
+KEEP_JOB_ENV = (("LSB_DJOB_COMMFAIL_ACTION", "KILL_TASKS"), ("LSB_DJOB_RTASK_GONE_ACTION", "IGNORE_TASKCRASH"))
+
+
+def node_step_argv(host: str, tasks_per_node: int, command: Sequence[str]) -> list[str]:
+    """``tasks_per_node`` tasks of ``command`` on ``host`` alone, through one ``blaunch -z``
+    (hpcring run --elastic: a node's workers); their failure ends neither the job nor the other
+    hosts' tasks (:data:`KEEP_JOB_ENV`). blaunch runs its words through a shell on the host, so
+    each gets one more level of quoting."""
+    if tasks_per_node < 1 or not host or any(c.isspace() for c in host):
+        raise ValueError(f"a node step needs one host name and tasks_per_node >= 1, not {host!r} x {tasks_per_node}")
+    keep = [f"{k}={v}" for k, v in KEEP_JOB_ENV]
+    return ["env", *keep, "blaunch", "-z", " ".join([host] * tasks_per_node), *remote_shell(list(command))]
 
 
 def make_executor(site: Site, job: JobSpec, folder: Path, template: str | None, python: str) -> LsfExecutor:
