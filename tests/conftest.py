@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,67 @@ def site_file(tmp_path):
         p.write_text(text)
         return p
     return write
+
+
+def _env_over(base: dict, env: dict | None) -> dict:
+    """``base`` with ``env`` laid over it; an ``env`` value of None removes that variable."""
+    out = dict(base)
+    for k, v in (env or {}).items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """hpcring's CLI in this process: typer's CliRunner on ``hpcring.cli.main.app``.
+
+    ``cli(*args, env=None, input=None, catch_exceptions=True)`` returns the click Result. ``env``
+    is applied for the one call; a value of None removes that variable (as CliRunner does).
+    Keyword options, so no test file needs a runner of its own:
+      ``drop_hpcring_env=True``  the developer's own HPCRING_* variables are removed first (``env``
+                                 may still set some);
+      ``columns=N``              COLUMNS=N, for help text and tables wrapped at a known width;
+      ``no_traceback=True``      asserts the output has no Traceback and nothing but SystemExit
+                                 was raised (the CLI's promise for bad input);
+      ``app=``                   another typer app (a sub-command's own app) instead of the main one.
+    Session-scoped, so hypothesis tests can take it; it keeps no state between calls."""
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+
+    def invoke(*args, env=None, input=None, catch_exceptions=True, drop_hpcring_env=False, columns=None,
+               no_traceback=False, app=None):
+        over = {k: None for k in os.environ if k.startswith("HPCRING_")} if drop_hpcring_env else {}
+        if columns is not None:
+            over["COLUMNS"] = str(columns)
+        over.update(env or {})
+        if app is None:
+            from hpcring.cli.main import app       # imported when first used, not at collection
+        r = runner.invoke(app, list(args), env=over, input=input, catch_exceptions=catch_exceptions)
+        if no_traceback:
+            assert "Traceback" not in r.output, r.output
+            assert r.exception is None or isinstance(r.exception, SystemExit), r.output
+        return r
+    return invoke
+
+
+@pytest.fixture(scope="session")
+def hpcring():
+    """hpcring's CLI as a subprocess: ``python -m hpcring ARGS`` with this checkout's src first on
+    PYTHONPATH, stdin closed (a prompt fails instead of waiting), output captured as text.
+
+    ``hpcring(*args, env=None, timeout=180, cwd=None, drop_hpcring_env=False)`` returns the
+    CompletedProcess. ``env`` is laid over os.environ (a value of None removes that variable; it may
+    override PYTHONPATH); ``drop_hpcring_env=True`` removes the developer's HPCRING_* variables
+    first. ``cwd`` defaults to the checkout. ``timeout`` (seconds) bounds the call:
+    subprocess.TimeoutExpired past it, never a hang. Session-scoped; it keeps no state."""
+    def run(*args, env=None, timeout: float = 180, cwd=None, drop_hpcring_env=False):
+        base = {k: v for k, v in os.environ.items() if not (drop_hpcring_env and k.startswith("HPCRING_"))}
+        base["PYTHONPATH"] = str(ROOT / "src")
+        return subprocess.run([sys.executable, "-m", "hpcring", *map(str, args)], capture_output=True, text=True,
+                              env=_env_over(base, env), timeout=timeout, stdin=subprocess.DEVNULL,
+                              cwd=str(cwd or ROOT))
+    return run

@@ -6,9 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from typer.testing import CliRunner
 
-from hpcring.cli.main import app
 from hpcring.config import envvars
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
@@ -42,20 +40,20 @@ def test_precedence_cli_env_site(tmp_path, cli, env, want, source):
 
 
 @pytest.mark.parametrize("cmd", ["render", "submit"])
-def test_cli_flag_reaches_the_job_environment(tmp_path, monkeypatch, cmd):
+def test_cli_flag_reaches_the_job_environment(cli, tmp_path, monkeypatch, cmd):
     monkeypatch.setenv("HPCRING_TIMEOUT", "45")
     monkeypatch.setenv("HPCRING_JOB_DIR", str(tmp_path / "jobs"))
     args = [cmd, _script(tmp_path), "--site", "local", "--timeout", "123456.7"]
-    r = CliRunner().invoke(app, args + (["--dry-run"] if cmd == "submit" else []))
+    r = cli(*(args + (["--dry-run"] if cmd == "submit" else [])))
     assert r.exit_code == 0, r.output
     assert float(_exported(r.output)) == 123456.7      # exact: not rounded to 6 digits by :g
-    r = CliRunner().invoke(app, [cmd, _script(tmp_path), "--site", "local"] + (["--dry-run"] if cmd == "submit" else []))
+    r = cli(*([cmd, _script(tmp_path), "--site", "local"] + (["--dry-run"] if cmd == "submit" else [])))
     assert _exported(r.output) == "45"
 
 
 @pytest.mark.parametrize("value", BAD)
-def test_bad_cli_values_are_usage_errors(tmp_path, value):
-    r = CliRunner().invoke(app, ["render", _script(tmp_path), "--site", "local", f"--timeout={value}"])
+def test_bad_cli_values_are_usage_errors(cli, tmp_path, value):
+    r = cli("render", _script(tmp_path), "--site", "local", f"--timeout={value}")
     assert r.exit_code == 2, (value, r.output)
     assert "--timeout" in r.output and "Traceback" not in r.output, r.output
 

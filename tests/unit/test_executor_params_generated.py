@@ -26,7 +26,6 @@ import pytest
 import typer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
 import hpcring
 from hpcring.cli.main import app
@@ -301,10 +300,9 @@ def _numbers(text: str) -> set[str]:
 
 
 @pytest.mark.parametrize("name,value,words", SAME, ids=lambda x: repr(x)[:30])
-def test_flag_and_parameter_mean_the_same(name, value, words, sandbox, monkeypatch):
+def test_flag_and_parameter_mean_the_same(cli, name, value, words, sandbox, monkeypatch):
     monkeypatch.setattr(typer.core, "HAS_RICH", False)      # click's plain usage errors
-    result = CliRunner().invoke(app, ["render", "--site", SITE, *_cli_words(name, value, words), HELLO],
-                                catch_exceptions=False)
+    result = cli("render", "--site", SITE, *_cli_words(name, value, words), HELLO, catch_exceptions=False)
     ex = hpcring.Executor(site=SITE)
     try:
         ex.update_parameters(**{name: value})

@@ -197,19 +197,19 @@ def test_expand_compress_expand_is_stable(prefixes, ranges):
 runner = CliRunner()
 
 
-def test_cli_expand_and_compress():
-    out = runner.invoke(app, ["expand", "n[1-2] m3"])
+def test_cli_expand_and_compress(cli):
+    out = cli("expand", "n[1-2] m3", app=app)
     assert out.exit_code == 0 and out.stdout == "n1\nn2\nm3\n"
-    out = runner.invoke(app, ["compress", "n1", "n2", "n4"])
+    out = cli("compress", "n1", "n2", "n4", app=app)
     assert out.exit_code == 0 and out.stdout == "n[1-2,4]\n"
 
 
-def test_cli_errors_go_to_stderr_with_exit_1():
-    out = runner.invoke(app, ["expand", "n[1"])
+def test_cli_errors_go_to_stderr_with_exit_1(cli):
+    out = cli("expand", "n[1", app=app)
     assert out.exit_code == 1
     assert out.stdout == ""
     assert out.stderr.startswith("error: invalid hostlist: '[' is never closed")
-    out = runner.invoke(app, ["compress", "a b"])
+    out = cli("compress", "a b", app=app)
     assert out.exit_code == 1 and out.stderr.startswith("error: cannot compress")
 
 

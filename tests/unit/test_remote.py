@@ -12,14 +12,11 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from typer.testing import CliRunner
 
 from hpcring import remote, remote_ignore
 from hpcring.config import remote_checks
-from hpcring.cli.main import app
 from hpcring.errors import RemoteError, UsageError
 
-runner = CliRunner()
 T = remote.Target(host="login.example.org", user="alice", port=2222,
                   ssh_options=("IdentityFile=/home/a b/key", "ProxyCommand=ssh -W %h:%p jump"),
                   workdir="~/runs", hpcring="/opt/hp/bin/hpcring")
@@ -259,9 +256,9 @@ def _site(tmp_path, body: str) -> Path:
     ("  user: u\n", "remote.host", "required key is missing"),
     ("  host: h\n  hots: x\n", "remote.hots", "did you mean 'host'"),
 ])
-def test_bad_site_section_is_named(tmp_path, body, key, why):
+def test_bad_site_section_is_named(cli, tmp_path, body, key, why):
     p = _site(tmp_path, body)
-    r = runner.invoke(app, ["sites", "validate", str(p)])
+    r = cli("sites", "validate", str(p))
     assert r.exit_code == 1 and f"{p}:" in r.stderr and f" {key}: " in r.stderr and why in r.stderr, r.stderr
 
 
@@ -281,7 +278,7 @@ def test_good_site_section_normalises_ssh_options(tmp_path):
 @given(text=st.sampled_from(BAD_TARGETS[1:]) | st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E),
                                                        min_size=1, max_size=12).filter(lambda s: "@@" in s or ";" in s
                                                                                       or s.startswith("-")))
-def test_bad_remote_flag_and_variable_start_nothing(tmp_path, monkeypatch, text):
+def test_bad_remote_flag_and_variable_start_nothing(cli, tmp_path, monkeypatch, text):
     monkeypatch.setattr(remote, "run", lambda *a, **k: pytest.fail("ssh or rsync was started"))
     script = tmp_path / "train.py"
     script.write_text("pass\n")
@@ -291,14 +288,14 @@ def test_bad_remote_flag_and_variable_start_nothing(tmp_path, monkeypatch, text)
                         (["stacks", "1", "--remote", text], {}), (["status", "1"], {"HPCRING_REMOTE": text})):
         if extra and text.strip() in ("login",):     # a variable's value is read stripped, as every HPCRING_*
             continue
-        r = runner.invoke(app, args, env={**env, **extra})
+        r = cli(*args, env={**env, **extra})
         assert r.exit_code == 2, (args, text, r.stdout + r.stderr)
         named = "HPCRING_REMOTE" if extra else "--remote"
         assert named in r.stderr and "Traceback" not in r.stderr + r.stdout, r.stderr
     assert not (tmp_path / "state" / "jobs").exists() or not any((tmp_path / "state" / "jobs").iterdir())
 
 
-def test_submit_forwards_every_flag_but_remote(tmp_path, monkeypatch):
+def test_submit_forwards_every_flag_but_remote(cli, tmp_path, monkeypatch):
     seen = {}
 
     def fake_submit(target, script, words, *, stream):
@@ -309,10 +306,10 @@ def test_submit_forwards_every_flag_but_remote(tmp_path, monkeypatch):
     proj.mkdir()
     (proj / "train.py").write_text("pass\n")
     site = _site(tmp_path, "  host: login\n")
-    r = runner.invoke(app, ["submit", str(proj / "train.py"), "--site", str(site), "--remote", "bob@other:2022",
-                            "-N", "2", "--shared", "--sched-arg", "--comment=a b", "--sched-arg", "--x", "--wait",
-                            "--dry-run", "--", "--lr", "0.1", "$(no)"],
-                      env={"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_SITE": ""})
+    r = cli("submit", str(proj / "train.py"), "--site", str(site), "--remote", "bob@other:2022",
+            "-N", "2", "--shared", "--sched-arg", "--comment=a b", "--sched-arg", "--x", "--wait",
+            "--dry-run", "--", "--lr", "0.1", "$(no)",
+            env={"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_SITE": ""})
     assert r.exit_code == 3, r.stdout + r.stderr      # the login node's exit code
     assert seen["target"].where == "bob@other:2022" and seen["stream"] is True
     words = seen["words"]
@@ -322,7 +319,7 @@ def test_submit_forwards_every_flag_but_remote(tmp_path, monkeypatch):
                            "--sched-arg", "--x"]                           # the site file's name, not its path
 
 
-def test_job_commands_follow_their_record_or_the_flag(tmp_path, monkeypatch):
+def test_job_commands_follow_their_record_or_the_flag(cli, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(remote, "forward", lambda target, words, **kw: calls.append((target.where, list(words), kw)) or 0)
     monkeypatch.setenv("HPCRING_STATE_DIR", str(tmp_path / "state"))
@@ -331,28 +328,28 @@ def test_job_commands_follow_their_record_or_the_flag(tmp_path, monkeypatch):
     remote.remember(remote.Target(host="login", user="u", port=2022), "38", "slurm-c-38")
     for args in (["status", "38"], ["logs", "slurm-c-38", "-f", "-r", "1"], ["cancel", "38"],
                  ["stacks", "38", "--full", "--timeout", "900"], ["status", "7", "--remote", "x@y"]):
-        r = runner.invoke(app, args)
+        r = cli(*args)
         assert r.exit_code == 0, r.stdout + r.stderr
     assert calls[0] == ("u@login:2022", ["status", "slurm-c-38"], {"timeout": remote.COMMAND_TIMEOUT_S})
     assert calls[1] == ("u@login:2022", ["logs", "--rank", "1", "--follow", "slurm-c-38"], {"timeout": None})
     assert calls[2][1] == ["cancel", "slurm-c-38"]
     assert calls[3][1] == ["stacks", "--full", "--timeout", "900.0", "slurm-c-38"] and calls[3][2]["timeout"] == 960
     assert calls[4][:2] == ("x@y", ["status", "7"])
-    r = runner.invoke(app, ["cancel", "38_4"])            # one array task
+    r = cli("cancel", "38_4")            # one array task
     assert r.exit_code == 0 and calls[5][1] == ["cancel", "slurm-c-38_4"]
     # a job this laptop does not know stays here
-    r = runner.invoke(app, ["status", "39"])
+    r = cli("status", "39")
     assert r.exit_code == 1 and len(calls) == 6
 
 
-def test_a_plain_id_of_a_job_here_and_there_is_ambiguous(tmp_path, monkeypatch):
+def test_a_plain_id_of_a_job_here_and_there_is_ambiguous(cli, tmp_path, monkeypatch):
     monkeypatch.setattr(remote, "forward", lambda *a, **k: pytest.fail("forwarded an ambiguous id"))
     monkeypatch.setenv("HPCRING_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.delenv("HPCRING_REMOTE", raising=False)
     from hpcring.schedulers import base
     monkeypatch.setattr(base, "load_record", lambda ref: type("R", (), {"key": "local-38"})())
     remote.remember(remote.Target(host="login"), "38", "slurm-c-38")
-    r = runner.invoke(app, ["status", "38"])
+    r = cli("status", "38")
     assert r.exit_code == 2 and "job 38 is ambiguous: local-38 here and slurm-c-38 on login" in r.stderr, r.stderr
 
 
@@ -416,7 +413,7 @@ def test_ssh_options_mapping_is_refused_naming_the_key_or_normalised(tmp_path, o
         assert not any(ord(c) < 0x20 or c in "\x7f\u2028\u2029" for c in value)
 
 
-def test_logs_and_stacks_without_job_follow_the_newest_job_here_or_there(tmp_path, monkeypatch):
+def test_logs_and_stacks_without_job_follow_the_newest_job_here_or_there(cli, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(remote, "forward", lambda target, words, **kw: calls.append((target.where, list(words))) or 0)
     monkeypatch.setenv("HPCRING_STATE_DIR", str(tmp_path / "state"))
@@ -424,14 +421,14 @@ def test_logs_and_stacks_without_job_follow_the_newest_job_here_or_there(tmp_pat
     remote.remember(remote.Target(host="old"), "1", "slurm-c-1")
     remote.remember(remote.Target(host="login"), "2", "slurm-c-2")
     for args in (["logs"], ["stacks"]):
-        r = runner.invoke(app, args)
+        r = cli(*args)
         assert r.exit_code == 0 and "job slurm-c-2 on login, the newest" in r.stderr, r.stderr
     assert calls == [("login", ["logs", "slurm-c-2"]), ("login", ["stacks", "slurm-c-2"])]
     # status without JOB lists this machine's jobs
-    r = runner.invoke(app, ["status"])
+    r = cli("status")
     assert len(calls) == 2
     # a job submitted here since is the newest one
     from hpcring.schedulers import base
     base.new_record("9", "local", "local", str(tmp_path / "jobs" / "9"), 1, "x", "x.py")
-    r = runner.invoke(app, ["logs"])
+    r = cli("logs")
     assert len(calls) == 2 and "on login" not in (r.stderr or ""), r.stderr     # read here, not forwarded

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings, strategies as hs
-from typer.testing import CliRunner
 
 from hpcring import preempt, restarts
 from hpcring.config.jobspec import resolve_job
@@ -239,15 +238,14 @@ def test_generated_env_values_are_a_count_or_a_clear_error(raw):
     (["--max-restarts", "1", "--wait", "--array", "0-1"], {}, "arrays"),
     (["--wait"], {"HPCRING_MAX_RESTARTS": "lots"}, "HPCRING_MAX_RESTARTS"),
 ])
-def test_bad_max_restarts_is_refused_before_anything_is_submitted(tmp_path, monkeypatch, args, env, words):
-    from hpcring.cli.main import app
+def test_bad_max_restarts_is_refused_before_anything_is_submitted(cli, tmp_path, monkeypatch, args, env, words):
     script = tmp_path / "t.py"
     script.write_text("")
     monkeypatch.setenv("HPCRING_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("HPCRING_JOB_DIR", str(tmp_path / "jobs"))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    r = CliRunner().invoke(app, ["submit", str(script), "--site", "local", *args])
+    r = cli("submit", str(script), "--site", "local", *args)
     assert r.exit_code in (1, 2) and words in r.output, r.output
     assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").iterdir())
 
@@ -291,16 +289,15 @@ def test_a_restart_the_scheduler_refuses_is_recorded_and_raised(tmp_path, monkey
     assert chain[0]["decision"].startswith("restart 1 refused: sbatch refused the job: Requested node")
 
 
-def test_an_environment_default_without_wait_is_ignored_with_a_warning(tmp_path, monkeypatch):
+def test_an_environment_default_without_wait_is_ignored_with_a_warning(cli, tmp_path, monkeypatch):
     """HPCRING_MAX_RESTARTS in a login shell must not break plain submissions: the job is submitted,
     with a warning that nothing restarts it (only --max-restarts itself insists on --wait)."""
-    from hpcring.cli.main import app
     script = tmp_path / "t.py"
     script.write_text("")
     monkeypatch.setenv("HPCRING_STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("HPCRING_JOB_DIR", str(tmp_path / "jobs"))
     monkeypatch.setenv("HPCRING_MAX_RESTARTS", "2")
-    r = CliRunner().invoke(app, ["submit", str(script), "--site", "local"])
+    r = cli("submit", str(script), "--site", "local")
     assert r.exit_code == 0, r.output
     assert "Submitted job" in r.output
     assert "warning: max_restarts 2 (env HPCRING_MAX_RESTARTS) applies to `submit --wait` on a single job only" \

@@ -412,24 +412,18 @@ def test_emit_and_read_back_interleaved_chunks(capsys):
 
 # ------------------------------------------------------------------------------- the command
 
-def test_stacks_command_refuses_lsf_jobs(state_dir):
-    from typer.testing import CliRunner
-
-    from hpcring.cli.main import app
+def test_stacks_command_refuses_lsf_jobs(cli, state_dir):
     from hpcring.schedulers.base import new_record
     new_record("4242", "lsf", "devcluster-lsf", "/srv/hpcring/jobs/4242", 4, "t", "t.py")
-    r = CliRunner().invoke(app, ["stacks", "4242"])
+    r = cli("stacks", "4242")
     assert r.exit_code == 1
     assert "LSF job" in r.stderr and "supports Slurm and the local backend only" in r.stderr
 
 
-def test_stacks_command_local_job_not_running(state_dir, tmp_path):
-    from typer.testing import CliRunner
-
-    from hpcring.cli.main import app
+def test_stacks_command_local_job_not_running(cli, state_dir, tmp_path):
     from hpcring.schedulers.base import new_record
     (tmp_path / "7").mkdir()
     (tmp_path / "7" / "7_local.json").write_text('{"state": "COMPLETED", "pid": 1}')
     new_record("7", "local", "local", str(tmp_path / "7"), 2, "t", "t.py")
-    r = CliRunner().invoke(app, ["stacks", "7"])
+    r = cli("stacks", "7")
     assert r.exit_code == 1 and "local job 7 is COMPLETED, not RUNNING" in r.stderr
