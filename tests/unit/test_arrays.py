@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
 from hpcring import jobstatus, submit
-from hpcring.cli.main import app
 from hpcring.config.arrays import (MAX_ARRAY_INDEX, ArraySpec, Dependency, parse_array, parse_dependency,
                                    parse_sweep, sweep_args)
 from hpcring.config.jobspec import resolve_job
@@ -25,10 +23,6 @@ from hpcring.schedulers.base import new_record
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 COMMAND = "/usr/bin/python3 -u -m submitit.core._submit /jobs/%j"
-
-
-def cli(*args, env=None):
-    return CliRunner().invoke(app, list(args), env=env or {})
 
 
 # ---- --array -------------------------------------------------------------------------------
@@ -194,7 +188,7 @@ class Recorder:
         return subprocess.CompletedProcess(cmd, 0, self.answers(cmd), "")
 
 
-def test_status_of_50_slurm_jobs_is_one_query(state_dir, tmp_path, monkeypatch):
+def test_status_of_50_slurm_jobs_is_one_query(cli, state_dir, tmp_path, monkeypatch):
     for i in range(50):
         new_record(str(1000 + i), "slurm", "dev", str(tmp_path / str(1000 + i)), 1, "t", "/x/t.py", cluster="dev")
     rec = Recorder(lambda cmd: "".join(f"{1000 + i}|COMPLETED|0:0|node1\n" for i in range(50)))
@@ -226,7 +220,7 @@ def test_live_jobs_add_one_squeue_for_them_all(state_dir, tmp_path, monkeypatch)
         ("COMPLETED", "RUNNING", "PENDING", "UNKNOWN")
 
 
-def test_status_summarises_an_array_in_one_line_per_state(state_dir, tmp_path, monkeypatch):
+def test_status_summarises_an_array_in_one_line_per_state(cli, state_dir, tmp_path, monkeypatch):
     new_record("38", "slurm", "dev", str(tmp_path / "38"), 2, "t", "/x/t.py", cluster="dev",
                array=list(range(16)), array_limit=4, sweep=None)
 
@@ -286,7 +280,7 @@ def test_no_scheduler_command_runs_outside_schedulers():
     (["--dependency", "afterok:$(reboot)"], "is not a job id"),
     (["--after", "3;rm"], "--after: '3;rm' is not a job id"),
 ])
-def test_bad_flags_submit_nothing(state_dir, tmp_path, args, words):
+def test_bad_flags_submit_nothing(cli, state_dir, tmp_path, args, words):
     script = tmp_path / "t.py"
     script.write_text("print(1)\n")
     r = cli("submit", str(script), "--site", "local", *args, env={"HPCRING_JOB_DIR": str(tmp_path / "jobs")})
@@ -295,7 +289,7 @@ def test_bad_flags_submit_nothing(state_dir, tmp_path, args, words):
     assert not (tmp_path / "jobs").exists() and not list(state_dir.glob("*.json"))
 
 
-def test_local_dependency_on_a_job_that_is_not_local(state_dir, tmp_path):
+def test_local_dependency_on_a_job_that_is_not_local(cli, state_dir, tmp_path):
     new_record("7", "slurm", "dev", str(tmp_path / "7"), 1, "t", "/x/t.py", cluster="dev")
     script = tmp_path / "t.py"
     script.write_text("print(1)\n")
@@ -321,7 +315,7 @@ def test_concurrent_tasks_of_one_lsf_array_meet_at_their_own_store_port():
     assert len(per_task) == 20            # sha256 of "101/2/taskN": deterministic, no two alike here
 
 
-def test_a_scheduler_that_cannot_answer_keeps_its_hint(state_dir, tmp_path, monkeypatch):
+def test_a_scheduler_that_cannot_answer_keeps_its_hint(cli, state_dir, tmp_path, monkeypatch):
     new_record("77", "slurm", "dev", str(tmp_path / "77"), 1, "t", "/x/t.py", cluster="dev")
     new_record("78", "slurm", "dev", str(tmp_path / "78"), 1, "t", "/x/t.py", cluster="dev",
                array=[0, 1], array_limit=None, sweep=None)

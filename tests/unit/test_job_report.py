@@ -12,10 +12,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from typer.testing import CliRunner
 
 from hpcring import _native, jobreport
-from hpcring.cli.main import app
 from hpcring.collectives.recorder import FlightRecorder, Totals
 from hpcring.diagnostics import rank_summary
 from hpcring.jobreport_html import render
@@ -24,7 +22,6 @@ from helpers.summaries import make_summaries, valid_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
-runner = CliRunner()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,10 +303,10 @@ def env(tmp_path, monkeypatch):
     return tmp_path
 
 
-def run(*argv):
-    r = runner.invoke(app, ["report", *argv], catch_exceptions=True)
-    assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
-    return r
+@pytest.fixture(scope="session")
+def report(cli):
+    """`hpcring report ARGV` in this process; it must end without a traceback."""
+    return lambda *argv: cli("report", *argv, no_traceback=True)
 
 
 def save_record(tmp_path, folder, job_id="7", ntasks=3, array=None):
@@ -325,39 +322,39 @@ def one_error(r, code, *words):
         assert w in r.output, (w, r.output)
 
 
-def test_a_job_that_does_not_exist(env):
-    one_error(run("12345"), 1, "job 12345 was not submitted through hpcring", "hint:")
+def test_a_job_that_does_not_exist(report, env):
+    one_error(report("12345"), 1, "job 12345 was not submitted through hpcring", "hint:")
 
 
-def test_a_folder_that_does_not_exist(env):
-    one_error(run(str(env / "nope" / "7")), 1, "does not exist", "hint:")
+def test_a_folder_that_does_not_exist(report, env):
+    one_error(report(str(env / "nope" / "7")), 1, "does not exist", "hint:")
 
 
-def test_a_folder_with_nothing_to_report(env):
+def test_a_folder_with_nothing_to_report(report, env):
     (env / "empty").mkdir()
-    one_error(run(str(env / "empty")), 1, "nothing to report", "hint:")
+    one_error(report(str(env / "empty")), 1, "nothing to report", "hint:")
 
 
-def test_a_job_whose_folder_was_deleted(env):
+def test_a_job_whose_folder_was_deleted(report, env):
     save_record(env, env / "jobs" / "7")
-    one_error(run("7"), 1, f"{env / 'jobs' / '7'} does not exist", "hint:")
+    one_error(report("7"), 1, f"{env / 'jobs' / '7'} does not exist", "hint:")
 
 
 @pytest.mark.parametrize("which", ["summary", "status", "chain"])
-def test_a_corrupt_record_is_named(env, which):
+def test_a_corrupt_record_is_named(report, env, which):
     folder = write_job(env / "jobs" / "7")
     save_record(env, folder)
     path = {"summary": folder / "diag" / "summary-rank1.json", "status": folder / "7_2_status.json",
             "chain": folder / "restarts.json"}[which]
     path.write_text('{"version": 1, "rank": ')
-    one_error(run("7"), 1, str(path), "hint:")
+    one_error(report("7"), 1, str(path), "hint:")
 
 
-def test_a_missing_summary_is_a_note_not_an_error(env):
+def test_a_missing_summary_is_a_note_not_an_error(report, env):
     folder = write_job(env / "jobs" / "7")
     save_record(env, folder)
     (folder / "diag" / "summary-rank1.json").unlink()
-    r = run("7", "--json")
+    r = report("7", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     jsonschema.validate(doc, SCHEMA)
@@ -365,20 +362,20 @@ def test_a_missing_summary_is_a_note_not_an_error(env):
     assert any("no time summary of rank 1" in p for p in doc["problems"])
 
 
-def test_an_array_job_asks_for_one_task(env):
+def test_an_array_job_asks_for_one_task(report, env):
     save_record(env, env / "jobs" / "7", array=[0, 1])
-    one_error(run("7"), 2, "array", "hpcring report 7_0")
+    one_error(report("7"), 2, "array", "hpcring report 7_0")
 
 
-def test_html_into_a_folder_that_does_not_exist_is_refused_before_reading(env):
-    one_error(run("12345", "--html", str(env / "no" / "r.html")), 2, "--html", "does not exist")
+def test_html_into_a_folder_that_does_not_exist_is_refused_before_reading(report, env):
+    one_error(report("12345", "--html", str(env / "no" / "r.html")), 2, "--html", "does not exist")
 
 
-def test_json_and_html_of_a_job(env):
+def test_json_and_html_of_a_job(report, env):
     folder = write_job(env / "jobs" / "7")
     save_record(env, folder)
     out = env / "r.html"
-    r = run("7", "--json", "--html", str(out))
+    r = report("7", "--json", "--html", str(out))
     assert r.exit_code == 0, r.output
     jsonschema.validate(json.loads(r.stdout), SCHEMA)
     assert out.read_text().count('class="rank"') == 3

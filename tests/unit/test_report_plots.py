@@ -15,10 +15,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from hpcring import jobreport, jobreport_plots as plots
-from hpcring.cli.main import app
 from hpcring.collectives.recorder import FlightRecorder
 from hpcring.diagnostics import rank_summary
 from hpcring.errors import UsageError
@@ -29,7 +27,6 @@ from helpers.summaries import make_summaries, valid_summary
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SVG_NS = "{http://www.w3.org/2000/svg}"
-runner = CliRunner()
 
 
 def write_job(folder: Path, job_id="7", ranks=3, slow=1, steps=20, sizes=True, windows=True, verdict=True) -> Path:
@@ -178,25 +175,25 @@ def env(tmp_path, monkeypatch):
     return tmp_path
 
 
-def run(*argv):
-    r = runner.invoke(app, ["report", *argv], catch_exceptions=True)
-    assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
-    return r
+@pytest.fixture(scope="session")
+def report(cli):
+    """`hpcring report ARGV` in this process; it must end without a traceback."""
+    return lambda *argv: cli("report", *argv, no_traceback=True)
 
 
-def test_the_command_writes_six_files_and_says_so(env):
+def test_the_command_writes_six_files_and_says_so(report, env):
     folder = write_job(env / "jobs" / "7")
     out = env / "new" / "plots"
-    r = run(str(folder), "--json", "--plots", str(out))
+    r = report(str(folder), "--json", "--plots", str(out))
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["job"]["id"] == "7"          # stdout stays the JSON
     assert len(list(out.iterdir())) == 6 and "split.svg" in r.stderr and "missing:" not in r.stderr
-    r = run(str(write_job(env / "jobs" / "8", windows=False)), "--plots", str(out))
+    r = report(str(write_job(env / "jobs" / "8", windows=False)), "--plots", str(out))
     assert r.exit_code == 0 and "rate.svg; missing: no diag/windows.jsonl" in r.stderr, r.output
 
 
 @pytest.mark.parametrize("case", ["file", "under_a_file", "unwritable", "unwritable_parent"])
-def test_a_bad_plots_folder_is_refused_before_anything_is_written(env, case, monkeypatch):
+def test_a_bad_plots_folder_is_refused_before_anything_is_written(report, env, case, monkeypatch):
     folder = write_job(env / "jobs" / "7")
     (env / "f").write_text("x")
     locked = env / "locked"
@@ -206,16 +203,16 @@ def test_a_bad_plots_folder_is_refused_before_anything_is_written(env, case, mon
     target = {"file": env / "f", "under_a_file": env / "f" / "plots", "unwritable": locked,
               "unwritable_parent": locked / "a" / "plots"}[case]
     before = sorted(p.name for p in env.rglob("*"))
-    r = run(str(folder), "--plots", str(target))
+    r = report(str(folder), "--plots", str(target))
     assert r.exit_code == 2 and r.stdout == "" and "--plots" in r.output and "hint:" in r.output, r.output
     assert {"file": "is a file, not a folder", "under_a_file": "is a file", "unwritable": "is not writable",
             "unwritable_parent": "cannot be made"}[case] in " ".join(r.output.split())
     assert sorted(p.name for p in env.rglob("*")) == before
 
 
-def test_a_bad_plots_folder_is_refused_before_the_job_is_read(env):
+def test_a_bad_plots_folder_is_refused_before_the_job_is_read(report, env):
     (env / "f").write_text("x")
-    r = run("12345", "--plots", str(env / "f"))
+    r = report("12345", "--plots", str(env / "f"))
     assert r.exit_code == 2 and "--plots" in r.output and "not submitted" not in r.output
 
 
@@ -229,13 +226,13 @@ def _no_matplotlib(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake)
 
 
-def test_without_matplotlib_the_usage_error_names_the_extra(env, monkeypatch):
+def test_without_matplotlib_the_usage_error_names_the_extra(report, env, monkeypatch):
     folder = write_job(env / "jobs" / "7")
     _no_matplotlib(monkeypatch)
     with pytest.raises(UsageError, match="--plots needs matplotlib") as exc:
         plots.require_matplotlib()
     assert "pip install 'hpcring[plots]'" in exc.value.hint
-    r = run(str(folder), "--plots", str(env / "p"))
+    r = report(str(folder), "--plots", str(env / "p"))
     assert r.exit_code == 2 and "pip install 'hpcring[plots]'" in r.output and r.stdout == ""
     assert not (env / "p").exists()
 
@@ -243,10 +240,10 @@ def test_without_matplotlib_the_usage_error_names_the_extra(env, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # the pictures inside --html
 # ---------------------------------------------------------------------------------------------
-def test_html_holds_the_rate_and_bandwidth_pictures_inline_with_ids_of_their_own(env):
+def test_html_holds_the_rate_and_bandwidth_pictures_inline_with_ids_of_their_own(report, env):
     folder = write_job(env / "jobs" / "7")
     page_path = env / "r.html"
-    r = run(str(folder), "--html", str(page_path))
+    r = report(str(folder), "--html", str(page_path))
     assert r.exit_code == 0, r.output
     page = page_path.read_text()
     assert page.count("<svg") == 3 and page.count('<figure class="plot">') == 2      # the split, rate, bandwidth
@@ -274,10 +271,10 @@ def test_for_html_prefixes_every_id_and_reference_and_drops_the_prolog():
     assert "fig-a-fig-a" not in out
 
 
-def test_html_without_matplotlib_is_written_and_says_how_to_get_the_pictures(env, monkeypatch):
+def test_html_without_matplotlib_is_written_and_says_how_to_get_the_pictures(report, env, monkeypatch):
     folder = write_job(env / "jobs" / "7")
     _no_matplotlib(monkeypatch)
-    r = run(str(folder), "--html", str(env / "r.html"))
+    r = report(str(folder), "--html", str(env / "r.html"))
     assert r.exit_code == 0, r.output
     page = (env / "r.html").read_text()
     assert page.count("<svg") == 1 and "pip install &#x27;hpcring[plots]&#x27;" in page

@@ -14,12 +14,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
-from hpcring.cli.main import app
 from hpcring.diagnostics import liveview as lv
 
-runner = CliRunner()
 NOW = 1_700_000_000.0
 
 
@@ -262,10 +259,10 @@ def job(tmp_path, state="RUNNING", ntasks=4, live=None, job_id="7", array=None) 
     return folder
 
 
-def top(*argv):
-    r = runner.invoke(app, ["top", *argv], catch_exceptions=True)
-    assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
-    return r
+@pytest.fixture(scope="session")
+def top(cli):
+    """`hpcring top ARGV` in this process; it must end without a traceback."""
+    return lambda *argv: cli("top", *argv, no_traceback=True)
 
 
 def one_error(r, code, *words):
@@ -276,7 +273,7 @@ def one_error(r, code, *words):
         assert w in r.output, (w, r.output)
 
 
-def test_once_prints_one_plain_frame_of_a_running_job(env):
+def test_once_prints_one_plain_frame_of_a_running_job(top, env):
     job(env, live=live_doc(4, late={2: 12.5}, named=2, written=time.time() - 1))
     r = top("7", "--once")
     assert r.exit_code == 0, r.output
@@ -286,7 +283,7 @@ def test_once_prints_one_plain_frame_of_a_running_job(env):
     assert [ln.split()[0] for ln in lines[3:]] == ["0", "1", "2", "3"] and lines[5].endswith("<- straggler")
 
 
-def test_once_in_a_short_terminal_shows_nodes(env, monkeypatch):
+def test_once_in_a_short_terminal_shows_nodes(top, env, monkeypatch):
     monkeypatch.setenv("LINES", "14")                  # 9 rows: 8 nodes fit, 32 ranks do not
     job(env, ntasks=32, live=live_doc(32, hosts_per=4, written=time.time()))
     r = top("7", "--once")
@@ -294,54 +291,54 @@ def test_once_in_a_short_terminal_shows_nodes(env, monkeypatch):
     assert r.stdout.splitlines()[1].startswith("host") and r.stdout.count("4 (") == 8 and "-0.00" not in r.stdout
 
 
-def test_a_job_that_does_not_exist(env):
+def test_a_job_that_does_not_exist(top, env):
     one_error(top("12345", "--once"), 1, "job 12345 was not submitted through hpcring", "hint:")
     one_error(top("12345"), 1, "job 12345 was not submitted through hpcring")
 
 
 @pytest.mark.parametrize("value", ["a\nb", "\x1b[2J", "1" * 5000, "/nonexistent/folder", "*"])
-def test_a_bad_job_argument(env, value):
+def test_a_bad_job_argument(top, env, value):
     r = top("--once", "--", value)
     assert r.exit_code in (1, 2) and "error:" in r.output and "Traceback" not in r.output, r.output
 
 
-def test_an_array_asks_for_one_task(env):
+def test_an_array_asks_for_one_task(top, env):
     job(env, array=[0, 1])
     one_error(top("7", "--once"), 2, "array", "hpcring top 7_0")
 
 
-def test_no_live_view_yet_says_why(env):
+def test_no_live_view_yet_says_why(top, env):
     job(env)
     r = top("7", "--once")
     one_error(r, 1, "job 7 (RUNNING) has no live view yet", "live.json", "HPCRING_STRAGGLERS=0",
               "first window", "HPCRING_JOB_DIR")
 
 
-def test_no_live_view_of_a_job_not_started(env):
+def test_no_live_view_of_a_job_not_started(top, env):
     job(env, state="PENDING")
     one_error(top("7"), 1, "job 7 has not started yet (PENDING)", "hint:")
 
 
-def test_no_live_view_of_a_single_rank_job(env):
+def test_no_live_view_of_a_single_rank_job(top, env):
     job(env, ntasks=1)
     one_error(top("7", "--once"), 1, "single rank", "2 or more")
 
 
-def test_a_corrupt_live_view(env):
+def test_a_corrupt_live_view(top, env):
     folder = job(env, live='{"written": 1700000000.0, "first": 1, "ops": 10, "siz')
     one_error(top("7", "--once"), 1, f"the live view {folder / 'live.json'} is corrupt", "not JSON", "hint:")
     (folder / "live.json").write_text(json.dumps({**live_doc(2), "ranks": "all"}))
     one_error(top("7"), 1, "`ranks` is a string, not an array")
 
 
-def test_a_finished_job_points_to_the_report(env):
+def test_a_finished_job_points_to_the_report(top, env):
     job(env, state="COMPLETED", live=live_doc(4, named=1))
     r = top("7")
     one_error(r, 1, "job 7 has finished (COMPLETED)", "hpcring report 7", "--once")
     assert r.stdout == ""
 
 
-def test_once_on_a_finished_job_prints_the_last_frame_marked_final(env):
+def test_once_on_a_finished_job_prints_the_last_frame_marked_final(top, env):
     job(env, state="FAILED", live=live_doc(4, named=1))
     r = top("7", "--once")
     one_error(r, 1, "job 7 has finished (FAILED)", "hpcring report 7")
@@ -349,12 +346,12 @@ def test_once_on_a_finished_job_prints_the_last_frame_marked_final(env):
     assert r.stdout.count("\n") == 7
 
 
-def test_a_finished_job_without_a_live_view(env):
+def test_a_finished_job_without_a_live_view(top, env):
     job(env, state="COMPLETED")
     one_error(top("7", "--once"), 1, "has finished (COMPLETED) and left no live view", "hpcring report 7")
 
 
-def test_a_job_folder_works_too(env):
+def test_a_job_folder_works_too(top, env):
     folder = env / "run" / "55"
     folder.mkdir(parents=True)
     (folder / "live.json").write_text(json.dumps(live_doc(2, written=time.time())))
@@ -364,13 +361,13 @@ def test_a_job_folder_works_too(env):
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "1e400", "x", "0.01", "99999"])
-def test_a_bad_interval_is_refused(env, value):
+def test_a_bad_interval_is_refused(top, env, value):
     job(env, live=live_doc(2))
     r = top("7", "--interval", value)
     assert r.exit_code == 2 and "--interval" in r.output and "Traceback" not in r.output, r.output
 
 
-def test_the_live_view_redraws_until_the_job_ends(env, monkeypatch):
+def test_the_live_view_redraws_until_the_job_ends(top, env, monkeypatch):
     """Without --once: rich's Live draws the frame; the job's end (its state file) ends the view, exit 0."""
     from hpcring.cli import top_cmd
     folder = job(env, live=live_doc(3, written=time.time()))

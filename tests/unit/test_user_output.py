@@ -10,18 +10,12 @@ import sys
 import time
 
 import pytest
-from typer.testing import CliRunner
 
 from hpcring import jobfollow, jobstatus
-from hpcring.cli.main import app
 from hpcring.fsutil import write_json
 from hpcring.outcome import Outcome
 from hpcring.schedulers import slurm
 from hpcring.schedulers.base import JobRecord, JobState, new_record
-
-
-def cli(*args, env=None):
-    return CliRunner().invoke(app, list(args), env=env or {})
 
 
 def fake_sacct(tmp_path, line: str, squeue: str = "") -> dict:
@@ -56,7 +50,7 @@ def test_slurm_state_of_a_live_job_is_squeues(tmp_path, monkeypatch):
     assert slurm.state("44") == JobState("FAILED", "FAILED", 3, "node[1-2]")     # over: sacct's word
 
 
-def test_status_shows_the_failing_ranks_exit_code_not_the_teardowns(tmp_path, state_dir):
+def test_status_shows_the_failing_ranks_exit_code_not_the_teardowns(cli, tmp_path, state_dir):
     """On Slurm the failing rank ends the step with SIGKILL: sacct says 9:0; the rank exited 3."""
     new_record("42", "slurm", "dev", str(tmp_path), 2, "exit3", "/x/exit3.py", cluster="dev")
     write_json(tmp_path / "42_1_status.json", {"rank": 1, "host": "node2", "exit_code": 3, "error": None,
@@ -68,7 +62,7 @@ def test_status_shows_the_failing_ranks_exit_code_not_the_teardowns(tmp_path, st
 
 
 @pytest.mark.parametrize("line", ["43|RUNNING|0:0|node1", "43|TIMEOUT|0:0|node1"])
-def test_status_shows_no_exit_code_where_there_is_none(tmp_path, state_dir, line):
+def test_status_shows_no_exit_code_where_there_is_none(cli, tmp_path, state_dir, line):
     new_record("43", "slurm", "dev", str(tmp_path), 1, "sleep", "/x/sleep.py", cluster="dev")
     r = cli("status", "43", env=fake_sacct(tmp_path, line))
     assert r.exit_code == 0, r.output
@@ -190,7 +184,7 @@ def _failed_local_job(tmp_path, job_id="7"):
     return new_record(job_id, "local", "local", str(tmp_path), 2, "exit3", "/x/exit3.py")
 
 
-def test_logs_follow_exits_with_the_failing_ranks_code(tmp_path, state_dir):
+def test_logs_follow_exits_with_the_failing_ranks_code(cli, tmp_path, state_dir):
     _failed_local_job(tmp_path)
     r = cli("logs", "7", "--follow")
     assert r.exit_code == 3, r.output
