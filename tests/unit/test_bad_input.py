@@ -1,11 +1,12 @@
-"""Bad input at every edge (issue 12): site configs, flags, environment variables, hostlists and
+"""Bad input at every edge: site configs, flags, environment variables, hostlists and
 store traffic. Each case asserts a non-zero exit or the library's error class, no traceback, and a
 message that names what is wrong and where, and says what to do.
 
-CLI cases run in-process through typer's CliRunner (fast); a few go through a real subprocess.
+CLI cases run in-process through the conftest `cli` runner (fast); a few go through a real subprocess.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import struct
@@ -14,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from hpcring import hostlist
 from hpcring.bootstrap import auth
@@ -22,19 +22,18 @@ from hpcring.bootstrap import store_wire as st
 from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.store_server import StoreServer
 from hpcring.netio import recv_exact
-from hpcring.cli.main import app
 from hpcring.config import envvars
 from hpcring.errors import HostlistError, HpcringError, UsageError
 
 ROOT = Path(__file__).resolve().parents[2]
 HELLO = str(ROOT / "examples" / "hello.py")
-runner = CliRunner()
 
 
-def cli(args, env=None):
-    # ``env`` entries set to None are removed, so the developer's own HPCRING_* cannot leak in
-    base = {k: None for k in os.environ if k.startswith("HPCRING_")}
-    return runner.invoke(app, args, env={**base, **(env or {})})
+@pytest.fixture(scope="session")
+def cli(cli):
+    """The conftest runner without the developer's own HPCRING_* variables (they would change
+    what is refused)."""
+    return functools.partial(cli, drop_hpcring_env=True)
 
 
 def assert_clean_failure(result, *must_contain, code=None):
@@ -111,8 +110,8 @@ JOB_ENV_CASES = [
 
 
 @pytest.mark.parametrize("name,value", JOB_ENV_CASES)
-def test_bad_job_setting_from_environment(name, value):
-    r = cli(["render", HELLO, "--site", "devcluster"], env={name: value})
+def test_bad_job_setting_from_environment(cli, name, value):
+    r = cli("render", HELLO, "--site", "devcluster", env={name: value})
     assert_clean_failure(r, name, "hint:", code=2)
 
 
@@ -145,8 +144,8 @@ FLAG_CASES = [
 
 
 @pytest.mark.parametrize("args,names", FLAG_CASES, ids=lambda a: " ".join(a) if isinstance(a, list) else a)
-def test_bad_flag_is_a_usage_error(args, names):
-    assert_clean_failure(cli(args), names, code=2)
+def test_bad_flag_is_a_usage_error(cli, args, names):
+    assert_clean_failure(cli(*args), names, code=2)
 
 
 TEXT_FLAG_CASES = [
@@ -159,21 +158,21 @@ TEXT_FLAG_CASES = [
 
 
 @pytest.mark.parametrize("flag,value", TEXT_FLAG_CASES)
-def test_bad_text_flag_never_reaches_a_job_script(flag, value):
-    r = cli(["render", HELLO, "--site", "devcluster", flag, value])
+def test_bad_text_flag_never_reaches_a_job_script(cli, flag, value):
+    r = cli("render", HELLO, "--site", "devcluster", flag, value)
     assert_clean_failure(r, flag if flag != "--sched-arg" else "--sched-arg", "hint:", code=2)
     assert "#SBATCH" not in r.output
 
 
-def test_time_99_99_is_read_as_slurm_reads_it():
-    r = cli(["render", HELLO, "--site", "slurm-tcp", "--time", "99:99"])
+def test_time_99_99_is_read_as_slurm_reads_it(cli):
+    r = cli("render", HELLO, "--site", "slurm-tcp", "--time", "99:99")
     assert r.exit_code == 0, r.output
     assert "#SBATCH --time=01:41:00" in r.output
 
 
 @pytest.mark.parametrize("value", ["my run", "it's; touch INJECTED", "$(touch INJECTED)", "`id`", "a\"b", "x&&y|z>w"])
-def test_shell_metacharacters_are_quoted_in_the_job_script(tmp_path, value):
-    r = cli(["render", HELLO, "--site", "devcluster", "--name", value, "--account", value],
+def test_shell_metacharacters_are_quoted_in_the_job_script(cli, tmp_path, value):
+    r = cli("render", HELLO, "--site", "devcluster", "--name", value, "--account", value,
             env={"HPCRING_JOB_DIR": str(tmp_path / "dir with space")})
     assert r.exit_code == 0, r.output
     script = r.output
@@ -187,10 +186,10 @@ def test_shell_metacharacters_are_quoted_in_the_job_script(tmp_path, value):
     assert shlex.split(out.split("=", 1)[1]) == [str(tmp_path / "dir with space" / "%j" / "%j_0_log.out")]
 
 
-def test_missing_script_and_site_are_clear():
-    assert_clean_failure(cli(["render", "/nonexistent/train.py", "--site", "nosuchsite"]), "nosuchsite", "hint:")
-    assert_clean_failure(cli(["submit", "/nonexistent/train.py", "--site", "local"]), "/nonexistent/train.py", "hint:")
-    assert_clean_failure(cli(["sites", "show", "/nonexistent/site.yaml"]), "/nonexistent/site.yaml", "hint:")
+def test_missing_script_and_site_are_clear(cli):
+    assert_clean_failure(cli("render", "/nonexistent/train.py", "--site", "nosuchsite"), "nosuchsite", "hint:")
+    assert_clean_failure(cli("submit", "/nonexistent/train.py", "--site", "local"), "/nonexistent/train.py", "hint:")
+    assert_clean_failure(cli("sites", "show", "/nonexistent/site.yaml"), "/nonexistent/site.yaml", "hint:")
 
 
 # ------------------------------------------------------------------------------ site configs
@@ -244,23 +243,23 @@ SITE_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(SITE_CASES))
-def test_bad_site_config(tmp_path, case):
+def test_bad_site_config(cli, tmp_path, case):
     text, line, word = SITE_CASES[case]
     path = tmp_path / f"{case}.yaml"
     path.write_bytes(text.encode("latin-1"))
-    r = cli(["sites", "validate", str(path)])
+    r = cli("sites", "validate", str(path))
     assert_clean_failure(r, str(path), word, "hint:")
     if line is not None:
         assert f"{path}:{line}" in r.output, r.output
 
 
-def test_billion_laughs_fails_fast(tmp_path):
+def test_billion_laughs_fails_fast(cli, tmp_path):
     import time
     text = SITE_CASES["billion-laughs"][0]
     path = tmp_path / "laughs.yaml"
     path.write_text(text)
     t0 = time.monotonic()
-    assert cli(["sites", "validate", str(path)]).exit_code == 1
+    assert cli("sites", "validate", str(path)).exit_code == 1
     assert time.monotonic() - t0 < 2.0
 
 
@@ -281,9 +280,9 @@ def test_bad_hostlist(expr):
 
 
 @pytest.mark.parametrize("expr", ["n[3-1]", "n[", "a]b"])
-def test_bad_hostlist_cli(expr):
+def test_bad_hostlist_cli(cli, expr):
     from hpcring.cli.hostlist_cmd import app as hl_app
-    r = runner.invoke(hl_app, ["expand", "--", expr])
+    r = cli("expand", "--", expr, app=hl_app)
     assert r.exit_code == 1 and "Traceback" not in r.output and "error:" in r.output
 
 
@@ -387,40 +386,39 @@ def test_hostile_connection_is_dropped(store_server, case):
 
 # ------------------------------------------------------------------------------ real processes
 
-def _hpcring(*args, env=None):
-    e = {k: v for k, v in os.environ.items() if not k.startswith("HPCRING_")}
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True,
-                          timeout=120, env=e, cwd=ROOT)
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest subprocess runner without the developer's own HPCRING_* variables."""
+    return functools.partial(hpcring, drop_hpcring_env=True, timeout=120)
 
 
-def test_run_nonexistent_command_subprocess():
-    p = _hpcring("run", "--", "/nonexistent/cmd")
+def test_run_nonexistent_command_subprocess(hpcring):
+    p = hpcring("run", "--", "/nonexistent/cmd")
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "Traceback" not in out, out
     assert "/nonexistent/cmd" in out and "hint" in out
 
 
 @pytest.mark.parametrize("value", ["abc", "nan"])
-def test_run_with_bad_timeout_env_subprocess(value):
-    p = _hpcring("run", "--", sys.executable, "-c", "import hpcring; hpcring.init().communicator('ring')",
+def test_run_with_bad_timeout_env_subprocess(hpcring, value):
+    p = hpcring("run", "--", sys.executable, "-c", "import hpcring; hpcring.init().communicator('ring')",
                  env={"HPCRING_TIMEOUT": value})
     out = p.stdout + p.stderr
     assert p.returncode == 2, out                      # refused before any rank starts
     assert "HPCRING_TIMEOUT" in out and "Traceback" not in out and "hint:" in out
 
 
-def test_flag_error_subprocess():
-    p = _hpcring("run", "-N", "-1", "--", "true")
+def test_flag_error_subprocess(hpcring):
+    p = hpcring("run", "-N", "-1", "--", "true")
     assert p.returncode == 2 and "Traceback" not in p.stderr and "--nodes" in p.stderr
 
 
-def test_lsf_blaunch_line_survives_the_remote_shell(tmp_path):
+def test_lsf_blaunch_line_survives_the_remote_shell(cli, tmp_path):
     """blaunch joins its words and runs them through a shell: a job_dir with a space needs (and
     gets) two levels of quoting on that line, and still arrives as one argument."""
     import shlex
     folder = tmp_path / "dir with space"
-    r = cli(["render", HELLO, "--site", "devcluster-lsf", "--name", "my run"], env={"HPCRING_JOB_DIR": str(folder)})
+    r = cli("render", HELLO, "--site", "devcluster-lsf", "--name", "my run", env={"HPCRING_JOB_DIR": str(folder)})
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     i = next(k for k, ln in enumerate(lines) if ln.startswith("blaunch "))
@@ -555,29 +553,29 @@ def test_local_run_leaves_its_job_folder_only_with_a_report(tmp_path, report):
     (["--json", "{tmp}/no/such/folder/r.json"], ["--json", "does not exist"]),
     (["--json", "{tmp}"], ["--json", "is a folder"]),
 ], ids=["huge-timeout", "zero-timeout", "json-folder-missing", "json-is-a-folder"])
-def test_doctor_refuses_bad_flags_before_anything_starts(tmp_path, monkeypatch, args, words):
+def test_doctor_refuses_bad_flags_before_anything_starts(cli, tmp_path, monkeypatch, args, words):
     """--timeout has declared bounds (1e300 used to fail inside init() naming "init() timeout") and
     --json is checked up front (it used to fail on rank 0 after every check had run)."""
     import hpcring
     started = []
     monkeypatch.setattr(hpcring, "init", lambda *a, **kw: started.append("init") or pytest.fail("init() ran"))
-    r = cli(["doctor", *(a.format(tmp=tmp_path) for a in args)],
+    r = cli("doctor", *(a.format(tmp=tmp_path) for a in args),
             env={"HPCRING_SECRET": None, "HPCRING_SECRET_FILE": None})   # doctor alone sets its own secret
     assert_clean_failure(r, *words, code=2)
     assert "init()" not in r.output and not started
 
 
 @pytest.mark.parametrize("follow", [[], ["--follow"]], ids=["logs", "logs-follow"])
-def test_logs_rank_beyond_the_job_is_a_usage_error(tmp_path, state_dir, follow):
+def test_logs_rank_beyond_the_job_is_a_usage_error(cli, tmp_path, state_dir, follow):
     from hpcring.schedulers.base import new_record
     new_record("7", "local", "local", str(tmp_path), 2, "x", "x.py")
     env = {"HPCRING_STATE_DIR": str(state_dir)}
     for rank in ("2", "799999"):
-        r = cli(["logs", "7", "--rank", rank, *follow], env=env)
+        r = cli("logs", "7", "--rank", rank, *follow, env=env)
         assert_clean_failure(r, f"--rank {rank}", "ranks 0-1", "hint: pass a rank from 0 to 1", code=2)
-    r = cli(["logs", "7", "--rank", "800000", *follow], env=env)      # beyond any job: the flag's bound
+    r = cli("logs", "7", "--rank", "800000", *follow, env=env)      # beyond any job: the flag's bound
     assert_clean_failure(r, "--rank", "799999", code=2)
-    assert cli(["logs", "7", "--rank", "1"], env=env).exit_code == 0
+    assert cli("logs", "7", "--rank", "1", env=env).exit_code == 0
 
 
 NO_ALLOCATION = {"SLURM_JOB_ID": None, "SLURM_JOBID": None, "LSB_JOBID": None}
@@ -585,13 +583,13 @@ NO_ALLOCATION = {"SLURM_JOB_ID": None, "SLURM_JOBID": None, "LSB_JOBID": None}
 
 @pytest.mark.parametrize("argv,ranks", [(["-N", "100000", "--tasks-per-node", "1024"], 102400000),
                                         (["-N", "257"], 257), (["--tasks-per-node", "257"], 257)])
-def test_local_run_refuses_more_ranks_than_the_local_backend_starts(tmp_path, monkeypatch, argv, ranks):
+def test_local_run_refuses_more_ranks_than_the_local_backend_starts(cli, tmp_path, monkeypatch, argv, ranks):
     """Outside an allocation every rank is a process on this machine: a typo used to fork them all."""
     from hpcring import allocation
     from hpcring.config.envvars import MAX_LOCAL_RANKS
     monkeypatch.setattr(allocation, "_start_local", lambda *a, **kw: pytest.fail("ranks started"))
     monkeypatch.setattr(allocation.tempfile, "gettempdir", lambda: str(tmp_path))
-    r = cli(["run", *argv, "--", "true"], env=NO_ALLOCATION)
+    r = cli("run", *argv, "--", "true", env=NO_ALLOCATION)
     assert_clean_failure(r, f"is {ranks} ranks", f"at most {MAX_LOCAL_RANKS}", "hint:", "allocation", code=2)
     assert not list(tmp_path.iterdir())                 # no run folder, no secret
 
@@ -600,11 +598,11 @@ def test_local_run_refuses_more_ranks_than_the_local_backend_starts(tmp_path, mo
                                       (["-N", "300"], {}), ([], {"HPCRING_NODES": "300"})],
                          ids=["huge", "300-nodes", "300-nodes-from-env"])
 @pytest.mark.parametrize("cmd", [["submit"], ["submit", "--dry-run"]])
-def test_local_site_refuses_more_ranks_than_the_local_backend_starts(tmp_path, monkeypatch, cmd, argv, env):
+def test_local_site_refuses_more_ranks_than_the_local_backend_starts(cli, tmp_path, monkeypatch, cmd, argv, env):
     from hpcring import submit as lib
     monkeypatch.setattr(lib, "submit", lambda *a, **kw: pytest.fail("submitted"))
     jobs, state = tmp_path / "jobs", tmp_path / "state"
-    r = cli([*cmd, "--site", "local", *argv, HELLO],
+    r = cli(*cmd, "--site", "local", *argv, HELLO,
             env={"HPCRING_JOB_DIR": str(jobs), "HPCRING_STATE_DIR": str(state), **env})
     assert_clean_failure(r, "ranks", "local backend", "at most 256", "hint:", code=2)
     if env:
@@ -617,38 +615,38 @@ def test_local_site_refuses_more_ranks_than_the_local_backend_starts(tmp_path, m
 @pytest.mark.parametrize("argv", [["render", "--site", "", HELLO], ["submit", "--site", "", "--dry-run", HELLO],
                                   ["submit", "--site", "", HELLO], ["submit", "-s", " ", HELLO],
                                   ["run", "--site", "", "--", "true"]], ids=lambda a: " ".join(a[:3]))
-def test_empty_site_flag_is_refused(tmp_path, monkeypatch, argv):
+def test_empty_site_flag_is_refused(cli, tmp_path, monkeypatch, argv):
     """`--site ""` was the default site, silently: now a usage error naming --site; nothing rendered
     or submitted."""
     from hpcring import allocation, submit as lib
     monkeypatch.setattr(lib, "submit", lambda *a, **kw: pytest.fail("submitted"))
     monkeypatch.setattr(allocation, "run", lambda *a, **kw: pytest.fail("ran"))
-    r = cli(argv, env={"HPCRING_JOB_DIR": str(tmp_path / "jobs"), "HPCRING_STATE_DIR": str(tmp_path / "state")})
+    r = cli(*argv, env={"HPCRING_JOB_DIR": str(tmp_path / "jobs"), "HPCRING_STATE_DIR": str(tmp_path / "state")})
     assert_clean_failure(r, "--site", "empty", "hint:", "leave --site out for the default", code=2)
     assert not r.stdout and not (tmp_path / "jobs").exists()
 
 
 @pytest.mark.parametrize("argv", [["sites", "show", ""], ["sites", "validate", "local", " "]])
-def test_empty_site_argument_is_refused(argv):
-    assert_clean_failure(cli(argv), "site", "is empty", "hint:", code=2)
+def test_empty_site_argument_is_refused(cli, argv):
+    assert_clean_failure(cli(*argv), "site", "is empty", "hint:", code=2)
 
 
-def test_empty_site_variable_is_unset():
+def test_empty_site_variable_is_unset(cli):
     """HPCRING_SITE="" reads as unset (as most tools read an empty variable): the default site."""
-    r = cli(["render", HELLO], env={"HPCRING_SITE": ""})
+    r = cli("render", HELLO, env={"HPCRING_SITE": ""})
     assert r.exit_code == 0 and "for site local (local.yaml)" in r.stdout, r.output
 
 
 @pytest.mark.parametrize("key,raw", [("job_dir", '""'), ("job_dir", '"  "'), ("template", "''"),
                                      ("python", '""')])
-def test_empty_path_key_in_site_file(tmp_path, key, raw):
+def test_empty_path_key_in_site_file(cli, tmp_path, key, raw):
     """`job_dir: ""` was accepted (the folder hpcring was started in; sites validate said ok, and
     HPCRING_JOB_DIR hid it from render): now the file, line and key, and what to write."""
     path = tmp_path / "site.yaml"
     path.write_text(VALID + f"{key}: {raw}\n")
     for argv, env in ((["sites", "validate", str(path)], {}),
                       (["render", "--site", str(path), HELLO], {"HPCRING_JOB_DIR": str(tmp_path / "jobs")})):
-        r = cli(argv, env=env)
+        r = cli(*argv, env=env)
         assert_clean_failure(r, f"{path}:4 {key}: empty", "names a path", "remove the key for its default",
                              "hint:", code=1)
         assert "#SBATCH" not in r.output
@@ -657,26 +655,26 @@ def test_empty_path_key_in_site_file(tmp_path, key, raw):
 @pytest.mark.parametrize("text", ["hello\n", "#!/bin/bash\necho no ranks\n", "{{ command }}\n"],
                          ids=["text", "no-launch", "no-shebang"])
 @pytest.mark.parametrize("cmd", [["render"], ["submit", "--dry-run"], ["submit"]])
-def test_template_that_is_no_job_script(tmp_path, monkeypatch, cmd, text):
+def test_template_that_is_no_job_script(cli, tmp_path, monkeypatch, cmd, text):
     """Any readable file was rendered as a job-script template: now it must render a script that
     starts with #! and start the ranks (launch_command or command); the error says so."""
     from hpcring import submit as lib
     monkeypatch.setattr(lib, "submit", lambda *a, **kw: pytest.fail("submitted"))
     t = tmp_path / "notes.txt"
     t.write_text(text)
-    r = cli([*cmd, "--site", "devcluster", "--template", str(t), HELLO],
+    r = cli(*cmd, "--site", "devcluster", "--template", str(t), HELLO,
             env={"HPCRING_JOB_DIR": str(tmp_path / "jobs"), "HPCRING_STATE_DIR": str(tmp_path / "state")})
     assert_clean_failure(r, f"--template {t} is not a job-script template", "#!/bin/bash", "launch_command",
                          "hint:", code=1)
     assert not r.stdout and not (tmp_path / "jobs").exists()
 
 
-def test_own_templates_that_are_job_scripts_still_render(tmp_path):
+def test_own_templates_that_are_job_scripts_still_render(cli, tmp_path):
     """A bundled template given as --template, and an own one that starts the ranks in a partial."""
-    plain = cli(["render", "--site", "devcluster", HELLO])
-    given = cli(["render", "--site", "devcluster", "--template", str(ROOT / "templates" / "slurm.sh.j2"), HELLO])
+    plain = cli("render", "--site", "devcluster", HELLO)
+    given = cli("render", "--site", "devcluster", "--template", str(ROOT / "templates" / "slurm.sh.j2"), HELLO)
     assert plain.exit_code == 0 and given.exit_code == 0 and given.stdout == plain.stdout, given.output
     (tmp_path / "launch.j2").write_text("{{ launch_command(logs=folder ~ '/%j_%t_log') }}\n")
     (tmp_path / "mine.sh.j2").write_text("#!/bin/bash\n#SBATCH --nodes={{ job.nodes }}\n{% include 'launch.j2' %}\n")
-    r = cli(["render", "--site", "devcluster", "--template", str(tmp_path / "mine.sh.j2"), HELLO])
+    r = cli("render", "--site", "devcluster", "--template", str(tmp_path / "mine.sh.j2"), HELLO)
     assert r.exit_code == 0 and r.stdout.startswith("#!/bin/bash\n#SBATCH --nodes=1\nsrun "), r.output

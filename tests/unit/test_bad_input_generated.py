@@ -1,4 +1,4 @@
-"""Generated bad input (issue 19, part 5): every flag of every command, every registered HPCRING_*
+"""Generated bad input: every flag of every command, every registered HPCRING_*
 variable, job ids and hostlists, mutated by type.
 
 The targets are read from the program itself, so a flag or variable added later is covered without
@@ -15,15 +15,15 @@ each bad value:
   file written (starters are replaced by a tripwire; state, job and working folders are empty).
 
 Values that are unusual but not wrong (unicode text in a free-text option) only have to be handled
-cleanly: no traceback. The fixed regressions from the issue run at the end, a few through real
+cleanly: no traceback. Fixed regressions (values once mishandled) run at the end, a few through real
 processes.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import get_args
@@ -33,8 +33,7 @@ import typer
 import typer.main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.core import TyperArgument, TyperOption
-from typer.testing import CliRunner
+from typer.core import TyperOption
 
 from hpcring.cli.main import app
 from hpcring.config import envvars
@@ -43,7 +42,6 @@ from helpers.site_fields import schema_fields, write_site
 
 ROOT = Path(__file__).resolve().parents[2]
 HELLO = str(ROOT / "examples" / "hello.py")
-runner = CliRunner()
 LONG = 5000
 
 # ------------------------------------------------------------------------------ the catalogue
@@ -236,11 +234,14 @@ def _messages(out: str) -> int:
     return sum(1 for ln in out.splitlines() if ln.startswith(("error:", "Error:"))) + out.count("\u2500 Error \u2500")
 
 
-def invoke(argv, env=None):
+@pytest.fixture(scope="session")
+def invoke(cli):
     """One in-process run with the tripwire set: (result, what it tried to start)."""
-    with TRIPWIRE:
-        result = runner.invoke(app, argv, env=env, catch_exceptions=True)
-    return result, list(TRIPWIRE.started)
+    def run(argv, env=None):
+        with TRIPWIRE:
+            result = cli(*argv, env=env, catch_exceptions=True)
+        return result, list(TRIPWIRE.started)
+    return run
 
 
 def problems_of(result, names, dirs, started, *, code=None, refused=True) -> list[str]:
@@ -271,7 +272,7 @@ def problems_of(result, names, dirs, started, *, code=None, refused=True) -> lis
     return why
 
 
-def run_option(t: Target, value: str, dirs, refused=True) -> list[str]:
+def run_option(invoke, t: Target, value: str, dirs, refused=True) -> list[str]:
     before, after = BASE.get(t.path, ([], []))
     result, started = invoke([*t.path, *before, t.opt, value, *after])
     return problems_of(result, t.names, dirs, started, code=2, refused=refused)
@@ -293,10 +294,10 @@ def test_every_command_and_flag_is_a_target():
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.id)
-def test_bad_flag_value(target, sandbox):
+def test_bad_flag_value(invoke, target, sandbox):
     bad, odd = mutations(target)
-    failures = [(v, why) for v in bad if (why := run_option(target, v, sandbox))]
-    failures += [(v, why) for v in odd if (why := run_option(target, v, sandbox, refused=False))]
+    failures = [(v, why) for v in bad if (why := run_option(invoke, target, v, sandbox))]
+    failures += [(v, why) for v in odd if (why := run_option(invoke, target, v, sandbox, refused=False))]
     assert not failures, f"{target.id}: {len(failures)} of {len(bad) + len(odd)} values mishandled:\n{_fmt(failures)}"
 
 
@@ -321,11 +322,11 @@ def _not_a_number(text: str) -> bool:
                      .map(lambda n: f"{str(n)[0]}_{str(n)[1:]}")),
            st.tuples(st.just("nan/inf"), st.sampled_from(["nan", "inf", "-inf", "NAN", "+inf", "infinity"])),
            st.tuples(st.just("text"), st.text(min_size=1, max_size=20).filter(_not_a_number))))
-def test_random_bad_numbers(target, case, sandbox):
+def test_random_bad_numbers(invoke, target, case, sandbox):
     kind, value = case
     if kind == "huge" and target.kind == "float" and target.hi is None:
         return      # an unbounded float (doctor --timeout) is bounded by the command that uses it
-    why = run_option(target, value, sandbox)
+    why = run_option(invoke, target, value, sandbox)
     assert not why, f"{target.id} {value!r} ({kind}): {', '.join(why)}"
 
 
@@ -337,15 +338,15 @@ TEXT_TARGETS = [t for t in TARGETS if t.kind in ("text", "choice", "size")]
 @given(target=st.sampled_from(TEXT_TARGETS),
        value=st.tuples(st.text(max_size=8), st.characters(codec="ascii", categories=["Cc"]), st.text(max_size=8))
        .map("".join))
-def test_random_control_characters_in_text_flags(target, value, sandbox):
-    why = run_option(target, value, sandbox)
+def test_random_control_characters_in_text_flags(invoke, target, value, sandbox):
+    why = run_option(invoke, target, value, sandbox)
     assert not why, f"{target.id} {value!r}: {', '.join(why)}"
 
 
 # ------------------------------------------------------------------------------ arguments
 
 @pytest.mark.parametrize("cmd", ["status", "logs", "cancel", "stacks", "timeline", "report"])
-def test_bad_job_id(cmd, sandbox):
+def test_bad_job_id(invoke, cmd, sandbox):
     failures = []
     for value in JOB_ID_BAD:
         result, started = invoke([cmd, "--", value])
@@ -355,7 +356,7 @@ def test_bad_job_id(cmd, sandbox):
     assert not failures, f"{cmd}: {len(failures)} of {len(JOB_ID_BAD)} job ids mishandled:\n{_fmt(failures)}"
 
 
-def test_bad_hostlist(sandbox):
+def test_bad_hostlist(invoke, sandbox):
     failures = []
     for value in HOSTLIST_BAD:
         result, started = invoke(["hostlist", "expand", "--", value])
@@ -369,7 +370,7 @@ def test_bad_hostlist(sandbox):
 
 
 @pytest.mark.parametrize("value", HOSTLIST_TOO_MANY_DIGITS, ids=["range", "suffix"])
-def test_hostlist_number_too_long_to_convert(value, sandbox):
+def test_hostlist_number_too_long_to_convert(invoke, value, sandbox):
     result, started = invoke(["hostlist", "expand", "--", value])
     why = problems_of(result, ("hostlist",), sandbox, started, code=1)
     assert not why, why
@@ -381,7 +382,7 @@ NODE_BAD = [v for v in JOB_ID_BAD if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-
     ["n;rm -rf /", "n o", "$(id)", "-", ".n", "n\u00e9", "n" * 254]
 
 
-def test_bad_node_name(sandbox):
+def test_bad_node_name(invoke, sandbox):
     failures = []
     for value in NODE_BAD:
         for site in ("local", "devcluster"):
@@ -393,13 +394,13 @@ def test_bad_node_name(sandbox):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.text(min_size=1, max_size=30).filter(lambda s: not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", s)))
-def test_random_bad_node_names(sandbox, value):
+def test_random_bad_node_names(invoke, sandbox, value):
     result, started = invoke(["nodes", "clear", "--site", "devcluster", "--", value])
     assert not problems_of(result, ("no host name", "none was named", "node"), sandbox, started, code=2), result.output
 
 
 @pytest.mark.parametrize("cmd", [["render"], ["submit", "--dry-run"], ["submit"]])
-def test_bad_script(cmd, sandbox):
+def test_bad_script(invoke, cmd, sandbox):
     failures = []
     for value in SCRIPT_BAD:
         result, started = invoke([*cmd, "--site", "local", "--", value])
@@ -427,7 +428,7 @@ def test_every_key_that_names_a_path_is_declared_one():
 
 
 @pytest.mark.parametrize("field", PATH_FIELDS, ids=lambda f: f.dotted)
-def test_empty_path_in_a_site_file(field, sandbox, tmp_path):
+def test_empty_path_in_a_site_file(invoke, field, sandbox, tmp_path):
     """An empty or blank path key (``job_dir: ""`` was the folder hpcring started in, ``template: ""``
     the bundled template) stops validate, render and submit with one message naming the file, the
     line and the key; HPCRING_JOB_DIR (set in the sandbox) does not hide it."""
@@ -483,7 +484,7 @@ def not_templates(folder: Path, scheduler: str) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("scheduler", sorted(SITE_OF))
-def test_a_file_that_is_no_template(scheduler, sandbox, tmp_path):
+def test_a_file_that_is_no_template(invoke, scheduler, sandbox, tmp_path):
     """--template FILE, FILE readable but no job-script template: render, submit --dry-run and
     submit stop with one message naming --template and saying what a template is; nothing is
     rendered, submitted or written."""
@@ -506,7 +507,7 @@ def test_a_file_that_is_no_template(scheduler, sandbox, tmp_path):
 
 
 @pytest.mark.parametrize("site", sorted(p.stem for p in (ROOT / "site_configs").glob("*.yaml")))
-def test_the_bundled_templates_are_templates(site, sandbox):
+def test_the_bundled_templates_are_templates(invoke, site, sandbox):
     """Every bundled site's own template, given as --template, renders exactly what it renders
     without the flag."""
     from hpcring.config.site import load_site
@@ -560,7 +561,7 @@ def test_empty_environment_value_is_unset(var):
 
 
 @pytest.mark.parametrize("name", sorted({*JOB_ENV_VARS.values(), "HPCRING_SITE"}))
-def test_empty_job_variable_renders_as_unset(name, sandbox):
+def test_empty_job_variable_renders_as_unset(invoke, name, sandbox):
     """HPCRING_SITE="" and every job-setting variable set empty render the very script they render
     unset: the default site, the site's or built-in value."""
     unset, _ = invoke(["render", HELLO], env={name: None})
@@ -574,7 +575,7 @@ def test_every_registered_variable_is_a_target():
 
 
 @pytest.mark.parametrize("var", envvars.VARS, ids=lambda v: v.name)
-def test_bad_environment_value(var, sandbox):
+def test_bad_environment_value(invoke, var, sandbox):
     """Every value through the checker that every command, the rank entry and hpcring.init() call
     first; the first few also through a real command (the wiring is the same for all)."""
     failures = []
@@ -598,13 +599,12 @@ def test_bad_environment_value(var, sandbox):
     assert not failures, f"{var.name}:\n{_fmt(failures)}"
 
 
-# ------------------------------------------------------------------------------ the issue's cases
+# ------------------------------------------------------------------------------ fixed regressions
 
-def _hpcring(*args, env=None, cwd=None, timeout=60):
-    e = {k: v for k, v in os.environ.items() if not k.startswith("HPCRING_")}
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True,
-                          timeout=timeout, env=e, cwd=cwd or ROOT)
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest subprocess runner without the developer's own HPCRING_* variables."""
+    return functools.partial(hpcring, drop_hpcring_env=True, timeout=60)
 
 
 REGRESSIONS = [
@@ -628,13 +628,13 @@ REGRESSIONS = [
 
 @pytest.mark.parametrize("argv,env,code,words", REGRESSIONS[:4] + REGRESSIONS[5:7],
                          ids=lambda x: " ".join(x)[:40] if isinstance(x, list) else None)
-def test_regression_subprocess(argv, env, code, words, tmp_path):
-    """The issue's examples through a real process, in an empty folder: exit code, message, no
+def test_regression_subprocess(hpcring, argv, env, code, words, tmp_path):
+    """The regressions through a real process, in an empty folder: exit code, message, no
     traceback, no rank started (no barrier report), nothing left behind."""
     env = {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_JOB_DIR": str(tmp_path / "jobs"), **env}
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    p = _hpcring(*argv, env=env, cwd=cwd)
+    p = hpcring(*argv, env=env, cwd=cwd)
     out = p.stdout + p.stderr
     assert p.returncode == code, out
     assert "Traceback" not in out and "barrier" not in out and "COLLECTIVE" not in out, out
@@ -644,7 +644,7 @@ def test_regression_subprocess(argv, env, code, words, tmp_path):
 
 
 @pytest.mark.parametrize("argv,env,code,words", REGRESSIONS, ids=lambda x: " ".join(x)[:40] if isinstance(x, list) else None)
-def test_regression_in_process(argv, env, code, words, sandbox):
+def test_regression_in_process(invoke, argv, env, code, words, sandbox):
     result, started = invoke(argv, env=env or None)
     out = result.output
     assert result.exit_code == code, out
@@ -655,19 +655,19 @@ def test_regression_in_process(argv, env, code, words, sandbox):
 
 
 @pytest.mark.parametrize("cmd", ["logs", "cancel"])
-def test_long_job_id_to_logs_and_cancel(cmd, sandbox):
+def test_long_job_id_to_logs_and_cancel(invoke, cmd, sandbox):
     result, _ = invoke([cmd, "7" * LONG])
     assert result.exit_code == 2 and "not a job id" in result.output and "Traceback" not in result.output
     assert len(result.output) < 1000                   # the value is cut, not echoed 5000 characters long
 
 
-def test_standalone_bench_leaves_no_run_folder(tmp_path):
+def test_standalone_bench_leaves_no_run_folder(hpcring, tmp_path):
     """A real standalone run with tiny sizes: the table, exit 0, and no empty run<pid> folder in
     HPCRING_JOB_DIR or the working folder."""
     jobs, cwd = tmp_path / "jobs", tmp_path / "cwd"
     jobs.mkdir()
     cwd.mkdir()
-    p = _hpcring("bench", "-n", "2", "-b", "8", "-e", "16", "--iters", "1", "--warmup", "0",
+    p = hpcring("bench", "-n", "2", "-b", "8", "-e", "16", "--iters", "1", "--warmup", "0",
                  env={"HPCRING_JOB_DIR": str(jobs), "HPCRING_STATE_DIR": str(tmp_path / "state")}, cwd=cwd,
                  timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
