@@ -25,18 +25,37 @@ echo "test.sh: devcluster up took $(( $(date +%s) - t0 )) s"
 
 rc=0
 # Test files that ranks read must be visible on every node: /tmp is node-private there.
-pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --basetemp=/srv/hpcring/pytest-tmp --durations=30)
+tmp=/srv/hpcring/pytest-tmp
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30)
 if [[ $# -gt 0 ]]; then
-    "${pytest[@]}" "$@" || rc=$?
+    "${pytest[@]}" --basetemp="$tmp" "$@" || rc=$?
 else
-    # the fast in-process tier first: a failure there stops before the ranks and the cluster
+    # The in-process tier first, on both cores: a failure there stops before the ranks and the cluster.
     t0=$(date +%s)
-    "${pytest[@]}" tests/unit || rc=$?
+    "${pytest[@]}" -n "${HPCRING_TEST_WORKERS:-2}" --basetemp="$tmp/unit" tests/unit || rc=$?
     echo "test.sh: unit tier $(( $(date +%s) - t0 )) s, exit $rc"
     if [[ $rc -eq 0 ]]; then
+        # Ranks on this machine and the dev cluster's jobs at the same time: both tiers spend most
+        # of their time waiting (deadlines, the scheduler, sleeping ranks), and neither uses the
+        # other's resources (the local tier never submits to the cluster). Each line is prefixed
+        # with its tier; each tier prints its own 30 slowest tests and its time.
         t0=$(date +%s)
-        "${pytest[@]}" tests/integration || rc=$?
-        echo "test.sh: integration tier $(( $(date +%s) - t0 )) s, exit $rc"
+        tier() {   # tier NAME: run tests/NAME, prefix its lines, write its exit status to $tmp/NAME.rc
+            local r=0
+            "${pytest[@]}" --basetemp="$tmp/$1" "tests/$1" > >(sed -u "s/^/[$1] /") 2>&1 || r=$?
+            echo "test.sh: $1 tier $(( $(date +%s) - t0 )) s, exit $r"
+            echo "$r" > "$tmp.$1.rc"
+        }
+        mkdir -p "$tmp"
+        rm -f "$tmp.integration.rc" "$tmp.devcluster.rc"
+        tier integration & a=$!
+        tier devcluster & b=$!
+        wait "$a" "$b"
+        for t in integration devcluster; do
+            r=$(cat "$tmp.$t.rc" 2>/dev/null || echo 1)
+            [[ "$r" == 0 ]] || rc=$r
+        done
+        echo "test.sh: integration and devcluster tiers side by side $(( $(date +%s) - t0 )) s, exit $rc"
     fi
 fi
 
