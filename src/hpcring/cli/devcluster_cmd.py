@@ -24,6 +24,22 @@ def _fail(e: HpcringError) -> typer.Exit:
     return exit_for(e)
 
 
+SlurmOption = Annotated[
+    Optional[str],
+    typer.Option("--slurm", help="Slurm release: 22.05 (this machine's) or 24.11 (in a world of its own, "
+                                 "beside 22.05); default $HPCRING_DEVCLUSTER_SLURM or 22.05."),
+]
+
+
+def _elsewhere(slurm: Optional[str]):
+    """The Release to run the command in when it is not this process's own; None to run here."""
+    from hpcring.devcluster import world  # imported on use: keeps `hpcring --help` fast
+    version = world.chosen(slurm)
+    if world.runs_here(version):
+        return None
+    return world.release(version)
+
+
 @app.command()
 def up(
     nodes: Annotated[int, typer.Option("--nodes", "-N", help="Number of slurmd nodes (node1..nodeN).")] = 3,
@@ -37,9 +53,24 @@ def up(
         typer.Option("--share", help="A path under /tmp to show at the same path on every node "
                                      "(a checkout or venv; the rest of the filesystem is shared already)."),
     ] = None,
+    slurm: SlurmOption = None,
 ) -> None:
     """Start the cluster, or repair it (idempotent). Waits until all nodes are idle."""
     try:
+        rel = _elsewhere(slurm)
+        if rel is not None:
+            from hpcring.devcluster import world
+            t0 = time.monotonic()
+            for a in world.prepare(rel):
+                typer.echo(f"  {a}")
+            args = ["devcluster", "up", "--nodes", str(nodes),
+                    "--dead-interface" if dead_interface else "--no-dead-interface"]
+            for path in share or []:
+                args += ["--share", path]
+            rc = world.run_inside(rel, world.cli_argv(*args), timeout=600)
+            typer.echo(f"devcluster (Slurm {rel.version}) up in {time.monotonic() - t0:.1f} s in all; "
+                       f"run commands and tests on it with `hpcring devcluster login --slurm {rel.version} -- CMD`")
+            raise typer.Exit(rc)
         from hpcring.devcluster import cluster  # imported on use: keeps `hpcring --help` fast
         info = cluster.up(nodes=nodes, dead_interface=dead_interface, shares=share)
     except HpcringError as e:
@@ -60,10 +91,19 @@ def up(
 
 
 @app.command()
-def down() -> None:
+def down(slurm: SlurmOption = None) -> None:
     """Stop all daemons, remove namespaces, veths, bridge and the /etc/hosts block."""
     t0 = time.monotonic()
     try:
+        rel = _elsewhere(slurm)
+        if rel is not None:
+            from hpcring.devcluster import world
+            rc = 0
+            if world.world_ok(rel):
+                rc = world.run_inside(rel, world.cli_argv("devcluster", "down"), timeout=300)
+            world.take_down(rel)
+            typer.echo(f"devcluster (Slurm {rel.version}) down and its world ended in {time.monotonic() - t0:.1f} s")
+            raise typer.Exit(rc)
         from hpcring.devcluster import cluster  # imported on use: keeps `hpcring --help` fast
         cluster.down()
     except HpcringError as e:
@@ -74,9 +114,20 @@ def down() -> None:
 @app.command()
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
+    slurm: SlurmOption = None,
 ) -> None:
     """Per-node table (namespace, address, slurmd, sinfo state). Exit code 0 only when up."""
     try:
+        rel = _elsewhere(slurm)
+        if rel is not None:
+            from hpcring.devcluster import world
+            if not world.world_ok(rel):
+                msg = f"world of Slurm {rel.version} not running ({rel.ns_dir}): `hpcring devcluster up --slurm {rel.version}`"
+                typer.echo(json.dumps({"state": "down", "release": rel.version, "problems": [msg]}, indent=1)
+                           if as_json else f"devcluster (Slurm {rel.version}): down\n  problem: {msg}")
+                raise typer.Exit(1)
+            raise typer.Exit(world.run_inside(rel, world.cli_argv("devcluster", "status", *(["--json"] if as_json else [])),
+                                              timeout=60))
         from hpcring.devcluster import cluster  # imported on use: keeps `hpcring --help` fast
         st = cluster.status()
     except HpcringError as e:
@@ -118,9 +169,16 @@ def status(
 def exec_(
     node: Annotated[str, typer.Argument(help="Node name, e.g. node1.")],
     cmd: Annotated[list[str], typer.Argument(help="Command to run inside the node (after --).")],
+    slurm: SlurmOption = None,
 ) -> None:
     """Run a command inside a node's namespaces, e.g. `hpcring devcluster exec node1 -- ip addr`."""
     try:
+        rel = _elsewhere(slurm)
+        if rel is not None:
+            from hpcring.devcluster import world
+            inner = cmd[1:] if cmd[:1] == ["--"] else cmd
+            argv = world.enter_argv(rel) + world.cli_argv("devcluster", "exec", node, "--", *inner)
+            os.execvpe(argv[0], argv, world.world_env(rel))
         from hpcring.devcluster import cluster  # imported on use: keeps `hpcring --help` fast
         prefix = cluster.node_exec_argv(node)
     except HpcringError as e:
@@ -133,3 +191,33 @@ def exec_(
     argv = prefix + cmd
     os.execvp(argv[0], argv)
 
+
+
+@app.command(
+    "login",
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)
+def login(
+    cmd: Annotated[list[str], typer.Argument(help="Command to run (after --), e.g. pytest tests/devcluster.")],
+    slurm: SlurmOption = None,
+) -> None:
+    """Run a command on the login side of a release's cluster (its Slurm commands, addresses, files),
+    with $HPCRING_DEVCLUSTER_SLURM set: `hpcring devcluster login --slurm 24.11 -- srun -N3 hostname`."""
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        typer.echo("error: no command given; usage: hpcring devcluster login [--slurm 24.11] -- CMD...", err=True)
+        raise typer.Exit(2)
+    try:
+        from hpcring.devcluster import names, world
+        rel = _elsewhere(slurm)
+        if rel is None:
+            os.execvpe(cmd[0], cmd, dict(os.environ, **{names.RELEASE_ENV: world.chosen(slurm)}))
+        if not world.world_ok(rel):
+            from hpcring.errors import DevClusterError
+            raise DevClusterError(f"the Slurm {rel.version} dev cluster's world is not running",
+                                  hint=f"start it with `hpcring devcluster up --slurm {rel.version}`")
+    except HpcringError as e:
+        raise _fail(e) from None
+    argv = world.enter_argv(rel) + cmd
+    os.execvpe(argv[0], argv, world.world_env(rel))

@@ -9,7 +9,8 @@ from . import configs
 from . import names as n
 
 
-def _without_block(text: str) -> str:
+def without_block(text: str) -> str:
+    """``text`` (of /etc/hosts) without our block."""
     out, inside = [], False
     for line in text.splitlines(keepends=True):
         if line.strip() == n.HOSTS_BEGIN:
@@ -34,7 +35,7 @@ def _rewrite(new_text: str) -> None:
 def ensure_block(nodes: int, actions: list[str]) -> None:
     """Make our block name node1..node<nodes> (rewrites the file only when that changes it)."""
     text = n.HOSTS_FILE.read_text()
-    base = _without_block(text)
+    base = without_block(text)
     if base and not base.endswith("\n"):
         base += "\n"
     new = base + configs.hosts_block(nodes)
@@ -48,7 +49,7 @@ def remove_block() -> None:
         text = n.HOSTS_FILE.read_text()
     except OSError:
         return
-    new = _without_block(text)
+    new = without_block(text)
     if new != text:
         _rewrite(new)
 

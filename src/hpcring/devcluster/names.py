@@ -5,6 +5,7 @@ Site configs and tests depend on these; change them only together with those.
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 CLUSTER_NAME = "devcluster"
@@ -141,3 +142,68 @@ def slurmd_log(i: int) -> Path:
 def controller_host() -> str:
     """slurmctld refuses to start unless SlurmctldHost names this machine (short hostname)."""
     return socket.gethostname().split(".")[0]
+
+
+# ---------------------------------------------------------------------------- a second Slurm release
+# The dev cluster can run Slurm 24.11 (Debian 13 "trixie"'s packages) beside the machine's 22.05.
+# A release other than the machine's runs in its own "world": a network and a mount namespace
+# in which every name, address, port and path above is the same but bound to that release's own
+# files (state, logs, configs, munge key, /etc/hosts, /run/netns) and its Slurm programs are bound
+# over the machine's. The code above and the tests run unchanged inside it, and neither instance
+# touches the other's processes, addresses or files.
+RELEASE_ENV = "HPCRING_DEVCLUSTER_SLURM"  # which release `hpcring devcluster` and the tests mean
+WORLD_ENV = "HPCRING_DEVCLUSTER_WORLD"  # set inside a release's world: the release it is
+HOST_RELEASE = "22.05"  # the machine's own packages (Debian 12 "bookworm")
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+SLURM_LIB_DIR = Path("/usr/lib/x86_64-linux-gnu/slurm-wlm")  # plugins and libslurmfull (Debian)
+TREE_LIB_DIR = "usr/lib/x86_64-linux-gnu"  # inside a root tree
+TREE_LOADER = f"{TREE_LIB_DIR}/ld-linux-x86-64.so.2"
+
+
+@dataclass(frozen=True)
+class Release:
+    """A Slurm release the dev cluster can run in a world of its own, from a Debian root tree."""
+
+    version: str  # major.minor, as users name it ("24.11")
+    suite: str  # the Debian suite whose packages provide it
+    home: Path  # all of this release's files
+
+    packages = ("slurmctld", "slurmd", "slurm-client", "slurmdbd")
+    tools = ("patchelf",)  # used once, inside the tree, to point its programs at the tree's libc
+
+    @property
+    def root(self) -> Path:
+        """The Debian root tree (debootstrap + the Slurm packages); kept across `down`."""
+        return self.home / "root"
+
+    @property
+    def tree_marker(self) -> Path:
+        """Written last when the tree is complete: a tree without it is rebuilt from scratch."""
+        return self.root / ".hpcring-tree.json"
+
+    @property
+    def ns_dir(self) -> Path:
+        return self.home / "ns"  # a private mount, like NS_DIR
+
+    def world_ns(self, kind: str) -> Path:
+        """The world's persistent ``net`` or ``mnt`` namespace file."""
+        return self.ns_dir / f"world.{kind}"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.home / "lock"
+
+    def bind_dirs(self) -> dict[Path, Path]:
+        """Machine directory -> this release's own, bound over it inside the world."""
+        return {STATE_DIR: self.home / "state", LOG_DIR: self.home / "log",
+                SLURM_CONF_DIR: self.home / "etc-slurm", MUNGE_KEY.parent: self.home / "etc-munge",
+                MUNGE_RUN_DIR: self.home / "run-munge", Path("/var/lib/munge"): self.home / "lib-munge",
+                Path("/var/log/munge"): self.home / "log-munge", NETNS_DIR: self.home / "netns"}
+
+    def bind_files(self) -> dict[Path, Path]:
+        return {HOSTS_FILE: self.home / "hosts", Path("/etc/resolv.conf"): self.home / "resolv.conf"}
+
+
+RELEASES: dict[str, Release] = {
+    "24.11": Release("24.11", "trixie", Path("/var/lib/hpcring-devcluster-2411")),
+}

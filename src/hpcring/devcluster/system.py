@@ -11,6 +11,8 @@ from pathlib import Path
 
 from hpcring.errors import DevClusterError
 
+from .names import NETNS_DIR
+
 
 def log_tail(path: Path | str, lines: int = 25) -> str:
     """Last ``lines`` lines of a log file, indented, for error messages ('' when unreadable)."""
@@ -174,9 +176,24 @@ def all_pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
+def our_net_inodes() -> set[int]:
+    """Network namespaces of this cluster: ours and its nodes' (the namespaces bound in NETNS_DIR)."""
+    inodes = {ns_inode("/proc/self/ns/net")}
+    try:
+        names = os.listdir(NETNS_DIR)
+    except OSError:
+        names = []
+    inodes |= {ns_inode(NETNS_DIR / name) for name in names}
+    return {i for i in inodes if i is not None}
+
+
 def pids_by_exe(exe_names: Iterable[str]) -> list[int]:
+    """Processes of this cluster running one of ``exe_names``. A second Slurm release's cluster
+    runs the same programs in network namespaces of its own: they are not ours to stop."""
     names = set(exe_names)
-    return [p for p in all_pids() if p != os.getpid() and pid_is(p, names)]
+    nets = our_net_inodes()
+    return [p for p in all_pids()
+            if p != os.getpid() and pid_is(p, names) and ns_inode(f"/proc/{p}/ns/net") in nets]
 
 
 def ns_inode(path: Path | str) -> int | None:
