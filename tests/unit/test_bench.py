@@ -320,17 +320,16 @@ def test_plot_without_matplotlib_is_a_clear_usage_error(monkeypatch):
         BO.BenchOptions(plot="x.png").check()
 
 
-def test_cli_parses_into_options(monkeypatch):
+def test_cli_parses_into_options(cli, monkeypatch):
     import typer
-    from typer.testing import CliRunner
 
     from hpcring.cli.bench_cmd import register
     seen = {}
     monkeypatch.setattr(BR, "bench_main", lambda o, r, n: seen.update(opts=o, ranks=r, nodes=n) or 0)
     app = typer.Typer()
     register(app)
-    res = CliRunner().invoke(app, ["-c", "alltoall", "-b", "1K", "-e", "16M", "-f", "4", "-d", "float16",
-                                   "-n", "4", "--iters", "3", "--json", "out.json"])
+    res = cli("-c", "alltoall", "-b", "1K", "-e", "16M", "-f", "4", "-d", "float16", "-n", "4", "--iters", "3",
+              "--json", "out.json", app=app)
     assert res.exit_code == 0, res.output
     o = seen["opts"]
     assert (o.collective, o.minbytes, o.maxbytes, o.factor, o.dtype, o.iters, o.json) == \

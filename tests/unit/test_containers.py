@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from typer.testing import CliRunner
 
-from hpcring.cli.main import app
 from hpcring.config.jobspec import resolve_job
 from hpcring.config.site import load_site
 from hpcring.errors import ConfigError, UsageError
@@ -27,7 +25,6 @@ from hpcring.schedulers import container as ct, lsf, slurm
 from hpcring.schedulers.launch_words import LaunchRequest, Shell
 
 ROOT = Path(__file__).resolve().parents[2]
-runner = CliRunner()
 CMD = ("/venv/bin/python", "-u", "-m", "submitit.core._submit", "/jobs/7")
 IMG = "/images/a b$(x)"   # never valid (white space), used only through ContainerRun directly
 
@@ -201,16 +198,15 @@ def test_image_without_a_runtime_is_an_error(tmp_path):
         cc.resolve(None, mounts=["/a"], environ={}, site_name="s")
 
 
-def test_render_shows_the_flags(tmp_path):
+def test_render_shows_the_flags(cli, tmp_path):
     site = tmp_path / "s.yaml"
     site.write_text((ROOT / "site_configs" / "devcluster.yaml").read_text() + SITE_BOX)
     script = tmp_path / "t.py"
     script.write_text("pass\n")
-    r = runner.invoke(app, ["render", str(script), "--site", str(site), "--container-image", "/c.sif",
-                            "--container-mounts", "/m:/m"], env={"HPCRING_CONTAINER_IMAGE": "/e.sif"})
+    r = cli("render", str(script), "--site", str(site), "--container-image", "/c.sif", "--container-mounts", "/m:/m", env={"HPCRING_CONTAINER_IMAGE": "/e.sif"})
     assert r.exit_code == 0, r.output
     assert "--bind /m:/m" in r.output and " /c.sif \\" in r.output and "/e.sif" not in r.output
-    r = runner.invoke(app, ["render", str(script), "--site", str(site), "--no-container"])
+    r = cli("render", str(script), "--site", str(site), "--no-container")
     assert r.exit_code == 0 and "apptainer" not in r.output
 
 
@@ -233,27 +229,26 @@ _bad_mounts = st.one_of(
     st.tuples(_word, _CONTROL).map(lambda t: f"/{t[0]}{t[1]}"))
 
 
-def _no_submit(tmp_path, args, env):
+def _no_submit(cli, tmp_path, args, env):
     """`hpcring submit` with ``args`` and ``env`` must fail with one clear message and start nothing."""
     tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))     # hypothesis reuses tmp_path across examples
     site = tmp_path / "s.yaml"
     site.write_text((ROOT / "site_configs" / "local.yaml").read_text() + SITE_BOX)
     (tmp_path / "t.py").write_text("pass\n")
     state = tmp_path / "state"
-    r = runner.invoke(app, ["submit", str(tmp_path / "t.py"), "--site", str(site), *args],
-                      env={"HPCRING_STATE_DIR": str(state), "HPCRING_JOB_DIR": str(tmp_path / "jobs"), **env})
+    r = cli("submit", str(tmp_path / "t.py"), "--site", str(site), *args, env={"HPCRING_STATE_DIR": str(state), "HPCRING_JOB_DIR": str(tmp_path / "jobs"), **env})
     assert r.exit_code not in (0, None), r.output
     assert "Traceback" not in r.output and "\x1b" not in r.output, r.output
     assert not (tmp_path / "jobs").exists() or not any((tmp_path / "jobs").glob("[0-9]*")), "a job started"
     return r.output
 
 
-def _no_run(tmp_path, args):
+def _no_run(cli, tmp_path, args):
     """`hpcring run` with ``args`` must fail before starting a rank (``true`` would exit 0)."""
     tmp_path = Path(tempfile.mkdtemp(dir=tmp_path))
     site = tmp_path / "s.yaml"
     site.write_text((ROOT / "site_configs" / "local.yaml").read_text() + SITE_BOX)
-    r = runner.invoke(app, ["run", "--site", str(site), *args, "--", "true"])
+    r = cli("run", "--site", str(site), *args, "--", "true")
     assert r.exit_code not in (0, None), r.output
     assert "Traceback" not in r.output and "\x1b" not in r.output, r.output
     return r.output
@@ -265,23 +260,23 @@ _FAST = settings(max_examples=int(os.environ.get("HPCRING_SITE_FIELD_EXAMPLES", 
 
 @_FAST
 @given(_bad_images)
-def test_bad_container_image_flag_and_variable(tmp_path, image):
-    out = _no_submit(tmp_path, ["--container-image", image], {})
+def test_bad_container_image_flag_and_variable(cli, tmp_path, image):
+    out = _no_submit(cli, tmp_path, ["--container-image", image], {})
     assert "--container-image" in out, out
-    assert "--container-image" in _no_run(tmp_path, ["--container-image", image])
+    assert "--container-image" in _no_run(cli, tmp_path, ["--container-image", image])
     if "\x00" not in image and image:      # an empty variable counts as unset
-        out = _no_submit(tmp_path, [], {"HPCRING_CONTAINER_IMAGE": image})
+        out = _no_submit(cli, tmp_path, [], {"HPCRING_CONTAINER_IMAGE": image})
         assert "HPCRING_CONTAINER_IMAGE" in out, out
 
 
 @_FAST
 @given(_bad_mounts)
-def test_bad_container_mounts_flag_and_variable(tmp_path, mount):
-    out = _no_submit(tmp_path, ["--container-mounts", mount], {})
+def test_bad_container_mounts_flag_and_variable(cli, tmp_path, mount):
+    out = _no_submit(cli, tmp_path, ["--container-mounts", mount], {})
     assert "--container-mounts" in out, out
-    assert "--container-mounts" in _no_run(tmp_path, ["--container-mounts", mount])
+    assert "--container-mounts" in _no_run(cli, tmp_path, ["--container-mounts", mount])
     if "\x00" not in mount and mount.strip(" ,"):    # an empty variable counts as unset
-        out = _no_submit(tmp_path, [], {"HPCRING_CONTAINER_MOUNTS": mount})
+        out = _no_submit(cli, tmp_path, [], {"HPCRING_CONTAINER_MOUNTS": mount})
         assert "HPCRING_CONTAINER_MOUNTS" in out, out
 
 
@@ -300,18 +295,17 @@ def test_bad_site_container_values(tmp_path, kv):
     assert f"container.{key}" in str(exc.value), str(exc.value)
 
 
-def test_bad_no_container_variable(tmp_path):
-    out = _no_submit(tmp_path, [], {"HPCRING_NO_CONTAINER": "maybe"})
+def test_bad_no_container_variable(cli, tmp_path):
+    out = _no_submit(cli, tmp_path, [], {"HPCRING_NO_CONTAINER": "maybe"})
     assert "HPCRING_NO_CONTAINER" in out, out
 
 
-def test_verbose_names_where_the_image_and_mounts_came_from(tmp_path):
+def test_verbose_names_where_the_image_and_mounts_came_from(cli, tmp_path):
     site = tmp_path / "s.yaml"
     site.write_text((ROOT / "site_configs" / "devcluster.yaml").read_text() + SITE_BOX)
     script = tmp_path / "t.py"
     script.write_text("pass\n")
-    r = runner.invoke(app, ["render", str(script), "--site", str(site), "-v"],
-                      env={"HPCRING_CONTAINER_MOUNTS": "/e:/e"})
+    r = cli("render", str(script), "--site", str(site), "-v", env={"HPCRING_CONTAINER_MOUNTS": "/e:/e"})
     assert r.exit_code == 0, r.output
     assert re.search(r"container +apptainer /site.sif +<- site devcluster", r.output), r.output
     assert re.search(r"mounts +/data:/data,/x:/in,/e:/e +<- env HPCRING_CONTAINER_MOUNTS \+ site devcluster",
@@ -341,14 +335,13 @@ def test_hpcring_run_ranks_use_the_sites_python_inside_an_image(tmp_path, monkey
     assert host[0] == sys.executable
 
 
-def test_hpcring_run_with_pyxis_outside_slurm_is_refused(tmp_path):
+def test_hpcring_run_with_pyxis_outside_slurm_is_refused(cli, tmp_path):
     site = tmp_path / "p.yaml"
     site.write_text((ROOT / "site_configs" / "slurm-pyxis.yaml").read_text().replace("/lustre/jobs/hpcring",
                                                                                       str(tmp_path / "j")))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LSB_"))}
-    r = runner.invoke(app, ["run", "--site", str(site), "--", "true"], env=env)
+    r = cli("run", "--site", str(site), "--", "true", env=env)
     assert r.exit_code not in (0, None) and "pyxis is a plugin of Slurm's srun" in r.output, r.output
     # --no-container: on the host (this machine has no ib0, so the ranks fail there, past this check)
-    r = runner.invoke(app, ["run", "--site", str(site), "--no-container", "--tasks-per-node", "1", "--", "true"],
-                      env=env)
+    r = cli("run", "--site", str(site), "--no-container", "--tasks-per-node", "1", "--", "true", env=env)
     assert "pyxis" not in r.output, r.output

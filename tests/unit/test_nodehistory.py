@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as hs
-from typer.testing import CliRunner
 
 from hpcring import nodehistory as nh
 from hpcring import restarts
@@ -27,7 +26,6 @@ HELLO = str(ROOT / "examples" / "hello.py")
 HOSTS = ["node1", "node2", "node3"]          # 3 nodes x 1 rank
 NOW = 1_800_000_000.0                       # 2027-01-15, a fixed "now"
 DAY = 86400.0
-runner = CliRunner()
 
 
 # ---- a realistic failed job: the watchdog's own report, the ranks' own records ----------------------
@@ -229,36 +227,30 @@ def _two_blames(tmp_path, node="node2"):
 
 
 @pytest.mark.parametrize("argv", [["render"], ["submit", "--dry-run"]])
-def test_render_and_dry_run_show_the_exclude(tmp_path, argv):
+def test_render_and_dry_run_show_the_exclude(cli, tmp_path, argv):
     _two_blames(tmp_path)
-    r = runner.invoke(_app(), [*argv, HELLO, "--site", SITE, "-N", "2"])
+    r = cli(*argv, HELLO, "--site", SITE, "-N", "2")
     assert r.exit_code == 0, r.output
     assert "#SBATCH --exclude=node2\n" in r.stdout
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("node history:")]
     assert len(notes) == 1 and "leaving out node2 (2 blames in 7 days, last: unreachable (rank 1) in job 1)" in notes[0]
-    r = runner.invoke(_app(), [*argv, HELLO, "--site", SITE, "-N", "2", "--no-node-history"])
+    r = cli(*argv, HELLO, "--site", SITE, "-N", "2", "--no-node-history")
     assert r.exit_code == 0 and "--exclude" not in r.stdout
     assert "not leaving out node2" in r.stderr and "--no-node-history" in r.stderr
 
 
-def test_lsf_gets_its_own_exclusion_and_local_none(tmp_path):
+def test_lsf_gets_its_own_exclusion_and_local_none(cli, tmp_path):
     _two_blames(tmp_path)
-    r = runner.invoke(_app(), ["render", HELLO, "--site", "devcluster-lsf", "-N", "2"],
-                      env={"HPCRING_BAD_NODE_BLAMES": "2"})
+    r = cli("render", HELLO, "--site", "devcluster-lsf", "-N", "2", env={"HPCRING_BAD_NODE_BLAMES": "2"})
     assert r.exit_code == 0 and "hname!=node2" in r.stdout, r.output
-    r = runner.invoke(_app(), ["render", HELLO, "--site", "local"])
+    r = cli("render", HELLO, "--site", "local")
     assert r.exit_code == 0 and "node history" not in r.stderr
 
 
-def test_verbose_says_where_the_exclusion_came_from(tmp_path):
+def test_verbose_says_where_the_exclusion_came_from(cli, tmp_path):
     _two_blames(tmp_path)
-    r = runner.invoke(_app(), ["render", HELLO, "--site", SITE, "-v"])
+    r = cli("render", HELLO, "--site", SITE, "-v")
     assert f"exclude         node2                    <- node history {history(tmp_path)}" in r.stderr
-
-
-def _app():
-    from hpcring.cli.main import app
-    return app
 
 
 # ---- the commands that see a job end record it -----------------------------------------------------------
@@ -270,19 +262,19 @@ def _slurm_says(monkeypatch, state="FAILED"):
 
 
 @pytest.mark.parametrize("argv", [["status"], ["logs", "--follow"]])
-def test_status_and_logs_follow_record_the_blame(tmp_path, monkeypatch, argv):
+def test_status_and_logs_follow_record_the_blame(cli, tmp_path, monkeypatch, argv):
     from hpcring.schedulers.base import save_record
     rec, _ = failed_job(tmp_path, "42")
     save_record(rec)
     _slurm_says(monkeypatch)
-    r = runner.invoke(_app(), [*argv, rec.key])
+    r = cli(*argv, rec.key)
     assert "recorded node2 (unreachable (rank 1))" in r.stderr, r.output
     assert [b.node for b in nh.read(tmp_path / "jobs")] == ["node2"]
-    r = runner.invoke(_app(), [*argv, rec.key])                # seen again: recorded once
+    r = cli(*argv, rec.key)                # seen again: recorded once
     assert "recorded" not in r.stderr and len(nh.read(tmp_path / "jobs")) == 1
 
 
-def test_status_of_an_array_records_each_failed_task(tmp_path, monkeypatch):
+def test_status_of_an_array_records_each_failed_task(cli, tmp_path, monkeypatch):
     """Every task is a whole job with its own report: the one whose report blames a node is recorded."""
     from dataclasses import replace
     from hpcring.schedulers.base import save_record
@@ -291,7 +283,7 @@ def test_status_of_an_array_records_each_failed_task(tmp_path, monkeypatch):
     rec = replace(task, job_id="50", folder=str(tmp_path / "jobs" / "50"), array=[0, 1])
     save_record(rec)
     _slurm_says(monkeypatch)
-    r = runner.invoke(_app(), ["status", rec.key])
+    r = cli("status", rec.key)
     assert r.exit_code == 0 and "job 50_1: node history" in r.stderr, r.output
     assert [(b.node, b.job, b.key) for b in nh.read(tmp_path / "jobs")] == [("node2", "50_1", "slurm-devcluster-50_1")]
 
@@ -310,12 +302,12 @@ def test_submit_wait_records_before_it_reports_the_failure(tmp_path, monkeypatch
 
 # ---- hpcring nodes list / clear -------------------------------------------------------------------------
 
-def test_nodes_list_and_clear(tmp_path):
+def test_nodes_list_and_clear(cli, tmp_path):
     now = time.time()
     nh.append(tmp_path / "jobs", [nh.Blame("node2", now - DAY, "1", "k1", "unreachable (rank 1)"),
                                   nh.Blame("node2", now - 2 * DAY, "2", "k2", "dead (rank 3)"),
                                   nh.Blame("node3", now - DAY, "3", "k3", "stalled link (rank 0 -> rank 1)")])
-    r = runner.invoke(_app(), ["nodes", "list", "--site", SITE])
+    r = cli("nodes", "list", "--site", SITE)
     assert r.exit_code == 0, r.output
     out = r.stdout.splitlines()
     assert out[0].startswith(f"node history {history(tmp_path)} (site slurm-tcp): a node blamed 2 times within "
@@ -324,31 +316,31 @@ def test_nodes_list_and_clear(tmp_path):
     assert out[2].split()[0:3] == ["node2", "2", "2"] and " 1 " in out[2] and " yes " in out[2]
     assert out[2].endswith("unreachable (rank 1)")
     assert out[3].split()[0:3] == ["node3", "1", "1"] and " no " in out[3]
-    r = runner.invoke(_app(), ["nodes", "clear", "node2", "--site", SITE])
+    r = cli("nodes", "clear", "node2", "--site", SITE)
     assert r.exit_code == 0 and "cleared node2 (2 blames); new jobs use them again" in r.stderr, r.output
     assert [b.node for b in nh.read(tmp_path / "jobs")] == ["node3"]
-    r = runner.invoke(_app(), ["nodes", "clear", "node9", "node3", "--site", SITE])
+    r = cli("nodes", "clear", "node9", "node3", "--site", SITE)
     assert r.exit_code == 1 and "cleared node3 (1 blame)" in r.stderr
     assert "error: node node9 is not in the node history" in r.stderr and r.stderr.count("error:") == 1
     assert nh.read(tmp_path / "jobs") == []
-    r = runner.invoke(_app(), ["nodes", "list", "--site", SITE])
+    r = cli("nodes", "list", "--site", SITE)
     assert r.exit_code == 0 and "no node was blamed" in r.stdout
 
 
 @pytest.mark.parametrize("argv,words", [(["clear"], "none was named"), (["clear", "node1", "--all"], "not both"),
                                         (["clear", "no;de"], "no host name"), (["clear", "-x"], "No such option")])
-def test_nodes_clear_usage(tmp_path, argv, words):
-    r = runner.invoke(_app(), ["nodes", *argv, "--site", SITE])
+def test_nodes_clear_usage(cli, tmp_path, argv, words):
+    r = cli("nodes", *argv, "--site", SITE)
     assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output
     assert not (tmp_path / "jobs" / ".hpcring").exists()
 
 
-def test_nodes_clear_all(tmp_path):
+def test_nodes_clear_all(cli, tmp_path):
     _two_blames(tmp_path)
-    r = runner.invoke(_app(), ["nodes", "clear", "--all", "--site", SITE])
+    r = cli("nodes", "clear", "--all", "--site", SITE)
     assert r.exit_code == 0 and "cleared node2 (2 blames)" in r.stderr
     assert history(tmp_path).read_text() == ""
-    r = runner.invoke(_app(), ["nodes", "clear", "--all", "--site", SITE])
+    r = cli("nodes", "clear", "--all", "--site", SITE)
     assert r.exit_code == 0 and "nothing to clear" in r.stderr
 
 
@@ -422,24 +414,24 @@ def _corrupt(tmp_path, kind) -> Path:
 
 
 @pytest.mark.parametrize("kind", sorted(CORRUPT))
-def test_a_corrupt_history_warns_and_the_job_goes_on_without_it(tmp_path, kind):
+def test_a_corrupt_history_warns_and_the_job_goes_on_without_it(cli, tmp_path, kind):
     path = _corrupt(tmp_path, kind)
     with pytest.raises(nh.CorruptHistory) as exc:
         nh.read(tmp_path / "jobs")
     assert str(path) in exc.value.message and "line 3" in exc.value.message and "clear --all" in exc.value.hint
     # submit (here render): one warning naming the file, nothing left out, the script rendered
-    r = runner.invoke(_app(), ["render", HELLO, "--site", SITE])
+    r = cli("render", HELLO, "--site", SITE)
     assert r.exit_code == 0 and r.stdout.startswith("#!") and "--exclude" not in r.stdout, r.output
     warn = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warn) == 1 and str(path) in warn[0] and "no node is left out of this job automatically" in warn[0]
     assert "Traceback" not in r.output and "\x1b" not in r.output
     # nodes list: an error naming the file and what to do
-    r = runner.invoke(_app(), ["nodes", "list", "--site", SITE])
+    r = cli("nodes", "list", "--site", SITE)
     assert r.exit_code == 1 and str(path) in r.stderr and "hint:" in r.stderr and "Traceback" not in r.output
     # one node cannot be cleared from it; --all repairs it
-    r = runner.invoke(_app(), ["nodes", "clear", "node2", "--site", SITE])
+    r = cli("nodes", "clear", "node2", "--site", SITE)
     assert r.exit_code == 1 and "cleared one by one" in r.stderr
-    r = runner.invoke(_app(), ["nodes", "clear", "--all", "--site", SITE])
+    r = cli("nodes", "clear", "--all", "--site", SITE)
     assert r.exit_code == 0 and "1 corrupt line dropped" in r.stderr, r.output
     assert nh.read(tmp_path / "jobs") == []
 
@@ -454,7 +446,7 @@ def test_recording_into_a_line_cut_short_keeps_the_new_record_whole(tmp_path):
     assert len(lines) == 4 and json.loads(lines[3])["job"] == "77"   # not glued to the half line
 
 
-def test_unwritable_history_is_a_warning_for_the_job_and_an_error_for_nodes(tmp_path, monkeypatch):
+def test_unwritable_history_is_a_warning_for_the_job_and_an_error_for_nodes(cli, tmp_path, monkeypatch):
     rec, oc = failed_job(tmp_path, "5")
     real = os.open
 
@@ -469,21 +461,21 @@ def test_unwritable_history_is_a_warning_for_the_job_and_an_error_for_nodes(tmp_
     monkeypatch.setattr(os, "open", real)
     _two_blames(tmp_path)
     monkeypatch.setattr(os, "open", denied)
-    r = runner.invoke(_app(), ["nodes", "clear", "node2", "--site", SITE])
+    r = cli("nodes", "clear", "node2", "--site", SITE)
     assert r.exit_code == 1 and "cannot rewrite the node history" in r.stderr and "Traceback" not in r.output
     # a reader that may not open the lock for writing still reads (shared lock on a read-only fd)
     assert [b.node for b in nh.read(tmp_path / "jobs")] == ["node2", "node2"]
 
 
 @pytest.mark.parametrize("what", ["folder", "fifo"])
-def test_a_history_that_is_no_file_is_refused_without_hanging(tmp_path, what):
+def test_a_history_that_is_no_file_is_refused_without_hanging(cli, tmp_path, what):
     path = history(tmp_path)
     path.parent.mkdir(parents=True)
     path.mkdir() if what == "folder" else os.mkfifo(path)
     with pytest.raises(nh.HistoryError) as exc:
         nh.read(tmp_path / "jobs")
     assert str(path) in exc.value.message
-    r = runner.invoke(_app(), ["render", HELLO, "--site", SITE])
+    r = cli("render", HELLO, "--site", SITE)
     assert r.exit_code == 0 and "warning:" in r.stderr and str(path) in r.stderr
 
 
@@ -504,9 +496,9 @@ def test_a_lock_held_too_long_is_an_error_not_a_hang(tmp_path, monkeypatch):
         os.close(fd)
 
 
-def test_no_history_yet_creates_nothing(tmp_path):
-    r = runner.invoke(_app(), ["render", HELLO, "--site", SITE])
+def test_no_history_yet_creates_nothing(cli, tmp_path):
+    r = cli("render", HELLO, "--site", SITE)
     assert r.exit_code == 0
-    r = runner.invoke(_app(), ["nodes", "list", "--site", SITE])
+    r = cli("nodes", "list", "--site", SITE)
     assert r.exit_code == 0 and "no node was blamed" in r.stdout
     assert list((tmp_path / "jobs").iterdir()) == []

@@ -12,13 +12,10 @@ import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from typer.testing import CliRunner
 
-from hpcring.cli.main import app
 from hpcring.config.text import MAX_TEXT
 from helpers.site_fields import Field, schema_fields, write_site, yaml_text
 
-runner = CliRunner()
 EXAMPLES = int(os.environ.get("HPCRING_SITE_FIELD_EXAMPLES", "5"))
 FIELDS = schema_fields()
 
@@ -101,14 +98,13 @@ def _expected_key(field: Field) -> str:
     return ".".join(str(p) for p in path)
 
 
-def check_refused(tmp_path, field: Field, raw: str, scheduler: str = "slurm") -> None:
+def check_refused(cli, tmp_path, field: Field, raw: str, scheduler: str = "slurm") -> None:
     site, lines = write_site(tmp_path, scheduler, field, raw)
     script = tmp_path / "train.py"
     script.write_text("print('started')\n")
     state = tmp_path / "state"
     # no sbatch on PATH: a site wrongly accepted fails later, without naming the field, and starts nothing
-    r = runner.invoke(app, ["submit", str(script), "--site", str(site)],
-                      env={"HPCRING_STATE_DIR": str(state), "PATH": str(tmp_path / "no-bin"),
+    r = cli("submit", str(script), "--site", str(site), env={"HPCRING_STATE_DIR": str(state), "PATH": str(tmp_path / "no-bin"),
                            "HPCRING_JOB_DIR": str(tmp_path / "jobs")})
     out = r.stdout + r.stderr
     shown = f"{field} = {raw[:80]!r}:\n{out[:2000]}"
@@ -128,14 +124,14 @@ def check_refused(tmp_path, field: Field, raw: str, scheduler: str = "slurm") ->
 
 
 @pytest.mark.parametrize("field,family", CASES, ids=[f"{f.dotted}-{fam}" for f, fam in CASES])
-def test_every_field_refuses_every_bad_value(tmp_path_factory, field, family):
+def test_every_field_refuses_every_bad_value(cli, tmp_path_factory, field, family):
     strategy = mutations(field)[family]
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     @given(raw=strategy)
     def run(raw):
-        check_refused(tmp_path_factory.mktemp("m"), field, raw)
+        check_refused(cli, tmp_path_factory.mktemp("m"), field, raw)
 
     run()
 
@@ -183,33 +179,33 @@ REGRESSIONS = [
 
 
 @pytest.mark.parametrize("dotted,raw", REGRESSIONS, ids=[f"{d}={r[:20]}" for d, r in REGRESSIONS])
-def test_issue_19_site_values(tmp_path, dotted, raw):
+def test_issue_19_site_values(cli, tmp_path, dotted, raw):
     field = next(f for f in FIELDS if f.dotted == dotted)
-    check_refused(tmp_path, field, raw)
+    check_refused(cli, tmp_path, field, raw)
 
 
-def test_interface_list_names_each_bad_entry(tmp_path):
+def test_interface_list_names_each_bad_entry(cli, tmp_path):
     f = next(f for f in FIELDS if f.dotted == "fabric.data_interfaces")
     site, _ = write_site(tmp_path, "slurm", f, '["=eth0", "=eth 0"]')
-    r = runner.invoke(app, ["sites", "validate", str(site)])
+    r = cli("sites", "validate", str(site))
     assert r.exit_code == 1 and "fabric.data_interfaces.1: '=eth 0' is not an interface entry" in r.stderr
 
 
-def test_lsf_warning_needs_signal_and_time(tmp_path):
+def test_lsf_warning_needs_signal_and_time(cli, tmp_path):
     f = next(f for f in FIELDS if f.dotted == "lsf.warning_time")
     site, _ = write_site(tmp_path, "lsf", f, "null")
-    r = runner.invoke(app, ["sites", "validate", str(site)])
+    r = cli("sites", "validate", str(site))
     assert r.exit_code == 1 and "lsf.warning_time: LSF's warning needs both" in r.stderr
 
 
 @pytest.mark.parametrize("value", ["USR2@90", "SIGUSR1@60", "R:USR2@300", "B:TERM", "10@5", "USR2"])
-def test_good_slurm_signals_pass(tmp_path, value):
+def test_good_slurm_signals_pass(cli, tmp_path, value):
     f = next(f for f in FIELDS if f.dotted == "slurm.signal")
     site, _ = write_site(tmp_path, "slurm", f, yaml_text(value))
-    r = runner.invoke(app, ["sites", "validate", str(site)])
+    r = cli("sites", "validate", str(site))
     assert r.exit_code == 0, r.stderr
 
 
-def test_bundled_sites_still_validate():
-    r = runner.invoke(app, ["sites", "validate"], env={"HPCRING_SITE_DIRS": "", "XDG_CONFIG_HOME": "/nonexistent"})
+def test_bundled_sites_still_validate(cli):
+    r = cli("sites", "validate", env={"HPCRING_SITE_DIRS": "", "XDG_CONFIG_HOME": "/nonexistent"})
     assert r.exit_code == 0, r.stderr
