@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
 from hpcring.hostlist import MAX_DIGITS, MAX_RANGE, compress, expand
 from hpcring.cli.hostlist_cmd import app
@@ -193,9 +192,6 @@ def test_expand_compress_expand_is_stable(prefixes, ranges):
 
 
 # ------------------------------------------------------------------------------------ CLI
-
-runner = CliRunner()
-
 
 def test_cli_expand_and_compress(cli):
     out = cli("expand", "n[1-2] m3", app=app)
