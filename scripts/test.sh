@@ -26,7 +26,7 @@ echo "test.sh: devcluster up took $(( $(date +%s) - t0 )) s"
 rc=0
 # Test files that ranks read must be visible on every node: /tmp is node-private there.
 tmp=/srv/hpcring/pytest-tmp
-pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30)
+pytest=(.venv/bin/python -u -m pytest -q -p no:cacheprovider --durations=30)   # -u: tier lines stream
 if [[ $# -gt 0 ]]; then
     "${pytest[@]}" --basetemp="$tmp" "$@" || rc=$?
 else
