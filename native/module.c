@@ -23,6 +23,7 @@
  *   between the ranks of a node (transport_shm.h; setup and unlinking in collectives/ring.py)
  *   reduce(dst, src, dtype, op)   local kernel dst = dst OP src (tests, fused host-side use)
  *   DTYPES {name: (code, itemsize)}, OPS {name: code}: the enums below, by name
+ *   P2P, P2PReq: point-to-point (p2p_module.c)
  *
  * Buffers are any C-contiguous buffer-protocol objects (numpy arrays, memoryviews); lengths are
  * in bytes and checked against the dtype. dtype / op are the integers of enum hr_dtype /
@@ -37,6 +38,8 @@
 
 #include "hr_internal.h"
 #include "module_flight.h"
+
+int hr_p2p_module_add(PyObject *m);   /* p2p_module.c: P2P, P2PReq */
 
 #include <stddef.h>
 
@@ -848,7 +851,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "DIRECT_MAX_DEFAULT", (long)HR_DIRECT_MAX_DEFAULT) < 0 ||
         PyModule_AddIntConstant(m, "DIRECT_MAX_RANKS", (long)HR_DIRECT_MAX_RANKS) < 0 ||
         PyModule_AddIntConstant(m, "BCAST_TREE_MAX_DEFAULT", (long)HR_BCAST_TREE_MAX_DEFAULT) < 0 ||
-        mod_add_codes(m) < 0) {
+        mod_add_codes(m) < 0 || hr_p2p_module_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -7,68 +7,81 @@ while either rank is inside a collective. Point-to-point has its own connections
   ``{base}/p2p/addr/{rank}``;
 * a rank connects to a peer when it first sends to it, and sends to it only on that connection
   (so messages keep their order); the peer accepts it and reads from it. Connections are one-way
-  for data, so a receive never waits for the receiver to act (a rank that only receives from a
-  peer needs no connection of its own to it). The job secret is proven both ways before anything
-  is parsed (hpcring.bootstrap.auth, the ring's handshake bound to ``{base}/p2p/{listener}``). A
-  pipeline stage holds 4 connections (to and from each neighbour); pairs that never talk hold none.
+  for data, so a receive never waits for the receiver to act. The job secret is proven both ways
+  before anything is parsed (hpcring.bootstrap.auth, the ring's handshake bound to
+  ``{base}/p2p/{listener}``).
 
-Wire: a frame is a 16-byte header (tag int64, payload bytes uint64, big-endian) and the payload.
-One reader thread per incoming connection matches each frame to the oldest posted receive for (that
-peer or any, that tag) and reads the payload straight into its buffer; with none posted, into a
-buffer of its own (an *unexpected* message, taken by the next matching receive). Messages of one
-pair and tag arrive in send order (MPI's non-overtaking rule). One sender thread per outgoing connection
-writes the sends in order, so ``isend`` returns at once and two ranks sending to each other
-never block (each side's reader drains).
-
-Failures (each names both ranks, the tag and the size):
-* deadline: :data:`hpcring.collectives.p2p.KEEPER` fails the request, naming what was missing
-  (the peer never connected: it has sent nothing to this rank; connected: the message never
-  came; partly moved: the link stalled);
-* a closed or reset connection fails every request with that peer at once;
-* a message whose size differs from the posted receive fails that receive (the sender's size,
-  the receiver's);
-Any failure with a peer is sticky for that peer (a late message could otherwise match the wrong
-receive); other peers go on.
-
-Payload bytes are not MACed (as the collectives: peers are authenticated, the path is trusted).
+Once made and authenticated here, a connection is handed to the native queue (native/p2p.h):
+framing, matching per (sender, tag) in send order, receives from any rank, unexpected messages,
+deadlines and sticky per-pair failures run in C, on one progress thread per communicator. A
+waiter blocks in C with the GIL released (:meth:`NativeRequest.drive`); a request nobody waits
+for is settled by this mailbox's notifier thread, so a torch Work's future learns of a failure at
+the deadline. docs/collectives.md "Point-to-point" has the wire format and the failure wording.
 """
 from __future__ import annotations
 
+import itertools
 import logging
-import queue
 import socket
-import struct
 import threading
 import time
 
-import numpy as np
-
 from hpcring.collectives.handshake import authenticate_connector, authenticate_listener, handshake_timeout
-from hpcring.collectives.p2p import KEEPER, RECV, SEND, Request, size_text
+from hpcring.collectives.p2p import RECV, SEND, Request
 
 log = logging.getLogger("hpcring.collectives.mailbox")
 
-_HEADER = struct.Struct(">qQ")
-INLINE_MAX = 64 << 10      # sends up to this size are written by the caller when nothing is queued
 _CONNECT_HINT = ("that rank has not reached its first send/recv with this rank (a different schedule?), "
                  "or it is hung or dead: look at its log (hpcring stacks JOB)")
+# the native queue's hint codes (enum hr_p2p_hint in native/p2p.h)
+_HINTS = {
+    0: None,
+    1: _CONNECT_HINT,
+    2: "that rank died or ended early: look at its log (the first failing rank is the cause)",
+    3: "send and receive tensors of the same size and dtype, in the same order per tag",
+    4: "the peer froze or the network path stalls",
+    5: "the sender is late, hung, or sends with another tag or to another rank: look at its log and stack "
+       "(hpcring stacks JOB)",
+}
 
 
-class _Peer:
-    """One peer: the connection this rank sends on (``out``, made by its sender thread) and the one
-    it reads from (``inc``, accepted), the sender queue, the threads, the sticky error."""
+class NativeRequest(Request):
+    """A request whose bytes the native queue moves; :meth:`drive` waits for it in C."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.out: socket.socket | None = None
-        self.inc: socket.socket | None = None
-        self.sends: queue.SimpleQueue | None = None   # created with the sender thread
-        self.lock = threading.Lock()                  # one frame at a time on ``out``
-        self.queued = 0                               # sends queued and not written yet
-        self.error: str | None = None
-        self.reading: Request | None = None       # the receive the reader is filling
-        self.sending: Request | None = None
-        self.threads: list[threading.Thread] = []
+    def __init__(self, box: "Mailbox", *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self._box = box
+        self.id = 0
+        self.native = None          # the hpcring._native.P2PReq, once posted
+
+    def settle(self) -> bool:
+        """Finish from the native state when it is done; True once finished."""
+        if self._finished:
+            return True
+        n = self.native
+        res = None if n is None else n.result()
+        if res is None:
+            return False
+        failed, source, why, hint = res
+        if failed:
+            self.fail(why, _HINTS.get(hint))
+        else:
+            self.complete(source)
+        self._box._pending.pop(self.id, None)
+        return True
+
+    def drive(self, timeout: float | None = None) -> None:
+        """Block in C (GIL released) until done, or ``timeout`` s (None: the deadline, by which
+        the progress thread has failed it), then finish in this thread: no thread hand-off."""
+        if self._finished or self.native is None:
+            return
+        limit = self.deadline - time.monotonic() + 1.0 if timeout is None else timeout
+        self.native.wait(max(0.0, limit))
+        self.settle()
+
+    def wait(self, timeout: float | None = None):
+        self.drive(timeout)
+        return super().wait(timeout)
 
 
 class Mailbox:
@@ -76,14 +89,17 @@ class Mailbox:
 
     def __init__(self, rank: int, size: int, hosts, store, secret: bytes, base: str, address: str,
                  bind: str | None = None) -> None:
+        from hpcring import _native
         self._auth_connector, self._auth_listener = authenticate_connector, authenticate_listener
         self.rank, self.size, self.hosts = rank, size, tuple(hosts)
         self.store, self.secret, self.base = store, secret, f"{base}/p2p"
         self._lock = threading.Lock()
-        self._peers: dict[int, _Peer] = {}
-        self._posted: list[Request] = []                       # receives waiting, oldest first
-        self._unexpected: list[tuple[int, int, bytearray]] = []  # (source, tag, payload), arrival order
+        self._pending: dict[int, NativeRequest] = {}
+        self._ids = itertools.count(1)
+        self._connecting: set[int] = set()
+        self._threads: list[threading.Thread] = []
         self._closed = False
+        self._box = _native.P2P(rank, size, [str(h) for h in self.hosts])
         self._lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._lsock.bind((bind or "0.0.0.0", 0))
@@ -93,104 +109,100 @@ class Mailbox:
             self.store.set(f"{self.base}/addr/{rank}", f"{address}:{port}".encode())
         except BaseException:
             self._lsock.close()
+            self._box.close()
             raise
-        self._handshakes: list[threading.Thread] = []
+        self._notifier = threading.Thread(target=self._notify, name=f"hpcring-p2p-notify:{rank}", daemon=True)
+        self._notifier.start()
         ACCEPTOR.register(self._lsock, self._on_accept)
 
     # -- the public side ----------------------------------------------------------------------
     def send(self, buf, dst: int, tag: int, timeout: float, record=None) -> Request:
         """Queue ``buf`` (1-D uint8) for rank ``dst``; the request completes once the bytes are
-        written to the connection (the receiver's reader drains it)."""
-        req = Request(SEND, buf, dst, tag, timeout, rank=self.rank, hosts=self.hosts, record=record)
-        peer = self._peer(dst, req)
-        if peer is None:
-            return req
-        with peer.lock:
-            # a small message with nothing queued before it is written here: no thread hop
-            # (measured: the hop was about half of a 4-byte round trip on 2 busy cores)
-            if req.nbytes <= INLINE_MAX and peer.out is not None and peer.queued == 0 and peer.error is None:
-                self._write(peer, req)
-                return req
-            peer.queued += 1
-        KEEPER.watch(req, self._expire)
-        peer.sends.put(req)
-        return req
+        written to the connection (small ones by this call, the rest by the progress thread)."""
+        req = NativeRequest(self, SEND, buf, dst, tag, timeout, rank=self.rank, hosts=self.hosts, record=record)
+        if dst not in self._connecting:
+            self._start_connect(dst, req.deadline)
+        return self._post(req, self._box.isend)
 
     def recv(self, buf, src: int | None, tag: int, timeout: float, record=None) -> Request:
         """Post a receive into ``buf`` (1-D uint8, writable) from rank ``src`` (None: any rank);
         the request's result is the source rank."""
-        req = Request(RECV, buf, src, tag, timeout, rank=self.rank, hosts=self.hosts, record=record)
-        if src is not None and self._peer(src, req) is None:
-            return req
-        with self._lock:
-            if self._closed:
-                req.fail("the communicator is closed")
-                return req
-            for i, (source, t, data) in enumerate(self._unexpected):
-                if t == tag and (src is None or source == src):
-                    del self._unexpected[i]
-                    break
-            else:
-                self._posted.append(req)
-                data = None
-        if data is not None:
-            self._deliver(req, source, data)
-        else:
-            KEEPER.watch(req, self._expire)
+        req = NativeRequest(self, RECV, buf, src, tag, timeout, rank=self.rank, hosts=self.hosts, record=record)
+        return self._post(req, self._box.irecv)
+
+    def _post(self, req: NativeRequest, post) -> NativeRequest:
+        req.id = next(self._ids)
+        self._pending[req.id] = req
+        req.native = post(req.id, req.buf, -1 if req.peer is None else req.peer, req.tag, req.timeout)
+        req.settle()        # done already: written inline, an unexpected message, or refused
         return req
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            peers, posted = list(self._peers.values()), list(self._posted)
-            self._posted.clear()
         ACCEPTOR.unregister(self._lsock)
         try:
             self._lsock.close()
         except OSError:
             pass
-        for p in peers:
-            if p.sends is not None:
-                p.sends.put(None)
-            _shutdown(p.out, p.inc)
-        for t in [t for p in peers for t in p.threads] + self._handshakes:
+        self._box.close()           # fails what is pending; the notifier settles it, then ends
+        for t in [self._notifier] + self._threads:
             if t is not threading.current_thread():
                 t.join(2.0)
-        for p in peers:
-            for sock in (p.out, p.inc):
-                if sock is not None:
-                    sock.close()
-        for r in posted:
-            r.fail("the communicator was closed")
+        for r in list(self._pending.values()):
+            r.settle()
 
-    # -- peers ----------------------------------------------------------------------------------
+    def _notify(self) -> None:
+        """Settle the requests that completed while nobody waited (failures at their deadline
+        included), so callbacks and torch futures learn of them on time."""
+        box = self._box
+        while True:
+            ids = box.take_done(1.0)
+            if ids is None:
+                return
+            for i in ids:
+                r = self._pending.get(i)
+                if r is not None:
+                    r.settle()
+
+    # -- connections ----------------------------------------------------------------------------
     def _who(self, r: int) -> str:
         return f"rank {r} ({self.hosts[r] if r < len(self.hosts) else '?'})"
 
-    def _peer(self, r: int, req: Request) -> _Peer | None:
-        """The peer ``r`` (for a send: with its sender thread, which connects), or None after
-        failing ``req`` with the peer's sticky error."""
+    def _start_connect(self, r: int, deadline: float) -> None:
         with self._lock:
-            p = self._peers.get(r)
-            if p is None:
-                p = self._peers[r] = _Peer(r)
-            start = req.kind == SEND and p.sends is None
-            if start:
-                p.sends = queue.SimpleQueue()
-        if start:
-            t = threading.Thread(target=self._sender, args=(p, req.deadline), name=f"hpcring-p2p-send:{self.rank}>{r}",
+            if r in self._connecting or self._closed:
+                return
+            self._connecting.add(r)
+            t = threading.Thread(target=self._connector, args=(r, deadline), name=f"hpcring-p2p-connect:{self.rank}>{r}",
                                  daemon=True)
-            p.threads.append(t)
-            t.start()
-        if p.error is not None:
-            req.fail(p.error)
-            return None
-        return p
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
 
-    def _connect(self, p: _Peer, deadline: float) -> socket.socket:
-        """Connect to ``p`` once its address is published, and authenticate."""
+    def _connector(self, r: int, deadline: float) -> None:
+        try:
+            s = self._connect(r, deadline)
+        except (OSError, ConnectionError, TimeoutError) as e:
+            if not self._closed:
+                self._box.fail_peer(r, f"no point-to-point connection to {self._who(r)}: {e}", 1)
+            return
+        self._hand_over(s, r, incoming=False)
+
+    def _hand_over(self, s: socket.socket, r: int, incoming: bool) -> None:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._box.set_fd(r, s.fileno(), incoming)
+        except ValueError as e:
+            if not self._closed:
+                log.warning("p2p rank %d: refused a connection with rank %d: %s", self.rank, r, e)
+            s.close()
+            return
+        s.detach()                  # the native queue owns the descriptor now
+
+    def _connect(self, r: int, deadline: float) -> socket.socket:
+        """Connect to rank ``r`` once its address is published, and authenticate."""
         delay = 0.002
-        key = f"{self.base}/addr/{p.rank}"
+        key = f"{self.base}/addr/{r}"
         while True:
             if self._closed:
                 raise ConnectionError("closed")
@@ -198,13 +210,13 @@ class Mailbox:
             if text is not None:
                 break
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{self._who(p.rank)} never opened point-to-point (no address published)")
+                raise TimeoutError(f"{self._who(r)} never opened point-to-point (no address published)")
             time.sleep(delay)
             delay = min(0.05, delay * 2)
         host, _, port = text.decode().rpartition(":")
         s = socket.create_connection((host, int(port)), timeout=max(0.5, min(10.0, deadline - time.monotonic())))
         try:
-            self._auth_connector(s, self.secret, f"{self.base}/{p.rank}".encode(), self.rank, 0)
+            self._auth_connector(s, self.secret, f"{self.base}/{r}".encode(), self.rank, 0)
         except BaseException:
             s.close()
             raise
@@ -214,7 +226,8 @@ class Mailbox:
         """A new connection (from the shared acceptor): authenticate it on a thread of its own,
         so a slow or hostile connector delays nobody."""
         t = threading.Thread(target=self._handshake, args=(s, addr), name=f"hpcring-p2p-auth:{self.rank}", daemon=True)
-        self._handshakes = [x for x in self._handshakes if x.is_alive()] + [t]
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
         t.start()
 
     def _handshake(self, s: socket.socket, addr) -> None:
@@ -229,169 +242,10 @@ class Mailbox:
             log.warning("p2p rank %d: refused connection from %s:%s: %s", self.rank, addr[0], addr[1], e)
             s.close()
             return
-        with self._lock:
-            if self._closed:
-                s.close()
-                return
-            p = self._peers.get(r)
-            if p is None:
-                p = self._peers[r] = _Peer(r)
-            if p.inc is not None:
-                log.warning("p2p rank %d: refused a second connection from rank %d", self.rank, r)
-                s.close()
-                return
-            p.inc = s
-        s.settimeout(None)
-        t = threading.Thread(target=self._reader, args=(p, s), name=f"hpcring-p2p-read:{self.rank}<{r}", daemon=True)
-        p.threads.append(t)
-        t.start()
-
-    def _fail_peer(self, p: _Peer, why: str, hint: str | None = None) -> None:
-        """Sticky: fail every request with ``p`` and every later one."""
-        with self._lock:
-            if p.error is None:
-                p.error = why
-            posted = [r for r in self._posted if r.peer == p.rank]
-            self._posted = [r for r in self._posted if r.peer != p.rank]
-        for r in posted + [x for x in (p.reading, p.sending) if x is not None]:
-            r.fail(why, hint)
-        while p.sends is not None:
-            try:
-                r = p.sends.get_nowait()
-            except queue.Empty:
-                break
-            if r is not None:
-                r.fail(why, hint)
-        _shutdown(p.out, p.inc)
-
-    # -- threads --------------------------------------------------------------------------------
-    def _sender(self, p: _Peer, deadline: float) -> None:
-        try:
-            s = self._connect(p, deadline)
-        except (OSError, ConnectionError, TimeoutError) as e:
-            if not self._closed:
-                self._fail_peer(p, f"no point-to-point connection to {self._who(p.rank)}: {e}", _CONNECT_HINT)
+        if self._closed:
+            s.close()
             return
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with p.lock:
-            p.out = s
-        while True:
-            req = p.sends.get()
-            if req is None or self._closed:
-                return
-            with p.lock:
-                p.queued -= 1
-                if req.finished or p.error is not None:
-                    if not req.finished:
-                        req.fail(p.error)
-                    continue
-                self._write(p, req)
-
-    def _write(self, p: _Peer, req: Request) -> None:
-        """Write one frame (``p.lock`` held: frames never interleave, and keep their order),
-        bounded by the request's deadline."""
-        p.sending = req
-        req.state = "active"
-        try:
-            p.out.settimeout(max(0.001, req.deadline - time.monotonic()))
-            p.out.sendall(_HEADER.pack(req.tag, req.nbytes))
-            if req.nbytes:
-                p.out.sendall(req.buf)
-        except OSError as e:
-            why = ("the receiver stopped reading (deadline)" if isinstance(e, socket.timeout)
-                   else f"the connection broke: {e}")
-            self._fail_peer(p, f"sending to {self._who(p.rank)} failed: {why}")   # req too (p.sending)
-            p.sending = None
-            return
-        p.sending = None
-        req.complete()
-
-    def _reader(self, p: _Peer, sock: socket.socket) -> None:
-        hdr = bytearray(_HEADER.size)
-        try:
-            while True:
-                if not _read_into(sock, memoryview(hdr)):
-                    raise EOFError
-                tag, n = _HEADER.unpack(hdr)
-                with self._lock:
-                    req = next((r for r in self._posted if r.tag == tag and r.peer in (None, p.rank)), None)
-                    if req is not None:
-                        self._posted.remove(req)
-                        p.reading = req
-                if req is None or req.nbytes != n:
-                    data = bytearray(n)
-                    if n and not _read_into(sock, memoryview(data)):
-                        raise EOFError
-                    if req is not None:
-                        p.reading = None
-                        req.fail(f"{self._who(p.rank)} sent {size_text(n)} ({n} bytes) but this receive "
-                                 f"takes {req.nbytes} bytes", hint="send and receive tensors of the same size "
-                                                                   "and dtype, in the same order per tag")
-                        self._fail_peer(p, f"an earlier message from {self._who(p.rank)} did not match its receive")
-                        return
-                    with self._lock:       # a receive may have been posted meanwhile
-                        req = next((r for r in self._posted if r.tag == tag and r.peer in (None, p.rank)), None)
-                        if req is not None:
-                            self._posted.remove(req)
-                        else:
-                            self._unexpected.append((p.rank, tag, data))
-                    if req is not None:
-                        self._deliver(req, p.rank, data)
-                    continue
-                req.state = "active"
-                if n and not _read_into(sock, memoryview(req.buf)):
-                    raise EOFError
-                p.reading = None
-                req.complete(p.rank)
-        except (EOFError, OSError) as e:
-            if self._closed:
-                return
-            why = ("closed its connection (it exited or failed)" if isinstance(e, EOFError)
-                   else f"connection error: {e}")
-            self._fail_peer(p, f"{self._who(p.rank)} {why}",
-                            "that rank died or ended early: look at its log (the first failing rank is the cause)")
-
-    def _deliver(self, req: Request, source: int, data: bytearray) -> None:
-        if len(data) != req.nbytes:
-            req.fail(f"{self._who(source)} sent {size_text(len(data))} ({len(data)} bytes) but this receive "
-                     f"takes {req.nbytes} bytes", hint="send and receive tensors of the same size and dtype, "
-                                                      "in the same order per tag")
-            return
-        if data:
-            req.buf[:] = np.frombuffer(data, dtype=np.uint8)
-        req.complete(source)
-
-    def _expire(self, req: Request) -> None:
-        """The deadline passed (called by the keeper): word why, and fail the peer if bytes of
-        the message were moving (the stream cannot be resynchronised)."""
-        with self._lock:
-            if req in self._posted:
-                self._posted.remove(req)
-        p = self._peers.get(req.peer) if req.peer is not None else None
-        waited = f"within the {req.timeout:g} s deadline"
-        if p is not None and req.kind == RECV and p.inc is None:
-            req.fail(f"{self._who(req.peer)} never connected {waited}: it has sent nothing to this rank",
-                     _CONNECT_HINT)
-            self._fail_peer(p, f"an earlier {req.describe()} timed out")
-            return
-        if p is not None and req.kind == SEND and p.out is None:
-            why = f"no connection to {self._who(req.peer)} {waited}: it never opened point-to-point"
-            req.fail(why, _CONNECT_HINT)
-            self._fail_peer(p, f"point-to-point with {self._who(req.peer)} failed earlier: " + why)
-            return
-        if req.state == "active" and p is not None:
-            self._fail_peer(p, f"the link with {self._who(req.peer)} stalled mid-message (deadline "
-                               f"{req.timeout:g} s)", "the peer froze or the network path stalls")
-            return
-        if req.kind == RECV:
-            who = "no rank sent it" if req.peer is None else f"{self._who(req.peer)} did not send it"
-            req.fail(f"{who} {waited}",
-                     hint="the sender is late, hung, or sends with another tag or to another rank: look at "
-                          "its log and stack (hpcring stacks JOB)")
-        else:
-            req.fail(f"not written to the connection {waited} (the receiver does not drain)")
-        if p is not None:
-            self._fail_peer(p, f"an earlier {req.describe()} timed out")
+        self._hand_over(s, r, incoming=True)
 
 
 class _Acceptor:
@@ -453,15 +307,3 @@ def _shutdown(*socks) -> None:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-
-
-def _read_into(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False on EOF."""
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            return False
-        got += k
-    return True
-

@@ -111,6 +111,10 @@ class Request(Handle):
     def finished(self) -> bool:
         return self._finished
 
+    def drive(self, timeout: float | None = None) -> None:
+        """Help the request along in the waiting thread (a transport that can wait in C
+        overrides this: hpcring.collectives.mailbox); the base one leaves it to the transport."""
+
 
 class Keeper:
     """One thread for the whole process: fails each request whose deadline passed (through

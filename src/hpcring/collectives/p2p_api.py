@@ -13,6 +13,24 @@ from hpcring.collectives.recorder import FlightRecorder
 from hpcring.errors import CollectiveError, UsageError
 
 
+class DrivenHandle(Handle):
+    """The Communicator's handle of one message: waiting on it waits on the transport's request
+    in the waiting thread (:meth:`hpcring.collectives.p2p.Request.drive`), so a receive that
+    completes in C finishes here without a hand-off to another thread."""
+
+    def __init__(self, name: str, req) -> None:
+        super().__init__(name)
+        self.request = req
+
+    def drive(self, timeout: float | None = None) -> None:
+        if not self.done():
+            self.request.drive(timeout)
+
+    def wait(self, timeout: float | None = None):
+        self.drive(timeout)
+        return super().wait(timeout)
+
+
 class PointToPoint:
     """Messages between two ranks of the communicator (:mod:`hpcring.collectives.p2p`)."""
 
@@ -61,7 +79,7 @@ class PointToPoint:
                 req = start(a.flat.view(np.uint8), peer, tag, t, rec)
             except CollectiveError as e:      # a lazy setup that failed: diagnosed like a collective
                 raise self._failed(rec, e) from None
-            h = Handle(req.name)
+            h = DrivenHandle(req.name, req)
             req.add_done_callback(self._p2p_done(h, a, rec, dev))
             handles.append(h)
         return handles

@@ -40,11 +40,16 @@ class HpcringWork(dist.Work):
         super().__init__()
         self._future = future
         self._handles = tuple(handles)     # stream-ordered ops only: the collectives behind it
+        self._drive: Callable[[], None] | None = None   # point-to-point: see chain()
+        self._driving = False
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         # The collectives carry hpcring's own deadline; torch's per-wait timeout is not needed
         # to end a hang (the communicator fails, or the watchdog ends the job, first). A
         # CUDA-aware future's wait() makes the current stream wait; it does not block the host.
+        if self._drive is not None and not self._future.done():
+            self._driving = True
+            self._drive()
         self._future.wait()
         return True
 
@@ -204,8 +209,14 @@ def chain(handles: list, finish: Callable[[], object]) -> HpcringWork:
         fut.set_result(result)
         return HpcringWork(fut, handles)
     fut = Future()
+    once = threading.Lock()
+    ran: list[bool] = []
 
     def on_done(_last) -> None:
+        with once:                 # the completer and a driving waiter may both get here
+            if ran:
+                return
+            ran.append(True)
         try:
             for h in handles:
                 h.wait(0)          # done already: raises the op's error, if any
@@ -214,9 +225,25 @@ def chain(handles: list, finish: Callable[[], object]) -> HpcringWork:
             fut.set_exception(e)
     if all(h.done() for h in handles):
         on_done(handles[-1])           # done already (a small send written inline): no thread hop
-    else:
-        handles[-1].add_done_callback(lambda last_: COMPLETER.submit(lambda: on_done(last_)))
-    return HpcringWork(fut)
+        return HpcringWork(fut)
+    w = HpcringWork(fut)
+    if all(hasattr(h, "drive") for h in handles):
+        # point-to-point: wait() waits on the messages in its own thread and completes the
+        # future there: no completer thread between the message and the waiter
+        def drive() -> None:
+            for h in handles:
+                try:
+                    h.wait()
+                except Exception:  # noqa: BLE001 - on_done hands the error to the future
+                    pass
+            on_done(handles[-1])
+        w._drive = drive
+
+    def on_last(last_) -> None:
+        if not w._driving:         # else the waiting thread completes the future itself
+            COMPLETER.submit(lambda: on_done(last_))
+    handles[-1].add_done_callback(on_last)
+    return w
 
 
 def last(works: list[HpcringWork], result) -> HpcringWork:

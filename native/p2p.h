@@ -1,0 +1,169 @@
+/* p2p.h -- point-to-point messages of one communicator: tagged frames over one-way TCP
+ * connections, matched in C.
+ *
+ * Connections are made and authenticated in Python (collectives/mailbox.py) and handed over as
+ * fds: per peer one incoming (the peer sends on it, this rank only reads) and one outgoing (this
+ * rank only writes). A frame is a 16-byte header (tag int64, payload bytes uint64, big-endian)
+ * and the payload.
+ *
+ * p2p_queue.c: requests, the per-communicator match queue (posted receives, oldest first;
+ * unexpected messages in arrival order), MPI's non-overtaking order per (sender, tag), receives
+ * from any rank, deadlines, sticky failure per peer, waiting. p2p_tcp.c: the progress thread
+ * (poll over the incoming fds, the outgoing ones with queued sends, and a wake eventfd), reading
+ * frames straight into posted receives, writing sends (the caller writes what the socket takes
+ * at once; the progress thread the rest).
+ *
+ * Locking: one mutex per communicator (box->mu) guards every list and state field. Socket I/O
+ * happens without it: a peer's incoming fd is read only by the progress thread, and a send is
+ * written by whichever thread set peer->writing. A request whose bytes are moving (peer->rreq,
+ * the head send while writing) is failed only by the thread moving them, so no thread writes
+ * into or reads from a buffer the caller already got back.
+ */
+#ifndef HR_P2P_H
+#define HR_P2P_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define HR_P2P_SEND 0
+#define HR_P2P_RECV 1
+
+#define HR_P2P_HDR 16
+#define HR_P2P_IBUF (64 << 10)     /* per-peer read buffer: a small frame costs one recv() */
+
+/* request state */
+#define HR_P2P_POSTED 0
+#define HR_P2P_ACTIVE 1            /* bytes of its message moving */
+#define HR_P2P_DONE 2
+
+/* Hints for a failure, worded in Python (collectives/mailbox.py _HINTS). */
+enum hr_p2p_hint {
+    HR_HINT_NONE = 0, HR_HINT_CONNECT = 1, HR_HINT_DIED = 2, HR_HINT_SIZE = 3, HR_HINT_STALL = 4,
+    HR_HINT_LATE = 5
+};
+
+#define HR_P2P_WHYLEN 512
+
+typedef struct hr_p2p_req {
+    struct hr_p2p_req *next;    /* in the posted list, a send queue or the done queue */
+    uint64_t id;                /* the caller's, handed back by hr_p2p_take_done */
+    int kind, peer;             /* peer -1: a receive from any rank */
+    int64_t tag;
+    unsigned char *buf;
+    size_t nbytes;
+    size_t moved;               /* send: header + payload bytes written */
+    unsigned char hdr[HR_P2P_HDR];
+    double deadline, timeout;
+    int state, failed, hint, source;
+    int waiters;                /* threads in hr_p2p_wait (their completion needs no notice) */
+    int in_doneq;               /* in the done queue, since done_at (hr_now) */
+    double done_at;
+    int refs;                   /* the caller's + one per list holding it; under box->mu */
+    char why[HR_P2P_WHYLEN];
+} hr_p2p_req_t;
+
+/* A message that came before its receive. */
+typedef struct hr_p2p_msg {
+    struct hr_p2p_msg *next;
+    int source;
+    int64_t tag;
+    size_t n;
+    unsigned char *data;
+} hr_p2p_msg_t;
+
+typedef struct hr_p2p_peer {
+    int in_fd, out_fd;          /* -1 until handed over */
+    int in_seen;                /* an incoming connection was ever set */
+    char *err;                  /* sticky failure (malloc'd), NULL while the pair is fine */
+    /* sends, oldest first; the head is being written when writing is set */
+    hr_p2p_req_t *sq_head, *sq_tail;
+    int writing;
+    /* reading (progress thread only) */
+    unsigned char *ibuf;
+    size_t ilen, ipos;
+    int in_frame;
+    int64_t rtag;
+    uint64_t rn;
+    hr_p2p_req_t *rreq;         /* the posted receive being filled, or NULL */
+    hr_p2p_msg_t *rmsg;         /* the unexpected message being filled, or NULL */
+    unsigned char *rdst;
+    size_t rleft;
+} hr_p2p_peer_t;
+
+typedef struct hr_p2p {
+    int rank, size;
+    char **hosts;
+    pthread_mutex_t mu;
+    pthread_cond_t done_cv;     /* a request some thread waits on completed */
+    pthread_cond_t notify_cv;   /* the done queue got a request */
+    hr_p2p_peer_t *peers;
+    hr_p2p_req_t *posted_head, *posted_tail;
+    hr_p2p_msg_t *unexp_head, *unexp_tail;
+    hr_p2p_req_t *done_head, *done_tail;   /* completed with nobody waiting: for the notifier */
+    int wake_fd;                /* eventfd: wakes the progress thread */
+    pthread_t thread;
+    int thread_started, closing, closed;
+    double sleep_until;         /* the progress thread's poll() deadline; 0 while it is awake */
+    int kick;                   /* HR_KICK_*: signals owed, sent by hr_p2p_unlock after the unlock */
+} hr_p2p_t;
+
+/* ---- p2p_queue.c ---- */
+/* Set up a box for rank of size ranks (hosts copied, for messages). 0, or -1 with err. */
+int hr_p2p_init(hr_p2p_t *b, int rank, int size, const char *const *hosts, char *err, size_t errlen);
+/* Stop the progress thread, fail every pending request ("the communicator was closed"), close
+ * the fds. Idempotent; the memory stays until hr_p2p_free. */
+void hr_p2p_close(hr_p2p_t *b);
+void hr_p2p_free(hr_p2p_t *b);
+/* A request for buf[0..nbytes), refs = 1 (the caller's). NULL when out of memory. */
+hr_p2p_req_t *hr_p2p_req_new(int kind, uint64_t id, void *buf, size_t nbytes, int peer,
+                             int64_t tag, double timeout);
+void hr_p2p_req_put(hr_p2p_t *b, hr_p2p_req_t *r);   /* drop a reference (takes b->mu) */
+/* Post a receive: completes at once from an unexpected message, else waits in the queue. */
+void hr_p2p_post_recv(hr_p2p_t *b, hr_p2p_req_t *r);
+/* Queue a send; the caller writes what the socket takes now (GIL released by the binding).
+ * Returns 1 when the request completed (or failed) here, 0 when the progress thread goes on. */
+int hr_p2p_post_send(hr_p2p_t *b, hr_p2p_req_t *r);
+/* Block until r is done or until the absolute deadline; 1 when done. */
+int hr_p2p_wait(hr_p2p_t *b, hr_p2p_req_t *r, double deadline);
+/* Take the completed requests nobody waited for (their ids into ids[0..max)), waiting for one
+ * until the absolute deadline. Returns the count, -1 once the box is closed and drained. */
+int hr_p2p_take_done(hr_p2p_t *b, uint64_t *ids, int max, double deadline);
+/* The caller read r's result itself: take it off the done queue, the notifier has nothing to do. */
+void hr_p2p_claim(hr_p2p_t *b, hr_p2p_req_t *r);
+/* The notifier takes a completion only this long after it happened: a waiter that comes meanwhile
+ * settles it in its own thread (measured: the notifier's GIL grab cost a third of a torch round
+ * trip on 2 busy cores). A deadline failure nobody waits for reaches Python this much late. */
+#define HR_P2P_NOTIFY_DELAY 0.001
+/* Fail the pair with peer (sticky): every request with it now and later fails with why. */
+void hr_p2p_fail_peer(hr_p2p_t *b, int peer, const char *why, int hint);
+/* Hand over a connection (in: the peer sends on it). 0, or -1 with err (then fd not owned). */
+int hr_p2p_set_fd(hr_p2p_t *b, int peer, int fd, int incoming, char *err, size_t errlen);
+
+/* internal, b->mu held */
+void hr_p2p_complete(hr_p2p_t *b, hr_p2p_req_t *r, int source);
+void hr_p2p_fail(hr_p2p_t *b, hr_p2p_req_t *r, int hint, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void hr_p2p_fail_peer_locked(hr_p2p_t *b, int peer, const char *why, int hint);
+hr_p2p_req_t *hr_p2p_match(hr_p2p_t *b, int source, int64_t tag);   /* removes it from posted */
+void hr_p2p_deliver(hr_p2p_t *b, hr_p2p_req_t *r, hr_p2p_msg_t *m);  /* frees m */
+double hr_p2p_expire(hr_p2p_t *b, double now);   /* fail what is due; the next deadline */
+void hr_p2p_size_text(size_t n, char *out, size_t len);   /* "4 MiB", "1.5 KiB", "16 B" */
+const char *hr_p2p_who(hr_p2p_t *b, int r, char *out, size_t len);  /* "rank 2 (node1)" */
+void hr_p2p_wake(hr_p2p_t *b);
+/* Unlock b->mu, then send the signals owed (b->kick): a woken thread does not find the mutex
+ * still held (on 2 busy cores that hand-back cost a context switch per message). */
+#define HR_KICK_DONE 1              /* done_cv: a request some thread waits on completed */
+#define HR_KICK_NOTIFY 2            /* notify_cv: the done queue got a request */
+#define HR_KICK_WAKE 4              /* the progress thread must rebuild its poll set */
+void hr_p2p_unlock(hr_p2p_t *b);
+/* The progress thread's poll() sleeps at most this long, so a request posted meanwhile needs
+ * no wake unless its deadline is sooner. */
+#define HR_P2P_NAP 0.1
+
+/* ---- p2p_tcp.c ---- */
+void *hr_p2p_progress(void *arg);              /* the progress thread */
+/* Write queued sends of peer until the socket is full (b->mu held; released during I/O). */
+void hr_p2p_write(hr_p2p_t *b, int peer);
+
+#endif

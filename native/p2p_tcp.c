@@ -1,0 +1,267 @@
+/* p2p_tcp.c -- framing of point-to-point messages on the fds (see p2p.h): the progress thread,
+ * reading frames into posted receives or unexpected buffers, writing queued sends.
+ *
+ * Reading goes through a per-peer buffer so that a small frame (header and payload) costs one
+ * recv(); a payload still missing is read with readv() straight into its destination, with the
+ * buffer behind it to catch the next header in the same call.
+ */
+#define _GNU_SOURCE
+#include "p2p.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "transport_tcp.h"   /* hr_now */
+
+static uint64_t be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+void hr_p2p_write(hr_p2p_t *b, int peer) {
+    hr_p2p_peer_t *p = &b->peers[peer];
+    while (p->sq_head && !p->err && p->out_fd >= 0 && !p->writing && !b->closing) {
+        hr_p2p_req_t *r = p->sq_head;
+        size_t total = HR_P2P_HDR + r->nbytes;
+        int fd = p->out_fd, e = 0;
+        p->writing = 1;
+        if (r->state == HR_P2P_POSTED) r->state = HR_P2P_ACTIVE;
+        hr_p2p_unlock(b);
+        while (r->moved < total) {
+            struct iovec iov[2];
+            struct msghdr mh;
+            int n = 0;
+            if (r->moved < HR_P2P_HDR) {
+                iov[n].iov_base = r->hdr + r->moved;
+                iov[n++].iov_len = HR_P2P_HDR - r->moved;
+            }
+            if (r->nbytes) {
+                size_t off = r->moved > HR_P2P_HDR ? r->moved - HR_P2P_HDR : 0;
+                iov[n].iov_base = r->buf + off;
+                iov[n++].iov_len = r->nbytes - off;
+            }
+            memset(&mh, 0, sizeof mh);
+            mh.msg_iov = iov;
+            mh.msg_iovlen = (size_t)n;
+            ssize_t k = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (k < 0) {
+                if (errno == EINTR) continue;
+                if (errno != EAGAIN && errno != EWOULDBLOCK) e = errno;
+                break;
+            }
+            r->moved += (size_t)k;
+        }
+        pthread_mutex_lock(&b->mu);
+        p->writing = 0;
+        if (e) {
+            char who[160], why[HR_P2P_WHYLEN];
+            snprintf(why, sizeof why, "sending to %s failed: the connection broke: %s",
+                     hr_p2p_who(b, peer, who, sizeof who), strerror(e));
+            hr_p2p_fail_peer_locked(b, peer, why, HR_HINT_NONE);   /* r too: no longer writing */
+            return;
+        }
+        if (r->moved < total) {
+            if (p->err) hr_p2p_fail_peer_locked(b, peer, p->err, HR_HINT_NONE);
+            return;                         /* socket full: the progress thread polls for room */
+        }
+        p->sq_head = r->next;
+        if (!p->sq_head) p->sq_tail = NULL;
+        r->next = NULL;
+        hr_p2p_complete(b, r, peer);
+    }
+    if (p->err && p->sq_head && !p->writing) hr_p2p_fail_peer_locked(b, peer, p->err, HR_HINT_NONE);
+}
+
+/* A header was read: aim the payload at the oldest matching receive, or at a buffer of its own. */
+static void begin_frame(hr_p2p_t *b, int peer) {
+    hr_p2p_peer_t *p = &b->peers[peer];
+    hr_p2p_req_t *r = hr_p2p_match(b, peer, p->rtag);
+    char who[160], why[HR_P2P_WHYLEN];
+    if (r && r->nbytes != p->rn) {
+        size_t n = (size_t)p->rn;
+        char sz[32];
+        hr_p2p_size_text(n, sz, sizeof sz);
+        hr_p2p_who(b, peer, who, sizeof who);
+        hr_p2p_fail(b, r, HR_HINT_SIZE, "%s sent %s (%zu bytes) but this receive takes %zu bytes",
+                    who, sz, n, r->nbytes);
+        snprintf(why, sizeof why, "an earlier message from %s did not match its receive", who);
+        hr_p2p_fail_peer_locked(b, peer, why, HR_HINT_NONE);
+        return;
+    }
+    p->in_frame = 1;
+    p->rleft = (size_t)p->rn;
+    if (r) {
+        r->state = HR_P2P_ACTIVE;
+        p->rreq = r;
+        p->rdst = r->buf;
+        return;
+    }
+    hr_p2p_msg_t *m = malloc(sizeof *m + (size_t)p->rn);
+    if (!m) {
+        snprintf(why, sizeof why, "out of memory for a message of %llu bytes from %s",
+                 (unsigned long long)p->rn, hr_p2p_who(b, peer, who, sizeof who));
+        hr_p2p_fail_peer_locked(b, peer, why, HR_HINT_NONE);
+        return;
+    }
+    m->next = NULL;
+    m->source = peer;
+    m->tag = p->rtag;
+    m->n = (size_t)p->rn;
+    m->data = (unsigned char *)(m + 1);
+    p->rmsg = m;
+    p->rdst = m->data;
+}
+
+/* The payload is in: complete the receive, or deliver/queue the unexpected message (a matching
+ * receive may have been posted while it was read). */
+static void end_frame(hr_p2p_t *b, int peer) {
+    hr_p2p_peer_t *p = &b->peers[peer];
+    p->in_frame = 0;
+    if (p->rreq) {
+        hr_p2p_req_t *r = p->rreq;
+        p->rreq = NULL;
+        hr_p2p_complete(b, r, peer);
+    } else if (p->rmsg) {
+        hr_p2p_msg_t *m = p->rmsg;
+        hr_p2p_req_t *r = hr_p2p_match(b, peer, m->tag);
+        p->rmsg = NULL;
+        if (r) {
+            hr_p2p_deliver(b, r, m);
+        } else {
+            if (b->unexp_tail) b->unexp_tail->next = m;
+            else b->unexp_head = m;
+            b->unexp_tail = m;
+        }
+    }
+}
+
+/* Read what peer's connection holds now (b->mu held; released during recv). */
+static void read_peer(hr_p2p_t *b, int peer) {
+    hr_p2p_peer_t *p = &b->peers[peer];
+    for (;;) {
+        struct iovec iov[2];
+        int n = 0;
+        ssize_t k;
+        if (p->err || b->closing || p->in_fd < 0) return;
+        if (!p->in_frame) {
+            if (p->ilen - p->ipos >= HR_P2P_HDR) {
+                p->rtag = (int64_t)be64(p->ibuf + p->ipos);
+                p->rn = be64(p->ibuf + p->ipos + 8);
+                p->ipos += HR_P2P_HDR;
+                begin_frame(b, peer);
+                continue;
+            }
+        } else {
+            if (p->rleft == 0) {
+                end_frame(b, peer);
+                continue;
+            }
+            if (p->ipos < p->ilen) {
+                size_t c = p->ilen - p->ipos < p->rleft ? p->ilen - p->ipos : p->rleft;
+                memcpy(p->rdst, p->ibuf + p->ipos, c);
+                p->rdst += c;
+                p->rleft -= c;
+                p->ipos += c;
+                continue;
+            }
+            iov[n].iov_base = p->rdst;
+            iov[n++].iov_len = p->rleft;
+        }
+        if (p->ipos > 0) {                   /* keep a partial header at the buffer's start */
+            memmove(p->ibuf, p->ibuf + p->ipos, p->ilen - p->ipos);
+            p->ilen -= p->ipos;
+            p->ipos = 0;
+        }
+        iov[n].iov_base = p->ibuf + p->ilen;
+        iov[n++].iov_len = HR_P2P_IBUF - p->ilen;
+        int fd = p->in_fd;
+        hr_p2p_unlock(b);
+        k = readv(fd, iov, n);
+        int e = errno;
+        pthread_mutex_lock(&b->mu);
+        if (k == 0 || (k < 0 && e != EAGAIN && e != EWOULDBLOCK && e != EINTR)) {
+            char who[160], why[HR_P2P_WHYLEN];
+            hr_p2p_who(b, peer, who, sizeof who);
+            if (k == 0) snprintf(why, sizeof why, "%s closed its connection (it exited or failed)", who);
+            else snprintf(why, sizeof why, "%s connection error: %s", who, strerror(e));
+            if (!b->closing) hr_p2p_fail_peer_locked(b, peer, why, HR_HINT_DIED);
+            return;
+        }
+        if (k < 0) {
+            if (e == EINTR) continue;
+            return;                          /* drained */
+        }
+        if (n == 2) {                        /* the payload first, the rest into the buffer */
+            size_t c = (size_t)k < p->rleft ? (size_t)k : p->rleft;
+            p->rdst += c;
+            p->rleft -= c;
+            p->ilen += (size_t)k - c;
+        } else {
+            p->ilen += (size_t)k;
+        }
+    }
+}
+
+void *hr_p2p_progress(void *arg) {
+    hr_p2p_t *b = arg;
+    struct pollfd *pf = calloc((size_t)(2 * b->size + 1), sizeof *pf);
+    int *who = calloc((size_t)(2 * b->size + 1), sizeof *who);
+    pthread_mutex_lock(&b->mu);
+    if (!pf || !who) {
+        for (int i = 0; i < b->size; i++)
+            if (i != b->rank) hr_p2p_fail_peer_locked(b, i, "out of memory for the progress thread", HR_HINT_NONE);
+        hr_p2p_unlock(b);
+        free(pf);
+        free(who);
+        return NULL;
+    }
+    while (!b->closing) {
+        double now = hr_now(), next = hr_p2p_expire(b, now);
+        int n = 0, ms;
+        pf[n].fd = b->wake_fd;
+        pf[n].events = POLLIN;
+        who[n++] = -1;
+        for (int i = 0; i < b->size; i++) {
+            hr_p2p_peer_t *p = &b->peers[i];
+            if (p->err) continue;
+            if (p->in_fd >= 0) {
+                pf[n].fd = p->in_fd;
+                pf[n].events = POLLIN;
+                who[n++] = 2 * i;
+            }
+            if (p->out_fd >= 0 && p->sq_head && !p->writing) {
+                pf[n].fd = p->out_fd;
+                pf[n].events = POLLOUT;
+                who[n++] = 2 * i + 1;
+            }
+        }
+        if (next > now + HR_P2P_NAP) next = now + HR_P2P_NAP;
+        b->sleep_until = next;
+        hr_p2p_unlock(b);
+        ms = (int)((next - now) * 1000.0) + 1;
+        int got = poll(pf, (nfds_t)n, ms);
+        pthread_mutex_lock(&b->mu);
+        b->sleep_until = 0;
+        if (got <= 0) continue;
+        if (pf[0].revents) {
+            uint64_t v;
+            if (read(b->wake_fd, &v, sizeof v) < 0) { /* EAGAIN: drained by an earlier read */ }
+        }
+        for (int j = 1; j < n; j++) {
+            if (!pf[j].revents) continue;
+            if (who[j] % 2 == 0) read_peer(b, who[j] / 2);
+            else hr_p2p_write(b, who[j] / 2);
+        }
+    }
+    hr_p2p_unlock(b);
+    free(pf);
+    free(who);
+    return NULL;
+}

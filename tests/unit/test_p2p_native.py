@@ -1,0 +1,225 @@
+"""The native point-to-point queue (native/p2p_*.c, hpcring._native.P2P): matching order, receives
+from any rank, unexpected messages, deadlines nobody waits for, closed peers. Ranks are P2P
+objects of this process joined by socket pairs (what the mailbox hands over after its
+handshake); the last tests go through the Communicator and its notifier."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from helpers.ring import SECRET, topology
+
+from hpcring import _native
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.bootstrap.store_server import StoreServer
+from hpcring.collectives.api import Communicator
+from hpcring.errors import CollectiveError
+
+HOSTS = ["node0", "node1", "node2"]
+
+
+@pytest.fixture
+def boxes():
+    """make(n) -> n P2P queues, every ordered pair joined by one one-way socket pair; the
+    sockets are listed in make.socks[(src, dst)] (the sender's end)."""
+    made = []
+
+    def make(n: int):
+        bs = [_native.P2P(r, n, HOSTS[:n]) for r in range(n)]
+        make.socks = {}
+        for s in range(n):
+            for d in range(n):
+                if s != d:
+                    a, b = socket.socketpair()
+                    bs[s].set_fd(d, a.detach(), False)
+                    bs[d].set_fd(s, b.detach(), True)
+        made.extend(bs)
+        return bs
+    yield make
+    for b in made:
+        b.close()
+
+
+_ids = iter(range(1, 1 << 30))
+
+
+def send(box, x, peer, tag=0, timeout=10.0):
+    return box.isend(next(_ids), np.ascontiguousarray(x).view(np.uint8), peer, tag, timeout)
+
+
+def recv(box, y, peer, tag=0, timeout=10.0):
+    return box.irecv(next(_ids), y.view(np.uint8), peer, tag, timeout)
+
+
+def done(req, timeout=10.0):
+    assert req.wait(timeout), "not done in time"
+    return req.result()
+
+
+def test_messages_match_in_send_order_per_sender_and_tag_whatever_the_posting_order(boxes):
+    a, b = boxes(2)
+    ys = {tag: [np.zeros(2, np.int64) for _ in range(3)] for tag in (5, 6)}
+    early = [recv(b, ys[6][0], 0, tag=6)]                         # posted before anything is sent
+    sends = [send(a, np.full(2, i, np.int64), 1, tag=5 + i % 2) for i in range(6)]
+    # post the rest in a scrambled order: tag 5's receives still get 0, 2, 4, tag 6's 1, 3, 5
+    rest = [recv(b, ys[5][0], 0, tag=5), recv(b, ys[6][1], 0, tag=6), recv(b, ys[5][1], 0, tag=5),
+            recv(b, ys[6][2], 0, tag=6), recv(b, ys[5][2], 0, tag=5)]
+    for r in early + rest + sends:
+        assert done(r)[0] is False
+    assert [int(y[0]) for y in ys[5]] == [0, 2, 4]
+    assert [int(y[0]) for y in ys[6]] == [1, 3, 5]
+
+
+def test_a_receive_from_any_rank_names_the_source_and_takes_the_oldest_unexpected_first(boxes):
+    a, b, c = boxes(3)
+    done(send(c, np.array([2.0]), 0, tag=4))
+    time.sleep(0.1)                                                # c's message is queued first
+    done(send(b, np.array([1.0]), 0, tag=4))
+    time.sleep(0.1)
+    got = []
+    for _ in range(2):
+        y = np.zeros(1)
+        failed, source, _, _ = done(recv(a, y, -1, tag=4))
+        assert not failed
+        got.append((source, float(y[0])))
+    assert got == [(2, 2.0), (1, 1.0)]
+    y = np.zeros(1)
+    pending = recv(a, y, -1, tag=9)                                # posted before the data
+    done(send(b, np.array([7.0]), 0, tag=9))
+    assert done(pending)[:2] == (False, 1) and y[0] == 7.0
+
+
+def test_an_unexpected_message_larger_than_the_receive_fails_only_that_receive(boxes):
+    a, b = boxes(2)
+    done(send(a, np.arange(1000, dtype=np.float32), 1, tag=3))    # 4000 B, before any receive
+    time.sleep(0.1)
+    failed, _, why, hint = done(recv(b, np.zeros(10, np.float32), 0, tag=3))
+    assert failed and hint == 3
+    assert why == "rank 0 (node0) sent 3.9 KiB (4000 bytes) but this receive takes 40 bytes", why
+    y = np.zeros(4, np.float32)                                    # the pair goes on
+    done(send(a, np.ones(4, np.float32), 1, tag=3))
+    assert done(recv(b, y, 0, tag=3))[0] is False and (y == 1).all()
+
+
+def test_a_posted_receive_of_the_wrong_size_fails_it_and_the_pair(boxes):
+    a, b = boxes(2)
+    r = recv(b, np.zeros(4, np.uint8), 0, tag=1)
+    done(send(a, np.zeros(8, np.uint8), 1, tag=1))
+    failed, _, why, hint = done(r)
+    assert failed and hint == 3 and "sent 8 B (8 bytes) but this receive takes 4 bytes" in why
+    failed, _, why, _ = done(recv(b, np.zeros(4, np.uint8), 0, tag=2))
+    assert failed and why == "an earlier message from rank 0 (node0) did not match its receive"
+
+
+def test_a_deadline_fails_the_receive_with_nobody_waiting_and_the_pair_stays_failed(boxes):
+    a, b = boxes(2)
+    r = recv(b, np.zeros(1 << 20, np.uint8), 0, tag=7, timeout=0.3)
+    t0 = time.monotonic()
+    ids = []
+    while not ids and time.monotonic() - t0 < 5:                   # the notifier's view: no wait()
+        ids = b.take_done(1.0)
+    assert ids == [r.id] and 0.25 < time.monotonic() - t0 < 1.5
+    failed, _, why, hint = r.result()
+    assert failed and hint == 5
+    assert why == "rank 0 (node0) did not send it within the 0.3 s deadline", why
+    failed, _, why, _ = done(recv(b, np.zeros(1), 0, tag=7))
+    assert failed and why == "an earlier recv from rank 0 (node0), tag 7, 1 MiB timed out"
+
+
+def test_a_peer_that_closes_fails_pending_receives_and_sends_at_once(boxes):
+    a, b = boxes(2)
+    r = recv(b, np.zeros(1), 0, tag=1, timeout=30.0)
+    t0 = time.monotonic()
+    a.close()
+    failed, _, why, hint = done(r, 5.0)
+    assert time.monotonic() - t0 < 2
+    assert failed and hint == 2 and why == "rank 0 (node0) closed its connection (it exited or failed)"
+    failed, _, why, _ = done(send(b, np.zeros(1), 0))
+    assert failed and "closed its connection" in why
+
+
+def test_big_messages_both_ways_at_once_move_without_blocking_the_callers(boxes):
+    a, b = boxes(2)
+    n = 16 << 20                                                   # far beyond the socket buffers
+    xa, xb = np.full(n, 1, np.uint8), np.full(n, 2, np.uint8)
+    t0 = time.monotonic()
+    sa, sb = send(a, xa, 1), send(b, xb, 0)
+    assert time.monotonic() - t0 < 2                               # handed over, not written out
+    ya, yb = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+    ra, rb = recv(a, ya, 1), recv(b, yb, 0)
+    for r in (sa, sb, ra, rb):
+        assert done(r, 30.0)[0] is False
+    assert (ya == 2).all() and (yb == 1).all()
+
+
+def test_a_send_the_receiver_does_not_drain_fails_at_its_deadline():
+    a = _native.P2P(0, 2, HOSTS[:2])
+    x, y = socket.socketpair()                                     # y: a receiver that never reads
+    try:
+        a.set_fd(1, x.detach(), False)
+        s = send(a, np.zeros(32 << 20, np.uint8), 1, timeout=0.5)
+        queued = send(a, np.zeros(1, np.uint8), 1, timeout=30.0)
+        failed, _, why, hint = done(s, 5.0)
+        assert failed and hint == 4 and why == "the link with rank 1 (node1) stalled mid-message (deadline 0.5 s)"
+        failed, _, why, _ = done(queued, 1.0)                      # the pair failed: the rest too
+        assert failed and "stalled mid-message" in why
+    finally:
+        a.close()
+        y.close()
+
+
+def test_bad_handover_and_arguments_are_refused(boxes):
+    a, b = boxes(2)
+    x, y = socket.socketpair()
+    with pytest.raises(ValueError, match="a second incoming connection with rank 1"):
+        a.set_fd(1, x.fileno(), True)
+    x.close()
+    y.close()
+    with pytest.raises(ValueError, match="peer rank 0 is not another rank"):
+        a.isend(1, np.zeros(1, np.uint8), 0, 0, 1.0)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        a.irecv(1, np.zeros(1, np.uint8), 1, 0, 0.0)
+    with pytest.raises(BufferError, match="not writable"):         # a receive needs a writable buffer
+        a.irecv(1, b"abc", 1, 0, 1.0)
+
+
+@pytest.fixture
+def ranks():
+    made = []
+    with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
+        def make(n: int, timeout: float = 10.0):
+            comms = [Communicator.create(topology(r, n), StoreClient("127.0.0.1", server.port, SECRET, 10), SECRET,
+                                         timeout=timeout) for r in range(n)]
+            made.extend(comms)
+            return comms
+        yield make
+        for c in made:
+            c.close()
+
+
+def test_a_communicator_receive_nobody_waits_for_fails_its_callback_at_the_deadline(ranks):
+    a, b = ranks(2, timeout=0.5)
+    a.send(np.zeros(1), 1)                                         # connected: only the message is late
+    b.recv(np.zeros(1), 0)
+    seen = threading.Event()
+    t0 = time.monotonic()
+    when = []
+    h = b.irecv(np.zeros(1), 0, tag=2)
+    h.add_done_callback(lambda h_: (when.append(time.monotonic() - t0), seen.set()))
+    assert seen.wait(5)                                            # nobody called wait()
+    assert 0.4 < when[0] < 2.0, when
+    with pytest.raises(CollectiveError, match=r"rank 0 \(node0\) did not send it within the 0.5 s deadline"):
+        h.wait(0)
+
+
+def test_a_communicator_round_trip_moves_every_byte(ranks):
+    a, b = ranks(2)
+    for n in (0, 1, 4097, 300_000):
+        x = np.arange(n, dtype=np.uint8)
+        y = np.zeros(n, np.uint8)
+        h = b.irecv(y, 0, tag=n % 7)
+        a.send(x, 1, tag=n % 7)
+        assert h.wait(10) == 0 and (y == x).all()
