@@ -135,7 +135,8 @@ def status(
     if as_json:
         typer.echo(json.dumps(st, indent=1))
     else:
-        typer.echo(f"devcluster: {st['state']} (cluster {st['cluster']}, partition {st['partition']}, "
+        typer.echo(f"devcluster (Slurm {st.get('slurm', '22.05')}): {st['state']} (cluster {st['cluster']}, "
+                   f"partition {st['partition']}, "
                    f"{st['nodes_configured']} nodes configured)")
         daemons = ", ".join(
             f"{name} {'pid ' + str(d['pid']) if d['alive'] else 'NOT RUNNING'}" for name, d in st["daemons"].items()

@@ -5,6 +5,8 @@ namespaces, and sinfo; ``problems`` lists every difference, one line each, namin
 """
 from __future__ import annotations
 
+import os
+
 from . import accounting, munge, network, readiness, state
 from . import names as n
 from .slurm_daemons import slurmd_healthy
@@ -74,6 +76,7 @@ def status() -> dict:
         state_word = "up"
     return {
         "state": state_word,
+        "slurm": os.environ.get(n.WORLD_ENV) or n.HOST_RELEASE,  # which release's cluster this is
         "cluster": n.CLUSTER_NAME,
         "partition": n.PARTITION,
         "nodes_configured": n_nodes,
