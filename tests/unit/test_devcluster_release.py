@@ -133,7 +133,7 @@ def test_world_setup_binds_every_own_path_and_drops_the_other_clusters_namespace
     assert f"mount --bind {rel.root / n.TREE_LIB_DIR / 'slurm-wlm'} {n.SLURM_LIB_DIR}" in lines
     assert any(str(rel.root / "usr/bin/srun") in line and "readlink -f /usr/bin/srun" in line for line in lines)
     # every fixed path the cluster writes is its own inside the world
-    for path in (n.STATE_DIR, n.LOG_DIR, n.SLURM_CONF_DIR, n.MUNGE_KEY.parent, n.MUNGE_RUN_DIR, n.NETNS_DIR,
+    for path in (n.STATE_DIR, n.LOG_DIR, n.SLURM_CONF_DIR, n.MUNGE_KEY.parent, n.MUNGE_RUN_DIR, n.NETNS_DIR, n.SHARED_DIR,
                  n.HOSTS_FILE):
         assert path in {**rel.bind_dirs(), **rel.bind_files()}
 

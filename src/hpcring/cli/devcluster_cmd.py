@@ -68,8 +68,9 @@ def up(
             for path in share or []:
                 args += ["--share", path]
             rc = world.run_inside(rel, world.cli_argv(*args), timeout=600)
-            typer.echo(f"devcluster (Slurm {rel.version}) up in {time.monotonic() - t0:.1f} s in all; "
-                       f"run commands and tests on it with `hpcring devcluster login --slurm {rel.version} -- CMD`")
+            if rc == 0:
+                typer.echo(f"devcluster (Slurm {rel.version}) up in {time.monotonic() - t0:.1f} s in all; run "
+                           f"commands and tests on it with `hpcring devcluster login --slurm {rel.version} -- CMD`")
             raise typer.Exit(rc)
         from hpcring.devcluster import cluster  # imported on use: keeps `hpcring --help` fast
         info = cluster.up(nodes=nodes, dead_interface=dead_interface, shares=share)

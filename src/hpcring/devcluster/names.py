@@ -154,10 +154,15 @@ def controller_host() -> str:
 RELEASE_ENV = "HPCRING_DEVCLUSTER_SLURM"  # which release `hpcring devcluster` and the tests mean
 WORLD_ENV = "HPCRING_DEVCLUSTER_WORLD"  # set inside a release's world: the release it is
 HOST_RELEASE = "22.05"  # the machine's own packages (Debian 12 "bookworm")
+WORLD_CPU = 0  # a world and its nodes' mount namespaces are made on this CPU (network._world_cpu_pin)
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 SLURM_LIB_DIR = Path("/usr/lib/x86_64-linux-gnu/slurm-wlm")  # plugins and libslurmfull (Debian)
 TREE_LIB_DIR = "usr/lib/x86_64-linux-gnu"  # inside a root tree
 TREE_LOADER = f"{TREE_LIB_DIR}/ld-linux-x86-64.so.2"
+# Debian's PMIx libraries: Slurm's pmix plugin loads libpmix from this compiled-in path, and the
+# jobs' Open MPI (the machine's) uses the machine's PMIx there, so another release's cannot be
+# bound over it (see Release.pmix_link).
+PMIX_LIB_DIR = Path("/usr/lib/x86_64-linux-gnu/pmix2/lib")
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,13 @@ class Release:
     def ns_dir(self) -> Path:
         return self.home / "ns"  # a private mount, like NS_DIR
 
+    @property
+    def pmix_link(self) -> Path:
+        """A link to the tree's PMIx library directory, its path as long as PMIX_LIB_DIR's: that
+        path is written into the tree's PMIx library and Slurm's pmix plugin in its place."""
+        pad = len(str(PMIX_LIB_DIR)) - len(str(self.home)) - len("/px")
+        return Path(str(self.home) + "/" * (pad + 1) + "px")
+
     def world_ns(self, kind: str) -> Path:
         """The world's persistent ``net`` or ``mnt`` namespace file."""
         return self.ns_dir / f"world.{kind}"
@@ -198,7 +210,9 @@ class Release:
         return {STATE_DIR: self.home / "state", LOG_DIR: self.home / "log",
                 SLURM_CONF_DIR: self.home / "etc-slurm", MUNGE_KEY.parent: self.home / "etc-munge",
                 MUNGE_RUN_DIR: self.home / "run-munge", Path("/var/lib/munge"): self.home / "lib-munge",
-                Path("/var/log/munge"): self.home / "log-munge", NETNS_DIR: self.home / "netns"}
+                Path("/var/log/munge"): self.home / "log-munge", NETNS_DIR: self.home / "netns",
+                # job folders are named by job id, which each cluster counts from 1
+                SHARED_DIR: self.home / "srv"}
 
     def bind_files(self) -> dict[Path, Path]:
         return {HOSTS_FILE: self.home / "hosts", Path("/etc/resolv.conf"): self.home / "resolv.conf"}

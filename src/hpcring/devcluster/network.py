@@ -265,6 +265,15 @@ def remove_node_ns(i: int) -> None:
         f.unlink(missing_ok=True)
 
 
+def _world_cpu_pin() -> list[str]:
+    """Inside a second release's world, new mount namespaces are made on the world's CPU.
+
+    The kernel refuses to bind a mount namespace that does not look newer (by id) than the
+    binder's own, and its ids are handed out per CPU: a node made on another CPU than the world
+    got an older-looking id (all 10 tries failed with EINVAL on one CPU, none on the other)."""
+    return ["taskset", "-c", str(n.WORLD_CPU)] if os.environ.get(n.WORLD_ENV) else []
+
+
 def ensure_node_ns(i: int) -> bool:
     """Create node i's mount+UTS namespaces if needed; True when they were (re)created."""
     if node_ns_ok(i):
@@ -289,8 +298,8 @@ def ensure_node_ns(i: int) -> bool:
         f"hostname {n.node_name(i)}"
     )
     try:
-        run(["unshare", f"--mount={mnt}", f"--uts={uts}", "--propagation", "private", "--",
-             "sh", "-c", script],
+        run([*_world_cpu_pin(), "unshare", f"--mount={mnt}", f"--uts={uts}", "--propagation", "private",
+             "--", "sh", "-c", script],
             what=f"creating mount/UTS namespaces of {n.node_name(i)} ({mnt}, {uts})",
             hint="needs root and util-linux >= 2.31 (unshare --mount=FILE)")
     except DevClusterError:

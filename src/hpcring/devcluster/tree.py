@@ -98,6 +98,7 @@ def ensure_tree(rel: n.Release, actions: list[str]) -> dict:
     for p in programs:
         real = "/" + str(in_tree(root, p).relative_to(root))
         run(patchelf_argv(rel, real), what=f"{where}: patching {real}")
+    relocate_pmix(rel)
     version = _version(rel)
     if not version.startswith(rel.version + "."):
         raise DevClusterError(f"{where}: the tree's slurmd says {version!r}, not {rel.version}.x",
@@ -113,3 +114,30 @@ def _version(rel: n.Release) -> str:
     """``24.11.5`` from the tree's ``slurmd -V`` (run from the machine, as the cluster will)."""
     out = output([str(in_tree(rel.root, "/usr/sbin/slurmd")), "-V"], timeout=10) or ""
     return out.strip().split()[-1] if out.strip() else ""
+
+
+def relocate_pmix(rel: n.Release) -> list[Path]:
+    """Point the tree's PMIx and Slurm's pmix plugin at the tree's PMIx (through ``rel.pmix_link``)
+    instead of the machine's, which is another PMIx major version. The path is replaced in the
+    files by one of the same length; returns the files changed."""
+    old, new = str(n.PMIX_LIB_DIR).encode(), str(rel.pmix_link).encode()
+    if len(new) != len(old) or len(rel.pmix_link.name) != 2:
+        raise DevClusterError(f"{rel.home} is too long for the PMIx path {rel.pmix_link} "
+                              f"(it must be {len(old)} characters)",
+                              hint="choose a shorter home for the release in names.RELEASES")
+    lib = rel.root / n.TREE_LIB_DIR
+    tree_pmix = rel.root / str(n.PMIX_LIB_DIR).lstrip("/")
+    if rel.pmix_link.is_symlink() or rel.pmix_link.exists():
+        rel.pmix_link.unlink()
+    rel.pmix_link.parent.mkdir(parents=True, exist_ok=True)
+    rel.pmix_link.symlink_to(tree_pmix)
+    changed = []
+    candidates = [*lib.glob("slurm-wlm/mpi_pmix*.so"), *tree_pmix.glob("libpmix.so*"), *tree_pmix.glob("pmix/*.so")]
+    for f in candidates:
+        if f.is_symlink():
+            continue
+        data = f.read_bytes()
+        if old in data:
+            f.write_bytes(data.replace(old, new))
+            changed.append(f)
+    return changed

@@ -4,8 +4,8 @@ Inside, the dev cluster's fixed paths are bound to the release's own directories
 (``Release.bind_dirs``/``bind_files``) and the tree's Slurm programs and plugins over the
 machine's, so `hpcring devcluster up/down/status/exec` and the tests run there unchanged, with the
 same names, addresses and ports as the 22.05 cluster but none of its addresses or files. Processes
-are told apart by network namespace (system.pids_by_exe). No PID namespace: util-linux's
-``unshare --mount=FILE`` (how the node namespaces are made) failed 17 times in 20 inside one.
+are told apart by network namespace (system.pids_by_exe). It is made on names.WORLD_CPU, as are its
+nodes' mount namespaces (network._world_cpu_pin says why).
 """
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ def ensure_world(rel: n.Release, programs: list[str], actions: list[str]) -> Non
     for k in KINDS:
         rel.world_ns(k).touch()
     # The namespace files keep the world alive with no process in it.
-    run(["unshare", *(f"--{OPTION[k]}={rel.world_ns(k)}" for k in KINDS), "--propagation", "private", "--", "true"],
+    run(["taskset", "-c", str(n.WORLD_CPU), "unshare", *(f"--{OPTION[k]}={rel.world_ns(k)}" for k in KINDS),
+         "--propagation", "private", "--", "true"],
         what=f"creating the Slurm {rel.version} world (namespaces in {rel.ns_dir})", hint="needs root")
     try:
         run(enter_argv(rel) + ["sh", "-c", setup_script(rel, programs)],
