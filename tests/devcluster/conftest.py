@@ -2,12 +2,14 @@
 `devcluster` and skipped when the cluster does not answer (asked once per session)."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from helpers.jobs import cluster_up, sinfo_states
+from helpers.release import release_problem
 
 HERE = Path(__file__).resolve().parent
 
@@ -21,7 +23,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def devcluster_up() -> None:
     """Skips unless the dev cluster has a usable node, waiting out a moment when every node is
-    between jobs ('completing', seen right after a previous test's srun); no Slurm: at once."""
+    between jobs ('completing', seen right after a previous test's srun); no Slurm: at once.
+    Fails when the variable asks for a release this pytest cannot reach (never tests another)."""
+    problem = release_problem(os.environ)
+    if problem:
+        pytest.fail(problem, pytrace=False)
     for _ in range(10):
         if cluster_up():
             return
