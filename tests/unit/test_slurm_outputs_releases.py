@@ -114,3 +114,25 @@ def test_srun_messages_read_alike(release):
     assert slurm._SRUN_CASUALTY.search(out["srun_killed"]).group(3) == "Killed"
     assert slurm_steps.FAILED_TASK.search(out["srun_false"])
     assert not slurm_steps.CASUALTY.search(out["srun_false"])  # an exit code is not a signal
+
+
+# An array of 4 tasks, at most 1 at once: sacct's line for the tasks not started names them as a range.
+ARRAYS = {
+    "22.05": ("2131", "2131_0|CANCELLED by 0|0:0|node1\n2131_[1-3%1]|CANCELLED by 0|0:0|None assigned\n", "",
+              "CANCELLED", "CANCELLED"),
+    "24.11": ("34", "34_0|RUNNING|0:0|node1\n34_[1-3%1]|PENDING|0:0|None assigned\n",
+              "34_1|PENDING|\n34_2|PENDING|\n34_3|PENDING|\n34_0|RUNNING|node1\n", "RUNNING", "PENDING"),
+}
+
+
+@pytest.mark.parametrize("release", sorted(ARRAYS))
+def test_array_task_ranges_read_alike(release, monkeypatch):
+    job, sacct, squeue, first, rest = ARRAYS[release]
+
+    def fake(cmd, timeout=None):
+        return subprocess.CompletedProcess(cmd, 0, sacct if cmd[0] == "sacct" else squeue, "")
+    monkeypatch.setattr(slurm, "_run", fake)
+    tasks = [f"{job}_{t}" for t in range(4)]
+    got = slurm.states([slurm.JobRecord(t, "slurm", "", "", 0, "", "", 0.0) for t in tasks])
+    assert got[tasks[0]].state == first
+    assert {got[t].state for t in tasks[1:]} == {rest}
