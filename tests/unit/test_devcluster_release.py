@@ -125,6 +125,7 @@ def test_world_setup_binds_every_own_path_and_drops_the_other_clusters_namespace
     script = world.setup_script(rel, ["/usr/bin/srun", "/usr/sbin/slurmd"])
     lines = script.splitlines()
     assert lines[0] == "set -e" and "ip link set lo up" in lines
+    assert f"ip addr add {n.WORLD_IFACE_ADDR} dev eth0" in lines  # a login side with an eth0, as here
     drop = next(i for i, line in enumerate(lines) if "umount -l" in line)
     first_bind = next(i for i, line in enumerate(lines) if line.startswith("mount --bind"))
     assert drop < first_bind  # the copies go before the binds cover their paths

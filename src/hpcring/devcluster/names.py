@@ -154,6 +154,8 @@ def controller_host() -> str:
 RELEASE_ENV = "HPCRING_DEVCLUSTER_SLURM"  # which release `hpcring devcluster` and the tests mean
 WORLD_ENV = "HPCRING_DEVCLUSTER_WORLD"  # set inside a release's world: the release it is
 HOST_RELEASE = "22.05"  # the machine's own packages (Debian 12 "bookworm")
+WORLD_IFACE = "eth0"  # the world's own interface beside the bridge, as the machine has one
+WORLD_IFACE_ADDR = "10.97.0.1/24"  # not on the bridge's or the dead interfaces' networks
 WORLD_CPU = 0  # a world and its nodes' mount namespaces are made on this CPU (network._world_cpu_pin)
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 SLURM_LIB_DIR = Path("/usr/lib/x86_64-linux-gnu/slurm-wlm")  # plugins and libslurmfull (Debian)

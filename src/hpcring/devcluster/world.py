@@ -103,6 +103,11 @@ def setup_script(rel: n.Release, programs: list[str]) -> str:
     are dropped first so they do not keep its namespaces alive after its own `down`."""
     q = shlex.quote
     lines = ["set -e", "ip link set lo up",
+             # The machine's login side has an eth0 (tests name it for mpirun's out-of-band
+             # network); the world's gets one too, a veth whose peer is up, with an address of its own.
+             f"ip link add {n.WORLD_IFACE} type veth peer name {n.WORLD_IFACE}-peer",
+             f"ip addr add {n.WORLD_IFACE_ADDR} dev {n.WORLD_IFACE}",
+             f"ip link set {n.WORLD_IFACE}-peer up", f"ip link set {n.WORLD_IFACE} up",
              "for m in $(findmnt -rn -o TARGET | grep -E '^(%s/|%s)' | sort -r); do umount -l \"$m\"; done"
              % (n.NETNS_DIR, n.NS_DIR)]
     for target, source in {**rel.bind_dirs(), **rel.bind_files()}.items():
