@@ -87,6 +87,7 @@ typedef struct hr_p2p_peer {
     uint64_t rn;
     hr_p2p_req_t *rreq;         /* the posted receive being filled, or NULL */
     hr_p2p_msg_t *rmsg;         /* the unexpected message being filled, or NULL */
+    hr_p2p_req_t *rtake;        /* a receive posted for rmsg meanwhile: it takes over the rest */
     unsigned char *rdst;
     size_t rleft;
 } hr_p2p_peer_t;

@@ -177,8 +177,9 @@ void hr_p2p_fail_peer_locked(hr_p2p_t *b, int peer, const char *why, int hint) {
     fail_sends(b, p, why, hint);
     if (on_progress_thread(b)) {            /* the bytes in flight are this thread's own */
         if (p->rreq) hr_p2p_fail(b, p->rreq, hint, "%s", why);
+        if (p->rtake) hr_p2p_fail(b, p->rtake, hint, "%s", why);
         free(p->rmsg);
-        p->rreq = NULL;
+        p->rreq = p->rtake = NULL;
         p->rmsg = NULL;
         p->in_frame = 0;
     } else {
@@ -227,6 +228,27 @@ static void wake_for(hr_p2p_t *b, double deadline) {
     if (b->sleep_until != 0 && deadline < b->sleep_until) b->kick |= HR_KICK_WAKE;
 }
 
+/* A message of r's size being read into a buffer of its own (it came before any receive) that
+ * no earlier posted receive matches: r takes it over, so the rest of a large message goes
+ * straight into r->buf instead of through a second copy. 1 when taken. */
+static int take_in_flight(hr_p2p_t *b, hr_p2p_req_t *r) {
+    for (int i = 0; i < b->size; i++) {
+        hr_p2p_peer_t *p = &b->peers[i];
+        hr_p2p_msg_t *m = p->rmsg;
+        hr_p2p_req_t *q;
+        if ((r->peer >= 0 && r->peer != i) || !m || p->rtake || p->err || m->tag != r->tag ||
+            m->n != r->nbytes)
+            continue;
+        for (q = b->posted_head; q; q = q->next)
+            if (q->tag == m->tag && (q->peer < 0 || q->peer == i)) break;
+        if (q) continue;                    /* that one is first in line */
+        r->state = HR_P2P_ACTIVE;
+        p->rtake = r;
+        return 1;
+    }
+    return 0;
+}
+
 void hr_p2p_post_recv(hr_p2p_t *b, hr_p2p_req_t *r) {
     hr_p2p_msg_t **mp, *m, *prev = NULL;
     pthread_mutex_lock(&b->mu);
@@ -242,6 +264,8 @@ void hr_p2p_post_recv(hr_p2p_t *b, hr_p2p_req_t *r) {
             *mp = m->next;
             if (b->unexp_tail == m) b->unexp_tail = prev;
             hr_p2p_deliver(b, r, m);
+        } else if (take_in_flight(b, r)) {
+            /* the progress thread moves what it read so far and reads the rest into r->buf */
         } else {
             r->next = NULL;
             if (b->posted_tail) b->posted_tail->next = r;
@@ -401,15 +425,18 @@ double hr_p2p_expire(hr_p2p_t *b, double now) {
                 if (r->deadline <= now) due = r;
                 else if (r->deadline < next) next = r->deadline;
             }
-            if (p->rreq) {
-                if (p->rreq->deadline <= now) stalled = i;
-                else if (p->rreq->deadline < next) next = p->rreq->deadline;
+            for (int k = 0; k < 2; k++) {
+                hr_p2p_req_t *q = k ? p->rtake : p->rreq;
+                if (!q) continue;
+                if (q->deadline <= now) stalled = i;
+                else if (q->deadline < next) next = q->deadline;
             }
         }
         if (stalled >= 0) {
             char who[160], why[HR_P2P_WHYLEN];
+            hr_p2p_peer_t *p = &b->peers[stalled];
             snprintf(why, sizeof why, "the link with %s stalled mid-message (deadline %g s)",
-                     hr_p2p_who(b, stalled, who, sizeof who), b->peers[stalled].rreq->timeout);
+                     hr_p2p_who(b, stalled, who, sizeof who), (p->rreq ? p->rreq : p->rtake)->timeout);
             hr_p2p_fail_peer_locked(b, stalled, why, HR_HINT_STALL);   /* this thread's rreq too */
             continue;
         }
@@ -535,8 +562,9 @@ void hr_p2p_close(hr_p2p_t *b) {
         hr_p2p_peer_t *p = &b->peers[i];
         fail_sends(b, p, "the communicator was closed", HR_HINT_NONE);
         if (p->rreq) hr_p2p_fail(b, p->rreq, HR_HINT_NONE, "the communicator was closed");
+        if (p->rtake) hr_p2p_fail(b, p->rtake, HR_HINT_NONE, "the communicator was closed");
         free(p->rmsg);
-        p->rreq = NULL;
+        p->rreq = p->rtake = NULL;
         p->rmsg = NULL;
         if (p->in_fd >= 0) { shutdown(p->in_fd, SHUT_RDWR); close(p->in_fd); }
         if (p->out_fd >= 0) { shutdown(p->out_fd, SHUT_RDWR); close(p->out_fd); }

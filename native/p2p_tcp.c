@@ -150,6 +150,15 @@ static void read_peer(hr_p2p_t *b, int peer) {
         int n = 0;
         ssize_t k;
         if (p->err || b->closing || p->in_fd < 0) return;
+        if (p->rtake && p->rmsg) {          /* a receive was posted for it: the rest goes there */
+            size_t got = p->rmsg->n - p->rleft;
+            memcpy(p->rtake->buf, p->rmsg->data, got);
+            p->rreq = p->rtake;
+            p->rdst = p->rreq->buf + got;
+            p->rtake = NULL;
+            free(p->rmsg);
+            p->rmsg = NULL;
+        }
         if (!p->in_frame) {
             if (p->ilen - p->ipos >= HR_P2P_HDR) {
                 p->rtag = (int64_t)be64(p->ibuf + p->ipos);
@@ -230,7 +239,10 @@ void *hr_p2p_progress(void *arg) {
         who[n++] = -1;
         for (int i = 0; i < b->size; i++) {
             hr_p2p_peer_t *p = &b->peers[i];
-            if (p->err) continue;
+            if (p->err) {                    /* failed by another thread: the bytes in flight */
+                if (p->rreq || p->rmsg || p->rtake) hr_p2p_fail_peer_locked(b, i, p->err, HR_HINT_NONE);
+                continue;
+            }
             if (p->in_fd >= 0) {
                 pf[n].fd = p->in_fd;
                 pf[n].events = POLLIN;

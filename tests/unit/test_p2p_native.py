@@ -5,6 +5,7 @@ handshake); the last tests go through the Communicator and its notifier."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -169,6 +170,30 @@ def test_a_send_the_receiver_does_not_drain_fails_at_its_deadline():
     finally:
         a.close()
         y.close()
+
+
+def test_a_receive_posted_while_its_message_arrives_gets_every_byte_in_order():
+    b = _native.P2P(1, 2, HOSTS[:2])
+    x, y = socket.socketpair()                                     # x: rank 0 writing frames by hand
+    try:
+        b.set_fd(0, y.detach(), True)
+        n = 1 << 20
+        data = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+        head = struct.pack(">qQ", 5, n)                            # the wire: tag, bytes, big-endian
+        x.sendall(head[:5])                                        # a header split across reads
+        time.sleep(0.05)
+        x.sendall(head[5:] + data[: n // 2].tobytes())
+        time.sleep(0.2)                                            # half read, into a buffer of its own
+        out = np.zeros(n, np.uint8)
+        r = recv(b, out, 0, tag=5)
+        assert r.result() is None
+        x.sendall(data[n // 2:].tobytes() + struct.pack(">qQ", 6, 3) + b"abc")
+        assert done(r)[0] is False and (out == data).all()
+        small = np.zeros(3, np.uint8)
+        assert done(recv(b, small, 0, tag=6))[0] is False and small.tobytes() == b"abc"
+    finally:
+        b.close()
+        x.close()
 
 
 def test_bad_handover_and_arguments_are_refused(boxes):
