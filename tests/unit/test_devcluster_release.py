@@ -173,3 +173,29 @@ def test_processes_are_ours_only_in_our_network_namespaces(monkeypatch, tmp_path
     assert system.pids_by_exe(["slurmd"]) == [os.getppid()]
     inodes[os.getppid()] = own + 1  # the same program in another cluster's network namespace
     assert system.pids_by_exe(["slurmd"]) == []
+
+
+def test_pmix_path_is_replaced_by_a_link_of_the_same_length(tmp_path, monkeypatch):
+    rel = n.Release("24.11", "trixie", tmp_path / "h")
+    machine_pmix = "/usr/lib/" + "p" * (len(str(rel.home)) + 3 - len("/usr/lib/"))
+    monkeypatch.setattr(n, "PMIX_LIB_DIR", Path(machine_pmix))
+    assert len(str(rel.pmix_link)) == len(machine_pmix)
+    plugin = rel.root / n.TREE_LIB_DIR / "slurm-wlm" / "mpi_pmix_v5.so"
+    tree_pmix = rel.root / machine_pmix.lstrip("/")
+    libpmix = tree_pmix / "libpmix.so.2.13.7"
+    for f in (plugin, libpmix):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"\0ELF" + machine_pmix.encode() + b"\0" + machine_pmix.encode() + b"/pmix\0")
+    (tree_pmix / "libpmix.so.2").symlink_to("libpmix.so.2.13.7")
+    assert sorted(tree.relocate_pmix(rel)) == sorted([plugin, libpmix])
+    for f in (plugin, libpmix):
+        data = f.read_bytes()
+        assert machine_pmix.encode() not in data and data.count(str(rel.pmix_link).encode()) == 2
+    assert rel.pmix_link.resolve() == tree_pmix.resolve()
+    assert tree.relocate_pmix(rel) == []  # a second run finds nothing left to change
+
+
+def test_pmix_link_too_long_is_a_clear_error(tmp_path):
+    rel = n.Release("24.11", "trixie", tmp_path / ("long" * 20))
+    with pytest.raises(DevClusterError, match="too long for the PMIx path"):
+        tree.relocate_pmix(rel)
