@@ -1,11 +1,7 @@
-"""The world of a second Slurm release: its own network and mount namespaces.
+"""The world of a second Slurm release: a network and a mount namespace of its own.
 
-Inside, the dev cluster's fixed paths are bound to the release's own directories and files
-(``Release.bind_dirs``/``bind_files``) and the tree's Slurm programs and plugins over the
-machine's, so `hpcring devcluster up/down/status/exec` and the tests run there unchanged, with the
-same names, addresses and ports as the 22.05 cluster but none of its addresses or files. Processes
-are told apart by network namespace (system.pids_by_exe). It is made on names.WORLD_CPU, as are its
-nodes' mount namespaces (network._world_cpu_pin says why).
+Inside, the dev cluster's fixed paths are bound to the release's own files and the tree's Slurm
+over the machine's, so `hpcring devcluster` and the tests run there unchanged (docs/devcluster.md).
 """
 from __future__ import annotations
 
@@ -23,6 +19,7 @@ from hpcring.errors import DevClusterError
 
 from . import configs, hosts
 from . import names as n
+from .prereqs import check_root
 from .tree import ensure_tree, in_tree
 from .system import is_nsfs_mount, mount_of, ns_inode, ok, pids_in_ns, run, terminate
 
@@ -117,12 +114,8 @@ def setup_script(rel: n.Release, programs: list[str]) -> str:
     lines.append(f"mount --bind {q(str(rel.root / n.TREE_LIB_DIR / 'slurm-wlm'))} {q(str(n.SLURM_LIB_DIR))}")
     for p in programs:
         # the machine's real file (its alternatives' links resolved): a mount covers that file
-        lines.append(f"if [ -e {q(p)} ]; then mount --bind {q(str(_tree_file(rel, p)))} \"$(readlink -f {q(p)})\"; fi")
+        lines.append(f"if [ -e {q(p)} ]; then mount --bind {q(str(in_tree(rel.root, p)))} \"$(readlink -f {q(p)})\"; fi")
     return "\n".join(lines) + "\n"
-
-
-def _tree_file(rel: n.Release, program: str) -> Path:
-    return in_tree(rel.root, program)
 
 
 def _own_files(rel: n.Release) -> None:
@@ -193,7 +186,6 @@ def cli_argv(*args: str) -> list[str]:
 
 def prepare(rel: n.Release) -> list[str]:
     """Build the release's tree (once) and its world (when missing); what had to be done."""
-    from .prereqs import check_root
     check_root()
     actions: list[str] = []
     with lock(rel):
@@ -204,7 +196,6 @@ def prepare(rel: n.Release) -> list[str]:
 
 def take_down(rel: n.Release) -> None:
     """After the cluster inside is down: end the world (every process left in it)."""
-    from .prereqs import check_root
     check_root()
     with lock(rel):
         left = remove_world(rel)
