@@ -6,10 +6,10 @@ import os
 import shutil
 from pathlib import Path
 
-from helpers.train_example import ARGS, STEPS, TRAIN, assert_same_training, hpcring, losses, single_process
+from helpers.train_example import ARGS, STEPS, TRAIN, assert_same_training, losses, single_process
 
 
-def test_devcluster_3_nodes_x_2_ranks_matches_single_process(tmp_path):
+def test_devcluster_3_nodes_x_2_ranks_matches_single_process(hpcring, tmp_path):
     ref, ref_ckpt = single_process(tmp_path)
     ckpt = Path("/srv/hpcring") / f"train-ckpt-{os.getpid()}"
     try:

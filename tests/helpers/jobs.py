@@ -66,17 +66,6 @@ def run_mpirun(worker: str, tmp_path, *args, ranks: int, timeout: float = 300):
                           capture_output=True, text=True, timeout=timeout, cwd=tmp_path, stdin=subprocess.DEVNULL)
 
 
-def hpcring_cli(*args, env: dict, timeout: float = 180, root: Path | None = None):
-    """``python -m hpcring ARGS`` from the checkout (src on the path), with ``env`` over ours."""
-    import os
-    import subprocess
-    import sys
-    root = root or Path(__file__).resolve().parents[2]
-    e = dict(os.environ, PYTHONPATH=str(root / "src"), **env)
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(root))
-
-
 def local_env_for(tmp_path, **more) -> dict:
     """Variables for a local job with its own records and job folders under ``tmp_path``."""
     return {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_JOB_DIR": str(tmp_path / "jobs"),

@@ -26,12 +26,6 @@ def losses(stdout: str) -> list[float]:
     return [float(r[2]) for r in rows]
 
 
-def hpcring(*args, env=None, timeout=240, cwd=None):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd or str(ROOT))
-
-
 def single_process(tmp_path) -> tuple[list[float], Path]:
     ckpt = tmp_path / "solo-ckpt"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))

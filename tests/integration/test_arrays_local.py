@@ -1,21 +1,17 @@
 """Job arrays and dependencies on the local backend: bounded parallel tasks, each the whole job with
 HPCRING_ARRAY_TASK and its sweep values; `cancel JOB_TASK` of a queued task; `--after` waits for
-the other job's outcome (issue 24, items 2 and 5)."""
+the other job's outcome."""
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
 
-from helpers.jobs import hpcring_cli, job_id_of, local_env_for  # noqa: F401
+from helpers.jobs import job_id_of, local_env_for  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "workers" / "array_worker.py"
 HELLO = ROOT / "examples" / "hello.py"
-
-
-def hpcring(*args, env, timeout=180):
-    return hpcring_cli(*args, env={**env}, timeout=timeout)
 
 
 env_for = local_env_for
@@ -34,7 +30,7 @@ def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"{what}: not within {timeout:g} s")
 
 
-def test_a_local_sweep_runs_at_most_n_tasks_at_once(tmp_path):
+def test_a_local_sweep_runs_at_most_n_tasks_at_once(hpcring, tmp_path):
     env = env_for(tmp_path, ARRAY_WORKER_SLEEP_S="1.5")
     r = hpcring("submit", str(WORKER), "--tasks-per-node", "2", "--sweep", "lr=1,2", "--sweep", "bs=8,16",
                 "--array", "%2", "--wait", env=env)
@@ -53,7 +49,7 @@ def test_a_local_sweep_runs_at_most_n_tasks_at_once(tmp_path):
     assert "  4 COMPLETED\n" in st.stdout and "lr=2 bs=16" in st.stdout, st.stdout
 
 
-def test_cancel_one_queued_task(tmp_path):
+def test_cancel_one_queued_task(hpcring, tmp_path):
     env = env_for(tmp_path, ARRAY_WORKER_SLEEP_S="3")
     r = hpcring("submit", str(WORKER), "--array", "0-2%1", env=env)
     assert r.returncode == 0, r.stderr
@@ -68,7 +64,7 @@ def test_cancel_one_queued_task(tmp_path):
     assert "has already ended (CANCELLED)" in again.stderr
 
 
-def test_after_waits_for_the_outcome(tmp_path):
+def test_after_waits_for_the_outcome(hpcring, tmp_path):
     env = env_for(tmp_path)
     a = hpcring("submit", str(HELLO), "--nodes", "1", env=dict(env, HELLO_FAIL_RANK="0"))
     first = job_id_of(a)
@@ -82,7 +78,7 @@ def test_after_waits_for_the_outcome(tmp_path):
     assert local_state(tmp_path, third)["started"] >= local_state(tmp_path, first)["ended"]
 
 
-def test_cancel_the_whole_array(tmp_path):
+def test_cancel_the_whole_array(hpcring, tmp_path):
     """The running task is stopped, the queued ones never start, the queue itself ends."""
     env = env_for(tmp_path, ARRAY_WORKER_SLEEP_S="30")
     r = hpcring("submit", str(WORKER), "--array", "0-3%1", env=env)

@@ -4,10 +4,10 @@ checkout's venv bound in (tests/helpers/container.py; the dev-cluster versions a
 test_container_devcluster.py)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pwd
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,11 +32,12 @@ def site(tmp_path) -> Path:
     return p
 
 
-def _hpcring(*args, tmp_path, timeout=240):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_STATE_DIR=str(tmp_path / "state"),
-               USER=pwd.getpwuid(os.getuid()).pw_name)   # ch-run refuses to start without $USER
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=env,
-                          cwd=str(ROOT), timeout=timeout, stdin=subprocess.DEVNULL)
+@pytest.fixture
+def ch_hpcring(hpcring, tmp_path):
+    """The conftest runner with this test's job records, $USER set (ch-run refuses to start without
+    it) and a 240 s bound (an image's ranks start slower)."""
+    env = {"HPCRING_STATE_DIR": str(tmp_path / "state"), "USER": pwd.getpwuid(os.getuid()).pw_name}
+    return functools.partial(hpcring, env=env, timeout=240)
 
 
 def _ranks(stdout: str) -> list[dict]:
@@ -44,21 +45,20 @@ def _ranks(stdout: str) -> list[dict]:
                    if "<stdout>:CONTAINER_RANK " in line), key=lambda d: d["rank"])
 
 
-def test_hpcring_run_outside_an_allocation(site, tmp_path):
-    r = _hpcring("run", "--site", str(site), "-N", "2", "--tasks-per-node", "1", "--", sys.executable, str(WORKER),
-                 tmp_path=tmp_path)
+def test_hpcring_run_outside_an_allocation(ch_hpcring, site, tmp_path):
+    r = ch_hpcring("run", "--site", str(site), "-N", "2", "--tasks-per-node", "1", "--", sys.executable, str(WORKER))
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     ranks = _ranks(r.stdout)
     assert [d["rank"] for d in ranks] == [0, 1], r.stdout
     assert all(d["in_image"] and d["exact"] and d["secret_ok"] and d["cwd"] == str(ROOT) for d in ranks), ranks
     # and --no-container runs the same ranks on the host (no image marker there)
-    r = _hpcring("run", "--site", str(site), "-N", "2", "--tasks-per-node", "1", "--no-container", "--",
-                 sys.executable, str(WORKER), tmp_path=tmp_path)
+    r = ch_hpcring("run", "--site", str(site), "-N", "2", "--tasks-per-node", "1", "--no-container", "--",
+                   sys.executable, str(WORKER))
     assert r.returncode == 0 and not any(d["in_image"] for d in _ranks(r.stdout)), r.stdout + r.stderr
 
 
-def test_submit_on_the_local_backend(site, tmp_path):
-    r = _hpcring("submit", str(WORKER), "--site", str(site), "-N", "2", "--wait", tmp_path=tmp_path)
+def test_submit_on_the_local_backend(ch_hpcring, site, tmp_path):
+    r = ch_hpcring("submit", str(WORKER), "--site", str(site), "-N", "2", "--wait")
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     ranks = _ranks(r.stdout)
     assert [d["rank"] for d in ranks] == [0, 1], r.stdout

@@ -4,6 +4,7 @@ host in ``result()``, ``map_array`` with a parallel limit, cancel, the CLI seein
 Python seeing a CLI job, a function of ``__main__`` sent by value, bounded waits."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -85,10 +86,10 @@ def env(tmp_path, monkeypatch):
     return {k: os.environ[k] for k in ("HPCRING_STATE_DIR", "HPCRING_JOB_DIR", "HPCRING_SITE")}
 
 
-def hpcring_cli(*args, timeout=120):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
+@pytest.fixture(scope="session")
+def hpcring_cli(request):
+    """The conftest `hpcring` runner (here `hpcring` names the library) with a 120 s bound."""
+    return functools.partial(request.getfixturevalue("hpcring"), timeout=120)
 
 
 def executor(**params):
@@ -110,7 +111,7 @@ def test_allreduce_on_every_rank(env):
     assert job.name == "allreduce_rank" and job.num_tasks == 2
 
 
-def test_a_failing_rank_reaches_result(env):
+def test_a_failing_rank_reaches_result(hpcring_cli, env):
     job = executor().submit(fail_on_rank, 1)
     with pytest.raises(JobFailedError) as info:
         job.result(timeout=DEADLINE)
@@ -134,7 +135,7 @@ def test_a_failing_rank_reaches_result(env):
     assert "FAILED" in st.stdout and "rank 1 on local0: ValueError: rank 1 cannot go on" in st.stdout, st.stdout
 
 
-def test_map_array_runs_at_most_two_tasks_at_once(env):
+def test_map_array_runs_at_most_two_tasks_at_once(hpcring_cli, env):
     jobs = executor(array_parallelism=2).map_array(timed_task, range(6), [1.5] * 6)
     assert len(jobs) == 6 and len({j.job_id.split("_")[0] for j in jobs}) == 1
     results = [j.results(timeout=DEADLINE) for j in jobs]
@@ -162,7 +163,7 @@ def test_array_tasks_running_at_once_on_one_host_each_have_their_own_shared_memo
     assert [j.results(timeout=DEADLINE) for j in jobs] == [[2.0, 2.0], [4.0, 4.0], [6.0, 6.0]]
 
 
-def test_cancel(env, tmp_path):
+def test_cancel(hpcring_cli, env, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     job = executor().submit(sleeper, str(pids), 120)
@@ -198,7 +199,7 @@ def test_wait_has_a_deadline(env, tmp_path):
     assert job.wait(timeout=30) == "CANCELLED"
 
 
-def test_the_cli_sees_a_python_job(env):
+def test_the_cli_sees_a_python_job(hpcring_cli, env):
     job = executor(name="from-python").submit(allreduce_rank, 1)
     job.wait(timeout=DEADLINE)
     st = hpcring_cli("status", job.job_id)
@@ -213,7 +214,7 @@ def test_the_cli_sees_a_python_job(env):
     assert one.stdout.splitlines() == ["[1]<stdout>:rank 1 of 2 on local0: sum 3"]
 
 
-def test_python_sees_a_cli_job(env):
+def test_python_sees_a_cli_job(hpcring_cli, env):
     r = hpcring_cli("submit", HELLO, "--tasks-per-node", "2")
     assert r.returncode == 0, r.stderr
     job_id = r.stderr.split("Submitted job ")[1].split()[0]
@@ -222,9 +223,7 @@ def test_python_sees_a_cli_job(env):
     assert job.results() == [0, 0]          # a script's ranks return its exit code
     assert sum(1 for ln in job.logs().splitlines() if "<stdout>:HELLO " in ln) == 2
     assert hpcring.Executor().job(f"local-{job_id}").key == job.key == f"local-{job_id}"
-    failing = subprocess.run([sys.executable, "-m", "hpcring", "submit", HELLO, "--tasks-per-node", "2"],
-                             capture_output=True, text=True, timeout=120, cwd=str(ROOT), stdin=subprocess.DEVNULL,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), HELLO_FAIL_RANK="1"))
+    failing = hpcring_cli("submit", HELLO, "--tasks-per-node", "2", env={"HELLO_FAIL_RANK": "1"})
     bad = hpcring.Job(failing.stderr.split("Submitted job ")[1].split()[0])
     with pytest.raises(JobFailedError) as info:
         bad.result(timeout=DEADLINE)

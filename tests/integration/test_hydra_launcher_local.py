@@ -5,6 +5,7 @@ limit holds; a bad launcher config is refused before anything is queued; and Hyd
 test suites (hydra.test_utils.launcher_common_tests) pass."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -48,10 +49,10 @@ def app(tmp_path, *overrides, timeout=300, env=None):
                           stdin=subprocess.DEVNULL)
 
 
-def hpcring_cli(*args):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=120, stdin=subprocess.DEVNULL, cwd=str(ROOT))
+@pytest.fixture(scope="session")
+def hpcring_cli(request):
+    """The conftest `hpcring` runner (here `hpcring` names the library) with a 120 s bound."""
+    return functools.partial(request.getfixturevalue("hpcring"), timeout=120)
 
 
 def result(sweep: Path, num: int) -> dict:
@@ -64,7 +65,7 @@ def at_most_two_at_once(spans):
     assert max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans) == 2, spans   # and 2 did run together
 
 
-def test_every_point_runs_as_an_hpcring_job(env):
+def test_every_point_runs_as_an_hpcring_job(hpcring_cli, env):
     r = app(env, "hydra/launcher=hpcring", "x=1,2,3,4", "sleep=2")
     assert r.returncode == 0, r.stdout + r.stderr
     sweep = env / "sweep"
@@ -94,7 +95,7 @@ def test_every_point_runs_as_an_hpcring_job(env):
     assert [j.result().return_value for j in jobs] == [3.0, 6.0, 9.0, 12.0]    # rank 0's JobReturn per point
 
 
-def test_a_failing_point_is_reported_and_the_others_complete(env):
+def test_a_failing_point_is_reported_and_the_others_complete(hpcring_cli, env):
     r = app(env, "x=1,2,3,4", "fail_on=3")
     assert r.returncode == 1, r.stdout + r.stderr
     sweep = env / "sweep"

@@ -1,8 +1,6 @@
 """The local backend runs the same job as a cluster would: N nodes x k ranks with allocation env."""
+import functools
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,10 +10,10 @@ ROOT = Path(__file__).resolve().parents[2]
 HELLO = ROOT / "examples" / "hello.py"
 
 
-def hpcring(*args, env=None, timeout=120):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True,
-                          env=e, timeout=timeout, stdin=subprocess.DEVNULL)
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner with this file's 120 s bound (a 4-rank hello takes a few seconds)."""
+    return functools.partial(hpcring, timeout=120)
 
 
 @pytest.fixture
@@ -27,7 +25,7 @@ def hellos(stdout: str) -> list[dict]:
     return [json.loads(l.split("HELLO ", 1)[1]) for l in stdout.splitlines() if "<stdout>:HELLO " in l]
 
 
-def test_hello_2_nodes_x_2_ranks(local_env):
+def test_hello_2_nodes_x_2_ranks(hpcring, local_env):
     r = hpcring("submit", str(HELLO), "--nodes", "2", "--tasks-per-node", "2", "--wait", env=local_env)
     assert r.returncode == 0, r.stderr
     recs = hellos(r.stdout)
@@ -44,14 +42,14 @@ def test_hello_2_nodes_x_2_ranks(local_env):
     assert logs.returncode == 0 and [x["rank"] for x in hellos(logs.stdout)] == [2]
 
 
-def test_failing_rank_named_and_exit_code(local_env):
+def test_failing_rank_named_and_exit_code(hpcring, local_env):
     r = hpcring("submit", str(HELLO), "--nodes", "2", "--tasks-per-node", "2", "--wait",
                 env=dict(local_env, HELLO_FAIL_RANK="1"))
     assert r.returncode == 3, r.stderr
     assert "rank 1 on local0: exited with code 3" in r.stderr
 
 
-def test_cancel_stops_running_job(local_env, tmp_path):
+def test_cancel_stops_running_job(hpcring, local_env, tmp_path):
     sleeper = tmp_path / "sleep.py"
     sleeper.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(300)\n")
     r = hpcring("submit", str(sleeper), "--nodes", "1", "--tasks-per-node", "2", env=local_env)
@@ -75,14 +73,14 @@ def test_cancel_stops_running_job(local_env, tmp_path):
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:2]
 
 
-def test_time_limit_enforced(local_env, tmp_path):
+def test_time_limit_enforced(hpcring, local_env, tmp_path):
     sleeper = tmp_path / "sleep.py"
     sleeper.write_text("import time\ntime.sleep(300)\n")
     r = hpcring("submit", str(sleeper), "--time", "1", "--wait", env=dict(local_env), timeout=150)
     assert r.returncode != 0 and "TIMEOUT" in r.stderr
 
 
-def test_secret_outlives_the_first_rank_to_finish(local_env):
+def test_secret_outlives_the_first_rank_to_finish(hpcring, local_env):
     """Rank 0 ends at once; the others, still running seconds later, find the job's secret (a
     rank's exit used to delete it: 'cannot read secret file' on the slower ranks)."""
     r = hpcring("submit", str(ROOT / "tests" / "data" / "secret_skew.py"), "--nodes", "2",

@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from helpers.jobs import hpcring_cli, job_id_of, local_env_for  # noqa: F401
+from helpers.jobs import job_id_of, local_env_for  # noqa: F401
 
 import jsonschema
 import pytest
@@ -26,15 +26,18 @@ PARTS = ("startup", "compute", "communication", "waiting")
 STEPS, COMPUTE, SLOW = 40, 0.02, 0.06
 
 
-def hpcring(*args, env, timeout=180):
-    return hpcring_cli(*args, env={"OMP_NUM_THREADS": "1", **env}, timeout=timeout)
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner with one OpenMP thread per rank unless ``env`` says otherwise (3 ranks
+    share this machine's cores)."""
+    return lambda *args, env, timeout=180: hpcring(*args, env={"OMP_NUM_THREADS": "1", **env}, timeout=timeout)
 
 
 env_for = local_env_for
 
 
 @pytest.fixture(scope="module")
-def slow_rank_job(tmp_path_factory):
+def slow_rank_job(hpcring, tmp_path_factory):
     """(env, job id, report JSON, text, html path) of one 3-rank job with a slow rank 1."""
     tmp = tmp_path_factory.mktemp("report")
     env = env_for(tmp, HPCRING_STRAGGLER_WINDOW="20")     # 40 steps: the first window is judged while it runs
@@ -113,7 +116,7 @@ def test_the_slow_rank_is_named_a_straggler_in_the_report(slow_rank_job):
     assert "straggler: rank 1 (local0)" in html.read_text()
 
 
-def test_plots_draws_the_three_pictures_of_the_job(slow_rank_job):
+def test_plots_draws_the_three_pictures_of_the_job(hpcring, slow_rank_job):
     import xml.etree.ElementTree as ET
     pytest.importorskip("matplotlib")
     env, job, doc, _, _, tmp = slow_rank_job
@@ -163,7 +166,7 @@ def test_the_html_loads_in_a_headless_browser_and_shows_every_rank(slow_rank_job
     assert shot.stat().st_size > 10_000          # a page with text and bars, not a blank one
 
 
-def test_a_hung_job_is_reported_with_its_hang(tmp_path):
+def test_a_hung_job_is_reported_with_its_hang(hpcring, tmp_path):
     env = env_for(tmp_path, HPCRING_TIMEOUT="3", HPCRING_DIAG_GRACE="1")
     r = hpcring("submit", str(FAULT), "--nodes", "1", "--tasks-per-node", "3", "--wait", "--", "skip", "2", env=env)
     assert r.returncode != 0 and "never joined" in r.stderr, r.stderr
@@ -185,7 +188,7 @@ def test_a_hung_job_is_reported_with_its_hang(tmp_path):
     assert "hang          : allreduce#4: rank 2 (local0) never joined" in t.stdout, t.stdout
 
 
-def test_a_running_job_is_reported_so_far(tmp_path):
+def test_a_running_job_is_reported_so_far(hpcring, tmp_path):
     env = env_for(tmp_path)
     r = hpcring("submit", str(WORKER), "--nodes", "1", "--tasks-per-node", "2", "--",
                 "--steps", "400", "--compute", "0.05", env=env)
@@ -211,13 +214,13 @@ def test_a_running_job_is_reported_so_far(tmp_path):
         hpcring("cancel", job, env=env)
 
 
-def test_a_job_id_that_does_not_exist_is_one_line_and_exit_1(tmp_path):
+def test_a_job_id_that_does_not_exist_is_one_line_and_exit_1(hpcring, tmp_path):
     r = hpcring("report", "4242", env=env_for(tmp_path))
     assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: job 4242 was not submitted through hpcring") and "hint:" in r.stderr
 
 
-def test_a_restarted_job_with_a_straggler_reports_both(tmp_path):
+def test_a_restarted_job_with_a_straggler_reports_both(hpcring, tmp_path):
     """Attempt 0 freezes rank 1 at step 12 (a node gone silent: the hang is diagnosed and the job
     restarted as is, the local backend having no node to exclude); rank 2 is slow on every
     attempt. One report covers the chain: the restart, the hang, the straggler, and each rank's

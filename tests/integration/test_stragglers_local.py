@@ -18,25 +18,23 @@ from pathlib import Path
 
 import pytest
 
-from helpers.jobs import hpcring_cli
-
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "benchmarks" / "straggler_train.py"
 
 
-def run(tmp_path, steps, **env):
-    r = hpcring_cli("run", "--tasks-per-node", "4", "--", sys.executable, str(TRAIN),
-                    env={"STEPS": str(steps), "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
-                         "HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_SITE": "local", **env},
-                    timeout=240)
+def run(hpcring, tmp_path, steps, **env):
+    r = hpcring("run", "--tasks-per-node", "4", "--", sys.executable, str(TRAIN),
+                env={"STEPS": str(steps), "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
+                     "HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_SITE": "local", **env},
+                timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     m = re.search(r"RESULT (\{.*\})", r.stdout)
     assert m, r.stdout[-2000:] + r.stderr[-2000:]
     return json.loads(m.group(1)), r.stderr
 
 
-def test_a_rank_computing_1_5x_as_long_is_named_with_its_host_while_the_job_runs(tmp_path):
-    res, err = run(tmp_path, 160, SLOW_RANK="3", SLOW_FACTOR="1.5", WORK_MS="20")
+def test_a_rank_computing_1_5x_as_long_is_named_with_its_host_while_the_job_runs(hpcring, tmp_path):
+    res, err = run(hpcring, tmp_path, 160, SLOW_RANK="3", SLOW_FACTOR="1.5", WORK_MS="20")
     named = [ln for ln in err.splitlines() if "straggler:" in ln]
     assert named and "[0]" in named[0] and "straggler: rank 3 (local0) arrived last in " in named[0], err[-3000:]
     assert "its compute between collectives is" in named[0]
@@ -44,17 +42,17 @@ def test_a_rank_computing_1_5x_as_long_is_named_with_its_host_while_the_job_runs
     assert all("rank 3" in ln or "none in the last" in ln for ln in named), named
 
 
-def test_ranks_computing_alike_get_no_verdict(tmp_path):
-    res, err = run(tmp_path, 300, WORK_MS="10")
+def test_ranks_computing_alike_get_no_verdict(hpcring, tmp_path):
+    res, err = run(hpcring, tmp_path, 300, WORK_MS="10")
     assert res["windows"] >= 2, res                 # windows were judged ...
     assert res["lines"] == [] and "straggler:" not in err, err[-3000:]     # ... and nobody named
 
 
-def test_a_slow_rank_in_a_group_is_named_with_its_global_rank_and_the_group(tmp_path):
+def test_a_slow_rank_in_a_group_is_named_with_its_global_rank_and_the_group(hpcring, tmp_path):
     """The collectives run on a group of global ranks 1-3 only (as HSDP's shard groups carry most
     of a job's): the group's rank 0 (global rank 1) judges it; the line names global rank 3 and
     the group, and the verdict is kept in the group's own file for the report."""
-    res, err = run(tmp_path, 160, SLOW_RANK="3", SLOW_FACTOR="1.5", WORK_MS="20", GROUP="1,2,3")
+    res, err = run(hpcring, tmp_path, 160, SLOW_RANK="3", SLOW_FACTOR="1.5", WORK_MS="20", GROUP="1,2,3")
     named = [ln for ln in err.splitlines() if "straggler:" in ln]
     assert named and named[0].startswith("[1]") and "straggler: rank 3 (local0) arrived last in " in named[0], \
         err[-3000:]
@@ -65,8 +63,8 @@ def test_a_slow_rank_in_a_group_is_named_with_its_global_rank_and_the_group(tmp_
 
 
 @pytest.mark.parametrize("value", ["0", "false"])
-def test_the_watcher_can_be_turned_off(tmp_path, value):
-    res, err = run(tmp_path, 20, SLOW_RANK="1", SLOW_FACTOR="3", HPCRING_STRAGGLERS=value)
+def test_the_watcher_can_be_turned_off(hpcring, tmp_path, value):
+    res, err = run(hpcring, tmp_path, 20, SLOW_RANK="1", SLOW_FACTOR="3", HPCRING_STRAGGLERS=value)
     assert res["on"] is False and "straggler:" not in err
 
 
@@ -105,15 +103,15 @@ print("HVD_DONE", hvd.rank(), flush=True)
 """
 
 
-def test_a_horovod_style_script_gets_the_verdict_unchanged(tmp_path):
+def test_a_horovod_style_script_gets_the_verdict_unchanged(hpcring, tmp_path):
     """A script written for horovod.torch (hpcring.torch) is watched like any other: its slow
     rank is named, with no change to the script."""
     pytest.importorskip("torch")
     script = tmp_path / "hvd_slow.py"
     script.write_text(HVD_SCRIPT)
-    r = hpcring_cli("run", "--tasks-per-node", "3", "--", sys.executable, str(script),
-                    env={"HPCRING_SITE": "local", "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
-                         "HPCRING_STATE_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "1"}, timeout=240)
+    r = hpcring("run", "--tasks-per-node", "3", "--", sys.executable, str(script),
+                env={"HPCRING_SITE": "local", "HPCRING_JOB_DIR": str(tmp_path / "jobs"),
+                     "HPCRING_STATE_DIR": str(tmp_path / "state"), "OMP_NUM_THREADS": "1"}, timeout=240)
     assert r.returncode == 0 and r.stdout.count("HVD_DONE") == 3, r.stdout[-2000:] + r.stderr[-3000:]
     named = [ln for ln in r.stderr.splitlines() if "straggler:" in ln]
     assert named and "straggler: rank 2 (local0) arrived last in " in named[0], r.stderr[-3000:]

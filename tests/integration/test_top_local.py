@@ -9,10 +9,13 @@ Compute is a sleep (4 ranks on 2 busy cores do not fight for it); every wait is 
 deadline, never a fixed sleep that a loaded machine could outrun."""
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
-from helpers.jobs import hpcring_cli, job_id_of, local_env_for
+import pytest
+
+from helpers.jobs import job_id_of, local_env_for
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,8 +24,10 @@ TRAIN = ROOT / "benchmarks" / "straggler_train.py"
 SLOW = 2
 
 
-def hpcring(*args, env, timeout=120):
-    return hpcring_cli(*args, env=env, timeout=timeout)
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner with this file's 120 s bound."""
+    return functools.partial(hpcring, timeout=120)
 
 
 def rank_rows(stdout: str) -> dict[int, str]:
@@ -43,7 +48,7 @@ def figures(path: Path) -> dict:
     return out
 
 
-def test_top_shows_a_running_job_and_says_when_it_finished(tmp_path):
+def test_top_shows_a_running_job_and_says_when_it_finished(hpcring, tmp_path):
     prom = tmp_path / "prom"
     prom.mkdir()
     env = local_env_for(tmp_path, OMP_NUM_THREADS="1", HPCRING_STRAGGLER_WINDOW="20", STEPS="300",

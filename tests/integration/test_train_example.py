@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.train_example import ARGS, STEPS, TRAIN, assert_same_training, hpcring, losses, single_process
+from helpers.train_example import ARGS, STEPS, TRAIN, assert_same_training, losses, single_process
 
 
 @pytest.fixture
@@ -12,10 +12,10 @@ def local_env(tmp_path):
 
 
 @pytest.mark.parametrize("nodes,per_node", [(1, 1), (2, 2)])
-def test_local_backend_matches_single_process(tmp_path, local_env, nodes, per_node):
+def test_local_backend_matches_single_process(hpcring, tmp_path, local_env, nodes, per_node):
     ref, ref_ckpt = single_process(tmp_path)
     r = hpcring("submit", str(TRAIN), "--nodes", str(nodes), "--tasks-per-node", str(per_node), "--wait",
-                "--", *ARGS, env=local_env)
+                "--", *ARGS, env=local_env, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"on {nodes * per_node} rank(s)" in r.stdout
     # default checkpoint folder: <job folder>/checkpoints, written by rank 0 only (one file per save)

@@ -4,8 +4,7 @@ one verdict, and the rank's own exit code (from --wait and from `hpcring status`
 registers the `hpcring` torch backend as `submit` does."""
 from __future__ import annotations
 
-import os
-import subprocess
+import functools
 import sys
 from pathlib import Path
 
@@ -28,10 +27,10 @@ f()
 """
 
 
-def hpcring(*args, env=None, cwd=None, timeout=120):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True,
-                          env=e, timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner with this file's 120 s bound (each job here fails within seconds)."""
+    return functools.partial(hpcring, timeout=120)
 
 
 @pytest.fixture
@@ -50,7 +49,7 @@ def verdicts(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
 
 
-def test_an_exception_on_one_rank_shows_its_traceback_once(local_env, tmp_path):
+def test_an_exception_on_one_rank_shows_its_traceback_once(hpcring, local_env, tmp_path):
     script = tmp_path / "fail_one.py"
     script.write_text(FAIL_ONE)
     r = hpcring("submit", str(script), "--nodes", "2", "--wait", "--", "raise", env=local_env)
@@ -66,7 +65,7 @@ def test_an_exception_on_one_rank_shows_its_traceback_once(local_env, tmp_path):
                                   "ValueError: boom on rank 1; rank 0 did not finish"], r.stderr
 
 
-def test_sys_exit_3_is_exit_code_3_everywhere_without_a_traceback(local_env, tmp_path):
+def test_sys_exit_3_is_exit_code_3_everywhere_without_a_traceback(hpcring, local_env, tmp_path):
     script = tmp_path / "fail_one.py"
     script.write_text(FAIL_ONE)
     r = hpcring("submit", str(script), "--nodes", "2", "--wait", "--", "exit", env=local_env)
@@ -82,7 +81,7 @@ def test_sys_exit_3_is_exit_code_3_everywhere_without_a_traceback(local_env, tmp
     assert logs.returncode == 3 and len(verdicts(logs.stderr)) == 1, logs.stderr
 
 
-def test_an_exception_on_every_rank_shows_the_traceback_once(local_env, tmp_path):
+def test_an_exception_on_every_rank_shows_the_traceback_once(hpcring, local_env, tmp_path):
     """The same traceback on every rank: shown once in full (rank 0's, read first), the other
     rank's as one line naming it; `hpcring logs` keeps each rank's in full."""
     script = tmp_path / "fail_all.py"
@@ -103,7 +102,7 @@ def test_an_exception_on_every_rank_shows_the_traceback_once(local_env, tmp_path
     assert logs.stdout.count("Traceback (most recent call last):") == 2, logs.stdout
 
 
-def test_run_registers_the_hpcring_torch_backend(tmp_path):
+def test_run_registers_the_hpcring_torch_backend(hpcring, tmp_path):
     pytest.importorskip("torch")
     script = tmp_path / "ddp.py"
     script.write_text("import torch, torch.distributed as dist\n"
@@ -124,7 +123,7 @@ def _job(r) -> str:
     return r.stderr.split("Submitted job ")[1].split()[0]
 
 
-def test_a_bootstrap_failure_is_one_message_per_rank_without_a_traceback(local_env, tmp_path):
+def test_a_bootstrap_failure_is_one_message_per_rank_without_a_traceback(hpcring, local_env, tmp_path):
     """hpcring.init() fails on every rank (a deadline nobody can meet): each rank says what and
     what to do, once, with no traceback of hpcring's or submitit's frames; the job fails with 1."""
     script = tmp_path / "never.py"
