@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from hpcring.errors import UsageError
+from hpcring.ranks import rank_ranges
 
 MAX_ARRAY_INDEX = 999_999       # Slurm's own ceiling for MaxArraySize is 4000001; far above any sane job
 MAX_ARRAY_TASKS = 10_000        # tasks in one array (a typo must not queue a million jobs)
@@ -46,7 +47,6 @@ class ArraySpec:
 
 
 def _ranges(indices) -> str:
-    from hpcring.ranks import rank_ranges
     return rank_ranges(indices)
 
 

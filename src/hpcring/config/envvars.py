@@ -19,6 +19,8 @@ from typing import Any, Mapping
 
 from hpcring.config.text import MAX_TEXT, check_text, parse_float_text, parse_int_text, shown
 from hpcring.errors import UsageError
+from hpcring.config.metrics_form import FORMS, parse
+from hpcring.config.slurmtime import time_to_minutes
 
 DEFAULT_TIMEOUT = 300.0          # per-collective deadline (s): site config, CLI and ring all use this
 MAX_TIMEOUT = 7 * 24 * 3600.0    # a week: longer than any allocation, and finite
@@ -75,7 +77,6 @@ class Var:
         if self.kind == "time":
             return "a Slurm time limit"
         if self.kind == "metrics":
-            from hpcring.config.metrics_form import FORMS
             return FORMS
         return "text without control characters" + (f", at most {self.max_len} characters" if self.max_len else "")
 
@@ -366,10 +367,8 @@ def _convert(var: Var, text: str) -> Any:
         return value
     check_text(text, var.max_len)
     if var.kind == "metrics":
-        from hpcring.config.metrics_form import parse   # same layer; the grammar has its own module
         parse(text)
     if var.kind == "time":
-        from hpcring.config.slurmtime import time_to_minutes   # standard library only
         time_to_minutes(text)
     return text
 

@@ -24,8 +24,9 @@ from typing import Any, List, Optional
 from hpcring.config.arrays import MAX_ARRAY_TASKS
 from hpcring.config.envvars import (MAX_CPUS_PER_TASK, MAX_GPUS_PER_NODE, MAX_NODES, MAX_TASKS_PER_NODE,
                                     MAX_TIMEOUT)
-from hpcring.config.text import MAX_TEXT, control_character, shown
+from hpcring.config.text import MAX_TEXT, control_character, shown, check_text
 from hpcring.errors import InvalidParameterError, UsageError
+from hpcring.config.container import ENV_IMAGE, ENV_MOUNTS, ENV_NONE, resolve as container_resolve
 
 SITE_HELP = ("Site name or path to a site YAML (default: $HPCRING_SITE, else the site named like the Slurm "
              "cluster you are in, else local).")
@@ -267,15 +268,14 @@ def _resolve(self, *, given: str = "cli", script_file: bool = True, default_name
     ``given``: who gave the values (``cli`` or ``python``: how sources and messages name them).
     ``script_file``: ``script`` is a file the ranks run (else a label: a function's job).
     ``default_name``: the job name when nothing sets one (else the script's stem)."""
-    from hpcring.config.container import resolve as container_resolve
-    from hpcring.config.jobspec import resolve_job
-    from hpcring.config.site import load_site
+    from hpcring.config.jobspec import resolve_job  # deferred: pulls pydantic, yaml
+    from hpcring.config.site import load_site  # deferred: pulls pydantic, yaml
     site = load_site(self.site)
     values = {k: getattr(self, k) for k in SPEC_FIELDS}
     job = resolve_job(site, self.script, list(self.args), values, sched_args=list(self.sched_arg),
                       exclusive=self.exclusive, array=self.array, sweep=list(self.sweep),
                       dependency=self.dependency, after=list(self.after), given=given, default_name=default_name)
-    from hpcring.config.jobspec import plan_preflight, plan_step_restarts
+    from hpcring.config.jobspec import plan_preflight, plan_step_restarts  # deferred: pulls pydantic, yaml
     plan_preflight(site, job, self.preflight, given)
     plan_step_restarts(site, job, self.max_restarts, given)
     if script_file:
@@ -292,7 +292,6 @@ def check_script(script: str) -> None:
     import os
     from pathlib import Path
 
-    from hpcring.config.text import check_text
     hint = "pass the path of the Python script each rank runs"
     try:
         check_text(script)
@@ -326,8 +325,7 @@ BEGIN, END = "<!-- jobopts:begin (generated: python -m hpcring.config.jobopts) -
 def markdown_table() -> str:
     """Every ``update_parameters`` parameter: its flag, its variable, its values, its meaning
     (docs/python-api.md embeds it between the markers)."""
-    from hpcring.config.container import ENV_IMAGE, ENV_MOUNTS, ENV_NONE
-    from hpcring.config.jobspec import ENV_VARS
+    from hpcring.config.jobspec import ENV_VARS  # deferred: pulls pydantic, yaml
     variables = {**ENV_VARS, "container_image": ENV_IMAGE, "container_mounts": ENV_MOUNTS, "no_container": ENV_NONE}
 
     def cell(text: str) -> str:

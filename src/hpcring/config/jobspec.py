@@ -18,6 +18,7 @@ from hpcring.config import envvars
 from hpcring.config.jobopts import INT_BOUNDS
 from hpcring.config.site import Site
 from hpcring.errors import UsageError
+from hpcring.config.container import resolve as container_of
 
 # field -> environment variable that may set it
 ENV_VARS: dict[str, str] = {
@@ -261,7 +262,6 @@ def resolve_job(site: Site, script: str, args: list[str] | None = None,
     check_limits(site, spec)
     # the image from HPCRING_CONTAINER_IMAGE or the site (JobRequest.resolve puts the flags on top);
     # imported here: the container words live beside the launcher's, in schedulers/
-    from hpcring.config.container import resolve as container_of
     spec.container = container_of(site.config.container, environ=env, site_name=site.name)
     return spec
 

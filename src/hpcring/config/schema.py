@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from hpcring.config import envvars, remote_checks
-from hpcring.config.container import RUNTIMES
+from hpcring.config.container import RUNTIMES, image_problem, mount_problem
 from hpcring.config.text import shown, text_problem
 from hpcring.config.envvars import DEFAULT_TIMEOUT, MAX_TIMEOUT
 from hpcring.config.slurmtime import time_to_minutes  # noqa: F401  (re-exported)
@@ -265,7 +265,6 @@ class Container(_Strict):
     @field_validator("image")
     @classmethod
     def _image(cls, v):
-        from hpcring.config.container import image_problem
         why = v is not None and image_problem(v)
         if why:
             raise ValueError(f"image {why}")
@@ -274,7 +273,6 @@ class Container(_Strict):
     @field_validator("mounts")
     @classmethod
     def _mounts(cls, v):
-        from hpcring.config.container import mount_problem
         for i, m in enumerate(v):
             why = mount_problem(m)
             if why:
