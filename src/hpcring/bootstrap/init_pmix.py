@@ -15,6 +15,7 @@ from hpcring.bootstrap.topology import Topology
 from hpcring.config import envvars
 from hpcring.errors import BootstrapError
 from hpcring.netio import time_left
+from hpcring.bootstrap import pmix
 
 log = logging.getLogger("hpcring.bootstrap.init")
 
@@ -27,7 +28,6 @@ def _pmix_client(topo: Topology, env: Mapping[str, str], secret: bytes, deadline
     mode = envvars.get("HPCRING_RENDEZVOUS", env)
     if mode == "store":
         return None
-    from hpcring.bootstrap import pmix
     reason, level = None, logging.INFO
     if not pmix.present(env):
         reason = "no PMIx server in this process's environment (PMIX_NAMESPACE, PMIX_RANK, PMIX_SERVER_URI*)"

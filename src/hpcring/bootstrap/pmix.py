@@ -38,6 +38,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from hpcring.errors import BootstrapError
+from hpcring.ranks import each_on_host
 
 log = logging.getLogger("hpcring.bootstrap.pmix")
 
@@ -280,7 +281,6 @@ class PmixClient:
             missing, why = self._who_is_missing(probe_key, probe_budget)
             fence = f"the PMIx fence of {self.namespace} did not complete within {timeout:.1f} s"
             if missing:   # the store path's wording, so users and tools read one message either way
-                from hpcring.ranks import each_on_host
                 raise BootstrapError(
                     f"rendezvous incomplete: {len(missing)} of {self.size} ranks never reached hpcring.init(): "
                     f"{each_on_host(missing, self.hosts_from_pmix(missing))} ({fence}; {why})",

@@ -22,13 +22,13 @@ if TYPE_CHECKING:
     import socket
 
     from hpcring.bootstrap.store_server import StoreServer
+from hpcring.config.envvars import check_number
 
 __all__ = ["StoreClient", "ClientBusy"]
 
 
 def _seconds(what: str, value) -> float:
     """A wait in seconds from a caller: finite and in [0, MAX_GET_TIMEOUT], else UsageError."""
-    from hpcring.config.envvars import check_number
     return check_number(what, value, lo=0, hi=MAX_GET_TIMEOUT)
 
 

@@ -10,6 +10,7 @@ from hpcring.bootstrap.store_server.listener import listen
 from hpcring.bootstrap.store_server.loop import Loop
 from hpcring.bootstrap.store_wire import DEFAULT_MAX_FRAME, FD_RESERVE, FRAME_TIMEOUT, HANDSHAKE_TIMEOUT
 from hpcring.errors import BootstrapError
+from hpcring.config import envvars
 
 
 class StoreServer:
@@ -49,7 +50,6 @@ class StoreServer:
         self.max_connections = max(8, max_connections or _fd_limit() - FD_RESERVE)
         self.frame_timeout = frame_timeout
         if handshake_timeout is None:          # HPCRING_HANDSHAKE_TIMEOUT, else store_wire's 10 s
-            from hpcring.config import envvars
             handshake_timeout = envvars.get("HPCRING_HANDSHAKE_TIMEOUT", default=HANDSHAKE_TIMEOUT)
         self.handshake_timeout = float(handshake_timeout)
         lsock = listen(host, port, backlog)
