@@ -8,6 +8,7 @@ import os
 
 from hpcring.bootstrap.launcher_tables import INNER_MPI, TABLES
 from hpcring.config import envvars
+from hpcring.collectives import nccl_lib
 
 BACKENDS = ("auto", "ring", "mpi", "nccl")
 
@@ -29,8 +30,7 @@ def auto_backend(topology, environ=None) -> str:
     chosen = envvars.get("HPCRING_BACKEND", env)
     if chosen:
         return chosen
-    from hpcring.collectives.nccl_lib import gpu_available
-    if gpu_available():
+    if nccl_lib.gpu_available():
         return "nccl"
     if importlib.util.find_spec("mpi4py") is not None:
         if topology.launcher in INNER_MPI:

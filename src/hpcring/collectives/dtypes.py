@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+try:
+    from hpcring import _native
+except ImportError:       # not built: the ring backend says so when it is asked for
+    _native = None
+
 
 @dataclass(frozen=True)
 class DType:
@@ -93,9 +98,7 @@ def native_mismatches(native_dtypes: dict, native_ops: dict) -> list[str]:
 
 
 def _check_native() -> None:
-    try:
-        from hpcring import _native
-    except ImportError:       # not built: the ring backend says so when it is asked for
+    if _native is None:
         return
     problems = native_mismatches(getattr(_native, "DTYPES", {}), getattr(_native, "OPS", {}))
     if problems:

@@ -12,6 +12,7 @@ from hpcring.collectives.precheck import precheck_message, signature_code
 from hpcring.collectives.recorder import FlightRecorder, Record
 from hpcring.errors import CollectiveError
 from hpcring.ranks import globalize
+from hpcring.config import envvars
 
 
 class Execution:
@@ -20,8 +21,7 @@ class Execution:
     def _deadline(self, timeout: float | None) -> float:
         if timeout is None:             # the hot path: no import, no check
             return self.timeout
-        from hpcring.config.envvars import collective_timeout
-        return collective_timeout(timeout, "timeout")
+        return envvars.collective_timeout(timeout, "timeout")
 
     def _record(self, op: str, dtype: str | None, count: int, root: int | None, timeout: float) -> Record:
         return self.recorder.queue(op, dtype, count, root, timeout)

@@ -26,6 +26,9 @@ import threading
 from collections.abc import Sequence
 
 from hpcring.errors import UsageError
+from hpcring.collectives.api import Communicator
+from hpcring.collectives.choice import BACKENDS, auto_backend
+from hpcring.ranks import rank_ranges
 
 _COUNTS: dict[tuple[int, ...], int] = {}
 _LOCK = threading.Lock()
@@ -70,14 +73,12 @@ def next_key(members: Sequence[int]) -> str:
 
 def name_of(members: Sequence[int], key: str) -> str:
     """A short readable group name for records and reports: ``group 2 of ranks 0,2``."""
-    from hpcring.ranks import rank_ranges
     return f"group {key.rsplit('/', 1)[-1]} of ranks {rank_ranges(list(members))}"
 
 
 def create_communicator(topology, store, secret, members: Sequence[int], key: str, *, backend: str,
                         timeout: float | None = None, watchdog=None, **options):
     """The group's Communicator on this (member) rank: ``backend`` over :func:`subtopology`."""
-    from hpcring.collectives.api import Communicator
     members = tuple(members)
     sub = subtopology(topology, members)
     prefix = f"hpcring/grp/{key}/{backend}"
@@ -123,7 +124,6 @@ class GroupSession:
         return self.topology.host
 
     def communicator(self, backend: str = "auto", *, timeout: float | None = None):
-        from hpcring.collectives.choice import BACKENDS, auto_backend
         if backend not in BACKENDS:
             raise UsageError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if backend == "auto":

@@ -71,6 +71,8 @@ from hpcring.collectives.mpi_datatypes import (_UFUNCS, _from_wire, _to_wire, _w
 from hpcring.collectives.mpi_p2p import MpiPointToPoint
 from hpcring.collectives.mpi_setup import _all_arrived, _import_mpi, _skip_finalize_at_exit
 from hpcring.errors import CollectiveError, UsageError
+from hpcring.config import envvars
+from hpcring.config.envvars import get
 
 log = logging.getLogger("hpcring.collectives.mpi")
 
@@ -82,7 +84,6 @@ ABORT_ENV = "HPCRING_MPI_ABORT_ON_TIMEOUT"
 
 def abort_default() -> bool:
     """HPCRING_MPI_ABORT_ON_TIMEOUT (0/false/no/off disable), default on."""
-    from hpcring.config.envvars import get
     return get(ABORT_ENV)
 
 
@@ -132,7 +133,6 @@ class MpiBackend(SignatureCheck, MpiPointToPoint, LibraryBackend):
         ``MPI_Comm_create_group`` (collective over the members alone); the meeting uses the
         group's keys under ``prefix``. A lazy group initializes MPI (if not done yet) in its first
         collective before the meeting: MPI_Init waits for every rank of the job, without a deadline."""
-        from hpcring.config.envvars import collective_timeout
         if lazy and store is not None and topology is not None:
             be = cls.__new__(cls)
             be._init_lazy(topology, store, abort_on_timeout, abort_code)
@@ -140,8 +140,7 @@ class MpiBackend(SignatureCheck, MpiPointToPoint, LibraryBackend):
             return be
         if store is not None and topology is not None:
             # ranks start seconds apart on a busy machine: the bootstrap's deadline, not a collective's
-            from hpcring.config import envvars
-            _all_arrived(store, topology, max(collective_timeout(timeout), envvars.get("HPCRING_INIT_TIMEOUT")),
+            _all_arrived(store, topology, max(envvars.collective_timeout(timeout), envvars.get("HPCRING_INIT_TIMEOUT")),
                          f"{prefix}/arrived")
         MPI = _import_mpi()
         if not MPI.Is_initialized():
@@ -159,7 +158,7 @@ class MpiBackend(SignatureCheck, MpiPointToPoint, LibraryBackend):
         level = MPI.Query_thread()
         if level < MPI.THREAD_SERIALIZED:
             log.warning("MPI thread level %s < MPI_THREAD_SERIALIZED: do not use the *_async calls", level)
-        t = collective_timeout(timeout)
+        t = envvars.collective_timeout(timeout)
         hosts = topology.hosts if topology is not None else None
         idup = getattr(world, "Idup", None)
         if idup is None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from hpcring.collectives.backends import DTYPES, OPS
 from hpcring.errors import CollectiveError
+from hpcring.config.envvars import get
 
 CHECK_ENV = "HPCRING_MPI_CHECK_SIGNATURES"
 
@@ -37,7 +38,6 @@ _pack_sig = struct.Struct("=6q").pack_into      # the signature into a slot's he
 
 def check_default() -> bool:
     """HPCRING_MPI_CHECK_SIGNATURES (0/false/no/off disable), default on."""
-    from hpcring.config.envvars import get
     return get(CHECK_ENV)
 
 

@@ -5,6 +5,7 @@ import threading
 import time
 
 from hpcring.errors import UsageError
+from hpcring.collectives.p2p import KEEPER, Request
 
 
 class MpiPointToPoint:
@@ -21,7 +22,6 @@ class MpiPointToPoint:
         return self._p2p("recv", buf, peer, tag, timeout, record)
 
     def _p2p(self, kind: str, buf, peer, tag: int, timeout: float, record):
-        from hpcring.collectives.p2p import KEEPER, Request
         if self._comm is None:
             timeout = self._setup("p2p", timeout)       # collective, as MPI_Comm_dup is
         MPI = self._MPI

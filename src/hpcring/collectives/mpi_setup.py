@@ -6,7 +6,8 @@ import os
 import sys
 import time
 
-from hpcring.errors import CollectiveError
+from hpcring.errors import CollectiveError, HpcringError
+from hpcring.ranks import rank_ranges
 
 
 def _import_mpi():
@@ -25,7 +26,6 @@ def _all_arrived(store, topology, timeout: float, key: str = "hpcring/mpi/arrive
     The last rank to arrive sets one key every rank waits on: the store answers all waiters at
     once, and no rank needs the store afterwards -- rank 0 serves it from a thread, which
     MPI_Init (holding the GIL until every rank has called it) would starve."""
-    from hpcring.errors import HpcringError
     store.set(f"{key}/{topology.rank}", b"1")
     if store.add(key, 1) >= topology.size:
         store.set(f"{key}/all", b"1")
@@ -45,7 +45,6 @@ def _all_arrived(store, topology, timeout: float, key: str = "hpcring/mpi/arrive
         return
     except HpcringError:
         pass
-    from hpcring.ranks import rank_ranges
     try:                 # a timed-out client is closed (its answer may still come): ask on a new one
         probe = type(store)(store.host, store.port, store._secret, timeout=5.0)
         missing = [r for r in range(topology.size) if probe.check(f"{key}/{r}") is None]

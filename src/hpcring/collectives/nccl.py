@@ -51,6 +51,7 @@ from hpcring.collectives.nccl_lib import (NCCL_DTYPE, NCCL_OP, SENDRECV_MIN_VERS
                                           _import_cupy, _init_rank, format_version, gpu_count, nccl_dtype, nccl_op,
                                           uid_takes_bytes, uid_to_bytes, wait_for)
 from hpcring.errors import CollectiveError, UsageError
+from hpcring.config import envvars
 
 log = logging.getLogger("hpcring.collectives.nccl")
 _U8 = NCCL_DTYPE["uint8"]          # byte-wise ops (allgather, broadcast) move bytes of any dtype
@@ -136,14 +137,13 @@ class NcclBackend(LibraryBackend):
                prefix: str = "nccl") -> "NcclBackend":
         """One NCCL communicator over ``topology``: rank 0's unique id through ``store`` under
         ``prefix`` (a group's own keys: hpcring.collectives.groups)."""
-        from hpcring.config.envvars import collective_timeout
         cupy, nccl = _import_cupy()
         ngpus = gpu_count()
         if ngpus == 0:
             raise CollectiveError(f"the 'nccl' backend needs an NVIDIA GPU; none is visible on "
                                   f"{topology.host} (cupy.cuda.runtime.getDeviceCount() == 0 or no driver)",
                                   hint="run on GPU nodes (--gpus-per-node), check CUDA_VISIBLE_DEVICES, or use backend='mpi'/'ring'")
-        t = collective_timeout(timeout)
+        t = envvars.collective_timeout(timeout)
         device_id = topology.local_rank % ngpus
         cupy.cuda.Device(device_id).use()
         gen = store.add(f"{prefix}/gen/{topology.rank}", 1)

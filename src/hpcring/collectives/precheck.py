@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from hpcring.collectives.backends import DTYPES
 from hpcring.collectives.recorder import Record
+from hpcring.config.envvars import get
+from hpcring.ranks import ranks_label
 
 _OP_NAMES = ("allreduce", "allreduce_grouped", "allgather", "broadcast", "reduce_scatter", "alltoall", "barrier")
 
 
 def precheck_default() -> bool:
     """HPCRING_CHECK_COLLECTIVES=1 (or true/yes/on) turns the pre-collective check on."""
-    from hpcring.config.envvars import get
     return get("HPCRING_CHECK_COLLECTIVES")
 
 
@@ -33,7 +34,6 @@ def _describe_code(row: tuple) -> str:
 
 def precheck_message(seq: int, rows: list[tuple]) -> str:
     """'pre-collective check before collective #5 failed: ranks 0-4 called ...; rank 5 called ...'."""
-    from hpcring.ranks import ranks_label
     groups: dict[tuple, list[int]] = {}
     for r, row in enumerate(rows):
         groups.setdefault(row, []).append(r)

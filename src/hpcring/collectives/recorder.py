@@ -34,6 +34,7 @@ from pathlib import Path
 
 from hpcring import _native
 from hpcring.fsutil import write_json
+from hpcring.config.envvars import get
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # .../hpcring
 _SKIP = (_PKG_DIR, os.path.dirname(threading.__file__) + os.sep + "threading.py",
@@ -57,7 +58,6 @@ QUEUED, STARTED, DONE, FAILED = "queued", "started", "done", "failed"
 
 
 def default_capacity() -> int:
-    from hpcring.config.envvars import get
     return get("HPCRING_FLIGHT_RECORDS")
 
 

@@ -378,7 +378,7 @@ class RingBackend(RingConnections, Backend):
         if self._mailbox is None:
             with self._setup_lock:
                 if self._mailbox is None:
-                    from hpcring.collectives.mailbox import Mailbox
+                    from hpcring.collectives.mailbox import Mailbox  # deferred: mailbox, p2p (~4 ms) on first p2p use
                     self._mailbox = Mailbox(**self._p2p_args)
         return self._mailbox
 

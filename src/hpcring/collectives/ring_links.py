@@ -85,7 +85,7 @@ class _Links:
         self.handshakes: list[threading.Thread] = []
 
     def start(self) -> None:
-        from hpcring.collectives.mailbox import ACCEPTOR
+        from hpcring.collectives.mailbox import ACCEPTOR  # deferred: mailbox, p2p (~4 ms) with p2p only
         self.lsock.setblocking(False)
         ACCEPTOR.register(self.lsock, self._on_accept)
 
@@ -177,7 +177,7 @@ class _Links:
                         f"{self.rank}: {e}", hint="all ranks must use the same per-job secret") from None
 
     def close(self) -> None:
-        from hpcring.collectives.mailbox import ACCEPTOR
+        from hpcring.collectives.mailbox import ACCEPTOR  # deferred: mailbox, p2p (~4 ms) with p2p only
         ACCEPTOR.unregister(self.lsock)
         self.lsock.close()
         with self.cond:
