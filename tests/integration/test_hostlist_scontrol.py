@@ -121,7 +121,7 @@ MALFORMED = [
     "n[]", "n[a-b]", "n[3-1]", "n[1-2-3]", "n[1,,2]", "n[1,]", "n[,1]", "n[-1]", "n[1x2]",
     "n[1-2]]", "n[[1]]", "n[0-65536]", "a[0-65536]b[1]", "n[1 ,2]", "[]", "a,n[x],b",
     "a[1-2]b[x]c[1-2]", "a[3-1]b[1-2]c[1-2]", "n[1-2] m[5-4]",
-    # issue 12: more malformed shapes
+    # empty, doubled and dangling ranges, stray brackets, hex and out-of-range numbers
     "n[-]", "n[1--2]", "n[1-2,]", "n[,]", "n[1-2][3]]", "n[0x1-3]", "n[1-65537]", "n[01-0a]",
 ]
 

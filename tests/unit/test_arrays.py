@@ -1,5 +1,5 @@
-"""Job arrays, sweeps and dependencies (issue 24, items 2 and 5) and the Scheduler interface's
-batched state query (issue 25): spec parsing over generated inputs, the rendered scripts (golden),
+"""Job arrays, sweeps and dependencies and the Scheduler interface's
+batched state query: spec parsing over generated inputs, the rendered scripts (golden),
 task records, `status` of an array, and one scheduler query for many jobs."""
 from __future__ import annotations
 
@@ -253,7 +253,7 @@ def test_every_scheduler_implements_the_whole_interface():
 
 
 def test_no_scheduler_command_runs_outside_schedulers():
-    """Issue 25: sbatch, srun, scancel, squeue, sacct, scontrol, bsub, bjobs, bkill, blaunch, jsrun
+    """sbatch, srun, scancel, squeue, sacct, scontrol, bsub, bjobs, bkill, blaunch, jsrun
     are run (and their output read) only in schedulers/ (and the dev cluster's own code)."""
     src = Path(__file__).resolve().parents[2] / "src" / "hpcring"
     words = r"(sbatch|srun|scancel|squeue|sacct|scontrol|bsub|bjobs|bkill|blaunch|jsrun)"

@@ -428,7 +428,7 @@ def test_lsf_blaunch_line_survives_the_remote_shell(cli, tmp_path):
     assert "#BSUB -J 'my run'" in r.output
 
 
-# ------------------------------------------------------------------------------ issue 19.5: ids, state, bench
+# ------------------------------------------------------------------------------ job ids, state, bench
 
 @pytest.mark.parametrize("ref", ["38", "38_2", "local-38", "slurm-devcluster-38", "lsf-c.x-1234"])
 def test_job_ids_that_can_name_a_record(ref):
@@ -527,7 +527,7 @@ def test_bench_host_memory_check_follows_where_buffers_live(monkeypatch):
     assert _buffers_on_host(BenchOptions())
 
 
-# ------------------------------------------------------------------------------ issue 19.5: leftovers, bounds
+# ------------------------------------------------------------------------------ leftovers, bounds
 
 @pytest.mark.parametrize("report", [False, True], ids=["empty", "with-report"])
 def test_local_run_leaves_its_job_folder_only_with_a_report(tmp_path, report):

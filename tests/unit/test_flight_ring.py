@@ -1,4 +1,4 @@
-"""Issue 23: the flight recorder's ring of records written in C (``hpcring._native.Flight``),
+"""The flight recorder's ring of records written in C (``hpcring._native.Flight``),
 the ring backend's allreduce that records itself in the same native call, and the recorder's
 one history over both stores (recorder.py)."""
 from __future__ import annotations

@@ -137,7 +137,7 @@ def test_every_dtype_roundtrips_through_its_byte_view():
 
 
 def test_torch_package_has_no_import_cycle_and_small_modules():
-    """Issue 25: the engine split along Horovod's lines, no module importing back (also not from
+    """The engine split along Horovod's lines, no module importing back (also not from
     inside a function), none over ~500 lines."""
     import ast
     from pathlib import Path

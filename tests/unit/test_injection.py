@@ -1,4 +1,4 @@
-"""Shell injection through site values and job folders (issue 19, part 2).
+"""Shell injection through site values and job folders.
 
 Every text field of the site-config schema (generated from the pydantic models: a new field is covered
 the day it is added) gets, on a Slurm, an LSF and a local site: a line break, which must be refused at
@@ -198,7 +198,7 @@ def test_job_dir_with_spaces_and_quotes_renders_on_every_backend(tmp_path, monke
         assert box.env()["HPCRING_LOG_PATTERN"] == f"{folder}/%j_%t_log"
 
 
-# -- issue 19, part 4: a scheduler argument that replaces the site's warning signal is named ----------
+# -- a scheduler argument that replaces the site's warning signal is named ---------------------------
 
 @pytest.mark.parametrize("site_name,args,named", [
     # Slurm: another signal is merged (both reach the ranks) and said so, not a replacement

@@ -1,4 +1,4 @@
-"""Ring connections on demand (issue 21): a rank connects only to the peers its algorithms use,
+"""Ring connections on demand: a rank connects only to the peers its algorithms use,
 alltoall opens the rest in windows within HPCRING_RING_MAX_CONNECTIONS and closes them, every
 collective stays exact, and a peer that stalls is still named.
 

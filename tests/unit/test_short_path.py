@@ -1,4 +1,4 @@
-"""Issue 23: the short path of Communicator.allreduce (one contiguous array, a supported dtype
+"""The short path of Communicator.allreduce (one contiguous array, a supported dtype
 and op, out=None or out=x, the communicator's deadline, a synchronous call) against the general
 path (``short_path = False``): identical results, identical flight records, the same failure
 report (watchdog, sticky error), and the short path really taken. Ring (threads over

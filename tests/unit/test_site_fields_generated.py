@@ -1,7 +1,7 @@
 """Every field of the site-config schema, mutated by type (generated from the pydantic models, so a new
 field is covered the day it is added), through `hpcring submit --site FILE`: the submission must stop
 with one message naming the file, line and key, with no traceback, no escape sequence on the terminal
-and nothing started. Then a fixed list of the cases issue 19 found.
+and nothing started. Then a fixed list of cases that once got through.
 
 HPCRING_SITE_FIELD_EXAMPLES raises the examples per (field, mutation) (default 5).
 """
@@ -148,7 +148,7 @@ def test_the_walk_covers_the_schema():
           f"{len(CASES) * EXAMPLES} generated site files at {EXAMPLES} examples each")
 
 
-# -- issue 19, fixed list: each was a traceback or silently accepted ------------------------------------
+# -- fixed list: each was once a traceback or silently accepted -----------------------------------------
 
 REGRESSIONS = [
     ("timeout", "9" * 5000),              # traceback: Python's int() digit limit inside the YAML loader
@@ -179,7 +179,7 @@ REGRESSIONS = [
 
 
 @pytest.mark.parametrize("dotted,raw", REGRESSIONS, ids=[f"{d}={r[:20]}" for d, r in REGRESSIONS])
-def test_issue_19_site_values(cli, tmp_path, dotted, raw):
+def test_site_values_that_once_got_through(cli, tmp_path, dotted, raw):
     field = next(f for f in FIELDS if f.dotted == dotted)
     check_refused(cli, tmp_path, field, raw)
 

@@ -1,4 +1,4 @@
-"""Batched store operations and the store at scale (issue 21, part 2).
+"""Batched store operations and the store at scale.
 
 multi_set / multi_get / multi_check / exchange are one round trip each; a blocking read is
 parked in the server (one wait group per key list, no thread) and answered when its last key

@@ -1,6 +1,6 @@
 """The store under hostile traffic: floods, EMFILE, slowloris, bad numeric fields.
 
-Issue 12 measured, before these fixes: 1100 unauthenticated connections with ``ulimit -n 1024``
+Measured before these fixes: 1100 unauthenticated connections with ``ulimit -n 1024``
 made the store spin at 100% CPU writing 414,548 log lines in 10 s; an authenticated peer could
 hold a frame open forever; a NaN GET timeout broke the timer list.
 """

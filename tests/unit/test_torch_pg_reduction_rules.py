@@ -1,4 +1,4 @@
-"""hpcring.distributed without a job (issue 20): the reduction plans (AVG on integers as NCCL,
+"""hpcring.distributed without a job: the reduction plans (AVG on integers as NCCL,
 bool/int8/int16, BAND/BOR/BXOR) on a simulated allreduce, 0-dim byte views, and completions that
 never run on a communicator's worker thread (a collective waited on inside Future.then)."""
 import threading
