@@ -228,3 +228,39 @@ def test_the_other_readers():
     assert sorted(rank_launches(tree)) == [7, 8, 9]
     text = '"""Bad input (issue 19): flags."""\n# issues 24 and 25: arrays\n# an issue with 3 ranks\nx = 1\n'
     assert issue_citations(ast.parse(text), text) == [1, 2]
+
+
+# ------------------------------------------------------------------------------ the conftest runners keep their contract
+
+HELLO = str(TESTS.parent / "examples" / "hello.py")
+
+
+def test_the_cli_fixture_lays_env_over_and_can_drop_the_developers(cli, monkeypatch):
+    monkeypatch.setenv("HPCRING_SITE", "nosuchsite")
+    r = cli("render", HELLO)
+    assert r.exit_code == 1 and "nosuchsite" in r.stderr, r.output
+    assert "nosuchsite" not in cli("render", HELLO, drop_hpcring_env=True).output
+    assert "nosuchsite" not in cli("render", HELLO, env={"HPCRING_SITE": None}).output
+    assert cli("render", HELLO, env={"HPCRING_SITE": "devcluster"}).exit_code == 0
+
+
+def test_the_cli_fixture_catches_a_traceback_when_asked(cli):
+    import typer
+    app = typer.Typer()
+
+    @app.command()
+    def boom():
+        raise ValueError("boom")
+
+    assert isinstance(cli(app=app).exception, ValueError)
+    with pytest.raises(AssertionError):
+        cli(app=app, no_traceback=True)
+
+
+def test_the_hpcring_fixture_runs_this_checkout_with_env_over(hpcring, monkeypatch):
+    monkeypatch.setenv("HPCRING_SITE", "nosuchsite")
+    r = hpcring("render", HELLO, timeout=60)
+    assert r.returncode == 1 and "nosuchsite" in r.stderr, r.stderr
+    r = hpcring("render", HELLO, env={"HPCRING_SITE": "devcluster"}, timeout=60)
+    assert r.returncode == 0 and "#SBATCH" in r.stdout, r.stderr
+    assert "nosuchsite" not in hpcring("render", HELLO, drop_hpcring_env=True, timeout=60).stderr
