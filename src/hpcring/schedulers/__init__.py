@@ -6,20 +6,21 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from hpcring.errors import ConfigError
+from hpcring.errors import ConfigError, HpcringError
 
 if TYPE_CHECKING:
     from hpcring.schedulers.base import Scheduler
+from hpcring.jobdir import job_id
 
 
 def get(name: str) -> "Scheduler":
     if name == "slurm":
-        from hpcring.schedulers import slurm as mod
+        from hpcring.schedulers import slurm as mod  # deferred: pulls submitit, jinja2, pydantic
     elif name == "local":
-        from hpcring.schedulers import local as mod
+        from hpcring.schedulers import local as mod  # deferred: pulls submitit, jinja2, pydantic
     elif name == "lsf":
         try:
-            from hpcring.schedulers import lsf as mod
+            from hpcring.schedulers import lsf as mod  # deferred: pulls submitit, jinja2, pydantic
         except ImportError:
             raise ConfigError("the LSF scheduler backend is not available in this build",
                               hint="use a Slurm or local site") from None
@@ -38,15 +39,14 @@ def run_ending(environ: Mapping[str, str], timeout: float = RUN_ENDING_TIMEOUT) 
     """Inside a job: why the scheduler is ending this run (requeue, cancel, time limit), or None
     while it runs, or when nothing can tell (no scheduler, or it does not answer). A rank asks
     before it reports a collective failure: a peer that the scheduler stopped is not one."""
-    from hpcring.errors import HpcringError
     try:
         if environ.get("SLURM_JOB_ID"):
-            from hpcring.schedulers import slurm
+            from hpcring.schedulers import slurm  # deferred: pulls submitit, jinja2, pydantic
             count = environ.get("SLURM_RESTART_COUNT", "0")
             return slurm.run_ending(environ["SLURM_JOB_ID"], int(count) if count.isdigit() else 0, timeout)
         if environ.get("LSB_JOBID"):
-            from hpcring.jobdir import job_id   # an array element's: <id>_<task>
-            return get("lsf").run_ending(job_id(environ))   # bjobs: its own, longer bound
+            # job_id: an array element's is <id>_<task>; bjobs has its own, longer bound
+            return get("lsf").run_ending(job_id(environ))
     except HpcringError:
         return None
     return None

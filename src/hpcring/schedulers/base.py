@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 from hpcring.config.text import shown
 from hpcring.errors import HpcringError, JobNotFoundError, SchedulerError, UsageError
 from hpcring.fsutil import write_json
+from hpcring.ranks import rank_ranges
 
 # States normalized across schedulers (Slurm's names; LSF and local map onto them).
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -197,7 +198,6 @@ def load_record(ref: str) -> JobRecord:
 
 def format_indices(indices: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``0-2,5``."""
-    from hpcring.ranks import rank_ranges
     return rank_ranges(list(indices))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
+from hpcring.schedulers.container import prefix
 
 
 class Shell(str):
@@ -59,7 +60,6 @@ class LaunchRequest:
         return self.container_prefix() + words
 
     def container_prefix(self) -> tuple[str, ...]:
-        from hpcring.schedulers.container import prefix
         return prefix(self.container, gpus=self.gpus_per_node > 0)
 
     def launched(self) -> tuple[tuple[str, ...], ...]:

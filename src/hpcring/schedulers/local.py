@@ -30,7 +30,7 @@ from hpcring.fsutil import write_json
 from hpcring.schedulers.render import render_script
 from hpcring.schedulers.base import JobRecord, JobState, load_record, state_dir
 from hpcring.schedulers.launch_words import submitit_command
-from hpcring.schedulers.local_queue import pid_alive
+from hpcring.schedulers.local_queue import pid_alive, start
 
 COMMAND = "local"
 
@@ -149,7 +149,6 @@ def spawn(script: str, folder: str, time_limit_s: str, queue: list[str] | None =
     return the job id (printed like sbatch does)."""
     job_id = _next_job_id()
     if queue:
-        from hpcring.schedulers.local_queue import start
         return start(job_id, script, folder, time_limit_s, queue)
     real = Path(folder.replace("%j", job_id))
     real.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 from hpcring.fsutil import write_json
+from hpcring.bootstrap.auth import delete_secret_file
+from hpcring.config import envvars
 
 POLL_S = 0.5
 ALIVE = ("PENDING", "RUNNING")
@@ -121,7 +123,6 @@ def _dependency(kind: str, dep: str, path: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hpcring.config import envvars
     a = _parser().parse_args(argv)
     jobs = _jobs(a)
     for jid, _ in jobs:                # the queue is these tasks' keeper until each one starts
@@ -185,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             p.wait(timeout=30)
     if a.tasks is not None:            # the last task has ended: the tasks' shared secret goes
-        from hpcring.bootstrap.auth import delete_secret_file
         delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))
     return 0
 

@@ -31,6 +31,7 @@ from hpcring.config.text import shown
 from hpcring.errors import TemplateError
 from hpcring.resources import templates_dir
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, Shell, quote_path
+from hpcring.schedulers import get
 
 SCHEDULER_TEMPLATES = {"slurm": "slurm.sh.j2", "lsf": "lsf.sh.j2", "local": "local.sh.j2"}
 
@@ -62,7 +63,6 @@ def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = No
     ``command`` is shell text (submitit's, already quoted); ``logs`` the per-rank log prefix;
     ``folder`` the job folder (bound into the job's container, if it has one).
     """
-    from hpcring.schedulers import get   # lazily: the scheduler modules import this one
     build = getattr(get(site.config.scheduler), "launch_argv", None)
     if build is None:
         raise TemplateError(f"launch_command(): the {site.config.scheduler} scheduler has no launcher line",

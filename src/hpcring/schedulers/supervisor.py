@@ -18,6 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from hpcring.config import envvars
 
 PR_SET_PDEATHSIG = 1          # <linux/prctl.h>
 KILL_AFTER_S = 3.0
@@ -31,7 +32,6 @@ POLL_S = 0.05
 
 def grace_s() -> float:
     """HPCRING_LOCAL_GRACE_S (parsed by the registry: a bad value is a UsageError naming it)."""
-    from hpcring.config import envvars
     return envvars.get("HPCRING_LOCAL_GRACE_S")
 
 
