@@ -133,8 +133,8 @@ int hr_p2p_take_done(hr_p2p_t *b, uint64_t *ids, int max, double deadline);
 /* The caller read r's result itself: take it off the done queue, the notifier has nothing to do. */
 void hr_p2p_claim(hr_p2p_t *b, hr_p2p_req_t *r);
 /* The notifier takes a completion only this long after it happened: a waiter that comes meanwhile
- * settles it in its own thread (measured: the notifier's GIL grab cost a third of a torch round
- * trip on 2 busy cores). A deadline failure nobody waits for reaches Python this much late. */
+ * settles it in its own thread, and the notifier does not take the GIL from a thread about to
+ * wait. A deadline failure nobody waits for reaches Python this much late. */
 #define HR_P2P_NOTIFY_DELAY 0.001
 /* Fail the pair with peer (sticky): every request with it now and later fails with why. */
 void hr_p2p_fail_peer(hr_p2p_t *b, int peer, const char *why, int hint);

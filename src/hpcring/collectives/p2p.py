@@ -2,8 +2,9 @@
 
 A :class:`Request` is a :class:`~hpcring.collectives.engine.Handle` (``wait``, ``done``,
 ``add_done_callback``; a receive's result is the source rank) that completes exactly once: the
-transport completes it, or :data:`KEEPER` fails it when its deadline passes (nobody has to be
-waiting: a torch Work's future learns of the failure on time).
+transport completes it, or its deadline fails it (the ring's native queue keeps its own deadlines,
+MPI's requests use :data:`KEEPER`; nobody has to be waiting: a torch Work's future learns of the
+failure on time).
 
 Records: a message is recorded on both ends under one *channel*, ``rank S -> rank D, tag T``
 (global ranks), numbered by the channel's own count, so the n-th send on a channel and the n-th
