@@ -44,6 +44,8 @@ import sys
 from pathlib import Path
 
 from hpcring.errors import HpcringError
+from hpcring.config import envvars
+from hpcring.ranks import rank_ranges
 
 FOLDER = "fr-trace"              # <job folder>/diag/fr-trace
 PREFIX = "fr_trace_rank_"        # one file per rank: fr_trace_rank_<r>
@@ -68,7 +70,6 @@ ENTRY_KEYS = ("record_id", "process_group", "collective_seq_id", "p2p_seq_id", "
 
 def enabled(environ=None) -> bool:
     """HPCRING_FR_TRACE (a bad value leaves it on: a diagnostics switch never fails the job)."""
-    from hpcring.config import envvars
     try:
         return envvars.get(ENABLE_ENV, environ)
     except HpcringError:
@@ -302,7 +303,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m hpcring.diagnostics.fr_trace FOLDER [torchfrtrace options]``: check the dumps
     (a clear message for a missing folder, a corrupt file, a rank without a dump), then run
     torchfrtrace on them (``--allow-incomplete-ranks`` added when a rank left no dump)."""
-    from hpcring.ranks import rank_ranges
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         print("usage: python -m hpcring.diagnostics.fr_trace FOLDER [torchfrtrace options]\n"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hpcring.config.text import control_character
 from hpcring.errors import HpcringError
+from hpcring.ranks import rank_ranges
 
 LIVE_FILE = "live.json"
 MAX_BYTES = 64 << 20          # 4096 ranks make about 0.6 MiB; anything this large is no live view
@@ -256,7 +257,6 @@ def build_frame(live: dict, *, job: str, now: float, state: str | None = None, n
 
 def _nodes(ranks: list[dict], named: set[int]) -> list[dict]:
     """One aggregate per host, in the order of each host's first rank."""
-    from hpcring.ranks import rank_ranges
     by_host: dict[str, list[dict]] = {}
     for r in ranks:
         by_host.setdefault(r["host"], []).append(r)

@@ -43,6 +43,7 @@ from hpcring.config import envvars, metrics_form
 from hpcring.config.text import check_text, shown
 from hpcring.config.metrics_form import Setting
 from hpcring.errors import UsageError
+from hpcring.jobdir import job_id
 
 log = logging.getLogger(__name__)
 VAR = "HPCRING_METRICS"
@@ -261,7 +262,6 @@ def start_for(session, comm, name: str, watch=None) -> Exporter | None:
         if _EXPORTER is not None:
             _EXPORTER.attach(name, comm, watch)
         else:
-            from hpcring.jobdir import job_id
             topo = session.topology
             exporter = Exporter(setting, job=job_id(), rank=topo.rank, host=topo.host,
                                 local_rank=topo.local_rank, raw=raw)

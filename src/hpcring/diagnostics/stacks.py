@@ -47,6 +47,7 @@ from types import FrameType
 from typing import IO, Mapping, Sequence, Union
 
 from hpcring.ranks import rank_ranges, ranks_label
+from hpcring.jobdir import diag_dir
 
 __all__ = ["Frame", "ThreadStack", "Group", "STACK_SIGNAL", "live_file_name", "format_all_threads", "where",
            "locate", "install_signal_dump", "uninstall_signal_dump", "installed_signal_dump", "parse_stacks",
@@ -239,7 +240,6 @@ def _live_path(path_or_dir: str | os.PathLike | None, rank: int) -> Path:
     """None: ``<diag dir>/stacks-live-rank<r>.txt``; a directory (existing, or a name without a
     suffix): that file in it; else the path itself."""
     if path_or_dir is None:
-        from hpcring.jobdir import diag_dir
         return diag_dir(create=False) / live_file_name(rank)
     p = Path(path_or_dir)
     if p.is_dir() or not p.suffix:

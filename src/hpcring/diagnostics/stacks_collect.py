@@ -24,6 +24,8 @@ from pathlib import Path
 from hpcring.diagnostics import stacks_probe
 from hpcring.diagnostics.stacks import Group, format_thread, group, group_line
 from hpcring.errors import HpcringError, JobNotFoundError, SchedulerError, UsageError
+from hpcring.ranks import rank_ranges
+from hpcring.schedulers import base
 
 
 
@@ -86,7 +88,6 @@ def collect(job_id: str, *, method: str = "auto", timeout: float = 60.0) -> Stac
     if report.ntasks:
         missing = sorted(set(range(report.ntasks)) - set(report.stacks))
         if missing:
-            from hpcring.ranks import rank_ranges
             report.problems.append(f"no process found for rank(s) {rank_ranges(missing)} "
                                    f"(of {report.ntasks}): exited, or not started yet")
     if report.folder is None:
@@ -96,11 +97,10 @@ def collect(job_id: str, *, method: str = "auto", timeout: float = 60.0) -> Stac
 
 def _record(job_id: str):
     """hpcring's record of the job, or None for a Slurm job submitted otherwise."""
-    from hpcring.schedulers.base import load_record
     try:
-        return load_record(job_id)
+        return base.load_record(job_id)
     except JobNotFoundError:
-        from hpcring.schedulers import slurm
+        from hpcring.schedulers import slurm  # deferred: pulls submitit, jinja2, pydantic
         if not slurm.available():
             raise
         return None
@@ -110,7 +110,7 @@ def _python(rec) -> str:
     """The interpreter for the probe on the compute nodes: the site's, else this one."""
     if rec is not None:
         try:
-            from hpcring.config.site import load_site
+            from hpcring.config.site import load_site  # deferred: pulls pydantic, yaml
             return load_site(rec.site).config.python or sys.executable
         except HpcringError:
             pass
@@ -124,7 +124,7 @@ def probe_command(job_id: str, python: str, method: str, timeout: float) -> list
 
 
 def _collect_slurm(job_id: str, python: str, method: str, timeout: float) -> tuple[list[dict], list[str], str]:
-    from hpcring.schedulers import slurm
+    from hpcring.schedulers import slurm  # deferred: pulls submitit, jinja2, pydantic
     probe_s = max(5.0, timeout - slurm.PROBE_GRACE_S)
     out, err, code, nodelist = slurm.run_on_nodes(
         job_id, lambda own: probe_command(own, python, method, probe_s), timeout)
@@ -143,7 +143,7 @@ def _collect_slurm(job_id: str, python: str, method: str, timeout: float) -> tup
 
 
 def _collect_local(rec, method: str, timeout: float) -> tuple[list[dict], list[str]]:
-    from hpcring.schedulers import local
+    from hpcring.schedulers import local  # deferred: pulls submitit, jinja2, pydantic
     st = local.states([rec])[rec.job_id]
     if st.state != "RUNNING":
         raise HpcringError(f"local job {rec.job_id} is {st.state}, not RUNNING: there are no rank processes "

@@ -41,6 +41,8 @@ import time
 
 from hpcring.config import envvars
 from hpcring.diagnostics import stragglers as sg
+from hpcring.fsutil import write_json
+from hpcring.jobdir import job_folder
 
 log = logging.getLogger(__name__)
 GIVE_UP_PERIODS = 30
@@ -269,7 +271,6 @@ class StragglerWatch:
                 self.listeners.remove(fn)
         if not to_file:
             return
-        from hpcring.fsutil import write_json
         try:
             write_json(os.path.join(self.folder, "live.json"), data)
             if data["written"] - self._logged >= WINDOW_LOG_EVERY:
@@ -299,7 +300,6 @@ def start_for(session, comm, name: str, members=None, group: str | None = None, 
         return None
     folder = None
     if comm.rank == 0:
-        from hpcring.jobdir import job_folder
         path = job_folder()
         folder = str(path) if (os.environ.get("SUBMITIT_FOLDER") or os.environ.get("HPCRING_JOB_DIR")
                                or path.is_dir()) else None

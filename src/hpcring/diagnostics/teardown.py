@@ -29,14 +29,14 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from hpcring import schedulers
+from hpcring.config import envvars
+from hpcring.errors import UsageError
 
 TIMEOUT_S = 10.0
 
 
 def end_job(rank: int, headline: str = "", environ: Mapping[str, str] | None = None) -> None:
-    from hpcring.config import envvars
-    from hpcring.errors import UsageError
-    from hpcring import schedulers
     env = os.environ if environ is None else environ
     argv = schedulers.end_job_argv(env)
     try:

@@ -44,6 +44,9 @@ from hpcring import jobdir
 from hpcring.diagnostics.fr_trace import FROM_TORCH_DTYPE
 from hpcring.diagnostics.report import Report, _headline, diagnose
 from hpcring.ranks import who as _who
+import hpcring
+from hpcring.config import envvars
+from hpcring.errors import UsageError
 
 ENABLE_ENV = "HPCRING_TORCH_WATCH"
 FR_SIZE = "256"        # entries; each poll dumps them all with the GIL held (torch's 2000: ~6x longer)
@@ -58,8 +61,6 @@ _STATE: dict = {"watch": None, "installed": False}
 def enabled(environ=None) -> bool:
     """HPCRING_TORCH_WATCH; a bad value is reported (once a process) and leaves the watch on:
     a diagnostics switch must not fail the job."""
-    from hpcring.config import envvars
-    from hpcring.errors import UsageError
     try:
         return envvars.get(ENABLE_ENV, environ)
     except UsageError as e:
@@ -87,9 +88,8 @@ def fr_env(environ=None) -> dict[str, str]:
 def pg_timeout(backend) -> timedelta:
     """The process group's timeout when the script gives none: hpcring's deadline (NCCL: plus
     grace and a margin, so that hpcring reports before torch's NCCL watchdog aborts)."""
-    from hpcring.config.envvars import collective_timeout
-    from hpcring.diagnostics.watchdog import grace_default
-    deadline = collective_timeout()
+    from hpcring.diagnostics.watchdog import grace_default  # deferred: pulls numpy (watchdog -> collectives)
+    deadline = envvars.collective_timeout()
     if backend is None or "nccl" in str(backend).lower():      # None: torch picks NCCL for CUDA
         deadline += grace_default() + NCCL_MARGIN
     return timedelta(seconds=deadline)
@@ -196,8 +196,6 @@ def _only_hpcring(backend) -> bool:
 def _init_timeout() -> float:
     """HPCRING_INIT_TIMEOUT as hpcring's bootstrap reads it (a bad value: the default; the
     bootstrap has already said so)."""
-    from hpcring.config import envvars
-    from hpcring.errors import UsageError
     try:
         return envvars.get("HPCRING_INIT_TIMEOUT")
     except UsageError:
@@ -207,7 +205,6 @@ def _init_timeout() -> float:
 def _start(dist, deadline: float | None) -> None:
     if _STATE["watch"] is not None:
         return
-    import hpcring
     # hpcring.init() here may be the first one in CMD's process (hpcring run); it leaves SIGUSR1
     # (Lightning's SLURM requeue) alone: its dump signal is SIGRTMIN+7
     session = hpcring.init()
@@ -235,7 +232,7 @@ def on_error(exc: BaseException) -> None:
     if watch is not None:
         watch.fire(watch.error)
         return
-    from hpcring.diagnostics.watchdog import note_raised
+    from hpcring.diagnostics.watchdog import note_raised  # deferred: pulls numpy (watchdog -> collectives)
     note_raised(exc)
 
 
@@ -319,9 +316,8 @@ class TorchWatch:
     Flight Recorder for the default group, and runs the deadline monitor."""
 
     def __init__(self, watchdog, group: str, backend: str, deadline: float | None = None) -> None:
-        from hpcring.config.envvars import collective_timeout
         self.watchdog, self.group, self.name = watchdog, group, backend
-        self.deadline = collective_timeout() if deadline is None else deadline   # the script's own: torch's
+        self.deadline = envvars.collective_timeout() if deadline is None else deadline   # the script's own: torch's
         self.error: str | None = None
         self.failed_at: str | None = None              # where the torch error was raised here
         self.recorder = self                          # the watchdog reads comm.recorder / comm.error
@@ -411,7 +407,7 @@ def locate_torch(frame, frames=None) -> str:
     """Like :func:`hpcring.diagnostics.stacks.where`, naming the torch call the user's frame is
     in: ``in torch backward at train.py:48 (main)``, ``in torch all_reduce at train.py:60 (sync)``.
     ``frames``: the stack innermost first (default: from ``frame`` outwards)."""
-    from hpcring.diagnostics.stacks import Frame, _is_user, locate
+    from hpcring.diagnostics.stacks import Frame, _is_user, locate  # deferred: stacks (~5 ms) off the CMD's start (rank_site)
     if frames is None:
         frames, f = [], frame
         while f is not None and len(frames) < 200:

@@ -10,6 +10,7 @@ from hpcring.errors import HpcringError
 from hpcring.diagnostics.doctor.model import (CHOSEN, Check, DEFAULT_BW_SECONDS, ENV_VARS, FAIL, OK,
                                               SLOW_FACTOR, WARN, _ORDER, _distinct)
 from hpcring.diagnostics.doctor.facts import Selection, _targets, iface_sources, select
+from hpcring.hostlist import compress
 
 
 def evaluate(facts: Sequence[Mapping], conn: Sequence[Mapping] = (), links: Sequence[Mapping] = (),
@@ -290,7 +291,6 @@ def _hosts(hosts) -> str:
     """node[1-3] for node1, node2, node3 (hostlist syntax), else a comma list."""
     hosts = _distinct(hosts)
     try:
-        from hpcring.hostlist import compress
         return compress(hosts)
     except HpcringError:
         return ", ".join(hosts)

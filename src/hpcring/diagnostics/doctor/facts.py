@@ -38,8 +38,8 @@ def site_facts(env: Mapping[str, str]) -> dict | None:
     ref = env.get("HPCRING_SITE")
     if not ref:
         return None
-    from hpcring.config.fabric import bootstrap_spec
-    from hpcring.config.site import load_site
+    from hpcring.config.fabric import bootstrap_spec  # deferred: pulls pydantic
+    from hpcring.config.site import load_site  # deferred: pulls pydantic, yaml
     try:
         site = load_site(ref, env)
     except HpcringError as e:

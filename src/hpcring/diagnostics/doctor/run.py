@@ -18,6 +18,9 @@ from hpcring.diagnostics.doctor.model import (BW_ROUNDS, CHOSEN, CHUNK, CONNECT_
                                               GATHER_MARGIN_S, LATENCY_TRIES, Options, _COUNT, _STEP_NAMES)
 from hpcring.diagnostics.doctor.facts import _targets, collect_facts
 from hpcring.diagnostics.doctor.checks import evaluate, slow_links
+import hpcring
+from hpcring.bootstrap.auth import new_secret
+from hpcring.bootstrap.launchers import detect
 
 
 def _sink(conn: socket.socket) -> None:
@@ -252,7 +255,6 @@ def run_doctor(session=None, options: Options | None = None, environ: Mapping[st
     """
     opts = (options or Options()).check()
     if session is None:
-        import hpcring
         session = hpcring.init(timeout=opts.timeout)
     env = os.environ if environ is None else environ
     return _DoctorRank(session.topology, session.store, session.secret, opts, env, emit).run()
@@ -265,10 +267,8 @@ def ensure_secret_when_alone(environ: dict | None = None) -> bool:
     env = os.environ if environ is None else environ
     if env.get("HPCRING_SECRET_FILE") or env.get("HPCRING_SECRET") or env.get("HPCRING_SESSION"):
         return False
-    from hpcring.bootstrap.launchers import detect
     if detect(env).launcher != "single":
         return False
-    from hpcring.bootstrap.auth import new_secret
     env["HPCRING_SECRET"] = new_secret()
     return True
 

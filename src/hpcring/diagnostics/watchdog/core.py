@@ -21,6 +21,7 @@ from hpcring.diagnostics.watchdog.store_fallback import StoreFallback
 from hpcring.diagnostics.watchdog.tree_path import TreePath
 from hpcring.diagnostics.watchdog.tree_rounds import TreeRounds
 from hpcring.errors import CollectiveError, HpcringError
+from hpcring.bootstrap.store_client import StoreClient
 
 
 class Watchdog(DumpWriter):
@@ -120,7 +121,6 @@ class Watchdog(DumpWriter):
             log.warning("rank %d: watchdog could not publish its trigger listener: %s", self.rank, e)
 
     def _store(self, timeout: float):
-        from hpcring.bootstrap.store_client import StoreClient
         return StoreClient(self._address[0], int(self._address[1]), self._secret, timeout=timeout)
 
     def _action_client(self):

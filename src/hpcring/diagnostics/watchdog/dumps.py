@@ -14,6 +14,7 @@ from hpcring import jobdir
 from hpcring.diagnostics import fr_trace, rank_summary
 from hpcring.diagnostics.report import Report
 from hpcring.diagnostics.watchdog.settings import log
+from hpcring.collectives.recorder import locate
 
 EXIT_DUMP_S = 5.0            # a rank ending on an exception waits at most this long for its dumps
 
@@ -145,7 +146,6 @@ def _raised_text(exc: BaseException) -> tuple[str, str | None]:
         last, tb = tb, tb.tb_next
     where = None
     if last is not None:
-        from hpcring.collectives.recorder import locate
         found = locate(last.tb_frame)
         where = None if found == "?" else found
     return text, where

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hpcring.diagnostics.watchdog.core import Watchdog
+from hpcring.diagnostics.stacks import signal_name
 
 # ---------------------------------------------------------------------------------------------
 # DUMP_SIGNAL: dump the flight records and keep running
@@ -30,7 +31,6 @@ def install_dump_signal(watchdog: Watchdog, signum: int = DUMP_SIGNAL) -> bool:
     there from whatever thread the kernel picked). Must be called from the main thread; returns
     False (and installs nothing) elsewhere or when somebody else (asyncio) owns the wakeup fd.
     """
-    from hpcring.diagnostics.stacks import signal_name
     if threading.current_thread() is not threading.main_thread():
         return False
     if signal.getsignal(signum) not in (signal.SIG_DFL, None):

@@ -14,6 +14,7 @@ from hpcring.diagnostics.watchdog import fanout, wire
 from hpcring.diagnostics.watchdog.dumps import _publish
 from hpcring.diagnostics.watchdog.settings import ADDR, CLAIM_TIMEOUT, GRACE_STRETCH, REPORT, TRIGGER
 from hpcring.errors import HpcringError
+from hpcring.schedulers import run_ending
 
 
 class StoreFallback:
@@ -35,7 +36,6 @@ class StoreFallback:
                 client = wd._action_client()     # the root's own connection, for its rounds
                 client.add("diag/reporter", 1)     # the root reports: no fallback rank may claim it
                 client.set("diag/reporter-rank", str(wd.rank).encode())
-                from hpcring.schedulers import run_ending
                 ending = run_ending(os.environ)    # one query, from the rank that saw the failure first
                 if ending:
                     trig["ending"] = ending

@@ -27,6 +27,7 @@ import zlib
 
 from hpcring.bootstrap import auth
 from hpcring.netio import recv_exact
+from hpcring.collectives.handshake import handshake_timeout
 
 STEP_TIMEOUT = 2.0            # connect + greeting + acknowledgement of one child (see step())
 MAX_BODY = 8 << 20            # a 4096-rank root's message is ~100 KiB of addresses
@@ -39,7 +40,6 @@ def step() -> float:
     """The step timeout in force: :data:`STEP_TIMEOUT`, or a fifth of HPCRING_HANDSHAKE_TIMEOUT
     where that was raised for ranks starved of CPU (2 s at its 10 s default): a starved child is
     then not taken for a stopped one."""
-    from hpcring.collectives.handshake import handshake_timeout
     return max(STEP_TIMEOUT, handshake_timeout() / 5)
 
 
