@@ -6,9 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from hpcring.cli.main import app
 from hpcring.devcluster import hosts, names as n, system, tree, world
 from hpcring.errors import DevClusterError
 
@@ -41,17 +38,16 @@ def test_unknown_release_names_the_choices():
     assert world.release("24.11").suite == "trixie"
 
 
-def test_cli_refuses_an_unknown_release_before_touching_anything(monkeypatch):
-    monkeypatch.delenv(n.WORLD_ENV, raising=False)
+def test_cli_refuses_an_unknown_release_before_touching_anything(cli):
     for args in (["devcluster", "up", "--slurm", "25.05"], ["devcluster", "status", "--slurm", "25.05"],
                  ["devcluster", "down", "--slurm", "25.05"]):
-        r = CliRunner().invoke(app, args)
+        r = cli(*args, env={n.WORLD_ENV: None}, no_traceback=True)
         assert r.exit_code != 0, (args, r.output)
         assert "no dev cluster Slurm release '25.05'" in r.output, r.output
 
 
-def test_login_without_a_command_is_a_usage_error():
-    r = CliRunner().invoke(app, ["devcluster", "login", "--slurm", "24.11", "--"])
+def test_login_without_a_command_is_a_usage_error(cli):
+    r = cli("devcluster", "login", "--slurm", "24.11", "--", no_traceback=True)
     assert r.exit_code == 2 and ("Missing argument" in r.output or "no command given" in r.output), r.output
 
 
@@ -147,10 +143,9 @@ def test_enter_argv_keeps_the_working_directory(rel, tmp_path, monkeypatch):
     assert f"--wd={tmp_path}" in argv
 
 
-def test_status_of_a_world_that_is_not_there(monkeypatch, tmp_path):
+def test_status_of_a_world_that_is_not_there(cli, monkeypatch, tmp_path):
     monkeypatch.setitem(n.RELEASES, "24.11", n.Release("24.11", "trixie", tmp_path / "none"))
-    monkeypatch.delenv(n.WORLD_ENV, raising=False)
-    r = CliRunner().invoke(app, ["devcluster", "status", "--slurm", "24.11", "--json"])
+    r = cli("devcluster", "status", "--slurm", "24.11", "--json", env={n.WORLD_ENV: None})
     assert r.exit_code == 1
     st = json.loads(r.output)
     assert st["state"] == "down" and st["release"] == "24.11" and "up --slurm 24.11" in st["problems"][0]
