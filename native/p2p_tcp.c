@@ -103,7 +103,8 @@ static void begin_frame(hr_p2p_t *b, int peer) {
         p->rdst = r->buf;
         return;
     }
-    hr_p2p_msg_t *m = malloc(sizeof *m + (size_t)p->rn);
+    /* a size no allocation could hold: a corrupt stream, refused before the sum can wrap */
+    hr_p2p_msg_t *m = p->rn > ((uint64_t)1 << 48) ? NULL : malloc(sizeof *m + (size_t)p->rn);
     if (!m) {
         snprintf(why, sizeof why, "out of memory for a message of %llu bytes from %s",
                  (unsigned long long)p->rn, hr_p2p_who(b, peer, who, sizeof who));

@@ -196,6 +196,20 @@ def test_a_receive_posted_while_its_message_arrives_gets_every_byte_in_order():
         x.close()
 
 
+def test_a_frame_too_large_to_hold_fails_the_pair_instead_of_allocating():
+    b = _native.P2P(1, 2, HOSTS[:2])
+    x, y = socket.socketpair()
+    try:
+        b.set_fd(0, y.detach(), True)
+        x.sendall(struct.pack(">qQ", 1, 1 << 62))                  # nobody waits: an unexpected frame
+        time.sleep(0.2)
+        failed, _, why, _ = done(recv(b, np.zeros(1, np.uint8), 0, tag=1))
+        assert failed and why == f"out of memory for a message of {1 << 62} bytes from rank 0 (node0)", why
+    finally:
+        b.close()
+        x.close()
+
+
 def test_bad_handover_and_arguments_are_refused(boxes):
     a, b = boxes(2)
     x, y = socket.socketpair()
