@@ -19,6 +19,7 @@ from hpcring.distributed.hooks import allreduce_hook
 from hpcring.distributed.process_group import BACKEND_NAME, ProcessGroupHpcring
 from hpcring.distributed.work import HpcringWork
 from hpcring.errors import UsageError
+from hpcring.bootstrap.frameworks import framework_env
 
 
 def _seconds(timeout) -> float | None:
@@ -35,7 +36,7 @@ def _create(opts, _backend_options=None) -> ProcessGroupHpcring:
     other ranks GroupMember.NON_GROUP_MEMBER). A group of every rank shares the session's
     communicators; a subset gets its own (hpcring.collectives.groups: connections among the
     members only, its own sequence numbers, records and reports naming global ranks)."""
-    from hpcring.session import current, init
+    from hpcring.session import current, init  # deferred: session (~100 ms) waits for a process group, not import torch (rank_site)
     session = current() or init()
     size, rank = int(opts.group_size), int(opts.group_rank)
     members = list(opts.global_ranks_in_group or range(size))
@@ -62,8 +63,7 @@ def init_process_group(backend: str = BACKEND_NAME, **kwargs) -> None:
     none of torch's env:// variables: bootstrap hpcring first (:func:`hpcring.init`), export
     RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (a free port on rank 0's verified
     interface) from the session where the launcher did not set them, then call torch."""
-    from hpcring.bootstrap.frameworks import framework_env
-    from hpcring.session import init
+    from hpcring.session import init  # deferred: session (~100 ms) waits for a process group, not import torch (rank_site)
     session = init()
     for key, value in framework_env(session.topology).items():
         if key in _TORCH_ENV:

@@ -23,7 +23,7 @@ from hpcring.distributed.work import COMPLETER, stream_ordered
 def _communicator(state, device_type: str):
     if state is not None:
         return state
-    from hpcring.session import current, init
+    from hpcring.session import current, init  # deferred: session (~100 ms) waits for a process group, not import torch (rank_site)
     session = current() or init()
     comm = session.communicator()
     if device_type == "cpu" and comm.device != "cpu":

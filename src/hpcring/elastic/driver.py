@@ -44,6 +44,8 @@ from hpcring.bootstrap.store_server import StoreServer
 from hpcring.elastic.coordinator import Coordinator, same_host
 from hpcring.elastic.membership import ALIVE, DEAD, LEFT
 from hpcring.elastic.member import ID_VAR, STORE_VAR
+from hpcring.config import envvars
+from hpcring.schedulers.supervisor import start
 
 POLL_S = 0.05
 KILL_AFTER_S = 3.0
@@ -117,7 +119,6 @@ class Driver:
 
     def _start(self, label: str, argv: list[str], env: dict) -> None:
         """A child named ``label``, its output tagged with it."""
-        from hpcring.schedulers.supervisor import start
         p = start(argv, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.children[label] = p
         for src, dst, kind in ((p.stdout, sys.stdout.buffer, "stdout"), (p.stderr, sys.stderr.buffer, "stderr")):
@@ -252,7 +253,6 @@ def _host_address() -> str:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    from hpcring.config import envvars
     ap = argparse.ArgumentParser(prog="python -m hpcring.elastic.driver",
                                  description="Serve an elastic job's rendezvous and (locally) start its workers.")
     ap.add_argument("--np", type=int, required=True, help="workers the first round waits for (and starts locally)")

@@ -26,6 +26,7 @@ from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.store_wire import StoreTimeoutError
 from hpcring.elastic import protocol as P
 from hpcring.errors import BootstrapError, HpcringError
+from hpcring.bootstrap.auth import load_secret
 
 log = logging.getLogger("hpcring.elastic.member")
 STORE_VAR, ID_VAR = "HPCRING_ELASTIC_STORE", "HPCRING_ELASTIC_ID"
@@ -202,7 +203,6 @@ def current() -> Member:
     global _MEMBER
     with _MEMBER_LOCK:
         if _MEMBER is None:
-            from hpcring.bootstrap.auth import load_secret
             _MEMBER = Member(os.environ[STORE_VAR], load_secret(), wid=os.environ.get(ID_VAR) or None)
             atexit.register(_MEMBER.leave)
         return _MEMBER

@@ -17,6 +17,8 @@ from hpcring.config import envvars
 from hpcring.elastic import protocol as P
 from hpcring.elastic.member import ElasticJobError, Round, current
 from hpcring.errors import UsageError
+from hpcring.collectives.api import Communicator
+from hpcring.session import Session
 
 
 def topology_of(rnd: Round, address: str, job_id: str | None) -> Topology:
@@ -38,8 +40,6 @@ def join(reason: str = "start"):
                          f"HPCRING_BACKEND={backend} cannot do that",
                          hint="unset HPCRING_BACKEND (MPI cannot shrink without ULFM; for a restart instead, "
                               "run without the elastic driver and use --max-restarts)")
-    from hpcring.collectives.api import Communicator
-    from hpcring.session import Session
     member = current()
     timeout = envvars.get("HPCRING_ELASTIC_TIMEOUT")
     rnd = member.join(reason, timeout=timeout)

@@ -9,7 +9,7 @@ import atexit
 import collections
 import os
 
-from hpcring.torch import state
+from hpcring.torch import state, elastic, process_sets as psets
 from hpcring.torch.autograd import (allgather, allreduce, alltoall, broadcast, grouped_allgather, grouped_allreduce,
                                     grouped_reducescatter, reducescatter)
 from hpcring.torch.compression import Compression
@@ -25,7 +25,15 @@ from hpcring.torch.ops import (Adasum, Average, Max, Min, Product, Sum, allgathe
 from hpcring.torch.optimizer import DistributedOptimizer
 from hpcring.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hpcring.torch.sync_batch_norm import SyncBatchNorm
-from hpcring.torch import elastic
+import hpcring
+from hpcring.bootstrap.launchers import detect
+from hpcring.collectives import nccl_lib
+from hpcring.config import envvars
+from hpcring.diagnostics.timeline import Timeline, measure_offset
+from hpcring.jobdir import job_folder
+from hpcring.torch.autotune import Autotuner
+from hpcring.torch.elastic import _runtime
+from hpcring.torch.engine import Engine
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -42,11 +50,6 @@ def init(comm=None, process_sets=None) -> None:
     if process_sets is not None and process_sets != "dynamic" and (
             isinstance(process_sets, str) or not all(isinstance(p, ProcessSet) for p in process_sets)):
         raise InvalidArgumentError("init(process_sets=...) takes a list of hvd.ProcessSet or 'dynamic'")
-    import hpcring
-    from hpcring.config import envvars
-    from hpcring.torch import process_sets as psets
-    from hpcring.torch.engine import Engine
-    from hpcring.torch.elastic import _runtime
     if _runtime.enabled():         # the elastic driver started us: join the next round
         session = _runtime.join()
     else:
@@ -56,14 +59,11 @@ def init(comm=None, process_sets=None) -> None:
     timeline = None
     path = (envvars.get("HPCRING_TIMELINE") or "").strip()
     if path == "job":              # hpcring submit --timeline: <job folder>/timeline.json
-        from hpcring.jobdir import job_folder
         path = str(job_folder() / "timeline.json")
     if path:
-        from hpcring.diagnostics.timeline import Timeline, measure_offset
         timeline = Timeline(path, c.rank, c.size, measure_offset(c))
     eng = Engine(c, timeline=timeline)
     if envvars.get("HPCRING_AUTOTUNE"):
-        from hpcring.torch.autotune import Autotuner
         eng.autotuner = Autotuner(eng, envvars.get("HPCRING_AUTOTUNE_LOG") or None)
     state.set_state(session, eng)
     psets.setup_global(c.size, eng)
@@ -80,7 +80,6 @@ def _single_process_secret() -> None:
     if os.environ.get("HPCRING_SECRET_FILE") or os.environ.get("HPCRING_SECRET") or \
             os.environ.get("HPCRING_SESSION"):
         return
-    from hpcring.bootstrap.launchers import detect
     topo = detect()
     if topo.launcher == "single" and topo.size == 1:
         import secrets
@@ -93,13 +92,11 @@ def shutdown() -> None:
     next ``init()`` joins the next round)."""
     eng = state._engine
     if eng is not None:
-        from hpcring.torch import process_sets as psets
         session = state._session
         psets.shutdown_all()
         state.set_state(None, None)
         eng.shutdown()
         if getattr(session, "elastic_round", None) is not None:
-            from hpcring.torch.elastic import _runtime
             _runtime.leave(session)
 
 
@@ -164,8 +161,7 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> int:
-    from hpcring.collectives.nccl_lib import gpu_available
-    return int(gpu_available())
+    return int(nccl_lib.gpu_available())
 
 
 def mpi_threads_supported() -> bool:

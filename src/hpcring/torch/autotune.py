@@ -24,6 +24,7 @@ import statistics
 import time
 
 from hpcring.torch.engine import DEFAULT_CYCLE_MS, DEFAULT_THRESHOLD, HOROVOD_CYCLE_MS
+from hpcring.config import envvars
 
 # the default (auto: a host optimizer's gradients wait for the whole step or a full buffer), then
 # time-based cycles, which overlap communication with the backward pass at the cost of more cycles
@@ -36,7 +37,6 @@ class Autotuner:
                  steps_per_sample: int | None = None, clock=time.perf_counter) -> None:
         self.engine = engine
         self._clock = clock
-        from hpcring.config import envvars
         self.warmup = envvars.get("HPCRING_AUTOTUNE_WARMUP_STEPS") if warmup is None else warmup
         self.steps = envvars.get("HPCRING_AUTOTUNE_STEPS_PER_SAMPLE") if steps_per_sample is None \
             else steps_per_sample

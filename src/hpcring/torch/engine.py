@@ -29,6 +29,7 @@ from hpcring.torch.controller import Controller
 from hpcring.torch.entry import FUSABLE, AsyncHandle, Entry, StandIn, h63
 from hpcring.torch.exceptions import (HorovodInternalError, InvalidArgumentError, JoinedRankError, StallError,
                                       internal)
+from hpcring.config import envvars
 
 DEFAULT_THRESHOLD = 128 * 1024 * 1024      # Horovod's default since 0.21
 HOROVOD_CYCLE_MS = 1.0                     # Horovod's default since 0.21
@@ -46,7 +47,6 @@ class Engine:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.pset_id = pset_id
-        from hpcring.config import envvars          # parsed and bounded there, one message per bad value
         self.threshold = int(envvars.get("HPCRING_FUSION_THRESHOLD", default=DEFAULT_THRESHOLD))
         self.cycle_s = envvars.get("HPCRING_CYCLE_TIME", default=DEFAULT_CYCLE_MS) / 1000.0   # < 0: auto
         cache = envvars.get("HPCRING_CACHE_CAPACITY", default=DEFAULT_CACHE_CAPACITY)

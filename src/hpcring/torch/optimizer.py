@@ -16,9 +16,10 @@ import warnings
 import torch
 
 from hpcring.torch.exceptions import InvalidArgumentError, InvalidStateError, NotSupportedError
-from hpcring.torch import ops
+from hpcring.torch import ops, state
 from hpcring.torch.compression import Compression
 from hpcring.torch.process_sets import ProcessSet
+from hpcring.torch.functions import broadcast_object
 
 
 def _included(process_set) -> bool:
@@ -94,7 +95,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             made = [tuple(g) for g in groups]
         elif num_groups:
             # the same order on every rank: rank 0's name order
-            from hpcring.torch.functions import broadcast_object
             order = broadcast_object([self._parameter_names[p] for p in plist], root_rank=0,
                                      process_set=self.process_set)
             plist.sort(key=lambda p: order.index(self._parameter_names[p]))
@@ -141,7 +141,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _expect(self) -> None:
         """Tell the engine which names this step will bring, so that its fusion cycle starts as
         soon as the last gradient is queued instead of waiting out the cycle time."""
-        from hpcring.torch import state
         if state._engine is not None:      # restore() runs after a failure, with the engine shut down
             self._engine.expect(self, self._expected)
 

@@ -30,6 +30,7 @@ from hpcring.torch.elastic.sampler import ElasticSampler
 from hpcring.torch.elastic.state import (ObjectState, State, StateHandler, TorchState, get_handler_registry,
                                          set_handler_registry)
 from hpcring.torch.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+import hpcring.torch as hvd
 
 
 def run(func):
@@ -64,9 +65,8 @@ def run(func):
 
 
 def _reset() -> None:
-    from hpcring.torch import init, shutdown
-    shutdown()
-    init()
+    hvd.shutdown()
+    hvd.init()
 
 
 __all__ = ["ElasticJobError", "ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from hpcring.elastic import member as _member
+from hpcring.elastic import member as _member, session as _session
 
 _lock = threading.Lock()
 _listeners: set = set()
@@ -18,17 +18,15 @@ def enabled() -> bool:
 def join():
     """The next round's Session (blocks until a round takes this worker)."""
     global next_reason
-    from hpcring.elastic import session
     reason, next_reason = next_reason, "start"
-    s = session.join(reason)
+    s = _session.join(reason)
     m = _member.current()
     m.listeners = _notify
     return s
 
 
 def leave(session) -> None:
-    from hpcring.elastic import session as _s
-    _s.leave_round(session)
+    _session.leave_round(session)
 
 
 def answered_update() -> int:

@@ -14,6 +14,7 @@ import math
 import random
 
 import torch.utils.data
+import hpcring.torch as hvd
 
 
 class ElasticSampler(torch.utils.data.Sampler):
@@ -51,8 +52,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def reset(self) -> None:
         """Deal what is left of this epoch's permutation over the current ranks."""
-        from hpcring.torch import rank, size
-        self.num_replicas, self.rank = size(), rank()
+        self.num_replicas, self.rank = hvd.size(), hvd.rank()
         order = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(order)

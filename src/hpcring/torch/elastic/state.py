@@ -22,6 +22,9 @@ import torch
 
 from hpcring.torch.exceptions import HostsUpdatedInterrupt
 from hpcring.torch.elastic.sampler import ElasticSampler
+import hpcring.torch as hvd
+from hpcring.torch.elastic import _runtime
+from hpcring.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 NO_UPDATE, REMOVED, ADDED = 0, 1, 2      # Horovod's HostUpdateResult flags
 
@@ -44,7 +47,6 @@ class State:
     def on_reset(self) -> None:
         """After a reset (the new round is up): drop the notifications it answers, ``reset()``, then
         the callbacks in the order registered."""
-        from hpcring.torch.elastic import _runtime
         answered = _runtime.answered_update()
         pending = queue.Queue()
         while not self._host_messages.empty():
@@ -158,19 +160,16 @@ class _StateDictHandler(StateHandler):
 
 class ModelStateHandler(_StateDictHandler):
     def sync(self) -> None:
-        from hpcring.torch.functions import broadcast_parameters
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
 class OptimizerStateHandler(_StateDictHandler):
     def sync(self) -> None:
-        from hpcring.torch.functions import broadcast_optimizer_state
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
 class SamplerStateHandler(_StateDictHandler):
     def sync(self) -> None:
-        from hpcring.torch.functions import broadcast_object
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
 
     def reset(self) -> None:
@@ -216,9 +215,7 @@ class TorchState(ObjectState):
         self._handlers = handlers
         for name, h in handlers.items():
             setattr(self, name, h.value)
-        from hpcring.torch import rank
-        from hpcring.torch.functions import broadcast_object
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
+        super().__init__(bcast_object=broadcast_object, get_rank=hvd.rank, **plain)
 
     def save(self) -> None:
         for h in self._handlers.values():
