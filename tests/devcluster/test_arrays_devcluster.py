@@ -1,11 +1,11 @@
 """Job arrays, sweeps and dependencies on the real Slurm dev cluster, and `status` of several real
-jobs from one scheduler query (issues 24 and 25)."""
+jobs from one scheduler query."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,10 +18,10 @@ HELLO = ROOT / "examples" / "hello.py"
 
 
 
-def hpcring(*args, env=None, timeout=300):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner with this file's 300 s bound (a dev-cluster job may queue first)."""
+    return functools.partial(hpcring, timeout=300)
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"{what}: not within {timeout:g} s")
 
 
-def test_a_sweep_runs_one_two_node_task_per_value(env):
+def test_a_sweep_runs_one_two_node_task_per_value(hpcring, env):
     r = hpcring("submit", str(WORKER), "--site", "devcluster", "--nodes", "2", "--sweep", "lr=0.1,0.01",
                 "--array", "%2", "--wait", "--", "--steps", "3", env=env)
     assert r.returncode == 0, r.stderr + r.stdout
@@ -74,7 +74,7 @@ def test_a_sweep_runs_one_two_node_task_per_value(env):
     assert one.returncode == 0 and f"job {job}_1  COMPLETED" in one.stdout, one.stdout
 
 
-def test_an_array_task_is_cancelled_alone(env):
+def test_an_array_task_is_cancelled_alone(hpcring, env):
     r = hpcring("submit", str(WORKER), "--site", "devcluster", "--nodes", "1", "--array", "0-2%2",
                 env=dict(env, ARRAY_WORKER_SLEEP_TASK="1"))
     assert r.returncode == 0, r.stderr
@@ -95,7 +95,7 @@ def test_an_array_task_is_cancelled_alone(env):
     assert tasks == {"0", "1", "2"}
 
 
-def test_after_starts_a_job_when_the_first_one_completed(env):
+def test_after_starts_a_job_when_the_first_one_completed(hpcring, env):
     a = hpcring("submit", str(WORKER), "--site", "devcluster", "--nodes", "1", env=dict(env, ARRAY_WORKER_SLEEP_S="8"))
     assert a.returncode == 0, a.stderr
     first = job_id_of(a)
@@ -111,8 +111,8 @@ def test_after_starts_a_job_when_the_first_one_completed(env):
     assert sacct(first, "State") == ["COMPLETED"] and start_b >= end_a, (start_b, end_a)   # ISO times
 
 
-def test_status_of_several_real_jobs_is_one_scheduler_query(env, monkeypatch):
-    """Every job finished: one sacct for all of them (issue 25), counted by a recording wrapper
+def test_status_of_several_real_jobs_is_one_scheduler_query(hpcring, env, monkeypatch):
+    """Every job finished: one sacct for all of them, counted by a recording wrapper
     around the command runner, in this process, against the real cluster."""
     ids = []
     for _ in range(4):
@@ -158,7 +158,7 @@ def bjobs(ref: str, env) -> list[str]:
     return r.stdout.splitlines()
 
 
-def test_an_lsf_sweep_maps_task_i_to_index_i_plus_1(lsf_env):
+def test_an_lsf_sweep_maps_task_i_to_index_i_plus_1(hpcring, lsf_env):
     r = hpcring("submit", str(WORKER), "--site", "devcluster-lsf", "--nodes", "2", "--sweep", "lr=0.1,0.01,0.001",
                 "--array", "%2", "--wait", env=lsf_env)
     assert r.returncode == 0, r.stderr + r.stdout
@@ -172,7 +172,7 @@ def test_an_lsf_sweep_maps_task_i_to_index_i_plus_1(lsf_env):
     assert "  3 COMPLETED\n" in st.stdout and f"{job}_2" in st.stdout and "lr=0.001" in st.stdout, st.stdout
 
 
-def test_an_lsf_job_after_another(lsf_env):
+def test_an_lsf_job_after_another(hpcring, lsf_env):
     a = hpcring("submit", str(WORKER), "--site", "devcluster-lsf", "--nodes", "1",
                 env=dict(lsf_env, ARRAY_WORKER_SLEEP_S="6"))
     assert a.returncode == 0, a.stderr

@@ -4,6 +4,7 @@ LSF itself cannot be installed here (proprietary); tests/lsf_emulation's bsub/bj
 bresume/brequeue/blaunch follow LSF's documented behaviour and place jobs on the dev cluster's
 real nodes (network namespaces node1..3). Skipped when the dev cluster is down.
 """
+import functools
 import json
 import os
 import shutil
@@ -41,8 +42,10 @@ def run(*argv, env, timeout=60):
                           timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
 
 
-def hpcring(*args, env, timeout=300):
-    return run(sys.executable, "-m", "hpcring", *args, env=env, timeout=timeout)
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner with this file's 300 s bound (a dev-cluster job may queue first)."""
+    return functools.partial(hpcring, timeout=300)
 
 
 def job_id_of(r) -> str:
@@ -73,7 +76,7 @@ def sleeper(name: str, seconds: int = 600) -> Path:
     return p
 
 
-def test_hello_6_ranks_over_3_nodes(env):
+def test_hello_6_ranks_over_3_nodes(hpcring, env):
     r = hpcring("submit", str(HELLO), "--site", "devcluster-lsf", "--nodes", "3", "--tasks-per-node", "2",
                 "--wait", env=env)
     assert r.returncode == 0, r.stderr + r.stdout
@@ -99,7 +102,7 @@ def test_hello_6_ranks_over_3_nodes(env):
     assert "Successfully completed." in (folder / f"{jid}_batch.out").read_text()
 
 
-def test_failing_rank_named(env):
+def test_failing_rank_named(hpcring, env):
     r = hpcring("submit", str(HELLO), "--site", "devcluster-lsf", "--nodes", "3", "--tasks-per-node", "2",
                 "--wait", env=dict(env, HELLO_FAIL_RANK="3"))
     assert r.returncode == 3, r.stderr
@@ -107,7 +110,7 @@ def test_failing_rank_named(env):
     assert bjobs_stat(job_id_of(r), env) == "EXIT"
 
 
-def test_cancel_through_bkill(env):
+def test_cancel_through_bkill(hpcring, env):
     r = hpcring("submit", str(sleeper("cancel")), "--site", "devcluster-lsf", "--nodes", "2", env=env)
     assert r.returncode == 0, r.stderr
     jid = job_id_of(r)
@@ -119,7 +122,7 @@ def test_cancel_through_bkill(env):
     assert bjobs_stat(jid, env) == "EXIT"
 
 
-def test_suspended_job_is_not_finished(env):
+def test_suspended_job_is_not_finished(hpcring, env):
     r = hpcring("submit", str(sleeper("susp", 8)), "--site", "devcluster-lsf", "--nodes", "1", env=env)
     jid = job_id_of(r)
     wait_for(lambda: bjobs_stat(jid, env) == "RUN", "RUN")
@@ -138,7 +141,7 @@ def test_suspended_job_is_not_finished(env):
     wait_for(lambda: bjobs_stat(jid, env) == "DONE", "DONE after bresume", 60)
 
 
-def test_brequeue_reruns_with_the_same_id(env, tmp_path):
+def test_brequeue_reruns_with_the_same_id(hpcring, env, tmp_path):
     marker = SHARED / f"lsf_requeue_{os.getpid()}"
     script = SHARED / f"lsf_requeue_{os.getpid()}.py"
     script.write_text(f"import os, time\np = {str(marker)!r}\n"
@@ -176,7 +179,7 @@ print("RESULTS", sorted(job.results()))
     assert [x[1] for x in results] == [0, 1, 0, 1, 0, 1]
 
 
-def test_ring_allreduce_across_6_ranks(env):
+def test_ring_allreduce_across_6_ranks(hpcring, env):
     try:
         import importlib
         pkg = importlib.import_module("hpcring")
@@ -227,7 +230,7 @@ def test_hpcring_run_inside_an_lsf_job_leaves_the_launch_node_out(env):
             p.unlink(missing_ok=True)
 
 
-def test_a_straggler_is_named_and_reported_on_lsf(env):
+def test_a_straggler_is_named_and_reported_on_lsf(hpcring, env):
     """A 6-rank LSF job (3 nodes) whose rank 5 computes 1.5x as long: rank 0's watcher names it
     with its node while it runs, and `hpcring report` shows the verdict and each rank's split
     adding up to its wall time."""

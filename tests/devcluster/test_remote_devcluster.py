@@ -1,4 +1,4 @@
-"""Submitting from a laptop (issue 24, item 3) against a real sshd.
+"""Submitting from a laptop against a real sshd.
 
 Debian's OpenSSH server runs inside dev-cluster node1's namespaces as the login node (its own
 config and host key, key-only auth, a non-default port); this machine's root namespace is the
@@ -8,13 +8,13 @@ ControlMaster: the sshd log shows one login for all of them.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -174,11 +174,11 @@ def own_runtime(login):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def hpcring(*args, env, timeout=300, cwd=None):
-    e = {k: v for k, v in os.environ.items() if not k.startswith("HPCRING_")}
-    e.update(PYTHONPATH=str(ROOT / "src"), **env)
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd or str(ROOT))
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner without the developer's own HPCRING_* variables (the tests set the
+    site and target themselves) and with a 300 s bound (ssh, rsync and a dev-cluster job)."""
+    return functools.partial(hpcring, drop_hpcring_env=True, timeout=300)
 
 
 def _project(login) -> Path:
@@ -198,7 +198,7 @@ def _project(login) -> Path:
     return proj
 
 
-def test_submit_status_logs_cancel_through_one_ssh_master(login, laptop):
+def test_submit_status_logs_cancel_through_one_ssh_master(hpcring, login, laptop):
     home, site, env = laptop
     proj = _project(login)
     target = ["--site", str(site), "--remote", f"root@10.99.0.1:{login.port}"]
@@ -261,7 +261,7 @@ def test_submit_status_logs_cancel_through_one_ssh_master(login, laptop):
     assert oct(home.joinpath("hpcring-ssh").stat().st_mode & 0o777) == "0o700"
 
 
-def test_unreachable_refused_and_missing_hpcring_are_named(login, laptop, tmp_path, own_runtime):
+def test_unreachable_refused_and_missing_hpcring_are_named(hpcring, login, laptop, tmp_path, own_runtime):
     home, site, env = laptop
     script = tmp_path / "remote_bad_job.py"
     script.write_text("print('never')\n")
@@ -285,7 +285,7 @@ def test_unreachable_refused_and_missing_hpcring_are_named(login, laptop, tmp_pa
         r.stderr
 
 
-def test_a_passphrase_is_asked_for_once(login, laptop, tmp_path, own_runtime):
+def test_a_passphrase_is_asked_for_once(hpcring, login, laptop, tmp_path, own_runtime):
     """A key with a passphrase, asked for through SSH_ASKPASS (no terminal): submit, status, logs and
     cancel ask once between them: every later ssh, rsync's too, rides the first one's master."""
     home, site, env = laptop

@@ -4,7 +4,6 @@ ranks' stack-signal hook (faulthandler, installed by hpcring.init) and, when ins
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -39,19 +38,13 @@ else:
 """
 
 
-def hpcring(*args, env, timeout=180):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env)
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
-
-
 def _line(text: str, needle: str) -> int:
     """Number of the first line of ``text`` that is ``needle`` (ignoring indentation)."""
     return next(i for i, line in enumerate(text.splitlines(), 1) if line.strip() == needle)
 
 
 @pytest.fixture(scope="module")
-def hung_job(tmp_path_factory):
+def hung_job(hpcring, tmp_path_factory):
     """A running 3x2 job whose ranks are all stuck; yields (job id, env, script path, folder)."""
     env = {"HPCRING_STATE_DIR": str(tmp_path_factory.mktemp("state"))}
     script = Path("/srv/hpcring") / f"stacks_hang_{os.getpid()}.py"
@@ -87,7 +80,7 @@ def _expected(script: Path) -> list[str]:
             f"rank 5: in load_batch at {name}:{_line(SCRIPT, 'def load_batch():') + 1}"]
 
 
-def test_stacks_through_the_sigusr2_hook(hung_job):
+def test_stacks_through_the_sigusr2_hook(hpcring, hung_job):
     job, env, script, folder = hung_job
     r = hpcring("stacks", job, "--method", "signal", env=env)
     assert r.returncode == 0, r.stderr
@@ -101,7 +94,7 @@ def test_stacks_through_the_sigusr2_hook(hung_job):
     assert "warning" not in r.stderr, r.stderr
 
 
-def test_stacks_full_and_json(hung_job):
+def test_stacks_full_and_json(hpcring, hung_job):
     job, env, script, _ = hung_job
     r = hpcring("stacks", job, "--method", "signal", "--full", env=env)
     assert r.returncode == 0, r.stderr
@@ -117,7 +110,7 @@ def test_stacks_full_and_json(hung_job):
     assert hosts == {"node1", "node2", "node3"}
 
 
-def test_stacks_through_py_spy(hung_job):
+def test_stacks_through_py_spy(hpcring, hung_job):
     from hpcring.diagnostics.stacks_probe import find_pyspy
     if find_pyspy() is None:
         pytest.skip("py-spy is not installed next to this interpreter or on PATH")
@@ -130,7 +123,7 @@ def test_stacks_through_py_spy(hung_job):
     assert data["groups"][1]["where"] == _expected(script)[1].split(": ", 1)[1]
 
 
-def test_stacks_of_a_job_that_is_not_running(tmp_path):
+def test_stacks_of_a_job_that_is_not_running(hpcring, tmp_path):
     r = hpcring("stacks", "987654321", env={"HPCRING_STATE_DIR": str(tmp_path)})
     assert r.returncode == 1
     assert "job 987654321 is not in squeue" in r.stderr

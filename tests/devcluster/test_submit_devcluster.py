@@ -1,4 +1,5 @@
 """`hpcring submit` on the real Slurm dev cluster (hpcring devcluster up)."""
+import functools
 import json
 import os
 import shutil
@@ -18,10 +19,10 @@ HELLO = ROOT / "examples" / "hello.py"
 
 
 
-def hpcring(*args, env=None, timeout=300):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner with this file's 300 s bound (a dev-cluster job may queue first)."""
+    return functools.partial(hpcring, timeout=300)
 
 
 @pytest.fixture
@@ -37,7 +38,7 @@ def hellos(stdout: str) -> list[dict]:
     return [json.loads(l.split("HELLO ", 1)[1]) for l in stdout.splitlines() if "<stdout>:HELLO " in l]
 
 
-def test_sbatch_test_only_accepts_rendered_script(tmp_path):
+def test_sbatch_test_only_accepts_rendered_script(hpcring, tmp_path):
     r = hpcring("render", str(HELLO), "--site", "devcluster", "--nodes", "3", "--tasks-per-node", "2")
     assert r.returncode == 0, r.stderr
     script = tmp_path / "job.sh"
@@ -47,7 +48,7 @@ def test_sbatch_test_only_accepts_rendered_script(tmp_path):
     assert "to start at" in t.stderr
 
 
-def test_hello_3_nodes_x_2_ranks(env):
+def test_hello_3_nodes_x_2_ranks(hpcring, env):
     r = hpcring("submit", str(HELLO), "--nodes", "3", "--tasks-per-node", "2", "--site", "devcluster",
                 "--wait", env=env)
     assert r.returncode == 0, r.stderr + r.stdout
@@ -69,7 +70,7 @@ def test_hello_3_nodes_x_2_ranks(env):
     assert sacct.stdout.strip() == "COMPLETED"
 
 
-def test_failing_rank_named(env):
+def test_failing_rank_named(hpcring, env):
     r = hpcring("submit", str(HELLO), "--nodes", "3", "--tasks-per-node", "2", "--site", "devcluster", "--wait",
                 env=dict(env, HELLO_FAIL_RANK="1"))
     assert r.returncode != 0
@@ -95,7 +96,7 @@ def test_submit_from_a_node_local_directory_is_named(env):
     assert "Traceback" not in r.stderr.split("error: job")[-1] and "killed first" not in r.stderr, r.stderr
 
 
-def test_cancel_sleeping_job(env, tmp_path):
+def test_cancel_sleeping_job(hpcring, env, tmp_path):
     sleeper = Path("/srv/hpcring") / f"sleep_{os.getpid()}.py"
     sleeper.write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
     r = hpcring("submit", str(sleeper), "--nodes", "2", "--site", "devcluster", env=env)
@@ -122,7 +123,7 @@ def test_cancel_sleeping_job(env, tmp_path):
         time.sleep(1)
 
 
-def test_nonexistent_partition_refused_by_scheduler(env, tmp_path):
+def test_nonexistent_partition_refused_by_scheduler(hpcring, env, tmp_path):
     site = (ROOT / "site_configs" / "devcluster.yaml").read_text()
     site = site.replace("partitions:\n", "partitions:\n  gpu-a100:\n    max_nodes: 3\n")
     p = tmp_path / "dc.yaml"

@@ -4,6 +4,7 @@ the script's traceback once with only its frames; srun's lines tagged as Slurm's
 no submitit log lines on a requeue; a cancel after a requeue not blamed on the earlier run's report."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -39,10 +40,10 @@ def work(tmp_path):
     return d, {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_JOB_DIR": str(d / "jobs")}
 
 
-def hpcring(*args, env=None, timeout=300):
-    e = dict(os.environ, PYTHONPATH=str(ROOT / "src"), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "hpcring", *args], capture_output=True, text=True, env=e,
-                          timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner with this file's 300 s bound (a dev-cluster job may queue first)."""
+    return functools.partial(hpcring, timeout=300)
 
 
 def job_of(r) -> str:
@@ -58,7 +59,7 @@ def no_internals(out: str) -> None:
         assert word not in out, f"{word!r} in the output:\n{out}"
 
 
-def test_sys_exit_3_is_exit_code_3_in_wait_status_and_logs(work):
+def test_sys_exit_3_is_exit_code_3_in_wait_status_and_logs(hpcring, work):
     d, env = work
     script = d / "fail_one.py"
     script.write_text(FAIL_ONE)
@@ -75,7 +76,7 @@ def test_sys_exit_3_is_exit_code_3_in_wait_status_and_logs(work):
     assert logs.returncode == 3 and len(verdicts(logs.stderr)) == 1, logs.stderr
 
 
-def test_an_exception_shows_the_scripts_traceback_once(work):
+def test_an_exception_shows_the_scripts_traceback_once(hpcring, work):
     d, env = work
     script = d / "fail_one.py"
     script.write_text(FAIL_ONE)
@@ -104,7 +105,7 @@ def _squeue_state(job: str) -> str:
                           timeout=30).stdout.strip()
 
 
-def test_requeue_then_cancel_is_quiet_and_not_blamed_on_the_earlier_run(work):
+def test_requeue_then_cancel_is_quiet_and_not_blamed_on_the_earlier_run(hpcring, work):
     """A running job (status: no exit code) gets a hang report (as its watchdog would write
     one), is requeued (no submitit lines in any rank's output), then cancelled while pending:
     the verdict says CANCELLED and does not cite that earlier run's report."""
