@@ -76,10 +76,10 @@ def test_messages_match_in_send_order_per_sender_and_tag_whatever_the_posting_or
 
 def test_a_receive_from_any_rank_names_the_source_and_takes_the_oldest_unexpected_first(boxes):
     a, b, c = boxes(3)
-    done(send(c, np.array([2.0]), 0, tag=4))
-    time.sleep(0.1)                                                # c's message is queued first
-    done(send(b, np.array([1.0]), 0, tag=4))
-    time.sleep(0.1)
+    for r, v in ((c, 2.0), (b, 1.0)):                              # c's message is queued first:
+        done(send(r, np.array([v]), 0, tag=4))
+        done(send(r, np.zeros(1), 0, tag=99))                      # a probe behind it on the same
+        assert done(recv(a, np.zeros(1), 2 if r is c else 1, tag=99))[0] is False   # connection
     got = []
     for _ in range(2):
         y = np.zeros(1)
@@ -96,7 +96,8 @@ def test_a_receive_from_any_rank_names_the_source_and_takes_the_oldest_unexpecte
 def test_an_unexpected_message_larger_than_the_receive_fails_only_that_receive(boxes):
     a, b = boxes(2)
     done(send(a, np.arange(1000, dtype=np.float32), 1, tag=3))    # 4000 B, before any receive
-    time.sleep(0.1)
+    done(send(a, np.zeros(1), 1, tag=99))                          # read once the probe behind it is
+    assert done(recv(b, np.zeros(1), 0, tag=99))[0] is False
     failed, _, why, hint = done(recv(b, np.zeros(10, np.float32), 0, tag=3))
     assert failed and hint == 3
     assert why == "rank 0 (node0) sent 3.9 KiB (4000 bytes) but this receive takes 40 bytes", why
@@ -122,7 +123,7 @@ def test_a_deadline_fails_the_receive_with_nobody_waiting_and_the_pair_stays_fai
     ids = []
     while not ids and time.monotonic() - t0 < 5:                   # the notifier's view: no wait()
         ids = b.take_done(1.0)
-    assert ids == [r.id] and 0.25 < time.monotonic() - t0 < 1.5
+    assert ids == [r.id] and 0.25 < time.monotonic() - t0 < 3.0
     failed, _, why, hint = r.result()
     assert failed and hint == 5
     assert why == "rank 0 (node0) did not send it within the 0.3 s deadline", why
@@ -135,8 +136,8 @@ def test_a_peer_that_closes_fails_pending_receives_and_sends_at_once(boxes):
     r = recv(b, np.zeros(1), 0, tag=1, timeout=30.0)
     t0 = time.monotonic()
     a.close()
-    failed, _, why, hint = done(r, 5.0)
-    assert time.monotonic() - t0 < 2
+    failed, _, why, hint = done(r, 10.0)
+    assert time.monotonic() - t0 < 5                               # not the 30 s deadline
     assert failed and hint == 2 and why == "rank 0 (node0) closed its connection (it exited or failed)"
     failed, _, why, _ = done(send(b, np.zeros(1), 0))
     assert failed and "closed its connection" in why
@@ -201,9 +202,8 @@ def test_a_frame_too_large_to_hold_fails_the_pair_instead_of_allocating():
     x, y = socket.socketpair()
     try:
         b.set_fd(0, y.detach(), True)
-        x.sendall(struct.pack(">qQ", 1, 1 << 62))                  # nobody waits: an unexpected frame
-        time.sleep(0.2)
-        failed, _, why, _ = done(recv(b, np.zeros(1, np.uint8), 0, tag=1))
+        x.sendall(struct.pack(">qQ", 1, 1 << 62))                  # matches no receive: unexpected
+        failed, _, why, _ = done(recv(b, np.zeros(1, np.uint8), 0, tag=2))   # fails with the pair
         assert failed and why == f"out of memory for a message of {1 << 62} bytes from rank 0 (node0)", why
     finally:
         b.close()
@@ -249,7 +249,7 @@ def test_a_communicator_receive_nobody_waits_for_fails_its_callback_at_the_deadl
     h = b.irecv(np.zeros(1), 0, tag=2)
     h.add_done_callback(lambda h_: (when.append(time.monotonic() - t0), seen.set()))
     assert seen.wait(5)                                            # nobody called wait()
-    assert 0.4 < when[0] < 2.0, when
+    assert 0.4 < when[0] < 4.0, when
     with pytest.raises(CollectiveError, match=r"rank 0 \(node0\) did not send it within the 0.5 s deadline"):
         h.wait(0)
 
