@@ -14,6 +14,10 @@ from pathlib import Path
 
 from hpcring.hostlist import expand
 from hpcring.errors import HpcringError
+from hpcring.fsutil import write_json
+from hpcring.preflight.record import check_host
+from hpcring.preflight.task import Options, run_task
+from hpcring.preflight.verdict import read_verdict
 
 EXIT_BAD_NODES = 3
 
@@ -74,7 +78,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--expect-nodes names no node")
     if len(set(expect)) != len(expect):
         p.error("--expect-nodes names a node twice")
-    from hpcring.preflight.record import check_host
     try:
         for h in expect:
             check_host(h)
@@ -82,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--expect-nodes: {e}")
     if args.verdict:
         return _verdict(args, expect)
-    from hpcring.preflight.task import Options, run_task
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -95,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _verdict(args, expect: list[str]) -> int:
-    from hpcring.fsutil import write_json
-    from hpcring.preflight.verdict import read_verdict
     try:
         v = read_verdict(args.out, expect, min_gbps=args.min_gbps or None)
     except HpcringError as e:

@@ -14,6 +14,9 @@ import time
 from collections.abc import Mapping
 
 from hpcring.bootstrap import netif_choice, netif_list, netif_probe
+import hpcring
+from hpcring.diagnostics.doctor.facts import site_facts
+from hpcring.netio import recv_exact
 
 VERSION_KEYS = ("python", "hpcring", "torch", "openmpi", "nccl")
 BW_MAX_BYTES = 32 << 20        # a ring link's transfer: at most 32 MiB ...
@@ -84,7 +87,6 @@ def torch_facts(gpus: int) -> tuple[dict, object | None]:
 
 def versions(gpus: int = 0) -> tuple[dict, object | None]:
     """This node's versions (``VERSION_KEYS``; None where absent) and the torch module if any."""
-    import hpcring
     tf, torch = torch_facts(gpus)
     return {"python": platform.python_version(), "hpcring": hpcring.__version__,
             "torch": tf["torch"], "openmpi": openmpi_version(), "nccl": tf["nccl"]}, torch
@@ -138,7 +140,6 @@ def interface_spec(explicit: str | None, environ: Mapping[str, str]) -> tuple[st
     if environ.get("HPCRING_IFNAME", "").strip():
         return environ["HPCRING_IFNAME"], "HPCRING_IFNAME"
     if environ.get("HPCRING_SITE"):
-        from hpcring.diagnostics.doctor.facts import site_facts
         facts = site_facts(environ) or {}
         if facts.get("spec"):
             return facts["spec"], f"site {facts.get('name')} fabric"
@@ -171,7 +172,6 @@ def send_bulk(address: str, port: int, secret: bytes, deadline: float, *, connec
     """One timed transfer to a listener with :func:`sink`: ``{"gbps", "bytes", "seconds"}`` or
     ``{"error"}``. The time runs until the receiver's acknowledgement, so it covers delivery,
     not only filling socket buffers. Never waits past ``deadline`` (monotonic)."""
-    from hpcring.netio import recv_exact
     left = deadline - time.monotonic()
     if left <= 0.2:
         return {"error": "no time left before the deadline"}

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from hpcring.preflight import checks
 
 MARKER = "hpcring-preflight-local "
 
@@ -46,7 +47,6 @@ def run_local_checks(gpus: int, timeout: float) -> dict:
 
 
 def main() -> int:
-    from hpcring.preflight import checks
     gpus = int(sys.argv[sys.argv.index("--gpus") + 1]) if "--gpus" in sys.argv else 0
     vers, torch = checks.versions(gpus)
     out = {"versions": vers, "gpu": checks.gpu_check(gpus, torch) if gpus > 0 else None}

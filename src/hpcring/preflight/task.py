@@ -19,6 +19,9 @@ from hpcring.bootstrap import netif_probe
 from hpcring.errors import HpcringError
 from hpcring.preflight import checks
 from hpcring.preflight.record import BadRecord, read_record, write_record
+from hpcring.bootstrap.auth import load_secret
+from hpcring.bootstrap.launchers import detect
+from hpcring.preflight.local import run_local_checks
 
 FULL_MESH_MAX = 16       # up to this many nodes every pair is probed; above, ring neighbours + RANDOM_PEERS
 RANDOM_PEERS = 3
@@ -71,7 +74,6 @@ def probe_graph(hosts: Sequence[str], full_mesh_max: int = FULL_MESH_MAX,
 
 def _detect_host(environ: Mapping[str, str]) -> str:
     try:
-        from hpcring.bootstrap.launchers import detect
         return detect(environ).host
     except Exception:   # noqa: BLE001  (an environment the launcher tables do not know)
         return socket.gethostname().split(".")[0]
@@ -150,7 +152,6 @@ class _Task:
 
     def _local_checks(self) -> None:
         """In a thread that only waits: the child process does the work (see preflight.local)."""
-        from hpcring.preflight.local import run_local_checks
         self.local.update(run_local_checks(self.o.gpus, self.deadline - 2.0 - time.monotonic()))
 
     def _wait_for(self, hosts: Sequence[str], until: float, done: bool) -> None:
@@ -238,7 +239,6 @@ class _Task:
 def run_task(opts: Options, environ: Mapping[str, str] | None = None, *, quiet: bool = False) -> int:
     """This node's part; 0 when it finished (whatever it found), 1 when it could not take part
     (no secret, the folder not writable), with the reason on stderr."""
-    from hpcring.bootstrap.auth import load_secret
     env = os.environ if environ is None else environ
     host = opts.host or _detect_host(env)
     if host not in opts.expect:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from hpcring.preflight.checks import VERSION_KEYS
 from hpcring.preflight.record import BadRecord, check_host, read_record
+from hpcring.bootstrap.auth import load_secret
 
 LIST_LIMIT = 16   # lines naming single links/nodes beyond this many are summarised
 
@@ -346,7 +347,6 @@ def read_verdict(folder: str | os.PathLike, expected_hosts: Sequence[str], *, se
     A host name that cannot name a file is a ValueError (the caller's list is wrong); anything in
     the folder only makes nodes bad."""
     if secret is None:
-        from hpcring.bootstrap.auth import load_secret
         secret = load_secret(os.environ if environ is None else environ)
     hosts = [check_host(h) for h in expected_hosts]
     records: dict[str, object] = {}
