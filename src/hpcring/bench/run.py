@@ -12,12 +12,17 @@ from typing import Callable
 
 import numpy as np
 
-from hpcring.config.envvars import MAX_LOCAL_RANKS
+from hpcring.config.envvars import MAX_LOCAL_RANKS, get
 from hpcring.errors import HpcringError, UsageError
 from hpcring.bench.data import DTYPES, ENV_TABLE
 from hpcring.bench.cases import REDUCING, busbw_factor, counts_for, device_module, make_case, memory_label
 from hpcring.bench.options import BUFFERS_PER_RANK, BenchOptions, require_matplotlib, size_list
 from hpcring.bench.table import Row, avg_busbw, format_footer, format_header, format_row, make_row
+import hpcring
+from hpcring import session as _s
+from hpcring.bootstrap.launchers import detect
+from hpcring.collectives.choice import auto_backend
+from hpcring.collectives import nccl_lib
 
 
 def run_bench(comm, opts: BenchOptions, emit: Callable[[str], None] | None = None) -> list[Row]:
@@ -95,11 +100,9 @@ def in_rank(environ=None) -> bool:
     env = os.environ if environ is None else environ
     if env.get("HPCRING_SESSION"):
         return True
-    from hpcring import session as _s
     if _s.current() is not None:
         return True
     try:
-        from hpcring.bootstrap.launchers import detect
         return detect(env).launcher != "single"
     except Exception:
         return False
@@ -110,17 +113,14 @@ def resolved_backend(backend: str, session) -> str:
     if backend != "auto":
         return backend
     try:
-        from hpcring.collectives.choice import auto_backend
         return f"auto={auto_backend(session.topology)}"
     except Exception:
-        from hpcring.config.envvars import get
         return f"auto={get('HPCRING_BACKEND') or 'ring'}"
 
 
 def run_as_rank(opts: BenchOptions) -> int:
     """The rank side: bootstrap (or join the session), benchmark, rank 0 prints/writes. Returns the
     exit code (1 when any element was wrong)."""
-    import hpcring
     opts.check()
     session = hpcring.init()
     comm = session.communicator(opts.backend, timeout=opts.timeout)
@@ -203,11 +203,9 @@ def _buffers_on_host(opts: BenchOptions) -> bool:
         return opts.memory == "host"
     backend = opts.backend
     if backend == "auto":
-        from hpcring.config.envvars import get
         backend = get("HPCRING_BACKEND")
         if backend is None:
-            from hpcring.collectives.nccl_lib import gpu_available
-            backend = "nccl" if gpu_available() else "ring"
+            backend = "nccl" if nccl_lib.gpu_available() else "ring"
     return backend != "nccl"
 
 
@@ -232,8 +230,8 @@ def check_host_memory(opts: BenchOptions, ranks: int, meminfo: str = "/proc/memi
 def spawn_local(opts: BenchOptions, ranks: int, nodes: int = 1, out=None) -> int:
     """Standalone: start ``ranks`` local ranks (``nodes`` virtual nodes) through hpcring.allocation and
     print rank 0's table as it is written (untagged). Returns the ranks' exit code."""
-    from hpcring.config.site import load_site
-    from hpcring import allocation
+    from hpcring.config.site import load_site  # deferred: pulls pydantic, yaml
+    from hpcring import allocation  # deferred: pulls jinja2, pydantic, yaml
     opts.check()
     if ranks < 1 or nodes < 1 or ranks % nodes:
         raise UsageError(f"--ranks {ranks} must be a positive multiple of --nodes {nodes}")
