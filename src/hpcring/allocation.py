@@ -33,8 +33,11 @@ from hpcring.errors import JobFailedError, SchedulerError, UsageError
 from hpcring.jobdir import hang_headline
 from hpcring.outcome import rank_failure, read_records, summarize
 from hpcring.schedulers.render import job_env
-from hpcring.schedulers import supervisor
+from hpcring.schedulers import supervisor, get
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords
+from hpcring.elastic import run as elastic_run
+from hpcring.schedulers.local_run import rank_env
+from hpcring.schedulers.slurm_steps import allocation_hosts
 
 _PLAIN_LAUNCHER = {"slurm": "srun", "lsf": "blaunch"}
 
@@ -59,7 +62,6 @@ def launch_words(alloc: allocation_size.Allocation, site: Site, job: JobSpec, no
     A site of another scheduler (the default ``local`` site inside salloc or bsub -Is) gets that
     allocation's plain launcher: srun, or blaunch (:func:`for_allocation`).
     """
-    from hpcring.schedulers import get
     cfg = for_allocation(site, alloc).config
     req = LaunchRequest(nodes=nodes, tasks_per_node=per_node, command=tuple(rank_cmd),
                         cpus_per_task=job.cpus_per_task, gpus_per_node=job.gpus_per_node, size_step=True,
@@ -107,7 +109,6 @@ def run(cmd: list[str], site: Site, nodes: int | None, per_node: int | None,
         check_local_ranks(nodes, per_node, hint="lower --nodes or --tasks-per-node, or run inside an allocation "
                                                 "(salloc, bsub -Is) to start the ranks on its nodes")
     if elastic:
-        from hpcring.elastic import run as elastic_run
         min_nodes = elastic_run.check(nodes, min_nodes, reset_limit)
         if container is not None:
             raise UsageError("--elastic runs its workers on the host: a container is not supported with it yet",
@@ -169,7 +170,6 @@ def _hosts(alloc: allocation_size.Allocation, environ: Mapping[str, str]) -> lis
             raise SchedulerError("this LSF job lists no slots (LSB_DJOB_HOSTFILE, LSB_MCPU_HOSTS and "
                                  "LSB_HOSTS are unset)", hint="run `hpcring run --elastic` inside `bsub -Is` or a batch job")
         return list(dict.fromkeys(alloc.slots))
-    from hpcring.schedulers.slurm_steps import allocation_hosts
     return allocation_hosts(environ)
 
 
@@ -178,7 +178,6 @@ def _local_job_id() -> str:
 
 
 def _start_local(rank_cmd: list[str], env: dict, nodes: int, per_node: int) -> list[subprocess.Popen]:
-    from hpcring.schedulers.local_run import rank_env
     job_id = _local_job_id()
     # SIGTERM, not SIGKILL, on our death: rank_exec then kills its CMD and removes the secret
     return [supervisor.start(rank_cmd, rank_env(env, job_id, nodes, per_node, n, l), parent_death=signal.SIGTERM)

@@ -29,9 +29,14 @@ from typing import Any, Callable, Iterable
 
 from hpcring.config.jobopts import (BY_NAME, PYTHON_OPTIONS, JobRequest, check_value, unknown_parameters,
                                     where as given_where)
-from hpcring.config.text import shown
+from hpcring.config.text import shown, control_character
 from hpcring.errors import (HpcringError, InvalidParameterError, JobFailedError, UsageError,
                             WaitTimeoutError)
+from hpcring import jobfollow, jobstatus, nodehistory
+from hpcring.config.arrays import MAX_ARRAY_TASKS, parse_dependency
+from hpcring.config.envvars import MAX_TIMEOUT, check_number, check_environ
+from hpcring.job import RunFunction, pack_call
+from hpcring.schedulers.base import JobRecord
 
 log = logging.getLogger("hpcring")
 
@@ -53,7 +58,7 @@ class Executor:
     """
 
     def __init__(self, site: str | None = None, folder: str | os.PathLike | None = None) -> None:
-        from hpcring.config.jobspec import parse_field
+        from hpcring.config.jobspec import parse_field  # deferred: pulls pydantic, yaml
         if site is not None:
             site = _constructor_text("site", site)
         if folder is not None:
@@ -98,8 +103,6 @@ class Executor:
     def _resolve(self, req, *, script_file: bool, default_name: str | None = None):
         """(site, job spec, notes): resolved as ``hpcring submit`` resolves its flags, the folder
         and the nodes the site's node history leaves out applied."""
-        from hpcring import nodehistory
-        from hpcring.config.envvars import check_environ
         check_environ()                    # a bad HPCRING_* value stops here, as it stops every command
         site, job = req.resolve(given="python", script_file=script_file, default_name=default_name)
         if self.folder is not None:        # above HPCRING_JOB_DIR and the site, as a flag would be
@@ -111,7 +114,7 @@ class Executor:
         """The job script ``submit(target)`` (a function) or ``submit_script(target)`` (a path)
         would hand the scheduler, as ``hpcring render`` prints it (job id still ``%j``). Submits
         nothing: the way to check a Slurm or LSF job from anywhere."""
-        from hpcring import submit as lib
+        from hpcring import submit as lib  # deferred: pulls submitit, jinja2, pydantic
         if target is None or callable(target):
             label, name = _label(target) if target is not None else ("function()", "function")
             site, job, notes = self._resolve(self._request(label), script_file=False, default_name=name)
@@ -134,7 +137,6 @@ class Executor:
         """One array task per item of ``zip(*iterables)``, each the whole job calling
         ``fn(*item)`` on every rank; at most ``array_parallelism`` tasks at once (``--array``'s
         ``%N``). Returns one :class:`Job` per task, in order (an empty input submits nothing)."""
-        from hpcring.config.arrays import MAX_ARRAY_TASKS
         _check_callable(fn, "map_array")
         if not iterables:
             raise UsageError("map_array(fn) got no iterables", hint="map_array(fn, [1, 2, 3]) calls fn(1), fn(2), fn(3)")
@@ -154,8 +156,7 @@ class Executor:
         return self._submit_calls(fn, calls, spec)
 
     def _submit_calls(self, fn: Callable, calls: dict[str, bytes], array: str | None) -> list["Job"]:
-        from hpcring import submit as lib
-        from hpcring.job import RunFunction
+        from hpcring import submit as lib  # deferred: pulls submitit, jinja2, pydantic
         total = sum(len(b) for b in calls.values())
         if total > MAX_PICKLE_BYTES:
             raise UsageError(f"the function and its arguments are {total / 2**30:.2f} GiB pickled, more than "
@@ -170,7 +171,7 @@ class Executor:
     def submit_script(self, path: str | os.PathLike, args: Iterable[str] = ()) -> "Job":
         """Run the script at ``path`` with ``args`` on every rank, as ``hpcring submit PATH -- ARGS``
         does; its :class:`Job`'s results are the ranks' exit codes (0: a failure raises)."""
-        from hpcring import submit as lib
+        from hpcring import submit as lib  # deferred: pulls submitit, jinja2, pydantic
         args = _script_args(args)
         site, job, notes = self._resolve(self._request(_path_text(path), args), script_file=True)
         return Job(self._submit(lib, site, job, notes, None))
@@ -208,8 +209,7 @@ class Job:
     """
 
     def __init__(self, ref) -> None:
-        from hpcring import submit as lib
-        from hpcring.schedulers.base import JobRecord
+        from hpcring import submit as lib  # deferred: pulls submitit, jinja2, pydantic
         self._rec = ref if isinstance(ref, JobRecord) else lib.record(str(ref))
 
     # identity
@@ -241,7 +241,6 @@ class Job:
 
     # state
     def _state(self):
-        from hpcring import jobstatus
         return jobstatus.job_state(self._rec)
 
     @property
@@ -258,7 +257,6 @@ class Job:
         keeps running. Without a timeout the job's own time limit bounds the wait once it runs;
         each state change, and every minute what it still waits for, goes to the ``hpcring``
         logger (INFO)."""
-        from hpcring.config.envvars import MAX_TIMEOUT, check_number
         if timeout is not None:
             timeout = check_number("wait(timeout=)", timeout, lo=0, hi=MAX_TIMEOUT,
                                    hint="give seconds, or None to wait until the job ends")
@@ -303,7 +301,6 @@ class Job:
 
     def _completed(self, timeout: float | None) -> list[int]:
         """Wait; the ranks to read when the job completed, else raise its failure."""
-        from hpcring import jobstatus
         if self._rec.array is not None:
             raise UsageError(f"job {self.job_id} is an array of {len(self._rec.array)} tasks: each task has its results",
                              hint=f"job.tasks()[i].results(), or `hpcring.Job('{self.job_id}_{self._rec.array[0]}')`")
@@ -317,7 +314,6 @@ class Job:
     def _failure(self, oc) -> JobFailedError:
         """The CLI's verdict on the job (``describe_failure``), with the first failing rank, its
         host and, for a function, its traceback text."""
-        from hpcring import jobstatus, nodehistory
         try:
             _say(nodehistory.record_ended(self._rec, oc))   # as `submit --wait` and `status` do
         except HpcringError as exc:
@@ -369,7 +365,7 @@ class Job:
     # control and output
     def cancel(self) -> None:
         """Cancel the job (an array: every task), as ``hpcring cancel``; nothing when it has ended."""
-        from hpcring import submit as lib
+        from hpcring import submit as lib  # deferred: pulls submitit, jinja2, pydantic
         ended = lib.cancel(self._rec)
         if ended is None:
             log.info("cancel requested for job %s", self.job_id)
@@ -392,7 +388,6 @@ class Job:
     def logs(self, rank: int | None = None) -> str:
         """Every rank's lines so far, tagged ``[rank]<stdout>:`` as ``hpcring logs`` prints them
         (an array: ``[task:rank]``)."""
-        from hpcring import jobfollow
         return "".join(line + "\n" for line in jobfollow.tagged_lines(self._rec, rank))
 
     def __repr__(self) -> str:
@@ -415,8 +410,7 @@ def check_parameters(values: dict[str, Any], where: Callable[[str, Any], str] = 
 
 def _checked(name: str, value: Any, at: str) -> Any:
     """One update_parameters value, checked as its flag is checked (InvalidParameterError)."""
-    from hpcring.config.arrays import parse_dependency
-    from hpcring.config.jobspec import parse_field
+    from hpcring.config.jobspec import parse_field  # deferred: pulls pydantic, yaml
     v = check_value(name, value, at)
     try:
         if BY_NAME[name].spec:
@@ -436,7 +430,6 @@ def _constructor_text(what: str, value: Any) -> str:
     if not isinstance(value, str):
         raise InvalidParameterError(f"{at}: not a str ({type(value).__name__})",
                                     hint=f"give {what} as a str" + (" or a Path" if what == "folder" else ""))
-    from hpcring.config.text import control_character
     bad = control_character(value)
     if bad or not value.strip():
         raise InvalidParameterError(f"{at}: " + (f"contains the control character {bad[1]!r} at position {bad[0]}"
@@ -484,7 +477,6 @@ def _pickled(fn: Callable, args: tuple, kwargs: dict, item: str) -> bytes:
     that cannot be pickled is a UsageError naming it."""
     import cloudpickle
 
-    from hpcring.job import pack_call
     try:
         return pack_call(fn, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - PicklingError, TypeError, RecursionError, ...

@@ -36,6 +36,7 @@ from pathlib import Path
 from hpcring.diagnostics import rank_summary
 from hpcring.errors import HpcringError
 from hpcring.outcome import read_records
+from hpcring.ranks import rank_ranges
 
 SCHEMA = "hpcring-report/1"
 PARTS = ("startup", "compute", "communication", "waiting")
@@ -229,7 +230,6 @@ def read_attempt(folder: Path, job_id: str, ntasks: int, now: float | None = Non
     missing = []
     no_status = [r for r in range(ntasks) if r not in statuses]
     no_summary = [r for r in range(ntasks) if r not in summaries]
-    from hpcring.ranks import rank_ranges
     if not finished and not statuses and not summaries:
         no_status = no_summary = []
         missing.append("no rank has written its status record or time summary yet: they do at their exit "
@@ -307,7 +307,7 @@ def build(rec=None, folder: Path | None = None, *, state: str | None = None, fin
     ``run_start``: when its latest run started (jobstatus.run_started), for a running job whose
     ranks wrote nothing yet. Raises :class:`ReportError` when there is nothing to report or a
     record is corrupt."""
-    from hpcring.restarts import CHAIN_FILE, read_chain
+    from hpcring.restarts import CHAIN_FILE, read_chain  # deferred: pulls pydantic, yaml
     now = time.time() if now is None else now
     if rec is not None:
         folder = Path(rec.folder)

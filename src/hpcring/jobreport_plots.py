@@ -31,6 +31,8 @@ from pathlib import Path
 from hpcring.errors import HpcringError, UsageError
 from hpcring.jobreport import PARTS
 from hpcring.jobreport_html import COLORS
+from hpcring.config.text import check_text, shown
+from hpcring.diagnostics import rank_summary
 
 NAMES = ("split", "rate", "bandwidth")
 TITLES = {"split": "Where each rank's time went", "rate": "Collectives a second over the run",
@@ -63,7 +65,6 @@ def require_matplotlib(flag: str = "--plots") -> None:
 def check_folder(path: str, flag: str = "--plots") -> None:
     """``path`` is a folder that exists or can be made (its nearest existing parent is a writable
     folder); nothing is created here."""
-    from hpcring.config.text import check_text, shown
     hint = f"give {flag} a folder (it is made when missing) in a writable place"
     try:
         check_text(path)
@@ -324,7 +325,6 @@ def rate(report: dict, out: Path, folders: list[Path] | None = None, formats=FOR
 def bandwidth(report: dict, out: Path, folders: list[Path] | None = None, formats=FORMATS) -> Drawn:
     """``bandwidth.{png,svg}``: bytes per collective over its time inside (GB/s) against the message
     size, for the collectives in each rank's time summary tail (every attempt's ``diag/``)."""
-    from hpcring.diagnostics import rank_summary
     drawn = Drawn("bandwidth")
     pairs = _folders(report) if folders is None else [(i, Path(f)) for i, f in enumerate(folders)]
     points: dict[int, list[tuple[int, float]]] = {}

@@ -49,6 +49,7 @@ from typing import Iterator, Mapping
 from hpcring.config import envvars
 from hpcring.config.text import control_character, shown
 from hpcring.errors import HpcringError
+from hpcring.fsutil import write_json
 
 STATE_DIR = ".hpcring"                 # the site's shared state folder, under job_dir
 FILE = "node-history.jsonl"
@@ -130,7 +131,7 @@ def history_path(root: str | os.PathLike) -> Path:
 
 def site_root(site, environ: Mapping[str, str] | None = None) -> tuple[Path, str]:
     """(the site's job folder root, where its job_dir came from): HPCRING_JOB_DIR > site > default."""
-    from hpcring.config.jobspec import job_dir_of, job_root
+    from hpcring.config.jobspec import job_dir_of, job_root  # deferred: pulls pydantic, yaml
     job_dir, source = job_dir_of(site, environ)
     return job_root(job_dir), source
 
@@ -188,7 +189,7 @@ def parse_line(text: str) -> Blame:
             raise ValueError(f"{k!r} is missing or not text")
         if len(v) > 4096 or control_character(v):
             raise ValueError(f"{k!r} holds a control character or is too long")
-    from hpcring.restarts import is_host_name
+    from hpcring.restarts import is_host_name  # deferred: pulls pydantic, yaml
     if not is_host_name(d["node"]):
         raise ValueError(f"node {shown(d['node'])} is no host name")
     try:
@@ -411,7 +412,7 @@ def blames_of(rec, oc, now: float | None = None) -> list[Blame]:
     faults (:func:`hpcring.restarts.blamed`). None for a job that completed or failed for its code."""
     if oc is None or oc.ok:
         return []
-    from hpcring import restarts
+    from hpcring import restarts  # deferred: pulls pydantic, yaml
     v, report = restarts.blamed(rec, oc)
     if not v.restart or not v.nodes:
         return []
@@ -452,7 +453,6 @@ def record_ended(rec, oc, now: float | None = None) -> list[str]:
         return [f"warning: job {rec.job_id}: the blamed node(s) were not recorded in the node history: {exc.message}"
                 + (f" (hint: {exc.hint})" if exc.hint else "")]
     try:
-        from hpcring.fsutil import write_json
         write_json(diag / RECORDED, {"history": str(path), "blames": [json.loads(b.line()) for b in blames]}, indent=1)
     except OSError:
         pass                           # the history itself still records each (job, node) once
@@ -469,7 +469,7 @@ def record_ended(rec, oc, now: float | None = None) -> list[str]:
 def _what_now(rec, new: list[Blame], every: list[Blame], now: float | None) -> str:
     """What the policy of the job's site now does with the nodes just recorded."""
     try:
-        from hpcring.config.site import load_site
+        from hpcring.config.site import load_site  # deferred: pulls pydantic, yaml
         site = load_site(rec.site)
         pol = policy(site)
     except HpcringError:               # the job's site file moved or changed: say what is known
@@ -496,7 +496,7 @@ def leave_out(site, job, ignore: bool = False, environ: Mapping[str, str] | None
     pol = policy(site, environ)
     if not pol.blames:
         return []
-    from hpcring.config.jobspec import job_root
+    from hpcring.config.jobspec import job_root  # deferred: pulls pydantic, yaml
     root = job_root(job.job_dir)
     path = history_path(root)
     word = site_word(site)
@@ -512,7 +512,7 @@ def leave_out(site, job, ignore: bool = False, environ: Mapping[str, str] | None
                      f"{r.last.reason} in job {r.last.job})" for r in rows)
     if ignore:
         return [f"node history: not leaving out {said}: --no-node-history"]
-    from hpcring.restarts import check_hosts
+    from hpcring.restarts import check_hosts  # deferred: pulls pydantic, yaml
     job.exclude = list(dict.fromkeys([*job.exclude, *check_hosts(names, f"node history {path}")]))
     job.sources["exclude"] = f"node history {path}"
     return [f"node history: leaving out {said}; to use them: --no-node-history (this job) or "

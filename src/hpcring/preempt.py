@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpcring.fsutil import write_json
+from hpcring.errors import SchedulerError
 
 REQUEUE_VAR = "HPCRING_REQUEUE_COUNT"
 _warned: dict = {}
@@ -113,7 +114,6 @@ def requeue_through_submitit() -> None:
     sig = warning_signal()
     handler = _previous.get(sig)
     if not callable(handler):
-        from hpcring.errors import SchedulerError
         raise SchedulerError("hpcring.Preempted was raised outside a submitted job: nothing can requeue it",
                              hint="submit with `hpcring submit`; under `hpcring run` checkpoint and exit instead")
     handler(sig, None)

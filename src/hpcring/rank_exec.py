@@ -18,6 +18,12 @@ import threading
 from pathlib import Path
 
 from hpcring.jobdir import job_folder
+from hpcring.bootstrap.auth import delete_secret_file
+from hpcring.diagnostics.stacks import STACK_SIGNAL
+from hpcring.rank_life import RankLife
+from hpcring.schedulers.supervisor import start
+from hpcring.diagnostics.watchdog import DUMP_SIGNAL
+from hpcring.session import handoff_env
 
 
 def _pump(src, dst, prefix: bytes) -> None:
@@ -36,17 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print("usage: python -m hpcring.rank_exec [--status-dir DIR] -- CMD...", file=sys.stderr)
         return 2
-    from hpcring.rank_life import RankLife
     # the records go where the starter reads them (hpcring run: the run's folder), else the job's
     life = RankLife(status_dir or job_folder(), argv, tag_output=True)
     session = life.bootstrap(watchdog=False)   # the child CMD runs the collectives and the watchdog
     if session is None:
         return 1
     topo = session.topology
-    from hpcring.session import handoff_env
     os.environ.update(handoff_env(session))
     life.watch_torch(child=True)       # a torch process group in CMD gets hpcring's hang report
-    from hpcring.schedulers.supervisor import start
     parent = os.getppid()
     life.child_error_file()
     try:
@@ -64,8 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         if child.poll() is None:
             child.send_signal(signum)
 
-    from hpcring.diagnostics.stacks import STACK_SIGNAL
-    from hpcring.diagnostics.watchdog import DUMP_SIGNAL
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, STACK_SIGNAL, DUMP_SIGNAL):
         signal.signal(sig, forward)
     pumps = [threading.Thread(target=_pump, args=(child.stdout, sys.stdout.buffer, f"[{topo.rank}]<stdout>:".encode()),
@@ -85,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _orphaned(child, status_dir: Path | None) -> None:
     """The supervisor died (even by SIGKILL): end CMD, remove the job's secret and run folder, exit."""
-    from hpcring.bootstrap.auth import delete_secret_file
     child.kill()
     delete_secret_file(os.environ.get("HPCRING_SECRET_FILE"))
     if status_dir is not None and status_dir.parent.name.startswith("hpcring-run-"):

@@ -19,6 +19,9 @@ from pathlib import Path
 from hpcring.errors import HpcringError
 from hpcring.jobdir import job_id
 from hpcring.outcome import write_record
+from hpcring.bootstrap.frameworks import apply_framework_env
+from hpcring.config import envvars
+from hpcring.diagnostics import torch_watch
 
 
 class RankLife:
@@ -37,9 +40,7 @@ class RankLife:
         (then recorded, said, and kept in ``self.failure``). ``gpus_per_node`` None: the job's
         HPCRING_GPUS_PER_NODE. ``watchdog``: this process runs the collectives (a failure the
         watchdog reports then ends this rank with its headline recorded)."""
-        from hpcring.bootstrap.frameworks import apply_framework_env
-        from hpcring.config import envvars
-        from hpcring.session import init
+        from hpcring.session import init  # deferred: pulls numpy (session -> collectives)
         try:
             envvars.check_environ()
             gpus = envvars.get("HPCRING_GPUS_PER_NODE") if gpus_per_node is None else gpus_per_node
@@ -56,7 +57,7 @@ class RankLife:
         self.record.update(rank=topo.rank, size=topo.size, local_rank=topo.local_rank, host=topo.host,
                            address=topo.address, interface=topo.interface, launcher=topo.launcher)
         if watchdog:
-            from hpcring.diagnostics.watchdog import add_exit_hook
+            from hpcring.diagnostics.watchdog import add_exit_hook  # deferred: pulls numpy (watchdog -> collectives)
             add_exit_hook(lambda headline: self.finish(1, headline))
         return session
 
@@ -64,7 +65,6 @@ class RankLife:
         """A torch process group in the work gets hpcring's hang report. ``child``: the work is a
         child process started with this environment (its Python starts the watch from
         ``rank_site``, which also registers the backend when the watch is off)."""
-        from hpcring.diagnostics import torch_watch
         if not child:
             torch_watch.install()
             return
@@ -118,7 +118,6 @@ SITE_DIR = str(Path(__file__).with_name("rank_site"))   # its sitecustomize.py: 
 def child_env(environ=None) -> dict[str, str]:
     """What ``hpcring run`` adds to CMD's environment for the torch watch: torch's variables
     (:func:`torch_watch.fr_env`) and :data:`SITE_DIR` first on PYTHONPATH; nothing when it is off."""
-    from hpcring.diagnostics import torch_watch
     env = os.environ if environ is None else environ
     if not torch_watch.enabled(env):
         return {}
@@ -134,7 +133,7 @@ def error_text(exc: BaseException) -> str:
 def bootstrap_failure(exc: BaseException, *, first_line: bool = False) -> dict:
     """The record fields of a rank whose ``hpcring.init()`` failed: the launcher's rank and host
     (the topology never formed), exit code 1, the error (its first line only when asked)."""
-    from hpcring.bootstrap.launchers import detect
+    from hpcring.bootstrap.launchers import detect  # deferred: launcher tables (~10 ms) off the CMD's start (rank_site)
     t = detect()
     error = str(exc).splitlines()[0] if first_line and str(exc) else str(exc)
     return {"rank": t.rank, "host": t.hosts[t.rank], "exit_code": 1, "error": error, "ended": time.time()}

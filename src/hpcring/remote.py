@@ -35,6 +35,8 @@ from hpcring.config.remote_checks import (CONTROL_PERSIST_S, TO_EOL, host_proble
                                           user_problem)
 from hpcring.errors import RemoteError, UsageError
 from hpcring.remote_ignore import ignore_rules, read_ignore
+from hpcring.fsutil import write_json
+from hpcring.schedulers.base import state_dir
 
 ENV_REMOTE, ENV_REMOTE_HPCRING = "HPCRING_REMOTE", "HPCRING_REMOTE_HPCRING"
 NONE = "none"                       # --remote none: run here even if the site names a login node
@@ -372,14 +374,12 @@ _JOB_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
 
 
 def _records() -> Path:
-    from hpcring.schedulers.base import state_dir
     d = state_dir().parent / "remote"
     d.mkdir(exist_ok=True)
     return d
 
 
 def remember(target: Target, job_id: str, key: str) -> None:
-    from hpcring.fsutil import write_json
     if not (_JOB_REF.fullmatch(job_id) and _JOB_REF.fullmatch(key)):
         return
     data = {**asdict(target), "ssh_options": list(target.ssh_options), "job_id": job_id, "key": key,

@@ -35,6 +35,7 @@ from hpcring.errors import HpcringError, UsageError
 from hpcring.fsutil import write_json
 from hpcring.ranks import rank_ranges
 from hpcring.steps_record import read_steps, step_lines
+from hpcring import jobstatus
 
 CHAIN_FILE = "restarts.json"
 NODE_CATEGORIES = ("dead", "unreachable")
@@ -308,7 +309,6 @@ def verdict(rec, oc) -> Verdict:
 
 def blamed(rec, oc) -> tuple[Verdict, dict | None]:
     """(:func:`verdict`, the hang report it read: None when there is none)."""
-    from hpcring import jobstatus
     report = _report(rec)
     return classify(oc.state.state, jobstatus.rank_statuses(rec), rec.ntasks, report), report
 
@@ -330,7 +330,6 @@ def status_lines(rec, oc) -> list[str]:
 
 def _report(rec) -> dict | None:
     """The latest run's hang report (jobstatus.hang_headline's freshness rule), as a dict."""
-    from hpcring import jobstatus
     hang = jobstatus.hang_headline(rec)
     if hang is None:
         return None

@@ -14,6 +14,15 @@ from hpcring.bootstrap.topology import Topology
 from hpcring.collectives.choice import BACKENDS, auto_backend
 from hpcring.config import envvars
 from hpcring.errors import UsageError
+from hpcring.bootstrap.auth import load_secret
+from hpcring.bootstrap.init import init_bootstrap
+from hpcring.bootstrap.store_client import StoreClient
+from hpcring.collectives.api import Communicator
+from hpcring.collectives.groups import group_session
+from hpcring.diagnostics.metrics import start_for as export_metrics
+from hpcring.diagnostics.stacks import install_signal_dump
+from hpcring.diagnostics.straggler_watch import start_for
+from hpcring.diagnostics.watchdog import Watchdog, install_dump_signal
 
 _LOCK = threading.Lock()
 _SESSION: "Session | None" = None
@@ -41,8 +50,6 @@ class Session:
         (SIGRTMIN+7 from the main thread: flight records; SIGRTMIN+6: stacks) unless HPCRING_WATCHDOG=0.
         SIGUSR1 and SIGUSR2 stay free for Lightning's requeue handler and submitit/Slurm."""
         if self.watchdog is None and envvars.get("HPCRING_WATCHDOG"):
-            from hpcring.diagnostics.stacks import install_signal_dump
-            from hpcring.diagnostics.watchdog import Watchdog, install_dump_signal
             self.watchdog = Watchdog(self.topology, (self.store.host, self.store.port), self._secret,
                                      store=self.store).start()
             install_dump_signal(self.watchdog)           # SIGRTMIN+7: flight records + stacks, keep running
@@ -66,14 +73,11 @@ class Session:
         if backend == "auto":
             backend = self.default_backend or auto_backend(self.topology)
         if backend not in self._comms:
-            from hpcring.collectives.api import Communicator
             options = {"abort_on_timeout": False} if backend == "mpi" and self.watchdog else {}
             self._comms[backend] = Communicator.create(self.topology, self.store, self._secret,
                                                        timeout=timeout, backend=backend,
                                                        watchdog=self.watchdog, **options)
-            from hpcring.diagnostics.straggler_watch import start_for
             self.stragglers[backend] = start_for(self, self._comms[backend], backend)
-            from hpcring.diagnostics.metrics import start_for as export_metrics   # HPCRING_METRICS (off: nothing)
             export_metrics(self, self._comms[backend], backend, self.stragglers[backend])
         return self._comms[backend]
 
@@ -82,7 +86,6 @@ class Session:
         GroupSession whose ``communicator(backend, timeout=)`` runs collectives among the members
         only, or None on a rank that is not a member. Every member must create the same groups in
         the same order; the other ranks may call too (they get None and take no part)."""
-        from hpcring.collectives.groups import group_session
         g = group_session(self, ranks)
         if g is not None:
             g.on_communicator = _watch_group
@@ -107,7 +110,6 @@ class Session:
 def _watch_group(group, backend: str, comm):
     """A group's communicator gets its straggler watcher, as the job-wide ones do (HSDP, tensor and
     pipeline groups carry most of such a job's collectives)."""
-    from hpcring.diagnostics.straggler_watch import start_for
     tag = f"group{group.key.rsplit('/', 1)[-1]}-{backend}"
     return start_for(group.parent, comm, f"{group.key}/{backend}", group.members, group.name, tag)
 
@@ -131,7 +133,6 @@ def init(backend: str | None = None, *, timeout: float | None = None, interface:
             _SESSION = _from_handoff(os.environ[HANDOFF_VAR])
             _SESSION.start_watchdog()
         if _SESSION is None:
-            from hpcring.bootstrap.init import init_bootstrap
             envvars.check_environ()   # every bad HPCRING_* value at once, before meeting anyone
             t = envvars.get("HPCRING_INIT_TIMEOUT") if timeout is None else envvars.check_number(
                 "init() timeout", timeout, lo=0, lo_open=True, hi=envvars.MAX_TIMEOUT)
@@ -164,8 +165,6 @@ def handoff_env(session: Session) -> dict[str, str]:
 def _from_handoff(text: str) -> Session:
     import json
 
-    from hpcring.bootstrap.auth import load_secret
-    from hpcring.bootstrap.store_client import StoreClient
     data = json.loads(text)
     host, port = data.pop("store")
     data["hosts"] = tuple(data["hosts"])

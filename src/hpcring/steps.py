@@ -37,6 +37,13 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from hpcring.steps_record import STEPS_FILE
+from hpcring import nodehistory
+from hpcring.config import envvars
+from hpcring.errors import HpcringError
+from hpcring.fsutil import write_json
+from hpcring.outcome import read_records
+from hpcring import preflight
+from hpcring.schedulers import slurm_steps as sched
 
 ARCHIVE = "steps"            # <folder>/steps/<k>/: a failed step's records and diagnosis
 READER_JOIN_S = 5.0          # the launcher's stderr reader, after the launcher ended
@@ -85,7 +92,6 @@ def choose(allocation: Sequence[str], blamed: set[str], gone: Mapping[str, str],
 
 
 def write_steps(plan: Plan, allocation: Sequence[str], final: dict | None = None) -> None:
-    from hpcring.fsutil import write_json
     data = {"nodes": plan.nodes, "min_nodes": plan.min_nodes, "tasks_per_node": plan.tasks_per_node,
             "max_restarts": plan.max_restarts, "allocation": list(allocation), "steps": plan.steps}
     if plan.checked is not None:
@@ -218,7 +224,6 @@ def _record_blames(plan: Plan, jid: str, environ: Mapping[str, str], blamed: dic
                    when: float) -> None:
     """Each blamed node into the site's node history (the job folder's parent's ``.hpcring``), as
     the follower records a finished job's: a node lost inside the allocation counts the same."""
-    from hpcring import nodehistory
     cluster = environ.get("SLURM_CLUSTER_NAME", "")
     key = "-".join(p for p in (plan.scheduler, cluster, jid) if p)
     user = environ.get("USER") or environ.get("SLURM_JOB_USER") or str(os.getuid())
@@ -233,8 +238,6 @@ def _record_blames(plan: Plan, jid: str, environ: Mapping[str, str], blamed: dic
 def _preflight(plan: Plan, sched, allocation: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
     """The gang check (hpcring.preflight) on every node of the allocation, before the script;
     returns {bad node: why}. Bounded: the check's deadline plus the launcher's start."""
-    from hpcring.errors import HpcringError
-    from hpcring.preflight import read_verdict
     out = plan.folder / "preflight"
     if out.exists():                   # a requeued job's earlier check: kept beside, not mixed in
         shutil.move(str(out), str(plan.folder / f"preflight.{int(time.time())}"))
@@ -256,7 +259,7 @@ def _preflight(plan: Plan, sched, allocation: Sequence[str], env: Mapping[str, s
         log(f"preflight: could not start the check ({exc}); no node left out")
         return {}
     try:
-        v = read_verdict(out, list(allocation))
+        v = preflight.read_verdict(out, list(allocation))
     except (HpcringError, ValueError) as exc:        # no secret, a host name no file may have
         log(f"preflight: no verdict ({getattr(exc, 'message', exc)}); no node left out")
         plan.checked = {"ok": False, "bad": {}, "seconds": round(time.time() - t0, 2), "error": str(exc)}
@@ -279,7 +282,6 @@ def _preflight(plan: Plan, sched, allocation: Sequence[str], env: Mapping[str, s
 
 def _grace(env: Mapping[str, str]) -> float:
     """Seconds between a task's failure and the end of its step (HPCRING_STEP_GRACE)."""
-    from hpcring.config import envvars
     return envvars.get("HPCRING_STEP_GRACE", env)
 
 
@@ -295,9 +297,7 @@ def _launcher_reasons(nodes, killed: list[tuple[str, str, str]], gone: Mapping[s
 
 def run(plan: Plan, environ: Mapping[str, str] | None = None) -> int:
     """The loop (see the module doc); returns the exit code for the job script."""
-    from hpcring import restarts
-    from hpcring.outcome import read_records
-    from hpcring.schedulers import slurm_steps as sched
+    from hpcring import restarts  # deferred: pulls pydantic, yaml
     env = dict(os.environ if environ is None else environ)
     jid = sched.job_id(env)
     allocation = sched.allocation_hosts(env)
