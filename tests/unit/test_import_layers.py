@@ -35,8 +35,16 @@ LEVEL = {
     "jobreport_plots": 12, "devcluster": 12,
     "cli": 13, "__main__": 13,
 }
-# Not checked yet: that a function-level hpcring import outside cli/ says why it is deferred
-# (a heavy optional library, the CLI's start-up); about 250 do not today.
+# An import of an hpcring module inside a function, outside cli/, says on its line why it waits:
+# `# deferred: <reason>` naming the library or the cost it keeps off an import path (`pulls torch`,
+# `launcher tables (~10 ms) off the CMD's start (rank_site)`). Anything else goes to module level.
+DEFERRED_MARK = "# deferred:"
+
+# to fix: files (or folders, ending in /) below src/hpcring whose function-level imports are not
+# marked yet: other engineers are changing them now. Remove an entry once its imports are moved or marked.
+UNMARKED = ("devcluster/", "elastic/run.py", "schedulers/lsf.py", "schedulers/lsf_task.py",
+            "schedulers/slurm_steps.py", "collectives/mailbox.py", "collectives/p2p.py", "collectives/p2p_api.py",
+            "collectives/handshake.py")
 
 # to fix: upward imports whose fix needs an edit in a package other engineers are changing now
 # (bootstrap/, collectives/). (importing file, imported module) -> why it is still here.
@@ -178,3 +186,77 @@ def f():
                    (11, "hpcring._native", True), (11, "hpcring.jobdir", True), (12, "hpcring.session", True)]
     assert [unit_of(m) for _line, m, _f in got] == ["hpcring", "diagnostics", "config.envvars", "config", "schedulers",
                                                     "distributed", "_native", "jobdir", "session"]
+
+
+def function_imports_in(source: str, me: str, is_package: bool = False,
+                        where: str = "<text>") -> list[tuple[int, str, str | None]]:
+    """(line, imported hpcring module, reason after ``# deferred:`` or None) of every ``import``/``from``
+    statement of an hpcring module (relative ones too) inside a function or lambda of ``source``."""
+    package = me if is_package else me.rpartition(".")[0]
+    lines = source.splitlines()
+    out = []
+
+    def reason(node: ast.stmt) -> str | None:
+        text = lines[node.lineno - 1]
+        return text.partition(DEFERRED_MARK)[2].strip() if DEFERRED_MARK in text else None
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, ast.Import):
+                out.extend((child.lineno, a.name, reason(child)) for a in child.names
+                           if a.name.split(".")[0] == "hpcring")
+            elif in_function and isinstance(child, ast.ImportFrom):
+                if child.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - child.level + 1] + ([child.module] if child.module else []))
+                else:
+                    base = child.module or ""
+                if base.split(".")[0] == "hpcring":
+                    out.append((child.lineno, base, reason(child)))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source, where), False)
+    return out
+
+
+def test_a_function_level_import_outside_cli_says_why_it_is_deferred():
+    unmarked, empty = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith("cli/"):
+            continue
+        found = function_imports_in(path.read_text(), module_name(path), path.name == "__init__.py", str(path))
+        for line, mod, why in found:
+            if why is None and not any(rel == u or (u.endswith("/") and rel.startswith(u)) for u in UNMARKED):
+                unmarked.append(f"{rel}:{line}: imports {mod} in a function")
+            elif why is not None and not any(c.isalnum() for c in why):
+                empty.append(f"{rel}:{line}: imports {mod} with an empty '{DEFERRED_MARK}' reason")
+    assert not unmarked, ("function-level imports of hpcring modules without a reason: move each to module "
+                          f"level, or say what it keeps off the import ('{DEFERRED_MARK} pulls torch'):\n"
+                          + "\n".join(unmarked))
+    assert not empty, "deferred imports must name the library or cost they defer:\n" + "\n".join(empty)
+    stale = sorted(u for u in UNMARKED if not (PKG / u).exists())
+    assert not stale, f"UNMARKED names paths that do not exist (remove them from the table): {stale}"
+
+
+def test_the_deferred_check_sees_every_kind_of_function_level_import():
+    source = """
+import hpcring
+from hpcring.config import envvars
+
+def f():
+    import json
+    import hpcring.distributed
+    from . import report  # deferred: pulls numpy
+    from ..schedulers import slurm  # deferred:
+    g = lambda: __import__("hpcring")
+
+class C:
+    def m(self):
+        def inner():
+            from hpcring.jobdir import job_id  # deferred:  ~2 ms off the start
+        return inner
+"""
+    got = function_imports_in(source, "hpcring.diagnostics.x")
+    assert got == [(7, "hpcring.distributed", None), (8, "hpcring.diagnostics", "pulls numpy"),
+                   (9, "hpcring.schedulers", ""), (15, "hpcring.jobdir", "~2 ms off the start")]
