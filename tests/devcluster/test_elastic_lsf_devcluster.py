@@ -116,6 +116,8 @@ def test_a_lost_node_is_replaced_by_the_spare_and_training_goes_on(base, how):
     assert f"{second}'s step" in text and f"starting its workers on spare node {spare}" in text, text[-5000:]
     if how == "stop":
         assert "no heartbeat for" in text and f"ending {second}: counted dead" in text, text[-5000:]
+        # the driver's SIGTERM went through blaunch to the frozen (continued) worker: it ended at once
+        assert f"{second}'s step exited with code 143" in text, text[-5000:]
     rounds, dead = check_training(recs, {1}, 2)
     last = rounds[max(rounds)]
     newcomer = [w for w in last["members"].values() if w not in rounds[1]["members"].values()]

@@ -29,6 +29,12 @@ def features(n: int):
     return torch.stack([i % 7 - 3, i % 5 - 2, i % 3 - 1, torch.ones(n, dtype=torch.float64)], dim=1)
 
 
+def _at(pos: tuple[int, int]) -> tuple[int, int]:
+    """A position at an epoch's end is the next epoch's start: a round that resumes from a commit
+    made after an epoch's last step (a late joiner) has nothing left of that epoch."""
+    return (pos[0] + 1, 0) if pos[1] >= N else pos
+
+
 def simulate(schedule: list[tuple[int, tuple[int, int]]], seed: int = 3) -> list[float]:
     """The weights a job must end with: ``schedule`` lists each round's size and the position
     (epoch, samples processed in it) it resumed from; a round runs until the next one's position.
@@ -38,8 +44,8 @@ def simulate(schedule: list[tuple[int, tuple[int, int]]], seed: int = 3) -> list
     opt = torch.optim.SGD([w], lr=0.25, momentum=0.5)
     pos = (0, 0)
     for k, (size, start) in enumerate(schedule):
-        assert pos == start, (pos, start)
-        end = schedule[k + 1][1] if k + 1 < len(schedule) else (EPOCHS, 0)
+        assert pos == _at(start), (pos, start)
+        end = _at(schedule[k + 1][1]) if k + 1 < len(schedule) else (EPOCHS, 0)
         while pos < end:
             epoch, done = pos
             order = list(range(N))
