@@ -1,4 +1,4 @@
-"""Horovod's contract for hpcring.torch (issue 22), on 2 and 3 real local ranks: one long process
+"""Horovod's contract for hpcring.torch, on 2 and 3 real local ranks: one long process
 per rank runs every check of tests/workers/horovod_contract_worker.py in turn (as horovodrun runs a test
 file), so a check whose error poisoned the engine would fail the checks after it. Covered:
 exception classes and per-op failure (mismatch, stall, bad arguments), join semantics, every
@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 WORKER = str(Path(__file__).resolve().parents[1] / "workers" / "horovod_contract_worker.py")
 CHECKS = ["mismatch", "args", "stall", "join", "dtypes", "int_arith", "process_sets", "grouped_rs", "autograd",
           "sparse", "optstate_nograd", "cache",
-          # what Horovod's own test file relies on (issue 36), then a long mixed sequence
+          # what Horovod's own test file relies on, then a long mixed sequence
           "names_after_refusal", "sparse_handle", "sparse_as_dense", "optimizer_outside_set", "optstate_zero_grads",
           "parameter_names", "step_warning", "average_exact", "long_mixed"]
 

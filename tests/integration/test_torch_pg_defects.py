@@ -1,4 +1,4 @@
-"""Defects of the ``hpcring`` torch.distributed backend (issue 20), with real torch on 2 and 3 local
+"""Defects of the ``hpcring`` torch.distributed backend, with real torch on 2 and 3 local
 ranks through `hpcring run` (tests/workers/torch_defects_worker.py); gloo over the same ranks is the
 reference: every dtype and reduce op, 0-dim broadcasts, empty inputs, PowerSGD's comm hook
 (collectives inside Future.then callbacks), torch.compile(DDP), Lightning sync_dist."""

@@ -1,4 +1,4 @@
-"""One rank of the torch.distributed defects checks of the ``hpcring`` backend (issue 20), started
+"""One rank of the torch.distributed defects checks of the ``hpcring`` backend, started
 by ``hpcring run``; gloo over the same ranks is the reference.
 
     python tests/workers/torch_defects_worker.py MODE[,MODE...]
