@@ -48,8 +48,11 @@ def lsf_site(tmp_path):
     return load_site(str(p))
 
 
+EMU_BIN = ROOT / "tests" / "lsf_emulation" / "bin"      # a blaunch on PATH (not run here)
+
+
 def _lsf_env(hosts: str, **extra) -> dict:
-    return {"LSB_JOBID": "77", "LSB_MCPU_HOSTS": hosts, "PATH": "/usr/bin:/bin", **extra}
+    return {"LSB_JOBID": "77", "LSB_MCPU_HOSTS": hosts, "PATH": f"{EMU_BIN}:/usr/bin:/bin", **extra}
 
 
 class _Capture:
@@ -117,4 +120,13 @@ def test_an_lsf_job_that_lists_no_hosts_is_a_clear_error(monkeypatch, lsf_site):
     _Capture.plans.clear()
     with pytest.raises((SchedulerError, UsageError), match="lists no slots|lists 0 node"):
         allocation.run(["true"], lsf_site, 1, 1, environ={"LSB_JOBID": "77", "PATH": "/usr/bin:/bin"}, elastic=True)
+    assert not _Capture.plans
+
+
+def test_without_blaunch_on_path_it_says_so_before_any_node_step(monkeypatch, lsf_site, tmp_path):
+    monkeypatch.setattr(elastic_run, "Driver", _Capture)
+    _Capture.plans.clear()
+    with pytest.raises(SchedulerError, match="`blaunch` is not on PATH inside this lsf allocation"):
+        allocation.run(["true"], lsf_site, 1, 1, environ=_lsf_env("node1 1 node2 1", PATH=str(tmp_path)),
+                       elastic=True)
     assert not _Capture.plans

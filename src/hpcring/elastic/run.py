@@ -17,11 +17,12 @@ the current allocation's nodes, for scripts on ``hpcring.torch.elastic`` (Horovo
 from __future__ import annotations
 
 import argparse
+import shutil
 import socket
 
 from hpcring.config.envvars import get as env_get
 from hpcring.elastic.driver import Driver, Nodes
-from hpcring.errors import JobFailedError, UsageError
+from hpcring.errors import JobFailedError, SchedulerError, UsageError
 
 
 def _source_address(host: str) -> str | None:
@@ -53,6 +54,9 @@ def check(nodes: int, min_nodes: int | None, reset_limit: int | None) -> int:
     return min_nodes
 
 
+_LAUNCHER = {"slurm": "srun", "lsf": "blaunch"}
+
+
 def _node_step_argv(scheduler: str):
     """The scheduler's words for one node's step (its module owns them)."""
     if scheduler == "slurm":
@@ -74,6 +78,10 @@ def run(cmd: list[str], env: dict, nodes: int, per_node: int, min_nodes: int, re
         driver = Driver(_args(cmd, np_, min_np, reset_limit, None), environ=env)
     else:
         node_step_argv = _node_step_argv(alloc.scheduler)
+        launcher = _LAUNCHER[alloc.scheduler]
+        if shutil.which(launcher, path=env.get("PATH")) is None:    # else every node's step fails alike
+            raise SchedulerError(f"`{launcher}` is not on PATH inside this {alloc.scheduler} allocation",
+                                 hint="load the scheduler's module (LSF: source profile.lsf), then run again")
         if not hosts or len(hosts) < nodes:
             raise UsageError(f"--nodes {nodes} but this {alloc.scheduler} allocation lists {len(hosts or [])} node(s)",
                              hint="lower --nodes, or ask the scheduler for more nodes (spares beyond --nodes)")
