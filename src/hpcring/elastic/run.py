@@ -23,6 +23,7 @@ import socket
 from hpcring.config.envvars import get as env_get
 from hpcring.elastic.driver import Driver, Nodes
 from hpcring.errors import JobFailedError, SchedulerError, UsageError
+from hpcring.schedulers import slurm_steps
 
 
 def _source_address(host: str) -> str | None:
@@ -60,13 +61,12 @@ _LAUNCHER = {"slurm": "srun", "lsf": "blaunch"}
 def _node_step_argv(scheduler: str):
     """The scheduler's words for one node's step (its module owns them)."""
     if scheduler == "slurm":
-        from hpcring.schedulers.slurm_steps import node_step_argv
-    elif scheduler == "lsf":
-        from hpcring.schedulers.lsf import node_step_argv
-    else:
-        raise UsageError(f"hpcring run --elastic does not run inside a {scheduler} allocation",
-                         hint="run it inside a Slurm allocation or an LSF job, or outside any")
-    return node_step_argv
+        return slurm_steps.node_step_argv
+    if scheduler == "lsf":
+        from hpcring.schedulers.lsf import node_step_argv  # deferred: submitit (the LSF executor's module)
+        return node_step_argv
+    raise UsageError(f"hpcring run --elastic does not run inside a {scheduler} allocation",
+                     hint="run it inside a Slurm allocation or an LSF job, or outside any")
 
 
 def run(cmd: list[str], env: dict, nodes: int, per_node: int, min_nodes: int, reset_limit: int | None,
