@@ -297,6 +297,10 @@ VARS: tuple[Var, ...] = (
        "that ended it, for the rank's status record", set_by="hpcring"),
     _v("HPCRING_BENCH_TABLE", "path", None, "`hpcring bench`: where rank 0 writes its table",
        set_by="hpcring"),
+    _v("HPCRING_DEVCLUSTER_SLURM", "str", None, "the dev cluster's Slurm release that `hpcring devcluster` "
+       "commands and the dev-cluster tests mean (22.05 or 24.11; unset: 22.05); `devcluster login` sets it"),
+    _v("HPCRING_DEVCLUSTER_WORLD", "str", None, "inside a dev cluster release's own namespaces: that "
+       "release (how a test knows where it runs)", set_by="hpcring"),
     _v("HPCRING_LOG_PATTERN", "str", None, "LSF: per-rank log path pattern", set_by="hpcring"),
     _v("HPCRING_LSF_DROP_LAUNCH_NODE", "bool", False, "LSF: the site's `lsf.drop_launch_node`; the "
        "ranks leave the first host (the launch node) out of LSF's slot list", set_by="hpcring"),
