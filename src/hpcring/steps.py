@@ -15,7 +15,8 @@ The job holds N + K nodes and runs its ranks on N of them, one scheduler step at
 
 Every step's start, end, cause, blamed nodes and the spares it took go to ``<folder>/steps.json``
 (``hpcring status`` prints them). The scheduler's part (where the nodes are, how one step is
-started on chosen nodes, what the launcher said) is ``schedulers/<name>_steps.py``.
+started on chosen nodes, what the launcher said, how a failed step is ended) is
+``schedulers/<name>_steps.py``: slurm_steps (srun steps) or lsf_steps (one blaunch -z a step).
 
 Run as ``python -m hpcring.steps --nodes N --tasks-per-node T --max-restarts R [--min-nodes M]
 --folder F -- LAUNCHER...``; rendered by ``schedulers/render.launch_command``. Standard library
@@ -43,7 +44,9 @@ from hpcring.errors import HpcringError
 from hpcring.fsutil import write_json
 from hpcring.outcome import read_records
 from hpcring import preflight
-from hpcring.schedulers import slurm_steps as sched
+from hpcring.schedulers import lsf_steps, slurm_steps
+
+SCHEDULERS = {"slurm": slurm_steps, "lsf": lsf_steps}   # the scheduler's side of the loop, by name
 
 ARCHIVE = "steps"            # <folder>/steps/<k>/: a failed step's records and diagnosis
 READER_JOIN_S = 5.0          # the launcher's stderr reader, after the launcher ended
@@ -113,6 +116,8 @@ class _Launcher:
         self.sched, self.job, self.grace = sched, job, grace
         self.stopping: int | None = None
         self.proc: subprocess.Popen | None = None
+        self.hosts: list[str] = []     # the running step's hosts and number (LSF ends a step by them)
+        self.step = 0
         self.first_error: float | None = None
         self.lock = threading.Lock()   # no step starts while the last one is being killed
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -181,7 +186,7 @@ class _Launcher:
         with self.lock:
             if p is not self.proc or p.poll() is not None:
                 return                 # that step ended (the next one may run now: not ours to kill)
-            steps = self.sched.kill_step(self.job)
+            steps = self.sched.kill_step(self.job, self.hosts, self.step)
         try:
             p.wait(LAUNCHER_EXIT_S)
         except subprocess.TimeoutExpired:
@@ -250,7 +255,7 @@ def _preflight(plan: Plan, sched, allocation: Sequence[str], env: Mapping[str, s
     t0 = time.time()
     log(f"preflight on {len(allocation)} node(s)")
     try:
-        subprocess.run(sched.gang_argv(allocation, cmd), env=dict(env), stdin=subprocess.DEVNULL,
+        subprocess.run(sched.gang_argv(allocation, cmd, folder=out), env=dict(env), stdin=subprocess.DEVNULL,
                        timeout=PREFLIGHT_DEADLINE_S + PREFLIGHT_LAUNCH_S)
     except subprocess.TimeoutExpired:
         log(f"preflight: the check did not end within {PREFLIGHT_DEADLINE_S + PREFLIGHT_LAUNCH_S:g} s; "
@@ -285,12 +290,13 @@ def _grace(env: Mapping[str, str]) -> float:
     return envvars.get("HPCRING_STEP_GRACE", env)
 
 
-def _launcher_reasons(nodes, killed: list[tuple[str, str, str]], gone: Mapping[str, str]) -> dict[str, str]:
-    """Why each node was blamed when no report says: the scheduler's node state, or srun's line."""
+def _launcher_reasons(nodes, killed: list[tuple[str, str, str]], gone: Mapping[str, str],
+                      launcher: str = "srun") -> dict[str, str]:
+    """Why each node was blamed when no report says: the scheduler's node state, or the launcher's line."""
     out = {}
     for n in nodes:
         mine = [f"task{'s' if not t.isdigit() else ''} {t} {how.lower()}" for node, t, how in killed if node == n]
-        parts = ([f"scheduler: {gone[n]}"] if n in gone else []) + ([f"lost ({', '.join(mine)}; srun)"] if mine else [])
+        parts = ([f"scheduler: {gone[n]}"] if n in gone else []) + ([f"lost ({', '.join(mine)}; {launcher})"] if mine else [])
         out[n] = ", ".join(parts) or "blamed by the launcher"
     return out
 
@@ -298,6 +304,7 @@ def _launcher_reasons(nodes, killed: list[tuple[str, str, str]], gone: Mapping[s
 def run(plan: Plan, environ: Mapping[str, str] | None = None) -> int:
     """The loop (see the module doc); returns the exit code for the job script."""
     from hpcring import restarts  # deferred: pulls pydantic, yaml
+    sched = SCHEDULERS[plan.scheduler]
     env = dict(os.environ if environ is None else environ)
     jid = sched.job_id(env)
     allocation = sched.allocation_hosts(env)
@@ -337,7 +344,8 @@ def run(plan: Plan, environ: Mapping[str, str] | None = None) -> int:
         write_steps(plan, allocation)
         log(f"step {attempt} on {','.join(hosts)}: {size} ranks" + (f" (spare {','.join(spares)})" if spares else "")
             + (f", restart count {base + attempt}" if attempt else ""))
-        rc, err = launcher.run(sched.step_argv(plan.launch, hosts, plan.tasks_per_node), env,
+        launcher.hosts, launcher.step = list(hosts), attempt
+        rc, err = launcher.run(sched.step_argv(plan.launch, hosts, plan.tasks_per_node, step=attempt, folder=plan.folder), env,
                                plan.folder / "diag" / "hang-report.json")
         rc = 128 - rc if rc < 0 else rc        # the launcher killed by a signal: the shell's convention
         last_end = time.time()
@@ -362,7 +370,7 @@ def run(plan: Plan, environ: Mapping[str, str] | None = None) -> int:
             log(f"step {attempt} failed: {v.cause}; not restarted (no node-level fault)")
             return rc
         reasons = restarts.node_reasons(report, v.nodes, "NODE_FAIL" if gone else "FAILED") if report else \
-            _launcher_reasons(v.nodes, sched.casualties(err), gone)
+            _launcher_reasons(v.nodes, sched.casualties(err), gone, sched.LAUNCHER)
         step["blamed"] = reasons
         seen = [t for t in (((report or {}).get("trigger") or {}).get("time"), launcher.first_error)
                 if isinstance(t, (int, float)) and started <= t <= last_end]
@@ -398,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks-per-node", type=int, required=True)
     p.add_argument("--max-restarts", type=int, required=True)
     p.add_argument("--folder", required=True)
-    p.add_argument("--scheduler", default="slurm", choices=("slurm",))
+    p.add_argument("--scheduler", default="slurm", choices=tuple(SCHEDULERS))
     p.add_argument("--preflight", action="store_true")
     p.add_argument("--gpus", type=int, default=0)
     p.add_argument("--preflight-min-gbps", type=float, default=0.0)

@@ -149,7 +149,7 @@ def test_spares_beyond_the_partition():
         _job(site, nodes=15, spare_nodes=2, partition="cpu")
 
 
-@pytest.mark.parametrize("site_name", ["local", "devcluster-lsf"])
+@pytest.mark.parametrize("site_name", ["local", "lsf-summit"])   # lsf-summit: jsrun, no per-step host list
 def test_sites_without_the_step_loop_refuse_spares(site_name):
     site = load_site(site_name)
     with pytest.raises(UsageError) as e:
@@ -276,7 +276,7 @@ def test_preflight_precedence_and_the_rendered_loop(devcluster):
     assert "#SBATCH --no-kill\n" in text and "--max-restarts=0" in text and "--preflight --gpus=0 --" in text
 
 
-@pytest.mark.parametrize("site_name", ["devcluster-lsf", "local"])
+@pytest.mark.parametrize("site_name", ["lsf-summit", "local"])
 def test_preflight_needs_the_step_loop(site_name):
     from hpcring.config.jobspec import plan_preflight
     site = load_site(site_name)
@@ -300,7 +300,7 @@ def _fake_verdict(monkeypatch, bad, unsure=()):
     from hpcring.schedulers import slurm_steps as sched
     v = preflight.Verdict(ok=not bad, bad=dict(bad), seconds=1.0, lines=["preflight: stand-in"], unsure=set(unsure))
     monkeypatch.setattr(preflight, "read_verdict", lambda out, hosts: v)
-    monkeypatch.setattr(sched, "gang_argv", lambda hosts, cmd: ["true"])
+    monkeypatch.setattr(sched, "gang_argv", lambda hosts, cmd, folder=None: ["true"])
 
 
 def test_preflight_unsure_nodes_are_left_out_but_not_recorded(fake_slurm, tmp_path, monkeypatch):
@@ -324,6 +324,6 @@ def test_preflight_without_a_verdict_leaves_nobody_out(fake_slurm, monkeypatch):
     def no_secret(out, hosts):
         raise BootstrapError("no secret")
     monkeypatch.setattr(preflight, "read_verdict", no_secret)
-    monkeypatch.setattr(sched, "gang_argv", lambda hosts, cmd: ["true"])
+    monkeypatch.setattr(sched, "gang_argv", lambda hosts, cmd, folder=None: ["true"])
     rc, ran, data = fake_slurm(["ok"], nodes=2, preflight=True)
     assert rc == 0 and ran == ["n[1-2] 0"] and data["preflight"]["error"]

@@ -56,7 +56,8 @@ def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, 
     # The scheduler's step too: a restart inside the allocation (hpcring.steps) starts while the
     # failed step's last ranks (and its store) may still be dying on the same nodes.
     task = env.get("HPCRING_ARRAY_TASK")
-    step = env.get("SLURM_STEP_ID", "") if topo.launcher == "slurm" else ""
+    # (Slurm numbers its steps; on LSF the step loop numbers its blaunch steps: HPCRING_LSF_STEP)
+    step = env.get("SLURM_STEP_ID", "") if topo.launcher == "slurm" else env.get("HPCRING_LSF_STEP", "")
     step = step if step.isdigit() else None
     key = f"{topo.job_id}/{topo.size}" + (f"/task{task}" if task else "") + (f"/step{step}" if step else "")
     return candidate_ports(derive_port(key, port_range), port_range)

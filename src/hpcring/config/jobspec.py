@@ -281,6 +281,22 @@ def max_restarts(cli: int | None, site: Site, environ: Mapping[str, str] | None 
     return (n, f"site {site.name}") if n else (0, "default")
 
 
+STEP_LOOP_SITES = "Slurm sites and LSF sites whose launcher is blaunch (a step is one srun or one blaunch -z)"
+
+
+def step_loop_runs(site: Site) -> bool:
+    """Whether the job script's step loop (hpcring.steps) can pin a step to chosen hosts here: srun
+    on Slurm; blaunch -z on LSF (jsrun's resource sets and mpirun's host file have no such step)."""
+    c = site.config
+    return c.scheduler == "slurm" or (c.scheduler == "lsf" and c.launcher.kind == "blaunch" and not c.lsf.nnodes)
+
+
+def _site_kind(site: Site) -> str:
+    c = site.config
+    return f"uses {c.scheduler}" if c.scheduler != "lsf" else \
+        f"is an LSF site launching with {c.launcher.kind}" + (" and -nnodes" if c.lsf.nnodes else "")
+
+
 def plan_preflight(site: Site, job: JobSpec, cli: bool | None, given: str = "cli",
                    environ: Mapping[str, str] | None = None) -> None:
     """``job.preflight`` by precedence: ``--preflight`` > HPCRING_PREFLIGHT > site ``defaults.preflight``;
@@ -294,9 +310,9 @@ def plan_preflight(site: Site, job: JobSpec, cli: bool | None, given: str = "cli
         job.preflight, job.sources["preflight"] = site.config.defaults.preflight, f"site {site.name}"
     gbps = envvars.get("HPCRING_PREFLIGHT_MIN_GBPS", environ, default=None)
     job.preflight_min_gbps = float(gbps if gbps is not None else site.config.defaults.preflight_min_gbps or 0.0)
-    if job.preflight and site.config.scheduler != "slurm":
+    if job.preflight and not step_loop_runs(site):
         raise UsageError(f"{given_as('preflight', given)}: the preflight runs in the job script's step loop, on "
-                         f"Slurm sites; site {site.name!r} uses {site.config.scheduler}",
+                         f"{STEP_LOOP_SITES}; site {site.name!r} {_site_kind(site)}",
                          hint="leave --preflight out there (`hpcring doctor` checks a node by hand)")
     if job.preflight and job.array is not None:
         raise UsageError(f"{given_as('preflight', given)}: not for an array's tasks",
@@ -313,10 +329,10 @@ def plan_step_restarts(site: Site, job: JobSpec, cli_restarts: int | None, given
         return
     what = f"{given_as('spare_nodes', given)}{'=' if given == 'python' else ' '}{job.spare_nodes}" if job.spare_nodes \
         else f"{given_as('min_nodes', given)}{'=' if given == 'python' else ' '}{job.min_nodes}"
-    if site.config.scheduler != "slurm":
-        raise UsageError(f"{what}: restarts inside the allocation run on Slurm sites; site {site.name!r} uses "
-                         f"{site.config.scheduler}",
-                         hint="on LSF, follow the job with `submit --wait --max-restarts N` (each restart is a "
+    if not step_loop_runs(site):
+        raise UsageError(f"{what}: restarts inside the allocation run on {STEP_LOOP_SITES}; site {site.name!r} "
+                         f"{_site_kind(site)}",
+                         hint="follow the job with `submit --wait --max-restarts N` (each restart is a "
                               "resubmission), or leave --spare-nodes/--min-nodes out")
     if job.array is not None:
         raise UsageError(f"{what}: an array's tasks are not restarted", hint="leave --spare-nodes/--min-nodes out "

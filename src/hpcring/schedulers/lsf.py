@@ -376,7 +376,10 @@ def first_casualty(rec: JobRecord) -> str | None:
 
 def end_job_argv(environ: Mapping[str, str]) -> list[str] | None:
     """bkill the whole job: blaunch waits for every task, so one frozen task would hold the job
-    until its run limit."""
+    until its run limit. None in a step of the job script's step loop (HPCRING_LSF_STEP set): the
+    loop watches the hang report and ends the step itself, then restarts; a bkill would end it."""
+    if environ.get("HPCRING_LSF_STEP"):
+        return None
     return ["bkill", _lsf_id(_environment_job_id(environ))] if environ.get("LSB_JOBID") else None
 
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from hpcring.hostlist import compress, expand
 
 QUERY_TIMEOUT_S = 10.0
+LAUNCHER = "srun"
 # srun's line for the tasks of a node that ended by a signal: "srun: error: node2: task 1: Killed"
 CASUALTY = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Terminated|Segmentation fault|Aborted"
                       r"|Bus error|Stopped)")
@@ -35,12 +36,14 @@ def job_id(environ: Mapping[str, str]) -> str:
     return environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or ""
 
 
-def step_argv(launch: Sequence[str], hosts: Sequence[str], tasks_per_node: int) -> list[str]:
+def step_argv(launch: Sequence[str], hosts: Sequence[str], tasks_per_node: int, step: int = 0,
+              folder=None) -> list[str]:
     """``launch`` (the job script's srun line, without a size) as a step on exactly ``hosts``.
 
     ``--nodelist`` with ``--nodes`` equal to its length pins the step; Slurm orders the tasks by
     the allocation's node order, so rank r runs on the (r // tasks_per_node)-th host of
-    :func:`ordered` ``hosts``."""
+    :func:`ordered` ``hosts``. ``step`` and ``folder`` are not needed here (srun numbers its steps
+    and gives each task its world)."""
     if not launch or launch[0].rsplit("/", 1)[-1] != "srun":
         raise ValueError(f"the step loop drives srun, not {launch[:1]}")
     n = len(hosts)
@@ -56,9 +59,10 @@ def node_step_argv(host: str, tasks_per_node: int, command: Sequence[str]) -> li
     return step_argv(["srun", "--unbuffered", "--kill-on-bad-exit=0", *command], [host], tasks_per_node)
 
 
-def gang_argv(hosts: Sequence[str], command: Sequence[str]) -> list[str]:
+def gang_argv(hosts: Sequence[str], command: Sequence[str], folder=None) -> list[str]:
     """One task of ``command`` on each of ``hosts`` (the preflight), whatever the job's layout; a
-    task's failure ends nothing (each node's own verdict is what counts)."""
+    task's failure ends nothing (each node's own verdict is what counts). ``folder``: not needed
+    (srun gives each task its node)."""
     n = len(hosts)
     return ["srun", "--unbuffered", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1",
             f"--nodelist={compress(list(hosts))}", "--overlap", "--kill-on-bad-exit=0", *command]
@@ -96,10 +100,11 @@ def gone_nodes(hosts: Sequence[str], timeout: float = QUERY_TIMEOUT_S) -> dict[s
     return out
 
 
-def kill_step(job: str, timeout: float = QUERY_TIMEOUT_S) -> list[str]:
+def kill_step(job: str, hosts: Sequence[str] = (), step: int | None = None,
+              timeout: float = QUERY_TIMEOUT_S) -> list[str]:
     """SIGKILL to every task of the job's running steps (not the batch step: the loop runs there),
     sent and not waited for: slurmd answers once the step's own teardown is done. Returns the
-    steps signalled."""
+    steps signalled (``hosts``, ``step``: the loop's; squeue knows Slurm's own step ids)."""
     try:
         p = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True, text=True,
                            timeout=timeout, stdin=subprocess.DEVNULL)
