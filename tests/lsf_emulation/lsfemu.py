@@ -63,7 +63,8 @@ documentation:
   pending deadline).
 
 Not emulated: the scheduler's policies (fairshare, priorities, preemption), -m, -R
-select strings other than hname!=, order/rusage strings, -gpu enforcement, CSM/-nnodes/jsrun, bsub -I/-K, bhist/bacct, mail.
+select strings other than hname!=, order/rusage strings, -gpu enforcement, CSM/-nnodes/jsrun, bsub -I/-K, bhist/bacct,
+bhosts (host states: no host of the emulation is ever unavail or unreach), mail.
 
 State lives in HPCRING_LSF_EMU_DIR (default /srv/hpcring/.lsf-emulation, shared by all nodes).
 Hosts: HPCRING_LSF_EMU_HOSTS (default: the dev cluster's nodes found in /run/netns), each with
