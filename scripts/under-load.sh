@@ -58,9 +58,15 @@ stop_busy() {
 }
 
 interrupted() {   # $1: the signal, $2: the exit code
-    if [[ -n "$cmd_pid" ]]; then
-        kill -TERM "$cmd_pid" 2>/dev/null
-        wait "$cmd_pid" 2>/dev/null
+    # The command is whichever background job is not a busy process: a signal that comes between
+    # the command's start and `cmd_pid=$!` (a loaded machine) must end it too.
+    local pid others=()
+    for pid in $(jobs -p); do
+        [[ " ${busy_pids[*]} " == *" $pid "* ]] || others+=("$pid")
+    done
+    if ((${#others[@]})); then
+        kill -TERM "${others[@]}" 2>/dev/null
+        wait "${others[@]}" 2>/dev/null
     fi
     stop_busy
     echo "under-load: stopped by SIG$1 (busy processes killed)" >&2
