@@ -306,6 +306,9 @@ VARS: tuple[Var, ...] = (
        "ranks leave the first host (the launch node) out of LSF's slot list", set_by="hpcring"),
     _v("HPCRING_LSF_HOSTFILE", "path", None, "LSF, `hpcring run`: the host file blaunch/mpirun started "
        "the ranks from (read before LSF's own slot lists)", set_by="hpcring"),
+    _v("HPCRING_LSF_STEP", "int", None, "LSF, a step of the job script's step loop (`submit --spare-nodes`): "
+       "its number; the store port folds it in, and the loop finds the step's tasks by it to end them",
+       set_by="hpcring"),
     _v("HPCRING_RESTART_COUNT", "int", 0, "submitted jobs: which restart after a node-level fault this "
        "attempt is (0: the first run; counted by hpcring.requeue_count())", 0, 100, set_by="hpcring"),
     _v("HPCRING_REQUEUE_COUNT", "int", 0, "submitted jobs: how many times hpcring requeued this job "
