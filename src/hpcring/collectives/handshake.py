@@ -8,13 +8,13 @@ import socket
 import struct
 
 from hpcring.bootstrap import auth
+from hpcring.config import envvars
 
 _U32x2 = struct.Struct(">II")   # (rank, connection index): the handshake's extra field
 
 
 def handshake_timeout() -> float:
     """HPCRING_HANDSHAKE_TIMEOUT: how long a peer may take to authenticate a connection (10 s)."""
-    from hpcring.config import envvars
     return float(envvars.get("HPCRING_HANDSHAKE_TIMEOUT"))
 
 

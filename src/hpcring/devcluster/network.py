@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hpcring.errors import DevClusterError
 
-from . import names as n
+from . import configs, names as n
 from .system import is_nsfs_mount, mount_of, ns_inode, ok, output, run
 
 
@@ -318,7 +318,6 @@ def ensure_node_ns(i: int) -> bool:
 def ensure_resolver(i: int) -> bool:
     """Bind the dev cluster's resolv.conf over /etc/resolv.conf in node i's mount namespace (True
     when it was bound now). Idempotent, and done in place: slurmd keeps running."""
-    from . import configs
     n.RESOLV_CONF.write_text(configs.resolv_conf())
     if not os.path.exists("/etc/resolv.conf"):
         return False          # glibc then asks 127.0.0.1 by itself: the same prompt failure
