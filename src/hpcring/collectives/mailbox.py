@@ -27,7 +27,10 @@ import threading
 import time
 
 from hpcring.collectives.handshake import authenticate_connector, authenticate_listener, handshake_timeout
-from hpcring.collectives.p2p import RECV, SEND, Request
+from hpcring.collectives.engine import Handle
+from hpcring.collectives.p2p import RECV, SEND, Request, failure
+from hpcring.collectives.recorder import FlightRecorder
+from hpcring.errors import CollectiveError
 
 log = logging.getLogger("hpcring.collectives.mailbox")
 
@@ -84,6 +87,128 @@ class NativeRequest(Request):
         return super().wait(timeout)
 
 
+_CLAIM = threading.Lock()      # who finishes a ShortMessage (held for a few assignments only)
+
+
+class ShortMessage(Handle):
+    """A message of the Communicator's short path: the native request and its record, nothing
+    more until asked. :meth:`wait` blocks in C and finishes the message in the waiting thread
+    (record, result or the watchdog's failure path); the Handle's event, callbacks and the
+    notifier's bookkeeping come only with :meth:`add_done_callback` (a torch future), so a
+    message nobody watches costs no lock, event or dict entry. Same results, records and
+    failures as the general path's DrivenHandle over a NativeRequest."""
+
+    short = True
+
+    def __init__(self, comm, box: "Mailbox", native, nid: int, rec, kind: str, peer: int, tag: int,
+                 nbytes: int, timeout: float) -> None:     # no Handle.__init__: see the docstring
+        self._comm, self._mbox, self.native, self.id, self.record = comm, box, native, nid, rec
+        self.kind, self.peer, self.tag, self.nbytes, self.timeout = kind, peer, tag, nbytes, timeout
+        self.deadline = time.monotonic() + timeout
+        self._state = 0                 # 0 pending, 1 being finished (claimed), 2 finished
+        self._result = self._error = self._event = self._callbacks = None
+        self.cuda_event = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {'to' if self.kind == SEND else 'from'} rank {self.peer} (tag {self.tag})"
+
+    # -- finishing: the first thread to claim it (waiter, notifier, done()) ---------------------
+    def _finish(self, res, here: bool) -> None:
+        with _CLAIM:
+            if self._state:
+                return
+            self._state = 1
+        failed, source, why, hint = res
+        if not failed:
+            FlightRecorder.finish(self.record)
+            self._set(source)
+        elif here:
+            self._set(error=self._failure(why, hint))
+        else:   # the failure path may wait for the job-wide report: never on a transport thread
+            threading.Thread(target=lambda: self._set(error=self._failure(why, hint)), daemon=True,
+                             name=f"hpcring-p2p-failure:{self._mbox.rank}").start()
+
+    def _failure(self, why: str, hint: int) -> BaseException:
+        box = self._mbox
+        err = failure(box.rank, box.hosts, self.kind, self.peer, self.tag, self.nbytes, why, _HINTS.get(hint))
+        FlightRecorder.finish(self.record, err)
+        return self._comm._failed(self.record, err)
+
+    def _set(self, result=None, error: BaseException | None = None) -> None:
+        with _CLAIM:
+            self._result, self._error, self._state = result, error, 2
+            callbacks, self._callbacks = self._callbacks, None
+            ev = self._event
+        if ev is not None:
+            ev.set()
+        if callbacks is not None:
+            self._mbox._pending.pop(self.id, None)
+            for fn in callbacks:
+                self._call(fn)
+
+    def settle(self) -> bool:
+        """The notifier's (and close's) call for a watched message: finish it when done."""
+        if self._state == 2:
+            return True
+        res = self.native.result()
+        if res is None:
+            return False
+        self._finish(res, here=False)
+        return True
+
+    # -- the Handle API -------------------------------------------------------------------------
+    def done(self) -> bool:
+        if self._state == 2:
+            return True
+        res = self.native.result()
+        if res is not None:
+            self._finish(res, here=False)
+        return self._state == 2
+
+    def wait(self, timeout: float | None = None):
+        if self._state != 2:
+            n = self.native
+            res = n.result()
+            if res is None:
+                n.wait(max(0.0, self.deadline - time.monotonic() + 1.0 if timeout is None else timeout))
+                res = n.result()
+                while res is None and timeout is None:   # the progress thread fails it at the deadline
+                    n.wait(1.0)
+                    res = n.result()
+            if res is not None:
+                self._finish(res, here=True)
+            if self._state != 2:            # pending after `timeout`, or another thread finishing it
+                with _CLAIM:
+                    if self._state == 1 and self._event is None:
+                        self._event = threading.Event()
+                    ev = self._event
+                if self._state != 2 and (ev is None or not ev.wait(timeout)):
+                    raise CollectiveError(f"{self.name} did not finish within {timeout or 0:.1f} s (still running)",
+                                          hint="the operation keeps its own deadline; wait again or raise it")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.done() else None
+
+    def add_done_callback(self, fn) -> None:
+        with _CLAIM:
+            if self._state != 2:
+                if self._callbacks is None:
+                    self._callbacks = []
+                    if self._event is None:
+                        self._event = threading.Event()
+                    self._mbox._pending[self.id] = self     # the notifier settles it from now on
+                self._callbacks.append(fn)
+                fn = None
+        if fn is None:
+            self.settle()                   # done before the notifier knew of it: settle here
+        else:
+            self._call(fn)
+
+
 class Mailbox:
     """Tagged point-to-point messages among the ranks of one communicator (module docstring)."""
 
@@ -129,6 +254,18 @@ class Mailbox:
         the request's result is the source rank."""
         req = NativeRequest(self, RECV, buf, src, tag, timeout, rank=self.rank, hosts=self.hosts, record=record)
         return self._post(req, self._box.irecv)
+
+    def post_short(self, comm, kind: str, buf, peer: int, tag: int, timeout: float, rec) -> ShortMessage:
+        """The Communicator's short path (hpcring.collectives.p2p_api): post ``buf`` (1-D uint8)
+        to the native queue with no Request; checked arguments, ``rec`` recorded already."""
+        nid = next(self._ids)
+        if kind == SEND:
+            if peer not in self._connecting:
+                self._start_connect(peer, time.monotonic() + timeout)
+            n = self._box.isend(nid, buf, peer, tag, timeout)
+        else:
+            n = self._box.irecv(nid, buf, peer, tag, timeout)
+        return ShortMessage(comm, self, n, nid, rec, kind, peer, tag, buf.nbytes, timeout)
 
     def _post(self, req: NativeRequest, post) -> NativeRequest:
         req.id = next(self._ids)

@@ -22,7 +22,7 @@ import time
 from collections import deque
 
 from hpcring.collectives.engine import Handle
-from hpcring.collectives.recorder import DONE, FlightRecorder, Record, _caller
+from hpcring.collectives.recorder import DONE, STARTED, FlightRecorder, Record, _caller
 from hpcring.errors import CollectiveError, UsageError
 
 SEND, RECV = "send", "recv"
@@ -55,6 +55,17 @@ def check_tag(tag, what: str) -> int:
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag <= MAX_TAG:
         raise UsageError(f"{what}: tag must be an integer 0..{MAX_TAG}, got {tag!r}")
     return tag
+
+
+def failure(rank: int, hosts, kind: str, peer: int | None, tag: int, nbytes: int, why: str,
+            hint: str | None = None) -> CollectiveError:
+    """``rank 3 (node2) waited for recv from rank 2 (node1), tag 7, 4 MiB: <why>``: one wording
+    for a :class:`Request` and the Communicator's short path (which makes no Request)."""
+    def host(r):
+        return "?" if r is None or r >= len(hosts) else hosts[r]
+    who = "any rank" if peer is None else f"rank {peer} ({host(peer)})"
+    return CollectiveError(f"rank {rank} ({host(rank)}) waited for {kind} {'to' if kind == SEND else 'from'} "
+                           f"{who}, tag {tag}, {size_text(nbytes)}: {why}", hint=hint)
 
 
 class Request(Handle):
@@ -105,8 +116,8 @@ class Request(Handle):
 
     def fail(self, why: str, hint: str | None = None) -> bool:
         """Fail with ``rank 3 (node2) waited for recv from rank 2 (node1), tag 7, 4 MiB: <why>``."""
-        return self.complete(error=CollectiveError(
-            f"rank {self.rank} ({self._host(self.rank)}) waited for {self.describe()}: {why}", hint=hint))
+        return self.complete(error=failure(self.rank, self.hosts, self.kind, self.peer, self.tag, self.nbytes,
+                                           why, hint))
 
     @property
     def finished(self) -> bool:
@@ -168,24 +179,35 @@ class P2PLog:
         self._done: dict[str, int] = {}
         self._records: deque[Record] = deque(maxlen=capacity)
         self._lock = threading.Lock()
+        self._channels: dict[tuple, tuple] = {}
 
     def _g(self, r: int) -> int:
         return r if self.members is None else self.members[r]
 
     def queue(self, kind: str, peer: int | None, tag: int, dtype: str | None, count: int, timeout: float,
               depth: int = 3) -> Record:
+        ch = self._channels.get((kind, peer, tag))
+        if ch is None:
+            ch = self._channel(kind, peer, tag)
+        site = _caller(depth)
+        with self._lock:
+            n = self._counts[ch[0]] = self._counts.get(ch[0], 0) + 1
+            rec = Record(n, "p2p", dtype, count, None, self.backend, timeout, site, STARTED)
+            rec.group = ch[1]
+            self._records.append(rec)
+        return rec
+
+    def _channel(self, kind: str, peer: int | None, tag: int) -> tuple:
+        """(count key, record group) of a channel, formatted once per channel, not per message."""
         me = self._g(self.rank)
         other = None if peer is None else self._g(peer)
         src, dst = (me, other) if kind == SEND else (other, me)
         name = f"rank {'any' if src is None else src} -> rank {dst}, tag {tag}"
-        key = (-1 if src is None else src, dst, tag)
-        with self._lock:
-            n = self._counts[key] = self._counts.get(key, 0) + 1
-            rec = Record(n, "p2p", dtype, count, None, self.backend, timeout, _caller(depth))
-            rec.group = (name, (me,) if other is None else tuple(sorted((src, dst))))
-            self._records.append(rec)
-        FlightRecorder.start(rec)
-        return rec
+        ch = ((-1 if src is None else src, dst, tag), (name, (me,) if other is None else tuple(sorted((src, dst)))))
+        if len(self._channels) >= 4096:     # tags are free-form: keep the cache bounded
+            self._channels.clear()
+        self._channels[(kind, peer, tag)] = ch
+        return ch
 
     def records(self, last: int | None = None) -> list[Record]:
         with self._lock:

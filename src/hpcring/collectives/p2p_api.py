@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hpcring.collectives.arrays import active_on, adapt, finish
+from hpcring.collectives.arrays import _DT2TAG, active_on, adapt, finish
 from hpcring.collectives.engine import Handle
+from hpcring.collectives.fastpath import _GENERAL
 from hpcring.collectives.recorder import FlightRecorder
 from hpcring.errors import CollectiveError, UsageError
 
@@ -31,8 +32,51 @@ class DrivenHandle(Handle):
         return super().wait(timeout)
 
 
+_MAX_TAG = 2**31 - 1     # hpcring.collectives.p2p.MAX_TAG (that module loads with the first message)
+
+
 class PointToPoint:
     """Messages between two ranks of the communicator (:mod:`hpcring.collectives.p2p`)."""
+
+    def _p2p_short(self, kind: str, x, peer, tag, timeout: float | None):
+        """The short path (ShortPath's rules, ``short_path = False`` turns it off): a message of one
+        C-contiguous numpy array or CPU torch tensor to or from a named rank on the ring backend
+        goes to the native queue as a :class:`~hpcring.collectives.mailbox.ShortMessage`: the same checks, record (same channel
+        and numbering), deadline and failure path as the general one, without its Request,
+        DrivenHandle, callback and thread-safe events. Anything else: ``_GENERAL``."""
+        if not self.short_path or self._ordered is not None:
+            return _GENERAL
+        if type(peer) is not int or peer == self.rank or not 0 <= peer < self.size:
+            return _GENERAL                 # any source, or the general path's UsageError
+        if type(tag) is not int or not 0 <= tag <= _MAX_TAG:
+            return _GENERAL
+        be = self.backend
+        box = getattr(be, "_mailbox", _GENERAL)
+        if box is _GENERAL:
+            return _GENERAL                 # not the ring (the mpi backend has its own requests)
+        if type(x) is np.ndarray:
+            host = x
+        else:
+            host = self._tensor_view(x)
+            if host is None:
+                return _GENERAL
+        dtag = _DT2TAG.get(host.dtype)
+        flags = host.flags
+        if dtag is None or not flags.c_contiguous or (kind == "recv" and not flags.writeable):
+            return _GENERAL
+        t = self.timeout if timeout is None else self._short_deadline(timeout)
+        flat = host if host.ndim == 1 else host.reshape(-1)
+        log = self.__dict__.get("_p2p_log") or self.p2p_log
+        rec = log.queue(kind, peer, tag, dtag, flat.size, t, depth=3)
+        try:
+            if box is None:
+                box = be._box()             # the first message sets the mailbox up
+            return box.post_short(self, kind, flat.view(np.uint8), peer, tag, t, rec)
+        except CollectiveError as e:
+            raise self._failed(rec, e) from None
+        except BaseException as e:
+            FlightRecorder.finish(rec, e)
+            raise
 
     @property
     def p2p_log(self):
@@ -131,23 +175,25 @@ class PointToPoint:
         """Send ``x`` to rank ``dst`` (of this communicator) with ``tag``; returns a
         :class:`Handle` at once (done when the bytes are handed to the transport; ``x`` must not
         change until then). The receiver must post a receive of the same byte size and tag."""
-        from hpcring.collectives.p2p import SEND
-        return self._p2p(SEND, x, dst, tag, timeout)
+        m = self._p2p_short("send", x, dst, tag, timeout)
+        return self._p2p("send", x, dst, tag, timeout) if m is _GENERAL else m
 
     def irecv(self, x, src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> Handle:
         """Receive into ``x`` (written in place) from rank ``src`` (None: any rank) with ``tag``;
         the :class:`Handle`'s result is the source rank. Messages of one sender and tag arrive in
         the order sent."""
-        from hpcring.collectives.p2p import RECV
-        return self._p2p(RECV, x, src, tag, timeout)
+        m = self._p2p_short("recv", x, src, tag, timeout)
+        return self._p2p("recv", x, src, tag, timeout) if m is _GENERAL else m
 
     def send(self, x, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """:meth:`isend` and wait."""
-        self._p2p_wait(self.isend(x, dst, tag, timeout=timeout))
+        m = self._p2p_short("send", x, dst, tag, timeout)
+        self._p2p_wait(self._p2p("send", x, dst, tag, timeout) if m is _GENERAL else m)
 
     def recv(self, x, src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> int:
         """:meth:`irecv` and wait; returns the source rank."""
-        return self._p2p_wait(self.irecv(x, src, tag, timeout=timeout))
+        m = self._p2p_short("recv", x, src, tag, timeout)
+        return self._p2p_wait(self._p2p("recv", x, src, tag, timeout) if m is _GENERAL else m)
 
     def batch_isend_irecv(self, ops: Sequence[tuple]) -> list[Handle]:
         """Start many sends and receives as one batch: ``ops`` are ``("send", x, peer[, tag])`` or

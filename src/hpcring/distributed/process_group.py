@@ -444,6 +444,8 @@ class ProcessGroupHpcring(dist.ProcessGroup):
         if _grouped(comm):
             return self._hold(comm, "send", t, buf, dst, tag, lambda: [t])
         h = comm.isend(buf, dst, tag, **self._t())
+        if getattr(h, "short", False):                  # the Communicator's short path
+            return work.MessageWork(h, [t])
         return work.chain([h], lambda: (buf, [t])[1])
 
     def recv(self, tensors, src, tag=0):
@@ -462,6 +464,10 @@ class ProcessGroupHpcring(dist.ProcessGroup):
                                  "receive)", hint="name the source rank, or receive a CPU tensor")
             return self._hold(comm, "recv", t, _bytes(buf), src, tag, lambda: _copy_back(t, buf) or [t])
         h = comm.irecv(_bytes(buf), src, tag, **self._t())
+        if getattr(h, "short", False) and buf is t:     # the short path, received in place
+            w = work.MessageWork(h, [t])
+            w.source = h
+            return w
         w = work.chain([h], lambda: _copy_back(t, buf) or [t])
         w.source = h
         return w

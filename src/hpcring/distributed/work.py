@@ -124,6 +124,62 @@ class HeldWork(HpcringWork):
     source_rank = _source_rank
 
 
+class MessageWork(HpcringWork):
+    """One point-to-point message of the Communicator's short path (a ShortMessage, see
+    hpcring.collectives.mailbox): ``wait()`` waits on it in the calling thread and raises its
+    error; the future is made only when asked for (``get_future``), then completed from the
+    message's callback on a completion thread, so a failure reaches it at the deadline even if
+    nobody waits. ``result``: the future's value (the op's tensors)."""
+
+    def __init__(self, msg, result) -> None:
+        dist.Work.__init__(self)
+        self._msg, self._value = msg, result
+        self._future = None
+        self._handles = ()
+        self._drive = None
+        self._driving = False
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._msg.wait()            # the message's own deadline bounds it (see HpcringWork.wait)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._msg.done()
+
+    def exception(self):
+        return self._msg.exception()
+
+    def get_future(self) -> Future:
+        f = self._future
+        if f is not None:
+            return f
+        with _FUTURE_LOCK:          # two threads asking at once get one future
+            if self._future is not None:
+                return self._future
+            f = self._future = Future()
+        msg, value = self._msg, self._value
+
+        def settle(_m=None) -> None:
+            err = msg.exception()
+            if err is None:
+                f.set_result(value)
+            else:
+                f.set_exception(err)
+        if msg.done():
+            settle()
+        else:
+            msg.add_done_callback(lambda m: COMPLETER.submit(settle))
+        return f
+
+    def _source_rank(self) -> int:
+        return int(self._msg.wait())
+
+    source_rank = _source_rank
+
+
+_FUTURE_LOCK = threading.Lock()
+
+
 class Completer:
     """Threads that run completions off the communicators' worker threads.
 
