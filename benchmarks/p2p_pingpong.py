@@ -4,6 +4,10 @@
         starts itself under `hpcring run` (one host, loopback TCP) and prints, per size, the
         median round-trip time of send+recv on each backend, the bandwidth (2 x size / time) and
         the ratio; every received byte is checked (#wrong).
+    python benchmarks/p2p_pingpong.py --layers
+        the 4-byte round trip through each layer of the hpcring backend: the native queue alone
+        (hpcring._native.P2P called from Python), Communicator.send/recv on its short path and on
+        its general path (short_path = False), torch dist.send/recv; and gloo's, for scale.
 
 On a dev cluster allocation (`hpcring submit benchmarks/p2p_pingpong.py --site devcluster --nodes 2
 -- --worker`) the ranks sit on two hosts.
@@ -62,18 +66,77 @@ def worker(reps: int) -> None:
     dist.destroy_process_group()
 
 
+def layers(reps: int) -> None:
+    """Median 4-byte round trip per layer (see the module docstring), 2 ranks."""
+    import itertools
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from hpcring.distributed import init_process_group
+    from hpcring.distributed.process_group import ProcessGroupHpcring
+    init_process_group()                      # extended API: the world group is the ProcessGroupHpcring
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    x, y = torch.zeros(1), torch.empty(1)
+    xn, yn = x.numpy(), y.numpy()
+    dist.send(x, peer) if rank == 0 else dist.recv(y, peer)      # connections made, both ways
+    dist.recv(y, peer) if rank == 0 else dist.send(x, peer)
+    pg = dist.group.WORLD
+    if not isinstance(pg, ProcessGroupHpcring):
+        raise SystemExit("p2p_pingpong --layers: the default group is not on the hpcring backend")
+    comm = pg._comm_for("cpu")
+    box = comm.backend._mailbox._box          # the native queue under the Communicator
+    xb, yb = xn.view(np.uint8), yn.view(np.uint8)
+    ids = itertools.count(1 << 40)            # far from the mailbox's own request ids
+
+    def native(kind):
+        r = (box.isend if kind == "send" else box.irecv)(next(ids), xb if kind == "send" else yb, peer, 0, 30.0)
+        while r.result() is None:
+            r.wait(1.0)
+
+    def comm_path(short):
+        def run(kind):
+            comm.short_path = short
+            comm.send(xn, peer) if kind == "send" else comm.recv(yn, peer)
+        return run
+    g = dist.new_group(backend="gloo")
+    paths = [("native queue", native), ("Communicator short path", comm_path(True)),
+             ("Communicator general path", comm_path(False)),
+             ("torch dist.send/recv", lambda k: dist.send(x, peer) if k == "send" else dist.recv(y, peer)),
+             ("gloo dist.send/recv", lambda k: dist.send(x, peer, group=g) if k == "send" else dist.recv(y, peer, group=g))]
+    out = []
+    for name, fn in paths:
+        comm.short_path = True                # the general path's row turns it off for itself
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for kind in (("send", "recv") if rank == 0 else ("recv", "send")):
+                fn(kind)
+            times.append(time.perf_counter() - t0)
+        out.append((name, statistics.median(times)))
+    comm.short_path = True
+    if rank == 0:
+        print(f"# 4-byte send+recv round trip per layer, 2 ranks, median of {reps}")
+        for name, t in out:
+            print(f"{name:>28} {t * 1e6:9.1f} us", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--worker", action="store_true", help="run as a rank (under hpcring run / submit)")
+    ap.add_argument("--layers", action="store_true", help="4-byte round trip per layer of the hpcring backend")
     a = ap.parse_args()
     if a.worker:
-        worker(a.reps)
+        layers(a.reps) if a.layers else worker(a.reps)
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     sys.exit(subprocess.run([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", "2", "--",
                              sys.executable, "-W", "ignore", os.path.abspath(__file__), "--worker", "--reps",
-                             str(a.reps)], env=env, timeout=900, stdin=subprocess.DEVNULL).returncode)
+                             str(a.reps)] + (["--layers"] if a.layers else []), env=env, timeout=900, stdin=subprocess.DEVNULL).returncode)
 
 
 if __name__ == "__main__":
