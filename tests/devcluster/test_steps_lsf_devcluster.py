@@ -5,7 +5,8 @@ A 2-host job with 1 spare host (`--spare-nodes 1 --max-restarts 1`, site devclus
 1 is SIGKILLed or frozen (SIGSTOP) at step 3 goes on inside the same LSF job on the surviving host
 and the spare (one `blaunch -z` a step): one job id, DONE, the restarted step resumes from the
 checkpoint and ends with an uninterrupted run's weights; `hpcring status` shows the steps; a frozen
-rank's task is ended by the loop (no bkill of the job). A code error is not restarted. `--preflight`
+rank's task is ended by the loop (no bkill of the job). `--min-nodes 1` with no spare goes on with
+one host. A code error is not restarted. `--preflight`
 leaves a host whose interface routes nowhere out before the script starts.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +94,22 @@ def test_a_lost_host_is_replaced_by_the_spare_inside_the_same_lsf_job(base, faul
     assert (base / "jobs" / job / "steps" / "0").is_dir()          # the failed step's records kept
     batch = (base / "jobs" / job / f"{job}_batch.err").read_text()
     assert "ending the job: bkill" not in text + batch, batch[-3000:]
+
+
+def test_min_nodes_goes_on_with_fewer_hosts_when_no_spare_is_left_on_lsf(base):
+    rc, text, env = submit(base, "--nodes", "2", "--min-nodes", "1", "--max-restarts", "1",
+                           script_args=("--steps", "8", "--kill-rank", "1", "--freeze-step", "2"))
+    assert rc == 0, text[-5000:]
+    job = job_of(text)[0]
+    data = steps_of(base, job)
+    assert len(data["allocation"]) == 2 and [s["size"] for s in data["steps"]] == [2, 1], data
+    res = json.loads((base / "out" / "result.json").read_text())
+    assert res["steps"] == 8 and res["requeue_count"] == 1, res     # resumed: steps 2..7 on one rank
+    w = np.zeros(8, np.float64)     # steps 0-1 summed over 2 ranks, then over the one left (restart_train's rule)
+    for step in range(8):
+        w = 0.5 * w + sum(np.arange(8, dtype=np.float32) * (r + 1) + step for r in range(2 if step < 2 else 1))
+    assert res["w"] == w.tolist(), (res["w"], w.tolist())
+    assert "size=1" in text and f"job {job} COMPLETED" in text, text[-3000:]
 
 
 def test_a_code_error_is_not_restarted_inside_the_lsf_job(base):
