@@ -308,7 +308,7 @@ VARS: tuple[Var, ...] = (
        "the ranks from (read before LSF's own slot lists)", set_by="hpcring"),
     _v("HPCRING_LSF_STEP", "int", None, "LSF, a step of the job script's step loop (`submit --spare-nodes`): "
        "its number; the store port folds it in, and the loop finds the step's tasks by it to end them",
-       set_by="hpcring"),
+       0, 1 << 20, set_by="hpcring"),
     _v("HPCRING_RESTART_COUNT", "int", 0, "submitted jobs: which restart after a node-level fault this "
        "attempt is (0: the first run; counted by hpcring.requeue_count())", 0, 100, set_by="hpcring"),
     _v("HPCRING_REQUEUE_COUNT", "int", 0, "submitted jobs: how many times hpcring requeued this job "
