@@ -74,6 +74,7 @@ class Plan:
     gpus: int = 0
     min_gbps: float = 0.0
     checked: dict | None = None        # the preflight's outcome, for steps.json
+    cluster: str = ""                  # the job record's cluster where the environment has none (LSF: the site)
 
 
 def folder_of(pattern: str, environ: Mapping[str, str]) -> Path:
@@ -229,7 +230,7 @@ def _record_blames(plan: Plan, jid: str, environ: Mapping[str, str], blamed: dic
                    when: float) -> None:
     """Each blamed node into the site's node history (the job folder's parent's ``.hpcring``), as
     the follower records a finished job's: a node lost inside the allocation counts the same."""
-    cluster = environ.get("SLURM_CLUSTER_NAME", "")
+    cluster = environ.get("SLURM_CLUSTER_NAME", "") or plan.cluster    # the record's key: follower's blames dedup
     key = "-".join(p for p in (plan.scheduler, cluster, jid) if p)
     user = environ.get("USER") or environ.get("SLURM_JOB_USER") or str(os.getuid())
     blames = [nodehistory.Blame(n, when, jid, key, why, " ".join(cause.split())[:1000], user, cluster)
@@ -407,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, required=True)
     p.add_argument("--folder", required=True)
     p.add_argument("--scheduler", default="slurm", choices=tuple(SCHEDULERS))
+    p.add_argument("--cluster", default="")
     p.add_argument("--preflight", action="store_true")
     p.add_argument("--gpus", type=int, default=0)
     p.add_argument("--preflight-min-gbps", type=float, default=0.0)
@@ -417,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     if not launch or not 1 <= min_nodes <= a.nodes or a.tasks_per_node < 1 or a.max_restarts < 0:
         p.error("need --nodes >= --min-nodes >= 1, --tasks-per-node >= 1, --max-restarts >= 0 and a launcher after --")
     plan = Plan(a.nodes, min_nodes, a.tasks_per_node, a.max_restarts, folder_of(a.folder, os.environ), launch,
-                a.scheduler, preflight=a.preflight, gpus=a.gpus, min_gbps=a.preflight_min_gbps)
+                a.scheduler, preflight=a.preflight, gpus=a.gpus, min_gbps=a.preflight_min_gbps, cluster=a.cluster)
     return run(plan)
 
 

@@ -92,6 +92,8 @@ def test_a_lost_host_is_replaced_by_the_spare_inside_the_same_lsf_job(base, faul
     assert f"job {job}  COMPLETED (DONE)" in st and f"step 0  {first[0]},{bad}  2 ranks  FAILED" in st, st
     assert f"(spare {spare})  2 ranks  COMPLETED" in st and "-> restart 1 of at most 1 on " in st, st
     assert (base / "jobs" / job / "steps" / "0").is_dir()          # the failed step's records kept
+    history = [json.loads(x) for x in (base / "jobs" / ".hpcring" / "node-history.jsonl").read_text().splitlines()]
+    assert [(h["node"], h["key"]) for h in history] == [(bad, f"lsf-devcluster-lsf-{job}")], history   # the record's key
     batch = (base / "jobs" / job / f"{job}_batch.err").read_text()
     assert "ending the job: bkill" not in text + batch, batch[-3000:]
 

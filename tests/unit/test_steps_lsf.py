@@ -159,7 +159,7 @@ def test_an_lsf_blaunch_site_holds_the_spares_and_runs_the_loop():
     text = render_script(site, job, "python3 -u -m submitit.core._submit /j/%j", "/j/%j", python="/py")
     assert "#BSUB -n 6\n#BSUB -R \"span[ptile=2]\"\n" in text          # 3 hosts of 2 slots
     assert ("/py -u -m hpcring.steps --nodes=2 --min-nodes=2 --tasks-per-node=2 --max-restarts=1 --folder=/j/%j "
-            "--scheduler=lsf ") in text and " --preflight " in text and "\\\n  blaunch -u \"$HOSTFILE\"" in text
+            "--scheduler=lsf --cluster=devcluster-lsf ") in text and " --preflight " in text and "\\\n  blaunch -u \"$HOSTFILE\"" in text
     plain = render_script(site, _lsf_job(site, nodes=2, tasks_per_node=2), "python3 -u -m x /j/%j", "/j/%j",
                           python="/py")
     assert "#BSUB -n 4\n" in plain and "hpcring.steps" not in plain

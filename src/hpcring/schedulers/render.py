@@ -72,18 +72,22 @@ def launch_command(site: Site, job: JobSpec, command: str, logs: str | None = No
                         container=job_container(job, folder or "/"))
     words = build(site.config, req)
     if job.step_loop:
-        words = LaunchWords((step_loop_words(job, python or "python3", folder or ".", site.config.scheduler),
+        cluster = get(site.config.scheduler).cluster_name(site) if site.config.scheduler == "lsf" else ""
+        words = LaunchWords((step_loop_words(job, python or "python3", folder or ".", site.config.scheduler, cluster),
                              *words.lines))
     return words.script()
 
 
-def step_loop_words(job: JobSpec, python: str, folder: str, scheduler: str = "slurm") -> tuple[str, ...]:
+def step_loop_words(job: JobSpec, python: str, folder: str, scheduler: str = "slurm",
+                    cluster: str = "") -> tuple[str, ...]:
     """The words that put the launcher under hpcring's step loop (hpcring.steps): restarts inside
-    the allocation on spare nodes, or on fewer (``--min-nodes``)."""
+    the allocation on spare nodes, or on fewer (``--min-nodes``). ``cluster``: the job record's
+    cluster name where the job's environment has none (LSF: the site's), for the node history."""
     return (python, "-u", "-m", "hpcring.steps", f"--nodes={job.nodes}",
             f"--min-nodes={job.min_nodes or job.nodes}", f"--tasks-per-node={job.tasks_per_node}",
             f"--max-restarts={job.step_restarts}", f"--folder={folder}",
             *([f"--scheduler={scheduler}"] if scheduler != "slurm" else []),
+            *([f"--cluster={cluster}"] if cluster else []),
             *([f"--preflight-min-gbps={job.preflight_min_gbps:g}"] if job.preflight else []),
             *(["--preflight", f"--gpus={job.gpus_per_node}"] if job.preflight else []), "--")
 
