@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import functools
 import time
 from pathlib import Path
 
@@ -40,3 +41,9 @@ def devcluster_up() -> None:
 @pytest.fixture(autouse=True)
 def _needs_devcluster(devcluster_up) -> None:
     pass
+
+
+@pytest.fixture(scope="session")
+def hpcring(hpcring):
+    """The conftest runner with a 300 s bound here: a dev-cluster job may queue behind another first."""
+    return functools.partial(hpcring, timeout=300)

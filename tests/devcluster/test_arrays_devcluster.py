@@ -2,7 +2,6 @@
 jobs from one scheduler query."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -11,26 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from helpers.jobs import job_id_of
+
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "workers" / "array_worker.py"
 HELLO = ROOT / "examples" / "hello.py"
 
 
-
-@pytest.fixture(scope="session")
-def hpcring(hpcring):
-    """The conftest runner with this file's 300 s bound (a dev-cluster job may queue first)."""
-    return functools.partial(hpcring, timeout=300)
-
-
 @pytest.fixture
 def env(tmp_path):
     return {"HPCRING_STATE_DIR": str(tmp_path / "state")}
-
-
-def job_id_of(r) -> str:
-    return r.stderr.split("Submitted job ")[1].split()[0]
 
 
 def seen(stdout: str) -> list[dict]:

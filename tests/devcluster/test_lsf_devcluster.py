@@ -4,7 +4,6 @@ LSF itself cannot be installed here (proprietary); tests/lsf_emulation's bsub/bj
 bresume/brequeue/blaunch follow LSF's documented behaviour and place jobs on the dev cluster's
 real nodes (network namespaces node1..3). Skipped when the dev cluster is down.
 """
-import functools
 import json
 import os
 import shutil
@@ -14,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from helpers.jobs import job_id_of
 
 ROOT = Path(__file__).resolve().parents[2]
 HELLO = ROOT / "examples" / "hello.py"
@@ -40,16 +41,6 @@ def env(tmp_path, emu_dir):
 def run(*argv, env, timeout=60):
     return subprocess.run(list(argv), capture_output=True, text=True, env=dict(os.environ, **env),
                           timeout=timeout, stdin=subprocess.DEVNULL, cwd=str(ROOT))
-
-
-@pytest.fixture(scope="session")
-def hpcring(hpcring):
-    """The conftest runner with this file's 300 s bound (a dev-cluster job may queue first)."""
-    return functools.partial(hpcring, timeout=300)
-
-
-def job_id_of(r) -> str:
-    return r.stderr.split("Submitted job ")[1].split()[0]
 
 
 def hellos(stdout: str) -> list[dict]:

@@ -1,5 +1,4 @@
 """`hpcring submit` on the real Slurm dev cluster (hpcring devcluster up)."""
-import functools
 import json
 import os
 import shutil
@@ -11,27 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers.jobs import job_id_of
+
 ROOT = Path(__file__).resolve().parents[2]
 HELLO = ROOT / "examples" / "hello.py"
-
-
-
-
-
-
-@pytest.fixture(scope="session")
-def hpcring(hpcring):
-    """The conftest runner with this file's 300 s bound (a dev-cluster job may queue first)."""
-    return functools.partial(hpcring, timeout=300)
 
 
 @pytest.fixture
 def env(tmp_path):
     return {"HPCRING_STATE_DIR": str(tmp_path / "state")}
-
-
-def job_id_of(r) -> str:
-    return r.stderr.split("Submitted job ")[1].split()[0]
 
 
 def hellos(stdout: str) -> list[dict]:

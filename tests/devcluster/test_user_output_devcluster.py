@@ -4,7 +4,6 @@ the script's traceback once with only its frames; srun's lines tagged as Slurm's
 no submitit log lines on a requeue; a cancel after a requeue not blamed on the earlier run's report."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -38,12 +37,6 @@ def work(tmp_path):
     d = Path("/srv/hpcring/pytest-user-output") / uuid.uuid4().hex[:8]
     d.mkdir(parents=True)
     return d, {"HPCRING_STATE_DIR": str(tmp_path / "state"), "HPCRING_JOB_DIR": str(d / "jobs")}
-
-
-@pytest.fixture(scope="session")
-def hpcring(hpcring):
-    """The conftest runner with this file's 300 s bound (a dev-cluster job may queue first)."""
-    return functools.partial(hpcring, timeout=300)
 
 
 def job_of(r) -> str:
