@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 
+from hpcring import _native
 from hpcring.collectives.handshake import authenticate_connector, authenticate_listener, handshake_timeout
 from hpcring.collectives.engine import Handle
 from hpcring.collectives.p2p import RECV, SEND, Request, failure
@@ -214,7 +215,6 @@ class Mailbox:
 
     def __init__(self, rank: int, size: int, hosts, store, secret: bytes, base: str, address: str,
                  bind: str | None = None) -> None:
-        from hpcring import _native
         self._auth_connector, self._auth_listener = authenticate_connector, authenticate_listener
         self.rank, self.size, self.hosts = rank, size, tuple(hosts)
         self.store, self.secret, self.base = store, secret, f"{base}/p2p"

@@ -83,7 +83,7 @@ class PointToPoint:
         """This communicator's point-to-point records (:class:`hpcring.collectives.p2p.P2PLog`)."""
         log = self.__dict__.get("_p2p_log")
         if log is None:
-            from hpcring.collectives.p2p import P2PLog
+            from hpcring.collectives.p2p import P2PLog  # deferred: point-to-point only (p2p ~2 ms)
             log = self.__dict__["_p2p_log"] = P2PLog(self.rank, self.backend.name, self.members)
         return log
 
@@ -93,7 +93,7 @@ class PointToPoint:
     def _p2p_prepare(self, kind: str, x, peer, tag: int, timeout: float | None, depth: int) -> tuple:
         """Check the arguments (UsageError before anything moves) and record the message:
         (kind, Arr, peer, tag, deadline, record, CudaContext or None)."""
-        from hpcring.collectives import p2p
+        from hpcring.collectives import p2p  # deferred: point-to-point only (p2p ~2 ms)
         what = "isend" if kind == p2p.SEND else "irecv"
         if kind not in (p2p.SEND, p2p.RECV):
             raise UsageError(f"batch_isend_irecv: op must be 'send' or 'recv', got {kind!r}")

@@ -30,10 +30,13 @@ from pathlib import Path
 
 from submitit.core import core, job_environment, logger
 
+from hpcring.bootstrap.allocation_size import allocation
+from hpcring.bootstrap.launchers import detect
 from hpcring.config.jobspec import JobSpec, resolve_job
 from hpcring.config.schema import SiteConfig
 from hpcring.config.site import Site, load_site
 from hpcring.errors import SchedulerError
+from hpcring.jobdir import job_id as _job_id
 from hpcring.schedulers.render import render_script
 from hpcring.schedulers.base import COMMAND_TIMEOUT, JobRecord, JobState, run_command, state_dir
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, remote_shell, submitit_command
@@ -132,8 +135,7 @@ class LsfJobEnvironment(job_environment.JobEnvironment):
     @property
     def job_id(self) -> str:
         """``<LSB_JOBID>_<task>`` for an array task (0-based, as its folder is named), else LSB_JOBID."""
-        from hpcring.jobdir import job_id
-        return job_id()
+        return _job_id()
 
     def activated(self) -> bool:
         executor = os.environ.get("SUBMITIT_EXECUTOR", "")
@@ -142,12 +144,10 @@ class LsfJobEnvironment(job_environment.JobEnvironment):
     @staticmethod
     @functools.lru_cache(maxsize=1)
     def _topology():
-        from hpcring.bootstrap.launchers import detect
         return detect()
 
     @property
     def hostnames(self) -> list[str]:
-        from hpcring.bootstrap.allocation_size import allocation
         alloc = allocation()   # the job's hosts from the slot list, a launch node left out
         return list(dict.fromkeys(alloc.slots)) if alloc and alloc.slots else [self.hostname]
 
@@ -384,8 +384,7 @@ def end_job_argv(environ: Mapping[str, str]) -> list[str] | None:
 
 
 def _environment_job_id(environ: Mapping[str, str]) -> str:
-    from hpcring.jobdir import job_id
-    return job_id(environ)
+    return _job_id(environ)
 
 
 def annotate_argv(headline: str, environ: Mapping[str, str]) -> list[str] | None:

@@ -12,6 +12,9 @@ import os
 import sys
 from pathlib import Path
 
+from hpcring.bootstrap.launchers import detect
+from hpcring.jobdir import job_id as hpcring_job_id
+
 
 def log_base(pattern: str, job_id: str, rank: int) -> Path:
     """``/jobs/%j/%j_%t_log`` -> ``/jobs/42/42_3_log``."""
@@ -33,7 +36,7 @@ def register_environment() -> None:
     """Make submitit's JobEnvironment() find LsfJobEnvironment even without installed entry points."""
     from submitit.core import plugins
 
-    from hpcring.schedulers.lsf import LsfJobEnvironment
+    from hpcring.schedulers.lsf import LsfJobEnvironment  # deferred: pulls submitit (after the output is redirected)
     envs = plugins.get_job_environments()
     if "lsf" not in envs:
         envs["lsf"] = LsfJobEnvironment()  # the cached mapping submitit consults
@@ -43,13 +46,11 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m hpcring.schedulers.lsf_task FOLDER", file=sys.stderr)
         return 2
-    from hpcring.bootstrap.launchers import detect
     job_id = os.environ.get("LSB_JOBID")
     if not job_id:
         print("hpcring.schedulers.lsf_task: LSB_JOBID is not set: this runs inside an LSF job only",
               file=sys.stderr)
         return 2
-    from hpcring.jobdir import job_id as hpcring_job_id
     job_id = hpcring_job_id()           # an array task's is <id>_<task>, as its folder
     rank = detect().rank
     pattern = os.environ.get("HPCRING_LOG_PATTERN") or f"{argv[0]}/%j_%t_log"
