@@ -110,7 +110,10 @@ def test_interrupted_kills_the_busy_processes_and_the_command(tmp_path, sig, cod
     marker = tmp_path / "started"        # holds the command's pid once it runs
     proc = subprocess.Popen(["bash", str(SCRIPT), "-n", "5", "-k", "2", "--", "sh", "-c",
                              'echo $$ > "$0.tmp" && mv "$0.tmp" "$0" && exec sleep 30', str(marker)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as from a terminal: a pytest-xdist worker ignores SIGINT, and a shell
+                            # started with a signal ignored cannot trap it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 20
         while not marker.exists():
