@@ -11,12 +11,8 @@ import time
 
 import numpy as np
 import pytest
-from helpers.ring import SECRET, topology
 
 from hpcring import _native
-from hpcring.bootstrap.store_client import StoreClient
-from hpcring.bootstrap.store_server import StoreServer
-from hpcring.collectives.api import Communicator
 from hpcring.errors import CollectiveError
 
 HOSTS = ["node0", "node1", "node2"]
@@ -223,20 +219,6 @@ def test_bad_handover_and_arguments_are_refused(boxes):
         a.irecv(1, np.zeros(1, np.uint8), 1, 0, 0.0)
     with pytest.raises(BufferError, match="not writable"):         # a receive needs a writable buffer
         a.irecv(1, b"abc", 1, 0, 1.0)
-
-
-@pytest.fixture
-def ranks():
-    made = []
-    with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
-        def make(n: int, timeout: float = 10.0):
-            comms = [Communicator.create(topology(r, n), StoreClient("127.0.0.1", server.port, SECRET, 10), SECRET,
-                                         timeout=timeout) for r in range(n)]
-            made.extend(comms)
-            return comms
-        yield make
-        for c in made:
-            c.close()
 
 
 def test_a_communicator_receive_nobody_waits_for_fails_its_callback_at_the_deadline(ranks):

@@ -10,30 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from helpers.ring import SECRET, topology
 
-from hpcring.bootstrap.store_client import StoreClient
-from hpcring.bootstrap.store_server import StoreServer
-from hpcring.collectives.api import Communicator
 from hpcring.errors import CollectiveError
-
-
-@pytest.fixture
-def ranks():
-    """make(n, timeout, short) -> n ring Communicators (threads of this process); ``short``
-    False sends every message the general way."""
-    made = []
-    with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
-        def make(n: int, timeout: float = 10.0, short: bool = True):
-            comms = [Communicator.create(topology(r, n), StoreClient("127.0.0.1", server.port, SECRET, 10), SECRET,
-                                         timeout=timeout) for r in range(n)]
-            for c in comms:
-                c.short_path = short
-            made.extend(comms)
-            return comms
-        yield make
-        for c in made:
-            c.close()
 
 
 def _kind(h) -> str:

@@ -20,22 +20,6 @@ from hpcring.collectives.api import Communicator  # noqa: E402
 from hpcring.errors import CollectiveError, UsageError  # noqa: E402
 
 
-@pytest.fixture
-def ranks():
-    """make(n, timeout) -> n ring Communicators (threads of this process) meeting through a store."""
-    made = []
-    with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
-        def make(n: int, timeout: float = 10.0):
-            comms = [Communicator.create(topology(r, n), StoreClient("127.0.0.1", server.port, SECRET, 10), SECRET,
-                                         timeout=timeout) for r in range(n)]
-            made.extend(comms)
-            return comms
-        make.port = server.port
-        yield make
-        for c in made:
-            c.close()
-
-
 def test_messages_of_one_pair_and_tag_arrive_in_order_and_tags_match_out_of_order(ranks):
     a, b = ranks(2)
     sends = [a.isend(np.full(3, i, np.int64), 1, tag=i % 2) for i in range(6)]
