@@ -281,3 +281,42 @@ def test_init_hosts_of_a_block_layout_are_a_few_bytes_at_any_size():
     from hpcring.bootstrap.init_hosts import encode_hosts
     assert encode_hosts([f"node{r // 8 + 1}" for r in range(4096)]) == b'{"runs": [["node[1-512]", 8]]}'
     assert len(encode_hosts([f"node{r // 8 + 1}" for r in range(65536)])) < 40
+
+
+def test_a_rank_passes_over_the_store_of_another_step_of_its_job():
+    """A restarted step's rank 0 finds its first port still held by the failed step's store (same
+    job, same secret, dying on the same node) and binds the next one; a rank of the new step that
+    reaches the old store first must pass over it, not meet the old world there."""
+    secret = b"s" * 32
+    old = init_store._start_server([0], secret, ranks=2, world="2425/2/step0")
+    new = init_store._start_server([0], secret, ranks=2, world="2425/2/step1")
+    try:
+        ports = [old.port, new.port]
+        client = init_store._connect_any("127.0.0.1", ports, secret, time.monotonic() + 10, world="2425/2/step1")
+        assert client.port == new.port and client.check(init_store.WORLD_KEY) == b"2425/2/step1"
+        client.close()
+        with pytest.raises(BootstrapError, match=r"another world's store \('2425/2/step0', not '2425/2/step3'\)"):
+            init_store._connect_any("127.0.0.1", [old.port], secret, time.monotonic() + 1.5, world="2425/2/step3")
+        legacy = init_store._start_server([0], secret, ranks=2)           # no world key at all
+        try:
+            with pytest.raises(BootstrapError, match="a store with no world key"):
+                init_store._connect_any("127.0.0.1", [legacy.port], secret, time.monotonic() + 1.5, world="w")
+        finally:
+            legacy.close()
+    finally:
+        old.close()
+        new.close()
+
+
+def test_consecutive_steps_of_a_job_never_share_a_store_port():
+    """Hashed per step, job 2425's steps 0 and 1 both derived port 29515; a step's ports now follow
+    the previous step's, so a restart's ports are disjoint from the failed step's."""
+    topo = Topology(rank=0, size=2, local_rank=0, local_size=1, node_rank=0, num_nodes=2,
+                    hosts=("node1", "node2"), launcher="slurm", job_id="2425")
+    for lo, hi in ((29500, 29999), (40000, 40015)):
+        lists = [init_store._store_ports(topo, {"SLURM_STEP_ID": str(s)}, (lo, hi)) for s in range(6)]
+        for a, b in zip(lists, lists[1:]):
+            assert not set(a) & set(b), (a, b)
+        assert all(len(x) == min(init_store.PORT_TRIES, hi - lo + 1) and lo <= min(x) and max(x) <= hi for x in lists)
+    assert init_store._store_ports(topo, {"SLURM_STEP_ID": "1"}, (29500, 29999)) == \
+        init_store._store_ports(topo, {"SLURM_STEP_ID": "1"}, (29500, 29999))        # every rank of the step agrees

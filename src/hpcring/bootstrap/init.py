@@ -31,7 +31,7 @@ from hpcring.bootstrap import launchers, netif_choice, netif_list, netif_verify
 from hpcring.bootstrap.auth import load_secret
 from hpcring.bootstrap.init_hosts import _gather_hosts
 from hpcring.bootstrap.init_pmix import _meet_through_pmix, _pmix_client
-from hpcring.bootstrap.init_store import _open_store, _store_ports
+from hpcring.bootstrap.init_store import _open_store, _store_ports, store_world
 from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.topology import Topology
 from hpcring.errors import BootstrapError
@@ -63,16 +63,17 @@ def init_bootstrap(*, timeout: float = 60.0, interface: str | None = None,
     spec = _interface_spec(interface, env, topo)
     candidates = netif_choice.select_candidates(netif_list.list_interfaces(), spec)
     ports = _store_ports(topo, env, port_range)
+    world = store_world(topo, env)
 
     pmx = _pmix_client(topo, env, secret, deadline)
     last_timings["rendezvous_chosen"] = time.monotonic() - t0   # PMIx_Init's cost, when it ran
     if pmx is None:
-        client = _open_store(topo, env, ports, secret, deadline)
+        client = _open_store(topo, env, ports, secret, deadline, world)
         client.timeout = max(1.0, deadline - time.monotonic())
         last_timings["connected"] = time.monotonic() - t0
         hosts = _gather_hosts(client, topo, deadline)
     else:   # hosts and the store's address through one PMIx fence: no port search, no master address
-        client, hosts = _meet_through_pmix(pmx, topo, ports, secret, candidates, deadline)
+        client, hosts = _meet_through_pmix(pmx, topo, ports, secret, candidates, deadline, world)
         last_timings["connected"] = time.monotonic() - t0
     last_timings["met"] = time.monotonic() - t0
 

@@ -59,7 +59,7 @@ def _pmix_client(topo: Topology, env: Mapping[str, str], secret: bytes, deadline
 
 
 def _meet_through_pmix(pmx, topo: Topology, ports: list[int], secret: bytes, candidates,
-                       deadline: float) -> tuple[StoreClient, list[str]]:
+                       deadline: float, world: str | None = None) -> tuple[StoreClient, list[str]]:
     """Rank 0 starts the store, then every rank publishes its host (rank 0 also the store's port and
     its addresses) and one fence hands everyone all of it; the others connect straight to the store.
     The store still serves interface verification, init/master, the ring's addresses, the watchdog."""
@@ -67,7 +67,7 @@ def _meet_through_pmix(pmx, topo: Topology, ports: list[int], secret: bytes, can
     card = {"host": topo.hosts[topo.rank] if known else socket.gethostname()}
     client = None
     if topo.rank == 0:
-        server = _start_server(ports, secret, ranks=topo.size)
+        server = _start_server(ports, secret, ranks=topo.size, world=world)
         card["store"] = {"port": server.port, "addrs": list(dict.fromkeys(
             [c.address for c in candidates] + [card["host"]]))}
         client = StoreClient("127.0.0.1", server.port, secret, timeout=max(1.0, time_left(deadline)))

@@ -28,6 +28,7 @@ STRICT_PORT_ORDER_S = 3.0   # before this, stop a connect round at the first ref
 OWN_PROCESS_MIN_RANKS = 256  # from this job size on, rank 0 serves the store from a child process
 RETRY_RANKS = 256           # retry pace: each rank's cap on the wait between refused connects grows
 RETRY_CAP_S = (0.2, 1.0)    # from the first value to the second with the job size over RETRY_RANKS
+WORLD_KEY = "init/world"    # rank 0's store holds store_world() here from its start
 
 
 def derive_port(job_id: str | None, port_range: tuple[int, int] = (29500, 29999)) -> int:
@@ -46,54 +47,91 @@ def candidate_ports(base: int, port_range: tuple[int, int], tries: int = PORT_TR
     return [lo + (base - lo + i) % span for i in range(min(tries, span))]
 
 
-def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, int]) -> list[int]:
-    port = envvars.get("HPCRING_STORE_PORT", env)
-    if port is not None:
-        return [port]
-    # Fold the world size in so two steps of one job with different sizes do not share a port, and
-    # the array task: LSF's elements share one job id (and the array's secret) and may run at once
-    # on the same hosts, where a rank would find another task's store.
-    # The scheduler's step too: a restart inside the allocation (hpcring.steps) starts while the
+def store_world(topo: Topology, env: Mapping[str, str]) -> str:
+    """What names this rank's world: the job, its size, the array task and the scheduler's step.
+    Every rank of the world derives the same string; rank 0's store holds it under WORLD_KEY."""
+    # The world size: two steps of one job with different sizes must not meet. The array task:
+    # LSF's elements share one job id (and the array's secret) and may run at once on the same
+    # hosts. The scheduler's step: a restart inside the allocation (hpcring.steps) starts while the
     # failed step's last ranks (and its store) may still be dying on the same nodes.
     task = env.get("HPCRING_ARRAY_TASK")
     # (Slurm numbers its steps; on LSF the step loop numbers its blaunch steps: HPCRING_LSF_STEP)
     step = env.get("SLURM_STEP_ID", "") if topo.launcher == "slurm" else env.get("HPCRING_LSF_STEP", "")
     step = step if step.isdigit() else None
-    key = f"{topo.job_id}/{topo.size}" + (f"/task{task}" if task else "") + (f"/step{step}" if step else "")
-    return candidate_ports(derive_port(key, port_range), port_range)
+    return f"{topo.job_id}/{topo.size}" + (f"/task{task}" if task else "") + (f"/step{step}" if step else "")
 
 
-def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: float) -> StoreClient:
+def _store_ports(topo: Topology, env: Mapping[str, str], port_range: tuple[int, int]) -> list[int]:
+    port = envvars.get("HPCRING_STORE_PORT", env)
+    if port is not None:
+        return [port]
+    world = store_world(topo, env)
+    # A step's ports follow the previous step's (PORT_TRIES apart) instead of being hashed anew: two
+    # hashed steps of one job landed on the same base (job 2425's steps 0 and 1 both on 29515), and
+    # the restarted step's ranks met the failed step's store. The world key check in _connect_any
+    # is what guarantees a rank never joins another world; this only keeps them off each other's ports.
+    base, _, step = world.rpartition("/step")
+    if not base or not step.isdigit():
+        return candidate_ports(derive_port(world, port_range), port_range)
+    lo, hi = port_range
+    first = derive_port(base, port_range)
+    return candidate_ports(lo + (first - lo + int(step) * PORT_TRIES) % (hi - lo + 1), port_range)
+
+
+def _open_store(topo: Topology, env, ports: list[int], secret: bytes, deadline: float,
+                world: str | None = None) -> StoreClient:
     if topo.rank == 0:
-        server = _start_server(ports, secret, ranks=topo.size)
+        server = _start_server(ports, secret, ranks=topo.size, world=world)
         client = StoreClient("127.0.0.1", server.port, secret, timeout=max(1.0, time_left(deadline)))
         client.server = server
         return client
     return _connect_any(bootstrap_master_addr(topo, env), ports, secret, deadline,
-                        who=each_on_host([0], topo.hosts), ranks=topo.size)
+                        who=each_on_host([0], topo.hosts), ranks=topo.size, world=world)
 
 
-def _start_server(ports: list[int], secret: bytes, ranks: int | None = None) -> StoreServer | StoreServerProcess:
+def _start_server(ports: list[int], secret: bytes, ranks: int | None = None,
+                  world: str | None = None) -> StoreServer | StoreServerProcess:
     """The store; for jobs of OWN_PROCESS_MIN_RANKS ranks or more in a process of its own (rank 0's
-    threads cannot slow it; it costs a Python start-up, ~0.1-0.4 s, that small jobs do not pay)."""
+    threads cannot slow it; it costs a Python start-up, ~0.1-0.4 s, that small jobs do not pay).
+    ``world`` (:func:`store_world`) is in it under WORLD_KEY before the first rank connects."""
     errors = []
+    initial = {WORLD_KEY: world.encode()} if world else None
     clients = ranks * CONNECTIONS_PER_RANK if ranks else None   # sizes RLIMIT_NOFILE and the backlog
     own_process = (ranks or 0) >= OWN_PROCESS_MIN_RANKS
     for port in ports:
         try:
             if own_process:
                 try:
-                    return StoreServerProcess("0.0.0.0", port, secret=secret, clients=clients, ranks=ranks)
+                    return StoreServerProcess("0.0.0.0", port, secret=secret, clients=clients, ranks=ranks,
+                                              initial=initial)
                 except BootstrapError as e:
                     if "did not start" not in e.message:
                         raise
                     log.warning("%s; serving the store from rank 0's own process instead", e.message)
                     own_process = False
-            return StoreServer("0.0.0.0", port, secret=secret, clients=clients, ranks=ranks)
+            return StoreServer("0.0.0.0", port, secret=secret, clients=clients, ranks=ranks, initial=initial)
         except OSError as e:
             errors.append(f"{port}: {e.strerror}")
     raise BootstrapError(f"rank 0 could not bind the rendezvous store on any of ports {ports}: {errors}",
                          hint="set HPCRING_STORE_PORT to a free port, or pass another port_range")
+
+
+def _other_world(client: StoreClient, world: str | None) -> str | None:
+    """None when ``client``'s store serves ``world`` (or no world is asked for); else why not,
+    with the client closed. One CHECK round trip: the key is there before the store accepts."""
+    if world is None:
+        return None
+    try:
+        theirs = client.check(WORLD_KEY)
+    except BootstrapError as e:
+        theirs, why = None, f"asking its world failed: {e.message}"
+    else:
+        why = (f"another world's store ({theirs.decode(errors='replace')!r}, not {world!r})"
+               if theirs is not None else "a store with no world key")
+    if theirs is not None and theirs.decode(errors="replace") == world:
+        return None
+    client.close()
+    return why
 
 
 def bootstrap_master_addr(topo: Topology, env: Mapping[str, str]) -> str:
@@ -119,7 +157,7 @@ def bootstrap_master_addr(topo: Topology, env: Mapping[str, str]) -> str:
 
 
 def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float, who: str = "rank 0",
-                 ranks: int = 1) -> StoreClient:
+                 ranks: int = 1, world: str | None = None) -> StoreClient:
     """First port whose peer authenticates as our store; refused ports are retried with backoff.
     ``who`` names rank 0 (and its host) in the error. The backoff's cap grows with the job size
     (``ranks``) and each wait is jittered: 4096 ranks retrying every 0.2 s in step are 20 000 refused
@@ -129,14 +167,20 @@ def _connect_any(host: str, ports: list[int], secret: bytes, deadline: float, wh
     while True:
         for port in ports:
             try:
-                return StoreClient(host, port, secret, timeout=min(2.0, max(0.1, time_left(deadline))),
-                                   connect_retry=False)
+                client = StoreClient(host, port, secret, timeout=min(2.0, max(0.1, time_left(deadline))),
+                                     connect_retry=False)
             except StoreAuthError as e:
                 seen[port] = f"not our store ({e.message})"   # another job's store: try the next port
+                continue
             except BootstrapError as e:
                 seen[port] = e.message
                 if time.monotonic() - start < STRICT_PORT_ORDER_S:
                     break   # nobody there yet: rank 0 is probably still starting on this port
+                continue
+            other = _other_world(client, world)
+            if other is None:
+                return client
+            seen[port] = other   # this job's store, another world's: try the next port
         if time_left(deadline) <= 0:
             raise BootstrapError(
                 f"could not reach the rendezvous store of {who} at {host} on ports {ports}: "

@@ -24,7 +24,8 @@ class StoreServerProcess:
     """
 
     def __init__(self, host: str = "0.0.0.0", port: int = 0, *, secret: bytes, clients: int | None = None,
-                 ranks: int | None = None, start_timeout: float = 30.0) -> None:
+                 ranks: int | None = None, start_timeout: float = 30.0,
+                 initial: dict[str, bytes] | None = None) -> None:
         import json
         import os
         import subprocess
@@ -38,7 +39,8 @@ class StoreServerProcess:
         env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         self._proc = subprocess.Popen([sys.executable, "-m", "hpcring.bootstrap.store_server"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
-        request = {"host": host, "port": port, "secret": bytes(secret).hex(), "clients": clients, "ranks": ranks}
+        request = {"host": host, "port": port, "secret": bytes(secret).hex(), "clients": clients, "ranks": ranks,
+                   "initial": {k: bytes(v).hex() for k, v in (initial or {}).items()}}
         try:
             self._proc.stdin.write((json.dumps(request) + "\n").encode())
             self._proc.stdin.flush()
@@ -122,7 +124,8 @@ def _serve_child() -> None:
         sys.stdout.flush()
     try:
         srv = StoreServer(request["host"], request["port"], secret=bytes.fromhex(request["secret"]),
-                          clients=request["clients"], ranks=request["ranks"])
+                          clients=request["clients"], ranks=request["ranks"],
+                          initial={k: bytes.fromhex(v) for k, v in request.get("initial", {}).items()})
     except OSError as e:
         answer({"errno": e.errno, "strerror": e.strerror})
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Mapping
 
 from hpcring.bootstrap.store_server.limits import _fd_limit, ensure_fd_limit
 from hpcring.bootstrap.store_server.listener import listen
@@ -27,6 +28,9 @@ class StoreServer:
     rank of ``ranks`` fits, a warning when only some of the rest do) and the listen backlog is
     sized for them.
 
+    ``initial``: keys the store holds before it accepts anyone (rank 0's world key, which a rank
+    reads to tell this store from another step's on a neighbouring port).
+
     Flood resistance: at most ``max_connections`` open connections (default: what the descriptor
     limit allows, less a reserve); when full, or when accept() fails with EMFILE/ENFILE/ENOBUFS,
     the oldest connection still in its handshake is dropped to make room and accepting pauses with
@@ -39,7 +43,8 @@ class StoreServer:
                  max_frame: int = DEFAULT_MAX_FRAME, backlog: int = 1024,
                  max_connections: int | None = None, frame_timeout: float = FRAME_TIMEOUT,
                  clients: int | None = None, ranks: int | None = None,
-                 handshake_timeout: float | None = None) -> None:
+                 handshake_timeout: float | None = None,
+                 initial: Mapping[str, bytes] | None = None) -> None:
         if not secret:
             raise BootstrapError("StoreServer needs a non-empty per-job secret")
         if clients:
@@ -62,6 +67,7 @@ class StoreServer:
                           max_connections=self.max_connections, frame_timeout=frame_timeout,
                           handshake_timeout=self.handshake_timeout)
         self._ops = self._loop.ops
+        self._ops.data.update(initial or {})   # before the first client: nobody sees the store without it
         self._thread = threading.Thread(target=self._loop.run, name=f"hpcring-store:{self.port}", daemon=True)
         self._thread.start()
         # The server is a daemon thread inside rank 0: at interpreter exit it would be frozen
