@@ -7,7 +7,8 @@
  * non-blocking; every rank runs the same step sequence, so the pairing cannot deadlock). In
  * place (sbuf == rbuf) the input is first copied to scratch.
  *
- * On one node with a shared-memory segment, alltoall_shm.c runs instead.
+ * On one node with a shared-memory segment, alltoall_shm.c runs instead (alltoall_cma.c from
+ * c->cma_min bytes a block where the node's ranks may read each other's memory).
  *
  * Cost: n-1 steps; each rank sends and receives (n-1)/n * S bytes; time ~ (n-1)(a + S/n b).
  */
@@ -33,7 +34,10 @@ int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dt
     if (d0 > 1) op.hdr.seq = --c->seq; /* a later window of the same collective */
     if (count % (size_t)n)
         return hr_op_fail(&op, "count %zu is not divisible by the world size %d", count, n);
-    if (c->shm.base && c->shm.ncol == 1) return hr_alltoall_shm(&op, sbuf, rbuf, count, dtype);
+    if (c->shm.base && c->shm.ncol == 1)
+        return hr_use_cma(c, count / (size_t)n * esz)
+                   ? hr_alltoall_cma(&op, sbuf, rbuf, count, dtype)
+                   : hr_alltoall_shm(&op, sbuf, rbuf, count, dtype);
     blk = count / (size_t)n * esz;
     if (d0 < 1) d0 = 1;
     if (d1 > n / 2 + 1) d1 = n / 2 + 1;

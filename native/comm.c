@@ -12,6 +12,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <errno.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -151,6 +152,7 @@ int hr_op_check_hdr(hr_op_t *op, const hr_hdr_t *g, int peer) {
 
 /* ---- the node's shared memory: transport_shm.c reports status, the messages are worded here ---- */
 _Static_assert(sizeof(hr_hdr_t) == sizeof(((hr_shm_cell_t *)0)->hdr), "a shm cell holds one header");
+_Static_assert(sizeof(hr_shm_cell_t) == 64, "a shm cell is one cache line");
 
 void hr_op_shm_signal(hr_op_t *op) {
     int first = op->shm_signals++ == 0;
@@ -197,6 +199,21 @@ int hr_op_shm_check_peers(hr_op_t *op) {
             hr_op_check_hdr(op, &h, s->lranks[l]) != HR_OK)
             return HR_ERR;
     return HR_OK;
+}
+
+int hr_op_cma_publish(hr_op_t *op, const void *buf) {
+    __atomic_store_n(&hr_shm_cell(&op->c->shm, op->c->shm.lrank)->cma_addr, (uint64_t)(uintptr_t)buf,
+                     __ATOMIC_RELEASE);
+    return HR_OK;
+}
+
+int hr_op_cma_read(hr_op_t *op, int l, void *dst, size_t off, size_t n) {
+    hr_shm_t *s = &op->c->shm;
+    uint64_t at = __atomic_load_n(&hr_shm_cell(s, l)->cma_addr, __ATOMIC_ACQUIRE);
+    if (!n || hr_shm_cma_read(s, l, dst, at + off, n) == 0) return HR_OK;
+    return hr_op_fail(op, "%s: reading %zu bytes from rank %d (%s, same node) with process_vm_readv "
+                      "failed: %s%s", op->name, n, s->lranks[l], op->c->hosts ? op->c->hosts[s->lranks[l]] : "?",
+                      strerror(errno), errno == ESRCH ? " (the process is gone: it died)" : "");
 }
 
 static int grow(hr_op_t *op, unsigned char **p, size_t *cap, size_t bytes) {
@@ -319,6 +336,7 @@ int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, in
     c->rh_chunk = HR_RH_CHUNK_DEFAULT;
     c->direct_max = HR_DIRECT_MAX_DEFAULT;
     c->bcast_tree_max = HR_BCAST_TREE_MAX_DEFAULT;
+    c->cma_min = HR_CMA_MIN_DEFAULT;
     c->twolevel_min = HR_TWOLEVEL_MIN_DEFAULT;
     c->streams = nconn;
     c->threads = 1;
@@ -372,6 +390,7 @@ int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int
     s->spin = lsize > sysconf(_SC_NPROCESSORS_ONLN) ? 0 : 200;
     s->busy = s->spin ? HR_SHM_BUSY_US : 0;
     hr_shm_cell(s, s->lrank)->pid = (int32_t)getpid();
+    hr_shm_cma_publish(s);
     return HR_OK;
 }
 

@@ -41,6 +41,11 @@
  * TCP ring / recursive doubling below (measured, see allreduce.c). */
 #define HR_TWOLEVEL_MIN_DEFAULT ((size_t)8 << 20)
 
+/* One node with shared memory: allgather, broadcast and alltoall read their peers' buffers
+ * directly (cross-memory attach, *_cma.c) when every read is at least this many bytes and the
+ * node's ranks agreed they may (transport_shm.h); the segment's two copies below. */
+#define HR_CMA_MIN_DEFAULT ((size_t)65536)
+
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
 #define HR_RD_THRESHOLD_DEFAULT ((size_t)262144)
 
@@ -105,6 +110,7 @@ typedef struct hr_comm {
     size_t direct_max;          /* allreduce: bytes sent per rank up to which direct exchange is used */
     size_t bcast_tree_max;      /* broadcast: bytes below which the binomial tree is used */
     size_t twolevel_min;        /* several hosts: bytes from which the two-level allreduce runs */
+    size_t cma_min;             /* one node: bytes per peer read from which *_cma.c run */
     uint32_t seq;               /* number of collectives started */
     int streams;                /* connections per peer the ring passes stripe over (<= tcp.nconn) */
     int threads;                /* I/O threads per ring pass (1 = the caller only) */
@@ -205,6 +211,16 @@ int hr_op_shm_wait(hr_op_t *op, const char *what);
 /* After the first wait: check the local peers' collective headers against op->hdr. Returns
  * HR_OK, or HR_ERR with the mismatch recorded. */
 int hr_op_shm_check_peers(hr_op_t *op);
+/* Publish buf as this rank's buffer of the collective in progress (before its first signal). */
+int hr_op_cma_publish(hr_op_t *op, const void *buf);
+/* Read n bytes at byte offset off of local peer l's published buffer into dst. Returns HR_OK, or
+ * HR_ERR with the error recorded (naming the peer; ESRCH: it died). */
+int hr_op_cma_read(hr_op_t *op, int l, void *dst, size_t off, size_t n);
+/* 1 when the collective should read its peers directly: the node agreed and each read is at
+ * least c->cma_min bytes. */
+static inline int hr_use_cma(const hr_comm_t *c, size_t bytes) {
+    return c->shm.cma && bytes && bytes >= c->cma_min;
+}
 /* Attach the comm to an already created/opened segment: lranks[lsize] are the global ranks of
  * this node (this rank among them), col[ncol] the ranks with the same local index on every node
  * (ncol = 1: one node; NULL: nodes differ in rank count, no two-level allreduce). */
@@ -221,6 +237,10 @@ int hr_allgather_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, in
 int hr_broadcast_shm(hr_op_t *op, void *buf, size_t count, int dtype, int root);
 int hr_alltoall_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);
 int hr_barrier_shm(hr_op_t *op);
+/* The same through cross-memory attach (two barriers, one copy; hr_use_cma says when). */
+int hr_allgather_cma(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);
+int hr_broadcast_cma(hr_op_t *op, void *buf, size_t count, int dtype, int root);
+int hr_alltoall_cma(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);
 int hr_allreduce(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype, int redop,
                  double timeout);
 int hr_allreduce_ring(hr_op_t *op, const void *sbuf, void *buf, size_t count, int dtype, int redop);

@@ -20,7 +20,8 @@
  *   rd_threshold, rh_chunk, direct_max, bcast_tree_max, twolevel_min (allreduce.c, broadcast.c),
  *   streams (<= connections per peer), threads, stripe_min (see ring_pass.c)
  *   Comm.shm_attach(name, create, local_ranks, column, slot); shm_unlink(name): shared memory
- *   between the ranks of a node (transport_shm.h; setup and unlinking in collectives/ring.py)
+ *   between the ranks of a node (transport_shm.h; setup and unlinking in collectives/ring.py);
+ *   Comm.shm_cma_probe(), shm_cma, cma_min: reading peers' memory directly (*_cma.c)
  *   reduce(dst, src, dtype, op)   local kernel dst = dst OP src (tests, fused host-side use)
  *   DTYPES {name: (code, itemsize)}, OPS {name: code}: the enums below, by name
  *   P2P, P2PReq: point-to-point (p2p_module.c)
@@ -685,6 +686,42 @@ static int Comm_set_stripe_min(CommObject *self, PyObject *v, void *unused) {
     return 0;
 }
 
+/* shm_cma_probe() -> (ok, errno): can this rank read every local peer's memory (process_vm_readv)?
+ * Only after every local rank attached. ok is the rank's own answer; the node decides (all ranks
+ * must say yes) and sets shm_cma on every rank alike (collectives/ring_shm.py). */
+static PyObject *Comm_shm_cma_probe(CommObject *self, PyObject *unused) {
+    int ok, err;
+    (void)unused;
+    if (check_open(self)) return NULL;
+    if (!self->c.shm.base) {
+        PyErr_SetString(PyExc_ValueError, "no shared memory attached");
+        return NULL;
+    }
+    ok = hr_shm_cma_probe(&self->c.shm, &err);
+    return Py_BuildValue("(Oi)", ok ? Py_True : Py_False, err);
+}
+
+static PyObject *Comm_get_shm_cma(CommObject *self, void *unused) {
+    (void)unused;
+    return PyBool_FromLong(self->c.shm.base && self->c.shm.cma);
+}
+static int Comm_set_shm_cma(CommObject *self, PyObject *v, void *unused) {
+    int on;
+    (void)unused;
+    if (!v || (on = PyObject_IsTrue(v)) < 0) return -1;
+    if (on && !self->c.shm.base) {
+        PyErr_SetString(PyExc_ValueError, "no shared memory attached");
+        return -1;
+    }
+    self->c.shm.cma = on;
+    return 0;
+}
+
+static PyObject *Comm_get_shm_phase(CommObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromUnsignedLong(self->c.shm.base ? self->c.shm.phase : 0);
+}
+
 static PyObject *Comm_get_shm(CommObject *self, void *unused) {
     (void)unused;
     if (!self->c.shm.base) Py_RETURN_NONE;
@@ -699,6 +736,12 @@ static PyGetSetDef Comm_getset[] = {
      "(ranks sharing memory on this host, nodes in the two-level ring or 0), or None", NULL},
     {"bcast_tree_max", (getter)Comm_get_cut, (setter)Comm_set_cut,
      "broadcast bytes below which the binomial tree is used", (void *)offsetof(hr_comm_t, bcast_tree_max)},
+    {"shm_cma", (getter)Comm_get_shm_cma, (setter)Comm_set_shm_cma,
+     "one node: allgather/broadcast/alltoall read peers' memory directly (every local rank the same)", NULL},
+    {"shm_phase", (getter)Comm_get_shm_phase, NULL,
+     "shared-memory barriers (signals) this rank has taken part in so far (0 without a segment)", NULL},
+    {"cma_min", (getter)Comm_get_cut, (setter)Comm_set_cut,
+     "bytes per peer read from which shm_cma is used (every rank the same)", (void *)offsetof(hr_comm_t, cma_min)},
     {"streams", (getter)Comm_get_streams, (setter)Comm_set_streams,
      "connections per peer a ring pass stripes over", NULL},
     {"threads", (getter)Comm_get_threads, (setter)Comm_set_threads,
@@ -732,6 +775,7 @@ static PyMethodDef Comm_methods[] = {
     {"barrier", (PyCFunction)(void (*)(void))Comm_barrier, METH_VARARGS | METH_KEYWORDS, NULL},
     {"close", (PyCFunction)Comm_close, METH_NOARGS, NULL},
     {"shm_attach", (PyCFunction)Comm_shm_attach, METH_VARARGS, NULL},
+    {"shm_cma_probe", (PyCFunction)Comm_shm_cma_probe, METH_NOARGS, "shm_cma_probe() -> (ok, errno)"},
     {"set_peer", (PyCFunction)Comm_set_peer, METH_VARARGS, "set_peer(peer, fds)"},
     {"drop_peer", (PyCFunction)Comm_drop_peer, METH_VARARGS, "drop_peer(peer)"},
     {"peers", (PyCFunction)Comm_peers, METH_NOARGS, "connected peer ranks"},

@@ -15,6 +15,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -176,4 +177,44 @@ int hr_shm_peer_hdr(const hr_shm_t *s, int l, uint32_t start, void *hdr) {
     memcpy(hdr, cl->hdr, sizeof(cl->hdr));
     /* re-read: a header copied while the peer rewrote it for its next collective is discarded */
     return __atomic_load_n(&cl->hstart, __ATOMIC_ACQUIRE) == start;
+}
+
+void hr_shm_cma_publish(hr_shm_t *s) {
+    s->probe = (uint64_t)(uintptr_t)&s->probe ^ HR_SHM_CMA_MAGIC;
+    __atomic_store_n(&hr_shm_cell(s, s->lrank)->cma_probe, (uint64_t)(uintptr_t)&s->probe,
+                     __ATOMIC_RELEASE);
+}
+
+int hr_shm_cma_probe(const hr_shm_t *s, int *err) {
+    int l;
+    *err = 0;
+    for (l = 0; l < s->lsize; l++) {
+        hr_shm_cell_t *cl = hr_shm_cell(s, l);
+        uint64_t at = __atomic_load_n(&cl->cma_probe, __ATOMIC_ACQUIRE), got = 0;
+        if (l == s->lrank) continue;
+        if (!at || hr_shm_cma_read(s, l, &got, at, sizeof(got)) != 0) {
+            *err = at ? errno : ENOENT;
+            return 0;
+        }
+        if (got != (at ^ HR_SHM_CMA_MAGIC)) return 0;   /* another process behind that pid */
+    }
+    return 1;
+}
+
+int hr_shm_cma_read(const hr_shm_t *s, int l, void *dst, uint64_t src, size_t n) {
+    pid_t pid = (pid_t)__atomic_load_n(&hr_shm_cell(s, l)->pid, __ATOMIC_ACQUIRE);
+    unsigned char *d = dst;
+    while (n) {
+        struct iovec lo = {d, n}, re = {(void *)(uintptr_t)src, n};
+        ssize_t got = process_vm_readv(pid, &lo, 1, &re, 1, 0);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) {
+            if (got == 0) errno = EFAULT;
+            return -1;
+        }
+        d += got;           /* a partial transfer stops at a page it could not pin: go on */
+        src += (uint64_t)got;
+        n -= (size_t)got;
+    }
+    return 0;
 }

@@ -41,7 +41,10 @@ typedef struct hr_shm_cell {
     unsigned char hdr[24];  /* hr_hdr_t of the collective in progress */
     uint32_t sleepers;      /* peers in (or entering) FUTEX_WAIT on phase: a signal with none
                              * skips the wake-up system call */
-    unsigned char fill[20];
+    uint32_t fill;
+    uint64_t cma_probe;     /* address of this rank's probe word (hr_shm_cma_probe) */
+    uint64_t cma_addr;      /* the buffer peers read with process_vm_readv in the collective in
+                             * progress (written before its first signal, kept until its last) */
 } hr_shm_cell_t;            /* 64 bytes: one cache line */
 
 typedef struct hr_shm {
@@ -55,6 +58,8 @@ typedef struct hr_shm {
     uint32_t parity;        /* buffer parity of the next piece */
     int spin;               /* sched_yield rounds before sleeping (0 when ranks outnumber cores) */
     int busy;               /* microseconds of counter reads before the sched_yield rounds (idem) */
+    int cma;                /* 1: every local rank can read every other's memory (single copy) */
+    uint64_t probe;         /* its own address ^ HR_SHM_CMA_MAGIC: what a peer's probe must read */
 } hr_shm_t;
 
 /* Why hr_shm_wait stopped waiting (the transport reports; comm.c words the error). */
@@ -99,6 +104,24 @@ int hr_shm_wait(hr_shm_t *s, const hr_tcp_t *tcp, double deadline, const int *fa
  * whose first signal was phase start. Returns 1, or 0 when that peer is not in it (not yet, or
  * already past it: then it passed this collective with us). */
 int hr_shm_peer_hdr(const hr_shm_t *s, int l, uint32_t start, void *hdr);
+
+/* Cross-memory attach (process_vm_readv, Linux >= 3.2): a rank reads a peer's buffer straight
+ * into its own, one copy where the segment takes two. It needs ptrace access to the peer (same
+ * user, and Yama's ptrace_scope, seccomp or a container may forbid it), so the node's ranks probe
+ * at setup and use it only when every one of them can read every other (collectives/ring_shm.py
+ * agrees through the store). */
+#define HR_SHM_CMA_MAGIC 0x6872636d61707262ull /* "hrcmaprb" */
+
+/* Publish this rank's probe word in its cell (hr_comm_shm_attach does it). */
+void hr_shm_cma_publish(hr_shm_t *s);
+
+/* 1 when this rank can read every local peer's probe word (after every local rank attached and
+ * published), 0 when it cannot (errno of the first failure in *err, 0 for a wrong value). */
+int hr_shm_cma_probe(const hr_shm_t *s, int *err);
+
+/* Read n bytes at src in local peer l's memory into dst (process_vm_readv, partial transfers
+ * continued). Returns 0, or -1 with errno set (ESRCH: the peer is gone). */
+int hr_shm_cma_read(const hr_shm_t *s, int l, void *dst, uint64_t src, size_t n);
 
 /* Tell the local peers that this rank failed on its own (it did not die). */
 void hr_shm_set_failed(hr_shm_t *s);

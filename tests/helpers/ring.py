@@ -34,9 +34,11 @@ class ThreadGroup:
 
     def __init__(self, n: int, timeout: float = 30.0, streams: int = 1, threads: int = 1,
                  stripe_min: int | None = None, hosts: tuple[str, ...] | None = None,
-                 shm_piece: int = 4096) -> None:
+                 shm_piece: int = 4096, cma: int | None = None) -> None:
         """hosts: ranks with equal names share memory (as RingBackend.create sets it up);
-        shm_piece: tiny by default so that the tests cross many pieces."""
+        shm_piece: tiny by default so that the tests cross many pieces; cma: read peers' memory
+        directly from reads of this many bytes on (as the ranks agree when every probe succeeds),
+        None: the segment only."""
         fds = [[None] * n for _ in range(n)]
         for i in range(n):
             for j in range(i + 1, n):
@@ -57,6 +59,10 @@ class ThreadGroup:
                             natives[r].twolevel_min = 0      # two-level at every size
                 finally:
                     _native.shm_unlink(seg)
+            for c in natives:
+                if cma is not None and c.shm is not None:
+                    assert c.shm_cma_probe() == (True, 0)
+                    c.shm_cma, c.cma_min = True, cma
         for c in natives:
             c.threads = threads
             if stripe_min is not None:
@@ -198,7 +204,7 @@ def target_kill(comm, victim, nbytes, delay):
     return "finished"
 
 
-def target_sigkill(comm, victim, nbytes, delay):
+def target_sigkill(comm, victim, nbytes, delay, op="allreduce"):
     """Like target_kill, but the victim is SIGKILLed (no exit handlers, no unlinking)."""
     import signal
     import numpy as np
@@ -206,9 +212,26 @@ def target_sigkill(comm, victim, nbytes, delay):
     y = np.empty_like(x)
     if comm.rank == victim:
         threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    call = {"allreduce": lambda: comm.allreduce(x, out=y), "allgather": lambda: comm.allgather(x)}[op]
     for _ in range(100_000):
-        comm.allreduce(x, out=y)
+        call()
     return "finished"
+
+
+def target_direct_reads(comm, count):
+    """allgather, broadcast and alltoall of count int64 per peer: the results, whether the host's
+    ranks agreed to read each other's memory directly and the shared-memory barriers each took."""
+    import numpy as np
+    native = comm.backend._comm
+    x = np.arange(count, dtype=np.int64) * (comm.rank + 1)
+    out, phases = {}, {}
+    for name, call in (("allgather", lambda: comm.allgather(x)),
+                       ("broadcast", lambda: (lambda b: (comm.broadcast(b, root=1), b)[1])(x.copy())),
+                       ("alltoall", lambda: comm.alltoall(np.tile(x, comm.size)))):
+        before = native.shm_phase
+        out[name] = call().tobytes()
+        phases[name] = native.shm_phase - before
+    return {"cma": native.shm_cma, "phases": phases, **out}
 
 
 def target_allreduce_small(comm):

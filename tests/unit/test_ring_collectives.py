@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -100,11 +101,13 @@ def assert_identical(results: list[np.ndarray]) -> None:
 _groups: dict[tuple[int, str], H.ThreadGroup] = {}
 # "striped": 3 streams per peer, 2 I/O threads, and a stripe every 8 bytes, so that even the small
 # sizes below cut their chunks into uneven (some empty) slices on every stream.
-# "shm": one host, all through shared memory (4 KiB pieces); "twolevel": 3 hosts x 2 ranks, shared
+# "shm": one host, all through shared memory (4 KiB pieces); "cma": the same, allgather,
+# broadcast and alltoall reading the peers' buffers directly (process_vm_readv); "twolevel": 3 hosts x 2 ranks, shared
 # memory within a host and striped rings across hosts; "mixed": hosts of different rank counts
 # (shared memory only where a host's whole layout allows it).
 MODES = {"plain": {}, "striped": {"streams": 3, "threads": 2, "stripe_min": 8},
          "shm": {},                                         # hosts: ("h",) * n
+         "cma": {"cma": 1},                                 # hosts: ("h",) * n, direct reads at every size
          "twolevel": {"hosts": ("a", "b", "c", "a", "b", "c"), "streams": 2, "threads": 2, "stripe_min": 8},
          "mixed": {"hosts": ("a", "a", "a", "b", "b")}}
 
@@ -113,7 +116,7 @@ MODES = {"plain": {}, "striped": {"streams": 3, "threads": 2, "stripe_min": 8},
 def group():
     def get(n: int, mode: str = "plain") -> H.ThreadGroup:
         if (n, mode) not in _groups:
-            kw = dict(MODES[mode], **({"hosts": ("h",) * n} if mode == "shm" else {}))
+            kw = dict(MODES[mode], **({"hosts": ("h",) * n} if mode in ("shm", "cma") else {}))
             _groups[n, mode] = H.ThreadGroup(n, **kw)
         return _groups[n, mode]
     yield get
@@ -173,7 +176,8 @@ def test_allreduce_large(group, n, mode, dtype, op):
 
 # ---- the other collectives ---------------------------------------------------------------------
 @pytest.mark.parametrize("n,mode", [(n, "plain") for n in range(1, 7)] + [(2, "striped"), (4, "striped"), (4, "shm"),
-                                                                    (3, "shm"), (6, "twolevel"), (5, "mixed")])
+                                                                    (3, "shm"), (6, "twolevel"), (5, "mixed"),
+                                                                    (2, "cma"), (3, "cma"), (4, "cma")])
 def test_allgather_broadcast_alltoall(group, n, mode):
     g = group(n, mode)
     for dtype in DTYPES:
@@ -641,6 +645,98 @@ def test_shm_sigkilled_rank_is_named_and_leaves_no_segment():
     assert any("recv from rank 2 (h) failed: connection closed by peer (EOF)" in out[r][1] and "it died during the "
                "shared-memory" in out[r][1] for r in (0, 1)), out
     assert _segments() <= before                          # nothing new left in /dev/shm
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_direct_reads_take_two_barriers_where_the_segment_takes_one_per_piece(n):
+    """allgather, broadcast and alltoall of 256 KiB per peer with 4 KiB pieces: the segment
+    signals once a piece (64+), a direct read (process_vm_readv) twice in all; results exact,
+    in place too; below cma_min the segment runs again."""
+    x = [np.arange(1 << 16, dtype=np.float32) + r for r in range(n)]
+    phases = {}
+    for cma in (None, 1 << 16):
+        g = H.ThreadGroup(n, hosts=("h",) * n, cma=cma)
+        try:
+            calls = {"allgather": lambda c: c.allgather(x[c.rank]),
+                     "broadcast": lambda c: c.broadcast(x[c.rank].copy(), root=n - 1),
+                     "alltoall": lambda c: c.alltoall(np.tile(x[c.rank], n)),
+                     "alltoall in place": lambda c: (lambda b: c.alltoall(b, out=b))(np.tile(x[c.rank], n)),
+                     "small allgather": lambda c: c.allgather(x[c.rank][:(1 << 14) - 1])}
+            for name, call in calls.items():
+                before = [c.backend._comm.shm_phase for c in g.comms]
+                res = g.run_ok(call)
+                phases[cma, name] = {c.backend._comm.shm_phase - b for c, b in zip(g.comms, before)}
+                want = {"allgather": np.stack(x), "broadcast": x[n - 1],
+                        "small allgather": np.stack([v[:(1 << 14) - 1] for v in x])}.get(name)
+                for r in range(n):
+                    np.testing.assert_array_equal(res[r], want if want is not None else np.concatenate(x))
+        finally:
+            g.close()
+    for name in ("allgather", "broadcast", "alltoall", "alltoall in place"):
+        assert phases[1 << 16, name] == {2}, (name, phases)
+        assert min(phases[None, name]) >= 64 // n, (name, phases)
+    assert phases[1 << 16, "small allgather"] == phases[None, "small allgather"] and \
+        min(phases[None, "small allgather"]) > 2, phases
+
+
+def test_direct_reads_need_every_rank_of_the_host(monkeypatch):
+    """The host's ranks read each other's memory only when all can and none turned it off: one
+    rank's failed probe (or HPCRING_RING_CMA=0) leaves every rank on the segment."""
+    from hpcring.bootstrap.store_client import StoreClient
+    from hpcring.bootstrap.store_server import StoreServer
+    from hpcring.collectives import ring_shm
+
+    class Probe:
+        def __init__(self, answer):
+            self.answer, self.shm_cma = answer, None
+
+        def shm_cma_probe(self):
+            return self.answer
+
+    srv = StoreServer("127.0.0.1", 0, secret=H.SECRET)
+    try:
+        for answers, env, want in [([(True, 0)] * 3, "1", True), ([(True, 0), (False, 1), (True, 0)], "1", False),
+                                   ([(True, 0)] * 3, "0", False), ([(True, 0), (False, 0)], "1", False)]:
+            monkeypatch.setenv("HPCRING_RING_CMA", env)
+            base = f"w{uuid.uuid4().hex[:6]}"
+            comms = [Probe(a) for a in answers]
+            got = [None] * len(comms)
+
+            def one(r):
+                with StoreClient("127.0.0.1", srv.port, H.SECRET, timeout=10) as st:
+                    got[r] = ring_shm._agree_cma(comms[r], st, base, r, list(range(len(comms))), time.monotonic() + 10)
+            ts = [threading.Thread(target=one, args=(r,)) for r in range(len(comms))]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(15)
+            assert got == [want] * len(comms), (answers, env, got)
+    finally:
+        srv.close()
+
+
+def test_ranks_of_one_host_read_each_other_directly_and_a_killed_reader_is_named():
+    """Processes of one host (RingBackend.create's setup) agree on direct reads: exact results in
+    two barriers a collective; a rank SIGKILLed inside a direct-read allgather is named by its
+    peers within the deadline and leaves no segment behind."""
+    n, count = 3, 1 << 15                                 # 256 KiB a peer: over the 64 KiB cut
+    out = H.spawn_ranks(n, H.target_direct_reads, count, hosts=("h",) * n)
+    assert sorted(out) == list(range(n)) and all(out[r][0] == "ok" for r in range(n)), out
+    xs = [np.arange(count, dtype=np.int64) * (r + 1) for r in range(n)]
+    for r in range(n):
+        res = out[r][1]
+        assert res["cma"] is True and res["phases"] == {"allgather": 2, "broadcast": 2, "alltoall": 2}, res
+        np.testing.assert_array_equal(np.frombuffer(res["allgather"], np.int64), np.concatenate(xs))
+        np.testing.assert_array_equal(np.frombuffer(res["broadcast"], np.int64), xs[1])
+        np.testing.assert_array_equal(np.frombuffer(res["alltoall"], np.int64), np.concatenate(xs))
+    before = _segments()
+    deadline = 20.0
+    out = H.spawn_ranks(3, H.target_sigkill, 2, 8 << 20, 0.3, "allgather", timeout=deadline, hosts=("h",) * 3)
+    assert 2 not in out
+    for r in (0, 1):
+        status, msg, secs = out[r]
+        assert status == "error" and "allgather#" in msg and "rank 2 (h)" in msg and secs < deadline, out[r]
+    assert _segments() <= before
 
 
 @pytest.mark.parametrize("var,value", [("HPCRING_RING_STREAMS", "many"), ("HPCRING_RING_STREAMS", "0"),

@@ -2,6 +2,8 @@
 its name, mapping it."""
 from __future__ import annotations
 
+import logging
+import os
 import time
 
 from hpcring.bootstrap import auth
@@ -9,6 +11,8 @@ from hpcring.bootstrap.store_wire import StoreTimeoutError
 from hpcring.collectives.ring_peers import node_layout
 from hpcring.config import envvars
 from hpcring.errors import BootstrapError
+
+log = logging.getLogger("hpcring.collectives.ring")
 
 try:
     from hpcring import _native
@@ -31,6 +35,20 @@ def shm_name(secret: bytes, job: str, base: str, host: str) -> str:
     return "/hpcring-" + auth.mac(secret, b"hpcring-ring-v1 shm", *(s.encode() + b"\0" for s in parts)).hex()[:32]
 
 
+def _agree_cma(comm, store, base: str, rank: int, local: list[int], deadline: float) -> bool:
+    """Whether the host's collectives may read peers' memory directly (native/transport_shm.h):
+    only when every local rank can read every other's (ptrace rules, Yama, seccomp and containers
+    differ per process) and none turned it off (HPCRING_RING_CMA=0); one more store round of the
+    host's ranks, all of them taking part whatever their answer."""
+    ok, err = comm.shm_cma_probe() if envvars.get("HPCRING_RING_CMA") else (False, 0)
+    if not ok and err:
+        log.info("rank %d: cannot read this host's other ranks' memory (%s): shared memory copies "
+                 "twice", rank, os.strerror(err))
+    store.set(f"{base}/shm/cma/{rank}", b"1" if ok else b"0")
+    answers = store.gather([f"{base}/shm/cma/{r}" for r in local], timeout=max(0.1, deadline - time.monotonic()))
+    return all(a == b"1" for a in answers)
+
+
 def attach_shm(comm, store, secret: bytes, base: str, rank: int, hosts: tuple[str, ...],
                deadline: float, job: str = "") -> None:
     """Map the host's shared-memory segment (see :mod:`hpcring.collectives.ring`); no-op for a rank
@@ -51,6 +69,7 @@ def attach_shm(comm, store, secret: bytes, base: str, rank: int, hosts: tuple[st
             comm.shm_attach(name, False, local, column, piece)
         store.set(f"{base}/shm/mapped/{rank}", b"1")
         store.gather([f"{base}/shm/mapped/{r}" for r in local], timeout=max(0.1, deadline - time.monotonic()))
+        comm.shm_cma = _agree_cma(comm, store, base, rank, local, deadline)
     except _native.NativeError as e:
         raise BootstrapError(f"ring setup: rank {rank} ({hosts[rank]}): shared memory: {e}",
                              hint="check /dev/shm (size, permissions), or turn shared memory "
