@@ -35,7 +35,7 @@ int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dt
     if (count % (size_t)n)
         return hr_op_fail(&op, "count %zu is not divisible by the world size %d", count, n);
     if (c->shm.base && c->shm.ncol == 1)
-        return hr_use_cma(c, count / (size_t)n * esz)
+        return hr_use_cma(c, count / (size_t)n * esz, c->cma_min)
                    ? hr_alltoall_cma(&op, sbuf, rbuf, count, dtype)
                    : hr_alltoall_shm(&op, sbuf, rbuf, count, dtype);
     blk = count / (size_t)n * esz;

@@ -1,6 +1,6 @@
 /* broadcast.c -- broadcast entry point: binomial tree for small messages, pipelined chain for
  * large ones; on one node with a shared-memory segment, broadcast_shm.c (broadcast_cma.c from
- * c->cma_min bytes where the node's ranks may read each other's memory).
+ * c->cma_gather_min bytes where the node's ranks may read each other's memory).
  *
  * Cut-over: the tree (broadcast_tree.c) costs ceil(log2 n)(a + S b), the chain
  * (broadcast_pipeline.c) about (n-1) a + S b (+ the pipeline fill), so the tree wins for small S
@@ -24,7 +24,7 @@ int hr_broadcast(hr_comm_t *c, void *buf, size_t count, int dtype, int root, dou
     if (c->shm.base && c->shm.ncol == 1) {
         if (hr_op_begin(&op, c, HR_K_BROADCAST, dtype, 0, count, root, timeout) != HR_OK)
             return HR_ERR;
-        return hr_use_cma(c, count * hr_dtype_size(dtype)) ? hr_broadcast_cma(&op, buf, count, dtype, root)
+        return hr_use_cma(c, count * hr_dtype_size(dtype), c->cma_gather_min) ? hr_broadcast_cma(&op, buf, count, dtype, root)
                                                            : hr_broadcast_shm(&op, buf, count, dtype, root);
     }
     if (count * hr_dtype_size(dtype) >= c->bcast_tree_max || c->size <= 2)

@@ -9,6 +9,7 @@
 #include "hr_internal.h"
 
 #include <math.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -210,10 +211,24 @@ int hr_op_cma_publish(hr_op_t *op, const void *buf) {
 int hr_op_cma_read(hr_op_t *op, int l, void *dst, size_t off, size_t n) {
     hr_shm_t *s = &op->c->shm;
     uint64_t at = __atomic_load_n(&hr_shm_cell(s, l)->cma_addr, __ATOMIC_ACQUIRE);
+    int peer = s->lranks[l], fd, e;
+    char why[160];
     if (!n || hr_shm_cma_read(s, l, dst, at + off, n) == 0) return HR_OK;
-    return hr_op_fail(op, "%s: reading %zu bytes from rank %d (%s, same node) with process_vm_readv "
-                      "failed: %s%s", op->name, n, s->lranks[l], op->c->hosts ? op->c->hosts[s->lranks[l]] : "?",
-                      strerror(errno), errno == ESRCH ? " (the process is gone: it died)" : "");
+    if ((e = errno) == ESRCH) {
+        /* An exiting process drops its memory before its sockets: wait (briefly) for the EOF the
+         * other ranks will see, so that they name the dead rank and not this one's failure. */
+        if ((fd = hr_tcp_fd(&op->c->tcp, peer)) >= 0) {
+            struct pollfd p = {fd, POLLRDHUP, 0};
+            double left = op->deadline - hr_now();
+            poll(&p, 1, left < 0 ? 0 : left > 2.0 ? 2000 : (int)(left * 1000));
+        }
+        snprintf(why, sizeof(why), "failed: its memory is gone (process_vm_readv: %s): it died "
+                 "during the shared-memory %s (same node)", strerror(e), op->name);
+        return hr_op_fail_peer(op, 1, peer, why);
+    }
+    snprintf(why, sizeof(why), "failed: reading its buffer with process_vm_readv: %s (same node)",
+             strerror(e));
+    return hr_op_fail_peer(op, 1, peer, why);
 }
 
 static int grow(hr_op_t *op, unsigned char **p, size_t *cap, size_t bytes) {
@@ -337,6 +352,7 @@ int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, in
     c->direct_max = HR_DIRECT_MAX_DEFAULT;
     c->bcast_tree_max = HR_BCAST_TREE_MAX_DEFAULT;
     c->cma_min = HR_CMA_MIN_DEFAULT;
+    c->cma_gather_min = HR_CMA_GATHER_MIN_DEFAULT;
     c->twolevel_min = HR_TWOLEVEL_MIN_DEFAULT;
     c->streams = nconn;
     c->threads = 1;

@@ -41,10 +41,19 @@
  * TCP ring / recursive doubling below (measured, see allreduce.c). */
 #define HR_TWOLEVEL_MIN_DEFAULT ((size_t)8 << 20)
 
-/* One node with shared memory: allgather, broadcast and alltoall read their peers' buffers
- * directly (cross-memory attach, *_cma.c) when every read is at least this many bytes and the
- * node's ranks agreed they may (transport_shm.h); the segment's two copies below. */
-#define HR_CMA_MIN_DEFAULT ((size_t)65536)
+/* One node with shared memory, where the node's ranks agreed they may (transport_shm.h): alltoall
+ * reads its peers' blocks directly (alltoall_cma.c) from blocks of this many bytes, the segment's
+ * two copies below. Measured with hpcring bench -B ring, HPCRING_RING_CMA=0 vs 1, 2 cores, best
+ * of 2 runs, segment time / direct time: 2 ranks 0.53x at 512 KiB blocks, 1.30x at 2 MiB; 4 ranks
+ * 1.16x at 256 KiB, 1.34x at 1 MiB, 1.41x at 16 MiB; 8 ranks 0.80x at 128 KiB, 1.19x at 512 KiB,
+ * 1.98x at 2 MiB, 2.32x at 8 MiB (the segment's pieces are slot/L per block: more barriers). */
+#define HR_CMA_MIN_DEFAULT ((size_t)1 << 20)
+/* allgather and broadcast read directly (allgather_cma.c, broadcast_cma.c) from this many bytes
+ * per peer; 0: never, the default. Measured the same way they lost at almost every point (allgather
+ * 0.47-0.96x at 2-8 ranks, 256 KiB-64 MiB, but 1.24-1.26x at 2 ranks from 16 MiB; broadcast
+ * 0.3-1.0x): the segment's pipelined pieces stay in cache, a direct read of a whole buffer does
+ * not. Where many cores and no hypervisor change that, set it (HPCRING_RING_CMA_GATHER_MIN). */
+#define HR_CMA_GATHER_MIN_DEFAULT ((size_t)0)
 
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
 #define HR_RD_THRESHOLD_DEFAULT ((size_t)262144)
@@ -110,7 +119,8 @@ typedef struct hr_comm {
     size_t direct_max;          /* allreduce: bytes sent per rank up to which direct exchange is used */
     size_t bcast_tree_max;      /* broadcast: bytes below which the binomial tree is used */
     size_t twolevel_min;        /* several hosts: bytes from which the two-level allreduce runs */
-    size_t cma_min;             /* one node: bytes per peer read from which *_cma.c run */
+    size_t cma_min;             /* one node: alltoall block bytes from which alltoall_cma.c runs */
+    size_t cma_gather_min;      /* one node: bytes per peer from which allgather/broadcast_cma.c run (0: never) */
     uint32_t seq;               /* number of collectives started */
     int streams;                /* connections per peer the ring passes stripe over (<= tcp.nconn) */
     int threads;                /* I/O threads per ring pass (1 = the caller only) */
@@ -216,10 +226,10 @@ int hr_op_cma_publish(hr_op_t *op, const void *buf);
 /* Read n bytes at byte offset off of local peer l's published buffer into dst. Returns HR_OK, or
  * HR_ERR with the error recorded (naming the peer; ESRCH: it died). */
 int hr_op_cma_read(hr_op_t *op, int l, void *dst, size_t off, size_t n);
-/* 1 when the collective should read its peers directly: the node agreed and each read is at
- * least c->cma_min bytes. */
-static inline int hr_use_cma(const hr_comm_t *c, size_t bytes) {
-    return c->shm.cma && bytes && bytes >= c->cma_min;
+/* 1 when the collective should read its peers directly: the node agreed, and each read is at
+ * least cut bytes (c->cma_min or c->cma_gather_min; a cut of 0 never). */
+static inline int hr_use_cma(const hr_comm_t *c, size_t bytes, size_t cut) {
+    return c->shm.cma && cut && bytes >= cut;
 }
 /* Attach the comm to an already created/opened segment: lranks[lsize] are the global ranks of
  * this node (this rank among them), col[ncol] the ranks with the same local index on every node

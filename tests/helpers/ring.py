@@ -62,7 +62,7 @@ class ThreadGroup:
             for c in natives:
                 if cma is not None and c.shm is not None:
                     assert c.shm_cma_probe() == (True, 0)
-                    c.shm_cma, c.cma_min = True, cma
+                    c.shm_cma, c.cma_min, c.cma_gather_min = True, cma, cma
         for c in natives:
             c.threads = threads
             if stripe_min is not None:
@@ -212,7 +212,7 @@ def target_sigkill(comm, victim, nbytes, delay, op="allreduce"):
     y = np.empty_like(x)
     if comm.rank == victim:
         threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
-    call = {"allreduce": lambda: comm.allreduce(x, out=y), "allgather": lambda: comm.allgather(x)}[op]
+    call = {"allreduce": lambda: comm.allreduce(x, out=y), "alltoall": lambda: comm.alltoall(x, out=y)}[op]
     for _ in range(100_000):
         call()
     return "finished"

@@ -651,7 +651,7 @@ def test_shm_sigkilled_rank_is_named_and_leaves_no_segment():
 def test_direct_reads_take_two_barriers_where_the_segment_takes_one_per_piece(n):
     """allgather, broadcast and alltoall of 256 KiB per peer with 4 KiB pieces: the segment
     signals once a piece (64+), a direct read (process_vm_readv) twice in all; results exact,
-    in place too; below cma_min the segment runs again."""
+    in place too; below the cut (cma_min, cma_gather_min) the segment runs again."""
     x = [np.arange(1 << 16, dtype=np.float32) + r for r in range(n)]
     phases = {}
     for cma in (None, 1 << 16):
@@ -716,26 +716,27 @@ def test_direct_reads_need_every_rank_of_the_host(monkeypatch):
 
 
 def test_ranks_of_one_host_read_each_other_directly_and_a_killed_reader_is_named():
-    """Processes of one host (RingBackend.create's setup) agree on direct reads: exact results in
-    two barriers a collective; a rank SIGKILLed inside a direct-read allgather is named by its
-    peers within the deadline and leaves no segment behind."""
-    n, count = 3, 1 << 15                                 # 256 KiB a peer: over the 64 KiB cut
+    """Processes of one host (RingBackend.create's setup) agree on direct reads, which alltoall
+    takes from 1 MiB blocks on (two barriers; allgather and broadcast stay on the segment, one
+    barrier for one piece); a rank SIGKILLed inside a direct-read alltoall is named by its peers
+    within the deadline and leaves no segment behind."""
+    n, count = 3, 1 << 17                                 # 1 MiB a block: the default cut
     out = H.spawn_ranks(n, H.target_direct_reads, count, hosts=("h",) * n)
     assert sorted(out) == list(range(n)) and all(out[r][0] == "ok" for r in range(n)), out
     xs = [np.arange(count, dtype=np.int64) * (r + 1) for r in range(n)]
     for r in range(n):
         res = out[r][1]
-        assert res["cma"] is True and res["phases"] == {"allgather": 2, "broadcast": 2, "alltoall": 2}, res
+        assert res["cma"] is True and res["phases"] == {"allgather": 1, "broadcast": 1, "alltoall": 2}, res
         np.testing.assert_array_equal(np.frombuffer(res["allgather"], np.int64), np.concatenate(xs))
         np.testing.assert_array_equal(np.frombuffer(res["broadcast"], np.int64), xs[1])
         np.testing.assert_array_equal(np.frombuffer(res["alltoall"], np.int64), np.concatenate(xs))
     before = _segments()
     deadline = 20.0
-    out = H.spawn_ranks(3, H.target_sigkill, 2, 8 << 20, 0.3, "allgather", timeout=deadline, hosts=("h",) * 3)
+    out = H.spawn_ranks(3, H.target_sigkill, 2, 12 << 20, 0.3, "alltoall", timeout=deadline, hosts=("h",) * 3)
     assert 2 not in out
     for r in (0, 1):
         status, msg, secs = out[r]
-        assert status == "error" and "allgather#" in msg and "rank 2 (h)" in msg and secs < deadline, out[r]
+        assert status == "error" and "alltoall#" in msg and "rank 2 (h)" in msg and secs < deadline, out[r]
     assert _segments() <= before
 
 

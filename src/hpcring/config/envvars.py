@@ -141,10 +141,13 @@ VARS: tuple[Var, ...] = (
        "its peers; those its algorithms always use count first, alltoall opens the others in "
        "windows within the rest (at least 2) and closes them; the same on every rank. Unset: no limit "
        "in jobs of up to 256 ranks (alltoall never reconnects), 48 in larger ones", 2, 1 << 20),
-    _v("HPCRING_RING_CMA", "bool", True, "shared memory: allgather, broadcast and alltoall read the "
-       "other ranks' buffers directly (process_vm_readv, one copy) where every rank of the host can"),
-    _v("HPCRING_RING_CMA_MIN", "int", None, "shared memory: bytes a direct read must have, per peer, "
-       "for allgather/broadcast/alltoall to read directly (unset: the measured 64 KiB)", 0, 1 << 62),
+    _v("HPCRING_RING_CMA", "bool", True, "shared memory: collectives may read the other ranks' buffers "
+       "directly (process_vm_readv, one copy) where every rank of the host can"),
+    _v("HPCRING_RING_CMA_MIN", "int", None, "shared memory: alltoall reads its peers' blocks directly "
+       "from blocks of this many bytes (unset: the measured 1 MiB; 0: never)", 0, 1 << 62),
+    _v("HPCRING_RING_CMA_GATHER_MIN", "int", None, "shared memory: allgather and broadcast read their "
+       "peers' buffers directly from this many bytes per peer (unset or 0: never; measured slower than "
+       "the segment on a 2-core VM)", 0, 1 << 62),
     _v("HPCRING_RING_SHM_PIECE", "int", None, "shared-memory piece per rank and buffer, bytes "
        "(unset: 1 MiB per local rank, 1-8 MiB)", 4096, 1 << 30),
     # -- hpcring.torch (the Horovod API) and torch's own backends --
