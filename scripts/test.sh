@@ -30,33 +30,37 @@ pytest=(.venv/bin/python -u -m pytest -q -p no:cacheprovider --durations=30)   #
 if [[ $# -gt 0 ]]; then
     "${pytest[@]}" --basetemp="$tmp" "$@" || rc=$?
 else
-    # The in-process tier first, on both cores: a failure there stops before the ranks and the cluster.
+    # Two tracks side by side: the dev cluster's jobs, and on this machine the in-process tier (on
+    # both cores) then ranks on this machine. The cluster's track is mostly waiting (the scheduler,
+    # deadlines, sleeping ranks) and neither track uses the other's resources (the local tiers
+    # never submit to the cluster); a unit failure skips the integration tier. Each line is
+    # prefixed with its tier; each tier prints its own 30 slowest tests and its time.
     t0=$(date +%s)
-    "${pytest[@]}" -n "${HPCRING_TEST_WORKERS:-2}" --basetemp="$tmp/unit" tests/unit || rc=$?
-    echo "test.sh: unit tier $(( $(date +%s) - t0 )) s, exit $rc"
-    if [[ $rc -eq 0 ]]; then
-        # Ranks on this machine and the dev cluster's jobs at the same time: both tiers spend most
-        # of their time waiting (deadlines, the scheduler, sleeping ranks), and neither uses the
-        # other's resources (the local tier never submits to the cluster). Each line is prefixed
-        # with its tier; each tier prints its own 30 slowest tests and its time.
-        t0=$(date +%s)
-        tier() {   # tier NAME: run tests/NAME, prefix its lines, write its exit status to $tmp/NAME.rc
-            local r=0
-            "${pytest[@]}" --basetemp="$tmp/$1" "tests/$1" > >(sed -u "s/^/[$1] /") 2>&1 || r=$?
-            echo "test.sh: $1 tier $(( $(date +%s) - t0 )) s, exit $r"
-            echo "$r" > "$tmp.$1.rc"
-        }
-        mkdir -p "$tmp"
-        rm -f "$tmp.integration.rc" "$tmp.devcluster.rc"
-        tier integration & a=$!
-        tier devcluster & b=$!
-        wait "$a" "$b"
-        for t in integration devcluster; do
-            r=$(cat "$tmp.$t.rc" 2>/dev/null || echo 1)
-            [[ "$r" == 0 ]] || rc=$r
-        done
-        echo "test.sh: integration and devcluster tiers side by side $(( $(date +%s) - t0 )) s, exit $rc"
-    fi
+    mkdir -p "$tmp"
+    rm -f "$tmp".*.rc
+    tier() {   # tier NAME [pytest args]: run tests/NAME, prefix its lines, write its exit status to $tmp.NAME.rc
+        local r=0 name=$1
+        shift
+        "${pytest[@]}" --basetemp="$tmp/$name" "$@" "tests/$name" > >(sed -u "s/^/[$name] /") 2>&1 || r=$?
+        echo "test.sh: $name tier $(( $(date +%s) - t0 )) s after the start, exit $r"
+        echo "$r" > "$tmp.$name.rc"
+    }
+    local_track() {
+        tier unit -n "${HPCRING_TEST_WORKERS:-2}"
+        if [[ "$(cat "$tmp.unit.rc")" == 0 ]]; then
+            tier integration
+        else
+            echo "test.sh: the unit tier failed: the integration tier does not run"
+        fi
+    }
+    local_track & a=$!
+    tier devcluster & b=$!
+    wait "$a" "$b"
+    for t in unit integration devcluster; do
+        r=$(cat "$tmp.$t.rc" 2>/dev/null || echo 1)
+        [[ "$r" == 0 ]] || rc=$r
+    done
+    echo "test.sh: the tiers side by side $(( $(date +%s) - t0 )) s, exit $rc"
 fi
 
 if [[ "${HPCRING_KEEP_DEVCLUSTER:-1}" == "0" ]]; then

@@ -73,11 +73,26 @@ def test_cancel_stops_running_job(hpcring, local_env, tmp_path):
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:2]
 
 
-def test_time_limit_enforced(hpcring, local_env, tmp_path):
-    sleeper = tmp_path / "sleep.py"
-    sleeper.write_text("import time\ntime.sleep(300)\n")
-    r = hpcring("submit", str(sleeper), "--time", "1", "--wait", env=dict(local_env), timeout=150)
-    assert r.returncode != 0 and "TIMEOUT" in r.stderr
+def test_time_limit_reaches_the_job_and_is_enforced(hpcring, local_env, tmp_path):
+    """--time 1 reaches the job's supervisor as 60 s (read back from a rank), and the supervisor
+    stops ranks that outlive their limit with TIMEOUT: the latter run straight through
+    local_run with a 2 s limit, as the rendered script starts it, instead of waiting out a minute."""
+    import os
+    import subprocess
+    import sys
+    show = tmp_path / "show.py"
+    show.write_text("import os\nprint('LIMIT', os.environ['HPCRING_TIME_LIMIT_S'], flush=True)\n")
+    r = hpcring("submit", str(show), "--time", "1", "--wait", env=dict(local_env))
+    assert r.returncode == 0 and "LIMIT 60" in r.stdout, r.stdout + r.stderr
+    folder = tmp_path / "run"
+    env = dict(os.environ, HPCRING_LOCAL_JOB_ID="77", HPCRING_TIME_LIMIT_S="2", **local_env)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "hpcring.schedulers.local_run", "--nodes", "1", "--tasks-per-node",
+                        "2", "--folder", str(folder), "--", sys.executable, "-c", "'import time; time.sleep(300)'"],
+                       env=env, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    state = json.loads((folder / "77_local.json").read_text())
+    assert p.returncode == 1 and state["state"] == "TIMEOUT", (p.stdout, p.stderr, state)
+    assert time.monotonic() - t0 < 30, "the ranks outlived their limit by far"
 
 
 def test_secret_outlives_the_first_rank_to_finish(hpcring, local_env):
