@@ -114,14 +114,13 @@ def test_4_sigkilled_rank_is_dead():
 def test_5_cut_link_names_the_unreachable_host():
     def cut(folder):
         # wait until every rank is looping over large allreduces, then take node2's link down
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            logs = "".join(p.read_text(errors="replace") for p in folder.glob("*_log.out"))
-            if logs.count("phase=looping") >= 6:
-                break
+        deadline, seen = time.time() + 120, False
+        while time.time() < deadline and not seen:     # the logs are in the job's own folder below
+            logs = "".join(p.read_text(errors="replace") for p in folder.rglob("*_log.out"))
+            seen = logs.count("phase=looping") >= 6
             time.sleep(0.2)
         time.sleep(1.0)
-        t = time.time()
+        t = time.time() if seen else None    # not seen: still cut (the job ends) but the test fails
         subprocess.run(["ip", "link", "set", "hpcv-node2", "down"], check=True)
         # Keep it cut until node2's ranks had to give up (deadline + store timeout + grace), then
         # heal it so that slurmd can report the step: a link that stays down is a NODE_FAIL.
