@@ -302,3 +302,46 @@ def test_an_environment_default_without_wait_is_ignored_with_a_warning(cli, tmp_
     assert "Submitted job" in r.output
     assert "warning: max_restarts 2 (env HPCRING_MAX_RESTARTS) applies to `submit --wait` on a single job only" \
         in r.output
+
+
+@pytest.mark.parametrize("site_name", ["devcluster", "devcluster-lsf"])
+def test_spares_used_up_inside_the_allocation_then_resubmission_leaves_every_blamed_node_out(
+        tmp_path, monkeypatch, site_name):
+    """--spare-nodes 1 --max-restarts 3 --wait: the allocation's step loop replaced node2 by the
+    spare node3, then lost node3 with no spare left, and the job ended. The follower counts that
+    restart, resubmits once with node2 and node3 left out (Slurm --exclude, LSF select[hname!=]),
+    restart count 2 for the ranks, 1 step restart left for the new allocation; when the restarts
+    inside used the budget up, nothing is resubmitted."""
+    from hpcring.config.jobspec import plan_step_restarts
+    from hpcring.steps_record import STEPS_FILE
+    site = _site(site_name)
+    for limit, inside_steps, resubmitted in ((3, 2, True), (2, 3, False)):
+        job = _job(site)
+        job.spare_nodes = 1
+        plan_step_restarts(site, job, limit, environ={})
+        assert job.step_restarts == limit and job.alloc_nodes == 3
+        lib = _FakeLib(tmp_path / f"{limit}", [False, True])
+        (tmp_path / f"{limit}").mkdir()
+        jobs = []
+
+        def submit(site_, job_, template, lib=lib, jobs=jobs):
+            jobs.append(job_)
+            return lib.submit(site_, job_, template)
+        first = lib.rec(100)
+        hosts = [["node1", "node2"], ["node1", "node3"], ["node1"]]
+        blamed = [{"node2": "lost (task 1 killed; srun)"}, {"node3": "lost (task 1 killed; srun)"}, {}]
+        (Path(first.folder) / STEPS_FILE).write_text(json.dumps({"allocation": ["node1", "node2", "node3"], "steps": [
+            {"step": k, "hosts": hosts[k], "blamed": blamed[k], "end": "FAILED", "size": len(hosts[k])}
+            for k in range(inside_steps)]}))
+        monkeypatch.setattr(restarts, "verdict", lambda rec, oc: Verdict(True, "rank 1 (node3) lost", ("node3",)))
+        said = []
+        restarts.follow_restarting(site, job, first, limit, submit=submit, follow=lib.follow, info=said.append)
+        if not resubmitted:
+            assert jobs == [] and f"{limit} restart(s) were already made" in said[-1], said
+            continue
+        assert len(jobs) == 1 and jobs[0].exclude == ["node2", "node3"], [j.exclude for j in jobs]
+        assert jobs[0].env["HPCRING_RESTART_COUNT"] == "2" and jobs[0].step_restarts == 1
+        assert "restart 1 of at most 3 (excluding node2,node3)" in said[0], said
+        text = render_script(site, jobs[0], COMMAND, "/jobs/%j", python="/usr/bin/python3")
+        assert ("#SBATCH --exclude=node2,node3\n" in text if site.config.scheduler == "slurm"
+                else "select[hname!=node2 && hname!=node3]" in text), text
