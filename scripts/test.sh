@@ -34,14 +34,17 @@ else
     # (the scheduler, deadlines, sleeping ranks), the in-process tier mostly computes (one worker:
     # one core); none uses another's resources (the local tiers never submit to the cluster).
     # Each line is prefixed with its tier; each tier prints its own 30 slowest tests and its time.
-    # (HPCRING_TEST_WORKERS > 1: the unit tier on that many pytest-xdist workers.)
+    # (HPCRING_TEST_WORKERS > 1: the unit tier on that many pytest-xdist workers.) A unit failure
+    # stops the other two at once.
     t0=$(date +%s)
     mkdir -p "$tmp"
     rm -f "$tmp".*.rc
     tier() {   # tier NAME [pytest args]: run tests/NAME, prefix its lines, write its exit status to $tmp.NAME.rc
         local r=0 name=$1
         shift
-        "${pytest[@]}" --basetemp="$tmp/$name" "$@" "tests/$name" > >(sed -u "s/^/[$name] /") 2>&1 || r=$?
+        "${pytest[@]}" --basetemp="$tmp/$name" "$@" "tests/$name" > >(sed -u "s/^/[$name] /") 2>&1 &
+        echo "$!" > "$tmp.$name.pid"
+        wait "$!" || r=$?
         echo "test.sh: $name tier $(( $(date +%s) - t0 )) s after the start, exit $r"
         echo "$r" > "$tmp.$name.rc"
     }
@@ -49,10 +52,17 @@ else
     if [[ "$workers" -gt 1 ]]; then tier unit -n "$workers" & u=$!; else tier unit & u=$!; fi
     tier integration & a=$!
     tier devcluster & b=$!
-    wait "$u" "$a" "$b"
-    for t in unit integration devcluster; do
+    wait "$u" || true
+    if [[ "$(cat "$tmp.unit.rc" 2>/dev/null || echo 1)" != 0 ]]; then
+        # the unit tier failed: stop early, as a failing first tier would (the others' pytest ends;
+        # their jobs end with the dev cluster below or with this machine)
+        echo "test.sh: the unit tier failed: stopping the integration and devcluster tiers"
+        kill -TERM "$(cat "$tmp.integration.pid")" "$(cat "$tmp.devcluster.pid")" 2>/dev/null || true
+    fi
+    wait "$a" "$b" || true
+    for t in unit integration devcluster; do      # the first failing tier's status
         r=$(cat "$tmp.$t.rc" 2>/dev/null || echo 1)
-        [[ "$r" == 0 ]] || rc=$r
+        [[ "$r" == 0 || "$rc" != 0 ]] || rc=$r
     done
     echo "test.sh: the tiers side by side $(( $(date +%s) - t0 )) s, exit $rc"
 fi
