@@ -202,10 +202,9 @@ int hr_op_shm_check_peers(hr_op_t *op) {
     return HR_OK;
 }
 
-int hr_op_cma_publish(hr_op_t *op, const void *buf) {
+void hr_op_cma_publish(hr_op_t *op, const void *buf) {
     __atomic_store_n(&hr_shm_cell(&op->c->shm, op->c->shm.lrank)->cma_addr, (uint64_t)(uintptr_t)buf,
                      __ATOMIC_RELEASE);
-    return HR_OK;
 }
 
 int hr_op_cma_read(hr_op_t *op, int l, void *dst, size_t off, size_t n) {

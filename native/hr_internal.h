@@ -222,7 +222,7 @@ int hr_op_shm_wait(hr_op_t *op, const char *what);
  * HR_OK, or HR_ERR with the mismatch recorded. */
 int hr_op_shm_check_peers(hr_op_t *op);
 /* Publish buf as this rank's buffer of the collective in progress (before its first signal). */
-int hr_op_cma_publish(hr_op_t *op, const void *buf);
+void hr_op_cma_publish(hr_op_t *op, const void *buf);
 /* Read n bytes at byte offset off of local peer l's published buffer into dst. Returns HR_OK, or
  * HR_ERR with the error recorded (naming the peer; ESRCH: it died). */
 int hr_op_cma_read(hr_op_t *op, int l, void *dst, size_t off, size_t n);
