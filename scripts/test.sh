@@ -39,12 +39,43 @@ else
     t0=$(date +%s)
     mkdir -p "$tmp"
     rm -f "$tmp".*.rc
+    # A tier past its deadline (HPCRING_TIER_DEADLINE s, default 45 min; a tier takes 8-27) shows
+    # what it is doing (the test's stack, the processes under it, the cluster's queue) and is
+    # stopped with SIGTERM, so pytest names the test it was in and prints its summary (conftest.py;
+    # a minute later SIGKILL): CI's 90
+    # minutes never end in silence. (Each test has its own 15-minute ceiling too: pyproject.toml.)
+    deadline=${HPCRING_TIER_DEADLINE:-2700}
+    overdue() {   # overdue NAME PID: after the deadline, say what the tier is doing, then stop it
+        local name=$1 pid=$2 end=$(( $(date +%s) + deadline ))
+        while kill -0 "$pid" 2>/dev/null; do
+            if [[ $(date +%s) -ge $end ]]; then
+                {
+                    echo "test.sh: the $name tier ran past ${deadline}s; what it is doing:"
+                    # the test's frames, without pytest's and pluggy's own
+                    timeout 30 .venv/bin/py-spy dump --pid "$pid" 2>&1 \
+                        | grep -v -e '^ *$' -e '(_pytest/' -e '(pluggy/' -e '(pytest/' -e '<frozen runpy>' | head -40
+                    ps -o pid,etimes,stat,args --ppid "$pid" 2>/dev/null | cut -c1-160 | head -20
+                    if [[ $name == devcluster ]]; then
+                        timeout 20 squeue -o '%i %T %M %D %R %j' 2>&1 | head -15
+                        timeout 20 sinfo -N -h -o '%N %T %E' 2>&1 | head -10
+                    fi
+                } | sed "s/^/[$name] /"
+                kill -TERM "$pid" 2>/dev/null || true
+                for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1 >/dev/null 2>&1; done
+                kill -KILL "$pid" 2>/dev/null || true
+                return
+            fi
+            sleep 5 >/dev/null 2>&1   # holds no pipe of the tier's once this watch is stopped
+        done
+    }
     tier() {   # tier NAME [pytest args]: run tests/NAME, prefix its lines, write its exit status to $tmp.NAME.rc
-        local r=0 name=$1
+        local r=0 name=$1 watch
         shift
         "${pytest[@]}" --basetemp="$tmp/$name" "$@" "tests/$name" > >(sed -u "s/^/[$name] /") 2>&1 &
         echo "$!" > "$tmp.$name.pid"
-        wait "$!" || r=$?
+        overdue "$name" "$!" & watch=$!
+        wait "$(cat "$tmp.$name.pid")" || r=$?
+        kill "$watch" 2>/dev/null || true
         echo "test.sh: $name tier $(( $(date +%s) - t0 )) s after the start, exit $r"
         echo "$r" > "$tmp.$name.rc"
     }

@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -6,6 +7,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    """SIGTERM ends the run as Ctrl-C does: pytest names the test it was in and prints its summary.
+    scripts/test.sh stops a tier past its deadline so; SIGINT would not do, as a background job of a
+    script starts with SIGINT ignored. (Not in a pytest-xdist worker: its controller stops it.)"""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 @pytest.fixture
