@@ -254,7 +254,10 @@ def run_one(where: str, backend: str, fault: str, deadline: float = 6.0) -> Resu
         res.out, _ = p.communicate(timeout=420)
     except subprocess.TimeoutExpired:
         p.kill()
-        res.out, _ = p.communicate()
+        try:    # bounded: a child of the runner may still hold its output open
+            res.out, _ = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            res.out = ""
         res.notes.append("runner timed out")
     res.rc = p.returncode
     if fault in LINK_FAULTS:

@@ -80,6 +80,12 @@ def submit(site: Site, job: JobSpec, template: str | None = None, entry=None) ->
     preview(site, job, template, warn=False)   # a template that fails or is no job script: nothing made
     state_dir()                                # where the record goes: an unusable one is refused now
     mod = schedulers.get(site.config.scheduler)
+    never = mod.never_fits(site, job)
+    if never:
+        raise SchedulerError(f"{mod.COMMAND} would take this job and never start it: {never}",
+                             hint="ask for fewer nodes (--nodes, --spare-nodes), have the closed or down "
+                                  "hosts reopened or repaired, or stop leaving hosts out (--exclude; "
+                                  "`hpcring nodes clear` for the ones a history of faults keeps out)")
     root = job_root(job)
     ex = mod.make_executor(site, job, root / "%j", template, _python(site))   # makes nothing (no sbatch: refused)
     if entry is None:

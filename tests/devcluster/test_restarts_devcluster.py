@@ -66,6 +66,26 @@ def test_lsf_frozen_rank_restarts_with_select_hname(tmp_path):
     assert res["w"] == res["expected"] and res["requeue_count"] == 1, res
 
 
+def test_an_lsf_restart_that_no_host_set_can_take_is_refused_not_left_pending(tmp_path):
+    """A 3-host job on the emulation's 3 hosts: the restart that leaves the frozen rank's host out
+    needs 3 hosts of 2. LSF would take it and keep it pending (sbatch refuses it at once): bhosts
+    is asked first, and the follower says why and ends instead of waiting."""
+    base = Path("/srv/hpcring/pytest-restarts") / f"lsf-nofit-{uuid.uuid4().hex[:8]}"
+    emu = base / "emu"
+    emu.mkdir(parents=True)
+    rc, text, env, out = run("devcluster-lsf", base, "1", "--steps", "8", "--freeze-rank", "1", nodes=3,
+                             env_extra={"PATH": f"{ROOT / 'tests' / 'lsf_emulation' / 'bin'}:{os.environ['PATH']}",
+                                        "HPCRING_LSF_EMU_DIR": str(emu)})
+    assert rc != 0, text[-3000:]
+    assert len(jobs_of(text)) == 1, text[-3000:]
+    bad = hosts(out, 0)[1]
+    assert "bsub would take this job and never start it: it asks for 3 hosts" in text, text[-3000:]
+    assert f"{bad} (excluded)" in text and "2 of the cluster's 3 hosts" in text, text[-3000:]
+    assert [p.name for p in (emu / "jobs").iterdir()] == [jobs_of(text)[0]]     # nothing else reached bsub
+    st = status(env, jobs_of(text)[0])
+    assert "restart 1 refused: bsub would take this job and never start it" in st, st
+
+
 def test_code_error_on_every_rank_is_not_restarted():
     base = Path("/srv/hpcring/pytest-restarts") / f"codeerr-{uuid.uuid4().hex[:8]}"
     rc, text, env, out = run("devcluster", base, "3", "--steps", "6", "--fail-step", "2")

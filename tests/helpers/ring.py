@@ -14,6 +14,8 @@ from hpcring.bootstrap.topology import Topology
 from hpcring.collectives import Communicator
 from hpcring.collectives.ring import RingBackend, node_layout
 
+JOIN_S = 300.0   # a thread rank still running past this fails its test (it would hold pytest at exit)
+
 SECRET = b"0123456789abcdef" * 4
 
 
@@ -80,11 +82,13 @@ class ThreadGroup:
                 res[r] = fn(self.comms[r])
             except BaseException as e:  # noqa: BLE001
                 errs[r] = e
-        ts = [threading.Thread(target=work, args=(r,)) for r in ranks]
+        ts = [threading.Thread(target=work, args=(r,), daemon=True) for r in ranks]
         for t in ts:
             t.start()
-        for t in ts:
-            t.join()
+        end = time.monotonic() + JOIN_S      # the collectives have deadlines far below this
+        for r, t in zip(ranks, ts):
+            t.join(max(0.0, end - time.monotonic()))
+            assert not t.is_alive(), f"thread rank {r} still running after {JOIN_S:.0f} s"
         return res, errs
 
     def run_ok(self, fn):

@@ -64,7 +64,12 @@ documentation:
 
 Not emulated: the scheduler's policies (fairshare, priorities, preemption), -m, -R
 select strings other than hname!=, order/rusage strings, -gpu enforcement, CSM/-nnodes/jsrun, bsub -I/-K, bhist/bacct,
-bhosts (host states: no host of the emulation is ever unavail or unreach), mail.
+host states other than ok, closed_Full and closed_Adm (no host of the emulation is ever unavail or
+unreach), mail.
+* Hosts (bhosts.1, badmin.8): ``bhosts [-w] [HOST...]`` prints HOST_NAME STATUS JL/U MAX NJOBS RUN
+  SSUSP USUSP RSV per host: ``ok``, ``closed_Full`` (every slot taken) or ``closed_Adm`` (closed by
+  ``badmin hclose HOST...`` until ``badmin hopen HOST...``); a closed host takes no new job, so a
+  job that needs it pends (until the pending deadline here).
 
 State lives in HPCRING_LSF_EMU_DIR (default /srv/hpcring/.lsf-emulation, shared by all nodes).
 Hosts: HPCRING_LSF_EMU_HOSTS (default: the dev cluster's nodes found in /run/netns), each with
@@ -162,6 +167,14 @@ def hosts() -> list[str]:
 
 def slots_per_host() -> int:
     return int(os.environ.get("HPCRING_LSF_EMU_SLOTS", "4"))
+
+
+def closed_hosts() -> set[str]:
+    """Hosts ``badmin hclose`` closed (one name a line in the state dir)."""
+    try:
+        return set((emu_dir() / "closed-hosts").read_text().split())
+    except OSError:
+        return set()
 
 
 def queues() -> list[str]:
@@ -424,10 +437,10 @@ def _spawn_sbatchd(job_id: str) -> None:
 def _place(job: dict, busy: dict[str, int], exclusive_hosts: set[str]) -> list[str] | None:
     """One entry per slot, hosts in order; None if the job does not fit now."""
     cap = slots_per_host()
-    free = {h: (0 if h in exclusive_hosts or h in job.get("avoid", ()) else cap - busy.get(h, 0)) for h in hosts()}
+    shut = exclusive_hosts | closed_hosts() | set(job.get("avoid", ()))
+    free = {h: (0 if h in shut else cap - busy.get(h, 0)) for h in hosts()}
     if job["exclusive"]:
-        free = {h: (cap if busy.get(h, 0) == 0 and h not in exclusive_hosts and h not in job.get("avoid", ()) else 0)
-                for h in free}
+        free = {h: (cap if busy.get(h, 0) == 0 and h not in shut else 0) for h in free}
     n, ptile = job["n"], job["ptile"]
     slots: list[str] = []
     for h in hosts():
@@ -439,18 +452,25 @@ def _place(job: dict, busy: dict[str, int], exclusive_hosts: set[str]) -> list[s
     return None
 
 
+def _in_use(but: str | None = None) -> tuple[dict[str, int], set[str]]:
+    """Slots taken per host and the hosts held exclusively, by running or suspended jobs other
+    than ``but`` (call under the lock). A lost job (UNKWN: its sbatchd gone) holds no slots."""
+    busy: dict[str, int] = {}
+    excl: set[str] = set()
+    for other in all_jobs():
+        if other["id"] != but and other["stat"] in ("RUN", "USUSP", "SSUSP") and \
+                _alive(int(other.get("sbatchd") or 0)):
+            for h in other["hosts"]:
+                busy[h] = busy.get(h, 0) + 1
+            if other["exclusive"]:
+                excl.update(other["hosts"])
+    return busy, excl
+
+
 def _try_dispatch(job_id: str) -> dict | None:
     with locked():
         job = load(job_id)
-        busy: dict[str, int] = {}
-        excl: set[str] = set()
-        for other in all_jobs():
-            if other["id"] != job_id and other["stat"] in ("RUN", "USUSP", "SSUSP") and \
-                    _alive(int(other.get("sbatchd") or 0)):  # a lost job (UNKWN) holds no slots here
-                for h in other["hosts"]:
-                    busy[h] = busy.get(h, 0) + 1
-                if other["exclusive"]:
-                    excl.update(other["hosts"])
+        busy, excl = _in_use(but=job_id)
         if "kill" in job.get("requests", []) or job["stat"] != "PEND":
             return None
         if job.get("array_limit") and sum(1 for o in all_jobs() if o.get("array_id") == job["array_id"]
@@ -856,8 +876,46 @@ def blaunch(argv: list[str]) -> int:
     return next((c for c in codes if c), 0)
 
 
+def bhosts(argv: list[str]) -> int:
+    opts = [a for a in argv if a.startswith("-")]
+    names = [a for a in argv if not a.startswith("-")]
+    if set(opts) - {"-w"}:
+        raise LsfError(f"bhosts: illegal option -- {sorted(set(opts) - {'-w'})[0].lstrip('-')}")
+    known = hosts()
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise LsfError(f"{bad[0]}: Bad host name, host group name or cluster name")
+    cap, shut = slots_per_host(), closed_hosts()
+    with locked():
+        busy, excl = _in_use()
+    print(f"{'HOST_NAME':<20}{'STATUS':<15}{'JL/U':>4}{'MAX':>7}{'NJOBS':>7}{'RUN':>7}{'SSUSP':>7}"
+          f"{'USUSP':>7}{'RSV':>7}")
+    for h in names or known:
+        n = busy.get(h, 0)
+        status = "closed_Adm" if h in shut else ("closed_Full" if n >= cap or h in excl else "ok")
+        print(f"{h:<20}{status:<15}{'-':>4}{cap:>7}{n:>7}{n:>7}{0:>7}{0:>7}{0:>7}")
+    return 0
+
+
+def badmin(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("hclose", "hopen"):
+        raise LsfError("badmin: this emulation knows hclose and hopen only")
+    what, names = argv[0], [a for a in argv[1:] if not a.startswith("-")]
+    known = hosts()
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise LsfError(f"{bad[0]}: Bad host name" if bad else f"badmin {what}: name a host")
+    with locked():
+        shut = closed_hosts()
+        shut = shut | set(names) if what == "hclose" else shut - set(names)
+        (emu_dir() / "closed-hosts").write_text("".join(f"{h}\n" for h in sorted(shut)))
+    for h in names:
+        print(f"{'Close' if what == 'hclose' else 'Open'} <{h}> ...... done")
+    return 0
+
+
 COMMANDS = {"bsub": bsub, "bjobs": bjobs, "bkill": bkill, "bstop": bstop, "bresume": bresume,
-            "brequeue": brequeue, "blaunch": blaunch}
+            "brequeue": brequeue, "blaunch": blaunch, "bhosts": bhosts, "badmin": badmin}
 
 
 def main(name: str, argv: list[str]) -> int:

@@ -197,6 +197,12 @@ def explain_refusal(text: str) -> str | None:
     return None
 
 
+def never_fits(site, job) -> str | None:
+    """None: the local backend runs every job on this machine (its size is checked when it is
+    resolved)."""
+    return None
+
+
 def first_casualty(rec: JobRecord) -> str | None:
     """The supervisor records each rank's own exit; it writes no launcher line to read."""
     return None

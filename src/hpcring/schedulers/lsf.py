@@ -40,6 +40,7 @@ from hpcring.jobdir import job_id as _job_id
 from hpcring.schedulers.render import render_script
 from hpcring.schedulers.base import COMMAND_TIMEOUT, JobRecord, JobState, run_command, state_dir
 from hpcring.schedulers.launch_words import LaunchRequest, LaunchWords, remote_shell, submitit_command
+from hpcring.schedulers.lsf_steps import QUERY_TIMEOUT_S, bhosts_text, host_table
 
 COMMAND = "bsub"
 BJOBS_FORMAT = "jobid stat exit_code exec_host jobindex"   # jobindex last: 0 unless an array element
@@ -411,6 +412,39 @@ def explain_refusal(stderr: str) -> str | None:
     if "ptile" in s or "span" in s or "slots" in s:
         return "fewer hosts/slots exist than requested: see `bhosts`"
     return None
+
+
+# bhosts states of a host that takes no job until an administrator or a repair acts; the others
+# (ok, closed_Full, closed_Busy, closed_Excl, closed_Wind, ...) pass with time
+_SHUT = re.compile(r"^(unavail|unreach|closed_(Adm|Lock|LIM|EGO))$", re.I)
+
+
+def never_fits(site: Site, job: JobSpec) -> str | None:
+    """Why bsub would take ``job`` and leave it pending for ever (LSF accepts a job that excludes
+    too many hosts; sbatch refuses one): fewer hosts that can ever take it (not excluded, not
+    closed by an administrator or down, with slots for its tasks per host) than it asks for, its
+    spares included. None when it may start, or when ``bhosts`` cannot say (absent, slow: one
+    bounded query), or for CSM's whole-node (-nnodes) jobs, which bhosts does not describe."""
+    if site.config.lsf.nnodes:
+        return None
+    table = host_table(bhosts_text(timeout=QUERY_TIMEOUT_S) or "")
+    if not table:
+        return None
+    why = {}
+    for h, (status, slots) in table.items():
+        if h in job.exclude:
+            why[h] = "excluded"
+        elif _SHUT.match(status):
+            why[h] = status
+        elif slots is not None and slots < job.tasks_per_node:
+            why[h] = f"{slots} slots"
+    fit, need = len(table) - len(why), job.alloc_nodes
+    if fit >= need:
+        return None
+    asks = f"{need} hosts" + (f" ({job.nodes} and {job.spare_nodes} spare)" if job.spare_nodes else "")
+    left = ", ".join(f"{h} ({w})" for h, w in list(why.items())[:8]) + (", ..." if len(why) > 8 else "")
+    return (f"it asks for {asks} with {job.tasks_per_node} slots each, and {fit} of the cluster's "
+            f"{len(table)} hosts can ever take it (bhosts; left out: {left})")
 
 
 def run_ending(job_id: str, timeout: float = COMMAND_TIMEOUT) -> str | None:

@@ -102,25 +102,36 @@ def casualties(text: str) -> list[tuple[str, str, str]]:
 
 def gone_nodes(hosts: Sequence[str], timeout: float = QUERY_TIMEOUT_S) -> dict[str, str]:
     """{host: state} for those of ``hosts`` that ``bhosts`` calls unavail or unreach. Empty when
-    bhosts cannot say (not on PATH, as under the emulation, or slow): no fault is invented."""
+    bhosts cannot say (not on PATH or slow): no fault is invented."""
     if not hosts:
         return {}
+    return parse_bhosts(bhosts_text(hosts, timeout) or "", hosts)
+
+
+def bhosts_text(hosts: Sequence[str] = (), timeout: float = QUERY_TIMEOUT_S) -> str | None:
+    """What ``bhosts -w [HOST...]`` printed, or None when it cannot say (absent, slow, refused)."""
     try:
         p = subprocess.run(["bhosts", "-w", *hosts], capture_output=True, text=True, timeout=timeout,
                            stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
-        return {}
-    return parse_bhosts(p.stdout, hosts)
+        return None
+    return p.stdout if p.returncode == 0 else None
 
 
-def parse_bhosts(text: str, hosts: Sequence[str]) -> dict[str, str]:
-    """``bhosts -w`` lines (HOST_NAME STATUS ...) -> {host: status} for the unavailable ones."""
+def host_table(text: str) -> dict[str, tuple[str, int | None]]:
+    """``bhosts -w`` lines (HOST_NAME STATUS JL/U MAX ...) -> {host: (status, MAX slots or None
+    for '-')}; the header and short lines are passed over."""
     out = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) >= 2 and parts[0] in hosts and _GONE.match(parts[1]):
-            out[parts[0]] = parts[1]
+        if len(parts) >= 4 and parts[0] != "HOST_NAME":
+            out[parts[0]] = (parts[1], int(parts[3]) if parts[3].isdigit() else None)
     return out
+
+
+def parse_bhosts(text: str, hosts: Sequence[str]) -> dict[str, str]:
+    """``bhosts -w`` lines -> {host: status} for those of ``hosts`` that are unavailable."""
+    return {h: st for h, (st, _) in host_table(text).items() if h in hosts and _GONE.match(st)}
 
 
 def kill_step(job: str, hosts: Sequence[str] = (), step: int | None = None) -> list[str]:

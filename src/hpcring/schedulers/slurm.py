@@ -234,6 +234,12 @@ def explain_refusal(stderr: str) -> str | None:
     return None
 
 
+def never_fits(site, job) -> str | None:
+    """None: sbatch itself refuses a job that no set of nodes can take ("Requested node
+    configuration is not available"), --exclude included."""
+    return None
+
+
 
 
 def run_ending(job_id: str, restart_count: int, timeout: float = COMMAND_TIMEOUT) -> str | None:
