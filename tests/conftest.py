@@ -13,6 +13,9 @@ def pytest_configure(config):
     """SIGTERM ends the run as Ctrl-C does: pytest names the test it was in and prints its summary.
     scripts/test.sh stops a tier past its deadline so; SIGINT would not do, as a background job of a
     script starts with SIGINT ignored. (Not in a pytest-xdist worker: its controller stops it.)"""
+    # a harness may start us with signals blocked (the mask is inherited): pytest-timeout's
+    # SIGALRM and the tier's SIGTERM must arrive
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM, signal.SIGTERM})
     if "PYTEST_XDIST_WORKER" not in os.environ:
         def interrupt(signum, frame):
             raise KeyboardInterrupt(f"signal {signum}")

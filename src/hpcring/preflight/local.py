@@ -31,7 +31,10 @@ def run_local_checks(gpus: int, timeout: float) -> dict:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         p.kill()
-        p.communicate()
+        try:    # bounded too: a child of the check (nvidia-smi, say) may still hold its pipes
+            p.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
         return {"error": f"the version/GPU checks did not finish within {timeout:.0f} s (killed)"}
     for line in reversed(out.splitlines()):
         if line.startswith(MARKER):
