@@ -13,8 +13,11 @@ Needs the dev cluster (``hpcring devcluster up``, 3 nodes or more) and torch. Th
 * ``torchrun``: ``srun -N3 torchrun --nnodes=2:2 --max-restarts=3 --rdzv-backend=c10d`` (DDP on
   gloo, the third node standing by), the same kill;
 * ``--long M --every E``: an M-minute run with a rank's node killed every E minutes, effective
-  training time (productive step time / wall time) for restarts in the allocation and for
-  resubmission (``--wait --max-restarts``, no spare), side by side.
+  training time (productive step time / wall time) for restarts in the allocation (``--spares K``
+  spare nodes, ``--min-nodes 1``) and for resubmission (``--wait --max-restarts``, no spare), side
+  by side. A kill goes to the node of rank 1's latest start (never the job's first node, where
+  the batch script runs: losing it ends any allocation); ``--spares 4`` on a 6-node dev cluster
+  (``hpcring devcluster up --nodes 6``) lets every kill of a 20-minute run land on a live rank.
 
 Columns: fault-to-next-step seconds (the kill to the first step that completes after it), the
 jobs it took, the end state, whether the final weights equal an uninterrupted run's (the same
@@ -229,11 +232,14 @@ def torchrun_fault(args, ref: str) -> dict:
 def long_run(args, ref: str | None) -> list[dict]:
     """--long: an M-minute run, a node killed every E minutes; productive step time / wall time."""
     out = []
-    for mode, flags in (("in allocation (spares)", ("--spare-nodes", "1", "--max-restarts", "20", "--min-nodes", "1")),
+    for mode, flags in ((f"in allocation ({args.spares} spares)",
+                         ("--spare-nodes", str(args.spares), "--max-restarts", "20", "--min-nodes", "1")),
                         ("resubmission (--wait)", ("--max-restarts", "20", "--no-node-history"))):
         base = SHARED / f"long-{uuid.uuid4().hex[:6]}"
         steps = int(args.long * 60 / args.step_s)
-        a = argparse.Namespace(**{**vars(args), "steps": steps, "time": int(args.long * 3) + 10})
+        # the time limit: the run, its restarts and a resubmission's queueing (at most the dev
+        # cluster partition's 60 minutes)
+        a = argparse.Namespace(**{**vars(args), "steps": steps, "time": min(60, int(args.long * 2) + 10)})
         t0 = time.time()
         p = submit(base, a, *flags, deadline=args.deadline)
         kills = 0
@@ -254,6 +260,9 @@ def long_run(args, ref: str | None) -> list[dict]:
             if int(m.group(2)) == 0:
                 done.setdefault(int(m.group(1)), float(m.group(4)))
         productive = len(done) * args.step_s
+        if not done and p.returncode:       # the submission itself failed: say why, not "0%"
+            raise SystemExit(f"recovery.py: the {mode} run failed: "
+                             f"{(base / 'submit.log').read_text(errors='replace')[-2000:]}")
         out.append({"scenario": f"long {args.long:g} min, {mode}", "kills": kills, "wall_s": round(wall, 1),
                     "steps_done": len(done), "effective": round(productive / wall, 3), "folder": str(base)})
         subprocess.run([PY, "-m", "hpcring", "devcluster", "up"], capture_output=True, env=dict(os.environ))
@@ -274,6 +283,9 @@ def main() -> int:
     ap.add_argument("--torchrun-wait", type=float, default=150.0)
     ap.add_argument("--long", type=float, default=0.0, help="minutes of the long run (0: skip)")
     ap.add_argument("--every", type=float, default=4.0)
+    ap.add_argument("--spares", type=int, default=1,
+                    help="--long, in the allocation: spare nodes beside the job's 2 (the dev cluster needs 2 + this "
+                         "many nodes: hpcring devcluster up --nodes N)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     global BACKEND
