@@ -112,10 +112,21 @@ def first_step_after(lines: list[str], t: float) -> float | None:
     return min(ts) if ts else None
 
 
+def site_for(base: Path, nodes: int) -> str:
+    """The devcluster site, or a copy of it whose partition takes ``nodes`` (its max_nodes is the
+    3 of `hpcring devcluster up`'s default; a larger cluster is made with --nodes)."""
+    if nodes <= 3:
+        return "devcluster"
+    text = (ROOT / "site_configs" / "devcluster.yaml").read_text()
+    path = base / "devcluster-wide.yaml"
+    path.write_text(re.sub(r"max_nodes: 3\b", f"max_nodes: {nodes}", text, count=1))
+    return str(path)
+
+
 def submit(base: Path, args, *flags, wait=True, deadline=10.0) -> subprocess.Popen:
     out = base / "out"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [PY, "-m", "hpcring", "submit", str(TRAIN), "--site", "devcluster", "--nodes", "2",
+    cmd = [PY, "-m", "hpcring", "submit", str(TRAIN), "--site", site_for(base, 2 + args.spares), "--nodes", "2",
            "--tasks-per-node", "1", "--time", str(args.time), *(["--wait"] if wait else []), *flags, "--",
            str(out), "--steps", str(args.steps), "--step-s", str(args.step_s)]
     log = open(base / "submit.log", "w")
