@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def pytest_configure(config):
     """SIGTERM ends the run as Ctrl-C does: pytest names the test it was in and prints its summary.
-    scripts/test.sh stops a tier past its deadline so; SIGINT would not do, as a background job of a
+    scripts/run-tiers.sh stops a tier past its deadline so; SIGINT would not do, as a background job of a
     script starts with SIGINT ignored. (Not in a pytest-xdist worker: its controller stops it.)"""
     # a harness may start us with signals blocked (the mask is inherited): pytest-timeout's
     # SIGALRM and the tier's SIGTERM must arrive

@@ -84,8 +84,8 @@ def submit(site: Site, job: JobSpec, template: str | None = None, entry=None) ->
     if never:
         raise SchedulerError(f"{mod.COMMAND} would take this job and never start it: {never}",
                              hint="ask for fewer nodes (--nodes, --spare-nodes), have the closed or down "
-                                  "hosts reopened or repaired, or stop leaving hosts out (--exclude; "
-                                  "`hpcring nodes clear` for the ones a history of faults keeps out)")
+                                  "hosts reopened or repaired, or let left-out nodes back in "
+                                  "(`hpcring nodes clear` for those a history of faults keeps out)")
     root = job_root(job)
     ex = mod.make_executor(site, job, root / "%j", template, _python(site))   # makes nothing (no sbatch: refused)
     if entry is None:

@@ -240,8 +240,6 @@ def never_fits(site, job) -> str | None:
     return None
 
 
-
-
 def run_ending(job_id: str, restart_count: int, timeout: float = COMMAND_TIMEOUT) -> str | None:
     """Why Slurm is ending this run of the job (``scontrol requeue``, cancel, time limit, a node
     failure), or None while the run is RUNNING as far as Slurm knows. ``restart_count`` is this
