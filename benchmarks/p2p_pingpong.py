@@ -3,7 +3,9 @@
     python benchmarks/p2p_pingpong.py [--ranks-per-node 2] [--reps 20]
         starts itself under `hpcring run` (one host, loopback TCP) and prints, per size, the
         median round-trip time of send+recv on each backend, the bandwidth (2 x size / time) and
-        the ratio; every received byte is checked (#wrong).
+        the ratio; every received byte is checked (#wrong). Up to 256 KiB a sample is 10 round
+        trips in a row, averaged (a lone round trip after the barrier would time the barrier's
+        exit skew too).
     python benchmarks/p2p_pingpong.py --layers
         the 4-byte round trip through each layer of the hpcring backend: the native queue alone
         (hpcring._native.P2P called from Python), Communicator.send/recv on its short path and on
@@ -22,6 +24,9 @@ import sys
 import time
 
 SIZES = [4, 4 << 10, 256 << 10, 4 << 20, 64 << 20]
+# Round trips timed in a row per sample up to 256 KiB (as osu_latency times a loop): one round trip
+# alone after the barrier also times the barrier's exit skew between the two ranks.
+INNER = 10
 
 
 def worker(reps: int) -> None:
@@ -41,23 +46,25 @@ def worker(reps: int) -> None:
         for name, grp in groups.items():
             times, wrong = [], 0
             k = reps if size < (16 << 20) else max(3, reps // 4)
+            inner = INNER if size <= (256 << 10) else 1
             for i in range(k + 2):
                 dist.barrier()
                 t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(x, 1, group=grp)
-                    dist.recv(y, 1, group=grp)
-                else:
-                    dist.recv(y, 0, group=grp)
-                    dist.send(x, 0, group=grp)
-                dt = time.perf_counter() - t0
+                for _ in range(inner):
+                    if rank == 0:
+                        dist.send(x, 1, group=grp)
+                        dist.recv(y, 1, group=grp)
+                    else:
+                        dist.recv(y, 0, group=grp)
+                        dist.send(x, 0, group=grp)
+                dt = (time.perf_counter() - t0) / inner
                 wrong += int((y != torch.arange(n, dtype=torch.float32) + (1 - rank)).sum())
                 if i >= 2:
                     times.append(dt)
             res[name] = (statistics.median(times), wrong)
         rows.append((size, res))
     if rank == 0:
-        print(f"# send+recv round trip, 2 ranks, median of {reps}; bandwidth = 2 x size / time")
+        print(f"# send+recv round trip, 2 ranks, median of {reps} (up to 256 KiB: each {INNER} round trips in a row, averaged); bandwidth = 2 x size / time")
         print(f"#{'size':>10} {'hpcring us':>12} {'GB/s':>7} {'gloo us':>12} {'GB/s':>7} {'hpcring/gloo':>13} #wrong")
         for size, res in rows:
             (th, wh), (tg, wg) = res["hpcring"], res["gloo"]
@@ -112,13 +119,14 @@ def layers(reps: int) -> None:
         for _ in range(reps):
             dist.barrier()
             t0 = time.perf_counter()
-            for kind in (("send", "recv") if rank == 0 else ("recv", "send")):
-                fn(kind)
-            times.append(time.perf_counter() - t0)
+            for _ in range(INNER):
+                for kind in (("send", "recv") if rank == 0 else ("recv", "send")):
+                    fn(kind)
+            times.append((time.perf_counter() - t0) / INNER)
         out.append((name, statistics.median(times)))
     comm.short_path = True
     if rank == 0:
-        print(f"# 4-byte send+recv round trip per layer, 2 ranks, median of {reps}")
+        print(f"# 4-byte send+recv round trip per layer, 2 ranks, median of {reps} (each {INNER} round trips in a row, averaged)")
         for name, t in out:
             print(f"{name:>28} {t * 1e6:9.1f} us", flush=True)
     dist.destroy_process_group()

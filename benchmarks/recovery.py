@@ -243,9 +243,10 @@ def torchrun_fault(args, ref: str) -> dict:
 def long_run(args, ref: str | None) -> list[dict]:
     """--long: an M-minute run, a node killed every E minutes; productive step time / wall time."""
     out = []
-    for mode, flags in ((f"in allocation ({args.spares} spares)",
-                         ("--spare-nodes", str(args.spares), "--max-restarts", "20", "--min-nodes", "1")),
-                        ("resubmission (--wait)", ("--max-restarts", "20", "--no-node-history"))):
+    modes = {"alloc": (f"in allocation ({args.spares} spares)",
+                       ("--spare-nodes", str(args.spares), "--max-restarts", "20", "--min-nodes", "1")),
+             "resubmit": ("resubmission (--wait)", ("--max-restarts", "20", "--no-node-history"))}
+    for mode, flags in (modes[m] for m in args.long_modes.split(",")):
         base = SHARED / f"long-{uuid.uuid4().hex[:6]}"
         steps = int(args.long * 60 / args.step_s)
         # the time limit: the run, its restarts and a resubmission's queueing (at most the dev
@@ -297,8 +298,12 @@ def main() -> int:
     ap.add_argument("--spares", type=int, default=1,
                     help="--long, in the allocation: spare nodes beside the job's 2 (the dev cluster needs 2 + this "
                          "many nodes: hpcring devcluster up --nodes N)")
+    ap.add_argument("--long-modes", default="alloc,resubmit",
+                    help="--long: which recoveries to run, comma-separated: alloc (in the allocation), resubmit")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if not set(args.long_modes.split(",")) <= {"alloc", "resubmit"}:
+        ap.error(f"--long-modes: {args.long_modes!r}: expected alloc, resubmit or both, comma-separated")
     global BACKEND
     BACKEND = args.backend
     SHARED.mkdir(parents=True, exist_ok=True)

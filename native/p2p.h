@@ -14,10 +14,18 @@
  * at once; the progress thread the rest).
  *
  * Locking: one mutex per communicator (box->mu) guards every list and state field. Socket I/O
- * happens without it: a peer's incoming fd is read only by the progress thread, and a send is
- * written by whichever thread set peer->writing. A request whose bytes are moving (peer->rreq,
- * the head send while writing) is failed only by the thread moving them, so no thread writes
- * into or reads from a buffer the caller already got back.
+ * happens without it. A peer's incoming fd is read by one thread at a time, the one that set
+ * peer->reading: the progress thread, or a thread waiting on a receive from that peer, which
+ * reads the connection itself (one wake-up per message instead of two: the progress thread's,
+ * then the waiter's). A send is written by whichever thread set peer->writing: the sender
+ * (what the socket takes at once), a thread waiting on a send (it waits for room itself) or the
+ * progress thread. A request whose
+ * bytes are moving (peer->rreq, the head send while writing) is failed only by the thread moving
+ * them, so no thread writes into or reads from a buffer the caller already got back.
+ *
+ * The progress thread waits in epoll: an incoming fd is registered while no waiter parks on it
+ * (a waiter unregisters it before it waits for bytes, and registers it again when it leaves, so
+ * bytes nobody waits for are still read at once); an outgoing fd only while sends wait for room.
  */
 #ifndef HR_P2P_H
 #define HR_P2P_H
@@ -90,7 +98,15 @@ typedef struct hr_p2p_peer {
     hr_p2p_req_t *rtake;        /* a receive posted for rmsg meanwhile: it takes over the rest */
     unsigned char *rdst;
     size_t rleft;
+    int reading;                /* HR_READ_*: which thread reads in_fd now (it owns rreq/rmsg/rtake) */
+    pthread_t reader;
+    int in_reg, out_reg;        /* registered in the progress thread's epoll set */
+    int send_waiter;            /* a thread waiting on a send to this peer writes its queue itself */
 } hr_p2p_peer_t;
+
+#define HR_READ_NONE 0
+#define HR_READ_PROGRESS 1
+#define HR_READ_WAITER 2
 
 typedef struct hr_p2p {
     int rank, size;
@@ -103,6 +119,9 @@ typedef struct hr_p2p {
     hr_p2p_msg_t *unexp_head, *unexp_tail;
     hr_p2p_req_t *done_head, *done_tail;   /* completed with nobody waiting: for the notifier */
     int wake_fd;                /* eventfd: wakes the progress thread */
+    int ep_fd;                  /* the progress thread's epoll set */
+    double busy_s;              /* a waiter polls its peer's connection this long before it sleeps
+                                 * (0 when the host's ranks outnumber its cores) */
     pthread_t thread;
     int thread_started, closing, closed;
     double sleep_until;         /* the progress thread's poll() deadline; 0 while it is awake */
@@ -162,9 +181,26 @@ void hr_p2p_unlock(hr_p2p_t *b);
  * no wake unless its deadline is sooner. */
 #define HR_P2P_NAP 0.1
 
+/* A waiter polls its peer's connection this long (no sleep, no wake-up to pay) when the host has
+ * a core per rank: about a round trip of the torch layer on the other side (benchmarks/
+ * p2p_pingpong.py --layers), so a ping-pong's reply is caught spinning. */
+#define HR_P2P_BUSY_US 200
+
 /* ---- p2p_tcp.c ---- */
 void *hr_p2p_progress(void *arg);              /* the progress thread */
 /* Write queued sends of peer until the socket is full (b->mu held; released during I/O). */
 void hr_p2p_write(hr_p2p_t *b, int peer);
+/* (Un)register peer's fds in the progress thread's epoll set as their state asks (b->mu held). */
+void hr_p2p_arm(hr_p2p_t *b, int peer);
+/* A thread waiting for r (a receive from one rank) reads that rank's connection itself until r
+ * is done, the deadline, r's own deadline or a failure (b->mu held; released during I/O and
+ * waits). 0 when another thread reads it now (or there is nothing to read): wait on done_cv. */
+int hr_p2p_read_for(hr_p2p_t *b, hr_p2p_req_t *r, double deadline);
+/* A thread waiting for r (a send) writes the peer's queue itself, waiting for room in poll(), until
+ * r is done, the deadline or a failure (b->mu held). 0 when another thread writes it now. */
+int hr_p2p_write_for(hr_p2p_t *b, hr_p2p_req_t *r, double deadline);
+/* The in-flight bytes of a failed pair are freed by the thread that reads its connection, or by
+ * anyone while nobody does. 1 when this thread may. */
+int hr_p2p_reads_here(hr_p2p_t *b, int peer);
 
 #endif

@@ -8,10 +8,12 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -56,7 +58,7 @@ static int on_progress_thread(hr_p2p_t *b) {
 void hr_p2p_unlock(hr_p2p_t *b) {
     int k = b->kick;
     b->kick = 0;
-    if (on_progress_thread(b)) k &= ~HR_KICK_WAKE;   /* it rebuilds its poll set anyway */
+    if (on_progress_thread(b)) k &= ~HR_KICK_WAKE;   /* it sets its next wake-up anyway */
     pthread_mutex_unlock(&b->mu);
     if (k & HR_KICK_DONE) pthread_cond_broadcast(&b->done_cv);
     if (k & HR_KICK_NOTIFY) pthread_cond_signal(&b->notify_cv);
@@ -104,7 +106,7 @@ hr_p2p_req_t *hr_p2p_req_new(int kind, uint64_t id, void *buf, size_t nbytes, in
 /* The request is off every list (or never was on one): finish it. The box's reference goes with
  * it to the done queue when nobody waits, else it is dropped. */
 static void finish(hr_p2p_t *b, hr_p2p_req_t *r) {
-    r->state = HR_P2P_DONE;
+    __atomic_store_n(&r->state, HR_P2P_DONE, __ATOMIC_RELEASE);   /* read unlocked by hr_p2p_wait */
     if (r->waiters > 0) {
         b->kick |= HR_KICK_DONE;
         req_put_locked(r);
@@ -175,16 +177,15 @@ void hr_p2p_fail_peer_locked(hr_p2p_t *b, int peer, const char *why, int hint) {
         }
     }
     fail_sends(b, p, why, hint);
-    if (on_progress_thread(b)) {            /* the bytes in flight are this thread's own */
+    if (hr_p2p_reads_here(b, peer)) {       /* the bytes in flight are this thread's own */
         if (p->rreq) hr_p2p_fail(b, p->rreq, hint, "%s", why);
         if (p->rtake) hr_p2p_fail(b, p->rtake, hint, "%s", why);
         free(p->rmsg);
         p->rreq = p->rtake = NULL;
         p->rmsg = NULL;
         p->in_frame = 0;
-    } else {
-        b->kick |= HR_KICK_WAKE;
-    }
+    }                                       /* else their reader frees them after its I/O */
+    hr_p2p_arm(b, peer);                    /* out of the epoll set */
 }
 
 void hr_p2p_fail_peer(hr_p2p_t *b, int peer, const char *why, int hint) {
@@ -293,10 +294,8 @@ int hr_p2p_post_send(hr_p2p_t *b, hr_p2p_req_t *r) {
         else p->sq_head = r;
         p->sq_tail = r;
         if (p->sq_head == r && p->out_fd >= 0 && !p->writing) hr_p2p_write(b, r->peer);
-        if (r->state != HR_P2P_DONE) {
-            /* the rest is the progress thread's: it polls the fd for room (or the deadline) */
-            if (b->sleep_until != 0) b->kick |= HR_KICK_WAKE;
-        }
+        if (r->state != HR_P2P_DONE)
+            wake_for(b, r->deadline);       /* the rest is the progress thread's (hr_p2p_write armed the fd) */
     }
     r->waiters--;
     done = r->state == HR_P2P_DONE;
@@ -306,12 +305,30 @@ int hr_p2p_post_send(hr_p2p_t *b, hr_p2p_req_t *r) {
 
 int hr_p2p_wait(hr_p2p_t *b, hr_p2p_req_t *r, double deadline) {
     int done;
+    double busy_end = 0;
     pthread_mutex_lock(&b->mu);
     r->waiters++;
     while (r->state != HR_P2P_DONE) {
         double now = hr_now();
         struct timespec ts;
         if (now >= deadline) break;
+        /* a receive from one rank: read its connection here, unless another thread does */
+        if (now < r->deadline && (r->kind == HR_P2P_RECV ? r->peer >= 0 && hr_p2p_read_for(b, r, deadline)
+                                                         : hr_p2p_write_for(b, r, deadline)))
+            continue;
+        if (busy_end == 0) busy_end = now + b->busy_s;
+        if (now < busy_end && r->peer >= 0) {
+            /* another thread (the progress thread) moves r's bytes now: it is about to finish, and
+             * a sleep on done_cv would cost its signal and this thread's wake-up */
+            hr_p2p_peer_t *p = &b->peers[r->peer];
+            int *busy = r->kind == HR_P2P_RECV ? &p->reading : &p->writing;
+            pthread_mutex_unlock(&b->mu);
+            while (__atomic_load_n(&r->state, __ATOMIC_ACQUIRE) != HR_P2P_DONE &&
+                   __atomic_load_n(busy, __ATOMIC_RELAXED) && hr_now() < busy_end)
+                sched_yield();
+            pthread_mutex_lock(&b->mu);
+            continue;
+        }
         clock_gettime(CLOCK_MONOTONIC, &ts);
         double until = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec + (deadline - now);
         ts.tv_sec = (time_t)until;
@@ -480,7 +497,7 @@ int hr_p2p_set_fd(hr_p2p_t *b, int peer, int fd, int incoming, char *err, size_t
             p->out_fd = fd;
         }
         if (p->err) shutdown(fd, SHUT_RDWR);   /* owned now; the pair failed already */
-        b->kick |= HR_KICK_WAKE;
+        hr_p2p_arm(b, peer);
         rc = 0;
     }
     hr_p2p_unlock(b);
@@ -492,7 +509,7 @@ int hr_p2p_init(hr_p2p_t *b, int rank, int size, const char *const *hosts, char 
     memset(b, 0, sizeof *b);
     b->rank = rank;
     b->size = size;
-    b->wake_fd = -1;
+    b->wake_fd = b->ep_fd = -1;
     pthread_mutex_init(&b->mu, NULL);
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -508,11 +525,24 @@ int hr_p2p_init(hr_p2p_t *b, int rank, int size, const char *const *hosts, char 
         if (i != rank && !(b->peers[i].ibuf = malloc(HR_P2P_IBUF))) goto oom;
     }
     b->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (b->wake_fd < 0) {
-        snprintf(err, errlen, "eventfd(): %s", strerror(errno));
+    b->ep_fd = epoll_create1(EPOLL_CLOEXEC);
+    if (b->wake_fd < 0 || b->ep_fd < 0) {
+        snprintf(err, errlen, "%s: %s", b->wake_fd < 0 ? "eventfd()" : "epoll_create1()", strerror(errno));
         hr_p2p_free(b);
         return -1;
     }
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = UINT32_MAX};
+    if (epoll_ctl(b->ep_fd, EPOLL_CTL_ADD, b->wake_fd, &ev) != 0) {
+        snprintf(err, errlen, "epoll_ctl(): %s", strerror(errno));
+        hr_p2p_free(b);
+        return -1;
+    }
+    /* busy polling only where every rank of this host has a core of its own: else the peer it
+     * waits for needs this core (as the collectives' shared-memory waits, comm.c) */
+    int local = 0;
+    for (int i = 0; i < size; i++)
+        local += !hosts || !hosts[i] || !hosts[rank] || strcmp(hosts[i], hosts[rank]) == 0;
+    b->busy_s = local > sysconf(_SC_NPROCESSORS_ONLN) ? 0 : HR_P2P_BUSY_US * 1e-6;
     if (pthread_create(&b->thread, NULL, hr_p2p_progress, b) != 0) {
         snprintf(err, errlen, "cannot start the point-to-point progress thread");
         hr_p2p_free(b);
@@ -539,8 +569,8 @@ void hr_p2p_close(hr_p2p_t *b) {
     if (b->thread_started) pthread_join(b->thread, NULL);
     b->thread_started = 0;
     pthread_mutex_lock(&b->mu);
-    for (int i = 0; i < b->size; i++) {      /* an inline write ends soon: its socket never blocks */
-        while (b->peers[i].writing) {
+    for (int i = 0; i < b->size; i++) {      /* an inline write ends soon: its socket never blocks; */
+        while (b->peers[i].writing || b->peers[i].reading || b->peers[i].send_waiter) {   /* waiters see closing */
             hr_p2p_unlock(b);
             usleep(200);
             pthread_mutex_lock(&b->mu);
@@ -601,7 +631,8 @@ void hr_p2p_free(hr_p2p_t *b) {
     b->peers = NULL;
     b->hosts = NULL;
     if (b->wake_fd >= 0) close(b->wake_fd);
-    b->wake_fd = -1;
+    if (b->ep_fd >= 0) close(b->ep_fd);
+    b->wake_fd = b->ep_fd = -1;
     pthread_cond_destroy(&b->done_cv);
     pthread_cond_destroy(&b->notify_cv);
     pthread_mutex_destroy(&b->mu);

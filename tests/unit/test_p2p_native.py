@@ -206,6 +206,76 @@ def test_a_frame_too_large_to_hold_fails_the_pair_instead_of_allocating():
         x.close()
 
 
+def _wait_in_thread(req, timeout=10.0):
+    """req.wait(timeout) in a thread: (thread, out), out filled with (done, seconds) when it returns."""
+    out = []
+    t0 = time.monotonic()
+    th = threading.Thread(target=lambda: out.append((req.wait(timeout), time.monotonic() - t0)), daemon=True)
+    th.start()
+    return th, out
+
+
+def test_a_waiter_reads_its_peer_itself_and_messages_nobody_waits_for_still_complete(boxes):
+    """A thread waiting on a receive reads the connection itself (the progress thread leaves the fd
+    alone meanwhile): what it reads for receives nobody waits on reaches the notifier, and once
+    the waiter has left, the progress thread reads the connection again."""
+    a, b = boxes(2)
+    y1, y2, y3 = np.zeros(4, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32)
+    waited = recv(b, y1, 0, tag=1)
+    th, out = _wait_in_thread(waited)
+    time.sleep(0.3)                                                # parked in its own poll()
+    unwatched = recv(b, y2, 0, tag=2)
+    done(send(a, np.full(4, 2, np.int32), 1, tag=2))               # read by the parked waiter
+    done(send(a, np.full(4, 1, np.int32), 1, tag=1))
+    th.join(10)
+    assert out and out[0][0] and waited.result()[0] is False and (y1 == 1).all()
+    ids, t0 = [], time.monotonic()
+    while unwatched.id not in ids and time.monotonic() - t0 < 5:   # the notifier's view
+        ids += b.take_done(1.0)
+    assert unwatched.id in ids and (y2 == 2).all()
+    later = recv(b, y3, 0, tag=3)                                  # nobody waits: the progress thread
+    done(send(a, np.full(4, 3, np.int32), 1, tag=3))
+    ids, t0 = [], time.monotonic()
+    while later.id not in ids and time.monotonic() - t0 < 5:
+        ids += b.take_done(1.0)
+    assert later.id in ids and (y3 == 3).all()
+
+
+def test_two_waiters_on_one_peer_both_finish_whoever_reads(boxes):
+    """One of them reads the connection, the other waits for it; messages come in the reverse
+    order of the waits, many times over."""
+    a, b = boxes(2)
+    for i in range(50):
+        ys = [np.zeros(8, np.int64) for _ in range(2)]
+        rs = [recv(b, ys[k], 0, tag=10 + k) for k in range(2)]
+        waits = [_wait_in_thread(r) for r in rs]
+        for k in (1, 0):
+            done(send(a, np.full(8, i * 10 + k, np.int64), 1, tag=10 + k))
+        for th, out in waits:
+            th.join(10)
+            assert out and out[0][0], f"round {i}: a waiter was left waiting"
+        assert [int(y[0]) for y in ys] == [i * 10, i * 10 + 1]
+
+
+def test_a_parked_waiter_fails_at_the_receive_deadline_and_when_the_queue_closes(boxes):
+    a, b = boxes(2)
+    r = recv(b, np.zeros(1), 0, tag=1, timeout=0.3)
+    t0 = time.monotonic()
+    failed, _, why, hint = done(r, 10.0)                           # the wait's own bound is 10 s
+    assert 0.25 < time.monotonic() - t0 < 3.0
+    assert failed and hint == 5 and why == "rank 0 (node0) did not send it within the 0.3 s deadline", why
+    c, d = boxes(2)
+    r = recv(d, np.zeros(1), 0, tag=1, timeout=30.0)
+    th, out = _wait_in_thread(r, 30.0)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    d.close()
+    th.join(10)
+    assert out and out[0][0] and time.monotonic() - t0 < 3.0
+    failed, _, why, _ = r.result()
+    assert failed and why == "the communicator was closed"
+
+
 def test_bad_handover_and_arguments_are_refused(boxes):
     a, b = boxes(2)
     x, y = socket.socketpair()
