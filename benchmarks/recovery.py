@@ -254,17 +254,18 @@ def long_run(args, ref: str | None) -> list[dict]:
         a = argparse.Namespace(**{**vars(args), "steps": steps, "time": min(60, int(args.long * 2) + 10)})
         t0 = time.time()
         p = submit(base, a, *flags, deadline=args.deadline)
-        kills = 0
+        kills, last_kill = 0, 0.0
         while p.poll() is None and time.time() - t0 < args.long * 60 * 3:
             time.sleep(1)
             if time.time() - t0 > (kills + 1) * args.every * 60:
-                node = None
+                # rank 1's node, once a (re)start after the last kill put a rank there: between a
+                # resubmission's jobs the last START names a node with nothing left to kill
                 starts = [START.search(ln) for ln in lines_of(base / "jobs")]
-                starts = [m for m in starts if m and int(m.group(1)) == 1]
+                starts = [m for m in starts if m and int(m.group(1)) == 1 and float(m.group(6)) > last_kill]
                 node = starts[-1].group(5) if starts else None
                 if node:
                     signal_node(node, signal.SIGKILL)
-                    kills += 1
+                    kills, last_kill = kills + 1, time.time()
         wall = time.time() - t0
         lines = lines_of(base / "jobs")
         done = {}
