@@ -145,7 +145,11 @@ class Keeper:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="hpcring-p2p-deadlines", daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            # it sleeps until the earliest deadline: wake it only for an earlier one, and every
+            # 256th request so that finished ones leave the heap (a wake-up per message took the
+            # GIL from the thread waiting on it)
+            if self._heap[0][2] is req or self._n % 256 == 0:
+                self._cv.notify()
 
     def _run(self) -> None:
         while True:
