@@ -84,6 +84,7 @@ typedef struct hr_p2p_peer {
     int in_fd, out_fd;          /* -1 until handed over */
     int in_seen;                /* an incoming connection was ever set */
     char *err;                  /* sticky failure (malloc'd), NULL while the pair is fine */
+    int err_hint;               /* its hint, for the bytes in flight failed later by their reader */
     /* sends, oldest first; the head is being written when writing is set */
     hr_p2p_req_t *sq_head, *sq_tail;
     int writing;

@@ -163,6 +163,7 @@ void hr_p2p_fail_peer_locked(hr_p2p_t *b, int peer, const char *why, int hint) {
     hr_p2p_req_t **pp = &b->posted_head, *r, *prev = NULL;
     if (!p->err) {
         p->err = strdup(why ? why : "failed");
+        p->err_hint = hint;
         if (p->in_fd >= 0) shutdown(p->in_fd, SHUT_RDWR);
         if (p->out_fd >= 0) shutdown(p->out_fd, SHUT_RDWR);
     }
@@ -437,6 +438,9 @@ double hr_p2p_expire(hr_p2p_t *b, double now) {
         }
         for (int i = 0; !due && stalled < 0 && i < b->size; i++) {
             hr_p2p_peer_t *p = &b->peers[i];
+            /* a failed pair's requests failed with it, but for the bytes in flight, which the
+             * thread moving them frees after its I/O: nothing here is due any more */
+            if (p->err) continue;
             for (r = p->sq_head; r && !due; r = r->next) {
                 if (r == p->sq_head && p->writing) continue;   /* its writer checks after the I/O */
                 if (r->deadline <= now) due = r;

@@ -252,7 +252,7 @@ static void read_peer(hr_p2p_t *b, int peer) {
 /* After a read: a pair that failed while this thread read it frees the bytes in flight now. */
 static void read_done(hr_p2p_t *b, int peer) {
     hr_p2p_peer_t *p = &b->peers[peer];
-    if (p->err && (p->rreq || p->rmsg || p->rtake)) hr_p2p_fail_peer_locked(b, peer, p->err, HR_HINT_NONE);
+    if (p->err && (p->rreq || p->rmsg || p->rtake)) hr_p2p_fail_peer_locked(b, peer, p->err, p->err_hint);
 }
 
 static int take_reading(hr_p2p_t *b, int peer, int who) {

@@ -193,6 +193,33 @@ def test_a_receive_posted_while_its_message_arrives_gets_every_byte_in_order():
         x.close()
 
 
+def test_a_message_that_stalls_mid_way_fails_at_its_deadline_while_a_waiter_reads_the_connection():
+    """A waiter on another receive (tag 1, 30 s) reads the connection, so the stalled message's
+    bytes in flight (tag 2, 0.3 s, nobody waits on it) are that waiter's: the progress thread words
+    the stall at tag 2's deadline, the waiter frees the bytes, and both receives fail at once,
+    neither thread spinning on the other."""
+    b = _native.P2P(1, 2, HOSTS[:2])
+    x, y = socket.socketpair()                                     # x: rank 0 writing frames by hand
+    try:
+        b.set_fd(0, y.detach(), True)
+        n = 1 << 20
+        stalled = recv(b, np.zeros(n, np.uint8), 0, tag=2, timeout=0.3)
+        waited = recv(b, np.zeros(4, np.uint8), 0, tag=1, timeout=30.0)
+        th, out = _wait_in_thread(waited, 30.0)
+        time.sleep(0.05)                                           # the waiter reads the connection
+        t0 = time.monotonic()
+        x.sendall(struct.pack(">qQ", 2, n) + bytes(n // 2))       # half the payload, then nothing
+        th.join(10)
+        assert out and out[0][0] and time.monotonic() - t0 < 3.0
+        failed, _, why, hint = stalled.result()
+        assert failed and hint == 4 and why == "the link with rank 0 (node0) stalled mid-message (deadline 0.3 s)", why
+        failed, _, why, _ = waited.result()                        # the pair failed with it
+        assert failed and "stalled mid-message" in why, why
+    finally:
+        b.close()
+        x.close()
+
+
 def test_a_frame_too_large_to_hold_fails_the_pair_instead_of_allocating():
     b = _native.P2P(1, 2, HOSTS[:2])
     x, y = socket.socketpair()
