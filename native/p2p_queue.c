@@ -318,11 +318,11 @@ int hr_p2p_wait(hr_p2p_t *b, hr_p2p_req_t *r, double deadline) {
                                                          : hr_p2p_write_for(b, r, deadline)))
             continue;
         if (busy_end == 0) busy_end = now + b->busy_s;
-        if (now < busy_end && r->peer >= 0) {
+        int *busy = r->peer < 0 ? NULL : r->kind == HR_P2P_RECV ? &b->peers[r->peer].reading
+                                                                : &b->peers[r->peer].writing;
+        if (now < busy_end && busy && *busy) {
             /* another thread (the progress thread) moves r's bytes now: it is about to finish, and
              * a sleep on done_cv would cost its signal and this thread's wake-up */
-            hr_p2p_peer_t *p = &b->peers[r->peer];
-            int *busy = r->kind == HR_P2P_RECV ? &p->reading : &p->writing;
             pthread_mutex_unlock(&b->mu);
             while (__atomic_load_n(&r->state, __ATOMIC_ACQUIRE) != HR_P2P_DONE &&
                    __atomic_load_n(busy, __ATOMIC_RELAXED) && hr_now() < busy_end)
