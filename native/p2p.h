@@ -19,9 +19,9 @@
  * reads the connection itself (one wake-up per message instead of two: the progress thread's,
  * then the waiter's). A send is written by whichever thread set peer->writing: the sender
  * (what the socket takes at once), a thread waiting on a send (it waits for room itself) or the
- * progress thread. A request whose
- * bytes are moving (peer->rreq, the head send while writing) is failed only by the thread moving
- * them, so no thread writes into or reads from a buffer the caller already got back.
+ * progress thread. A request whose bytes are moving (peer->rreq, the head send while writing) is
+ * failed only by the thread moving them, so no thread writes into or reads from a buffer the
+ * caller already got back.
  *
  * The progress thread waits in epoll: an incoming fd is registered while no waiter parks on it
  * (a waiter unregisters it before it waits for bytes, and registers it again when it leaves, so
@@ -125,7 +125,7 @@ typedef struct hr_p2p {
                                  * (0 when the host's ranks outnumber its cores) */
     pthread_t thread;
     int thread_started, closing, closed;
-    double sleep_until;         /* the progress thread's poll() deadline; 0 while it is awake */
+    double sleep_until;         /* the progress thread's epoll_wait() deadline; 0 while awake */
     int kick;                   /* HR_KICK_*: signals owed, sent by hr_p2p_unlock after the unlock */
 } hr_p2p_t;
 

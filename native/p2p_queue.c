@@ -224,7 +224,7 @@ void hr_p2p_deliver(hr_p2p_t *b, hr_p2p_req_t *r, hr_p2p_msg_t *m) {
     free(m);
 }
 
-/* The progress thread sleeps in poll() until b->sleep_until (0: awake); a request due earlier
+/* The progress thread sleeps in epoll_wait() until b->sleep_until (0: awake); a request due earlier
  * must wake it. */
 static void wake_for(hr_p2p_t *b, double deadline) {
     if (b->sleep_until != 0 && deadline < b->sleep_until) b->kick |= HR_KICK_WAKE;
@@ -313,7 +313,7 @@ int hr_p2p_wait(hr_p2p_t *b, hr_p2p_req_t *r, double deadline) {
         double now = hr_now();
         struct timespec ts;
         if (now >= deadline) break;
-        /* a receive from one rank: read its connection here, unless another thread does */
+        /* a receive from one rank, or a send: move its bytes here, unless another thread does */
         if (now < r->deadline && (r->kind == HR_P2P_RECV ? r->peer >= 0 && hr_p2p_read_for(b, r, deadline)
                                                          : hr_p2p_write_for(b, r, deadline)))
             continue;
