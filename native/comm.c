@@ -375,7 +375,7 @@ fail:
 int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int *lranks,
                        int lsize, const int *col, int ncol, char *err, size_t errlen) {
     hr_shm_t *s = &c->shm;
-    int i;
+    int i, oversub;
     memset(s, 0, sizeof(*s));
     s->lrank = -1;
     for (i = 0; i < lsize; i++)
@@ -402,8 +402,9 @@ int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int
     s->slot = slot;
     s->len = hr_shm_bytes(lsize, slot);
     s->base = base;
-    s->spin = lsize > sysconf(_SC_NPROCESSORS_ONLN) ? 0 : 200;
-    s->busy = s->spin ? HR_SHM_BUSY_US : 0;
+    oversub = lsize > sysconf(_SC_NPROCESSORS_ONLN);
+    s->spin = oversub ? HR_SHM_YIELDS_OVERSUB : HR_SHM_YIELDS;
+    s->busy = oversub ? 0 : HR_SHM_BUSY_US;
     hr_shm_cell(s, s->lrank)->pid = (int32_t)getpid();
     hr_shm_cma_publish(s);
     return HR_OK;

@@ -33,6 +33,14 @@
 /* Microseconds a wait reads the counter (no system call) before it yields, then sleeps: a
  * 4 KiB allreduce's barrier partner is usually that close (benchmarks/ring_loopback.py --mpi). */
 #define HR_SHM_BUSY_US 20
+/* sched_yield rounds before a wait sleeps, with a core per rank and with more ranks than cores.
+ * Oversubscribed, a futex sleep costs most: the woken rank's core has often gone idle, and waking
+ * an idle vCPU takes an IPI through the hypervisor. 50 yields keep the core with runnable ranks
+ * for the few microseconds a small call's partner needs (4 ranks on 2 cores, 4 KiB allreduce:
+ * 66 -> 12 us; docs/collectives.md "Small calls on a crowded host"), and cost a waiter behind a
+ * slow rank about 50 system calls before it sleeps. */
+#define HR_SHM_YIELDS 200
+#define HR_SHM_YIELDS_OVERSUB 50
 
 typedef struct hr_shm_cell {
     uint32_t phase;         /* futex word: signals so far */
@@ -57,8 +65,9 @@ typedef struct hr_shm {
     int *col;               /* global ranks of local index lrank on every node (node order) */
     uint32_t phase;         /* this rank's counter (private copy) */
     uint32_t parity;        /* buffer parity of the next piece */
-    int spin;               /* sched_yield rounds before sleeping (0 when ranks outnumber cores) */
-    int busy;               /* microseconds of counter reads before the sched_yield rounds (idem) */
+    int spin;               /* sched_yield rounds before sleeping (HR_SHM_YIELDS*) */
+    int busy;               /* microseconds of counter reads before the sched_yield rounds (0
+                             * when ranks outnumber cores: the peer needs this core) */
     int cma;                /* 1: every local rank can read every other's memory (single copy) */
     uint64_t probe;         /* its own address ^ HR_SHM_CMA_MAGIC: what a peer's probe must read */
 } hr_shm_t;
