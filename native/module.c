@@ -13,8 +13,9 @@
  *     [first, last) only (alltoall.c; a window of one collective when first > 1)
  *   Comm.set_peer(peer, fds), drop_peer(peer), peers(), descriptors: connections on demand;
  *   Comm.abort(message): that message becomes the sticky error, every connection is shut
- *   Comm.allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout): allreduce recorded in a
- *     Flight (module_flight.c: the flight recorder's ring of records, filled in C)
+ *   Comm.allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout), and allgather_rec,
+ *     reduce_scatter_rec, broadcast_rec, alltoall_rec, barrier_rec likewise: the call recorded
+ *     in a Flight (module_flight.c: the flight recorder's ring of records, filled in C)
  *   Comm.barrier(timeout=0.0)
  *   Comm.close(); attributes rank, size, seq, failed, error, timeout; settable cut-overs
  *   rd_threshold, rh_chunk, direct_max, bcast_tree_max, twolevel_min (allreduce.c, broadcast.c),
@@ -47,7 +48,7 @@ int hr_p2p_module_add(PyObject *m);   /* p2p_module.c: P2P, P2PReq */
 #include <sys/mman.h>
 
 static PyObject *NativeError;
-static PyObject *str_allreduce, *dtype_strs[HR_NDTYPES];   /* record fields, made once */
+static PyObject *dtype_strs[HR_NDTYPES];   /* record fields, made once */
 
 typedef struct {
     PyObject_HEAD
@@ -233,75 +234,192 @@ static PyObject *Comm_close(CommObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* allreduce's arguments: an open comm, a known dtype and op, equal whole-element buffers. */
-static int check_allreduce(CommObject *self, const Py_buffer *s, const Py_buffer *r, int dtype, int op) {
-    if (check_open(self) || check_dtype_op(dtype, op, 1) || check_len(r, dtype, "recvbuf"))
+/* One collective's arguments, checked: what run_plain and run_rec hand to the C library. */
+typedef struct {
+    int kind;               /* K_* below */
+    void *s, *r;
+    size_t count;           /* elements: the result's (allreduce), the input's (the others) */
+    int dtype, op, root, d0, d1;
+    double timeout;
+} call_t;
+
+enum { K_ALLREDUCE, K_ALLGATHER, K_REDUCE_SCATTER, K_BROADCAST, K_ALLTOALL, K_BARRIER, K_N };
+static PyObject *kind_strs[K_N];    /* record fields, made once */
+static const char *const kind_names[K_N] = {"allreduce", "allgather", "reduce_scatter",
+                                             "broadcast", "alltoall", "barrier"};
+
+static int call_run(hr_comm_t *c, const call_t *k) {
+    switch (k->kind) {
+    case K_ALLREDUCE: return hr_allreduce(c, k->s, k->r, k->count, k->dtype, k->op, k->timeout);
+    case K_ALLGATHER: return hr_allgather_ring(c, k->s, k->r, k->count, k->dtype, k->timeout);
+    case K_REDUCE_SCATTER:
+        return hr_reduce_scatter_ring(c, k->s, k->r, k->count, k->dtype, k->op, k->timeout);
+    case K_BROADCAST: return hr_broadcast(c, k->r, k->count, k->dtype, k->root, k->timeout);
+    case K_ALLTOALL: return hr_alltoall(c, k->s, k->r, k->count, k->dtype, k->timeout, k->d0, k->d1);
+    default: return hr_barrier(c, k->timeout);
+    }
+}
+
+/* allreduce: a known dtype and op, equal whole-element buffers. */
+static int check_allreduce(CommObject *self, const Py_buffer *s, const Py_buffer *r, call_t *k) {
+    if (check_open(self) || check_dtype_op(k->dtype, k->op, 1) || check_len(r, k->dtype, "recvbuf"))
         return -1;
     if (s->len != r->len) {
         PyErr_Format(PyExc_ValueError, "sendbuf is %zd bytes but recvbuf %zd", s->len, r->len);
         return -1;
     }
+    k->kind = K_ALLREDUCE;
+    k->s = s->buf, k->r = r->buf;
+    k->count = (size_t)r->len / hr_dtype_size(k->dtype);
     return 0;
+}
+
+/* allgather: recvbuf holds size copies of sendbuf. */
+static int check_allgather(CommObject *self, const Py_buffer *s, const Py_buffer *r, call_t *k) {
+    if (check_open(self) || check_dtype_op(k->dtype, 0, 0) || check_len(s, k->dtype, "sendbuf"))
+        return -1;
+    if (r->len != s->len * self->c.size) {
+        PyErr_Format(PyExc_ValueError, "recvbuf is %zd bytes, need size * %zd = %zd", r->len,
+                     s->len, s->len * self->c.size);
+        return -1;
+    }
+    k->kind = K_ALLGATHER;
+    k->s = s->buf, k->r = r->buf;
+    k->count = (size_t)s->len / hr_dtype_size(k->dtype);
+    return 0;
+}
+
+/* reduce_scatter: recvbuf holds this rank's share (the first count % size ranks one more). */
+static int check_reduce_scatter(CommObject *self, const Py_buffer *s, const Py_buffer *r, call_t *k) {
+    int n;
+    size_t mine;
+    if (check_open(self) || check_dtype_op(k->dtype, k->op, 1) || check_len(s, k->dtype, "sendbuf"))
+        return -1;
+    n = self->c.size;
+    k->count = (size_t)s->len / hr_dtype_size(k->dtype);
+    mine = k->count / (size_t)n + ((size_t)self->c.rank < k->count % (size_t)n ? 1 : 0);
+    if ((size_t)r->len != mine * hr_dtype_size(k->dtype)) {
+        PyErr_Format(PyExc_ValueError, "recvbuf is %zd bytes, rank %d's share of %zu elements is %zu",
+                     r->len, self->c.rank, k->count, mine);
+        return -1;
+    }
+    k->kind = K_REDUCE_SCATTER;
+    k->s = s->buf, k->r = r->buf;
+    return 0;
+}
+
+/* broadcast: in place, root in range. */
+static int check_broadcast(CommObject *self, const Py_buffer *b, call_t *k) {
+    if (check_open(self) || check_dtype_op(k->dtype, 0, 0) || check_len(b, k->dtype, "buf"))
+        return -1;
+    if (k->root < 0 || k->root >= self->c.size) {
+        PyErr_Format(PyExc_ValueError, "root %d out of range for size %d", k->root, self->c.size);
+        return -1;
+    }
+    k->kind = K_BROADCAST;
+    k->s = k->r = b->buf;
+    k->count = (size_t)b->len / hr_dtype_size(k->dtype);
+    return 0;
+}
+
+/* alltoall: equal sizes, a count divisible by size, buffers the same or apart, a window
+ * [d0, d1) of distances (d1 < 0: all of them). */
+static int check_alltoall(CommObject *self, const Py_buffer *s, const Py_buffer *r, call_t *k) {
+    if (k->d1 < 0) k->d1 = self->c.size / 2 + 1;
+    if (k->d0 < 1 || k->d1 < k->d0) {
+        PyErr_Format(PyExc_ValueError, "alltoall distances [%d, %d) out of range", k->d0, k->d1);
+        return -1;
+    }
+    if (k->d0 > 1 && s->buf == r->buf) {
+        PyErr_SetString(PyExc_ValueError, "a later alltoall window cannot run in place");
+        return -1;
+    }
+    if (check_open(self) || check_dtype_op(k->dtype, 0, 0) || check_len(s, k->dtype, "sendbuf"))
+        return -1;
+    k->count = (size_t)s->len / hr_dtype_size(k->dtype);
+    if (s->len != r->len || k->count % (size_t)self->c.size) {
+        PyErr_Format(PyExc_ValueError, "alltoall needs equal send/recv sizes (%zd, %zd bytes) "
+                     "and a count divisible by %d (got %zu)", s->len, r->len, self->c.size, k->count);
+        return -1;
+    }
+    if (s->buf != r->buf && (char *)s->buf < (char *)r->buf + r->len &&
+        (char *)r->buf < (char *)s->buf + s->len) {
+        PyErr_SetString(PyExc_ValueError, "alltoall buffers overlap partially");
+        return -1;
+    }
+    k->kind = K_ALLTOALL;
+    k->s = s->buf, k->r = r->buf;
+    return 0;
+}
+
+/* The plain call: run k with the GIL released; None, or NativeError with the sticky message. */
+static PyObject *run_plain(CommObject *self, const call_t *k) {
+    int rc = HR_ERR;
+    RUN_LOCKED(self, rc, call_run(&self->c, k));
+    if (rc != HR_OK) return raise_native(self);
+    Py_RETURN_NONE;
+cleanup:
+    return NULL;
+}
+
+/* The recorded call: k recorded in flight (module_flight.c) as one "started" record before it
+ * runs and "done" or "failed" after, in this one call (no Python between). Returns the record's
+ * seq; a failure raises NativeError whose .seq is the record's. The lock is taken before the
+ * record, so a refused call leaves none open. */
+static PyObject *run_rec(CommObject *self, PyObject *flight, const call_t *k) {
+    PyObject *msg, *exc, *q;
+    long long seq;
+    int rc;
+    if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
+        PyErr_SetString(PyExc_RuntimeError, "communicator is already running a collective in another thread");
+        return NULL;
+    }
+    seq = fl_begin((FlightObject *)flight, kind_strs[k->kind],
+                   k->kind == K_BARRIER ? Py_None : dtype_strs[k->dtype],
+                   k->kind == K_BARRIER ? 0 : (long long)k->count,
+                   k->kind == K_BROADCAST ? k->root : -1, k->timeout);
+    Py_BEGIN_ALLOW_THREADS
+    rc = call_run(&self->c, k);
+    Py_END_ALLOW_THREADS
+    PyThread_release_lock(self->lock);
+    if (rc == HR_OK) {
+        fl_end((FlightObject *)flight, seq, NULL);
+        return PyLong_FromLongLong(seq);
+    }
+    if (!(msg = PyUnicode_FromString(self->c.err[0] ? self->c.err : "collective failed"))) return NULL;
+    fl_end((FlightObject *)flight, seq, msg);
+    exc = PyObject_CallOneArg(NativeError, msg);
+    Py_DECREF(msg);
+    if (!exc) return NULL;
+    q = PyLong_FromLongLong(seq);
+    if (q && PyObject_SetAttrString(exc, "seq", q) == 0) PyErr_SetObject(NativeError, exc);
+    Py_XDECREF(q);
+    Py_DECREF(exc);
+    return NULL;
 }
 
 static PyObject *Comm_allreduce(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "op", "timeout", NULL};
     Py_buffer s = {0}, r = {0};
-    int dtype, op, rc = HR_ERR;
-    double timeout = 0.0;
+    call_t k = {0};
     PyObject *ret = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*ii|d", kwlist, &s, &r, &dtype, &op, &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*ii|d", kwlist, &s, &r, &k.dtype, &k.op, &k.timeout))
         return NULL;
-    if (check_allreduce(self, &s, &r, dtype, op)) goto cleanup;
-    RUN_LOCKED(self, rc, hr_allreduce(&self->c, s.buf, r.buf, (size_t)r.len / hr_dtype_size(dtype),
-                                      dtype, op, timeout));
-    if (rc != HR_OK) raise_native(self);
-    else ret = Py_NewRef(Py_None);
-cleanup:
+    if (!check_allreduce(self, &s, &r, &k)) ret = run_plain(self, &k);
     PyBuffer_Release(&s);
     PyBuffer_Release(&r);
     return ret;
 }
 
-/* allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout) -> seq: allreduce, recorded in
- * flight (module_flight.c) as one "started" record before it runs and "done" or "failed" after.
- * A failure raises NativeError whose .seq is the record's. Positional arguments only (hot path). */
+/* The *_rec methods: the plain call's arguments after a Flight, positional only (hot path);
+ * each returns the record's seq (run_rec). */
 static PyObject *Comm_allreduce_rec(CommObject *self, PyObject *args) {
-    PyObject *flight, *msg, *exc, *q;
+    PyObject *flight, *ret = NULL;
     Py_buffer s = {0}, r = {0};
-    int dtype, op, rc;
-    double timeout;
-    long long seq;
-    size_t count;
-    PyObject *ret = NULL;
-    if (!PyArg_ParseTuple(args, "O!y*w*iid", &FlightType, &flight, &s, &r, &dtype, &op, &timeout))
+    call_t k = {0};
+    if (!PyArg_ParseTuple(args, "O!y*w*iid", &FlightType, &flight, &s, &r, &k.dtype, &k.op, &k.timeout))
         return NULL;
-    if (check_allreduce(self, &s, &r, dtype, op)) goto cleanup;
-    if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {  /* before the record: none is left open */
-        PyErr_SetString(PyExc_RuntimeError, "communicator is already running a collective in another thread");
-        goto cleanup;
-    }
-    count = (size_t)r.len / hr_dtype_size(dtype);
-    seq = fl_begin((FlightObject *)flight, str_allreduce, dtype_strs[dtype], (long long)count, -1, timeout);
-    Py_BEGIN_ALLOW_THREADS
-    rc = hr_allreduce(&self->c, s.buf, r.buf, count, dtype, op, timeout);
-    Py_END_ALLOW_THREADS
-    PyThread_release_lock(self->lock);
-    if (rc == HR_OK) {
-        fl_end((FlightObject *)flight, seq, NULL);
-        ret = PyLong_FromLongLong(seq);
-        goto cleanup;
-    }
-    if (!(msg = PyUnicode_FromString(self->c.err[0] ? self->c.err : "collective failed"))) goto cleanup;
-    fl_end((FlightObject *)flight, seq, msg);
-    exc = PyObject_CallOneArg(NativeError, msg);
-    Py_DECREF(msg);
-    if (!exc) goto cleanup;
-    q = PyLong_FromLongLong(seq);
-    if (q && PyObject_SetAttrString(exc, "seq", q) == 0) PyErr_SetObject(NativeError, exc);
-    Py_XDECREF(q);
-    Py_DECREF(exc);
-cleanup:
+    if (!check_allreduce(self, &s, &r, &k)) ret = run_rec(self, flight, &k);
     PyBuffer_Release(&s);
     PyBuffer_Release(&r);
     return ret;
@@ -310,23 +428,23 @@ cleanup:
 static PyObject *Comm_allgather(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "timeout", NULL};
     Py_buffer s = {0}, r = {0};
-    int dtype, rc = HR_ERR;
-    double timeout = 0.0;
+    call_t k = {0};
     PyObject *ret = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*i|d", kwlist, &s, &r, &dtype, &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*i|d", kwlist, &s, &r, &k.dtype, &k.timeout))
         return NULL;
-    if (check_open(self) || check_dtype_op(dtype, 0, 0) || check_len(&s, dtype, "sendbuf"))
-        goto cleanup;
-    if (r.len != s.len * self->c.size) {
-        PyErr_Format(PyExc_ValueError, "recvbuf is %zd bytes, need size * %zd = %zd", r.len,
-                     s.len, s.len * self->c.size);
-        goto cleanup;
-    }
-    RUN_LOCKED(self, rc, hr_allgather_ring(&self->c, s.buf, r.buf,
-                                           (size_t)s.len / hr_dtype_size(dtype), dtype, timeout));
-    if (rc != HR_OK) raise_native(self);
-    else ret = Py_NewRef(Py_None);
-cleanup:
+    if (!check_allgather(self, &s, &r, &k)) ret = run_plain(self, &k);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&r);
+    return ret;
+}
+
+static PyObject *Comm_allgather_rec(CommObject *self, PyObject *args) {
+    PyObject *flight, *ret = NULL;
+    Py_buffer s = {0}, r = {0};
+    call_t k = {0};
+    if (!PyArg_ParseTuple(args, "O!y*w*id", &FlightType, &flight, &s, &r, &k.dtype, &k.timeout))
+        return NULL;
+    if (!check_allgather(self, &s, &r, &k)) ret = run_rec(self, flight, &k);
     PyBuffer_Release(&s);
     PyBuffer_Release(&r);
     return ret;
@@ -335,26 +453,23 @@ cleanup:
 static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "op", "timeout", NULL};
     Py_buffer s = {0}, r = {0};
-    int dtype, op, rc = HR_ERR, n;
-    double timeout = 0.0;
-    size_t count, mine;
+    call_t k = {0};
     PyObject *ret = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*ii|d", kwlist, &s, &r, &dtype, &op, &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*ii|d", kwlist, &s, &r, &k.dtype, &k.op, &k.timeout))
         return NULL;
-    if (check_open(self) || check_dtype_op(dtype, op, 1) || check_len(&s, dtype, "sendbuf"))
-        goto cleanup;
-    n = self->c.size;
-    count = (size_t)s.len / hr_dtype_size(dtype);
-    mine = count / (size_t)n + ((size_t)self->c.rank < count % (size_t)n ? 1 : 0);
-    if ((size_t)r.len != mine * hr_dtype_size(dtype)) {
-        PyErr_Format(PyExc_ValueError, "recvbuf is %zd bytes, rank %d's share of %zu elements is %zu",
-                     r.len, self->c.rank, count, mine);
-        goto cleanup;
-    }
-    RUN_LOCKED(self, rc, hr_reduce_scatter_ring(&self->c, s.buf, r.buf, count, dtype, op, timeout));
-    if (rc != HR_OK) raise_native(self);
-    else ret = Py_NewRef(Py_None);
-cleanup:
+    if (!check_reduce_scatter(self, &s, &r, &k)) ret = run_plain(self, &k);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&r);
+    return ret;
+}
+
+static PyObject *Comm_reduce_scatter_rec(CommObject *self, PyObject *args) {
+    PyObject *flight, *ret = NULL;
+    Py_buffer s = {0}, r = {0};
+    call_t k = {0};
+    if (!PyArg_ParseTuple(args, "O!y*w*iid", &FlightType, &flight, &s, &r, &k.dtype, &k.op, &k.timeout))
+        return NULL;
+    if (!check_reduce_scatter(self, &s, &r, &k)) ret = run_rec(self, flight, &k);
     PyBuffer_Release(&s);
     PyBuffer_Release(&r);
     return ret;
@@ -363,22 +478,22 @@ cleanup:
 static PyObject *Comm_broadcast(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"buf", "dtype", "root", "timeout", NULL};
     Py_buffer b = {0};
-    int dtype, root, rc = HR_ERR;
-    double timeout = 0.0;
+    call_t k = {0};
     PyObject *ret = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "w*ii|d", kwlist, &b, &dtype, &root, &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "w*ii|d", kwlist, &b, &k.dtype, &k.root, &k.timeout))
         return NULL;
-    if (check_open(self) || check_dtype_op(dtype, 0, 0) || check_len(&b, dtype, "buf"))
-        goto cleanup;
-    if (root < 0 || root >= self->c.size) {
-        PyErr_Format(PyExc_ValueError, "root %d out of range for size %d", root, self->c.size);
-        goto cleanup;
-    }
-    RUN_LOCKED(self, rc, hr_broadcast(&self->c, b.buf, (size_t)b.len / hr_dtype_size(dtype),
-                                               dtype, root, timeout));
-    if (rc != HR_OK) raise_native(self);
-    else ret = Py_NewRef(Py_None);
-cleanup:
+    if (!check_broadcast(self, &b, &k)) ret = run_plain(self, &k);
+    PyBuffer_Release(&b);
+    return ret;
+}
+
+static PyObject *Comm_broadcast_rec(CommObject *self, PyObject *args) {
+    PyObject *flight, *ret = NULL;
+    Py_buffer b = {0};
+    call_t k = {0};
+    if (!PyArg_ParseTuple(args, "O!w*iid", &FlightType, &flight, &b, &k.dtype, &k.root, &k.timeout))
+        return NULL;
+    if (!check_broadcast(self, &b, &k)) ret = run_rec(self, flight, &k);
     PyBuffer_Release(&b);
     return ret;
 }
@@ -386,38 +501,26 @@ cleanup:
 static PyObject *Comm_alltoall(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "timeout", "first", "last", NULL};
     Py_buffer s = {0}, r = {0};
-    int dtype, rc = HR_ERR, d0 = 1, d1 = -1;
-    double timeout = 0.0;
-    size_t count;
+    call_t k = {0};
     PyObject *ret = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*i|dii", kwlist, &s, &r, &dtype, &timeout,
-                                     &d0, &d1))
+    k.d0 = 1, k.d1 = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*w*i|dii", kwlist, &s, &r, &k.dtype, &k.timeout,
+                                     &k.d0, &k.d1))
         return NULL;
-    if (d1 < 0) d1 = self->c.size / 2 + 1;
-    if (d0 < 1 || d1 < d0) {
-        PyErr_Format(PyExc_ValueError, "alltoall distances [%d, %d) out of range", d0, d1);
-        goto cleanup;
-    }
-    if (d0 > 1 && s.buf == r.buf) {
-        PyErr_SetString(PyExc_ValueError, "a later alltoall window cannot run in place");
-        goto cleanup;
-    }
-    if (check_open(self) || check_dtype_op(dtype, 0, 0) || check_len(&s, dtype, "sendbuf"))
-        goto cleanup;
-    count = (size_t)s.len / hr_dtype_size(dtype);
-    if (s.len != r.len || count % (size_t)self->c.size) {
-        PyErr_Format(PyExc_ValueError, "alltoall needs equal send/recv sizes (%zd, %zd bytes) "
-                     "and a count divisible by %d (got %zu)", s.len, r.len, self->c.size, count);
-        goto cleanup;
-    }
-    if (s.buf != r.buf && (char *)s.buf < (char *)r.buf + r.len && (char *)r.buf < (char *)s.buf + s.len) {
-        PyErr_SetString(PyExc_ValueError, "alltoall buffers overlap partially");
-        goto cleanup;
-    }
-    RUN_LOCKED(self, rc, hr_alltoall(&self->c, s.buf, r.buf, count, dtype, timeout, d0, d1));
-    if (rc != HR_OK) raise_native(self);
-    else ret = Py_NewRef(Py_None);
-cleanup:
+    if (!check_alltoall(self, &s, &r, &k)) ret = run_plain(self, &k);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&r);
+    return ret;
+}
+
+static PyObject *Comm_alltoall_rec(CommObject *self, PyObject *args) {
+    PyObject *flight, *ret = NULL;
+    Py_buffer s = {0}, r = {0};
+    call_t k = {0};
+    k.d0 = 1, k.d1 = -1;
+    if (!PyArg_ParseTuple(args, "O!y*w*id", &FlightType, &flight, &s, &r, &k.dtype, &k.timeout))
+        return NULL;
+    if (!check_alltoall(self, &s, &r, &k)) ret = run_rec(self, flight, &k);
     PyBuffer_Release(&s);
     PyBuffer_Release(&r);
     return ret;
@@ -425,15 +528,20 @@ cleanup:
 
 static PyObject *Comm_barrier(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"timeout", NULL};
-    double timeout = 0.0;
-    int rc = HR_ERR;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|d", kwlist, &timeout)) return NULL;
+    call_t k = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|d", kwlist, &k.timeout)) return NULL;
     if (check_open(self)) return NULL;
-    RUN_LOCKED(self, rc, hr_barrier(&self->c, timeout));
-    if (rc != HR_OK) return raise_native(self);
-    Py_RETURN_NONE;
-cleanup:
-    return NULL;
+    k.kind = K_BARRIER;
+    return run_plain(self, &k);
+}
+
+static PyObject *Comm_barrier_rec(CommObject *self, PyObject *args) {
+    PyObject *flight;
+    call_t k = {0};
+    if (!PyArg_ParseTuple(args, "O!d", &FlightType, &flight, &k.timeout)) return NULL;
+    if (check_open(self)) return NULL;
+    k.kind = K_BARRIER;
+    return run_rec(self, flight, &k);
 }
 
 /* shm_attach(name, create, local_ranks, column, slot): create (node's first rank) or open the
@@ -770,6 +878,15 @@ static PyMethodDef Comm_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))Comm_allreduce, METH_VARARGS | METH_KEYWORDS, NULL},
     {"allreduce_rec", (PyCFunction)Comm_allreduce_rec, METH_VARARGS,
      "allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout) -> seq"},
+    {"allgather_rec", (PyCFunction)Comm_allgather_rec, METH_VARARGS,
+     "allgather_rec(flight, sendbuf, recvbuf, dtype, timeout) -> seq"},
+    {"reduce_scatter_rec", (PyCFunction)Comm_reduce_scatter_rec, METH_VARARGS,
+     "reduce_scatter_rec(flight, sendbuf, recvbuf, dtype, op, timeout) -> seq"},
+    {"broadcast_rec", (PyCFunction)Comm_broadcast_rec, METH_VARARGS,
+     "broadcast_rec(flight, buf, dtype, root, timeout) -> seq"},
+    {"alltoall_rec", (PyCFunction)Comm_alltoall_rec, METH_VARARGS,
+     "alltoall_rec(flight, sendbuf, recvbuf, dtype, timeout) -> seq (every distance)"},
+    {"barrier_rec", (PyCFunction)Comm_barrier_rec, METH_VARARGS, "barrier_rec(flight, timeout) -> seq"},
     {"allgather", (PyCFunction)(void (*)(void))Comm_allgather, METH_VARARGS | METH_KEYWORDS, NULL},
     {"reduce_scatter", (PyCFunction)(void (*)(void))Comm_reduce_scatter,
      METH_VARARGS | METH_KEYWORDS, NULL},
@@ -885,7 +1002,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m;
     int i;
     if (PyType_Ready(&CommType) < 0 || PyType_Ready(&FlightType) < 0) return NULL;
-    if (!(str_allreduce = PyUnicode_InternFromString("allreduce"))) return NULL;
+    for (i = 0; i < K_N; i++)
+        if (!(kind_strs[i] = PyUnicode_InternFromString(kind_names[i]))) return NULL;
     for (i = 0; i < HR_NDTYPES; i++)
         if (!(dtype_strs[i] = PyUnicode_InternFromString(hr_dtype_name(i)))) return NULL;
     if (!(m = PyModule_Create(&moddef))) return NULL;

@@ -33,6 +33,13 @@
 #include <time.h>
 
 enum { ST_FREE = 0, ST_STARTED, ST_DONE, ST_FAILED };
+
+/* Code objects whose skip answer is kept (direct-mapped by address): a call site walks 3-4
+ * frames, and matching each file against the prefixes took a tenth of a small collective. */
+#define FL_SEEN 64
+#if PY_VERSION_HEX >= 0x030B0000
+#define FL_LASTI 1              /* PyFrame_GetLasti: 3.11 */
+#endif
 static const char *state_names[] = {"free", "started", "done", "failed"};
 
 typedef struct {
@@ -43,7 +50,8 @@ typedef struct {
     int state;
     double timeout, t_queued, t_started, t_ended;
     PyObject *code;             /* call site's code object (reference) or NULL */
-    int line;
+    int line;                   /* its line; with FL_LASTI, the byte offset (the line is worked
+                                 * out when a report reads the record, not per call) */
     PyObject *error;            /* str or NULL */
 } fl_slot_t;
 
@@ -65,6 +73,8 @@ struct FlightObject {
     long long seq;
     PyObject *skip;             /* tuple of str */
     fl_totals_t tot;
+    PyObject *seen[FL_SEEN];    /* code objects met in call sites (references), by address */
+    char seen_skip[FL_SEEN];    /* whether each one's file is a skipped prefix */
 };
 
 static double fl_wall(void) {
@@ -83,19 +93,31 @@ static void fl_clear(fl_slot_t *s) {
 
 /* The innermost frame outside the skipped prefixes: its code object (new reference) and line;
  * NULL when every frame is skipped. Clears any error of the attribute reads. */
+static int fl_skipped(FlightObject *f, PyCodeObject *code) {
+    size_t h = ((uintptr_t)code >> 4) % FL_SEEN;
+    Py_ssize_t i, n = PyTuple_GET_SIZE(f->skip);
+    int skipped = 0;
+    if (f->seen[h] == (PyObject *)code) return f->seen_skip[h];
+    for (i = 0; i < n && !skipped; i++)
+        skipped = PyUnicode_Tailmatch(code->co_filename, PyTuple_GET_ITEM(f->skip, i), 0,
+                                      PY_SSIZE_T_MAX, -1) == 1;
+    Py_XSETREF(f->seen[h], Py_NewRef((PyObject *)code));   /* held: its address stays its own */
+    f->seen_skip[h] = (char)skipped;
+    return skipped;
+}
+
 static PyObject *fl_site(FlightObject *f, int *line) {
     PyFrameObject *fr = PyEval_GetFrame();
-    Py_ssize_t i, n = PyTuple_GET_SIZE(f->skip);
     Py_XINCREF(fr);
     while (fr) {
         PyCodeObject *code = PyFrame_GetCode(fr);
-        PyObject *file = code->co_filename;
-        int skipped = 0;
         PyFrameObject *back;
-        for (i = 0; i < n && !skipped; i++)
-            skipped = PyUnicode_Tailmatch(file, PyTuple_GET_ITEM(f->skip, i), 0, PY_SSIZE_T_MAX, -1) == 1;
-        if (!skipped) {
+        if (!fl_skipped(f, code)) {
+#ifdef FL_LASTI
+            *line = PyFrame_GetLasti(fr);
+#else
             *line = PyFrame_GetLineNumber(fr);
+#endif
             Py_DECREF(fr);
             return (PyObject *)code;
         }
@@ -159,7 +181,12 @@ static PyObject *fl_tuple(const fl_slot_t *s) {
     PyObject *site = Py_None;
     if (s->code) {
         PyCodeObject *c = (PyCodeObject *)s->code;
-        if (!(site = Py_BuildValue("(OiO)", c->co_filename, s->line, c->co_name))) return NULL;
+#ifdef FL_LASTI
+        int line = s->line < 0 ? -1 : PyCode_Addr2Line(c, s->line);
+#else
+        int line = s->line;
+#endif
+        if (!(site = Py_BuildValue("(OiO)", c->co_filename, line, c->co_name))) return NULL;
     } else {
         Py_INCREF(site);
     }
@@ -202,6 +229,7 @@ static int Flight_init(FlightObject *self, PyObject *args, PyObject *kw) {
 static void Flight_dealloc(FlightObject *self) {
     Py_ssize_t i;
     for (i = 0; self->slots && i < self->capacity; i++) fl_clear(&self->slots[i]);
+    for (i = 0; i < FL_SEEN; i++) Py_CLEAR(self->seen[i]);
     PyMem_Free(self->slots);
     Py_XDECREF(self->skip);
     Py_TYPE(self)->tp_free((PyObject *)self);

@@ -182,6 +182,43 @@ def test_short_path_records_match_the_general_path(group, store):
             assert ds[k] == dg[k], k
 
 
+_OTHER_CALLS = {
+    "allgather": lambda c, x: c.allgather(x),
+    "reduce_scatter": lambda c, x: c.reduce_scatter(x, "max"),
+    "broadcast": lambda c, x: c.broadcast(x, 2),
+    "alltoall": lambda c, x: c.alltoall(x),
+    "barrier": lambda c, x: c.barrier(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_OTHER_CALLS))
+@pytest.mark.parametrize("store", ["c", "python"])
+def test_other_short_paths_record_as_the_general_path(group, store, kind):
+    """The other collectives' short path: the ring's *_rec call writing the record in C, or the
+    record/end pair around the backend (``short_rec`` None, as MPI), give the general path's
+    records (op, dtype, count, root, state, call site) and results."""
+    def run(comm, short):
+        comm.short_path = short
+        if store == "python":
+            comm.backend.short_rec = None
+        try:
+            x = np.arange(12, dtype=np.float64) + 10 * comm.rank
+            y = _OTHER_CALLS[kind](comm, x.copy())
+            return y, comm.recorder.records(1)[0].to_dict()
+        finally:
+            comm.short_path = True
+            comm.backend.__dict__.pop("short_rec", None)
+    short = group.run_ok(lambda c: run(c, True))
+    general = group.run_ok(lambda c: run(c, False))
+    for (ys, ds), (yg, dg) in zip(short, general):
+        assert (ys is None and yg is None) or np.array_equal(ys, yg)
+        assert ds["seq"] + 1 == dg["seq"] and ds["op"] == kind and ds["state"] == "done"
+        for k in ("op", "dtype", "count", "root", "backend", "timeout", "state", "error", "site"):
+            assert ds[k] == dg[k], k
+        line = _OTHER_CALLS[kind].__code__.co_firstlineno   # the user's line, worked out late
+        assert ds["site"] == f"test_flight_ring.py:{line} in <lambda>"
+
+
 def test_recorded_allreduce_failure_names_its_record():
     g = ThreadGroup(2, timeout=0.5)
     try:

@@ -60,6 +60,7 @@ class Communicator(ShortPath, PointToPoint, Execution):
     def __init__(self, backend: Backend, *, timeout: float | None = None, watchdog=None,
                  members=None, group: str | None = None) -> None:
         self.backend = backend
+        self._n = backend.size          # the short path's copy (a backend's size never changes)
         # a group's communicator (hpcring.collectives.groups): the global rank of each member, and
         # the group's name in flight records and reports; None for the job's own communicators
         self.members = tuple(members) if members is not None else None
@@ -370,7 +371,7 @@ class Communicator(ShortPath, PointToPoint, Execution):
     allgather_async.__doc__ = _ASYNC_DOC.format('allgather')
 
     def broadcast(self, x, root: int = 0, *, timeout: float | None = None, dtype: str | None = None):
-        if self.short_path and dtype is None and type(root) is int and 0 <= root < self.size:
+        if self.short_path and dtype is None and type(root) is int and 0 <= root < self._n:
             res = (self._short_host("broadcast", x, None, None, root, timeout) if self._ordered is None
                    else self._short_device("broadcast", x, None, None, root, timeout))
             if res is not _GENERAL:

@@ -35,13 +35,15 @@ class ShortPath:
                                              if o != "avg" or d in FLOAT_DTYPES}
         return ok
 
-    def _prechecked(self, kind: str, tag, count: int, root, t: float, res, call):
+    def _prechecked(self, kind: str, tag, count: int, root, t: float, res, call, *args):
         """The short path's call under the precheck, which reads a Record (the general store):
-        the record begun, the precheck, ``call()``, the record finished; ``res`` returned."""
+        the record begun, the precheck, ``call(*args)``, the record finished; ``res`` returned.
+        (A callable and its arguments, not a closure: a lambda in a short path would make cells
+        of its variables on every call, taken or not.)"""
         rec = self.recorder.begin(kind, tag, count, root, t)
         try:
             self._precheck(rec)
-            call()
+            call(*args)
         except BaseException as e:
             raise self._failed(rec, e) from None
         FlightRecorder.finish(rec)
@@ -98,9 +100,9 @@ class ShortPath:
         else:
             return _GENERAL                # other out= forms: the general path checks or explains
         be = self.backend
-        if self.precheck and self.size > 1:
+        if self.precheck and self._n > 1:
             return self._prechecked("allreduce", tag, flat.size, None, t, res,
-                                    lambda: be.allreduce(flat, rflat, tag, op, t))
+                                    be.allreduce, flat, rflat, tag, op, t)
         # the record is a slot of the recorder's C ring (recorder.py): written by the ring's
         # native call itself, or around the backend's call here
         fl = self.recorder.flight
@@ -130,7 +132,7 @@ class ShortPath:
         :meth:`_allreduce_host` does for allreduce."""
         if self._worker._pending:               # queued async ops: in order, the general way
             return _GENERAL
-        be = self.backend
+        n = self._n                             # the backend's size, read once (a property chain)
         if kind == "barrier":
             tag = count = None
             flat = rflat = res = None
@@ -152,20 +154,20 @@ class ShortPath:
                 res, rflat = x, flat
             else:
                 if kind == "allgather":
-                    shape = (self.size, *x.shape)
-                    n_out = count * self.size
+                    n_out = count * n
                 elif kind == "reduce_scatter":
-                    if not x.ndim or x.shape[0] % self.size:
+                    if not x.ndim or x.shape[0] % n:
                         return _GENERAL     # uneven chunks: the general path's own shape
-                    shape = (x.shape[0] // self.size, *x.shape[1:])
-                    n_out = count // self.size
-                else:                       # alltoall
-                    if count % self.size:
-                        return _GENERAL     # the general path's UsageError
-                    shape, n_out = x.shape, count
-                if out is None:
+                    n_out = count // n
+                elif count % n:             # alltoall
+                    return _GENERAL         # the general path's UsageError
+                else:
+                    n_out = count
+                if out is None:             # the result's shape: built only here
+                    shape = ((n, *x.shape) if kind == "allgather" else
+                             (x.shape[0] // n, *x.shape[1:]) if kind == "reduce_scatter" else x.shape)
                     res = np.empty(shape, dtype=x.dtype)
-                elif type(out) is np.ndarray and out.dtype == x.dtype and out.size == n_out:
+                elif type(out) is np.ndarray and out.size == n_out and (out.dtype is x.dtype or out.dtype == x.dtype):
                     oflags = out.flags
                     if not (oflags.c_contiguous and oflags.writeable):
                         return _GENERAL
@@ -174,16 +176,20 @@ class ShortPath:
                     return _GENERAL         # other out= forms: the general path checks or explains
                 rflat = res if res.ndim == 1 else res.reshape(-1)
         t = self.timeout if timeout is None else self._short_deadline(timeout)
-        if self.precheck and self.size > 1:
+        be = self.backend
+        if self.precheck and n > 1:
             return self._prechecked(kind, tag, count or 0, root, t, res,
-                                    lambda: self._host_call(be, kind, flat, rflat, tag, op, root, t))
+                                    self._host_call, be, kind, flat, rflat, tag, op, root, t)
         fl = self.recorder.flight
         seq = None
         try:
-            seq = fl.record(kind, tag, count or 0, root, t)
-            self._host_call(be, kind, flat, rflat, tag, op, root, t)
-            fl.end(seq)
+            rec_call = getattr(be, "short_rec", None)      # the ring: the record written in C
+            if rec_call is None or not rec_call(fl, kind, flat, rflat, tag, op, root, t):
+                seq = fl.record(kind, tag, count or 0, root, t)
+                self._host_call(be, kind, flat, rflat, tag, op, root, t)
+                fl.end(seq)
         except BaseException as e:
+            seq = seq if seq is not None else getattr(e, "seq", None)
             rec = self.recorder.record_of(seq) if seq is not None else None
             if rec is None:
                 rec = self.recorder.begin(kind, tag, count or 0, root, t)
@@ -252,11 +258,11 @@ class ShortPath:
         if kind == "allreduce":
             shape = x.shape
         elif kind == "allgather":
-            shape = (self.size, *x.shape)
+            shape = (self._n, *x.shape)
         elif kind == "reduce_scatter":
-            if not x.ndim or x.shape[0] % self.size:
+            if not x.ndim or x.shape[0] % self._n:
                 return _GENERAL             # uneven chunks: the general path's own way
-            shape = (x.shape[0] // self.size, *x.shape[1:])
+            shape = (x.shape[0] // self._n, *x.shape[1:])
         else:                               # broadcast: in place
             shape = None
         inplace = out is x
@@ -274,7 +280,7 @@ class ShortPath:
         else:
             res = cp.empty(shape, dtype=x.dtype) if out is None else out
             rflat = res if res.ndim == 1 else res.reshape(-1)
-        if self.precheck and self.size > 1:     # the precheck reads a Record: the general store
+        if self.precheck and self._n > 1:     # the precheck reads a Record: the general store
             rec = self.recorder.begin(kind, tag, flat.size, root, t)
             try:
                 self._precheck(rec)
