@@ -243,6 +243,9 @@ int hr_comm_shm_attach(hr_comm_t *c, unsigned char *base, size_t slot, const int
  * of the result in rbuf[0 ..] (allreduce: 0, count; reduce-scatter: this rank's chunk). */
 int hr_allreduce_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype,
                      int redop, size_t lo, size_t hi);
+/* Reduce-scatter on one node: rank's elements [lo, hi) into rbuf, one barrier per piece. */
+int hr_reduce_scatter_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype,
+                          int redop, size_t lo, size_t hi);
 int hr_allgather_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);
 int hr_broadcast_shm(hr_op_t *op, void *buf, size_t count, int dtype, int root);
 int hr_alltoall_shm(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);

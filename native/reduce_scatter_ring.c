@@ -6,7 +6,8 @@
  * reductions into a scratch buffer (ring_pass.c, first = r-1; in step s rank r sends chunk (r-1-s) and
  * reduces chunk (r-2-s) received from the left), divide for avg, copy chunk r out.
  *
- * With a shared-memory segment the node's ranks use allreduce_shm.c instead (keeping only chunk r).
+ * With a shared-memory segment the ranks use reduce_scatter_shm.c on one node, allreduce_shm.c
+ * (two-level, keeping only chunk r) across nodes.
  *
  * Cost: n-1 steps; each rank sends and receives (n-1)/n * S bytes and reduces as many;
  * time ~ (n-1) a + (n-1)/n S (b + g).
@@ -33,8 +34,8 @@ int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t co
     cnt = off + n;
     hr_chunks(count, n, off, cnt);
     if (c->shm.base && (c->shm.ncol == 1 || (c->shm.ncol > 1 && count * esz >= c->twolevel_min))) {
-        /* shared memory (allreduce_shm.c keeping only this rank's chunk); an input that overlaps
-         * the output is copied first, since copy-out may overtake copy-in */
+        /* shared memory; an input that overlaps the output is copied first, since a rank's
+         * output may overtake its copy-in of a later piece */
         const unsigned char *in = sbuf;
         if ((const char *)rbuf < (const char *)sbuf + count * esz &&
             (const char *)sbuf < (const char *)rbuf + cnt[r] * esz) {
@@ -42,7 +43,9 @@ int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t co
             memcpy(c->tmp, sbuf, count * esz);
             in = c->tmp;
         }
-        if (hr_allreduce_shm(&op, in, rbuf, count, dtype, redop, off[r], off[r] + cnt[r]) == HR_OK)
+        if ((c->shm.ncol == 1
+                 ? hr_reduce_scatter_shm(&op, in, rbuf, count, dtype, redop, off[r], off[r] + cnt[r])
+                 : hr_allreduce_shm(&op, in, rbuf, count, dtype, redop, off[r], off[r] + cnt[r])) == HR_OK)
             rc = HR_OK;
         goto cleanup;
     }
