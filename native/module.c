@@ -50,11 +50,23 @@ int hr_p2p_module_add(PyObject *m);   /* p2p_module.c: P2P, P2PReq */
 static PyObject *NativeError;
 static PyObject *dtype_strs[HR_NDTYPES];   /* record fields, made once */
 
+/* The short call's settings (short_setup): what Comm.short needs to read a numpy array and
+ * record the call without Python in between. */
+typedef struct {
+    PyObject *flight;           /* the recorder's Flight */
+    PyObject *ndarray, *empty;  /* numpy.ndarray (exactly), numpy.empty */
+    PyObject *dtypes;           /* {numpy dtype: enum hr_dtype code} */
+    PyObject *ops;              /* {op name: enum hr_redop code} */
+    PyObject *general;          /* the answer "take the general path" */
+    int a2a_direct;             /* alltoall may run here at any time (every connection given) */
+} short_t;
+
 typedef struct {
     PyObject_HEAD
     hr_comm_t c;
     int open;
     PyThread_type_lock lock;
+    short_t sh;
 } CommObject;
 
 static int check_open(CommObject *self) {
@@ -213,7 +225,17 @@ static PyObject *Comm_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return (PyObject *)self;
 }
 
+static void short_clear(short_t *sh) {
+    Py_CLEAR(sh->flight);
+    Py_CLEAR(sh->ndarray);
+    Py_CLEAR(sh->empty);
+    Py_CLEAR(sh->dtypes);
+    Py_CLEAR(sh->ops);
+    Py_CLEAR(sh->general);
+}
+
 static void Comm_dealloc(CommObject *self) {
+    short_clear(&self->sh);
     if (self->open) hr_comm_destroy(&self->c);
     self->open = 0;
     if (self->lock) PyThread_free_lock(self->lock);
@@ -542,6 +564,152 @@ static PyObject *Comm_barrier_rec(CommObject *self, PyObject *args) {
     if (check_open(self)) return NULL;
     k.kind = K_BARRIER;
     return run_rec(self, flight, &k);
+}
+
+/* short_setup(flight, ndarray, empty, dtypes, ops, general, a2a_direct): arm Comm.short. */
+static PyObject *Comm_short_setup(CommObject *self, PyObject *args) {
+    PyObject *fl, *nd, *em, *dt, *ops, *gen;
+    int a2a;
+    if (!PyArg_ParseTuple(args, "O!O!OO!O!Op", &FlightType, &fl, &PyType_Type, &nd, &em, &PyDict_Type,
+                          &dt, &PyDict_Type, &ops, &gen, &a2a))
+        return NULL;
+    short_clear(&self->sh);
+    self->sh.flight = Py_NewRef(fl);
+    self->sh.ndarray = Py_NewRef(nd);
+    self->sh.empty = Py_NewRef(em);
+    self->sh.dtypes = Py_NewRef(dt);
+    self->sh.ops = Py_NewRef(ops);
+    self->sh.general = Py_NewRef(gen);
+    self->sh.a2a_direct = a2a;
+    Py_RETURN_NONE;
+}
+
+static PyObject *str_dtype;         /* "dtype", interned */
+
+/* The result's shape for out=None: (n, *shape) for allgather, (shape[0] / n, *shape[1:]) for
+ * reduce_scatter, shape otherwise. */
+static PyObject *short_shape(const Py_buffer *b, int kind, int n) {
+    int extra = kind == K_ALLGATHER, i;
+    PyObject *t = PyTuple_New(b->ndim + extra), *v;
+    if (!t) return NULL;
+    if (extra && (!(v = PyLong_FromLong(n)) || PyTuple_SetItem(t, 0, v) < 0)) goto fail;
+    for (i = 0; i < b->ndim; i++) {
+        Py_ssize_t d = b->shape[i];
+        if (kind == K_REDUCE_SCATTER && i == 0) d /= n;
+        if (!(v = PyLong_FromSsize_t(d)) || PyTuple_SetItem(t, i + extra, v) < 0) goto fail;
+    }
+    return t;
+fail:
+    Py_DECREF(t);
+    return NULL;
+}
+
+/* short(kind, x, out, op, root, timeout) -> result: the Communicator's common synchronous call
+ * read, checked, recorded and run in C (kind: the K_* code; op: name or None; root: int or None;
+ * timeout: the deadline already resolved). Takes exactly what fastpath.py's short path takes --
+ * a C-contiguous numpy.ndarray of a mapped dtype; out None, x (alltoall, allreduce) or a
+ * C-contiguous writable ndarray of x's dtype and the result's element count; an op the dtype
+ * takes; a root in range -- and answers `general` (short_setup), with nothing done or recorded,
+ * for anything else, a closed communicator included. Failures raise as the *_rec methods do. */
+static PyObject *Comm_short(CommObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    short_t *sh = &self->sh;
+    PyObject *x, *out, *op, *root, *dt = NULL, *code, *res = NULL, *ret = NULL, *shape, *odt;
+    Py_buffer xb = {0}, rb = {0};
+    int kind, n = self->c.size, flags, eq;
+    size_t count, n_out = 0;
+    call_t k = {0};
+
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "short(kind, x, out, op, root, timeout)");
+        return NULL;
+    }
+    if (!sh->general) {
+        PyErr_SetString(PyExc_RuntimeError, "short() before short_setup()");
+        return NULL;
+    }
+    kind = (int)PyLong_AsLong(args[0]);
+    x = args[1], out = args[2], op = args[3], root = args[4];
+    k.timeout = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (kind < 0 || kind >= K_N || !self->open) return Py_NewRef(sh->general);
+    k.kind = kind, k.d0 = 1, k.d1 = -1, k.root = -1;
+    if (kind == K_BARRIER) {
+        if (!(ret = run_rec(self, sh->flight, &k))) return NULL;
+        Py_DECREF(ret);
+        Py_RETURN_NONE;
+    }
+    if (!Py_IS_TYPE(x, (PyTypeObject *)sh->ndarray) || (out == x && kind != K_ALLTOALL && kind != K_ALLREDUCE))
+        return Py_NewRef(sh->general);
+    if (!(dt = PyObject_GetAttr(x, str_dtype))) return NULL;
+    if (!(code = PyDict_GetItemWithError(sh->dtypes, dt))) goto general;      /* borrowed */
+    k.dtype = (int)PyLong_AsLong(code);
+    if (kind == K_ALLREDUCE || kind == K_REDUCE_SCATTER) {     /* the reducing kinds: a named op */
+        if (!PyUnicode_CheckExact(op) || !(code = PyDict_GetItemWithError(sh->ops, op))) goto general;
+        k.op = (int)PyLong_AsLong(code);
+        if (check_dtype_op(k.dtype, k.op, 1)) goto general;     /* avg of integers: explained there */
+    }
+    flags = PyBUF_C_CONTIGUOUS | ((kind == K_BROADCAST || out == x) ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(x, &xb, flags) < 0) goto general;
+    count = (size_t)xb.len / (size_t)xb.itemsize;
+    switch (kind) {
+    case K_ALLREDUCE: n_out = count; break;
+    case K_ALLGATHER: n_out = count * (size_t)n; break;
+    case K_REDUCE_SCATTER:
+        if (xb.ndim < 1 || xb.shape[0] % n) goto general;       /* uneven: the general path's shape */
+        n_out = count / (size_t)n;
+        break;
+    case K_ALLTOALL:
+        if (count % (size_t)n ||
+            !(sh->a2a_direct || self->c.failed || (self->c.shm.base && self->c.shm.ncol == 1)))
+            goto general;               /* across hosts alltoall's windows connect peers (ring.py) */
+        n_out = count;
+        break;
+    default:                            /* K_BROADCAST */
+        if (!PyLong_CheckExact(root) || (k.root = (int)PyLong_AsLong(root)) < 0 || k.root >= n) {
+            PyErr_Clear();
+            goto general;
+        }
+    }
+    if (kind == K_BROADCAST || out == x) {
+        res = Py_NewRef(x);
+    } else if (out == Py_None) {
+        if (!(shape = short_shape(&xb, kind, n))) goto done;
+        res = PyObject_CallFunctionObjArgs(sh->empty, shape, dt, NULL);
+        Py_DECREF(shape);
+        if (!res || PyObject_GetBuffer(res, &rb, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto done;
+    } else {
+        if (!Py_IS_TYPE(out, (PyTypeObject *)sh->ndarray)) goto general;
+        if (!(odt = PyObject_GetAttr(out, str_dtype))) goto done;
+        eq = PyObject_RichCompareBool(odt, dt, Py_EQ);          /* identity first: no call */
+        Py_DECREF(odt);
+        if (eq < 0) goto done;
+        if (!eq || PyObject_GetBuffer(out, &rb, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) goto general;
+        if ((size_t)rb.len != n_out * (size_t)xb.itemsize) goto general;
+        res = Py_NewRef(out);
+    }
+    {
+        const Py_buffer *r = rb.obj ? &rb : &xb;
+        int bad = kind == K_ALLREDUCE ? check_allreduce(self, &xb, r, &k)
+                  : kind == K_ALLGATHER ? check_allgather(self, &xb, r, &k)
+                  : kind == K_REDUCE_SCATTER ? check_reduce_scatter(self, &xb, r, &k)
+                  : kind == K_ALLTOALL ? check_alltoall(self, &xb, r, &k)
+                  : check_broadcast(self, &xb, &k);
+        PyObject *seq;
+        if (bad) goto done;             /* ValueError (overlapping alltoall buffers) */
+        if (!(seq = run_rec(self, sh->flight, &k))) goto done;
+        Py_DECREF(seq);
+        ret = Py_NewRef(res);
+    }
+    goto done;
+general:
+    PyErr_Clear();
+    ret = Py_NewRef(sh->general);
+done:
+    if (xb.obj) PyBuffer_Release(&xb);
+    if (rb.obj) PyBuffer_Release(&rb);
+    Py_XDECREF(res);
+    Py_XDECREF(dt);
+    return ret;
 }
 
 /* shm_attach(name, create, local_ranks, column, slot): create (node's first rank) or open the
@@ -887,6 +1055,10 @@ static PyMethodDef Comm_methods[] = {
     {"alltoall_rec", (PyCFunction)Comm_alltoall_rec, METH_VARARGS,
      "alltoall_rec(flight, sendbuf, recvbuf, dtype, timeout) -> seq (every distance)"},
     {"barrier_rec", (PyCFunction)Comm_barrier_rec, METH_VARARGS, "barrier_rec(flight, timeout) -> seq"},
+    {"short_setup", (PyCFunction)Comm_short_setup, METH_VARARGS,
+     "short_setup(flight, ndarray, empty, dtypes, ops, general, a2a_direct)"},
+    {"short", (PyCFunction)(void (*)(void))Comm_short, METH_FASTCALL,
+     "short(kind, x, out, op, root, timeout) -> result, or short_setup's general"},
     {"allgather", (PyCFunction)(void (*)(void))Comm_allgather, METH_VARARGS | METH_KEYWORDS, NULL},
     {"reduce_scatter", (PyCFunction)(void (*)(void))Comm_reduce_scatter,
      METH_VARARGS | METH_KEYWORDS, NULL},
@@ -1004,9 +1176,19 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&CommType) < 0 || PyType_Ready(&FlightType) < 0) return NULL;
     for (i = 0; i < K_N; i++)
         if (!(kind_strs[i] = PyUnicode_InternFromString(kind_names[i]))) return NULL;
+    if (!(str_dtype = PyUnicode_InternFromString("dtype"))) return NULL;
     for (i = 0; i < HR_NDTYPES; i++)
         if (!(dtype_strs[i] = PyUnicode_InternFromString(hr_dtype_name(i)))) return NULL;
     if (!(m = PyModule_Create(&moddef))) return NULL;
+    {
+        PyObject *kinds = PyDict_New(), *v;
+        if (!kinds) return NULL;
+        for (i = 0; i < K_N; i++) {
+            if (!(v = PyLong_FromLong(i)) || PyDict_SetItemString(kinds, kind_names[i], v) < 0) return NULL;
+            Py_DECREF(v);
+        }
+        if (PyModule_AddObject(m, "SHORT_KINDS", kinds) < 0) return NULL;     /* Comm.short's kind codes */
+    }
     NativeError = PyErr_NewException("hpcring._native.NativeError", PyExc_RuntimeError, NULL);
     if (!NativeError || PyModule_AddObjectRef(m, "NativeError", NativeError) < 0 ||
         PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||

@@ -415,6 +415,11 @@ def test_nccl_other_collectives_leave_odd_calls_to_the_general_path(fake):
         comm.allgather(x, out=fake_empty(x, (6,)))                     # a wrong count: the general path ...
     with pytest.raises(UsageError, match="6 elements"):
         comm.allgather(x, out=fake_empty(x, (6,)))                     # ... explains it
+    seq = comm.recorder.seq
+    for kind in ("allreduce", "reduce_scatter"):                       # no op: the general path's error
+        with pytest.raises(UsageError, match="unsupported op None"):
+            getattr(comm, kind)(x, None)
+    assert comm.recorder.seq == seq
     comm.close()
 
 

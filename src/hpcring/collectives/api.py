@@ -37,7 +37,7 @@ from hpcring.collectives.arrays import active_on, adapt, check_op, check_out, fu
 from hpcring.collectives.backends import DTYPES, Backend, chunk_counts
 from hpcring.collectives.engine import Completions, Handle, Worker
 from hpcring.collectives.execution import Execution
-from hpcring.collectives.fastpath import _GENERAL, ShortPath
+from hpcring.collectives.fastpath import _GENERAL, _KA, _KB, _KG, _KR, _KT, _KZ, ShortPath
 from hpcring.collectives.p2p_api import PointToPoint
 from hpcring.collectives.precheck import precheck_default
 from hpcring.collectives.recorder import FlightRecorder
@@ -333,6 +333,10 @@ class Communicator(ShortPath, PointToPoint, Execution):
                   dtype: str | None = None):
         # the short path is tried first, without argument repacking
         if self.short_path and dtype is None:
+            if self._fast and timeout is None:
+                res = self._fast_try(_KA, "allreduce", x, out, op, None)
+                if res is not _GENERAL:
+                    return res
             res = (self._allreduce_host(x, op, out, timeout) if self._ordered is None
                    else self._short_device("allreduce", x, op, out, None, timeout))
             if res is not _GENERAL:
@@ -359,6 +363,10 @@ class Communicator(ShortPath, PointToPoint, Execution):
     # allreduce's: on a stream-ordered backend the short path is tried first
     def allgather(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
         if self.short_path and dtype is None:
+            if self._fast and timeout is None:
+                res = self._fast_try(_KG, "allgather", x, out, None, None)
+                if res is not _GENERAL:
+                    return res
             res = (self._short_host("allgather", x, None, out, None, timeout) if self._ordered is None
                    else self._short_device("allgather", x, None, out, None, timeout))
             if res is not _GENERAL:
@@ -372,6 +380,10 @@ class Communicator(ShortPath, PointToPoint, Execution):
 
     def broadcast(self, x, root: int = 0, *, timeout: float | None = None, dtype: str | None = None):
         if self.short_path and dtype is None and type(root) is int and 0 <= root < self._n:
+            if self._fast and timeout is None:
+                res = self._fast_try(_KB, "broadcast", x, None, None, root)
+                if res is not _GENERAL:
+                    return res
             res = (self._short_host("broadcast", x, None, None, root, timeout) if self._ordered is None
                    else self._short_device("broadcast", x, None, None, root, timeout))
             if res is not _GENERAL:
@@ -387,6 +399,10 @@ class Communicator(ShortPath, PointToPoint, Execution):
     def reduce_scatter(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
                        dtype: str | None = None):
         if self.short_path and dtype is None:
+            if self._fast and timeout is None:
+                res = self._fast_try(_KR, "reduce_scatter", x, out, op, None)
+                if res is not _GENERAL:
+                    return res
             res = (self._short_host("reduce_scatter", x, op, out, None, timeout) if self._ordered is None
                    else self._short_device("reduce_scatter", x, op, out, None, timeout))
             if res is not _GENERAL:
@@ -402,6 +418,10 @@ class Communicator(ShortPath, PointToPoint, Execution):
     # alltoall and barrier: on a host backend the short path is tried first
     def alltoall(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
         if self.short_path and dtype is None and self._ordered is None:
+            if self._fast and timeout is None:
+                res = self._fast_try(_KT, "alltoall", x, out, None, None)
+                if res is not _GENERAL:
+                    return res
             res = self._short_host("alltoall", x, None, out, None, timeout)
             if res is not _GENERAL:
                 return res
@@ -414,6 +434,10 @@ class Communicator(ShortPath, PointToPoint, Execution):
 
     def barrier(self, *, timeout: float | None = None):
         if self.short_path and self._ordered is None:
+            if self._fast and timeout is None:
+                res = self._fast_try(_KZ, "barrier", None, None, None, None)
+                if res is not _GENERAL:
+                    return res
             res = self._short_host("barrier", None, None, None, None, timeout)
             if res is not _GENERAL:
                 return res

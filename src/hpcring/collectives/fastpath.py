@@ -11,6 +11,11 @@ import numpy as np
 from hpcring.collectives.arrays import _DT2TAG
 from hpcring.collectives.backends import DTYPES, FLOAT_DTYPES, OPS
 from hpcring.collectives.recorder import FlightRecorder
+from hpcring import _native
+
+# Comm.short's kind codes, by name (the C enum's owner exports them)
+_KA, _KG, _KR, _KB, _KT, _KZ = (_native.SHORT_KINDS[k] for k in (
+    "allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall", "barrier"))
 
 _GENERAL = object()      # a short path's answer: "take the general path"
 
@@ -26,6 +31,37 @@ class ShortPath:
     # nested device contexts, re-validation of the op string, a second completion event).
     # ``short_path = False`` (class or instance) sends every call the general way.
     short_path = True
+
+    # The fast path: the backend's whole short path in one C call (the ring: ``Comm.short``),
+    # armed after its lazy setup (None: not yet, False: the backend has none). Python's part is
+    # the few attribute reads that may change between calls (precheck, queued ops, deadline).
+    _fast = None
+
+    def _fast_arm(self) -> None:
+        arm = getattr(self.backend, "fast_call", None)
+        self._fast = (arm(self.recorder.flight, _GENERAL) if arm is not None else None) or False
+
+    def _fast_try(self, code: int, kind: str, x, out, op, root):
+        """``kind`` through the armed fast path with the default deadline; _GENERAL when the
+        precheck is on, async ops are queued or the C call leaves it to Python."""
+        if self.precheck or self._worker._pending:
+            return _GENERAL
+        try:
+            return self._fast(code, x, out, op, root, self.timeout)
+        except BaseException as e:
+            raise self._fast_failed(kind, e, x, root) from None
+
+    def _fast_failed(self, kind: str, e: BaseException, x, root) -> BaseException:
+        """The short path's failure path for a fast call: the failed record (written in C), or
+        one made now for a call refused before it was recorded."""
+        err = self.backend.fast_error(e)
+        seq = getattr(err, "seq", None)
+        rec = self.recorder.record_of(seq) if seq is not None else None
+        if rec is None:
+            tag = _DT2TAG.get(x.dtype) if isinstance(x, np.ndarray) else None
+            count = x.size if isinstance(x, np.ndarray) else 0
+            rec = self.recorder.begin(kind, tag, count, root if kind == "broadcast" else None, self.timeout)
+        return self._failed(rec, err)
 
     def _short_ops(self) -> dict:
         """{(op, dtype): True} for the pairs the backend takes (check_op's rules), per communicator."""
@@ -113,6 +149,8 @@ class ShortPath:
                 seq = fl.record("allreduce", tag, flat.size, None, t)
                 be.allreduce(flat, rflat, tag, op, t)
                 fl.end(seq)
+            if self._fast is None:
+                self._fast_arm()
         except BaseException as e:
             seq = seq if seq is not None else getattr(e, "seq", None)
             rec = self.recorder.record_of(seq) if seq is not None else None
@@ -143,8 +181,8 @@ class ShortPath:
             tag = _DT2TAG.get(x.dtype)
             if tag is None or not flags.c_contiguous:
                 return _GENERAL
-            if op is not None and (op, tag) not in (self.__dict__.get("_ok_ops") or self._short_ops()):
-                return _GENERAL             # the general path raises check_op's UsageError
+            if kind == "reduce_scatter" and (op, tag) not in (self.__dict__.get("_ok_ops") or self._short_ops()):
+                return _GENERAL             # the general path raises check_op's UsageError (op None too)
             flat = x if x.ndim == 1 else x.reshape(-1)
             count = flat.size
             inplace = out is x
@@ -188,6 +226,8 @@ class ShortPath:
                 seq = fl.record(kind, tag, count or 0, root, t)
                 self._host_call(be, kind, flat, rflat, tag, op, root, t)
                 fl.end(seq)
+            if self._fast is None:
+                self._fast_arm()
         except BaseException as e:
             seq = seq if seq is not None else getattr(e, "seq", None)
             rec = self.recorder.record_of(seq) if seq is not None else None
@@ -249,8 +289,9 @@ class ShortPath:
         if cp is None or type(x) is not cp.ndarray or not hasattr(be, "enqueue"):
             return _GENERAL
         tag = _DT2TAG.get(x.dtype)
-        if tag is None or (op is not None and (op, tag) not in (self.__dict__.get("_ok_ops") or self._short_ops())):
-            return _GENERAL
+        if tag is None or (kind in ("allreduce", "reduce_scatter")
+                           and (op, tag) not in (self.__dict__.get("_ok_ops") or self._short_ops())):
+            return _GENERAL                 # op None included: the general path's UsageError
         dev_id = be.device_id
         # CuPy's own attributes (_c_contiguous, data.device_id) cost a tenth of x.flags / x.device
         if x.data.device_id != dev_id or not x._c_contiguous or cp.cuda.runtime.getDevice() != dev_id:

@@ -47,6 +47,9 @@ import socket
 import threading
 import time
 
+import numpy as np
+
+from hpcring.collectives.arrays import _DT2TAG
 from hpcring.collectives.backends import FLOAT_DTYPES, Backend
 from hpcring.collectives.dtypes import DTYPE_CODES, OP_CODES   # checked against the C enums at import
 from hpcring.collectives.ring_links import _NATIVE_ENV, RingConnections, _Links, _Missing, _advertised_host
@@ -312,6 +315,29 @@ class RingBackend(RingConnections, Backend):
         except ValueError as e:
             raise UsageError(str(e)) from None
         return True
+
+    def fast_call(self, flight, general):
+        """The whole short path in one C call (``Comm.short``; fastpath.py ``_fast_try``) for a
+        numpy array, armed with this communicator's flight ring and ``general`` (its answer for
+        whatever it leaves to Python); None before the lazy setup."""
+        nc = self._native_comm
+        if nc is None:
+            return None
+        nc.short_setup(flight, np.ndarray, np.empty, {dt: DTYPE_CODES[tag] for dt, tag in _DT2TAG.items()},
+                       dict(OP_CODES), general, self._links is None)
+        return nc.short
+
+    @staticmethod
+    def fast_error(e: BaseException) -> BaseException:
+        """What the short path raises for ``fast_call``'s exception ``e`` (with the failed
+        record's ``seq`` kept), as :meth:`short_rec` does."""
+        if _native is not None and isinstance(e, _native.NativeError):
+            err = _translate(e)
+            err.seq = getattr(e, "seq", None)
+            return err
+        if isinstance(e, ValueError):
+            return UsageError(str(e))
+        return e
 
     def short_rec(self, flight, kind, flat, rflat, tag, op, root, timeout) -> bool:
         """allgather, reduce_scatter, broadcast (``flat`` in place), alltoall (one host, or every
