@@ -12,8 +12,9 @@ implementation gets the same buffers and the same exact check from ``hpcring ben
 (src/hpcring/bench: rank r's deterministic pattern of small integers, outputs starting from
 NaN, #wrong = elements that differ from the expected result, summed over ranks, checked after every
 timed loop). Columns and bus-bandwidth factors are nccl-tests' (``hpcring.bench.table``): ``size``
-is the largest buffer of the call, ``time`` the mean per call on the slowest rank. ``host CPU``:
-the share of this host's cores busy during the timed loop (/proc/stat, coarse for short loops).
+is the largest buffer of the call, ``time`` the mean per call in the median of 5 timed loops
+(--quick: 3), on the slowest rank. ``host CPU``: the share of this host's cores busy during the
+timed loops (/proc/stat, coarse for short loops).
 
   * hpcring ring: ``Communicator`` (backend ``ring``) under ``hpcring run`` (one host: one node,
     so the ranks share memory; the dev cluster: ``salloc`` + ``hpcring run --site devcluster``);
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import shutil
 import sys
 import time
@@ -58,6 +60,12 @@ def iters_for(nbytes: int, quick: bool) -> int:
     it = 1000 if nbytes <= 4 << 10 else 300 if nbytes <= 64 << 10 else 30 if nbytes <= 1 << 20 else \
         5 if nbytes <= 16 << 20 else 3
     return max(2, it // 5) if quick else it
+
+
+# Timed loops per point: the median loop is kept. One loop of 3 calls at 64 MiB moved 1.5x between
+# runs on the 2-core VM (memory bandwidth shared with the host's other guests), the median of 5 a
+# few percent.
+LOOPS, LOOPS_QUICK = 5, 3
 
 
 def warmup_for(nbytes: int) -> int:
@@ -223,16 +231,19 @@ def worker(kind: str, collectives: list[str], sizes: list[int], quick: bool) -> 
                 case_run, check = case.run, case.check
             for _ in range(warmup_for(nbytes)):
                 case_run()
-            comm.barrier()
-            c0, t0 = cd.cpu_ticks(), time.perf_counter()
-            for _ in range(it):
-                case_run()
-            elapsed = (time.perf_counter() - t0) / it
+            loops = []
+            c0 = cd.cpu_ticks()
+            for _ in range(LOOPS_QUICK if quick else LOOPS):
+                comm.barrier()
+                t0 = time.perf_counter()
+                for _ in range(it):
+                    case_run()
+                loops.append((time.perf_counter() - t0) / it)
             cpu = cd.cpu_busy(c0, cd.cpu_ticks())
-            t = comm.max(elapsed)
+            t = comm.max(statistics.median(loops))
             wrong = comm.sum(int(check()))
             rec = {"kind": kind, "collective": coll, "n": n, "size": size, "nominal": nbytes, "count": count, "time": t,
-                   "wrong": wrong, "cpu": cpu, "iters": it}
+                   "wrong": wrong, "cpu": cpu, "iters": it, "loops": len(loops)}
             if comm.emulated:
                 rec["emulated"] = comm.emulated
             if kind == "ring":
