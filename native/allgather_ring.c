@@ -6,7 +6,7 @@
  * (r - s) mod n to the right and receives block (r - s - 1) mod n from the left.
  *
  * On one node with a shared-memory segment, allgather_shm.c runs instead (allgather_cma.c when
- * the node's ranks may read each other's memory and blocks are at least c->cma_gather_min bytes).
+ * the node's ranks may read each other's memory and blocks are at least c->cma_allgather_min bytes).
  *
  * Cost: n-1 steps; each rank sends and receives (n-1)/n * S bytes of the S-byte output;
  * time ~ (n-1) a + (n-1)/n S b.
@@ -27,7 +27,7 @@ int hr_allgather_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, 
 
     if (hr_op_begin(&op, c, HR_K_ALLGATHER, dtype, 0, count, -1, timeout) != HR_OK) return HR_ERR;
     if (c->shm.base && c->shm.ncol == 1)
-        return hr_use_cma(c, count * esz, c->cma_gather_min) ? hr_allgather_cma(&op, sbuf, rbuf, count, dtype)
+        return hr_use_cma(c, count * esz, c->cma_allgather_min) ? hr_allgather_cma(&op, sbuf, rbuf, count, dtype)
                                           : hr_allgather_shm(&op, sbuf, rbuf, count, dtype);
     mine = (unsigned char *)rbuf + (size_t)c->rank * count * esz;
     if (sbuf != mine && count) memmove(mine, sbuf, count * esz);

@@ -352,6 +352,7 @@ int hr_comm_init(hr_comm_t *c, int rank, int size, const int *fds, int nconn, in
     c->bcast_tree_max = HR_BCAST_TREE_MAX_DEFAULT;
     c->cma_min = HR_CMA_MIN_DEFAULT;
     c->cma_gather_min = HR_CMA_GATHER_MIN_DEFAULT;
+    c->cma_allgather_min = 0;        /* ring_shm.py sets the measured default */
     c->twolevel_min = HR_TWOLEVEL_MIN_DEFAULT;
     c->streams = nconn;
     c->threads = 1;

@@ -48,11 +48,13 @@
  * 1.16x at 256 KiB, 1.34x at 1 MiB, 1.41x at 16 MiB; 8 ranks 0.80x at 128 KiB, 1.19x at 512 KiB,
  * 1.98x at 2 MiB, 2.32x at 8 MiB (the segment's pieces are slot/L per block: more barriers). */
 #define HR_CMA_MIN_DEFAULT ((size_t)1 << 20)
-/* allgather and broadcast read directly (allgather_cma.c, broadcast_cma.c) from this many bytes
- * per peer; 0: never, the default. Measured the same way they lost at almost every point (allgather
- * 0.47-0.96x at 2-8 ranks, 256 KiB-64 MiB, but 1.24-1.26x at 2 ranks from 16 MiB; broadcast
- * 0.3-1.0x): the segment's pipelined pieces stay in cache, a direct read of a whole buffer does
- * not. Where many cores and no hypervisor change that, set it (HPCRING_RING_CMA_GATHER_MIN). */
+/* broadcast reads directly (broadcast_cma.c) from this many bytes; 0: never, the default.
+ * Measured slower than the segment at 2-8 ranks (0.3-1.0x; again on 2026-11-29, 64 KiB-16 MiB:
+ * 0.6-1.0x): the segment's pipelined pieces stay in cache, a direct read of a whole buffer does
+ * not. Where many cores and no hypervisor change that, set it (HPCRING_RING_CMA_GATHER_MIN).
+ * allgather has its own cut, c->cma_allgather_min, which ring_shm.py sets where a direct read
+ * paid: the host's ranks each with a core (2 ranks on 2 cores: 64 KiB 10 vs 39 us, 1 MiB 108 vs
+ * 530 us, 16 MiB 2.7 vs 9.6 ms; 8 ranks on 2 cores it lost, 64 KiB 306-376 vs 112-165 us). */
 #define HR_CMA_GATHER_MIN_DEFAULT ((size_t)0)
 
 /* allreduce: messages below this many bytes use recursive doubling (measured, allreduce.c). */
@@ -120,7 +122,8 @@ typedef struct hr_comm {
     size_t bcast_tree_max;      /* broadcast: bytes below which the binomial tree is used */
     size_t twolevel_min;        /* several hosts: bytes from which the two-level allreduce runs */
     size_t cma_min;             /* one node: alltoall block bytes from which alltoall_cma.c runs */
-    size_t cma_gather_min;      /* one node: bytes per peer from which allgather/broadcast_cma.c run (0: never) */
+    size_t cma_gather_min;      /* one node: bytes from which broadcast_cma.c runs (0: never) */
+    size_t cma_allgather_min;   /* one node: bytes per peer from which allgather_cma.c runs (0: never) */
     uint32_t seq;               /* number of collectives started */
     int streams;                /* connections per peer the ring passes stripe over (<= tcp.nconn) */
     int threads;                /* I/O threads per ring pass (1 = the caller only) */
@@ -227,7 +230,7 @@ void hr_op_cma_publish(hr_op_t *op, const void *buf);
  * HR_ERR with the error recorded (naming the peer; ESRCH: it died). */
 int hr_op_cma_read(hr_op_t *op, int l, void *dst, size_t off, size_t n);
 /* 1 when the collective should read its peers directly: the node agreed, and each read is at
- * least cut bytes (c->cma_min or c->cma_gather_min; a cut of 0 never). */
+ * least cut bytes (c->cma_min, c->cma_gather_min or c->cma_allgather_min; a cut of 0 never). */
 static inline int hr_use_cma(const hr_comm_t *c, size_t bytes, size_t cut) {
     return c->shm.cma && cut && bytes >= cut;
 }

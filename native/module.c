@@ -22,7 +22,8 @@
  *   streams (<= connections per peer), threads, stripe_min (see ring_pass.c)
  *   Comm.shm_attach(name, create, local_ranks, column, slot); shm_unlink(name): shared memory
  *   between the ranks of a node (transport_shm.h; setup and unlinking in collectives/ring.py);
- *   Comm.shm_cma_probe(), shm_cma, cma_min, cma_gather_min: reading peers' memory directly (*_cma.c)
+ *   Comm.shm_cma_probe(), shm_cma, cma_min, cma_gather_min, cma_allgather_min: reading peers'
+ *   memory directly (*_cma.c)
  *   reduce(dst, src, dtype, op)   local kernel dst = dst OP src (tests, fused host-side use)
  *   DTYPES {name: (code, itemsize)}, OPS {name: code}: the enums below, by name
  *   P2P, P2PReq: point-to-point (p2p_module.c)
@@ -1019,8 +1020,11 @@ static PyGetSetDef Comm_getset[] = {
     {"cma_min", (getter)Comm_get_cut, (setter)Comm_set_cut,
      "alltoall block bytes from which shm_cma is used (0: never; every rank the same)", (void *)offsetof(hr_comm_t, cma_min)},
     {"cma_gather_min", (getter)Comm_get_cut, (setter)Comm_set_cut,
-     "allgather/broadcast bytes per peer from which shm_cma is used (0: never, the default; every rank the same)",
+     "broadcast bytes from which shm_cma is used (0: never; every rank the same)",
      (void *)offsetof(hr_comm_t, cma_gather_min)},
+    {"cma_allgather_min", (getter)Comm_get_cut, (setter)Comm_set_cut,
+     "allgather bytes per peer from which shm_cma is used (0: never; every rank the same)",
+     (void *)offsetof(hr_comm_t, cma_allgather_min)},
     {"streams", (getter)Comm_get_streams, (setter)Comm_set_streams,
      "connections per peer a ring pass stripes over", NULL},
     {"threads", (getter)Comm_get_threads, (setter)Comm_set_threads,

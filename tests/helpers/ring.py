@@ -64,7 +64,7 @@ class ThreadGroup:
             for c in natives:
                 if cma is not None and c.shm is not None:
                     assert c.shm_cma_probe() == (True, 0)
-                    c.shm_cma, c.cma_min, c.cma_gather_min = True, cma, cma
+                    c.shm_cma, c.cma_min, c.cma_gather_min, c.cma_allgather_min = True, cma, cma, cma
         for c in natives:
             c.threads = threads
             if stripe_min is not None:
@@ -235,7 +235,7 @@ def target_direct_reads(comm, count):
         before = native.shm_phase
         out[name] = call().tobytes()
         phases[name] = native.shm_phase - before
-    return {"cma": native.shm_cma, "phases": phases, **out}
+    return {"cma": native.shm_cma, "phases": phases, "allgather_min": native.cma_allgather_min, **out}
 
 
 def target_allreduce_small(comm):

@@ -26,7 +26,8 @@ except ImportError:  # pragma: no cover - only without a built extension (RingBa
 _NATIVE_ENV = (("HPCRING_RING_STRIPE_MIN", "stripe_min"), ("HPCRING_TWOLEVEL_MIN", "twolevel_min"),
                ("HPCRING_BCAST_TREE_MAX", "bcast_tree_max"), ("HPCRING_RH_CHUNK", "rh_chunk"),
                ("HPCRING_DIRECT_MAX", "direct_max"), ("HPCRING_RING_CMA_MIN", "cma_min"),
-               ("HPCRING_RING_CMA_GATHER_MIN", "cma_gather_min"))
+               ("HPCRING_RING_CMA_GATHER_MIN", "cma_gather_min"),
+               ("HPCRING_RING_CMA_ALLGATHER_MIN", "cma_allgather_min"))
 
 
 def _advertised_host(topology) -> str:

@@ -145,9 +145,12 @@ VARS: tuple[Var, ...] = (
        "directly (process_vm_readv, one copy) where every rank of the host can"),
     _v("HPCRING_RING_CMA_MIN", "int", None, "shared memory: alltoall reads its peers' blocks directly "
        "from blocks of this many bytes (unset: the measured 1 MiB; 0: never)", 0, 1 << 62),
-    _v("HPCRING_RING_CMA_GATHER_MIN", "int", None, "shared memory: allgather and broadcast read their "
-       "peers' buffers directly from this many bytes per peer (unset or 0: never; measured slower than "
-       "the segment on a 2-core VM)", 0, 1 << 62),
+    _v("HPCRING_RING_CMA_GATHER_MIN", "int", None, "shared memory: broadcast reads the root's buffer "
+       "directly from this many bytes (unset or 0: never; measured slower than the segment on a 2-core "
+       "VM)", 0, 1 << 62),
+    _v("HPCRING_RING_CMA_ALLGATHER_MIN", "int", None, "shared memory: allgather reads its peers' "
+       "buffers directly from this many bytes per peer (unset: 64 KiB where the host's ranks have a "
+       "core each, else never, as measured on a 2-core VM; 0: never)", 0, 1 << 62),
     _v("HPCRING_RING_SHM_PIECE", "int", None, "shared-memory piece per rank and buffer, bytes "
        "(unset: 1 MiB per local rank, 1-8 MiB)", 4096, 1 << 30),
     # -- hpcring.torch (the Horovod API) and torch's own backends --
