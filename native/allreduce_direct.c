@@ -84,7 +84,7 @@ static int direct_wait(hr_op_t *op, direct_peer_t *ps, int np, size_t tot) {
         return hr_op_fail_peer(op, ps[first].rd < tot, ps[first].peer, why), -1;
     }
     ms = left > 1.0 ? 1000 : (int)(left * 1000.0) + 1;     /* re-check the clock each second */
-    r = poll(pf, (nfds_t)k, ms);
+    r = hr_poll(pf, (nfds_t)k, ms);
     if (r < 0 && errno != EINTR) return hr_op_fail(op, "poll(): %s", strerror(errno)), -1;
     return 1;
 }

@@ -232,7 +232,7 @@ static int run_lanes(pass_t *p, int t) {
         }
         /* re-check the clock and the sticky flag at least every 200 ms */
         t0 = hr_now();
-        r = poll(pf, (nfds_t)np, left > 0.2 ? 200 : (int)ceil(left * 1000.0));
+        r = hr_poll(pf, (nfds_t)np, left > 0.2 ? 200 : (int)ceil(left * 1000.0));
         if (t == 0) { /* every lane crosses the same links: one thread's view says it */
             if (sending) p->send_wait += hr_now() - t0;
             else p->recv_wait += hr_now() - t0;

@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -166,6 +167,15 @@ ssize_t hr_tcp_recvv(hr_tcp_t *t, int peer, struct iovec *iov, int iovcnt, char 
     return hr_tcp_iok(t, peer, 0, iov, iovcnt, 0, err, errlen);
 }
 
+int hr_poll(struct pollfd *pf, nfds_t n, int ms) {
+    int i, r;
+    for (i = 0; i < HR_TCP_SPIN && ms != 0; i++) {
+        if ((r = poll(pf, n, 0)) != 0) return r;
+        sched_yield();
+    }
+    return poll(pf, n, ms);
+}
+
 int hr_tcp_wait(hr_tcp_t *t, int speer, int rpeer, double deadline, char *err, size_t errlen) {
     struct pollfd p[2];
     int np = 0, si = -1, ri = -1, r, mask = 0;
@@ -184,7 +194,7 @@ int hr_tcp_wait(hr_tcp_t *t, int speer, int rpeer, double deadline, char *err, s
         if (left <= 0) return 0;
         ms = (int)ceil(left * 1000.0);
         if (ms > 1000) ms = 1000; /* re-check the clock at least once a second */
-        r = poll(p, np, ms);
+        r = hr_poll(p, (nfds_t)np, ms);
         if (r < 0) {
             if (errno == EINTR) continue;
             snprintf(err, errlen, "failed: poll(): %s", strerror(errno));
