@@ -31,6 +31,7 @@ int hr_allgather_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, 
                                           : hr_allgather_shm(&op, sbuf, rbuf, count, dtype);
     mine = (unsigned char *)rbuf + (size_t)c->rank * count * esz;
     if (sbuf != mine && count) memmove(mine, sbuf, count * esz);
+    if (hr_use_direct(c, (size_t)(n - 1) * count * esz)) return hr_allgather_direct(&op, rbuf, count, dtype);
     if (!(off = malloc(2 * (size_t)n * sizeof(size_t)))) {
         hr_op_fail(&op, "malloc(): out of memory");
         goto cleanup;

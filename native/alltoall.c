@@ -39,6 +39,8 @@ int hr_alltoall(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dt
                    ? hr_alltoall_cma(&op, sbuf, rbuf, count, dtype)
                    : hr_alltoall_shm(&op, sbuf, rbuf, count, dtype);
     blk = count / (size_t)n * esz;
+    if (d0 <= 1 && d1 >= n / 2 + 1 && hr_use_direct(c, (size_t)(n - 1) * blk))
+        return hr_alltoall_direct(&op, sbuf, rbuf, count, dtype);   /* one round (direct_others.c) */
     if (d0 < 1) d0 = 1;
     if (d1 > n / 2 + 1) d1 = n / 2 + 1;
     if (sbuf == rbuf && n > 1) {

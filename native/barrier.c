@@ -17,6 +17,7 @@ int hr_barrier(hr_comm_t *c, double timeout) {
     int n = c->size, r = c->rank, k;
     if (hr_op_begin(&op, c, HR_K_BARRIER, HR_U8, 0, 0, -1, timeout) != HR_OK) return HR_ERR;
     if (c->shm.base && c->shm.ncol == 1) return hr_barrier_shm(&op);
+    if (hr_use_direct(c, 0)) return hr_barrier_direct(&op);      /* one round (direct_others.c) */
     for (k = 1; k < n; k <<= 1)
         if (hr_sendrecv(&op, (r + k) % n, NULL, 0, 1, (r - k + n) % n, NULL, 0, 1) != HR_OK)
             return HR_ERR;

@@ -264,6 +264,29 @@ int hr_allreduce_rd(hr_op_t *op, void *buf, size_t count, int dtype, int redop);
 /* allreduce_direct.c: every rank sends its input to every other and reduces in rank order (at
  * most HR_DIRECT_MAX_RANKS ranks; sbuf == rbuf means in place). HR_OK or HR_ERR. */
 int hr_allreduce_direct(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype, int redop);
+/* One stream of a direct exchange (direct.c): the payload sent to peer after the header, and
+ * the payload received from it; the rest is the exchange's own progress. */
+typedef struct hr_xfer {
+    int peer;
+    const void *s;
+    size_t sn;
+    void *r;
+    size_t rn;
+    size_t sd, rd;              /* bytes sent / received so far, headers included */
+    int hdr_ok;
+    hr_hdr_t rh;
+} hr_xfer_t;
+/* Every stream of xs at once, until all are done (np <= HR_DIRECT_MAX_RANKS - 1 peers, all
+ * connected). HR_OK, or HR_ERR with the error recorded. */
+int hr_direct_exchange(hr_op_t *op, hr_xfer_t *xs, int np);
+/* The direct algorithms of the other collectives (direct_others.c), on at most
+ * HR_DIRECT_MAX_RANKS ranks; hr_use_direct says when. */
+int hr_use_direct(const hr_comm_t *c, size_t sent);
+int hr_allgather_direct(hr_op_t *op, void *rbuf, size_t count, int dtype);
+int hr_reduce_scatter_direct(hr_op_t *op, const void *sbuf, void *rbuf, const size_t *off,
+                             const size_t *cnt, int dtype, int redop);
+int hr_alltoall_direct(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype);
+int hr_barrier_direct(hr_op_t *op);
 /* allreduce_rd.c, shared with allreduce_rh.c: for n not a power of two p, the first 2(n-p) ranks
  * pair up; the even one sends its buffer (with the header) to the odd one, which reduces it.
  * Sets *v to this rank's virtual rank among the p that go on (-1: it sits out until hr_unfold,

@@ -7,7 +7,8 @@
  * reduces chunk (r-2-s) received from the left), divide for avg, copy chunk r out.
  *
  * With a shared-memory segment the ranks use reduce_scatter_shm.c on one node, allreduce_shm.c
- * (two-level, keeping only chunk r) across nodes.
+ * (two-level, keeping only chunk r) across nodes; few ranks and small messages, one round of
+ * direct exchange (direct_others.c).
  *
  * Cost: n-1 steps; each rank sends and receives (n-1)/n * S bytes and reduces as many;
  * time ~ (n-1) a + (n-1)/n S (b + g).
@@ -22,7 +23,7 @@
 int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t count, int dtype,
                            int redop, double timeout) {
     hr_op_t op;
-    int n = c->size, r = c->rank, rc = HR_ERR;
+    int n = c->size, r = c->rank, rc = HR_ERR, shm;
     size_t esz = hr_dtype_size(dtype), *off = NULL, *cnt;
 
     if (hr_op_begin(&op, c, HR_K_REDUCE_SCATTER, dtype, redop, count, -1, timeout) != HR_OK)
@@ -33,9 +34,10 @@ int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t co
     }
     cnt = off + n;
     hr_chunks(count, n, off, cnt);
-    if (c->shm.base && (c->shm.ncol == 1 || (c->shm.ncol > 1 && count * esz >= c->twolevel_min))) {
-        /* shared memory; an input that overlaps the output is copied first, since a rank's
-         * output may overtake its copy-in of a later piece */
+    shm = c->shm.base && (c->shm.ncol == 1 || (c->shm.ncol > 1 && count * esz >= c->twolevel_min));
+    if (shm || hr_use_direct(c, count * esz)) {     /* the same answer on every rank */
+        /* shared memory or one round of direct exchange; an input that overlaps the output is
+         * copied first, since a rank's output may overtake its reading of the input */
         const unsigned char *in = sbuf;
         if ((const char *)rbuf < (const char *)sbuf + count * esz &&
             (const char *)sbuf < (const char *)rbuf + cnt[r] * esz) {
@@ -43,9 +45,11 @@ int hr_reduce_scatter_ring(hr_comm_t *c, const void *sbuf, void *rbuf, size_t co
             memcpy(c->tmp, sbuf, count * esz);
             in = c->tmp;
         }
-        if ((c->shm.ncol == 1
-                 ? hr_reduce_scatter_shm(&op, in, rbuf, count, dtype, redop, off[r], off[r] + cnt[r])
-                 : hr_allreduce_shm(&op, in, rbuf, count, dtype, redop, off[r], off[r] + cnt[r])) == HR_OK)
+        if (!shm)
+            rc = hr_reduce_scatter_direct(&op, in, rbuf, off, cnt, dtype, redop);
+        else if ((c->shm.ncol == 1
+                  ? hr_reduce_scatter_shm(&op, in, rbuf, count, dtype, redop, off[r], off[r] + cnt[r])
+                  : hr_allreduce_shm(&op, in, rbuf, count, dtype, redop, off[r], off[r] + cnt[r])) == HR_OK)
             rc = HR_OK;
         goto cleanup;
     }

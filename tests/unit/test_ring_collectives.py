@@ -778,3 +778,62 @@ def test_cutover_attributes_are_independent_and_refuse_negatives(group):
     finally:
         for a, v in before.items():
             setattr(c, a, v)
+
+
+# ---- one round of direct exchange for the other collectives (native/direct_others.c) -----------
+@pytest.mark.parametrize("n", [2, 3])
+def test_direct_exchange_collectives_give_the_ring_results(group, n):
+    """allgather, reduce_scatter (every op, chunks uneven and empty), alltoall (in place too) and
+    barrier with direct exchange (the default below direct_max on up to 3 ranks) and with the ring
+    or pairwise steps (direct_max 0): the same exact results."""
+    g = group(n)
+
+    def run_all(direct_max):
+        for c in g.comms:
+            c.backend.direct_max = direct_max
+        out = []
+        for count in (0, 1, n - 1, 7, 1000):
+            xs = [make_input("int64", "sum", count, r, 40 + count) for r in range(n)]
+            out.append(g.run_ok(lambda c: c.allgather(xs[c.rank])))
+            for op in ("sum", "prod", "min", "max"):
+                out.append(g.run_ok(lambda c: c.reduce_scatter(xs[c.rank], op)))
+            ys = [np.repeat(x, n) for x in xs]
+            out.append(g.run_ok(lambda c: c.alltoall(ys[c.rank])))
+            bufs = [y.copy() for y in ys]
+            g.run_ok(lambda c: c.alltoall(bufs[c.rank], out=bufs[c.rank]))
+            out.append(bufs)
+            out.append(g.run_ok(lambda c: c.barrier()))
+        return out
+    try:
+        direct, stepped = run_all(_native.DIRECT_MAX_DEFAULT), run_all(0)
+    finally:
+        for c in g.comms:
+            c.backend.direct_max = _native.DIRECT_MAX_DEFAULT
+    assert len(direct) == len(stepped)
+    for a, b in zip(direct, stepped):
+        for x, y in zip(a, b):
+            if x is None:
+                assert y is None
+            else:
+                np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("first,second", [("allgather", "alltoall"), ("barrier", "reduce_scatter"),
+                                          ("alltoall", "allreduce")])
+def test_direct_exchange_names_a_mismatched_collective(first, second):
+    """Rank 0 calls one collective, ranks 1-2 another, all in one round of direct exchange: every
+    rank fails within the deadline, and the headers' check names the mismatch."""
+    g = H.ThreadGroup(3, timeout=5.0)
+    calls = {"allgather": lambda c: c.allgather(np.ones(6, np.float32)),
+             "alltoall": lambda c: c.alltoall(np.ones(6, np.float32)),
+             "barrier": lambda c: c.barrier(),
+             "reduce_scatter": lambda c: c.reduce_scatter(np.ones(6, np.float32)),
+             "allreduce": lambda c: c.allreduce(np.ones(6, np.float32))}
+    try:
+        t0 = time.monotonic()
+        _, errs = g.run(lambda c: calls[first if c.rank == 0 else second](c))
+        assert time.monotonic() - t0 < 5.0 + 3.0
+        assert all(isinstance(e, CollectiveError) for e in errs), errs
+        assert any("mismatched collective" in str(e) for e in errs), errs
+    finally:
+        g.close()

@@ -324,7 +324,7 @@ class RingBackend(RingConnections, Backend):
         if nc is None:
             return None
         nc.short_setup(flight, np.ndarray, np.empty, {dt: DTYPE_CODES[tag] for dt, tag in _DT2TAG.items()},
-                       dict(OP_CODES), general, self._links is None)
+                       dict(OP_CODES), general, self._a2a_whole())
         return nc.short
 
     @staticmethod
@@ -353,7 +353,7 @@ class RingBackend(RingConnections, Backend):
             elif kind == "allgather":
                 _N.allgather_rec(nc, flight, flat, rflat, DTYPE_CODES[tag], timeout)
             elif kind == "alltoall":
-                if self._links is not None and not nc.failed and (nc.shm is None or nc.shm[1] != 1):
+                if not self._a2a_whole() and not nc.failed and (nc.shm is None or nc.shm[1] != 1):
                     return False        # across hosts: alltoall's windows connect peers on demand
                 _N.alltoall_rec(nc, flight, flat, rflat, DTYPE_CODES[tag], timeout)
             elif kind == "reduce_scatter":
@@ -382,8 +382,8 @@ class RingBackend(RingConnections, Backend):
     def alltoall(self, sendbuf, recvbuf, dtype, timeout):
         timeout = self._ensure("alltoall", timeout)
         nc = self._native_comm
-        if self._links is None or nc.failed or (nc.shm is not None and nc.shm[1] == 1):
-            # every connection given (tests), already failed (C reports it), or one host's memory
+        if self._a2a_whole() or nc.failed or (nc.shm is not None and nc.shm[1] == 1):
+            # every connection there, already failed (C reports it), or one host's memory
             self._call("alltoall", _N.alltoall, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
             return
         deadline = time.monotonic() + timeout
@@ -408,6 +408,12 @@ class RingBackend(RingConnections, Backend):
             self._windows += 1
             self._call("alltoall", lambda c, *a: _N.alltoall(c, *a, d0, d1), sendbuf, recvbuf,
                        DTYPE_CODES[dtype], max(0.001, deadline - time.monotonic()))
+
+    def _a2a_whole(self) -> bool:
+        """Whether alltoall runs in one native call, every peer connected: connections given
+        (tests), or every other rank one the algorithms keep anyway (up to 3 ranks, where alltoall
+        is one round of direct exchange, native/direct_others.c)."""
+        return self._links is None or len(self._static) >= self.size - 1
 
     def _alltoall_plan(self) -> tuple[int, bool]:
         """(distances per alltoall window, whether every connection fits the budget), the same on

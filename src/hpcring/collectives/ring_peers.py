@@ -46,8 +46,8 @@ def static_peers(rank: int, size: int, hosts, shm: bool, streams: int = 1,
     rank's set iff rank is in q's, with the same count, so both sides of a pair agree without a
     word. Must follow native/: allreduce_ring / allgather_ring / reduce_scatter_ring /
     broadcast_pipeline (r +- 1), broadcast_tree (any root: r +- 2^i), barrier (r +- 2^i),
-    allreduce_rd and allreduce_rh (fold r^1 below 2 rem, partners v ^ 2^i), allreduce_direct
-    (every rank, in a job of at most DIRECT_MAX_RANKS = 3: the ring's neighbours), shared memory (the
+    allreduce_rd and allreduce_rh (fold r^1 below 2 rem, partners v ^ 2^i), allreduce_direct and
+    direct_others.c (every rank, in a job of at most DIRECT_MAX_RANKS = 3: the ring's neighbours), shared memory (the
     host's ranks: the liveness signal) and allreduce_shm's two-level ring (column neighbours)."""
     out: dict[int, int] = {}
 
