@@ -308,12 +308,8 @@ class RingBackend(RingConnections, Backend):
             return False
         try:
             _N.allreduce_rec(nc, flight, sendbuf, recvbuf, DTYPE_CODES[dtype], OP_CODES[op], timeout)
-        except _native.NativeError as e:
-            err = _translate(e)
-            err.seq = getattr(e, "seq", None)
-            raise err from None
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        except (_native.NativeError, ValueError) as e:
+            raise self.fast_error(e) from None
         return True
 
     def fast_call(self, flight, general):
@@ -329,8 +325,9 @@ class RingBackend(RingConnections, Backend):
 
     @staticmethod
     def fast_error(e: BaseException) -> BaseException:
-        """What the short path raises for ``fast_call``'s exception ``e`` (with the failed
-        record's ``seq`` kept), as :meth:`short_rec` does."""
+        """What the short path raises for the exception ``e`` of a native recorded call
+        (``fast_call``'s, :meth:`allreduce_rec`, :meth:`short_rec`): a CollectiveError with the
+        failed record's ``seq`` kept, a UsageError for a ValueError, anything else as it is."""
         if _native is not None and isinstance(e, _native.NativeError):
             err = _translate(e)
             err.seq = getattr(e, "seq", None)
@@ -360,12 +357,8 @@ class RingBackend(RingConnections, Backend):
                 _N.reduce_scatter_rec(nc, flight, flat, rflat, DTYPE_CODES[tag], OP_CODES[op], timeout)
             else:
                 _N.broadcast_rec(nc, flight, flat, DTYPE_CODES[tag], root, timeout)
-        except _native.NativeError as e:
-            err = _translate(e)
-            err.seq = getattr(e, "seq", None)
-            raise err from None
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        except (_native.NativeError, ValueError) as e:
+            raise self.fast_error(e) from None
         return True
 
     def allgather(self, sendbuf, recvbuf, dtype, timeout):
