@@ -13,9 +13,11 @@
  *     [first, last) only (alltoall.c; a window of one collective when first > 1)
  *   Comm.set_peer(peer, fds), drop_peer(peer), peers(), descriptors: connections on demand;
  *   Comm.abort(message): that message becomes the sticky error, every connection is shut
- *   Comm.allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout), and allgather_rec,
- *     reduce_scatter_rec, broadcast_rec, alltoall_rec, barrier_rec likewise: the call recorded
- *     in a Flight (module_flight.c: the flight recorder's ring of records, filled in C)
+ *   Comm.allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout): allreduce recorded in a
+ *     Flight (module_flight.c: the flight recorder's ring of records, filled in C); numpy and
+ *     CPU torch tensors (their numpy views)
+ *   Comm.short_setup(...), Comm.short(kind, x, out, op, root, timeout): the Communicator's
+ *     common numpy call checked, recorded and run in one call (fastpath.py's fast path)
  *   Comm.barrier(timeout=0.0)
  *   Comm.close(); attributes rank, size, seq, failed, error, timeout; settable cut-overs
  *   rd_threshold, rh_chunk, direct_max, bcast_tree_max, twolevel_min (allreduce.c, broadcast.c),
@@ -434,8 +436,8 @@ static PyObject *Comm_allreduce(CommObject *self, PyObject *args, PyObject *kw) 
     return ret;
 }
 
-/* The *_rec methods: the plain call's arguments after a Flight, positional only (hot path);
- * each returns the record's seq (run_rec). */
+/* allreduce_rec: the plain call's arguments after a Flight, positional only (hot path);
+ * returns the record's seq (run_rec). */
 static PyObject *Comm_allreduce_rec(CommObject *self, PyObject *args) {
     PyObject *flight, *ret = NULL;
     Py_buffer s = {0}, r = {0};
@@ -461,18 +463,6 @@ static PyObject *Comm_allgather(CommObject *self, PyObject *args, PyObject *kw) 
     return ret;
 }
 
-static PyObject *Comm_allgather_rec(CommObject *self, PyObject *args) {
-    PyObject *flight, *ret = NULL;
-    Py_buffer s = {0}, r = {0};
-    call_t k = {0};
-    if (!PyArg_ParseTuple(args, "O!y*w*id", &FlightType, &flight, &s, &r, &k.dtype, &k.timeout))
-        return NULL;
-    if (!check_allgather(self, &s, &r, &k)) ret = run_rec(self, flight, &k);
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&r);
-    return ret;
-}
-
 static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"sendbuf", "recvbuf", "dtype", "op", "timeout", NULL};
     Py_buffer s = {0}, r = {0};
@@ -486,18 +476,6 @@ static PyObject *Comm_reduce_scatter(CommObject *self, PyObject *args, PyObject 
     return ret;
 }
 
-static PyObject *Comm_reduce_scatter_rec(CommObject *self, PyObject *args) {
-    PyObject *flight, *ret = NULL;
-    Py_buffer s = {0}, r = {0};
-    call_t k = {0};
-    if (!PyArg_ParseTuple(args, "O!y*w*iid", &FlightType, &flight, &s, &r, &k.dtype, &k.op, &k.timeout))
-        return NULL;
-    if (!check_reduce_scatter(self, &s, &r, &k)) ret = run_rec(self, flight, &k);
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&r);
-    return ret;
-}
-
 static PyObject *Comm_broadcast(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"buf", "dtype", "root", "timeout", NULL};
     Py_buffer b = {0};
@@ -506,17 +484,6 @@ static PyObject *Comm_broadcast(CommObject *self, PyObject *args, PyObject *kw) 
     if (!PyArg_ParseTupleAndKeywords(args, kw, "w*ii|d", kwlist, &b, &k.dtype, &k.root, &k.timeout))
         return NULL;
     if (!check_broadcast(self, &b, &k)) ret = run_plain(self, &k);
-    PyBuffer_Release(&b);
-    return ret;
-}
-
-static PyObject *Comm_broadcast_rec(CommObject *self, PyObject *args) {
-    PyObject *flight, *ret = NULL;
-    Py_buffer b = {0};
-    call_t k = {0};
-    if (!PyArg_ParseTuple(args, "O!w*iid", &FlightType, &flight, &b, &k.dtype, &k.root, &k.timeout))
-        return NULL;
-    if (!check_broadcast(self, &b, &k)) ret = run_rec(self, flight, &k);
     PyBuffer_Release(&b);
     return ret;
 }
@@ -536,19 +503,6 @@ static PyObject *Comm_alltoall(CommObject *self, PyObject *args, PyObject *kw) {
     return ret;
 }
 
-static PyObject *Comm_alltoall_rec(CommObject *self, PyObject *args) {
-    PyObject *flight, *ret = NULL;
-    Py_buffer s = {0}, r = {0};
-    call_t k = {0};
-    k.d0 = 1, k.d1 = -1;
-    if (!PyArg_ParseTuple(args, "O!y*w*id", &FlightType, &flight, &s, &r, &k.dtype, &k.timeout))
-        return NULL;
-    if (!check_alltoall(self, &s, &r, &k)) ret = run_rec(self, flight, &k);
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&r);
-    return ret;
-}
-
 static PyObject *Comm_barrier(CommObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"timeout", NULL};
     call_t k = {0};
@@ -556,15 +510,6 @@ static PyObject *Comm_barrier(CommObject *self, PyObject *args, PyObject *kw) {
     if (check_open(self)) return NULL;
     k.kind = K_BARRIER;
     return run_plain(self, &k);
-}
-
-static PyObject *Comm_barrier_rec(CommObject *self, PyObject *args) {
-    PyObject *flight;
-    call_t k = {0};
-    if (!PyArg_ParseTuple(args, "O!d", &FlightType, &flight, &k.timeout)) return NULL;
-    if (check_open(self)) return NULL;
-    k.kind = K_BARRIER;
-    return run_rec(self, flight, &k);
 }
 
 /* short_setup(flight, ndarray, empty, dtypes, ops, general, a2a_direct): arm Comm.short. */
@@ -611,7 +556,7 @@ fail:
  * a C-contiguous numpy.ndarray of a mapped dtype; out None, x (alltoall, allreduce) or a
  * C-contiguous writable ndarray of x's dtype and the result's element count; an op the dtype
  * takes; a root in range -- and answers `general` (short_setup), with nothing done or recorded,
- * for anything else, a closed communicator included. Failures raise as the *_rec methods do. */
+ * for anything else, a closed communicator included. Failures raise as allreduce_rec's do. */
 static PyObject *Comm_short(CommObject *self, PyObject *const *args, Py_ssize_t nargs) {
     short_t *sh = &self->sh;
     PyObject *x, *out, *op, *root, *dt = NULL, *code, *res = NULL, *ret = NULL, *shape, *odt;
@@ -1050,15 +995,6 @@ static PyMethodDef Comm_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))Comm_allreduce, METH_VARARGS | METH_KEYWORDS, NULL},
     {"allreduce_rec", (PyCFunction)Comm_allreduce_rec, METH_VARARGS,
      "allreduce_rec(flight, sendbuf, recvbuf, dtype, op, timeout) -> seq"},
-    {"allgather_rec", (PyCFunction)Comm_allgather_rec, METH_VARARGS,
-     "allgather_rec(flight, sendbuf, recvbuf, dtype, timeout) -> seq"},
-    {"reduce_scatter_rec", (PyCFunction)Comm_reduce_scatter_rec, METH_VARARGS,
-     "reduce_scatter_rec(flight, sendbuf, recvbuf, dtype, op, timeout) -> seq"},
-    {"broadcast_rec", (PyCFunction)Comm_broadcast_rec, METH_VARARGS,
-     "broadcast_rec(flight, buf, dtype, root, timeout) -> seq"},
-    {"alltoall_rec", (PyCFunction)Comm_alltoall_rec, METH_VARARGS,
-     "alltoall_rec(flight, sendbuf, recvbuf, dtype, timeout) -> seq (every distance)"},
-    {"barrier_rec", (PyCFunction)Comm_barrier_rec, METH_VARARGS, "barrier_rec(flight, timeout) -> seq"},
     {"short_setup", (PyCFunction)Comm_short_setup, METH_VARARGS,
      "short_setup(flight, ndarray, empty, dtypes, ops, general, a2a_direct)"},
     {"short", (PyCFunction)(void (*)(void))Comm_short, METH_FASTCALL,

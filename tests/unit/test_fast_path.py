@@ -17,7 +17,7 @@ import pytest
 from helpers.ring import ThreadGroup
 
 from hpcring.collectives.backends import FLOAT_DTYPES, OPS
-from hpcring.errors import CollectiveError
+from hpcring.errors import CollectiveError, UsageError
 
 NP = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "int32": np.int32,
       "int64": np.int64, "uint8": np.uint8}
@@ -282,3 +282,16 @@ def test_a_closed_communicator_and_a_second_thread_end_as_on_the_python_short_pa
             comm.allreduce(np.ones(4, np.float32))
         closed[how] = (type(ei.value).__name__, str(ei.value))
     assert closed["fast"] == closed["python"], closed
+
+
+def test_a_timeout_is_taken_by_the_c_call_and_a_bad_one_refused_before_a_record(group):
+    with NoPython(group.comms):
+        res = group.run_ok(lambda c: (c.allgather(values("float32", c.rank, (8,)), timeout=7.5),
+                                      c.recorder.records(1)[0].timeout))
+    assert all(t == 7.5 for _, t in res)
+    comm = group.comms[0]
+    seq = comm.recorder.seq
+    for bad in (0, -1.0, float("nan"), "soon"):
+        with pytest.raises(UsageError, match="timeout"):
+            comm.barrier(timeout=bad)
+    assert comm.recorder.seq == seq

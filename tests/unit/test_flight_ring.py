@@ -194,20 +194,24 @@ _OTHER_CALLS = {
 @pytest.mark.parametrize("kind", sorted(_OTHER_CALLS))
 @pytest.mark.parametrize("store", ["c", "python"])
 def test_other_short_paths_record_as_the_general_path(group, store, kind):
-    """The other collectives' short path: the ring's *_rec call writing the record in C, or the
-    record/end pair around the backend (``short_rec`` None, as MPI), give the general path's
-    records (op, dtype, count, root, state, call site) and results."""
+    """The other collectives' short path: the ring's fast path writing the record in C (armed
+    by a first call), or the record/end pair around the backend (the fast path off, as on MPI),
+    give the general path's records (op, dtype, count, root, state, call site) and results."""
+    group.run_ok(lambda c: c.barrier())
+
     def run(comm, short):
         comm.short_path = short
+        fast = comm._fast
         if store == "python":
-            comm.backend.short_rec = None
+            comm._fast = False
         try:
+            assert bool(comm._fast) == (store == "c")
             x = np.arange(12, dtype=np.float64) + 10 * comm.rank
             y = _OTHER_CALLS[kind](comm, x.copy())
             return y, comm.recorder.records(1)[0].to_dict()
         finally:
             comm.short_path = True
-            comm.backend.__dict__.pop("short_rec", None)
+            comm._fast = fast
     short = group.run_ok(lambda c: run(c, True))
     general = group.run_ok(lambda c: run(c, False))
     for (ys, ds), (yg, dg) in zip(short, general):

@@ -333,8 +333,8 @@ class Communicator(ShortPath, PointToPoint, Execution):
                   dtype: str | None = None):
         # the short path is tried first, without argument repacking
         if self.short_path and dtype is None:
-            if self._fast and timeout is None:
-                res = self._fast_try(_KA, "allreduce", x, out, op, None)
+            if self._fast:
+                res = self._fast_try(_KA, "allreduce", x, out, op, None, timeout)
                 if res is not _GENERAL:
                     return res
             res = (self._allreduce_host(x, op, out, timeout) if self._ordered is None
@@ -363,8 +363,8 @@ class Communicator(ShortPath, PointToPoint, Execution):
     # allreduce's: on a stream-ordered backend the short path is tried first
     def allgather(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
         if self.short_path and dtype is None:
-            if self._fast and timeout is None:
-                res = self._fast_try(_KG, "allgather", x, out, None, None)
+            if self._fast:
+                res = self._fast_try(_KG, "allgather", x, out, None, None, timeout)
                 if res is not _GENERAL:
                     return res
             res = (self._short_host("allgather", x, None, out, None, timeout) if self._ordered is None
@@ -380,8 +380,8 @@ class Communicator(ShortPath, PointToPoint, Execution):
 
     def broadcast(self, x, root: int = 0, *, timeout: float | None = None, dtype: str | None = None):
         if self.short_path and dtype is None and type(root) is int and 0 <= root < self._n:
-            if self._fast and timeout is None:
-                res = self._fast_try(_KB, "broadcast", x, None, None, root)
+            if self._fast:
+                res = self._fast_try(_KB, "broadcast", x, None, None, root, timeout)
                 if res is not _GENERAL:
                     return res
             res = (self._short_host("broadcast", x, None, None, root, timeout) if self._ordered is None
@@ -399,8 +399,8 @@ class Communicator(ShortPath, PointToPoint, Execution):
     def reduce_scatter(self, x, op: str = "sum", out=None, *, timeout: float | None = None,
                        dtype: str | None = None):
         if self.short_path and dtype is None:
-            if self._fast and timeout is None:
-                res = self._fast_try(_KR, "reduce_scatter", x, out, op, None)
+            if self._fast:
+                res = self._fast_try(_KR, "reduce_scatter", x, out, op, None, timeout)
                 if res is not _GENERAL:
                     return res
             res = (self._short_host("reduce_scatter", x, op, out, None, timeout) if self._ordered is None
@@ -418,8 +418,8 @@ class Communicator(ShortPath, PointToPoint, Execution):
     # alltoall and barrier: on a host backend the short path is tried first
     def alltoall(self, x, out=None, *, timeout: float | None = None, dtype: str | None = None):
         if self.short_path and dtype is None and self._ordered is None:
-            if self._fast and timeout is None:
-                res = self._fast_try(_KT, "alltoall", x, out, None, None)
+            if self._fast:
+                res = self._fast_try(_KT, "alltoall", x, out, None, None, timeout)
                 if res is not _GENERAL:
                     return res
             res = self._short_host("alltoall", x, None, out, None, timeout)
@@ -434,8 +434,8 @@ class Communicator(ShortPath, PointToPoint, Execution):
 
     def barrier(self, *, timeout: float | None = None):
         if self.short_path and self._ordered is None:
-            if self._fast and timeout is None:
-                res = self._fast_try(_KZ, "barrier", None, None, None, None)
+            if self._fast:
+                res = self._fast_try(_KZ, "barrier", None, None, None, None, timeout)
                 if res is not _GENERAL:
                     return res
             res = self._short_host("barrier", None, None, None, None, timeout)

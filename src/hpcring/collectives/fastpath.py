@@ -41,17 +41,19 @@ class ShortPath:
         arm = getattr(self.backend, "fast_call", None)
         self._fast = (arm(self.recorder.flight, _GENERAL) if arm is not None else None) or False
 
-    def _fast_try(self, code: int, kind: str, x, out, op, root):
-        """``kind`` through the armed fast path with the default deadline; _GENERAL when the
-        precheck is on, async ops are queued or the C call leaves it to Python."""
+    def _fast_try(self, code: int, kind: str, x, out, op, root, timeout):
+        """``kind`` through the armed fast path; _GENERAL when the precheck is on, async ops are
+        queued or the C call leaves it to Python. A bad ``timeout`` raises the general path's
+        UsageError before anything is recorded."""
         if self.precheck or self._worker._pending:
             return _GENERAL
+        t = self.timeout if timeout is None else self._short_deadline(timeout)
         try:
-            return self._fast(code, x, out, op, root, self.timeout)
+            return self._fast(code, x, out, op, root, t)
         except BaseException as e:
-            raise self._fast_failed(kind, e, x, root) from None
+            raise self._fast_failed(kind, e, x, root, t) from None
 
-    def _fast_failed(self, kind: str, e: BaseException, x, root) -> BaseException:
+    def _fast_failed(self, kind: str, e: BaseException, x, root, t: float) -> BaseException:
         """The short path's failure path for a fast call: the failed record (written in C), or
         one made now for a call refused before it was recorded."""
         err = self.backend.fast_error(e)
@@ -60,7 +62,7 @@ class ShortPath:
         if rec is None:
             tag = _DT2TAG.get(x.dtype) if isinstance(x, np.ndarray) else None
             count = x.size if isinstance(x, np.ndarray) else 0
-            rec = self.recorder.begin(kind, tag, count, root if kind == "broadcast" else None, self.timeout)
+            rec = self.recorder.begin(kind, tag, count, root if kind == "broadcast" else None, t)
         return self._failed(rec, err)
 
     def _short_ops(self) -> dict:
@@ -221,11 +223,9 @@ class ShortPath:
         fl = self.recorder.flight
         seq = None
         try:
-            rec_call = getattr(be, "short_rec", None)      # the ring: the record written in C
-            if rec_call is None or not rec_call(fl, kind, flat, rflat, tag, op, root, t):
-                seq = fl.record(kind, tag, count or 0, root, t)
-                self._host_call(be, kind, flat, rflat, tag, op, root, t)
-                fl.end(seq)
+            seq = fl.record(kind, tag, count or 0, root, t)    # the ring's later calls: _fast_try
+            self._host_call(be, kind, flat, rflat, tag, op, root, t)
+            fl.end(seq)
             if self._fast is None:
                 self._fast_arm()
         except BaseException as e:

@@ -326,7 +326,7 @@ class RingBackend(RingConnections, Backend):
     @staticmethod
     def fast_error(e: BaseException) -> BaseException:
         """What the short path raises for the exception ``e`` of a native recorded call
-        (``fast_call``'s, :meth:`allreduce_rec`, :meth:`short_rec`): a CollectiveError with the
+        (``fast_call``'s, :meth:`allreduce_rec`): a CollectiveError with the
         failed record's ``seq`` kept, a UsageError for a ValueError, anything else as it is."""
         if _native is not None and isinstance(e, _native.NativeError):
             err = _translate(e)
@@ -335,31 +335,6 @@ class RingBackend(RingConnections, Backend):
         if isinstance(e, ValueError):
             return UsageError(str(e))
         return e
-
-    def short_rec(self, flight, kind, flat, rflat, tag, op, root, timeout) -> bool:
-        """allgather, reduce_scatter, broadcast (``flat`` in place), alltoall (one host, or every
-        connection given) or barrier (no buffers) with its flight record written in C, as
-        :meth:`allreduce_rec` (the short path's call: the same False, with nothing done, before
-        the lazy setup or where :meth:`alltoall` has its own steps, and the same errors)."""
-        nc = self._native_comm
-        if nc is None:
-            return False
-        try:
-            if kind == "barrier":
-                _N.barrier_rec(nc, flight, timeout)
-            elif kind == "allgather":
-                _N.allgather_rec(nc, flight, flat, rflat, DTYPE_CODES[tag], timeout)
-            elif kind == "alltoall":
-                if not self._a2a_whole() and not nc.failed and (nc.shm is None or nc.shm[1] != 1):
-                    return False        # across hosts: alltoall's windows connect peers on demand
-                _N.alltoall_rec(nc, flight, flat, rflat, DTYPE_CODES[tag], timeout)
-            elif kind == "reduce_scatter":
-                _N.reduce_scatter_rec(nc, flight, flat, rflat, DTYPE_CODES[tag], OP_CODES[op], timeout)
-            else:
-                _N.broadcast_rec(nc, flight, flat, DTYPE_CODES[tag], root, timeout)
-        except (_native.NativeError, ValueError) as e:
-            raise self.fast_error(e) from None
-        return True
 
     def allgather(self, sendbuf, recvbuf, dtype, timeout):
         self._call("allgather", _N.allgather, sendbuf, recvbuf, DTYPE_CODES[dtype], timeout)
