@@ -27,7 +27,8 @@ log=/dev/null
     "$PY" -c "import torch, cupy; from cupy.cuda import nccl; print('# torch', torch.__version__, 'cupy', cupy.__version__, 'nccl', nccl.get_version())"
     case "$stage" in
     tests)    "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests/unit/test_device_buffers.py \
-                  tests/unit/test_nccl_backend.py tests/unit/test_horovod_gpu.py tests/unit/test_p2p_transport.py ;;
+                  tests/unit/test_nccl_backend.py tests/unit/test_horovod_gpu.py tests/unit/test_p2p_transport.py \
+                  tests/unit/test_nccl_shrink.py ;;
     overhead) "$PY" benchmarks/nccl_overhead.py "${@:2}" ;;
     ddp)      "$PY" benchmarks/ddp_step.py -n 1 --model resnet18 "${@:2}" ;;
     ring)     "$PY" benchmarks/compare_devcluster.py --skip ring,mpi,gloo,link --one-host-ranks 2,4,8 \

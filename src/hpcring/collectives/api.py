@@ -145,11 +145,14 @@ class Communicator(ShortPath, PointToPoint, Execution):
         describe = getattr(self.backend, "describe", None)
         return describe() if describe is not None else None
 
-    def close(self) -> None:
+    def close(self, *, keep_backend: bool = False) -> None:
+        """Stop this communicator's threads and close its backend (``keep_backend``: leave the
+        backend open for its holder: an elastic round's NCCL communicator, shrunk next round)."""
         if self._ordered is not None:
             self._ordered.stop()
         self._worker.stop()
-        self.backend.close()
+        if not keep_backend:
+            self.backend.close()
 
     def __enter__(self) -> "Communicator":
         return self

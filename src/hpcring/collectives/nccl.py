@@ -161,6 +161,33 @@ class NcclBackend(LibraryBackend):
         comm = _init_rank(nccl, topology, raw, uid_takes_bytes(cupy), device_id)
         return cls(comm, topology.rank, topology.size, device_id, hosts=topology.hosts, cupy=cupy, nccl=nccl)
 
+    @classmethod
+    def shrink(cls, parent: "NcclBackend", exclude, topology, timeout: float | None = None) -> "NcclBackend":
+        """The communicator of ``parent``'s ranks not in ``exclude`` (``ncclCommShrink`` with
+        NCCL_SHRINK_ABORT, no new unique id), as rank ``topology.rank`` of ``topology.size``:
+        NCCL renumbers the survivors in their old order, which ``topology`` must follow
+        (hpcring.elastic.nccl_round checks). Collective over the survivors; ``parent`` is
+        aborted afterwards (its lost ranks cannot take part in a destroy)."""
+        from hpcring.collectives import nccl_raw
+        t = envvars.collective_timeout(timeout)
+        lib = nccl_raw.load()
+        if parent._freed or parent._comm is None:
+            raise CollectiveError("the previous NCCL communicator was aborted (freed): nothing to shrink")
+        parent._cp.cuda.Device(parent.device_id).use()
+        raw = nccl_raw.shrink(lib, parent._comm, exclude, timeout=t)
+        size, rank = raw.size(), raw.rank_id()
+        if (rank, size) != (topology.rank, topology.size):
+            raw.abort()
+            raise CollectiveError(f"ncclCommShrink made this rank {rank} of {size}, the elastic round says "
+                                  f"{topology.rank} of {topology.size}: the survivors' order differs")
+        parent._closed = parent._freed = True
+        try:
+            parent._comm.abort()
+        except Exception as e:  # noqa: BLE001 - the new communicator is what matters now
+            log.warning("ncclCommAbort of the shrunk parent failed: %s", e)
+        return cls(raw, rank, size, parent.device_id, hosts=topology.hosts, cupy=parent._cp, nccl=parent._nccl,
+                   version=parent.version)
+
     # -- Backend properties ---------------------------------------------------------------
     @property
     def array_module(self):
@@ -172,26 +199,56 @@ class NcclBackend(LibraryBackend):
         if self._closed:
             return
         self._closed = True
-        if self._comm is not None and self._error is None:
-            try:
+        if self._comm is None or self._freed:
+            return
+        self._freed = True
+        try:
+            if self._error is None:
                 self._comm.destroy()
-            except Exception:  # noqa: BLE001
-                pass
+            else:               # revoked (kept for a shrink that did not come): free it
+                self._comm.abort()
+        except Exception:  # noqa: BLE001
+            pass
 
     # -- machinery ------------------------------------------------------------------------
     def _where(self) -> str:
         return f"rank {self._rank} ({self._host()}, GPU {self.device_id})"
 
+    # elastic rounds set this: a failure revokes the communicator (ncclCommRevoke: its operations
+    # end, it stays valid for ncclCommShrink) instead of aborting it (which frees it)
+    keep_for_shrink = False
+    _freed = False
+
     def _fail(self, msg: str, *, abort: bool) -> CollectiveError:
         if self._error is None:
             self._error = msg
             if abort and self._comm is not None:
-                try:
-                    self._comm.abort()
-                except Exception as e:  # noqa: BLE001
-                    log.warning("ncclCommAbort failed: %s", e)
+                self._stop_comm()
         return CollectiveError(msg, hint="NCCL cannot recover a communicator after a timeout: it was aborted; "
                                          "find the missing rank (hpcring stacks) and restart")
+
+    def _stop_comm(self) -> None:
+        """End the operations in flight: revoke when the communicator is kept for a shrink and
+        this NCCL can, else ncclCommAbort (the communicator is then gone)."""
+        if self.keep_for_shrink:
+            from hpcring.collectives import nccl_raw
+            lib = nccl_raw.load()
+            if nccl_raw.has_revoke(lib):
+                try:
+                    nccl_raw.revoke(lib, self._comm)
+                    return
+                except Exception as e:  # noqa: BLE001 - abort below
+                    log.warning("ncclCommRevoke failed, aborting instead: %s", e)
+        try:
+            self._freed = True
+            self._comm.abort()
+        except Exception as e:  # noqa: BLE001
+            log.warning("ncclCommAbort failed: %s", e)
+
+    def abort(self, message: str) -> None:
+        """Fail this communicator from any thread (an elastic round is lost): later calls raise
+        ``message``; operations in flight end (revoke or abort, see :meth:`_stop_comm`)."""
+        self._fail(message, abort=True)
 
     def _stream(self):
         return self._cp.cuda.get_current_stream()

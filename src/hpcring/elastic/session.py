@@ -4,8 +4,10 @@ hpcring.torch's ``init()`` calls :func:`join` in elastic mode instead of ``hpcri
 job's usual rendezvous (rank 0 hosts the store) cannot outlive rank 0, while this one's store
 lives with the coordinator. Each round gets a communicator of its own under the round's prefix
 (``elastic/<r>/ring``), so the ranks of an old round and a new one never meet by mistake.
-Only the ring can be rebuilt on a new set of ranks: MPI's communicator cannot shrink without ULFM
-(not in Open MPI 4.1), so ``HPCRING_BACKEND=mpi`` is refused here; NCCL: see docs/from-horovod.md.
+The ring is rebuilt on every round. ``HPCRING_BACKEND=nccl`` adds the round's NCCL communicator
+as the default: shrunk from the last round's when only ranks were lost (hpcring.elastic.nccl_round),
+new otherwise. MPI's communicator cannot shrink without ULFM (not in Open MPI 4.1), so
+``HPCRING_BACKEND=mpi`` is refused here.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import os
 from hpcring.bootstrap.store_client import StoreClient
 from hpcring.bootstrap.topology import Topology
 from hpcring.config import envvars
-from hpcring.elastic import protocol as P
+from hpcring.elastic import nccl_round, protocol as P
 from hpcring.elastic.member import ElasticJobError, Round, current
 from hpcring.errors import UsageError
 from hpcring.collectives.api import Communicator
@@ -35,11 +37,11 @@ def topology_of(rnd: Round, address: str, job_id: str | None) -> Topology:
 def join(reason: str = "start"):
     """Wait for the next round that takes this worker; its Session (communicator: the ring)."""
     backend = envvars.get("HPCRING_BACKEND")
-    if backend not in (None, "", "ring"):
-        raise UsageError(f"elastic training rebuilds the ring communicator on the workers that are left; "
-                         f"HPCRING_BACKEND={backend} cannot do that",
-                         hint="unset HPCRING_BACKEND (MPI cannot shrink without ULFM; for a restart instead, "
-                              "run without the elastic driver and use --max-restarts)")
+    if backend not in (None, "", "ring", "nccl"):
+        raise UsageError(f"elastic training rebuilds its communicators on the workers that are left (ring, or "
+                         f"NCCL by shrinking); HPCRING_BACKEND={backend} cannot do that",
+                         hint="unset HPCRING_BACKEND or set it to ring or nccl (MPI cannot shrink without ULFM; "
+                              "for a restart instead, run without the elastic driver and use --max-restarts)")
     member = current()
     timeout = envvars.get("HPCRING_ELASTIC_TIMEOUT")
     rnd = member.join(reason, timeout=timeout)
@@ -55,7 +57,20 @@ def join(reason: str = "start"):
     session._comms["ring"] = comm
     session.default_backend = "ring"
     session.elastic_round = rnd
-    member.on_abort(rnd.number, getattr(comm.backend, "abort", None))
+    if backend == "nccl":
+        try:
+            gpu, how = nccl_round.build(topo, store, member.secret, rnd.members, P.ring_prefix(rnd.number),
+                                        envvars.collective_timeout(None))
+        except BaseException:
+            nccl_round.release()
+            comm.close()
+            store.close()
+            raise
+        session._comms["nccl"] = gpu
+        session.default_backend = "nccl"
+        session.elastic_nccl = how
+    comms = list(session._comms.values())
+    member.on_abort(rnd.number, lambda msg: [getattr(c.backend, "abort", lambda m: None)(msg) for c in comms])
     return session
 
 
@@ -63,11 +78,14 @@ def leave_round(session) -> None:
     """Close the round's communicator and store connection (the next round builds new ones)."""
     member = current()
     member.on_abort(0, None)
-    for comm in list(session._comms.values()):
+    for name, comm in list(session._comms.items()):
+        keep = name == "nccl"        # held for the next round's shrink (nccl_round)
         try:
-            comm.close()
+            comm.close(keep_backend=keep)
         except Exception:  # noqa: BLE001 - a failed communicator closes as far as it can
             pass
+        if keep:
+            nccl_round.keep(session.elastic_round.members, comm.backend)
     session._comms.clear()
     try:
         session.store.close()
