@@ -18,15 +18,15 @@ int hr_allgather_cma(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, in
     hr_shm_t *s = &op->c->shm;
     size_t bytes = count * hr_dtype_size(dtype);
     unsigned char *out = rbuf, *mine = out + (size_t)op->c->rank * bytes;
-    int j;
+    int j, k;
 
     op->tx_total = bytes;
     op->rx_total = (size_t)(s->lsize - 1) * bytes;
     hr_op_cma_publish(op, sbuf);
     hr_op_shm_signal(op);
     if (hr_op_shm_wait(op, "allgather") != HR_OK || hr_op_shm_check_peers(op) != HR_OK) return HR_ERR;
-    for (j = 0; j < s->lsize; j++) { /* one node: local index j holds global rank lranks[j] */
-        if (j == s->lrank) continue;
+    for (k = 1; k < s->lsize; k++) { /* lrank+1, +2, ...: no two ranks read one peer at once */
+        j = (s->lrank + k) % s->lsize;  /* one node: local index j holds global rank lranks[j] */
         if (hr_op_cma_read(op, j, out + (size_t)s->lranks[j] * bytes, 0, bytes) != HR_OK) return HR_ERR;
         op->rx_done += bytes;
     }

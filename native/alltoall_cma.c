@@ -17,7 +17,7 @@
 
 int hr_alltoall_cma(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int dtype) {
     hr_shm_t *s = &op->c->shm;
-    int L = s->lsize, r = s->lrank, j;
+    int L = s->lsize, r = s->lrank, j, k;
     size_t blk = count / (size_t)L * hr_dtype_size(dtype);
     unsigned char *out = rbuf;
 
@@ -30,8 +30,8 @@ int hr_alltoall_cma(hr_op_t *op, const void *sbuf, void *rbuf, size_t count, int
     hr_op_cma_publish(op, sbuf);
     hr_op_shm_signal(op);
     if (hr_op_shm_wait(op, "alltoall") != HR_OK || hr_op_shm_check_peers(op) != HR_OK) return HR_ERR;
-    for (j = 0; j < L; j++) {
-        if (j == r) continue;
+    for (k = 1; k < L; k++) {         /* r+1, r+2, ...: no two ranks read one peer at once */
+        j = (r + k) % L;
         if (hr_op_cma_read(op, j, out + (size_t)j * blk, (size_t)r * blk, blk) != HR_OK) return HR_ERR;
         op->rx_done += blk;
     }
