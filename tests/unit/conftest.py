@@ -11,13 +11,14 @@ from hpcring.collectives.api import Communicator
 
 @pytest.fixture
 def ranks():
-    """make(n, timeout=10, short=True) -> n ring Communicators (threads of this process) meeting
-    through a store (``make.port``); ``short`` False sends every message the general way."""
+    """make(n, timeout=10, short=True, hosts=None) -> n ring Communicators (threads of this process)
+    meeting through a store (``make.port``); ``short`` False sends every message the general way;
+    ``hosts``: each rank's host (default: all different)."""
     made = []
     with StoreServer("127.0.0.1", 0, secret=SECRET) as server:
-        def make(n: int, timeout: float = 10.0, short: bool = True):
-            comms = [Communicator.create(topology(r, n), StoreClient("127.0.0.1", server.port, SECRET, 10), SECRET,
-                                         timeout=timeout) for r in range(n)]
+        def make(n: int, timeout: float = 10.0, short: bool = True, hosts: tuple[str, ...] | None = None):
+            comms = [Communicator.create(topology(r, n, hosts), StoreClient("127.0.0.1", server.port, SECRET, 10),
+                                         SECRET, timeout=timeout) for r in range(n)]
             for c in comms:
                 c.short_path = short
             made.extend(comms)

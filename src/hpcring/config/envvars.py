@@ -141,6 +141,8 @@ VARS: tuple[Var, ...] = (
        "its peers; those its algorithms always use count first, alltoall opens the others in "
        "windows within the rest (at least 2) and closes them; the same on every rank. Unset: no limit "
        "in jobs of up to 256 ranks (alltoall never reconnects), 48 in larger ones", 2, 1 << 20),
+    _v("HPCRING_P2P_UNIX", "bool", True, "point-to-point between ranks of one host over a Unix socket "
+       "instead of loopback TCP (0: TCP; ranks in different network namespaces fall back to TCP)"),
     _v("HPCRING_RING_CMA", "bool", True, "shared memory: collectives may read the other ranks' buffers "
        "directly (process_vm_readv, one copy) where every rank of the host can"),
     _v("HPCRING_RING_CMA_MIN", "int", None, "shared memory: alltoall reads its peers' blocks directly "
