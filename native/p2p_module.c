@@ -3,8 +3,10 @@
  *   P2P(rank, size, hosts): one communicator's queue and its progress thread
  *   P2P.isend(id, buf, peer, tag, timeout) -> P2PReq: the caller writes what the socket takes now
  *   P2P.irecv(id, buf, peer, tag, timeout) -> P2PReq: peer -1 is any rank
- *     buf: a C-contiguous buffer (writable for irecv), held until the P2PReq is freed; the
- *     caller keeps it unchanged (isend) and unread (irecv) until the request is done
+ *     buf: a C-contiguous buffer (writable for irecv), held until the request is done, even
+ *     when the P2PReq is freed first (a dropped handle: the buffer is parked on the P2P and
+ *     released once the request is done); the caller keeps it unchanged (isend) and unread
+ *     (irecv) until then
  *   P2P.set_fd(peer, fd, incoming): hand over a connected, authenticated socket (then owned);
  *     ValueError when refused (a second one, closed), and then the caller still owns fd
  *   P2P.fail_peer(peer, why, hint): the pair fails, sticky
@@ -20,10 +22,18 @@
 #include "p2p.h"
 #include "transport_tcp.h"
 
+/* A request whose P2PReq was freed before it was done: its buffer stays held until it is. */
+typedef struct parked {
+    struct parked *next;
+    hr_p2p_req_t *r;            /* the caller's reference, kept */
+    Py_buffer view;
+} parked_t;
+
 typedef struct {
     PyObject_HEAD
     hr_p2p_t b;
     int inited;
+    parked_t *parked;           /* under the GIL */
 } P2PObject;
 
 typedef struct {
@@ -39,8 +49,38 @@ static PyTypeObject P2PType, P2PReqType;
  * the GIL over costs more (another thread takes it, on 2 busy cores for a whole time slice). */
 #define SEND_KEEP_GIL ((size_t)64 << 10)
 
+/* ---- parked buffers ---- */
+static int req_done(hr_p2p_req_t *r) { return __atomic_load_n(&r->state, __ATOMIC_ACQUIRE) == HR_P2P_DONE; }
+
+/* Release the parked buffers whose requests are done (all of them with all = 1: after close,
+ * when no thread moves bytes any more). GIL held. */
+static void unpark(P2PObject *self, int all) {
+    parked_t **pp = &self->parked;
+    while (*pp) {
+        parked_t *z = *pp;
+        if (!all && !req_done(z->r)) {
+            pp = &z->next;
+            continue;
+        }
+        *pp = z->next;
+        hr_p2p_req_put(&self->b, z->r);
+        PyBuffer_Release(&z->view);
+        PyMem_Free(z);
+    }
+}
+
 /* ---- P2PReq ---- */
 static void P2PReq_dealloc(P2PReqObject *self) {
+    parked_t *z;
+    if (self->r && self->view.obj && !req_done(self->r) && (z = PyMem_Malloc(sizeof *z))) {
+        /* bytes may still move from or into the buffer: keep it until the request is done */
+        z->r = self->r;
+        z->view = self->view;
+        z->next = self->box->parked;
+        self->box->parked = z;
+        self->r = NULL;
+        self->view.obj = NULL;
+    }
     if (self->r) hr_p2p_req_put(&self->box->b, self->r);
     if (self->view.obj) PyBuffer_Release(&self->view);
     Py_XDECREF(self->box);
@@ -134,6 +174,10 @@ done:
 static void P2P_dealloc(P2PObject *self) {
     if (self->inited) {
         Py_BEGIN_ALLOW_THREADS
+        hr_p2p_close(&self->b);             /* every request done, no thread on a buffer */
+        Py_END_ALLOW_THREADS
+        unpark(self, 1);
+        Py_BEGIN_ALLOW_THREADS
         hr_p2p_free(&self->b);
         Py_END_ALLOW_THREADS
     }
@@ -159,6 +203,7 @@ static PyObject *post(P2PObject *self, PyObject *args, int kind) {
     P2PReqObject *req;
     if (!PyArg_ParseTuple(args, "KOiLd", &id, &buf, &peer, &tag, &timeout)) return NULL;
     if (check(self, peer, kind == HR_P2P_RECV) < 0) return NULL;
+    if (self->parked) unpark(self, 0);
     if (!(timeout > 0)) {
         PyErr_Format(PyExc_ValueError, "timeout must be > 0 s, got %g", timeout);
         return NULL;
@@ -223,6 +268,7 @@ static PyObject *P2P_take_done(P2PObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     n = hr_p2p_take_done(&self->b, ids, 64, deadline);
     Py_END_ALLOW_THREADS
+    if (self->parked) unpark(self, n < 0);      /* closed and drained: nothing moves any more */
     if (n < 0) Py_RETURN_NONE;
     if (!(out = PyList_New(n))) return NULL;
     for (int i = 0; i < n; i++) {
@@ -242,6 +288,7 @@ static PyObject *P2P_close(P2PObject *self, PyObject *unused) {
         Py_BEGIN_ALLOW_THREADS
         hr_p2p_close(&self->b);
         Py_END_ALLOW_THREADS
+        unpark(self, 1);
     }
     Py_RETURN_NONE;
 }

@@ -341,3 +341,74 @@ def test_a_communicator_round_trip_moves_every_byte(ranks):
         h = b.irecv(y, 0, tag=n % 7)
         a.send(x, 1, tag=n % 7)
         assert h.wait(10) == 0 and (y == x).all()
+
+
+def _unconnected(n: int = 2):
+    """n P2P queues with no connection yet: sends queue until set_fd."""
+    bs = [_native.P2P(r, n, HOSTS[:n]) for r in range(n)]
+    return bs
+
+
+def _connect(bs, s, d):
+    a, b = socket.socketpair()
+    bs[s].set_fd(d, a.detach(), False)
+    bs[d].set_fd(s, b.detach(), True)
+
+
+@pytest.mark.parametrize("nbytes", [8, 64 << 10, 4 << 20])
+def test_a_dropped_send_handle_keeps_its_buffer_until_the_bytes_are_sent(nbytes):
+    """A handle dropped before its send went out (here: no connection yet) must not let the
+    buffer be freed and reused under the queue: the receiver gets what was sent."""
+    import gc
+    a, b = _unconnected()
+    try:
+        want = []
+        for k in range(4):
+            x = np.full(nbytes, k + 1, np.uint8)
+            want.append(x.copy())
+            send(a, x, 1, tag=k)
+            del x                                   # the only reference to the buffer, and the handle
+        gc.collect()
+        junk = [np.full(nbytes, 0xEE, np.uint8) for _ in range(16)]   # reuse the freed memory
+        _connect([a, b], 0, 1)
+        for k in range(4):
+            y = np.empty(nbytes, np.uint8)
+            assert done(recv(b, y, 0, tag=k))[0] is False
+            assert (y == want[k]).all(), f"message {k}: got {np.unique(y)[:4]}"
+        del junk
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dropped_receive_never_writes_into_memory_freed_meanwhile():
+    """A receive whose handle and array are both dropped: the message lands in the buffer the
+    queue still holds, never in memory that was freed and handed to another array."""
+    import gc
+    a, b = _unconnected()
+    try:
+        for k in range(4):
+            recv(b, np.zeros(1 << 20, np.uint8), 0, tag=k)      # handle and array dropped at once
+        gc.collect()
+        junk = [np.zeros(1 << 20, np.uint8) for _ in range(16)]  # the freed memory, reused
+        _connect([a, b], 0, 1)
+        for k in range(4):
+            assert done(send(a, np.full(1 << 20, 7, np.uint8), 1, tag=k))[0] is False
+        y = np.empty(8, np.uint8)                   # a later message: every earlier one has landed
+        assert done(send(a, np.ones(8, np.uint8), 1, tag=9))[0] is False
+        assert done(recv(b, y, 0, tag=9))[0] is False
+        assert all(not j.any() for j in junk)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_closing_with_dropped_handles_in_flight_releases_them():
+    a, b = _unconnected()
+    for _ in range(3):
+        send(a, np.ones(1 << 16, np.uint8), 1, tag=1)
+        recv(a, np.empty(8, np.uint8), 1, tag=2)
+    a.close()                                       # fails them; their buffers are released
+    b.close()
+    failed, _, why, _ = done(send(a, np.ones(8, np.uint8), 1), 1)
+    assert failed and "closed" in why

@@ -20,8 +20,15 @@ from hpcring.collectives.api import Communicator  # noqa: E402
 from hpcring.errors import CollectiveError, UsageError  # noqa: E402
 
 
-def test_messages_of_one_pair_and_tag_arrive_in_order_and_tags_match_out_of_order(ranks):
-    a, b = ranks(2)
+@pytest.fixture(params=["apart", "one host"])
+def hosts(request):
+    """Where the ranks are: each on its own host (TCP), or all on one (a Unix socket per pair,
+    tests/unit/test_p2p_unix.py); rank 0 is on node0 either way."""
+    return None if request.param == "apart" else ("node0",) * 4
+
+
+def test_messages_of_one_pair_and_tag_arrive_in_order_and_tags_match_out_of_order(ranks, hosts):
+    a, b = ranks(2, hosts=hosts[:2] if hosts else None)
     sends = [a.isend(np.full(3, i, np.int64), 1, tag=i % 2) for i in range(6)]
     got = {0: [], 1: []}
     for tag in (1, 0, 1, 0, 1, 0):                      # tag 1 first: it still gets 1, 3, 5 in order
@@ -33,8 +40,8 @@ def test_messages_of_one_pair_and_tag_arrive_in_order_and_tags_match_out_of_orde
     assert got == {0: [0, 2, 4], 1: [1, 3, 5]}
 
 
-def test_receive_from_any_rank_names_the_source_and_messages_posted_before_the_receive_wait(ranks):
-    comms = ranks(3)
+def test_receive_from_any_rank_names_the_source_and_messages_posted_before_the_receive_wait(ranks, hosts):
+    comms = ranks(3, hosts=hosts[:3] if hosts else None)
     comms[2].send(np.array([2.0]), 0, tag=4)             # arrives before any receive is posted
     time.sleep(0.2)
     comms[1].send(np.array([1.0]), 0, tag=4)
@@ -46,8 +53,8 @@ def test_receive_from_any_rank_names_the_source_and_messages_posted_before_the_r
     assert seen == {1: 1.0, 2: 2.0}
 
 
-def test_both_ranks_send_big_messages_to_each_other_before_receiving(ranks):
-    a, b = ranks(2)
+def test_both_ranks_send_big_messages_to_each_other_before_receiving(ranks, hosts):
+    a, b = ranks(2, hosts=hosts[:2] if hosts else None)
     big = 8 << 20                                        # far beyond the socket buffers
     xa, xb = np.full(big, 1, np.uint8), np.full(big, 2, np.uint8)
     ha, hb = a.isend(xa, 1), b.isend(xb, 0)
@@ -82,8 +89,8 @@ def test_a_missing_sender_fails_at_the_deadline_and_the_peer_stays_failed(ranks)
         b.recv(np.empty(1, np.uint8), 0, tag=7, timeout=5)
 
 
-def test_a_peer_that_closes_fails_the_pending_receive_at_once(ranks):
-    a, b = ranks(2, timeout=30.0)
+def test_a_peer_that_closes_fails_the_pending_receive_at_once(ranks, hosts):
+    a, b = ranks(2, timeout=30.0, hosts=hosts[:2] if hosts else None)
     a.send(np.zeros(1), 1)                               # the connection a -> b exists
     b.recv(np.empty(1), 0)
     h = b.irecv(np.empty(1), 0, tag=1)
