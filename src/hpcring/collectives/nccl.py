@@ -45,6 +45,7 @@ import time
 
 import numpy as np
 
+from hpcring.collectives import nccl_raw
 from hpcring.collectives.arrays import active_dev
 from hpcring.collectives.backends import ITEMSIZE, LibraryBackend, chunk_counts
 from hpcring.collectives.nccl_lib import (NCCL_DTYPE, NCCL_OP, SENDRECV_MIN_VERSION, _check_one_gpu_per_rank,
@@ -168,7 +169,6 @@ class NcclBackend(LibraryBackend):
         NCCL renumbers the survivors in their old order, which ``topology`` must follow
         (hpcring.elastic.nccl_round checks). Collective over the survivors; ``parent`` is
         aborted afterwards (its lost ranks cannot take part in a destroy)."""
-        from hpcring.collectives import nccl_raw
         t = envvars.collective_timeout(timeout)
         lib = nccl_raw.load()
         if parent._freed or parent._comm is None:
@@ -231,7 +231,6 @@ class NcclBackend(LibraryBackend):
         """End the operations in flight: revoke when the communicator is kept for a shrink and
         this NCCL can, else ncclCommAbort (the communicator is then gone)."""
         if self.keep_for_shrink:
-            from hpcring.collectives import nccl_raw
             lib = nccl_raw.load()
             if nccl_raw.has_revoke(lib):
                 try:

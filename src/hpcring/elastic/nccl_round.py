@@ -23,6 +23,7 @@ import threading
 
 from hpcring.collectives import nccl_raw
 from hpcring.collectives.api import Communicator
+from hpcring.collectives.nccl import NcclBackend
 
 log = logging.getLogger("hpcring.elastic.nccl")
 
@@ -77,7 +78,6 @@ def _take():
 
 def build(topology, store, secret, members, prefix: str, timeout: float) -> tuple[Communicator, str]:
     """The round's NCCL Communicator and how it was made ("shrunk" or "new"). Collective."""
-    from hpcring.collectives.nccl import NcclBackend
     prev = _take()
     exclude = plan(prev[0] if prev else None, members)
     lib = nccl_raw.load() if exclude is not None else None
