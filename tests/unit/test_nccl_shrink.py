@@ -290,6 +290,37 @@ def test_backend_shrink_refuses_a_rank_order_other_than_the_rounds(monkeypatch):
     assert 0xD00D in lib.aborted
 
 
+def test_backend_shrink_that_hangs_frees_the_parent_once(monkeypatch):
+    from hpcring.collectives import nccl as N
+    gate = threading.Event()
+    lib = FakeLib(block=gate)
+    be, parent = _backend(lib, monkeypatch)
+    be.keep_for_shrink = True
+    be.abort("round lost")                          # revoked, kept
+    with pytest.raises(CollectiveError, match="did not return within 0.3 s"):
+        N.NcclBackend.shrink(be, [2], types.SimpleNamespace(rank=0, size=2, hosts=None), timeout=0.3)
+    assert be._freed and lib.aborted == [0x1234]
+    be.close()                                      # already freed: no second ncclCommAbort
+    assert lib.aborted == [0x1234]
+
+
+def test_a_round_whose_shrink_fails_frees_the_old_communicator_once(monkeypatch):
+    from hpcring.collectives import nccl as N
+    from hpcring.elastic import nccl_round as NR
+    monkeypatch.setattr(R, "_lib", FakeLib())
+    freed = []
+    old = types.SimpleNamespace(_freed=False, close=lambda: freed.append("old"))
+
+    def failing(cls, parent, exclude, topology, timeout=None):
+        raise CollectiveError("ncclCommShrink failed (test)")
+    monkeypatch.setattr(N.NcclBackend, "shrink", classmethod(failing))
+    store = types.SimpleNamespace(add=lambda *a: 1, barrier=lambda *a, **k: None, check=lambda k: None)
+    NR.keep(("a", "b", "c"), old)
+    with pytest.raises(CollectiveError, match="test"):
+        NR.build(types.SimpleNamespace(rank=0, size=2, hosts=None), store, b"s", ("a", "c"), "elastic/2", 5.0)
+    assert freed == ["old"] and NR._previous is None
+
+
 def test_backend_shrink_refuses_a_freed_parent(monkeypatch):
     from hpcring.collectives import nccl as N
     be, _ = _backend(FakeLib(), monkeypatch, revoke=False)

@@ -174,15 +174,15 @@ class NcclBackend(LibraryBackend):
         if parent._freed or parent._comm is None:
             raise CollectiveError("the previous NCCL communicator was aborted (freed): nothing to shrink")
         parent._cp.cuda.Device(parent.device_id).use()
-        raw = nccl_raw.shrink(lib, parent._comm, exclude, timeout=t)
+        raw = nccl_raw.shrink(lib, parent._comm, exclude, timeout=t, on_timeout=parent._free_now)
         size, rank = raw.size(), raw.rank_id()
         if (rank, size) != (topology.rank, topology.size):
             raw.abort()
             raise CollectiveError(f"ncclCommShrink made this rank {rank} of {size}, the elastic round says "
                                   f"{topology.rank} of {topology.size}: the survivors' order differs")
-        parent._closed = parent._freed = True
+        parent._closed = True
         try:
-            parent._comm.abort()
+            parent._free_now()
         except Exception as e:  # noqa: BLE001 - the new communicator is what matters now
             log.warning("ncclCommAbort of the shrunk parent failed: %s", e)
         return cls(raw, rank, size, parent.device_id, hosts=topology.hosts, cupy=parent._cp, nccl=parent._nccl,
@@ -201,12 +201,12 @@ class NcclBackend(LibraryBackend):
         self._closed = True
         if self._comm is None or self._freed:
             return
-        self._freed = True
         try:
             if self._error is None:
+                self._freed = True
                 self._comm.destroy()
             else:               # revoked (kept for a shrink that did not come): free it
-                self._comm.abort()
+                self._free_now()
         except Exception:  # noqa: BLE001
             pass
 
@@ -239,10 +239,16 @@ class NcclBackend(LibraryBackend):
                 except Exception as e:  # noqa: BLE001 - abort below
                     log.warning("ncclCommRevoke failed, aborting instead: %s", e)
         try:
-            self._freed = True
-            self._comm.abort()
+            self._free_now()
         except Exception as e:  # noqa: BLE001
             log.warning("ncclCommAbort failed: %s", e)
+
+    def _free_now(self) -> None:
+        """ncclCommAbort: operations end and the communicator is freed (never twice)."""
+        if self._freed or self._comm is None:
+            return
+        self._freed = True
+        self._comm.abort()
 
     def abort(self, message: str) -> None:
         """Fail this communicator from any thread (an elastic round is lost): later calls raise

@@ -196,14 +196,16 @@ class RawComm:
             _check(self._lib, "ncclCommDestroy", self._lib.ncclCommDestroy(ptr))
 
 
-def shrink(lib, parent, exclude: list[int], *, timeout: float, abort: bool = True) -> RawComm:
+def shrink(lib, parent, exclude: list[int], *, timeout: float, abort: bool = True, on_timeout=None) -> RawComm:
     """``ncclCommShrink(parent, exclude, ...)`` under a deadline: the communicator of the parent's
     ranks not in ``exclude`` (renumbered in order), its configuration inherited. ``parent``: CuPy's
     NcclCommunicator or a RawComm (its ``comm`` pointer). ``abort``: NCCL_SHRINK_ABORT, for a
     parent whose operations may be stuck on a lost rank. Collective over the survivors.
 
     NCCL has no timeout, so the call runs on a helper thread; past ``timeout`` this thread aborts
-    the parent (ncclCommAbort unblocks the call) and raises, naming how long it waited."""
+    the parent (ncclCommAbort unblocks the call; ``on_timeout()`` instead of ``parent.abort()``
+    when given, for an owner that tracks whether its communicator is freed) and raises, naming
+    how long it waited."""
     if not has_shrink(lib):
         raise CollectiveError("this NCCL has no ncclCommShrink (needs NCCL >= 2.27)",
                               hint="pip install -U nvidia-nccl-cu12; hpcring falls back to a new communicator")
@@ -223,7 +225,7 @@ def shrink(lib, parent, exclude: list[int], *, timeout: float, abort: bool = Tru
     th.join(timeout)
     if th.is_alive():
         try:
-            parent.abort()
+            (on_timeout or parent.abort)()
         except Exception:  # noqa: BLE001 - the error below says what matters
             pass
         th.join(min(10.0, max(1.0, timeout)))

@@ -79,18 +79,28 @@ def _take():
 def build(topology, store, secret, members, prefix: str, timeout: float) -> tuple[Communicator, str]:
     """The round's NCCL Communicator and how it was made ("shrunk" or "new"). Collective."""
     prev = _take()
-    exclude = plan(prev[0] if prev else None, members)
-    lib = nccl_raw.load() if exclude is not None else None
-    able = exclude is not None and nccl_raw.has_shrink(lib) and not getattr(prev[1], "_freed", True)
-    if not able:
-        store.add(f"{prefix}/nccl-noshrink", 1)
-    store.barrier(f"{prefix}/nccl-shrink-vote", topology.size, timeout=timeout)
-    if able and store.check(f"{prefix}/nccl-noshrink") is None:
-        be, how = NcclBackend.shrink(prev[1], exclude, topology, timeout), "shrunk"
-    else:
+    try:
+        exclude = plan(prev[0] if prev else None, members)
+        lib = nccl_raw.load() if exclude is not None else None
+        able = exclude is not None and nccl_raw.has_shrink(lib) and not getattr(prev[1], "_freed", True)
+        if not able:
+            store.add(f"{prefix}/nccl-noshrink", 1)
+        store.barrier(f"{prefix}/nccl-shrink-vote", topology.size, timeout=timeout)
+    except BaseException:
         if prev is not None:
             _free(prev[1])
-        be, how = NcclBackend.create(topology, store, secret, timeout, prefix=f"nccl/{prefix}"), "new"
+        raise
+    try:
+        if able and store.check(f"{prefix}/nccl-noshrink") is None:
+            be, how = NcclBackend.shrink(prev[1], exclude, topology, timeout), "shrunk"
+        else:
+            if prev is not None:
+                _free(prev[1])
+            be, how = NcclBackend.create(topology, store, secret, timeout, prefix=f"nccl/{prefix}"), "new"
+    except BaseException:
+        if prev is not None:
+            _free(prev[1])       # a failed shrink leaves the old communicator to free (once)
+        raise
     be.keep_for_shrink = True
     return Communicator(be, timeout=timeout), how
 
