@@ -119,7 +119,9 @@ def test_kill_finds_the_steps_tasks_by_job_and_step_and_spares_the_rest():
 def test_kill_step_runs_the_killer_through_blaunch_on_the_steps_hosts(tmp_path, monkeypatch):
     log = tmp_path / "argv"
     fake = tmp_path / "blaunch"
-    fake.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {log}\n")
+    # written whole, then renamed: the test reads it once it exists (a plain `> log` is seen
+    # empty between the shell's truncate and its write, which made this test flaky under load)
+    fake.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {log}.tmp && mv {log}.tmp {log}\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     assert lsf_steps.kill_step("12", ["node1", "node3"], 2) == ["12 step 2 on node1,node3"]
