@@ -46,7 +46,10 @@
  * two copies below. Measured with hpcring bench -B ring, HPCRING_RING_CMA=0 vs 1, 2 cores, best
  * of 2 runs, segment time / direct time: 2 ranks 0.53x at 512 KiB blocks, 1.30x at 2 MiB; 4 ranks
  * 1.16x at 256 KiB, 1.34x at 1 MiB, 1.41x at 16 MiB; 8 ranks 0.80x at 128 KiB, 1.19x at 512 KiB,
- * 1.98x at 2 MiB, 2.32x at 8 MiB (the segment's pieces are slot/L per block: more barriers). */
+ * 1.98x at 2 MiB, 2.32x at 8 MiB (the segment's pieces are slot/L per block: more barriers).
+ * Once reads started at the next rank, the cut moved down with the rank count: ring_shm.py's
+ * default_cma_alltoall_min sets it per host (2 ranks 1 MiB, 4 ranks 512 KiB, 8 ranks 128 KiB);
+ * this is the value for a communicator that did not set one. */
 #define HR_CMA_MIN_DEFAULT ((size_t)1 << 20)
 /* broadcast reads directly (broadcast_cma.c) from this many bytes; 0: never, the default.
  * Measured slower than the segment at 2-8 ranks (0.3-1.0x; again on 2026-11-29, 64 KiB-16 MiB:

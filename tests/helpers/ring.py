@@ -235,7 +235,8 @@ def target_direct_reads(comm, count):
         before = native.shm_phase
         out[name] = call().tobytes()
         phases[name] = native.shm_phase - before
-    return {"cma": native.shm_cma, "phases": phases, "allgather_min": native.cma_allgather_min, **out}
+    return {"cma": native.shm_cma, "phases": phases, "allgather_min": native.cma_allgather_min,
+            "alltoall_min": native.cma_min, **out}
 
 
 def target_allreduce_small(comm):

@@ -717,12 +717,12 @@ def test_direct_reads_need_every_rank_of_the_host(monkeypatch):
 
 def test_ranks_of_one_host_read_each_other_directly_and_a_killed_reader_is_named():
     """Processes of one host (RingBackend.create's setup) agree on direct reads, which alltoall
-    takes from 1 MiB blocks on (two barriers), allgather from 64 KiB where the host's ranks have a
-    core each (ring_shm.default_cma_allgather_min; else the segment, as broadcast: one barrier for
-    one piece); a rank SIGKILLed inside a direct-read alltoall is named by its peers within the
-    deadline and leaves no segment behind."""
-    from hpcring.collectives.ring_shm import default_cma_allgather_min
-    n, count = 3, 1 << 17                                 # 1 MiB a block: the default cut
+    takes from 512 KiB blocks on at 3 ranks (two barriers; ring_shm.default_cma_alltoall_min),
+    allgather from 64 KiB where the host's ranks have a core each (ring_shm.default_cma_allgather_min;
+    else the segment, as broadcast: one barrier for one piece); a rank SIGKILLed inside a
+    direct-read alltoall is named by its peers within the deadline and leaves no segment behind."""
+    from hpcring.collectives.ring_shm import default_cma_allgather_min, default_cma_alltoall_min
+    n, count = 3, 1 << 16                                 # 512 KiB a block: 3 ranks' default cut
     out = H.spawn_ranks(n, H.target_direct_reads, count, hosts=("h",) * n)
     assert sorted(out) == list(range(n)) and all(out[r][0] == "ok" for r in range(n)), out
     xs = [np.arange(count, dtype=np.int64) * (r + 1) for r in range(n)]
@@ -730,6 +730,7 @@ def test_ranks_of_one_host_read_each_other_directly_and_a_killed_reader_is_named
     for r in range(n):
         res = out[r][1]
         assert res["cma"] is True and res["allgather_min"] == direct, res
+        assert res["alltoall_min"] == default_cma_alltoall_min(n) == count * 8, res
         assert res["phases"] == {"allgather": 2 if direct else 1, "broadcast": 1, "alltoall": 2}, res
         np.testing.assert_array_equal(np.frombuffer(res["allgather"], np.int64), np.concatenate(xs))
         np.testing.assert_array_equal(np.frombuffer(res["broadcast"], np.int64), xs[1])
@@ -758,6 +759,12 @@ def test_default_allgather_direct_reads_where_each_rank_has_a_core():
     assert default_cma_allgather_min(2, cores=2) == 64 << 10
     assert default_cma_allgather_min(8, cores=64) == 64 << 10
     assert default_cma_allgather_min(3, cores=2) == 0 and default_cma_allgather_min(8, cores=2) == 0
+
+
+def test_default_alltoall_direct_reads_come_down_with_the_rank_count():
+    from hpcring.collectives.ring_shm import default_cma_alltoall_min
+    assert [default_cma_alltoall_min(n) for n in (2, 3, 4, 5, 8, 64)] == \
+        [1 << 20, 512 << 10, 512 << 10, 128 << 10, 128 << 10, 128 << 10]
 
 
 def test_cutover_attributes_are_independent_and_refuse_negatives(group):

@@ -37,6 +37,18 @@ def default_cma_allgather_min(local_ranks: int, cores: int | None = None) -> int
     return 64 << 10 if local_ranks <= cores else 0
 
 
+def default_cma_alltoall_min(local_ranks: int) -> int:
+    """Block bytes from which alltoall reads its peers' blocks directly, by the host's rank count
+    (the same on every rank of the host). Measured on the 2-core VM after direct reads started at
+    the next rank (2026-11-29, 3 rounds, us per call, segment / direct reads): 2 ranks 512 KiB
+    blocks 38.6-39.2 / 58.6-59.3 (the segment), 4 ranks 256 KiB 137-149 / 176-248 but 512 KiB
+    604-822 / 358-402, 8 ranks 64 KiB 172-195 / 265-292 but 128 KiB 762-840 / 508-606 and 512 KiB
+    4117-4889 / 1921-2562. More than 8 ranks: not measured, 8's cut kept."""
+    if local_ranks <= 2:
+        return 1 << 20
+    return 512 << 10 if local_ranks <= 4 else 128 << 10
+
+
 def shm_name(secret: bytes, job: str, base: str, host: str) -> str:
     """The POSIX name of a host's shared-memory segment: the same on the ranks of one communicator
     on one host, another for every other job, array task (an array's tasks share the secret and
@@ -82,6 +94,8 @@ def attach_shm(comm, store, secret: bytes, base: str, rank: int, hosts: tuple[st
         comm.shm_cma = _agree_cma(comm, store, base, rank, local, deadline)
         if comm.shm_cma and envvars.get("HPCRING_RING_CMA_ALLGATHER_MIN") is None:
             comm.cma_allgather_min = default_cma_allgather_min(len(local))
+        if comm.shm_cma and envvars.get("HPCRING_RING_CMA_MIN") is None:
+            comm.cma_min = default_cma_alltoall_min(len(local))
     except _native.NativeError as e:
         raise BootstrapError(f"ring setup: rank {rank} ({hosts[rank]}): shared memory: {e}",
                              hint="check /dev/shm (size, permissions), or turn shared memory "

@@ -146,7 +146,8 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_RING_CMA", "bool", True, "shared memory: collectives may read the other ranks' buffers "
        "directly (process_vm_readv, one copy) where every rank of the host can"),
     _v("HPCRING_RING_CMA_MIN", "int", None, "shared memory: alltoall reads its peers' blocks directly "
-       "from blocks of this many bytes (unset: the measured 1 MiB; 0: never)", 0, 1 << 62),
+       "from blocks of this many bytes (unset: by the host's rank count as measured, 1 MiB for 2 "
+       "ranks, 512 KiB up to 4, 128 KiB above; 0: never)", 0, 1 << 62),
     _v("HPCRING_RING_CMA_GATHER_MIN", "int", None, "shared memory: broadcast reads the root's buffer "
        "directly from this many bytes (unset or 0: never; measured slower than the segment on a 2-core "
        "VM)", 0, 1 << 62),
