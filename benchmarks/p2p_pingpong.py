@@ -1,11 +1,12 @@
 """Point-to-point ping-pong: torch send/recv on the ``hpcring`` backend vs gloo, 2 ranks.
 
-    python benchmarks/p2p_pingpong.py [--ranks-per-node 2] [--reps 20]
+    python benchmarks/p2p_pingpong.py [--reps 20] [--sizes 4,4K,256K,4M,64M]
         starts itself under `hpcring run` (one host, loopback TCP) and prints, per size, the
         median round-trip time of send+recv on each backend, the bandwidth (2 x size / time) and
         the ratio; every received byte is checked (#wrong). Up to 256 KiB a sample is 10 round
         trips in a row, averaged (a lone round trip after the barrier would time the barrier's
-        exit skew too).
+        exit skew too). The last line counts the messages that went by direct read (one host,
+        HPCRING_P2P_DIRECT, native/p2p_direct.c).
     python benchmarks/p2p_pingpong.py --layers
         the 4-byte round trip through each layer of the hpcring backend: the native queue alone
         (hpcring._native.P2P called from Python), Communicator.send/recv on its short path and on
@@ -29,7 +30,26 @@ SIZES = [4, 4 << 10, 256 << 10, 4 << 20, 64 << 20]
 INNER = 10
 
 
-def worker(reps: int) -> None:
+def parse_sizes(text: str) -> list[int]:
+    out = []
+    for x in filter(None, text.split(",")):
+        unit = {"K": 10, "M": 20, "G": 30}.get(x[-1].upper())
+        out.append(int(float(x[:-1]) * (1 << unit)) if unit else int(x))
+    return out
+
+
+def direct_counts() -> str:
+    """Messages offered / read directly by this rank's hpcring mailbox, as text ('' if none)."""
+    import torch.distributed as dist
+    try:
+        box = dist.group.WORLD._comm_for("cpu").backend._mailbox
+        sent, read = box.direct_counts()
+    except (AttributeError, RuntimeError):
+        return ""
+    return f"# direct reads (rank 0): {sent} messages offered, {read} read"
+
+
+def worker(reps: int, sizes: list[int]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -38,7 +58,7 @@ def worker(reps: int) -> None:
     rank = dist.get_rank()
     groups = {"hpcring": None, "gloo": dist.new_group(backend="gloo")}
     rows = []
-    for size in SIZES:
+    for size in sizes:
         n = size // 4
         x = torch.arange(n, dtype=torch.float32) + rank
         y = torch.empty(n, dtype=torch.float32)
@@ -70,6 +90,7 @@ def worker(reps: int) -> None:
             (th, wh), (tg, wg) = res["hpcring"], res["gloo"]
             print(f"{size:>11} {th * 1e6:>12.1f} {2 * size / th / 1e9:>7.3f} {tg * 1e6:>12.1f} "
                   f"{2 * size / tg / 1e9:>7.3f} {th / tg:>13.2f} {wh + wg}", flush=True)
+        print(direct_counts(), flush=True)
     dist.destroy_process_group()
 
 
@@ -137,14 +158,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--worker", action="store_true", help="run as a rank (under hpcring run / submit)")
     ap.add_argument("--layers", action="store_true", help="4-byte round trip per layer of the hpcring backend")
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bytes per message, e.g. 4,4K,256K,4M,64M")
     a = ap.parse_args()
     if a.worker:
-        layers(a.reps) if a.layers else worker(a.reps)
+        layers(a.reps) if a.layers else worker(a.reps, parse_sizes(a.sizes))
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     sys.exit(subprocess.run([sys.executable, "-m", "hpcring", "run", "--nodes", "1", "--tasks-per-node", "2", "--",
                              sys.executable, "-W", "ignore", os.path.abspath(__file__), "--worker", "--reps",
-                             str(a.reps)] + (["--layers"] if a.layers else []), env=env, timeout=900, stdin=subprocess.DEVNULL).returncode)
+                             str(a.reps), "--sizes", a.sizes] + (["--layers"] if a.layers else []), env=env, timeout=900, stdin=subprocess.DEVNULL).returncode)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,17 @@
  *
  * The progress thread waits in epoll: an incoming fd is registered while no waiter parks on it
  * (a waiter unregisters it before it waits for bytes, and registers it again when it leaves, so
- * bytes nobody waits for are still read at once); an outgoing fd only while sends wait for room.
+ * bytes nobody waits for are still read at once); an outgoing fd while sends wait for room (out)
+ * or for the peer's acknowledgement of a direct read (in).
+ *
+ * p2p_direct.c: direct reads within a host. Where the peer proved at connection time that it can
+ * read this rank's memory (mailbox.py, on a Unix socket), a message of at least direct_min bytes
+ * goes as an offer: a 32-byte header (the length field flagged, the buffer's address, a token)
+ * and no payload. The receiver's reading thread copies the bytes with process_vm_readv straight
+ * into the posted receive (or, with none posted yet, into a buffer of its own, as a message that
+ * came early: the send completes as soon as it is taken, as before), then writes the 8-byte
+ * token back on the same socket; the send completes when the sender reads it. One copy instead
+ * of the socket's two.
  */
 #ifndef HR_P2P_H
 #define HR_P2P_H
@@ -38,6 +48,8 @@
 #define HR_P2P_RECV 1
 
 #define HR_P2P_HDR 16
+#define HR_P2P_OFFER_HDR 32        /* a direct-read offer: the header, the address, the token */
+#define HR_P2P_F_DIRECT ((uint64_t)1 << 63)   /* in the length field: an offer */
 #define HR_P2P_IBUF (64 << 10)     /* per-peer read buffer: a small frame costs one recv() */
 
 /* request state */
@@ -61,7 +73,10 @@ typedef struct hr_p2p_req {
     unsigned char *buf;
     size_t nbytes;
     size_t moved;               /* send: header + payload bytes written */
-    unsigned char hdr[HR_P2P_HDR];
+    unsigned char hdr[HR_P2P_OFFER_HDR];
+    size_t hdrlen;              /* HR_P2P_HDR, or HR_P2P_OFFER_HDR for an offer */
+    int direct, awaiting;       /* send: offered for a direct read; written, awaiting the token */
+    uint64_t token;
     double deadline, timeout;
     int state, failed, hint, source;
     int waiters;                /* threads in hr_p2p_wait (their completion needs no notice) */
@@ -103,6 +118,16 @@ typedef struct hr_p2p_peer {
     pthread_t reader;
     int in_reg, out_reg;        /* registered in the progress thread's epoll set */
     int send_waiter;            /* a thread waiting on a send to this peer writes its queue itself */
+    /* direct reads (p2p_direct.c) */
+    int pid;                    /* incoming: the peer's pid, proved readable (0: no direct reads) */
+    int direct_out;             /* outgoing: the peer reads this rank's sends directly */
+    hr_p2p_req_t *aw_head, *aw_tail;   /* offers written, awaiting their tokens back */
+    uint64_t token_seq;
+    unsigned char abuf[8];      /* a token read in part */
+    size_t alen;
+    int acking;                 /* HR_READ_*: which thread reads the tokens on out_fd now */
+    int rdirect;                /* the frame being read is an offer: its bytes are at raddr */
+    uint64_t raddr, rtoken;
 } hr_p2p_peer_t;
 
 #define HR_READ_NONE 0
@@ -127,6 +152,8 @@ typedef struct hr_p2p {
     int thread_started, closing, closed;
     double sleep_until;         /* the progress thread's epoll_wait() deadline; 0 while awake */
     int kick;                   /* HR_KICK_*: signals owed, sent by hr_p2p_unlock after the unlock */
+    size_t direct_min;          /* offers from this many bytes (to peers that read directly) */
+    uint64_t direct_sent, direct_read;   /* counts, for tests and describe() */
 } hr_p2p_t;
 
 /* ---- p2p_queue.c ---- */
@@ -158,8 +185,10 @@ void hr_p2p_claim(hr_p2p_t *b, hr_p2p_req_t *r);
 #define HR_P2P_NOTIFY_DELAY 0.001
 /* Fail the pair with peer (sticky): every request with it now and later fails with why. */
 void hr_p2p_fail_peer(hr_p2p_t *b, int peer, const char *why, int hint);
-/* Hand over a connection (in: the peer sends on it). 0, or -1 with err (then fd not owned). */
-int hr_p2p_set_fd(hr_p2p_t *b, int peer, int fd, int incoming, char *err, size_t errlen);
+/* Hand over a connection (in: the peer sends on it). direct: incoming, the peer's pid whose memory
+ * this rank proved it can read (0: none); outgoing, nonzero when the peer reads this rank's sends
+ * directly (p2p_direct.c). 0, or -1 with err (then fd not owned). */
+int hr_p2p_set_fd(hr_p2p_t *b, int peer, int fd, int incoming, int direct, char *err, size_t errlen);
 
 /* internal, b->mu held */
 void hr_p2p_complete(hr_p2p_t *b, hr_p2p_req_t *r, int source);
@@ -200,8 +229,30 @@ int hr_p2p_read_for(hr_p2p_t *b, hr_p2p_req_t *r, double deadline);
 /* A thread waiting for r (a send) writes the peer's queue itself, waiting for room in poll(), until
  * r is done, the deadline or a failure (b->mu held). 0 when another thread writes it now. */
 int hr_p2p_write_for(hr_p2p_t *b, hr_p2p_req_t *r, double deadline);
+/* Wait for fd to be ready for events: poll without sleeping for b->busy_s from the first call
+ * (busy_end 0), then sleep until `until`, at most HR_P2P_NAP (b->mu held; released meanwhile). */
+void hr_p2p_park(hr_p2p_t *b, int fd, short events, double now, double until, double *busy_end);
 /* The in-flight bytes of a failed pair are freed by the thread that reads its connection, or by
  * anyone while nobody does. 1 when this thread may. */
 int hr_p2p_reads_here(hr_p2p_t *b, int peer);
+
+/* ---- p2p_direct.c ---- */
+/* Make r (a send not yet started, to a peer with direct_out) an offer if it is large enough. */
+void hr_p2p_offer(hr_p2p_t *b, hr_p2p_peer_t *p, hr_p2p_req_t *r);
+/* The offer r was written: it waits for its token (b->mu held). */
+void hr_p2p_offered(hr_p2p_t *b, int peer, hr_p2p_req_t *r);
+/* The reading thread of peer's connection copies the offered bytes still missing into p->rdst
+ * (b->mu held; released during the copy). A failed copy fails the pair. */
+void hr_p2p_direct_read(hr_p2p_t *b, int peer);
+/* The offer was read: write its token back (b->mu held). 0, or -1 after failing the pair. */
+int hr_p2p_direct_ack(hr_p2p_t *b, int peer);
+/* Read the tokens peer wrote back on the outgoing connection and complete their sends, unless
+ * another thread reads them now (b->mu held; released during I/O). */
+void hr_p2p_read_acks(hr_p2p_t *b, int peer);
+/* A thread waiting for r (an offer written) reads the tokens itself until r is done, the
+ * deadline, r's own deadline or a failure (b->mu held). 0 when another thread reads them now. */
+int hr_p2p_ack_for(hr_p2p_t *b, hr_p2p_req_t *r, double deadline);
+/* Copy n bytes at src in process pid into dst: 0, or -1 with errno. */
+int hr_p2p_peek(int pid, void *dst, uint64_t src, size_t n);
 
 #endif

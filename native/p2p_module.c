@@ -7,8 +7,13 @@
  *     when the P2PReq is freed first (a dropped handle: the buffer is parked on the P2P and
  *     released once the request is done); the caller keeps it unchanged (isend) and unread
  *     (irecv) until then
- *   P2P.set_fd(peer, fd, incoming): hand over a connected, authenticated socket (then owned);
+ *   P2P.set_fd(peer, fd, incoming, direct=0): hand over a connected, authenticated socket (then
+ *     owned); direct: incoming, the peer's pid whose memory this rank proved it can read;
+ *     outgoing, nonzero when the peer reads this rank's sends directly (p2p_direct.c);
  *     ValueError when refused (a second one, closed), and then the caller still owns fd
+ *   P2P.direct_min: sends from this many bytes go as direct-read offers (where agreed)
+ *   P2P.direct_counts() -> (offers sent, offers read)
+ *   peek(pid, addr, n) -> bytes: read n bytes at addr in process pid (process_vm_readv), OSError
  *   P2P.fail_peer(peer, why, hint): the pair fails, sticky
  *   P2P.take_done(timeout) -> list of ids of requests completed while nobody waited, or None
  *     once the queue is closed and drained (blocks up to timeout s, GIL released)
@@ -237,11 +242,11 @@ static PyObject *P2P_isend(P2PObject *self, PyObject *args) { return post(self, 
 static PyObject *P2P_irecv(P2PObject *self, PyObject *args) { return post(self, args, HR_P2P_RECV); }
 
 static PyObject *P2P_set_fd(P2PObject *self, PyObject *args) {
-    int peer, fd, incoming;
+    int peer, fd, incoming, direct = 0;
     char err[256];
-    if (!PyArg_ParseTuple(args, "iip", &peer, &fd, &incoming)) return NULL;
+    if (!PyArg_ParseTuple(args, "iip|i", &peer, &fd, &incoming, &direct)) return NULL;
     if (check(self, peer, 0) < 0) return NULL;
-    if (hr_p2p_set_fd(&self->b, peer, fd, incoming, err, sizeof err) != 0) {
+    if (hr_p2p_set_fd(&self->b, peer, fd, incoming, direct, err, sizeof err) != 0) {
         PyErr_SetString(PyExc_ValueError, err);
         return NULL;
     }
@@ -293,10 +298,47 @@ static PyObject *P2P_close(P2PObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *P2P_direct_counts(P2PObject *self, PyObject *unused) {
+    unsigned long long sent, read;
+    (void)unused;
+    if (check(self, -1, 1) < 0) return NULL;
+    pthread_mutex_lock(&self->b.mu);
+    sent = self->b.direct_sent;
+    read = self->b.direct_read;
+    pthread_mutex_unlock(&self->b.mu);
+    return Py_BuildValue("(KK)", sent, read);
+}
+
+static PyObject *P2P_get_direct_min(P2PObject *self, void *unused) {
+    (void)unused;
+    return PyLong_FromSize_t(self->inited ? self->b.direct_min : 0);
+}
+
+static int P2P_set_direct_min(P2PObject *self, PyObject *v, void *unused) {
+    size_t n;
+    (void)unused;
+    if (!v || check(self, -1, 1) < 0) {
+        if (!v) PyErr_SetString(PyExc_AttributeError, "direct_min cannot be deleted");
+        return -1;
+    }
+    n = PyLong_AsSize_t(v);
+    if (n == (size_t)-1 && PyErr_Occurred()) return -1;
+    pthread_mutex_lock(&self->b.mu);
+    self->b.direct_min = n;
+    pthread_mutex_unlock(&self->b.mu);
+    return 0;
+}
+
+static PyGetSetDef P2P_getset[] = {
+    {"direct_min", (getter)P2P_get_direct_min, (setter)P2P_set_direct_min,
+     "sends from this many bytes go as direct-read offers, to peers that read directly", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
 static PyMethodDef P2P_methods[] = {
     {"isend", (PyCFunction)P2P_isend, METH_VARARGS, "isend(id, buf, peer, tag, timeout) -> P2PReq"},
     {"irecv", (PyCFunction)P2P_irecv, METH_VARARGS, "irecv(id, buf, peer, tag, timeout) -> P2PReq (peer -1: any)"},
-    {"set_fd", (PyCFunction)P2P_set_fd, METH_VARARGS, "set_fd(peer, fd, incoming): hand over a connection"},
+    {"set_fd", (PyCFunction)P2P_set_fd, METH_VARARGS, "set_fd(peer, fd, incoming, direct=0): hand over a connection"},
+    {"direct_counts", (PyCFunction)P2P_direct_counts, METH_NOARGS, "direct_counts() -> (offers sent, offers read)"},
     {"fail_peer", (PyCFunction)P2P_fail_peer, METH_VARARGS, "fail_peer(peer, why, hint): sticky"},
     {"take_done", (PyCFunction)P2P_take_done, METH_VARARGS, "take_done(timeout) -> [ids] or None (closed)"},
     {"close", (PyCFunction)P2P_close, METH_NOARGS, "fail what is pending, close the connections"},
@@ -310,6 +352,7 @@ static PyTypeObject P2PType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Point-to-point queue of one communicator (native/p2p.h)",
     .tp_methods = P2P_methods,
+    .tp_getset = P2P_getset,
     .tp_init = (initproc)P2P_init,
     .tp_new = PyType_GenericNew,
 };
@@ -325,8 +368,37 @@ static PyTypeObject P2PReqType = {
     .tp_getset = P2PReq_getset,
 };
 
+/* peek(pid, addr, n) -> bytes: the connection handshake's proof that this rank can read a peer's
+ * memory (mailbox.py); n at most 4096. */
+static PyObject *p2p_peek(PyObject *mod, PyObject *args) {
+    int pid, rc, e;
+    unsigned long long addr;
+    Py_ssize_t n;
+    char buf[4096];
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "iKn", &pid, &addr, &n)) return NULL;
+    if (n < 0 || n > (Py_ssize_t)sizeof buf) {
+        PyErr_Format(PyExc_ValueError, "peek reads 0-%zu bytes, not %zd", sizeof buf, n);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = hr_p2p_peek(pid, buf, (uint64_t)addr, (size_t)n);
+    e = errno;
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        errno = e;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyBytes_FromStringAndSize(buf, n);
+}
+
+static PyMethodDef p2p_functions[] = {
+    {"peek", p2p_peek, METH_VARARGS, "peek(pid, addr, n) -> bytes: read another process's memory"},
+    {NULL, NULL, 0, NULL}};
+
 int hr_p2p_module_add(PyObject *m) {
     if (PyType_Ready(&P2PType) < 0 || PyType_Ready(&P2PReqType) < 0) return -1;
+    if (PyModule_AddFunctions(m, p2p_functions) < 0) return -1;
     if (PyModule_AddObjectRef(m, "P2P", (PyObject *)&P2PType) < 0 ||
         PyModule_AddObjectRef(m, "P2PReq", (PyObject *)&P2PReqType) < 0)
         return -1;

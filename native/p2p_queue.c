@@ -96,6 +96,7 @@ hr_p2p_req_t *hr_p2p_req_new(int kind, uint64_t id, void *buf, size_t nbytes, in
     r->deadline = hr_now() + timeout;
     r->source = -1;
     r->refs = 1;
+    r->hdrlen = HR_P2P_HDR;
     for (int i = 0; i < 8; i++) {           /* the frame header, big-endian */
         r->hdr[i] = (unsigned char)((uint64_t)tag >> (56 - 8 * i));
         r->hdr[8 + i] = (unsigned char)((uint64_t)nbytes >> (56 - 8 * i));
@@ -145,7 +146,8 @@ static void refuse(hr_p2p_t *b, hr_p2p_req_t *r, const char *why) {
 }
 
 
-/* Fail the sends queued to p that no thread is writing (all of them when none is). */
+/* Fail the sends queued to p that no thread is writing (all of them when none is), and the
+ * offers awaiting their tokens (the reader's copy ends in a failed acknowledgement: p2p_direct.c). */
 static void fail_sends(hr_p2p_t *b, hr_p2p_peer_t *p, const char *why, int hint) {
     hr_p2p_req_t *keep = p->writing ? p->sq_head : NULL;
     hr_p2p_req_t *r = keep ? keep->next : p->sq_head;
@@ -156,6 +158,13 @@ static void fail_sends(hr_p2p_t *b, hr_p2p_peer_t *p, const char *why, int hint)
     }
     if (keep) keep->next = NULL;
     p->sq_head = p->sq_tail = keep;
+    for (r = p->aw_head; r;) {
+        hr_p2p_req_t *next = r->next;
+        r->awaiting = 0;
+        hr_p2p_fail(b, r, hint, "%s", why);
+        r = next;
+    }
+    p->aw_head = p->aw_tail = NULL;
 }
 
 void hr_p2p_fail_peer_locked(hr_p2p_t *b, int peer, const char *why, int hint) {
@@ -185,6 +194,7 @@ void hr_p2p_fail_peer_locked(hr_p2p_t *b, int peer, const char *why, int hint) {
         p->rreq = p->rtake = NULL;
         p->rmsg = NULL;
         p->in_frame = 0;
+        p->rdirect = 0;
     }                                       /* else their reader frees them after its I/O */
     hr_p2p_arm(b, peer);                    /* out of the epoll set */
 }
@@ -319,7 +329,7 @@ int hr_p2p_wait(hr_p2p_t *b, hr_p2p_req_t *r, double deadline) {
             continue;
         if (busy_end == 0) busy_end = now + b->busy_s;
         int *busy = r->peer < 0 ? NULL : r->kind == HR_P2P_RECV ? &b->peers[r->peer].reading
-                                                                : &b->peers[r->peer].writing;
+                  : r->awaiting ? &r->awaiting : &b->peers[r->peer].writing;
         if (now < busy_end && busy && *busy) {
             /* another thread (the progress thread) moves r's bytes now: it is about to finish, and
              * a sleep on done_cv would cost its signal and this thread's wake-up */
@@ -431,7 +441,7 @@ double hr_p2p_expire(hr_p2p_t *b, double now) {
     for (;;) {
         double next = NO_DEADLINE;
         hr_p2p_req_t *due = NULL, *r;
-        int stalled = -1;
+        int stalled = -1, unread = -1;
         for (r = b->posted_head; r; r = r->next) {
             if (r->deadline <= now) { due = r; break; }
             if (r->deadline < next) next = r->deadline;
@@ -452,12 +462,21 @@ double hr_p2p_expire(hr_p2p_t *b, double now) {
                 if (q->deadline <= now) stalled = i;
                 else if (q->deadline < next) next = q->deadline;
             }
+            for (r = p->aw_head; r && stalled < 0; r = r->next) {
+                if (r->deadline <= now) unread = stalled = i;
+                else if (r->deadline < next) next = r->deadline;
+            }
         }
         if (stalled >= 0) {
             char who[160], why[HR_P2P_WHYLEN];
             hr_p2p_peer_t *p = &b->peers[stalled];
-            snprintf(why, sizeof why, "the link with %s stalled mid-message (deadline %g s)",
-                     hr_p2p_who(b, stalled, who, sizeof who), (p->rreq ? p->rreq : p->rtake)->timeout);
+            hr_p2p_who(b, stalled, who, sizeof who);
+            if (unread >= 0)
+                snprintf(why, sizeof why, "%s did not read a message offered to it within the %g s "
+                         "deadline (it froze, or its reading thread is stuck)", who, p->aw_head->timeout);
+            else
+                snprintf(why, sizeof why, "the link with %s stalled mid-message (deadline %g s)", who,
+                         (p->rreq ? p->rreq : p->rtake)->timeout);
             hr_p2p_fail_peer_locked(b, stalled, why, HR_HINT_STALL);   /* this thread's rreq too */
             continue;
         }
@@ -478,7 +497,7 @@ double hr_p2p_expire(hr_p2p_t *b, double now) {
     }
 }
 
-int hr_p2p_set_fd(hr_p2p_t *b, int peer, int fd, int incoming, char *err, size_t errlen) {
+int hr_p2p_set_fd(hr_p2p_t *b, int peer, int fd, int incoming, int direct, char *err, size_t errlen) {
     hr_p2p_peer_t *p;
     int rc = -1;
     if (peer < 0 || peer >= b->size || peer == b->rank) {
@@ -497,8 +516,10 @@ int hr_p2p_set_fd(hr_p2p_t *b, int peer, int fd, int incoming, char *err, size_t
         if (incoming) {
             p->in_fd = fd;
             p->in_seen = 1;
+            p->pid = direct > 0 ? direct : 0;
         } else {
             p->out_fd = fd;
+            p->direct_out = direct != 0;
         }
         if (p->err) shutdown(fd, SHUT_RDWR);   /* owned now; the pair failed already */
         hr_p2p_arm(b, peer);
@@ -547,6 +568,7 @@ int hr_p2p_init(hr_p2p_t *b, int rank, int size, const char *const *hosts, char 
     for (int i = 0; i < size; i++)
         local += !hosts || !hosts[i] || !hosts[rank] || strcmp(hosts[i], hosts[rank]) == 0;
     b->busy_s = local > sysconf(_SC_NPROCESSORS_ONLN) ? 0 : HR_P2P_BUSY_US * 1e-6;
+    b->direct_min = (size_t)-1;             /* no offers until the mailbox sets its cut */
     if (pthread_create(&b->thread, NULL, hr_p2p_progress, b) != 0) {
         snprintf(err, errlen, "cannot start the point-to-point progress thread");
         hr_p2p_free(b);

@@ -28,24 +28,28 @@ static uint64_t be64(const unsigned char *p) {
     return v;
 }
 
-static void ep_set(hr_p2p_t *b, int fd, uint32_t tag, uint32_t events, int *reg, int want) {
+/* Register fd for the events in want (0: not at all); *reg holds what is registered now. */
+static void ep_set(hr_p2p_t *b, int fd, uint32_t tag, uint32_t want, int *reg) {
     struct epoll_event ev;
-    if (*reg == want || fd < 0) return;
+    int op;
+    if ((uint32_t)*reg == want || fd < 0) return;
     memset(&ev, 0, sizeof ev);
-    ev.events = events;
+    ev.events = want;
     ev.data.u32 = tag;
+    op = !want ? EPOLL_CTL_DEL : *reg ? EPOLL_CTL_MOD : EPOLL_CTL_ADD;
     /* ENOMEM aside these cannot fail on a live fd; a failed ADD leaves the fd to the waiters and
      * the next arm, a failed DEL to the shutdown that every failure of the pair does */
-    if (epoll_ctl(b->ep_fd, want ? EPOLL_CTL_ADD : EPOLL_CTL_DEL, fd, &ev) == 0 || !want) *reg = want;
+    if (epoll_ctl(b->ep_fd, op, fd, &ev) == 0 || !want) *reg = (int)want;
 }
 
 void hr_p2p_arm(hr_p2p_t *b, int peer) {
     hr_p2p_peer_t *p = &b->peers[peer];
     int live = !p->err && !b->closing;
-    ep_set(b, p->in_fd, 2u * (uint32_t)peer, EPOLLIN, &p->in_reg,
-           live && p->in_fd >= 0 && p->reading != HR_READ_WAITER);
-    ep_set(b, p->out_fd, 2u * (uint32_t)peer + 1, EPOLLOUT, &p->out_reg,
-           live && p->out_fd >= 0 && p->sq_head && !p->writing && !p->send_waiter);
+    ep_set(b, p->in_fd, 2u * (uint32_t)peer,
+           live && p->in_fd >= 0 && p->reading != HR_READ_WAITER ? EPOLLIN : 0, &p->in_reg);
+    ep_set(b, p->out_fd, 2u * (uint32_t)peer + 1,
+           !live || p->out_fd < 0 ? 0 : (p->sq_head && !p->writing && !p->send_waiter ? EPOLLOUT : 0) |
+                                        (p->aw_head && p->acking != HR_READ_WAITER ? EPOLLIN : 0), &p->out_reg);
 }
 
 int hr_p2p_reads_here(hr_p2p_t *b, int peer) {
@@ -57,8 +61,10 @@ void hr_p2p_write(hr_p2p_t *b, int peer) {
     hr_p2p_peer_t *p = &b->peers[peer];
     while (p->sq_head && !p->err && p->out_fd >= 0 && !p->writing && !b->closing) {
         hr_p2p_req_t *r = p->sq_head;
-        size_t total = HR_P2P_HDR + r->nbytes;
+        size_t total;
         int fd = p->out_fd, e = 0;
+        if (!r->moved) hr_p2p_offer(b, p, r);   /* to a peer that reads it directly: an offer */
+        total = r->hdrlen + (r->direct ? 0 : r->nbytes);
         p->writing = 1;
         if (r->state == HR_P2P_POSTED) r->state = HR_P2P_ACTIVE;
         hr_p2p_unlock(b);
@@ -66,12 +72,12 @@ void hr_p2p_write(hr_p2p_t *b, int peer) {
             struct iovec iov[2];
             struct msghdr mh;
             int n = 0;
-            if (r->moved < HR_P2P_HDR) {
+            if (r->moved < r->hdrlen) {
                 iov[n].iov_base = r->hdr + r->moved;
-                iov[n++].iov_len = HR_P2P_HDR - r->moved;
+                iov[n++].iov_len = r->hdrlen - r->moved;
             }
-            if (r->nbytes) {
-                size_t off = r->moved > HR_P2P_HDR ? r->moved - HR_P2P_HDR : 0;
+            if (r->nbytes && !r->direct) {
+                size_t off = r->moved > r->hdrlen ? r->moved - r->hdrlen : 0;
                 iov[n].iov_base = r->buf + off;
                 iov[n++].iov_len = r->nbytes - off;
             }
@@ -103,7 +109,8 @@ void hr_p2p_write(hr_p2p_t *b, int peer) {
         p->sq_head = r->next;
         if (!p->sq_head) p->sq_tail = NULL;
         r->next = NULL;
-        hr_p2p_complete(b, r, peer);
+        if (r->direct) hr_p2p_offered(b, peer, r);   /* done when the peer says it read it */
+        else hr_p2p_complete(b, r, peer);
     }
     if (p->err && p->sq_head && !p->writing) hr_p2p_fail_peer_locked(b, peer, p->err, HR_HINT_NONE);
     hr_p2p_arm(b, peer);
@@ -112,8 +119,15 @@ void hr_p2p_write(hr_p2p_t *b, int peer) {
 /* A header was read: aim the payload at the oldest matching receive, or at a buffer of its own. */
 static void begin_frame(hr_p2p_t *b, int peer) {
     hr_p2p_peer_t *p = &b->peers[peer];
-    hr_p2p_req_t *r = hr_p2p_match(b, peer, p->rtag);
+    hr_p2p_req_t *r;
     char who[160], why[HR_P2P_WHYLEN];
+    if (p->rdirect && p->pid <= 0) {        /* never agreed on this connection */
+        snprintf(why, sizeof why, "%s offered a message for a direct read on a connection where "
+                 "this rank cannot read its memory: a corrupt stream", hr_p2p_who(b, peer, who, sizeof who));
+        hr_p2p_fail_peer_locked(b, peer, why, HR_HINT_NONE);
+        return;
+    }
+    r = hr_p2p_match(b, peer, p->rtag);
     if (r && r->nbytes != p->rn) {
         size_t n = (size_t)p->rn;
         char sz[32];
@@ -154,6 +168,7 @@ static void begin_frame(hr_p2p_t *b, int peer) {
  * receive may have been posted while it was read). */
 static void end_frame(hr_p2p_t *b, int peer) {
     hr_p2p_peer_t *p = &b->peers[peer];
+    if (p->rdirect && hr_p2p_direct_ack(b, peer) != 0) return;   /* the pair failed: r with it */
     p->in_frame = 0;
     if (p->rreq) {
         hr_p2p_req_t *r = p->rreq;
@@ -191,16 +206,27 @@ static void read_peer(hr_p2p_t *b, int peer) {
             p->rmsg = NULL;
         }
         if (!p->in_frame) {
-            if (p->ilen - p->ipos >= HR_P2P_HDR) {
+            size_t have = p->ilen - p->ipos;
+            uint64_t rn = have >= HR_P2P_HDR ? be64(p->ibuf + p->ipos + 8) : 0;
+            if (have >= HR_P2P_OFFER_HDR || (have >= HR_P2P_HDR && !(rn & HR_P2P_F_DIRECT))) {
                 p->rtag = (int64_t)be64(p->ibuf + p->ipos);
-                p->rn = be64(p->ibuf + p->ipos + 8);
-                p->ipos += HR_P2P_HDR;
+                p->rn = rn & ~HR_P2P_F_DIRECT;
+                p->rdirect = (rn & HR_P2P_F_DIRECT) != 0;
+                if (p->rdirect) {            /* an offer: the bytes are in the sender's memory */
+                    p->raddr = be64(p->ibuf + p->ipos + 16);
+                    p->rtoken = be64(p->ibuf + p->ipos + 24);
+                }
+                p->ipos += p->rdirect ? HR_P2P_OFFER_HDR : HR_P2P_HDR;
                 begin_frame(b, peer);
                 continue;
             }
         } else {
             if (p->rleft == 0) {
                 end_frame(b, peer);
+                continue;
+            }
+            if (p->rdirect) {                /* copied out of the sender's memory, not the stream */
+                hr_p2p_direct_read(b, peer);
                 continue;
             }
             if (p->ipos < p->ilen) {
@@ -272,7 +298,7 @@ static void give_reading(hr_p2p_t *b, int peer) {
 
 /* Wait for fd to be ready for events: poll without sleeping until busy_end (set on the first
  * call), then sleep until `until` (b->mu released meanwhile). */
-static void park(hr_p2p_t *b, int fd, short events, double now, double until, double *busy_end) {
+void hr_p2p_park(hr_p2p_t *b, int fd, short events, double now, double until, double *busy_end) {
     struct pollfd pf = {.fd = fd, .events = events};
     if (until > now + HR_P2P_NAP) until = now + HR_P2P_NAP;
     if (*busy_end == 0) *busy_end = now + b->busy_s;
@@ -300,7 +326,7 @@ int hr_p2p_read_for(hr_p2p_t *b, hr_p2p_req_t *r, double deadline) {
         double now = hr_now(), until = deadline < r->deadline ? deadline : r->deadline;
         if (now >= until) break;            /* r's own deadline: the progress thread's to word */
         hr_p2p_arm(b, r->peer);             /* parked: the progress thread stops watching the fd */
-        park(b, p->in_fd, POLLIN, now, until, &busy_end);
+        hr_p2p_park(b, p->in_fd, POLLIN, now, until, &busy_end);
         read_peer(b, r->peer);
     }
     give_reading(b, r->peer);
@@ -310,20 +336,24 @@ int hr_p2p_read_for(hr_p2p_t *b, hr_p2p_req_t *r, double deadline) {
 int hr_p2p_write_for(hr_p2p_t *b, hr_p2p_req_t *r, double deadline) {
     hr_p2p_peer_t *p = &b->peers[r->peer];
     double busy_end = 0;
+    if (r->awaiting) return hr_p2p_ack_for(b, r, deadline);
     if (p->out_fd < 0 || p->err || b->closing || p->writing || p->send_waiter) return 0;
     p->send_waiter = 1;
     while (r->state != HR_P2P_DONE && !p->err && !b->closing) {
         double now, until;
         hr_p2p_write(b, r->peer);           /* from the queue's head, while the socket takes it */
-        if (r->state == HR_P2P_DONE || p->err || p->writing) break;   /* p->writing: another thread's */
+        /* p->writing: another thread's; r->awaiting: written, the peer reads it (its token is
+         * waited for below) */
+        if (r->state == HR_P2P_DONE || p->err || p->writing || r->awaiting) break;
         now = hr_now();
         until = deadline < r->deadline ? deadline : r->deadline;
         if (now >= until) break;            /* r's own deadline: the progress thread's to word */
         hr_p2p_arm(b, r->peer);             /* parked: the progress thread stops watching the fd */
-        park(b, p->out_fd, POLLOUT, now, until, &busy_end);
+        hr_p2p_park(b, p->out_fd, POLLOUT, now, until, &busy_end);
     }
     p->send_waiter = 0;
     hr_p2p_arm(b, r->peer);
+    if (r->awaiting) hr_p2p_ack_for(b, r, deadline);
     return 1;
 }
 
@@ -351,7 +381,8 @@ void *hr_p2p_progress(void *arg) {
             int peer = (int)(tag / 2);
             hr_p2p_peer_t *p = &b->peers[peer];
             if (tag % 2) {
-                if (p->out_reg) hr_p2p_write(b, peer);
+                if (p->out_reg & EPOLLIN) hr_p2p_read_acks(b, peer);
+                if (p->out_reg & EPOLLOUT) hr_p2p_write(b, peer);
             } else if (p->reading == HR_READ_WAITER) {
                 hr_p2p_arm(b, peer);        /* a waiter took it after this event: let it be */
             } else if (p->in_reg && take_reading(b, peer, HR_READ_PROGRESS)) {

@@ -239,6 +239,46 @@ def target_direct_reads(comm, count):
             "alltoall_min": native.cma_min, **out}
 
 
+def target_p2p_ring(comm, nbytes, rounds):
+    """Each rank sends nbytes to the next rank and receives from the previous, rounds times (the
+    receive posted before or after the send by round): the bytes checked, and the mailbox's
+    direct-read counts (offered, read)."""
+    import numpy as np
+    n, r = comm.size, comm.rank
+    wrong = 0
+    for k in range(rounds):
+        x = np.full(nbytes, (r * 7 + k) % 251, np.uint8)
+        y = np.zeros(nbytes, np.uint8)
+        if k % 2:
+            req = comm.irecv(y, (r - 1) % n, tag=k)
+            comm.send(x, (r + 1) % n, tag=k)
+            req.wait()
+        else:
+            req = comm.isend(x, (r + 1) % n, tag=k)
+            comm.recv(y, (r - 1) % n, tag=k)
+            req.wait()
+        wrong += int((y != ((r - 1) % n * 7 + k) % 251).sum())
+    return wrong, comm.backend._mailbox.direct_counts()
+
+
+def target_p2p_sender_dies(comm, nbytes):
+    """Rank 0 offers nbytes to rank 1 and exits at once; rank 1 receives: the bytes or an error,
+    never a hang."""
+    import numpy as np
+    if comm.rank == 0:
+        comm.send(np.zeros(8, np.uint8), 1, tag=0)      # the connection exists (and agreed)
+        comm.isend(np.full(nbytes, 3, np.uint8), 1, tag=1)
+        os._exit(0)
+    comm.recv(np.zeros(8, np.uint8), 0, tag=0)
+    y = np.zeros(nbytes, np.uint8)
+    t0 = time.monotonic()
+    try:
+        comm.recv(y, 0, tag=1)
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"after {time.monotonic() - t0:.1f} s: {e}") from None
+    return int((y != 3).sum())
+
+
 def target_allreduce_small(comm):
     import numpy as np
     return comm.allreduce(np.arange(10, dtype=np.float32)).tolist()
