@@ -596,7 +596,8 @@ void hr_p2p_close(hr_p2p_t *b) {
     b->thread_started = 0;
     pthread_mutex_lock(&b->mu);
     for (int i = 0; i < b->size; i++) {      /* an inline write ends soon: its socket never blocks; */
-        while (b->peers[i].writing || b->peers[i].reading || b->peers[i].send_waiter) {   /* waiters see closing */
+        while (b->peers[i].writing || b->peers[i].reading || b->peers[i].send_waiter ||
+               b->peers[i].acking) {        /* waiters see closing */
             hr_p2p_unlock(b);
             usleep(200);
             pthread_mutex_lock(&b->mu);

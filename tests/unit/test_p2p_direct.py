@@ -233,6 +233,25 @@ def test_a_send_whose_offer_is_never_read_fails_at_its_deadline_naming_the_peer(
         raw.close()
 
 
+def test_closing_while_a_thread_waits_for_a_token_fails_its_send_and_returns():
+    a, raw = _raw_receiver()
+    try:
+        s = send(a, np.ones(1 << 12, np.uint8), 1, timeout=30)
+        _read_offer(raw)
+        out = []
+        t = threading.Thread(target=lambda: out.append(done(s, 20)))
+        t.start()
+        time.sleep(0.3)                                         # parked in C, reading for its token
+        t0 = time.monotonic()
+        a.close()
+        t.join(10)
+        assert not t.is_alive() and time.monotonic() - t0 < 5
+        assert out and out[0][0] is True and "closed" in out[0][2]
+    finally:
+        a.close()
+        raw.close()
+
+
 def test_a_peer_that_closes_before_it_reads_an_offer_fails_the_send_at_once():
     a, raw = _raw_receiver()
     try:
