@@ -143,3 +143,109 @@ def test_mpi_errors_and_size_mismatches_fail_the_request_with_their_wording(poll
     req.drive()
     with pytest.raises(CollectiveError, match="rank 1 sent 8 bytes but this receive takes 4"):
         req.wait(0)
+
+
+# ---- the Communicator's short path on MPI (MpiShortMessage) ------------------------------------
+class FakeComm:
+    """What MpiShortMessage asks of the Communicator: the failure path (the watchdog's report)."""
+
+    def __init__(self):
+        self.failed = []
+
+    def _failed(self, rec, err):
+        self.failed.append(rec)
+        return err
+
+
+class FakeBackend(mpi_p2p.MpiPointToPoint):
+    """The MPI backend's point-to-point over FakeMPI: each post takes the next FakeRequest."""
+
+    def __init__(self, *mreqs):
+        self._MPI, self._rank, self._hosts, self._stuck = FakeMPI, 0, ("n0", "n1"), []
+        self._tag_ub = None                     # asked once of MPI: nothing to ask here
+        self._comm = self
+        self.mreqs = list(mreqs)
+
+    def Isend(self, spec, peer, tag):
+        return self.mreqs.pop(0)
+
+    Irecv = Isend
+
+
+def short(be, kind="recv", nbytes=4, timeout=10.0, comm=None):
+    from hpcring.collectives.p2p import P2PLog
+    rec = P2PLog(0, "mpi").queue(kind, 1, 7, "uint8", nbytes, timeout)
+    return be.post_short(comm or FakeComm(), kind, np.zeros(nbytes, np.uint8), 1, 7, timeout, rec), rec
+
+
+def test_a_short_message_is_tested_by_its_waiter_alone_and_finishes_its_record():
+    from hpcring.collectives.recorder import DONE
+    for after in (1, 5, 300):
+        mreq = FakeRequest(after)
+        be = FakeBackend(mreq)
+        msg, rec = short(be)
+        assert msg.wait() == 1 and msg.done() and msg.exception() is None
+        assert mreq.threads == {threading.current_thread().name} and not mreq.overlap
+        assert rec.state == DONE
+    assert be._p2p_poller()._pending == {}      # never handed to the poller
+
+
+def test_a_short_message_past_its_deadline_fails_in_the_general_paths_words_and_is_abandoned():
+    mreq = FakeRequest(None)
+    be, comm = FakeBackend(mreq), FakeComm()
+    msg, rec = short(be, timeout=0.3, comm=comm)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"waited for recv from rank 1 \(n1\), tag 7, 4 B: rank 1 \(n1\) "
+                                              r"did not send it within the 0.3 s deadline") as e:
+        msg.wait()
+    assert 0.25 < time.monotonic() - t0 < 3.0
+    assert mreq.cancelled and be._stuck and be._stuck[0][0] is mreq
+    assert comm.failed == [rec] and "hung" in e.value.hint
+
+
+def test_a_short_wait_with_a_timeout_leaves_it_pending_and_a_later_wait_finishes_it():
+    mreq = FakeRequest(None)
+    msg, _ = short(FakeBackend(mreq))
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match="did not finish within 0.1 s"):
+        msg.wait(0.1)
+    assert time.monotonic() - t0 < 2.0 and not msg.done()
+    mreq.after = mreq.tests + 3
+    assert msg.wait() == 1
+
+
+def test_a_callback_hands_it_to_the_poller_which_completes_it_without_two_testers():
+    mreq = FakeRequest(None)
+    be = FakeBackend(mreq)
+    msg, _ = short(be, kind="send")
+    seen = []
+    msg.add_done_callback(lambda m: seen.append(m.exception()))
+    waiter = threading.Thread(target=lambda: seen.append(("waited", msg.wait())))
+    waiter.start()
+    time.sleep(0.05)
+    mreq.after = mreq.tests + 2                 # now the poller sees it complete
+    waiter.join(5)
+    assert not waiter.is_alive() and seen[0] is None and seen[1] == ("waited", 1)
+    assert "test-mpi-p2p" not in mreq.threads and not mreq.overlap
+    assert all(name.startswith("hpcring-mpi-p2p") for name in mreq.threads)
+
+
+def test_a_callback_added_after_it_finished_runs_at_once():
+    msg, _ = short(FakeBackend(FakeRequest(1)))
+    msg.wait()
+    seen = []
+    msg.add_done_callback(seen.append)
+    assert seen == [msg]
+
+
+def test_short_messages_report_mpi_errors_and_size_mismatches_in_the_general_paths_words():
+    msg, _ = short(FakeBackend(FakeRequest(1, error=True)))
+    with pytest.raises(CollectiveError, match="MPI error 15: MPI_ERR_TRUNCATE"):
+        msg.wait()
+    msg, _ = short(FakeBackend(FakeRequest(1, count=8)), nbytes=4)
+    with pytest.raises(CollectiveError, match="rank 1 sent 8 bytes but this receive takes 4"):
+        msg.wait()
+    be = FakeBackend()
+    be.Isend = lambda *a: (_ for _ in ()).throw(FakeMPI.Exception())   # the post itself fails
+    msg, _ = short(be, kind="send")
+    assert msg.done() and "MPI error 15" in str(msg.exception())

@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
-from hpcring.errors import UsageError
+from hpcring.errors import CollectiveError, UsageError
+from hpcring.collectives.engine import Handle
 from hpcring.collectives.mpi_check import CHECK_SPIN_S
-from hpcring.collectives.p2p import KEEPER, Request
+from hpcring.collectives.p2p import KEEPER, SEND, Request, failure
+from hpcring.collectives.recorder import FlightRecorder
 
 POLL_MIN_S, POLL_MAX_S = 50e-6, 2e-3      # the sleeps between tests while nothing completes
 
@@ -64,16 +66,40 @@ class MpiPointToPoint:
     def p2p_recv(self, buf, peer, tag: int, timeout: float, record=None):
         return self._p2p("recv", buf, peer, tag, timeout, record)
 
-    def _p2p(self, kind: str, buf, peer, tag: int, timeout: float, record):
+    def _p2p_ready(self, kind: str, tag: int, timeout: float) -> float:
+        """The lazy setup (if due), MPI_THREAD_MULTIPLE and the tag's range (MPI_TAG_UB, asked once);
+        the time left of ``timeout``."""
         if self._comm is None:
             timeout = self._setup("p2p", timeout)       # collective, as MPI_Comm_dup is
-        MPI = self._MPI
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            raise UsageError("point-to-point on the MPI backend needs MPI_THREAD_MULTIPLE",
-                             hint="use an MPI built with thread support (Open MPI is), or the ring backend")
-        ub = self._comm.Get_attr(MPI.TAG_UB)
+        ub = self.__dict__.get("_tag_ub", False)
+        if ub is False:
+            MPI = self._MPI
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                raise UsageError("point-to-point on the MPI backend needs MPI_THREAD_MULTIPLE",
+                                 hint="use an MPI built with thread support (Open MPI is), or the ring backend")
+            ub = self._tag_ub = self._comm.Get_attr(MPI.TAG_UB)
         if ub is not None and tag > ub:
             raise UsageError(f"{kind}: tag {tag} is above this MPI's MPI_TAG_UB ({ub})")
+        return timeout
+
+    def post_short(self, comm, kind: str, buf, peer: int, tag: int, timeout: float, rec) -> "MpiShortMessage":
+        """The Communicator's short path (hpcring.collectives.p2p_api): MPI_Isend / MPI_Irecv of
+        ``buf`` (1-D uint8) with no Request; checked arguments, ``rec`` recorded already."""
+        timeout = self._p2p_ready(kind, tag, timeout)
+        MPI = self._MPI
+        try:
+            mreq = (self._comm.Isend if kind == SEND else self._comm.Irecv)([buf, MPI.BYTE], peer, tag)
+        except MPI.Exception as e:
+            mreq = None
+            err = e
+        msg = MpiShortMessage(comm, self, mreq, rec, kind, peer, tag, buf, timeout)
+        if mreq is None:                    # in the caller's thread: its failure path is safe here
+            msg.fail(f"MPI error {err.Get_error_class()}: {err.Get_error_string()}", here=True)
+        return msg
+
+    def _p2p(self, kind: str, buf, peer, tag: int, timeout: float, record):
+        timeout = self._p2p_ready(kind, tag, timeout)
+        MPI = self._MPI
         req = MpiRequest(kind, buf, peer, tag, timeout, rank=self._rank, hosts=self._hosts, record=record)
         req.poller, req.on_abandon = self._p2p_poller(), self._p2p_abandon
         B = MPI.BYTE
@@ -100,15 +126,18 @@ class MpiPointToPoint:
         mreq = self._p2p_poller().forget(req)
         if mreq is not None:               # else its waiter holds it, and abandons it when it sees this
             self._p2p_abandon(req, mreq)
+        req.fail(*self._p2p_late(req))
+
+    def _p2p_late(self, req) -> tuple[str, str]:
+        """(why, hint) of a message past its deadline: one wording for both paths."""
         who = f"rank {req.peer} ({self._host_of(req.peer)})"
         if req.kind == "recv":
-            req.fail(f"{'no rank sent it' if req.peer is None else who + ' did not send it'} within the "
-                     f"{req.timeout:g} s deadline",
-                     hint="the sender is late, hung, or sends with another tag or to another rank: look at its "
-                          "log and stack (hpcring stacks JOB)")
-        else:
-            req.fail(f"{who} did not receive it within the {req.timeout:g} s deadline",
-                     hint="the receiver is late, hung, or receives with another tag: look at its log")
+            return (f"{'no rank sent it' if req.peer is None else who + ' did not send it'} within the "
+                    f"{req.timeout:g} s deadline",
+                    "the sender is late, hung, or sends with another tag or to another rank: look at its "
+                    "log and stack (hpcring stacks JOB)")
+        return (f"{who} did not receive it within the {req.timeout:g} s deadline",
+                "the receiver is late, hung, or receives with another tag: look at its log")
 
     def _p2p_abandon(self, req, mreq) -> None:
         """MPI cannot take back a started send: it is kept (with its buffer) as stuck; a receive is
@@ -122,6 +151,165 @@ class MpiPointToPoint:
 
     def _host_of(self, r: int) -> str:
         return self._hosts[r] if self._hosts and r < len(self._hosts) else "?"
+
+
+class MpiShortMessage(Handle):
+    """A message of the Communicator's short path on the MPI backend (as
+    :class:`hpcring.collectives.mailbox.ShortMessage` is on the ring): the MPI request and its
+    record, nothing more until asked. :meth:`wait` tests the request in the waiting thread
+    (without sleeping for ``CHECK_SPIN_S``, then with the poller's back-off) and keeps the
+    deadline itself; no Request, poller entry, deadline-keeper entry, event or lock per message.
+    :meth:`add_done_callback` (a torch future) hands it to the poller and the keeper, as the
+    general path's requests are, from then on. Same results, records and failures."""
+
+    short = True
+
+    def __init__(self, comm, backend, mreq, rec, kind: str, peer: int, tag: int, buf, timeout: float) -> None:
+        # no Handle.__init__: see the docstring
+        self._comm, self._be, self._mreq, self.record = comm, backend, mreq, rec
+        self.kind, self.peer, self.tag, self.buf, self.nbytes = kind, peer, tag, buf, buf.nbytes
+        self.timeout, self.deadline = timeout, time.monotonic() + timeout
+        self._tlock = threading.Lock()      # MPI: one thread tests a request at a time
+        self._watched = False               # in the poller and the keeper (add_done_callback)
+        self._state = 0                     # 0 pending, 1 being finished, 2 finished
+        self._result = self._error = self._event = self._callbacks = None
+        self._status = None
+        self.cuda_event = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {'to' if self.kind == SEND else 'from'} rank {self.peer} (tag {self.tag})"
+
+    @property
+    def finished(self) -> bool:            # the keeper's and the poller's question
+        return self._state != 0
+
+    # -- finishing (Request's API, as the poller and the keeper call it) -----------------------
+    def complete(self, source: int | None = None, error: BaseException | None = None, here: bool = False) -> bool:
+        with _CLAIM:
+            if self._state:
+                return False
+            self._state = 1
+        if error is None:
+            FlightRecorder.finish(self.record)
+            self._set(self.peer if source is None else source)
+        elif here:
+            self._set(error=self._failure(error))
+        else:   # the failure path may wait for the job-wide report: never on a transport thread
+            threading.Thread(target=lambda: self._set(error=self._failure(error)), daemon=True,
+                             name=f"hpcring-p2p-failure:{self._be._rank}").start()
+        return True
+
+    def fail(self, why: str, hint: str | None = None, here: bool = False) -> bool:
+        be = self._be
+        return self.complete(error=failure(be._rank, be._hosts or (), self.kind, self.peer, self.tag,
+                                           self.nbytes, why, hint), here=here)
+
+    def _failure(self, err: BaseException) -> BaseException:
+        FlightRecorder.finish(self.record, err)
+        return self._comm._failed(self.record, err)
+
+    def _set(self, result=None, error: BaseException | None = None) -> None:
+        with _CLAIM:
+            self._result, self._error, self._state = result, error, 2
+            callbacks, self._callbacks = self._callbacks, None
+            ev = self._event
+        if ev is not None:
+            ev.set()
+        for fn in callbacks or ():
+            self._call(fn)
+
+    def _test_here(self, status, here: bool) -> bool:
+        """Test once in this thread (never while the poller owns it); True once finished."""
+        if self._state == 2:
+            return True
+        with self._tlock:
+            if self._watched or self._state:
+                return self._state == 2
+            done, err = self._be._p2p_poller()._test(self._mreq, status)
+        if done:
+            self._finish(status, err, here)
+        return self._state == 2
+
+    def _finish(self, status, err, here: bool) -> None:
+        be, MPI = self._be, self._be._MPI
+        if err is not None:
+            self.fail(f"MPI error {err.Get_error_class()}: {err.Get_error_string()}",
+                      "a message larger than the receive (MPI_ERR_TRUNCATE) means the sizes differ", here=here)
+        elif self.kind == "recv" and status.Get_count(MPI.BYTE) != self.nbytes:
+            self.fail(f"rank {status.Get_source()} sent {status.Get_count(MPI.BYTE)} bytes but this receive "
+                      f"takes {self.nbytes}", "send and receive tensors of the same size and dtype", here=here)
+        else:
+            self.complete(status.Get_source() if self.kind == "recv" else None)
+        del be
+
+    def _expire(self) -> None:
+        """Past the deadline with nobody else testing it: abandoned (MPI cannot take back a started
+        send; a receive is cancelled) and failed in the general path's words."""
+        with self._tlock:
+            if self._watched or self._state:
+                return
+            self._be._p2p_abandon(self, self._mreq)
+        self.fail(*self._be._p2p_late(self), here=True)
+
+    # -- the Handle API -------------------------------------------------------------------------
+    def done(self) -> bool:
+        if self._state != 2 and not self._watched and self._mreq is not None:
+            self._test_here(self._be._MPI.Status(), here=False)
+        return self._state == 2
+
+    def wait(self, timeout: float | None = None):
+        t0 = time.monotonic()
+        end = None if timeout is None else t0 + timeout
+        if self._state != 2 and not self._watched and self._mreq is not None:
+            status = self._be._MPI.Status()
+            spin_end, delay = t0 + CHECK_SPIN_S, POLL_MIN_S
+            while not self._test_here(status, here=True) and not self._watched and not self._state:
+                now = time.monotonic()
+                if now >= self.deadline:
+                    self._expire()
+                    break
+                if end is not None and now >= end:
+                    break
+                if now > spin_end:
+                    time.sleep(min(delay, max(0.0, self.deadline - now), *(() if end is None else (end - now,))))
+                    delay = min(delay * 2, POLL_MAX_S)
+        if self._state != 2:                # watched (the poller finishes it), being finished, or `timeout`
+            with _CLAIM:
+                if self._state != 2 and self._event is None:
+                    self._event = threading.Event()
+                ev = self._event
+            now = time.monotonic()
+            limit = max(0.0, end - now) if end is not None else max(0.0, self.deadline - now) + 5.0
+            if self._state != 2 and not ev.wait(limit):
+                raise CollectiveError(f"{self.name} did not finish within {timeout or 0:.1f} s (still running)",
+                                      hint="the operation keeps its own deadline; wait again or raise it")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.done() else None
+
+    def add_done_callback(self, fn) -> None:
+        hand_over = False
+        with self._tlock:                   # no waiter tests it meanwhile
+            with _CLAIM:
+                if self._state != 2:
+                    if self._callbacks is None:
+                        self._callbacks = []
+                    self._callbacks.append(fn)
+                    fn = None
+                    hand_over = not self._watched and not self._state
+                    self._watched = self._watched or hand_over
+        if hand_over:                       # from now on as the general path's requests
+            self._be._p2p_poller().add(self, self._mreq)
+            KEEPER.watch(self, self._be._p2p_expired)
+        if fn is not None:
+            self._call(fn)
+
+
+_CLAIM = threading.Lock()      # who finishes an MpiShortMessage (held for a few assignments only)
 
 
 class _Poller:

@@ -40,9 +40,11 @@ class PointToPoint:
 
     def _p2p_short(self, kind: str, x, peer, tag, timeout: float | None):
         """The short path (ShortPath's rules, ``short_path = False`` turns it off): a message of one
-        C-contiguous numpy array or CPU torch tensor to or from a named rank on the ring backend
-        goes to the native queue as a :class:`~hpcring.collectives.mailbox.ShortMessage`: the same checks, record (same channel
-        and numbering), deadline and failure path as the general one, without its Request,
+        C-contiguous numpy array or CPU torch tensor to or from a named rank goes to the transport
+        as a short message (the ring: the native queue's
+        :class:`~hpcring.collectives.mailbox.ShortMessage`; MPI:
+        :class:`~hpcring.collectives.mpi_p2p.MpiShortMessage`): the same checks, record (same
+        channel and numbering), deadline and failure path as the general one, without its Request,
         DrivenHandle, callback and thread-safe events. Anything else: ``_GENERAL``."""
         if not self.short_path or self._ordered is not None:
             return _GENERAL
@@ -53,7 +55,9 @@ class PointToPoint:
         be = self.backend
         box = getattr(be, "_mailbox", _GENERAL)
         if box is _GENERAL:
-            return _GENERAL                 # not the ring (the mpi backend has its own requests)
+            box = be if hasattr(be, "post_short") else _GENERAL   # MPI: the backend posts it
+            if box is _GENERAL:
+                return _GENERAL             # NCCL: stream-ordered, no short path
         if type(x) is np.ndarray:
             host = x
         else:
