@@ -76,6 +76,7 @@ typedef struct hr_p2p_req {
     unsigned char hdr[HR_P2P_OFFER_HDR];
     size_t hdrlen;              /* HR_P2P_HDR, or HR_P2P_OFFER_HDR for an offer */
     int direct, awaiting;       /* send: offered for a direct read; written, awaiting the token */
+    int acked;                  /* its token came while its writer had not yet taken the mutex back */
     uint64_t token;
     double deadline, timeout;
     int state, failed, hint, source;
@@ -239,7 +240,8 @@ int hr_p2p_reads_here(hr_p2p_t *b, int peer);
 /* ---- p2p_direct.c ---- */
 /* Make r (a send not yet started, to a peer with direct_out) an offer if it is large enough. */
 void hr_p2p_offer(hr_p2p_t *b, hr_p2p_peer_t *p, hr_p2p_req_t *r);
-/* The offer r was written: it waits for its token (b->mu held). */
+/* The offer r was written: it waits for its token (b->mu held); failed at once when the pair
+ * failed meanwhile (fail_peer ran while r was the head being written, so it was left to us). */
 void hr_p2p_offered(hr_p2p_t *b, int peer, hr_p2p_req_t *r);
 /* The reading thread of peer's connection copies the offered bytes still missing into p->rdst
  * (b->mu held; released during the copy). A failed copy fails the pair. */

@@ -77,12 +77,20 @@ void hr_p2p_offer(hr_p2p_t *b, hr_p2p_peer_t *p, hr_p2p_req_t *r) {
 
 void hr_p2p_offered(hr_p2p_t *b, int peer, hr_p2p_req_t *r) {
     hr_p2p_peer_t *p = &b->peers[peer];
+    b->direct_sent++;
+    if (r->acked) {             /* read already: the token overtook this thread's return */
+        hr_p2p_complete(b, r, peer);
+        return;
+    }
+    if (p->err) {               /* the pair failed while the offer was written: no token will come */
+        hr_p2p_fail(b, r, p->err_hint, "%s", p->err);
+        return;
+    }
     r->awaiting = 1;
     r->next = NULL;
     if (p->aw_tail) p->aw_tail->next = r;
     else p->aw_head = r;
     p->aw_tail = r;
-    b->direct_sent++;
     hr_p2p_arm(b, peer);        /* the progress thread watches for the token */
 }
 
@@ -181,6 +189,13 @@ static void drain_acks(hr_p2p_t *b, int peer) {
         for (i = 0; i + 8 <= have; i += 8) {
             uint64_t token = get64(buf + i);
             hr_p2p_req_t *r = take_awaiting(p, token);
+            if (!r && p->writing && p->sq_head && p->sq_head->direct && p->sq_head->token == token &&
+                !p->sq_head->acked) {
+                /* the offer being written: its last bytes went out, the receiver read the message
+                 * and answered before the writer took the mutex back (hr_p2p_offered completes it) */
+                p->sq_head->acked = 1;
+                continue;
+            }
             if (!r) {
                 hr_p2p_who(b, peer, who, sizeof who);
                 snprintf(why, sizeof why, "%s acknowledged a message this rank never offered (token "
