@@ -31,11 +31,8 @@ INNER = 10
 
 
 def parse_sizes(text: str) -> list[int]:
-    out = []
-    for x in filter(None, text.split(",")):
-        unit = {"K": 10, "M": 20, "G": 30}.get(x[-1].upper())
-        out.append(int(float(x[:-1]) * (1 << unit)) if unit else int(x))
-    return out
+    from hpcring.bench.options import parse_size
+    return [parse_size(x, "--sizes") for x in text.split(",") if x]
 
 
 def direct_counts() -> str:

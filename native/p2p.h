@@ -254,7 +254,5 @@ void hr_p2p_read_acks(hr_p2p_t *b, int peer);
 /* A thread waiting for r (an offer written) reads the tokens itself until r is done, the
  * deadline, r's own deadline or a failure (b->mu held). 0 when another thread reads them now. */
 int hr_p2p_ack_for(hr_p2p_t *b, hr_p2p_req_t *r, double deadline);
-/* Copy n bytes at src in process pid into dst: 0, or -1 with errno. */
-int hr_p2p_peek(int pid, void *dst, uint64_t src, size_t n);
 
 #endif

@@ -30,6 +30,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "transport_shm.h"   /* hr_vm_read */
 #include "transport_tcp.h"   /* hr_now */
 
 static void put64(unsigned char *p, uint64_t v) {
@@ -40,27 +41,6 @@ static uint64_t get64(const unsigned char *p) {
     uint64_t v = 0;
     for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
     return v;
-}
-
-int hr_p2p_peek(int pid, void *dst, uint64_t src, size_t n) {
-    unsigned char *d = dst;
-    if (pid <= 0) {
-        errno = ESRCH;
-        return -1;
-    }
-    while (n) {
-        struct iovec lo = {d, n}, re = {(void *)(uintptr_t)src, n};
-        ssize_t got = process_vm_readv(pid, &lo, 1, &re, 1, 0);
-        if (got < 0 && errno == EINTR) continue;
-        if (got <= 0) {
-            if (got == 0) errno = EFAULT;
-            return -1;
-        }
-        d += got;               /* a partial copy stops at a page it could not pin: go on */
-        src += (uint64_t)got;
-        n -= (size_t)got;
-    }
-    return 0;
 }
 
 void hr_p2p_offer(hr_p2p_t *b, hr_p2p_peer_t *p, hr_p2p_req_t *r) {
@@ -101,7 +81,7 @@ void hr_p2p_direct_read(hr_p2p_t *b, int peer) {
     unsigned char *dst = p->rdst;
     int pid = p->pid, rc, e;
     hr_p2p_unlock(b);
-    rc = hr_p2p_peek(pid, dst, src, n);
+    rc = hr_vm_read(pid, dst, src, n);
     e = errno;
     pthread_mutex_lock(&b->mu);
     if (rc == 0) got = n;

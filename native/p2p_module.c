@@ -25,6 +25,7 @@
 #include <Python.h>
 
 #include "p2p.h"
+#include "transport_shm.h"   /* hr_vm_read */
 #include "transport_tcp.h"
 
 /* A request whose P2PReq was freed before it was done: its buffer stays held until it is. */
@@ -382,7 +383,7 @@ static PyObject *p2p_peek(PyObject *mod, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = hr_p2p_peek(pid, buf, (uint64_t)addr, (size_t)n);
+    rc = hr_vm_read(pid, buf, (uint64_t)addr, (size_t)n);
     e = errno;
     Py_END_ALLOW_THREADS
     if (rc != 0) {

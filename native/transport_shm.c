@@ -205,8 +205,15 @@ int hr_shm_cma_probe(const hr_shm_t *s, int *err) {
 }
 
 int hr_shm_cma_read(const hr_shm_t *s, int l, void *dst, uint64_t src, size_t n) {
-    pid_t pid = (pid_t)__atomic_load_n(&hr_shm_cell(s, l)->pid, __ATOMIC_ACQUIRE);
+    return hr_vm_read((int)__atomic_load_n(&hr_shm_cell(s, l)->pid, __ATOMIC_ACQUIRE), dst, src, n);
+}
+
+int hr_vm_read(int pid, void *dst, uint64_t src, size_t n) {
     unsigned char *d = dst;
+    if (pid <= 0) {
+        errno = ESRCH;
+        return -1;
+    }
     while (n) {
         struct iovec lo = {d, n}, re = {(void *)(uintptr_t)src, n};
         ssize_t got = process_vm_readv(pid, &lo, 1, &re, 1, 0);

@@ -132,6 +132,9 @@ int hr_shm_cma_probe(const hr_shm_t *s, int *err);
 /* Read n bytes at src in local peer l's memory into dst (process_vm_readv, partial transfers
  * continued). Returns 0, or -1 with errno set (ESRCH: the peer is gone). */
 int hr_shm_cma_read(const hr_shm_t *s, int l, void *dst, uint64_t src, size_t n);
+/* Copy n bytes at src in process pid into dst (process_vm_readv, partial copies continued): 0, or
+ * -1 with errno (ESRCH: no such process, EFAULT: not mapped there, EPERM: not allowed). */
+int hr_vm_read(int pid, void *dst, uint64_t src, size_t n);
 
 /* Tell the local peers that this rank failed on its own (it did not die). */
 void hr_shm_set_failed(hr_shm_t *s);

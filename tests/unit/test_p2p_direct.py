@@ -28,20 +28,7 @@ F_DIRECT = 1 << 63
 OFFER = struct.Struct(">qQQQ")      # tag, length | F_DIRECT, address, token
 PID = os.getpid()
 
-_ids = iter(range(1, 1 << 30))
-
-
-def send(box, x, peer, tag=0, timeout=10.0):
-    return box.isend(next(_ids), np.ascontiguousarray(x).view(np.uint8), peer, tag, timeout)
-
-
-def recv(box, y, peer, tag=0, timeout=10.0):
-    return box.irecv(next(_ids), y.view(np.uint8), peer, tag, timeout)
-
-
-def done(req, timeout=10.0):
-    assert req.wait(timeout), "not done in time"
-    return req.result()
+from helpers.p2p_native import done, recv, send  # noqa: E402
 
 
 def _boxes(n: int, direct_min: int = 1 << 10):

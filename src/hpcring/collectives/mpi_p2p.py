@@ -232,7 +232,7 @@ class MpiShortMessage(Handle):
         return self._state == 2
 
     def _finish(self, status, err, here: bool) -> None:
-        be, MPI = self._be, self._be._MPI
+        MPI = self._be._MPI
         if err is not None:
             self.fail(f"MPI error {err.Get_error_class()}: {err.Get_error_string()}",
                       "a message larger than the receive (MPI_ERR_TRUNCATE) means the sizes differ", here=here)
@@ -241,7 +241,6 @@ class MpiShortMessage(Handle):
                       f"takes {self.nbytes}", "send and receive tensors of the same size and dtype", here=here)
         else:
             self.complete(status.Get_source() if self.kind == "recv" else None)
-        del be
 
     def _expire(self) -> None:
         """Past the deadline with nobody else testing it: abandoned (MPI cannot take back a started
