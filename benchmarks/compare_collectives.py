@@ -5,6 +5,7 @@ with 2/4/8 ranks and on the dev cluster, in nccl-tests' columns, with the ratios
     python benchmarks/compare_collectives.py --skip cluster           # one host only
     python benchmarks/compare_collectives.py --skip onehost --nodes 3 # dev cluster only
     python benchmarks/compare_collectives.py --one-host-ranks 2 --collectives allgather,alltoall --sizes 4K,64K
+    python benchmarks/compare_collectives.py --skip cluster --rounds 5  # the median of 5 alternating rounds
 
 Collectives: allreduce, allgather, reduce_scatter, broadcast, alltoall (float32, sum where it
 reduces, root 0) and barrier; sizes 4 KiB, 64 KiB, 1 MiB, 16 MiB, 64 MiB (--sizes). Every
@@ -26,7 +27,10 @@ timed loops (/proc/stat, coarse for short loops).
     ``barrier`` under ``hpcring run`` (env://). A call this torch's Gloo lacks is emulated and
     its table says how.
 
-Ratios: the other's time / the ring's (> 1: the ring is faster), per collective and size. The
+Ratios: the other's time / the ring's (> 1: the ring is faster), per collective and size.
+``--rounds N`` runs the three implementations in turn N times (ring, Open MPI, Gloo, ring, ...) and
+keeps each point's median time (the JSON keeps every round's): a host whose speed drifts for
+minutes (the 2-core VM's slow mode) then moves all three alike instead of one. The
 machinery (launching, the dev cluster's settings, CPU sampling) is compare_devcluster.py's.
 """
 from __future__ import annotations
@@ -362,6 +366,27 @@ def markdown(layouts, collectives: list[str]) -> list[str]:
     return out
 
 
+def merge_rounds(rounds: list[dict[str, list[dict]]]) -> dict[str, list[dict]]:
+    """One row per implementation and point from several rounds' results: the median time (every
+    round's kept in ``times``), the wrong elements summed; rows in the first round's order."""
+    out: dict[str, list[dict]] = {}
+    for impl in dict.fromkeys(i for res in rounds for i in res):
+        seen: dict[tuple, dict] = {}
+        for res in rounds:
+            for r in res.get(impl, []):
+                key = (r["collective"], _nominal(r))
+                m = seen.get(key)
+                if m is None:
+                    seen[key] = dict(r, times=[r["time"]])
+                else:
+                    m["times"].append(r["time"])
+                    m["wrong"] += r["wrong"]
+        for m in seen.values():
+            m["time"] = statistics.median(m["times"])
+        out[impl] = list(seen.values())
+    return out
+
+
 def _nominal(r: dict) -> int:
     """The size asked for (the table's size is rounded down to a multiple of the ranks)."""
     return r.get("nominal", r["size"])
@@ -387,6 +412,8 @@ def main() -> int:
     ap.add_argument("--collectives", default=list(COLLECTIVES),
                     type=lambda t: [c for c in t.split(",") if c])
     ap.add_argument("--sizes", default=SIZES, type=parse_sizes, help="e.g. 4K,64K,1M,16M,64M")
+    ap.add_argument("--rounds", type=int, default=1, help="run the implementations in turn this many times; "
+                    "each point's median is kept")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--markdown", action="store_true", help="also print one Markdown table per collective")
     ap.add_argument("--from-json", default=None, help=argparse.SUPPRESS)   # reprint a --json file
@@ -395,6 +422,8 @@ def main() -> int:
     bad = [c for c in args.collectives if c not in COLLECTIVES]
     if bad:
         ap.error(f"unknown collective(s) {', '.join(bad)}; choose from {', '.join(COLLECTIVES)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.worker:
         worker(args.worker, args.collectives, args.sizes, args.quick)
         return 0
@@ -409,8 +438,17 @@ def main() -> int:
         hosts1 = {int(k): v for k, v in saved["one_host"].items()}
         dev = saved["dev_cluster"]
     else:
-        hosts1 = {} if "onehost" in skip else one_host(args)
-        dev = {} if "cluster" in skip else cluster(args)
+        hosts1, dev = {}, {}
+        rounds1, rounds_dev = [], []
+        for _ in range(args.rounds):      # in turn: a drift of the host's speed hits all three alike
+            if "onehost" not in skip:
+                rounds1.append(one_host(args))
+            if "cluster" not in skip:
+                rounds_dev.append(cluster(args))
+        if rounds1:
+            hosts1 = {n: merge_rounds([r[n] for r in rounds1]) for n in rounds1[0]}
+        if rounds_dev:
+            dev = merge_rounds(rounds_dev)
     n_dev = args.nodes * args.per_node
     layouts = [(f"1 host x {n1}", res, n1) for n1, res in hosts1.items()]
     if dev:
@@ -427,6 +465,8 @@ def main() -> int:
                     print(line)
     for layout, res, n in layouts:
         print()
+        if args.rounds > 1:
+            print(f"# {layout}: the median of {args.rounds} rounds, the implementations in turn")
         for line in ratio_table(layout, res, args.collectives):
             print(line)
     if args.markdown:
@@ -438,7 +478,8 @@ def main() -> int:
     if args.json and not args.from_json:
         Path(args.json).write_text(json.dumps({"one_host": {str(k): v for k, v in hosts1.items()}, "dev_cluster": dev,
                                                "nodes": args.nodes, "per_node": args.per_node,
-                                               "sizes": args.sizes, "quick": args.quick}, indent=1))
+                                               "sizes": args.sizes, "quick": args.quick, "rounds": args.rounds},
+                                              indent=1))
     return 1 if wrong else 0
 
 

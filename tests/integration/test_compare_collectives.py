@@ -43,3 +43,22 @@ def test_one_host_two_ranks_every_implementation_checked(tmp_path):
     assert cells[1:3] == ["4", "KiB"] and cells[-1].endswith("x") and cells[-2].endswith("x"), line
     assert "| 1 host x 2 | 4 KiB |" in r.stdout and "**barrier**" in r.stdout
     assert "# wrong elements in all runs: 0" in r.stdout
+
+
+def test_rounds_merge_to_each_points_median_with_every_round_kept():
+    spec = importlib.util.spec_from_file_location("compare_collectives", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def row(coll, size, t, wrong=0):
+        return {"collective": coll, "size": size, "nominal": size, "time": t, "wrong": wrong}
+    rounds = [{"hpcring ring": [row("alltoall", 4096, 3.0), row("barrier", 0, 1.0)], "torch gloo": [row("alltoall", 4096, 9.0)]},
+              {"hpcring ring": [row("alltoall", 4096, 1.0, 2), row("barrier", 0, 5.0)], "torch gloo": [row("alltoall", 4096, 7.0)]},
+              {"hpcring ring": [row("alltoall", 4096, 2.0), row("barrier", 0, 2.0)]}]
+    got = mod.merge_rounds(rounds)
+    assert list(got) == ["hpcring ring", "torch gloo"]
+    a2a, bar = got["hpcring ring"]
+    assert (a2a["collective"], a2a["time"], a2a["times"], a2a["wrong"]) == ("alltoall", 2.0, [3.0, 1.0, 2.0], 2)
+    assert (bar["time"], bar["times"]) == (2.0, [1.0, 5.0, 2.0])
+    assert got["torch gloo"][0]["time"] == 8.0 and got["torch gloo"][0]["times"] == [9.0, 7.0]
+    assert rounds[0]["hpcring ring"][0]["time"] == 3.0            # the rounds' own rows untouched
