@@ -42,8 +42,7 @@ import time
 
 from hpcring import _native
 from hpcring.collectives.handshake import authenticate_connector, authenticate_listener, handshake_timeout
-from hpcring.collectives.engine import Handle
-from hpcring.collectives.p2p import RECV, SEND, Request, failure
+from hpcring.collectives.p2p import RECV, SEND, SHORT_CLAIM, Request, ShortHandle, failure
 from hpcring.collectives.recorder import FlightRecorder
 from hpcring.config import envvars
 from hpcring.errors import CollectiveError
@@ -104,18 +103,13 @@ class NativeRequest(Request):
         return super().wait(timeout)
 
 
-_CLAIM = threading.Lock()      # who finishes a ShortMessage (held for a few assignments only)
-
-
-class ShortMessage(Handle):
+class ShortMessage(ShortHandle):
     """A message of the Communicator's short path: the native request and its record, nothing
     more until asked. :meth:`wait` blocks in C and finishes the message in the waiting thread
     (record, result or the watchdog's failure path); the Handle's event, callbacks and the
     notifier's bookkeeping come only with :meth:`add_done_callback` (a torch future), so a
     message nobody watches costs no lock, event or dict entry. Same results, records and
     failures as the general path's DrivenHandle over a NativeRequest."""
-
-    short = True
 
     def __init__(self, comm, box: "Mailbox", native, nid: int, rec, kind: str, peer: int, tag: int,
                  nbytes: int, timeout: float) -> None:     # no Handle.__init__: see the docstring
@@ -124,18 +118,11 @@ class ShortMessage(Handle):
         self.deadline = time.monotonic() + timeout
         self._state = 0                 # 0 pending, 1 being finished (claimed), 2 finished
         self._result = self._error = self._event = self._callbacks = None
-        self.cuda_event = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind} {'to' if self.kind == SEND else 'from'} rank {self.peer} (tag {self.tag})"
 
     # -- finishing: the first thread to claim it (waiter, notifier, done()) ---------------------
     def _finish(self, res, here: bool) -> None:
-        with _CLAIM:
-            if self._state:
-                return
-            self._state = 1
+        if not self._claim():
+            return
         failed, source, why, hint = res
         if not failed:
             FlightRecorder.finish(self.record)
@@ -152,17 +139,8 @@ class ShortMessage(Handle):
         FlightRecorder.finish(self.record, err)
         return self._comm._failed(self.record, err)
 
-    def _set(self, result=None, error: BaseException | None = None) -> None:
-        with _CLAIM:
-            self._result, self._error, self._state = result, error, 2
-            callbacks, self._callbacks = self._callbacks, None
-            ev = self._event
-        if ev is not None:
-            ev.set()
-        if callbacks is not None:
-            self._mbox._pending.pop(self.id, None)
-            for fn in callbacks:
-                self._call(fn)
+    def _watchers_done(self) -> None:
+        self._mbox._pending.pop(self.id, None)      # the notifier has nothing more to settle
 
     def settle(self) -> bool:
         """The notifier's (and close's) call for a watched message: finish it when done."""
@@ -195,23 +173,16 @@ class ShortMessage(Handle):
                     res = n.result()
             if res is not None:
                 self._finish(res, here=True)
-            if self._state != 2:            # pending after `timeout`, or another thread finishing it
-                with _CLAIM:
-                    if self._state == 1 and self._event is None:
-                        self._event = threading.Event()
-                    ev = self._event
-                if self._state != 2 and (ev is None or not ev.wait(timeout)):
-                    raise CollectiveError(f"{self.name} did not finish within {timeout or 0:.1f} s (still running)",
-                                          hint="the operation keeps its own deadline; wait again or raise it")
+            if self._state == 0:            # still pending after `timeout`
+                raise CollectiveError(f"{self.name} did not finish within {timeout or 0:.1f} s (still running)",
+                                      hint="the operation keeps its own deadline; wait again or raise it")
+            self._wait_finished(timeout, timeout)   # another thread is finishing it
         if self._error is not None:
             raise self._error
         return self._result
 
-    def exception(self) -> BaseException | None:
-        return self._error if self.done() else None
-
     def add_done_callback(self, fn) -> None:
-        with _CLAIM:
+        with SHORT_CLAIM:
             if self._state != 2:
                 if self._callbacks is None:
                     self._callbacks = []

@@ -5,10 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
-from hpcring.errors import CollectiveError, UsageError
-from hpcring.collectives.engine import Handle
+from hpcring.errors import UsageError
 from hpcring.collectives.mpi_check import CHECK_SPIN_S
-from hpcring.collectives.p2p import KEEPER, SEND, Request, failure
+from hpcring.collectives.p2p import KEEPER, SEND, SHORT_CLAIM, Request, ShortHandle, failure
 from hpcring.collectives.recorder import FlightRecorder
 
 POLL_MIN_S, POLL_MAX_S = 50e-6, 2e-3      # the sleeps between tests while nothing completes
@@ -153,7 +152,7 @@ class MpiPointToPoint:
         return self._hosts[r] if self._hosts and r < len(self._hosts) else "?"
 
 
-class MpiShortMessage(Handle):
+class MpiShortMessage(ShortHandle):
     """A message of the Communicator's short path on the MPI backend (as
     :class:`hpcring.collectives.mailbox.ShortMessage` is on the ring): the MPI request and its
     record, nothing more until asked. :meth:`wait` tests the request in the waiting thread
@@ -162,10 +161,8 @@ class MpiShortMessage(Handle):
     :meth:`add_done_callback` (a torch future) hands it to the poller and the keeper, as the
     general path's requests are, from then on. Same results, records and failures."""
 
-    short = True
-
     def __init__(self, comm, backend, mreq, rec, kind: str, peer: int, tag: int, buf, timeout: float) -> None:
-        # no Handle.__init__: see the docstring
+        # no Handle.__init__: see ShortHandle
         self._comm, self._be, self._mreq, self.record = comm, backend, mreq, rec
         self.kind, self.peer, self.tag, self.buf, self.nbytes = kind, peer, tag, buf, buf.nbytes
         self.timeout, self.deadline = timeout, time.monotonic() + timeout
@@ -173,12 +170,6 @@ class MpiShortMessage(Handle):
         self._watched = False               # in the poller and the keeper (add_done_callback)
         self._state = 0                     # 0 pending, 1 being finished, 2 finished
         self._result = self._error = self._event = self._callbacks = None
-        self._status = None
-        self.cuda_event = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind} {'to' if self.kind == SEND else 'from'} rank {self.peer} (tag {self.tag})"
 
     @property
     def finished(self) -> bool:            # the keeper's and the poller's question
@@ -186,10 +177,8 @@ class MpiShortMessage(Handle):
 
     # -- finishing (Request's API, as the poller and the keeper call it) -----------------------
     def complete(self, source: int | None = None, error: BaseException | None = None, here: bool = False) -> bool:
-        with _CLAIM:
-            if self._state:
-                return False
-            self._state = 1
+        if not self._claim():
+            return False
         if error is None:
             FlightRecorder.finish(self.record)
             self._set(self.peer if source is None else source)
@@ -208,16 +197,6 @@ class MpiShortMessage(Handle):
     def _failure(self, err: BaseException) -> BaseException:
         FlightRecorder.finish(self.record, err)
         return self._comm._failed(self.record, err)
-
-    def _set(self, result=None, error: BaseException | None = None) -> None:
-        with _CLAIM:
-            self._result, self._error, self._state = result, error, 2
-            callbacks, self._callbacks = self._callbacks, None
-            ev = self._event
-        if ev is not None:
-            ev.set()
-        for fn in callbacks or ():
-            self._call(fn)
 
     def _test_here(self, status, here: bool) -> bool:
         """Test once in this thread (never while the poller owns it); True once finished."""
@@ -274,26 +253,17 @@ class MpiShortMessage(Handle):
                     time.sleep(min(delay, max(0.0, self.deadline - now), *(() if end is None else (end - now,))))
                     delay = min(delay * 2, POLL_MAX_S)
         if self._state != 2:                # watched (the poller finishes it), being finished, or `timeout`
-            with _CLAIM:
-                if self._state != 2 and self._event is None:
-                    self._event = threading.Event()
-                ev = self._event
             now = time.monotonic()
-            limit = max(0.0, end - now) if end is not None else max(0.0, self.deadline - now) + 5.0
-            if self._state != 2 and not ev.wait(limit):
-                raise CollectiveError(f"{self.name} did not finish within {timeout or 0:.1f} s (still running)",
-                                      hint="the operation keeps its own deadline; wait again or raise it")
+            self._wait_finished(max(0.0, end - now) if end is not None else max(0.0, self.deadline - now) + 5.0,
+                                timeout)
         if self._error is not None:
             raise self._error
         return self._result
 
-    def exception(self) -> BaseException | None:
-        return self._error if self.done() else None
-
     def add_done_callback(self, fn) -> None:
         hand_over = False
         with self._tlock:                   # no waiter tests it meanwhile
-            with _CLAIM:
+            with SHORT_CLAIM:
                 if self._state != 2:
                     if self._callbacks is None:
                         self._callbacks = []
@@ -306,9 +276,6 @@ class MpiShortMessage(Handle):
             KEEPER.watch(self, self._be._p2p_expired)
         if fn is not None:
             self._call(fn)
-
-
-_CLAIM = threading.Lock()      # who finishes an MpiShortMessage (held for a few assignments only)
 
 
 class _Poller:

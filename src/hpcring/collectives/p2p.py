@@ -128,6 +128,63 @@ class Request(Handle):
         overrides this: hpcring.collectives.mailbox); the base one leaves it to the transport."""
 
 
+SHORT_CLAIM = threading.Lock()   # who finishes a ShortHandle (held for a few assignments only)
+
+
+class ShortHandle(Handle):
+    """What the transports' short messages share (the ring's mailbox.ShortMessage, MPI's
+    mpi_p2p.MpiShortMessage): a Handle built without Handle.__init__, so a message nobody watches
+    costs no event, lock or list; finished once (``_state`` 0 pending, 1 being finished, 2
+    finished) under one process-wide lock held for a few assignments. A subclass's ``__init__``
+    sets kind, peer, tag, ``_state = 0`` and ``_result = _error = _event = _callbacks = None``."""
+
+    short = True
+    cuda_event = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {'to' if self.kind == SEND else 'from'} rank {self.peer} (tag {self.tag})"
+
+    def _claim(self) -> bool:
+        """True for the one caller that finishes the message."""
+        with SHORT_CLAIM:
+            if self._state:
+                return False
+            self._state = 1
+            return True
+
+    def _set(self, result=None, error: BaseException | None = None) -> None:
+        with SHORT_CLAIM:
+            self._result, self._error, self._state = result, error, 2
+            callbacks, self._callbacks = self._callbacks, None
+            ev = self._event
+        if ev is not None:
+            ev.set()
+        if callbacks is not None:
+            self._watchers_done()
+            for fn in callbacks:
+                self._call(fn)
+
+    def _watchers_done(self) -> None:
+        """Hook: the message had callbacks, all about to run (the mailbox forgets it)."""
+
+    def _wait_finished(self, limit: float, timeout: float | None) -> None:
+        """Wait up to ``limit`` s for another thread to finish it; CollectiveError naming the
+        caller's ``timeout`` if it does not."""
+        if self._state == 2:
+            return
+        with SHORT_CLAIM:
+            if self._state != 2 and self._event is None:
+                self._event = threading.Event()
+            ev = self._event
+        if self._state != 2 and not ev.wait(limit):
+            raise CollectiveError(f"{self.name} did not finish within {timeout or 0:.1f} s (still running)",
+                                  hint="the operation keeps its own deadline; wait again or raise it")
+
+    def exception(self) -> BaseException | None:
+        return self._error if self.done() else None
+
+
 class Keeper:
     """One thread for the whole process: fails each request whose deadline passed (through
     ``on_expire(request)`` of its transport, which words the error), at the deadline itself."""
