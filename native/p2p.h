@@ -157,6 +157,16 @@ typedef struct hr_p2p {
     uint64_t direct_sent, direct_read;   /* counts, for tests and describe() */
 } hr_p2p_t;
 
+/* The wire's big-endian 64-bit fields (frame headers, offers, tokens). */
+static inline void hr_p2p_put64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (56 - 8 * i));
+}
+static inline uint64_t hr_p2p_get64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return v;
+}
+
 /* ---- p2p_queue.c ---- */
 /* Set up a box for rank of size ranks (hosts copied, for messages). 0, or -1 with err. */
 int hr_p2p_init(hr_p2p_t *b, int rank, int size, const char *const *hosts, char *err, size_t errlen);

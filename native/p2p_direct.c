@@ -33,25 +33,15 @@
 #include "transport_shm.h"   /* hr_vm_read */
 #include "transport_tcp.h"   /* hr_now */
 
-static void put64(unsigned char *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (56 - 8 * i));
-}
-
-static uint64_t get64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
-    return v;
-}
-
 void hr_p2p_offer(hr_p2p_t *b, hr_p2p_peer_t *p, hr_p2p_req_t *r) {
     if (!p->direct_out || r->direct || r->moved || r->nbytes == 0 || r->nbytes < b->direct_min ||
         (uint64_t)r->nbytes >= HR_P2P_F_DIRECT)
         return;
     r->direct = 1;
     r->token = ++p->token_seq;
-    put64(r->hdr + 8, (uint64_t)r->nbytes | HR_P2P_F_DIRECT);
-    put64(r->hdr + 16, (uint64_t)(uintptr_t)r->buf);
-    put64(r->hdr + 24, r->token);
+    hr_p2p_put64(r->hdr + 8, (uint64_t)r->nbytes | HR_P2P_F_DIRECT);
+    hr_p2p_put64(r->hdr + 16, (uint64_t)(uintptr_t)r->buf);
+    hr_p2p_put64(r->hdr + 24, r->token);
     r->hdrlen = HR_P2P_OFFER_HDR;
 }
 
@@ -106,7 +96,7 @@ int hr_p2p_direct_ack(hr_p2p_t *b, int peer) {
     hr_p2p_peer_t *p = &b->peers[peer];
     unsigned char tok[8];
     ssize_t k;
-    put64(tok, p->rtoken);
+    hr_p2p_put64(tok, p->rtoken);
     p->rdirect = 0;
     b->direct_read++;
     /* 8 bytes on a socket nobody else writes in this direction: all or nothing, never blocks
@@ -167,7 +157,7 @@ static void drain_acks(hr_p2p_t *b, int peer) {
         if (k < 0) break;                   /* drained */
         have += (size_t)k;
         for (i = 0; i + 8 <= have; i += 8) {
-            uint64_t token = get64(buf + i);
+            uint64_t token = hr_p2p_get64(buf + i);
             hr_p2p_req_t *r = take_awaiting(p, token);
             if (!r && p->writing && p->sq_head && p->sq_head->direct && p->sq_head->token == token &&
                 !p->sq_head->acked) {

@@ -97,10 +97,8 @@ hr_p2p_req_t *hr_p2p_req_new(int kind, uint64_t id, void *buf, size_t nbytes, in
     r->source = -1;
     r->refs = 1;
     r->hdrlen = HR_P2P_HDR;
-    for (int i = 0; i < 8; i++) {           /* the frame header, big-endian */
-        r->hdr[i] = (unsigned char)((uint64_t)tag >> (56 - 8 * i));
-        r->hdr[8 + i] = (unsigned char)((uint64_t)nbytes >> (56 - 8 * i));
-    }
+    hr_p2p_put64(r->hdr, (uint64_t)tag);    /* the frame header */
+    hr_p2p_put64(r->hdr + 8, (uint64_t)nbytes);
     return r;
 }
 

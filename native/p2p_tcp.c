@@ -22,12 +22,6 @@
 
 #include "transport_tcp.h"   /* hr_now */
 
-static uint64_t be64(const unsigned char *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
-    return v;
-}
-
 /* Register fd for the events in want (0: not at all); *reg holds what is registered now. */
 static void ep_set(hr_p2p_t *b, int fd, uint32_t tag, uint32_t want, int *reg) {
     struct epoll_event ev;
@@ -207,14 +201,14 @@ static void read_peer(hr_p2p_t *b, int peer) {
         }
         if (!p->in_frame) {
             size_t have = p->ilen - p->ipos;
-            uint64_t rn = have >= HR_P2P_HDR ? be64(p->ibuf + p->ipos + 8) : 0;
+            uint64_t rn = have >= HR_P2P_HDR ? hr_p2p_get64(p->ibuf + p->ipos + 8) : 0;
             if (have >= HR_P2P_OFFER_HDR || (have >= HR_P2P_HDR && !(rn & HR_P2P_F_DIRECT))) {
-                p->rtag = (int64_t)be64(p->ibuf + p->ipos);
+                p->rtag = (int64_t)hr_p2p_get64(p->ibuf + p->ipos);
                 p->rn = rn & ~HR_P2P_F_DIRECT;
                 p->rdirect = (rn & HR_P2P_F_DIRECT) != 0;
                 if (p->rdirect) {            /* an offer: the bytes are in the sender's memory */
-                    p->raddr = be64(p->ibuf + p->ipos + 16);
-                    p->rtoken = be64(p->ibuf + p->ipos + 24);
+                    p->raddr = hr_p2p_get64(p->ibuf + p->ipos + 16);
+                    p->rtoken = hr_p2p_get64(p->ibuf + p->ipos + 24);
                 }
                 p->ipos += p->rdirect ? HR_P2P_OFFER_HDR : HR_P2P_HDR;
                 begin_frame(b, peer);
