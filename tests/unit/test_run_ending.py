@@ -89,6 +89,56 @@ def test_peers_of_a_requeued_run_exit_quietly(tmp_path, state, restarts, quiet):
         assert "not a collective failure" not in r.stderr
 
 
+_STORE_GONE = r"""
+import os, sys, time, types
+from hpcring.bootstrap.store_server import StoreServer
+from hpcring.diagnostics.watchdog import Watchdog
+from hpcring.collectives.recorder import FlightRecorder
+SECRET = b"w" * 32
+HOSTS = ("nodeA", "nodeB", "nodeC")
+srv = StoreServer("127.0.0.1", 0, secret=SECRET)
+dogs = []
+for r in (1, 2):
+    topo = types.SimpleNamespace(rank=r, size=3, host=HOSTS[r], hosts=HOSTS, interface="eth0")
+    dogs.append(Watchdog(topo, ("127.0.0.1", srv.port), SECRET, grace=2.0, abort=True).start())
+srv.close()                  # rank 0 left (it ran `scontrol requeue` and returned): its store went with it
+rec = FlightRecorder(1, 3, "ring", capacity=8).queue("allreduce", "float32", 8, None, 5.0, site="t.py:1")
+dogs[0].trigger("allreduce#8 recv from rank 0 (nodeA) failed: recvmsg(): Connection reset by peer", rec.to_dict())
+time.sleep(30)
+print("NOT EXITED")
+"""
+
+
+@pytest.mark.parametrize("state,restarts,quiet", [("COMPLETING", 1, True), ("PENDING", 1, True),
+                                                  ("CANCELLED", 0, True), ("RUNNING", 0, False)])
+def test_a_rank_whose_store_left_with_rank_0_asks_before_it_reports(tmp_path, state, restarts, quiet):
+    """Rank 0 requeued its own job and returned: its store is gone, so no root claims the trigger
+    or asks Slurm; the rank that saw the reset asks itself (once) before its own-view report."""
+    log = tmp_path / "scontrol.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_JOB_DIR=str(tmp_path), HPCRING_JOB_ID="78",
+               SLURM_JOB_ID="78", SLURM_RESTART_COUNT="0", HPCRING_END_JOB="0",
+               **fake_scontrol(tmp_path, state, restarts))
+    wrapper = tmp_path / "bin" / "scontrol"
+    real = tmp_path / "bin" / "scontrol.real"
+    wrapper.rename(real)
+    wrapper.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\nexec {real} \"$@\"\n")
+    wrapper.chmod(0o755)
+    r = subprocess.run([sys.executable, "-c", _STORE_GONE], capture_output=True, text=True, timeout=90, env=env)
+    assert "NOT EXITED" not in r.stdout
+    asked = log.read_text().splitlines() if log.exists() else []
+    if quiet:
+        assert r.returncode == 143, r.stderr
+        assert "job 78" in r.stderr and "not a collective failure" in r.stderr, r.stderr
+        assert "COLLECTIVE FAILURE" not in r.stderr
+        assert not (tmp_path / "78" / "diag" / "hang-report.json").exists()
+        assert asked == ["-o show job 78"], asked      # one question, from the rank that saw it
+    else:                                   # Slurm says the run goes on: rank 0 died, a real failure
+        assert r.returncode == 1, r.stderr
+        assert "COLLECTIVE FAILURE" in r.stderr and "one rank's view" in r.stderr, r.stderr
+        assert "not a collective failure" not in r.stderr
+        assert all(a == "-o show job 78" for a in asked) and 1 <= len(asked) <= 2, asked
+
+
 def test_teardown_leaves_a_run_the_scheduler_ends_alone(tmp_path, monkeypatch, capsys):
     """A rank that fails while Slurm requeues the job does not scancel its step: the next run's
     step has the same id (JOB.0), and a late kill would end that run."""

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Callable
 
+from hpcring import schedulers
 from hpcring.diagnostics import teardown
 from hpcring.diagnostics.report import Report
 from hpcring.diagnostics.watchdog import fanout, wire
@@ -28,6 +29,22 @@ class Ending:
 
     def __init__(self, wd) -> None:
         self.wd = wd
+        self._asked = False
+
+    def by_scheduler(self, trig: dict, ask: bool = True) -> bool:
+        """Whether the scheduler is ending this run, so a peer's leaving is no failure. The root
+        asked when it claimed the trigger (``trig['ending']``). A rank left with its own view asks
+        once itself (``ask``): rank 0's store is gone, so no root could ask -- the common case is
+        a rank 0 that requeued its own job and returned (Lightning's auto-requeue), which the
+        ring's peers see at once as a reset connection. One query per such rank, bounded by
+        ``schedulers.RUN_ENDING_TIMEOUT``; the same rank asks again before any kill
+        (``teardown.end_job``), since a requeue may come later than the failure."""
+        if not trig.get("ending") and ask and not self._asked:
+            self._asked = True
+            ending = schedulers.run_ending(os.environ)
+            if ending:
+                trig["ending"] = ending
+        return bool(trig.get("ending"))
 
     def finish(self, report: Report, client, relay: bytes | None = None) -> None:
         """Hold, print and act on the report; ``relay``: the report's message, to pass on to our

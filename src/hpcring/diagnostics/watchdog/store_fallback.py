@@ -98,7 +98,7 @@ class StoreFallback:
         wd = self.wd
         if not wd._claim():
             return
-        if trig.get("ending"):
+        if wd._ending.by_scheduler(trig, ask=client is None):
             wd._ending.end_for_scheduler(trig)
         snap = wd.snapshot()
         folder = wd.dump(f"collective failure first seen on rank {trig.get('rank')}: {trig.get('error')}")
@@ -122,6 +122,8 @@ class StoreFallback:
             except HpcringError as e:
                 wd._lost = str(e)
         if report is None:
+            if wd._ending.by_scheduler(trig):    # the store went while we waited: ask before reporting
+                wd._ending.end_for_scheduler(trig)
             report = wd.diagnose(wd.size, list(wd.topology.hosts), {wd.rank: snap}, trigger=trig,
                                  interface=wd.topology.interface, side_channel=False)
             report.files = folder

@@ -290,6 +290,8 @@ class TreePath:
         if report_wire is not None:
             report = _from_wire(report_wire, list(wd.topology.hosts))
         else:
+            if wd._ending.by_scheduler(trig):    # no report from the root: ask before reporting our own
+                wd._ending.end_for_scheduler(trig)
             report = wd.diagnose(wd.size, list(wd.topology.hosts), {wd.rank: snap}, trigger=trig,
                                  interface=wd.topology.interface, side_channel=False)
             report.files = folder
