@@ -111,14 +111,23 @@ def layers(reps: int) -> None:
     if not isinstance(pg, ProcessGroupHpcring):
         raise SystemExit("p2p_pingpong --layers: the default group is not on the hpcring backend")
     comm = pg._comm_for("cpu")
-    box = comm.backend._mailbox._box          # the native queue under the Communicator
     xb, yb = xn.view(np.uint8), yn.view(np.uint8)
-    ids = itertools.count(1 << 40)            # far from the mailbox's own request ids
+    mailbox = getattr(comm.backend, "_mailbox", None)
+    if mailbox is not None:                   # the ring: the native queue under the Communicator
+        box, ids = mailbox._box, itertools.count(1 << 40)   # ids far from the mailbox's own
+        lowest = "native queue"
 
-    def native(kind):
-        r = (box.isend if kind == "send" else box.irecv)(next(ids), xb if kind == "send" else yb, peer, 0, 30.0)
-        while r.result() is None:
-            r.wait(1.0)
+        def native(kind):
+            r = (box.isend if kind == "send" else box.irecv)(next(ids), xb if kind == "send" else yb, peer, 0, 30.0)
+            while r.result() is None:
+                r.wait(1.0)
+    else:                                     # the MPI backend: raw mpi4py on its communicator
+        comm.send(xn, peer) if rank == 0 else comm.recv(yn, peer)   # its communicator exists
+        comm.recv(yn, peer) if rank == 0 else comm.send(xn, peer)
+        mcomm, lowest = comm.backend._comm, "raw mpi4py Send/Recv"
+
+        def native(kind):
+            mcomm.Send(xb, peer, 77) if kind == "send" else mcomm.Recv(yb, peer, 77)
 
     def comm_path(short):
         def run(kind):
@@ -126,7 +135,7 @@ def layers(reps: int) -> None:
             comm.send(xn, peer) if kind == "send" else comm.recv(yn, peer)
         return run
     g = dist.new_group(backend="gloo")
-    paths = [("native queue", native), ("Communicator short path", comm_path(True)),
+    paths = [(lowest, native), ("Communicator short path", comm_path(True)),
              ("Communicator general path", comm_path(False)),
              ("torch dist.send/recv", lambda k: dist.send(x, peer) if k == "send" else dist.recv(y, peer)),
              ("gloo dist.send/recv", lambda k: dist.send(x, peer, group=g) if k == "send" else dist.recv(y, peer, group=g))]

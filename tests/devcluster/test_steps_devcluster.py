@@ -78,8 +78,11 @@ def test_a_lost_node_is_replaced_by_the_spare_in_the_same_allocation(fault):
     assert s0["hosts"] == [first[0], bad] and list(s0["blamed"]) == [bad], s0
     spare = (set(data["allocation"]) - {first[0], bad}).pop()
     assert s1["spares"] == [spare] and s1["end"] == "COMPLETED" and s1["size"] == 2, s1
-    why = "lost (task 1 killed; srun)" if fault == "kill" else "unreachable (rank 1)"
-    assert why in s0["blamed"][bad], s0
+    # a killed rank: the survivors' report names it dead (the ring, the site's backend since auto
+    # picks the ring on a TCP fabric, sees the connection close at once); a report later than the
+    # step's end leaves it to srun's line. A frozen one: only the report can tell.
+    whys = ("dead (rank 1)", "lost (task 1 killed; srun)") if fault == "kill" else ("unreachable (rank 1)",)
+    assert any(why in s0["blamed"][bad] for why in whys), s0
     assert 0 < s0["lost_s"] < (10 if fault == "kill" else 20), s0     # the fault's first sign -> next step
     st = status(env, job)
     assert f"step 0  {first[0]},{bad}  2 ranks  FAILED" in st and f"-> restart 1 of at most 1 on " in st, st

@@ -16,6 +16,7 @@
 set -uo pipefail
 
 # Environment: fabric (derived from the site's fabric section), site env, hpcring
+export HPCRING_FABRIC=tcp
 export NCCL_IB_DISABLE=1
 export NCCL_SOCKET_IFNAME==eth0
 export GLOO_SOCKET_IFNAME=eth0

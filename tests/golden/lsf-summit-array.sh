@@ -18,6 +18,7 @@ set -uo pipefail
 module load gcc/9.1.0 cuda/11.0.3
 
 # Environment: fabric (derived from the site's fabric section), site env, hpcring
+export HPCRING_FABRIC=infiniband
 export NCCL_SOCKET_IFNAME==ib0
 export NCCL_IB_HCA==mlx5_0:1,mlx5_3:1
 export UCX_NET_DEVICES=mlx5_0:1,mlx5_3:1

@@ -16,6 +16,7 @@
 set -uo pipefail
 
 # Environment: fabric (derived from the site's fabric section), site env, hpcring
+export HPCRING_FABRIC=roce
 export NCCL_SOCKET_IFNAME==eth2
 export NCCL_IB_HCA==mlx5_2:1
 export UCX_NET_DEVICES=mlx5_2:1

@@ -22,6 +22,7 @@ module purge
 module load gcc/12 cuda/12.4 openmpi/4.1
 
 # Environment: fabric (derived from the site's fabric section), site env, hpcring
+export HPCRING_FABRIC=infiniband
 export NCCL_SOCKET_IFNAME==ib0
 export NCCL_IB_HCA==mlx5_0:1,mlx5_1:1
 export UCX_NET_DEVICES=mlx5_0:1,mlx5_1:1

@@ -17,6 +17,7 @@
 set -uo pipefail
 
 # Environment: fabric (derived from the site's fabric section), site env, hpcring
+export HPCRING_FABRIC=infiniband
 export NCCL_SOCKET_IFNAME==ib0
 export NCCL_IB_HCA==mlx5_0:1,mlx5_1:1
 export UCX_NET_DEVICES=mlx5_0:1,mlx5_1:1

@@ -22,6 +22,7 @@ source /opt/conda/etc/profile.d/conda.sh
 conda activate train
 
 # Environment: fabric (derived from the site's fabric section), site env, hpcring
+export HPCRING_FABRIC=roce
 export NCCL_SOCKET_IFNAME==bond0
 export NCCL_IB_HCA==mlx5_0:1,mlx5_3:1
 export UCX_NET_DEVICES=mlx5_0:1,mlx5_3:1

@@ -43,6 +43,31 @@ def test_a_slurm_step_with_an_mpi_plugin_means_mpi(var):
     assert choice.auto_backend(topo("slurm"), {var: ""}) == "ring"
 
 
+@needs_mpi4py
+@pytest.mark.parametrize("fabric", ["infiniband", "roce", "tcp", None])
+@pytest.mark.parametrize("launcher", ["openmpi", "pmix", "slurm+PMIX_RANK"])
+def test_on_a_tcp_fabric_an_mpi_launcher_means_the_ring(launcher, fabric):
+    name, _, var = launcher.partition("+")
+    env = {var: "0"} if var else {}
+    if fabric:
+        env["HPCRING_FABRIC"] = fabric
+    assert choice.auto_backend(topo(name), env) == ("ring" if fabric == "tcp" else "mpi")
+    env["HPCRING_BACKEND"] = "mpi"                     # the environment still wins
+    assert choice.auto_backend(topo(name), env) == "mpi"
+
+
+def test_a_bad_fabric_value_is_refused_naming_the_variable():
+    with pytest.raises(UsageError, match="HPCRING_FABRIC"):
+        choice.auto_backend(topo("openmpi"), {"HPCRING_FABRIC": "ethernet"})
+
+
+@pytest.mark.parametrize("kind", ["infiniband", "roce", "tcp"])
+def test_the_site_fabric_sets_the_variable_in_every_job(kind):
+    from hpcring.config.fabric import fabric_env
+    from hpcring.config.schema import Fabric
+    assert fabric_env(Fabric(kind=kind))["HPCRING_FABRIC"] == kind
+
+
 @pytest.mark.parametrize("launcher", ["local", "torchrun", "slurm", "jsrun", "blaunch"])
 def test_otherwise_the_ring(launcher):
     assert choice.auto_backend(topo(launcher), {}) == "ring"

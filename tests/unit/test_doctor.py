@@ -161,6 +161,15 @@ def test_variable_differing_between_ranks_warns_naming_ranks_and_hosts():
             "'=ib0' on ranks 4-5 (node3)") in c.detail
 
 
+def test_a_fabric_differing_between_ranks_warns_since_auto_would_pick_different_backends():
+    facts = world(env={"HPCRING_FABRIC": "tcp"})
+    facts[5]["env"]["HPCRING_FABRIC"] = "infiniband"
+    c = d.check_env(facts)
+    assert c.status == d.WARN
+    assert "HPCRING_FABRIC differs between ranks: 'tcp' on ranks 0-4 (node[1-3]), 'infiniband' on rank 5 (node3)" \
+        in c.detail
+
+
 # ------------------------------------------------------------------------------- connectivity / bandwidth
 
 def pairs(facts, err_for=lambda s, t: None, label=d.CHOSEN):

@@ -24,6 +24,10 @@ def auto_backend(topology, environ=None) -> str:
     3. ``mpi`` when mpi4py is installed and an MPI launcher started the job: ``Topology.launcher``
        is one of the MPI launchers (openmpi, mvapich, pmi, pmix), or a Slurm step started with
        ``srun --mpi=pmix|pmi2`` (launcher ``slurm`` with an MPI launcher's rank variable set);
+       unless the site's fabric is TCP (``HPCRING_FABRIC=tcp``, from the site config): there MPI
+       has no RDMA to bring, and the ring measured faster than Open MPI's TCP transport at every
+       collective and size on the dev cluster (1.11-5.89x) and at point-to-point (a torch 4-byte
+       round trip 77 against 191 us; docs/collectives.md "MPI and NCCL backends");
     4. ``ring`` otherwise.
     """
     env = os.environ if environ is None else environ
@@ -32,7 +36,7 @@ def auto_backend(topology, environ=None) -> str:
         return chosen
     if nccl_lib.gpu_available():
         return "nccl"
-    if importlib.util.find_spec("mpi4py") is not None:
+    if envvars.get("HPCRING_FABRIC", env) != "tcp" and importlib.util.find_spec("mpi4py") is not None:
         if topology.launcher in INNER_MPI:
             return "mpi"
         if topology.launcher == "slurm" and any(env.get(v) for v in MPI_RANK_VARS):

@@ -96,7 +96,11 @@ VARS: tuple[Var, ...] = (
     _v("HPCRING_INIT_TIMEOUT", "float", DEFAULT_INIT_TIMEOUT, "deadline of the bootstrap "
        "(rendezvous, interface checks), seconds", 0, MAX_TIMEOUT, lo_open=True),
     _v("HPCRING_BACKEND", "choice", None, "collective backend for `auto`; unset: NCCL with a GPU, "
-       "MPI under an MPI launcher, else ring", choices=("ring", "mpi", "nccl")),
+       "MPI under an MPI launcher unless the fabric is TCP (HPCRING_FABRIC), else ring",
+       choices=("ring", "mpi", "nccl")),
+    _v("HPCRING_FABRIC", "choice", None, "the network between nodes (set from the site config's "
+       "fabric.kind); on `tcp` the `auto` backend is the ring even under an MPI launcher",
+       choices=("infiniband", "roce", "tcp")),
     _v("HPCRING_STORE_PORT", "int", None, "TCP port of the rendezvous store on rank 0's node "
        "(unset: derived from the job id in 29500-29999)", 1, 65535),
     _v("HPCRING_STORE_LINGER", "float", 30.0, "how long rank 0 keeps the store up at exit for "

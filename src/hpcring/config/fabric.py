@@ -43,7 +43,7 @@ def bootstrap_spec(fab: Fabric) -> str | None:
 
 def fabric_env(fab: Fabric) -> dict[str, str]:
     """The variables a job needs for this fabric (pure; no site-level ``env`` merged in)."""
-    env: dict[str, str] = {}
+    env: dict[str, str] = {"HPCRING_FABRIC": fab.kind}     # what backend="auto" means (choice.py)
     socket_spec = (fab.data_interfaces or fab.bootstrap_interfaces) if fab.kind == "tcp" else \
         (fab.bootstrap_interfaces or fab.data_interfaces)
     if fab.kind == "tcp":

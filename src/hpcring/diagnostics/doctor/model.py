@@ -11,10 +11,11 @@ from hpcring.errors import UsageError
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 _ORDER = {OK: 0, WARN: 1, FAIL: 2}
 
-# What frameworks read to pick interfaces and HCAs; compared with the site config and between ranks.
+# What frameworks read to pick interfaces and HCAs (and hpcring its backend: HPCRING_FABRIC, which
+# backend="auto" reads on every rank); compared with the site config and between ranks.
 ENV_VARS = ("HPCRING_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "OMPI_MCA_btl_tcp_if_include",
             "OMPI_MCA_oob_tcp_if_include", "NCCL_IB_HCA", "NCCL_IB_DISABLE", "NCCL_IB_GID_INDEX",
-            "UCX_NET_DEVICES", "HPCRING_SITE")
+            "UCX_NET_DEVICES", "HPCRING_SITE", "HPCRING_FABRIC")
 # (variable, syntax): "nccl" = NCCL_SOCKET_IFNAME syntax, "exact" = comma list of names,
 # "ompi" = comma list of names or CIDR subnets (Open MPI's if_include).
 IFACE_VARS = (("HPCRING_IFNAME", "nccl"), ("NCCL_SOCKET_IFNAME", "nccl"), ("GLOO_SOCKET_IFNAME", "exact"),
