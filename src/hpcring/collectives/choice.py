@@ -26,8 +26,9 @@ def auto_backend(topology, environ=None) -> str:
        ``srun --mpi=pmix|pmi2`` (launcher ``slurm`` with an MPI launcher's rank variable set);
        unless the site's fabric is TCP (``HPCRING_FABRIC=tcp``, from the site config): there MPI
        has no RDMA to bring, and the ring measured faster than Open MPI's TCP transport at every
-       collective and size on the dev cluster (1.11-5.89x) and at point-to-point (a torch 4-byte
-       round trip 77 against 191 us; docs/collectives.md "MPI and NCCL backends");
+       collective and size on the dev cluster (1.11-5.89x) and at point-to-point from 4 MiB (a torch
+       round trip 0.76-0.86 of Gloo's time against MPI's 1.3-2.2; docs/collectives.md "MPI and
+       NCCL backends");
     4. ``ring`` otherwise.
     """
     env = os.environ if environ is None else environ
