@@ -111,9 +111,11 @@ class Ending:
     def end_for_scheduler(self, trig: dict) -> None:
         # The scheduler stopped the peers (a requeue, a cancel, the time limit): no report, no
         # scancel (that would cancel the requeued job), no failure record; it ends this rank too,
-        # once the ranks below it in the tree have heard (bounded: 2 s per unreachable child).
+        # once the ranks below it in the tree have heard (bounded: 2 s per unreachable child);
+        # a rank off the tree (its own view) has no one below it to wait for.
         wd = self.wd
-        wd._tree_path.fwd_done.wait(wire.step() * (fanout.depth(wd.size) + 2))
+        if wd._tree.placed:
+            wd._tree_path.fwd_done.wait(wire.step() * (fanout.depth(wd.size) + 2))
         print(f"hpcring: rank {wd.rank} ({wd.host}): {trig['ending']}: a peer left "
               f"{_op_name(trig.get('op'))}because of it, not a collective failure; exiting",
               file=sys.stderr, flush=True)
