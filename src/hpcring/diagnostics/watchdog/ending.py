@@ -46,6 +46,12 @@ class Ending:
                 trig["ending"] = ending
         return bool(trig.get("ending"))
 
+    def leave_if_ending(self, trig: dict, ask: bool = True) -> None:
+        """End this rank quietly (:meth:`end_for_scheduler`) when the scheduler is ending the run
+        (:meth:`by_scheduler`); return otherwise, to go on to the report."""
+        if self.by_scheduler(trig, ask):
+            self.end_for_scheduler(trig)
+
     def finish(self, report: Report, client, relay: bytes | None = None) -> None:
         """Hold, print and act on the report; ``relay``: the report's message, to pass on to our
         children in this thread once our own line is out (the listener left it to us)."""

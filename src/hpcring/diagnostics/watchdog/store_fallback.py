@@ -4,7 +4,6 @@ the tree did not reach or that is cut off (snapshot through the store, the repor
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -14,7 +13,6 @@ from hpcring.diagnostics.watchdog import fanout, wire
 from hpcring.diagnostics.watchdog.dumps import _publish
 from hpcring.diagnostics.watchdog.settings import ADDR, CLAIM_TIMEOUT, GRACE_STRETCH, REPORT, TRIGGER
 from hpcring.errors import HpcringError
-from hpcring.schedulers import run_ending
 
 
 class StoreFallback:
@@ -36,9 +34,7 @@ class StoreFallback:
                 client = wd._action_client()     # the root's own connection, for its rounds
                 client.add("diag/reporter", 1)     # the root reports: no fallback rank may claim it
                 client.set("diag/reporter-rank", str(wd.rank).encode())
-                ending = run_ending(os.environ)    # one query, from the rank that saw the failure first
-                if ending:
-                    trig["ending"] = ending
+                wd._ending.by_scheduler(trig)       # one query, from the rank that saw the failure first
                 client.set(TRIGGER, json.dumps(trig).encode())
                 addrs = self.addresses(client)
             else:
@@ -98,8 +94,7 @@ class StoreFallback:
         wd = self.wd
         if not wd._claim():
             return
-        if wd._ending.by_scheduler(trig, ask=client is None):
-            wd._ending.end_for_scheduler(trig)
+        wd._ending.leave_if_ending(trig, ask=client is None)
         snap = wd.snapshot()
         folder = wd.dump(f"collective failure first seen on rank {trig.get('rank')}: {trig.get('error')}")
         report = None
@@ -122,8 +117,7 @@ class StoreFallback:
             except HpcringError as e:
                 wd._lost = str(e)
         if report is None:
-            if wd._ending.by_scheduler(trig):    # the store went while we waited: ask before reporting
-                wd._ending.end_for_scheduler(trig)
+            wd._ending.leave_if_ending(trig)     # the store went while we waited: ask before reporting
             report = wd.diagnose(wd.size, list(wd.topology.hosts), {wd.rank: snap}, trigger=trig,
                                  interface=wd.topology.interface, side_channel=False)
             report.files = folder

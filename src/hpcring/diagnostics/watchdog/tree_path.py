@@ -261,8 +261,8 @@ class TreePath:
             self.forward(*fwd, background=False)
         mine = replied or wd._claim()  # False: this rank already went the store's way
         self.via_tree = mine
-        if mine and trig.get("ending"):
-            wd._ending.end_for_scheduler(trig)
+        if mine:
+            wd._ending.leave_if_ending(trig, ask=False)
         snap = folder = None
         if mine:
             snap = self._replied if replied else wd.snapshot()
@@ -290,8 +290,7 @@ class TreePath:
         if report_wire is not None:
             report = _from_wire(report_wire, list(wd.topology.hosts))
         else:
-            if wd._ending.by_scheduler(trig):    # no report from the root: ask before reporting our own
-                wd._ending.end_for_scheduler(trig)
+            wd._ending.leave_if_ending(trig)     # no report from the root: ask before reporting our own
             report = wd.diagnose(wd.size, list(wd.topology.hosts), {wd.rank: snap}, trigger=trig,
                                  interface=wd.topology.interface, side_channel=False)
             report.files = folder
