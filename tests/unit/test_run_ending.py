@@ -17,12 +17,14 @@ from hpcring import schedulers
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def fake_scontrol(tmp_path: Path, state: str, restarts: int, rc: int = 0) -> dict:
+def fake_scontrol(tmp_path: Path, state: str, restarts: int, rc: int = 0, log: Path | None = None) -> dict:
+    """``log``: a file each call appends its arguments to."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     f = bin_dir / "scontrol"
     f.write_text(textwrap.dedent(f"""\
         #!/bin/sh
+        {f'echo "$@" >> {log}' if log else ':'}
         [ {rc} -ne 0 ] && {{ echo "slurm_load_jobs error: Invalid job id specified" >&2; exit {rc}; }}
         echo "JobId=$4 JobName=x UserId=root(0) JobState={state} Reason=None Requeue=1 Restarts={restarts} BatchFlag=1"
         """))
@@ -117,12 +119,7 @@ def test_a_rank_whose_store_left_with_rank_0_asks_before_it_reports(tmp_path, st
     log = tmp_path / "scontrol.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HPCRING_JOB_DIR=str(tmp_path), HPCRING_JOB_ID="78",
                SLURM_JOB_ID="78", SLURM_RESTART_COUNT="0", HPCRING_END_JOB="0",
-               **fake_scontrol(tmp_path, state, restarts))
-    wrapper = tmp_path / "bin" / "scontrol"
-    real = tmp_path / "bin" / "scontrol.real"
-    wrapper.rename(real)
-    wrapper.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\nexec {real} \"$@\"\n")
-    wrapper.chmod(0o755)
+               **fake_scontrol(tmp_path, state, restarts, log=log))
     r = subprocess.run([sys.executable, "-c", _STORE_GONE], capture_output=True, text=True, timeout=90, env=env)
     assert "NOT EXITED" not in r.stdout
     asked = log.read_text().splitlines() if log.exists() else []
